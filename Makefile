@@ -1,0 +1,54 @@
+# tta: set-up and entry points. Every target is idempotent and incremental: a second
+# `make test` on a ready tree only runs the tests.
+#
+#   make demo    set up (first time) and run the demo: bag -> three ROS 2 nodes -> report
+#   make test    set up (first time) and run the test suite
+#   make setup   only set up: .venv, pinned wheels, tta_msgs built, build/env.sh
+#   make lint    ruff over the Python sources
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+BUILD  := build
+PREFIX := $(CURDIR)/$(BUILD)/install
+ENV    := $(BUILD)/env.sh
+MSGS   := $(wildcard msg/msg/*.msg)
+
+.PHONY: setup demo test lint clean
+.DELETE_ON_ERROR:
+
+setup: $(ENV)
+
+$(VENV)/.deps: requirements/base.txt requirements/constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check \
+		-r requirements/base.txt -c requirements/constraints.txt
+	touch $@
+
+$(VENV)/.tta: $(VENV)/.deps setup.py setup.cfg package.xml
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+	touch $@
+
+$(BUILD)/.tta_msgs: $(VENV)/.deps msg/CMakeLists.txt msg/package.xml $(MSGS)
+	AMENT_PREFIX_PATH=$(CURDIR)/$(VENV) PATH=$(CURDIR)/$(VENV)/bin:$$PATH \
+		cmake -S msg -B $(BUILD)/tta_msgs -Wno-dev --log-level=WARNING \
+		-DCMAKE_PREFIX_PATH=$(CURDIR)/$(VENV) -DPython3_EXECUTABLE=$(CURDIR)/$(PY) \
+		-DCMAKE_INSTALL_PREFIX=$(PREFIX) -DBUILD_TESTING=OFF
+	cmake --build $(BUILD)/tta_msgs -j 2 -- --no-print-directory >/dev/null
+	cmake --install $(BUILD)/tta_msgs >/dev/null
+	touch $@
+
+$(ENV): $(VENV)/.tta $(BUILD)/.tta_msgs scripts/write_env.py
+	$(PY) scripts/write_env.py --venv $(VENV) --prefix $(PREFIX) --out $@
+
+demo: $(ENV)
+	. ./$(ENV) && tta demo
+
+test: $(ENV)
+	. ./$(ENV) && python -m pytest
+
+lint: $(ENV)
+	. ./$(ENV) && ruff check .
+
+clean:
+	rm -rf $(BUILD) $(VENV) *.egg-info

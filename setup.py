@@ -1,0 +1,38 @@
+"""Install tta_ros (ROS 2 ament_python package) together with tta_core and tta_kernels.
+
+Works both with `colcon build` in a ROS 2 workspace and with `pip install -e .` in a venv.
+"""
+
+from glob import glob
+
+from setuptools import find_packages, setup
+
+PACKAGE = "tta_ros"
+
+setup(
+    name=PACKAGE,
+    version="0.1.0",
+    description="Responsive test-time adaptation for ROS 2 vehicles (AdaShadow + baselines).",
+    license="Apache-2.0",
+    maintainer="tta maintainers",
+    maintainer_email="maintainers@tta-robotics.org",
+    python_requires=">=3.10",
+    packages=find_packages(include=["tta_core", "tta_core.*", "tta_ros", "tta_ros.*"])
+    + ["tta_kernels"],
+    package_dir={"tta_kernels": "kernels"},
+    package_data={"tta_core": ["py.typed"]},
+    data_files=[
+        ("share/ament_index/resource_index/packages", [f"resource/{PACKAGE}"]),
+        (f"share/{PACKAGE}", ["package.xml"]),
+        (f"share/{PACKAGE}/launch", glob("launch/*.launch.py")),
+        (f"share/{PACKAGE}/config", glob("config/*.yaml") + glob("config/*.rviz")),
+        (f"share/{PACKAGE}/config/profiles", glob("config/profiles/*.json")),
+    ],
+    install_requires=["setuptools"],
+    zip_safe=False,
+    entry_points={
+        "console_scripts": [
+            "tta = tta_core.cli:main",
+        ],
+    },
+)

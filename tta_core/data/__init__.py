@@ -1,0 +1,1 @@
+"""Data for the benchmark: synthetic traffic signs, corruptions, shift streams, loaders."""

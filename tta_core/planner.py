@@ -1,0 +1,233 @@
+"""Layer-update scheduler of AdaShadow §3.3: choose which units to update within a budget.
+
+Cost model (DESIGN §3, contract). Units 0..N-1 in forward order with per-unit times
+w_l (weight gradient), x_l (input gradient through unit l) and r_l (reforward). For a plan S
+with d = min(S):
+
+    T_b'(S)  = sum_{l in S} w_l + sum_{l = d+1 .. N-1} x_l
+    T_re'(S) = sum_{l >= stage_start[d]} r_l
+    T        = T_f + sum w + sum_{l >= 1} x_l + sum r          (full update)
+
+and the problem is  max sum_{l in S} a_l  s.t.  T_f + T_b'(S) + T_re'(S) <= sigma * T.
+The empty plan costs T_f alone.
+
+Solver. The spare budget B = sigma*T - T_f is cut into n_t steps; every cost is rounded UP
+to whole steps, separately per item, so a plan that fits the discretised budget also fits
+the real one. For a fixed d the cost splits into a fixed part F_d = w_d + sum_{l>d} x_l +
+reforward(d) and a 0/1 knapsack over {w_l : l > d}. Sweeping d from N-1 down to 0 and
+adding unit d+1 to a single knapsack table before evaluating d gives O(N * n_t) work with
+one vectorised numpy update per unit, instead of the paper's O(N^2 * n_t). Pruning rules
+of the paper: the table never holds budgets beyond B (rule 1), and once the fixed
+backward+reforward part alone exceeds B the sweep stops, since it only grows as d moves
+towards the input (rule 2).
+
+Ties: a non-empty plan is chosen only when its objective is strictly positive, so all-zero
+importance gives the empty plan (updating would cost time for no predicted gain).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+DEFAULT_N_T = 500
+_BRUTE_FORCE_MAX_UNITS = 20
+
+
+@dataclass
+class PlanProblem:
+    """Inputs of one planning call; times in ms, arrays indexed by unit."""
+
+    w: np.ndarray
+    x: np.ndarray
+    r: np.ndarray
+    stage_start: np.ndarray
+    importance: np.ndarray
+    forward_ms: float
+    sigma: float
+
+
+@dataclass
+class Plan:
+    """The chosen update set and its predicted cost."""
+
+    update: np.ndarray
+    first_updated: int
+    objective: float
+    predicted_total_ms: float
+    budget_ms: float
+    full_ms: float
+    solve_ms: float
+
+
+@dataclass
+class _Prepared:
+    """Validated float arrays plus the discretised costs shared by solve and brute_force."""
+
+    n: int
+    importance: np.ndarray
+    full_ms: float
+    budget_ms: float
+    item: np.ndarray        # int steps of w_l
+    fixed: np.ndarray       # int steps of sum_{l>d} x_l + reforward(d), per d
+    n_t: int
+    fits: bool              # False when the spare budget is <= 0 (only the empty plan)
+
+
+def _as_vector(name: str, value: object, n: int | None) -> np.ndarray:
+    arr = np.asarray(value, dtype=np.float64)
+    if arr.ndim != 1:
+        raise ValueError(f"{name} must be a 1-D array, got shape {arr.shape}")
+    if n is not None and arr.shape[0] != n:
+        raise ValueError(f"{name} has length {arr.shape[0]}, expected {n}")
+    if not np.all(np.isfinite(arr)):
+        raise ValueError(f"{name} contains NaN or inf: {arr}")
+    if np.any(arr < 0):
+        raise ValueError(f"{name} must be >= 0, got min {arr.min()}")
+    return arr
+
+
+def _validate_stage_start(stage_start: object, n: int) -> np.ndarray:
+    raw = np.asarray(stage_start)
+    if raw.ndim != 1 or raw.shape[0] != n:
+        raise ValueError(f"stage_start must have shape ({n},), got {raw.shape}")
+    if raw.dtype.kind not in "iu":
+        raise ValueError(f"stage_start must be integers, got dtype {raw.dtype}")
+    ss = raw.astype(np.int64)
+    idx = np.arange(n)
+    if np.any(ss < 0) or np.any(ss > idx):
+        raise ValueError(f"stage_start[l] must be in [0, l], got {ss}")
+    if np.any(np.diff(ss) < 0):
+        raise ValueError(f"stage_start must be non-decreasing, got {ss}")
+    return ss
+
+
+def _validate(problem: PlanProblem) -> tuple[np.ndarray, ...]:
+    w = _as_vector("w", problem.w, None)
+    n = w.shape[0]
+    if n == 0:
+        raise ValueError("the problem has no units (len(w) == 0)")
+    x = _as_vector("x", problem.x, n)
+    r = _as_vector("r", problem.r, n)
+    a = _as_vector("importance", problem.importance, n)
+    ss = _validate_stage_start(problem.stage_start, n)
+    tf = float(problem.forward_ms)
+    if not np.isfinite(tf) or tf < 0:
+        raise ValueError(f"forward_ms must be finite and >= 0, got {problem.forward_ms}")
+    sigma = float(problem.sigma)
+    if not (0.0 < sigma <= 1.0):
+        raise ValueError(f"sigma must be in (0, 1], got {problem.sigma}")
+    return w, x, r, ss, a, tf, sigma
+
+
+def _fixed_cost_ms(x: np.ndarray, r: np.ndarray, ss: np.ndarray) -> np.ndarray:
+    """Per d: sum_{l>d} x_l + sum_{l >= stage_start[d]} r_l (exact ms)."""
+    x_after = np.concatenate([np.cumsum(x[::-1])[::-1][1:], [0.0]])
+    r_from = np.cumsum(r[::-1])[::-1]
+    return x_after + r_from[ss]
+
+
+def _prepare(problem: PlanProblem, n_t: int) -> _Prepared:
+    if isinstance(n_t, bool) or not isinstance(n_t, (int, np.integer)) or n_t < 1:
+        raise ValueError(f"n_t must be a positive integer, got {n_t!r}")
+    w, x, r, ss, a, tf, sigma = _validate(problem)
+    n = w.shape[0]
+    full = tf + w.sum() + x[1:].sum() + r.sum()
+    budget = sigma * full
+    spare = budget - tf
+    fixed_ms = _fixed_cost_ms(x, r, ss)
+    if spare <= 0:
+        zeros = np.zeros(n, dtype=np.int64)
+        return _Prepared(n, a, full, budget, zeros, zeros, int(n_t), False)
+    step = spare / n_t
+    item = np.ceil(w / step).astype(np.int64)
+    fixed = np.ceil(fixed_ms / step).astype(np.int64)
+    return _Prepared(n, a, full, budget, item, fixed, int(n_t), True)
+
+
+def plan_cost(problem: PlanProblem, update: np.ndarray) -> float:
+    """Exact predicted total time T_f + T_b'(S) + T_re'(S) of a plan (ms)."""
+    w, x, r, ss, _, tf, _ = _validate(problem)
+    sel = np.asarray(update, dtype=bool)
+    if sel.shape != w.shape:
+        raise ValueError(f"update must have shape {w.shape}, got {sel.shape}")
+    if not sel.any():
+        return tf
+    d = int(np.argmax(sel))
+    return float(tf + w[sel].sum() + x[d + 1:].sum() + r[ss[d]:].sum())
+
+
+def _finish(problem: PlanProblem, prep: _Prepared, update: np.ndarray, t0: float) -> Plan:
+    first = int(np.argmax(update)) if update.any() else prep.n
+    return Plan(
+        update=update,
+        first_updated=first,
+        objective=float(prep.importance[update].sum()),
+        predicted_total_ms=plan_cost(problem, update),
+        budget_ms=float(prep.budget_ms),
+        full_ms=float(prep.full_ms),
+        solve_ms=(time.perf_counter() - t0) * 1e3,
+    )
+
+
+def _sweep(prep: _Prepared) -> tuple[int, int, float, np.ndarray]:
+    """Knapsack sweep over d; returns (best d or -1, its spare steps, value, choice bits)."""
+    n, n_t, a, item = prep.n, prep.n_t, prep.importance, prep.item
+    table = np.zeros(n_t + 1)
+    keep = np.zeros((n, n_t + 1), dtype=bool)
+    best_d, best_cap, best_val = -1, 0, 0.0
+    for d in range(n - 1, -1, -1):
+        if d + 1 < n:  # table now covers items d+1 .. n-1
+            c = int(item[d + 1])
+            if c <= n_t:
+                cand = table[: n_t + 1 - c] + a[d + 1]
+                better = cand > table[c:]
+                keep[d + 1, c:] = better
+                np.maximum(table[c:], cand, out=table[c:])
+        if prep.fixed[d] > n_t:  # pruning rule 2: only grows for smaller d
+            break
+        cap = n_t - int(prep.fixed[d]) - int(item[d])
+        if cap < 0:
+            continue
+        val = a[d] + table[cap]
+        if val > best_val:
+            best_d, best_cap, best_val = d, cap, val
+    return best_d, best_cap, best_val, keep
+
+
+def solve(problem: PlanProblem, n_t: int = DEFAULT_N_T) -> Plan:
+    """Optimal plan for the discretised problem in O(N * n_t) (see module docstring)."""
+    t0 = time.perf_counter()
+    prep = _prepare(problem, n_t)
+    update = np.zeros(prep.n, dtype=bool)
+    if prep.fits:
+        d, cap, _, keep = _sweep(prep)
+        if d >= 0:
+            update[d] = True
+            for u in range(d + 1, prep.n):  # reverse order of insertion
+                if keep[u, cap]:
+                    update[u] = True
+                    cap -= int(prep.item[u])
+    return _finish(problem, prep, update, t0)
+
+
+def brute_force(problem: PlanProblem, n_t: int = DEFAULT_N_T) -> Plan:
+    """Exhaustive search over all 2^N plans with the same discretised costs as `solve`."""
+    t0 = time.perf_counter()
+    prep = _prepare(problem, n_t)
+    n = prep.n
+    if n > _BRUTE_FORCE_MAX_UNITS:
+        raise ValueError(f"brute_force supports at most {_BRUTE_FORCE_MAX_UNITS} units, got {n}")
+    update = np.zeros(n, dtype=bool)
+    if prep.fits:
+        codes = np.arange(1, 2**n, dtype=np.int64)
+        masks = ((codes[:, None] >> np.arange(n)) & 1).astype(bool)
+        d = np.argmax(masks, axis=1)
+        cost = masks.astype(np.int64) @ prep.item + prep.fixed[d]
+        value = np.where(cost <= prep.n_t, masks @ prep.importance, -np.inf)
+        best = int(np.argmax(value))
+        if value[best] > 0:
+            update = masks[best].copy()
+    return _finish(problem, prep, update, t0)

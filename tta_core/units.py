@@ -1,0 +1,326 @@
+"""Decompose a classifier into AdaShadow *units* (parameterised layers) and *stages*.
+
+Units are the granularity of layer-selective updates (AdaShadow §3.2: Conv, BN, Linear,
+LayerNorm, attention projections); stages are the reuse boundaries of the reforward
+(§4: the reforward restarts from the cached input of the first updated unit's stage).
+Per-unit MACs and bytes give eta_l = compute time / memory time of the latency predictor.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+from torchvision.models import MobileNetV2, ResNet, VisionTransformer
+
+from tta_core.models import SmallResNet
+
+DEFAULT_FLOPS = 1e11  # MAC/s used for eta (paper: delta_c = 1/F)
+DEFAULT_CACHE_BW = 2e10  # bytes/s (paper: delta_m = 1/b_cache)
+_BYTES = 4
+
+_FAMILY = {
+    "small_resnet": "resnet", "resnet18": "resnet", "resnet34": "resnet",
+    "resnet50": "resnet", "resnet101": "resnet", "mobilenet_v2": "mobilenet",
+    "vit_b_16": "vit", "vit_b_32": "vit", "vit_l_16": "vit",
+}
+
+
+@dataclass
+class Unit:
+    """One parameterised layer: the unit of selective update."""
+
+    index: int
+    name: str
+    kind: str  # "conv" | "linear" | "bn" | "ln" | "attn"
+    stage: int
+    module: nn.Module = field(repr=False, compare=False)
+    params: int
+    macs_fwd: int
+    macs_dx: int
+    macs_dw: int
+    bytes_moved: int
+    eta: float
+    tensors: list[nn.Parameter] = field(default_factory=list, repr=False, compare=False)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """The model parameters this unit owns (what is updated when it is selected)."""
+        return list(self.tensors)
+
+
+@dataclass
+class Stage:
+    """A reuse boundary: a module whose input is cached during the forward."""
+
+    index: int
+    name: str
+    module: nn.Module
+    first_unit: int
+    n_units: int
+
+
+@dataclass
+class StagedModel:
+    """A model split into stages whose composition equals model(x)."""
+
+    arch: str
+    model: nn.Module
+    stages: list[Stage]
+    units: list[Unit]
+
+    def stage_start(self) -> np.ndarray:
+        """Per unit: index of the first unit of its stage."""
+        return np.array([self.stages[u.stage].first_unit for u in self.units], dtype=np.int64)
+
+    def forward_from(self, stage: int, x: Tensor) -> Tensor:
+        """Run stages[stage:] on x (x is the input of that stage)."""
+        if not 0 <= stage < len(self.stages):
+            raise ValueError(f"stage {stage} out of range 0..{len(self.stages) - 1}")
+        for st in self.stages[stage:]:
+            x = st.module(x)
+        return x
+
+
+# ---------------------------------------------------------------- stage wrappers
+class _ResNetStem(nn.Module):
+    def __init__(self, m: nn.Module) -> None:
+        super().__init__()
+        self.conv1, self.bn1, self.relu = m.conv1, m.bn1, m.relu
+        self.maxpool = getattr(m, "maxpool", nn.Identity())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.maxpool(self.relu(self.bn1(self.conv1(x))))
+
+
+class _ResNetHead(nn.Module):
+    def __init__(self, m: nn.Module) -> None:
+        super().__init__()
+        self.avgpool, self.fc = m.avgpool, m.fc
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+class _MobileNetHead(nn.Module):
+    def __init__(self, m: MobileNetV2) -> None:
+        super().__init__()
+        self.classifier = m.classifier
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = nn.functional.adaptive_avg_pool2d(x, (1, 1))
+        return self.classifier(torch.flatten(x, 1))
+
+
+class _ViTStem(nn.Module):
+    def __init__(self, m: VisionTransformer) -> None:
+        super().__init__()
+        self.vit = [m]  # list: keep the parent out of this module's parameters
+
+    def forward(self, x: Tensor) -> Tensor:
+        m = self.vit[0]
+        x = m._process_input(x)
+        x = torch.cat([m.class_token.expand(x.shape[0], -1, -1), x], dim=1)
+        return m.encoder.dropout(x + m.encoder.pos_embedding)
+
+
+class _ViTHead(nn.Module):
+    def __init__(self, m: VisionTransformer) -> None:
+        super().__init__()
+        self.ln, self.heads = m.encoder.ln, m.heads
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.heads(self.ln(x)[:, 0])
+
+
+def _stages_for(family: str, model: nn.Module) -> list[tuple[str, nn.Module]]:
+    if family == "resnet":
+        blocks = [(f"{ln}.{i}", b) for ln in ("layer1", "layer2", "layer3", "layer4")
+                  if hasattr(model, ln) for i, b in getattr(model, ln).named_children()]
+        return [("stem", _ResNetStem(model)), *blocks, ("head", _ResNetHead(model))]
+    if family == "mobilenet":
+        feats = [(f"features.{i}", f) for i, f in model.features.named_children()]
+        return [*feats, ("head", _MobileNetHead(model))]
+    layers = [(f"encoder.layers.{i}", b) for i, b in model.encoder.layers.named_children()]
+    return [("stem", _ViTStem(model)), *layers, ("head", _ViTHead(model))]
+
+
+def _family(model: nn.Module, arch: str | None) -> str:
+    by_type = ("resnet" if isinstance(model, (ResNet, SmallResNet)) else
+               "mobilenet" if isinstance(model, MobileNetV2) else
+               "vit" if isinstance(model, VisionTransformer) else None)
+    if by_type is None:
+        raise ValueError(f"unsupported model type {type(model).__name__!r} (arch={arch!r})")
+    if arch is not None and _FAMILY.get(arch, by_type) != by_type:
+        raise ValueError(f"arch {arch!r} does not match model type {type(model).__name__}")
+    return by_type
+
+
+# ---------------------------------------------------------------- unit costs
+def _kind(mod: nn.Module) -> str:
+    if isinstance(mod, nn.MultiheadAttention):
+        return "attn"
+    if isinstance(mod, nn.Conv2d):
+        return "conv"
+    if isinstance(mod, nn.Linear):
+        return "linear"
+    if isinstance(mod, nn.BatchNorm2d):
+        return "bn"
+    if isinstance(mod, nn.LayerNorm):
+        return "ln"
+    raise ValueError(f"unsupported parameterised module type {type(mod).__name__}")
+
+
+def _macs(kind: str, mod: nn.Module, x: Tensor, y: Tensor, part: str) -> tuple[int, int, int]:
+    """(fwd, dx, dw) MACs per sample."""
+    if kind == "conv":
+        k = mod.kernel_size[0] * mod.kernel_size[1]
+        f = k * mod.in_channels // mod.groups * mod.out_channels * y.shape[-1] * y.shape[-2]
+        return f, f, f
+    if kind == "linear":
+        tokens = y[0].numel() // mod.out_features
+        f = mod.in_features * mod.out_features * tokens
+        return f, f, f
+    if kind in ("bn", "ln"):
+        n = y[0].numel()
+        return 2 * n, 2 * n, 2 * n
+    tokens, e = x.shape[1], mod.embed_dim  # attn (batch_first, as in torchvision ViT)
+    if part == "in":
+        proj = 3 * e * e * tokens
+        scores = 2 * tokens * tokens * e  # QK^T and AV: non-parameterised, on this path
+        return proj + scores, proj + scores, proj
+    f = e * e * tokens
+    return f, f, f
+
+
+@dataclass
+class _Record:
+    name: str
+    module: nn.Module
+    kind: str
+    part: str  # "" | "in" | "out"
+    x: Tensor
+    y: Tensor
+
+
+def _trace(model: nn.Module, owners: dict[str, nn.Module], input_shape) -> list[_Record]:
+    """Execution order and shapes of the parameter-owning modules (batch 1)."""
+    records: list[_Record] = []
+    handles = []
+
+    def post(name: str, mod: nn.Module, part: str) -> Callable:
+        def hook(m, args, out):
+            y = out[0] if isinstance(out, tuple) else out
+            records.append(_Record(name, mod, _kind(mod), part, args[0], y))
+        return hook
+
+    def pre_attn(name: str, mod: nn.Module) -> Callable:
+        def hook(m, args):  # in-projection happens first: record it at the start
+            records.append(_Record(name, mod, "attn", "in", args[0], args[0]))
+        return hook
+
+    for name, mod in owners.items():
+        try:
+            _kind(mod)
+        except ValueError as exc:
+            raise ValueError(f"unsupported parameterised module {name!r}: {exc}") from None
+        if isinstance(mod, nn.MultiheadAttention):
+            handles.append(mod.register_forward_pre_hook(pre_attn(name, mod)))
+            handles.append(mod.register_forward_hook(post(name, mod, "out")))
+        else:
+            handles.append(mod.register_forward_hook(post(name, mod, "")))
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            p = next(model.parameters())
+            model(torch.zeros(1, *input_shape, dtype=p.dtype, device=p.device))
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+    return records
+
+
+def _owners(model: nn.Module, special: list[nn.Parameter]) -> dict[str, nn.Module]:
+    """Modules that directly own parameters (recurse=False) other than `special` ones."""
+    ids = {id(p) for p in special}
+    return {n: m for n, m in model.named_modules()
+            if any(id(p) not in ids for p in m.parameters(recurse=False))}
+
+
+def _unit_tensors(rec: _Record, extra: list[nn.Parameter]) -> list[nn.Parameter]:
+    if rec.kind == "attn" and rec.part == "in":
+        return [p for n, p in rec.module.named_parameters(recurse=False)
+                if not n.startswith("out_proj")]
+    if rec.kind == "attn":
+        return list(rec.module.out_proj.parameters())
+    return list(rec.module.parameters(recurse=False)) + extra
+
+
+def _make_unit(i: int, rec: _Record, stage: int, tensors: list[nn.Parameter],
+               flops: float, bw: float) -> Unit:
+    fwd, dx, dw = _macs(rec.kind, rec.module, rec.x, rec.y, rec.part)
+    n_params = sum(p.numel() for p in tensors)
+    bytes_moved = 3 * _BYTES * (n_params + rec.x.numel() + rec.y.numel())  # fwd, dx, dw
+    eta = ((fwd + dx + dw) / flops) / (bytes_moved / bw)
+    suffix = {"in": ".in_proj", "out": ".out_proj"}.get(rec.part, "")
+    return Unit(i, rec.name + suffix, rec.kind, stage, rec.module, n_params,
+                int(fwd), int(dx), int(dw), int(bytes_moved), float(eta), tensors)
+
+
+def _stage_of(name: str, stage_names: list[tuple[str, nn.Module]]) -> int:
+    for s, (sname, _smod) in enumerate(stage_names):
+        if name == sname or name.startswith(sname + "."):
+            return s
+    heads = ("fc", "classifier", "heads", "encoder.ln")
+    return len(stage_names) - 1 if name.split(".")[0] in heads or name.startswith(heads) else 0
+
+
+def decompose(model: nn.Module, input_shape=(3, 224, 224), arch: str | None = None,
+              flops: float = DEFAULT_FLOPS, cache_bw: float = DEFAULT_CACHE_BW) -> StagedModel:
+    """Split `model` into units (forward order) and stages; every parameter in one unit."""
+    family = _family(model, arch)
+    # ViT class token and position embedding are owned by the patch-embedding unit
+    special = [model.class_token, model.encoder.pos_embedding] if family == "vit" else []
+    owners = _owners(model, special)
+    if "" in owners:
+        raise ValueError(f"model {type(model).__name__} owns parameters outside any layer")
+    stage_list = _stages_for(family, model)
+    records = _trace(model, owners, input_shape)
+    units: list[Unit] = []
+    for rec in records:
+        tensors = _unit_tensors(rec, special if rec.name == "conv_proj" else [])
+        stage = _stage_of(rec.name, stage_list)
+        units.append(_make_unit(len(units), rec, stage, tensors, flops, cache_bw))
+    _check_coverage(model, units)
+    stages = _build_stages(stage_list, units)
+    return StagedModel(arch or family, model, stages, units)
+
+
+def _check_coverage(model: nn.Module, units: list[Unit]) -> None:
+    seen: dict[int, str] = {}
+    for u in units:
+        for p in u.tensors:
+            if id(p) in seen:
+                raise ValueError(f"parameter in two units: {seen[id(p)]} and {u.name}")
+            seen[id(p)] = u.name
+    missing = [n for n, p in model.named_parameters() if id(p) not in seen]
+    if missing:
+        raise ValueError(f"parameters not covered by any unit (module never ran?): {missing}")
+
+
+def _build_stages(stage_list: list[tuple[str, nn.Module]], units: list[Unit]) -> list[Stage]:
+    if any(a.stage > b.stage for a, b in itertools.pairwise(units)):
+        raise ValueError("unit stages are not in forward order")
+    stages: list[Stage] = []
+    for s, (name, mod) in enumerate(stage_list):
+        idx = [u.index for u in units if u.stage == s]
+        if idx and idx != list(range(idx[0], idx[0] + len(idx))):
+            raise ValueError(f"stage {name!r} has non-contiguous units {idx}")
+        first = idx[0] if idx else (stages[-1].first_unit + stages[-1].n_units if stages else 0)
+        stages.append(Stage(s, name, mod, first, len(idx)))
+    return stages

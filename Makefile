@@ -21,7 +21,7 @@ setup: $(ENV)
 
 $(VENV)/.deps: requirements/base.txt requirements/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check \
+	$(PY) -m pip install -qq --disable-pip-version-check \
 		-r requirements/base.txt -c requirements/constraints.txt
 	touch $@
 

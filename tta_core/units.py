@@ -71,6 +71,7 @@ class StagedModel:
     model: nn.Module
     stages: list[Stage]
     units: list[Unit]
+    input_shape: tuple[int, ...] = ()  # one sample, as given to decompose
 
     def stage_start(self) -> np.ndarray:
         """Per unit: index of the first unit of its stage."""
@@ -298,7 +299,7 @@ def decompose(model: nn.Module, input_shape=(3, 224, 224), arch: str | None = No
         units.append(_make_unit(len(units), rec, stage, tensors, flops, cache_bw))
     _check_coverage(model, units)
     stages = _build_stages(stage_list, units)
-    return StagedModel(arch or family, model, stages, units)
+    return StagedModel(arch or family, model, stages, units, tuple(input_shape))
 
 
 def _check_coverage(model: nn.Module, units: list[Unit]) -> None:

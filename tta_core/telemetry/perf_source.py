@@ -154,6 +154,8 @@ class PerfSource:
                                              f"{len(self._pairs)} counter pairs")
 
     def close(self) -> None:
+        if self._pairs and not self.reason:
+            self.reason = "unavailable: closed"
         for pair in self._pairs:
             for fd in pair:
                 os.close(fd)

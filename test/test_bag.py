@@ -1,0 +1,121 @@
+"""Bags written by tta_core.bag read back bit-identical, joined by stamp; clear errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from rosbags.rosbag2 import StoragePlugin, Writer
+
+from tta_core.bag import (
+    DOMAIN_TOPIC,
+    GT_TOPIC,
+    IMAGE_TOPIC,
+    BagWriter,
+    bag_info,
+    domain_name,
+    image_to_array,
+    read_bag,
+    tta_typestore,
+    write_bag,
+)
+
+NAMES = ("a", "b", "c", "d", "e")
+
+
+def _frames(n: int = 10, seed: int = 0) -> list[tuple[np.ndarray, int, str]]:
+    rng = np.random.default_rng(seed)
+    doms = [domain_name(None)] * 4 + [domain_name("fog", 5)] * 3 + [domain_name("snow", 3)] * 3
+    return [(rng.integers(0, 256, (8 + i % 3, 12, 3), dtype=np.uint8), int(rng.integers(5)),
+             doms[i]) for i in range(n)]
+
+
+@pytest.mark.parametrize("storage", ["mcap", "sqlite3"])
+def test_roundtrip_bit_identical(tmp_path, storage: str) -> None:
+    frames = _frames()
+    info = write_bag(tmp_path / "b", frames, rate_hz=20.0, class_names=NAMES, storage=storage)
+    assert info.n_images == 10 and info.has_ground_truth
+    assert info.duration_s == pytest.approx(9 / 20)
+    back = list(read_bag(tmp_path / "b"))
+    assert len(back) == len(frames)
+    for (img, label, dom), got in zip(frames, back, strict=True):
+        assert got.image.dtype == np.uint8 and np.array_equal(got.image, img)
+        assert (got.label, got.domain, got.class_name) == (label, dom, NAMES[label])
+    stamps = np.array([f.stamp_ns for f in back])
+    assert np.all(np.diff(stamps) == 50_000_000)  # 20 Hz camera rate
+    assert [f.domain for f in back[3:5]] == ["clean", "fog/5"]
+
+
+def test_join_is_by_stamp_not_order(tmp_path) -> None:
+    """Ground truth written in reverse order, with log times unrelated to stamps."""
+    store = tta_typestore()
+    t = store.types
+    rng = np.random.default_rng(1)
+    imgs = [rng.integers(0, 256, (4, 4, 3), dtype=np.uint8) for _ in range(3)]
+    stamps = [5_000_000_000 + k * 100_000_000 for k in range(3)]
+
+    def header(ns: int, fid: str) -> object:
+        return t["std_msgs/msg/Header"](
+            stamp=t["builtin_interfaces/msg/Time"](sec=ns // 10**9, nanosec=ns % 10**9),
+            frame_id=fid)
+
+    with Writer(tmp_path / "j", version=9, storage_plugin=StoragePlugin.MCAP) as w:
+        ci = w.add_connection(IMAGE_TOPIC, "sensor_msgs/msg/Image", typestore=store)
+        cg = w.add_connection(GT_TOPIC, "tta_msgs/msg/ClassPrediction", typestore=store)
+        cd = w.add_connection(DOMAIN_TOPIC, "std_msgs/msg/Header", typestore=store)
+        for k in (2, 1, 0):
+            gt = t["tta_msgs/msg/ClassPrediction"](header=header(stamps[k], "camera"),
+                                                   batch_id=0, label=10 + k, confidence=1.0,
+                                                   class_name="x", scores=np.zeros(0, np.float32))
+            w.write(cg, 1000 + k, store.serialize_cdr(gt, cg.msgtype))
+            w.write(cd, 2000 + k, store.serialize_cdr(header(stamps[k], f"d{k}"), cd.msgtype))
+        for k in range(3):
+            img = t["sensor_msgs/msg/Image"](header=header(stamps[k], "camera"), height=4,
+                                             width=4, encoding="rgb8", is_bigendian=0, step=12,
+                                             data=imgs[k].reshape(-1))
+            w.write(ci, 3000 + k, store.serialize_cdr(img, ci.msgtype))
+    back = list(read_bag(tmp_path / "j"))
+    assert [(f.label, f.domain, f.stamp_ns) for f in back] == [
+        (10 + k, f"d{k}", stamps[k]) for k in range(3)]
+    assert all(np.array_equal(f.image, imgs[k]) for k, f in enumerate(back))
+
+
+def test_missing_bag_and_missing_topic(tmp_path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        list(read_bag(tmp_path / "nope"))
+    store = tta_typestore()
+    with Writer(tmp_path / "imgs", version=9, storage_plugin=StoragePlugin.MCAP) as w:
+        w.add_connection(IMAGE_TOPIC, "sensor_msgs/msg/Image", typestore=store)
+    with pytest.raises(ValueError, match="no topic '/ground_truth'"):
+        list(read_bag(tmp_path / "imgs"))
+    assert list(read_bag(tmp_path / "imgs", require_ground_truth=False)) == []
+    assert not bag_info(tmp_path / "imgs").has_ground_truth
+    with Writer(tmp_path / "none", version=9, storage_plugin=StoragePlugin.MCAP) as w:
+        w.add_connection(GT_TOPIC, "tta_msgs/msg/ClassPrediction", typestore=store)
+    with pytest.raises(ValueError, match="no topic '/camera/image_raw'"):
+        list(read_bag(tmp_path / "none"))
+
+
+def test_writer_refuses_bad_input(tmp_path) -> None:
+    write_bag(tmp_path / "b", _frames(2))
+    with pytest.raises(FileExistsError):
+        write_bag(tmp_path / "b", _frames(2))
+    with pytest.raises(ValueError, match="storage"):
+        BagWriter(tmp_path / "c", storage="rosbag1")
+    with pytest.raises(ValueError, match="rate_hz"):
+        BagWriter(tmp_path / "c", rate_hz=0)
+    with BagWriter(tmp_path / "c") as w, pytest.raises(ValueError, match="uint8"):
+        w.add(np.zeros((4, 4, 3), np.float32), 0, "clean")
+
+
+def test_image_to_array_honours_step_and_order() -> None:
+    t = tta_typestore().types
+    rgb = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3)
+    padded = np.zeros((2, 12), np.uint8)  # 3 padding bytes per row
+    padded[:, :9] = rgb[..., ::-1].reshape(2, 9)  # stored as bgr8
+    msg = t["sensor_msgs/msg/Image"](header=t["std_msgs/msg/Header"](
+        stamp=t["builtin_interfaces/msg/Time"](sec=0, nanosec=0), frame_id=""),
+        height=2, width=3, encoding="bgr8", is_bigendian=0, step=12, data=padded.reshape(-1))
+    assert np.array_equal(image_to_array(msg), rgb)
+    msg.encoding = "yuv422"
+    with pytest.raises(ValueError, match="yuv422"):
+        image_to_array(msg)

@@ -1,0 +1,85 @@
+"""Calibration: line fit by hand, busy-process lifecycle, and a quick real run via the CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tta_core.calibration import (
+    BusyProcesses,
+    CalibrationConfig,
+    fit_slowdown,
+    load_calibration,
+)
+from tta_core.cli import main
+from tta_core.predictor import Calibration
+from tta_core.telemetry import PerfSource
+
+
+def test_fit_slowdown_by_hand() -> None:
+    ks, slow = [0, 1, 2, 3], [1.0, 1.0, 1.5, 2.0]
+    slope, icpt = fit_slowdown(ks, slow)
+    assert (slope, icpt) == (pytest.approx(4 / 14), 0.0)  # sum(k*y)/sum(k^2), y = slow - 1
+    slope, icpt = fit_slowdown(ks, slow, fit_intercept=True)
+    assert slope == pytest.approx(1.75 / 5) and icpt == pytest.approx(0.375 - 1.5 * 0.35)
+    with pytest.raises(ValueError):
+        fit_slowdown([0], [1.0])
+    with pytest.raises(ValueError):
+        fit_slowdown([0, 2], [1.0, float("nan")])
+    with pytest.raises(ValueError, match="ks"):
+        CalibrationConfig(ks=(1, 2))
+
+
+def _children() -> set[int]:
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def test_busy_processes_cleaned_up_on_interrupt() -> None:
+    before = _children()
+    with pytest.raises(KeyboardInterrupt):
+        with BusyProcesses(2, "compute") as busy:
+            pids = busy.pids
+            assert len(pids) == 2 and set(pids) <= _children()
+            time.sleep(0.3)
+            assert all(psutil.Process(p).cpu_percent(interval=0.2) > 5 for p in pids)
+            raise KeyboardInterrupt
+    assert not set(pids) & _children() and _children() <= before
+    with pytest.raises(ValueError, match="kind"):
+        BusyProcesses(1, "io")
+
+
+def test_busy_processes_bounded_in_time() -> None:
+    busy = BusyProcesses(1, "memory", max_s=0.3, memory_bytes=1 << 20).__enter__()
+    proc = busy.procs[0]
+    proc.join(timeout=5.0)  # exits on its own at the deadline, nobody stops it
+    assert not proc.is_alive() and proc.exitcode == 0
+    busy.stop()
+
+
+def test_calibrate_quick_cli(tmp_path: Path) -> None:
+    out = tmp_path / "calibration_test.json"
+    assert main(["calibrate", "--quick", "--out", str(out), "--no-progress"]) == 0
+    data = json.loads(out.read_text())
+    m = data["measurements"]
+    assert m["ks"] == [0, 2] and m["slowdown"][0] == 1.0
+    assert m["slowdown"][1] > 1.05, m  # 2 busy processes on the cores slow the matmul down
+    cal = load_calibration(out)
+    assert isinstance(cal, Calibration)
+    assert cal.f_slope > 0 and cal.f_intercept == 0.0
+    assert cal.f_slope == pytest.approx((m["slowdown"][1] - 1) / 2)
+    assert cal.b_ratio >= 1.0
+    assert cal.b_ratio == pytest.approx(m["bw_cache_gbs"] / m["bw_dram_gbs"])
+    perf = PerfSource(pid=os.getpid())
+    perf_ok = perf.describe().available
+    perf.close()
+    if perf_ok:
+        assert 0.0 <= cal.cache_hit_offline <= 1.0
+    else:
+        assert math.isnan(cal.cache_hit_offline)
+    assert not _children()  # every competing process was reaped

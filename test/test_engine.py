@@ -1,0 +1,223 @@
+"""AdaShadow engine: exact reforward reuse, real gradient cut, parallel == sequential."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torchvision.models import VisionTransformer
+
+from tta_core import profiler
+from tta_core.cli import main as cli_main
+from tta_core.engine import AdaShadowEngine, EngineConfig, mac_profile, set_bn_mode
+from tta_core.models import build_model
+from tta_core.planner import Plan
+from tta_core.predictor import UnitProfile
+from tta_core.units import StagedModel, decompose
+
+torch.set_num_threads(2)
+
+
+def _staged(arch: str, size: int, bn_mode: str = "batch") -> StagedModel:
+    torch.manual_seed(0)
+    if arch == "tiny_vit":
+        model: nn.Module = VisionTransformer(image_size=size, patch_size=16, num_layers=2,
+                                             num_heads=2, hidden_dim=32, mlp_dim=64,
+                                             num_classes=10)
+    else:
+        model = build_model(arch, 10)
+    set_bn_mode(model, bn_mode)
+    return decompose(model, (3, size, size))
+
+
+def _plan(n: int, units: list[int]) -> Plan:
+    update = np.zeros(n, dtype=bool)
+    update[units] = True
+    first = int(np.flatnonzero(update)[0]) if update.any() else n
+    return Plan(update=update, first_updated=first, objective=0.0, predicted_total_ms=0.0,
+                budget_ms=0.0, full_ms=0.0, solve_ms=0.0)
+
+
+def _mid_and_later(staged: StagedModel) -> list[int]:
+    """A unit in the middle of a middle stage plus every other unit after it."""
+    st = staged.stages[len(staged.stages) // 2]
+    first = st.first_unit + st.n_units // 2
+    return list(range(first, len(staged.units), 2))
+
+
+@pytest.mark.parametrize("arch,size,bn_mode", [
+    ("small_resnet", 32, "batch"), ("resnet18", 64, "batch"), ("mobilenet_v2", 64, "batch"),
+    ("small_resnet", 32, "source"), ("tiny_vit", 32, "batch"),
+])
+def test_reforward_reuse_equals_full_forward(arch: str, size: int, bn_mode: str) -> None:
+    staged = _staged(arch, size, bn_mode)
+    eng = AdaShadowEngine(staged, EngineConfig(lr=0.05, bn_mode=bn_mode))
+    x = torch.randn(4, 3, size, size)
+    before = [p.detach().clone() for p in eng.params]
+    plan = _plan(len(staged.units), _mid_and_later(staged))
+    res = eng.step(x, plan=plan)
+    assert res.adapted and res.units_updated == int(plan.update.sum())
+    changed = sum(not torch.equal(a, p) for a, p in zip(before, eng.params, strict=True))
+    assert changed > 0  # the update really happened, so a stale reforward would differ
+    with torch.no_grad():
+        full = staged.model(x)
+    assert (res.logits - full).abs().max().item() <= 1e-5
+    eng.close()
+
+
+def test_reuse_starts_at_first_updated_stage() -> None:
+    staged = _staged("small_resnet", 32)
+    calls: list[str] = []
+    for st in staged.stages:
+        st.module.register_forward_pre_hook(lambda m, a, name=st.name: calls.append(name))
+    eng = AdaShadowEngine(staged, EngineConfig())
+    plan = _plan(len(staged.units), [staged.stages[2].first_unit + 1])
+    eng.step(torch.randn(4, 3, 32, 32), plan=plan)
+    names = [s.name for s in staged.stages]
+    # the forward ran every stage, the reforward only stage 2 onwards
+    assert calls == names + names[2:]
+
+
+def _attach_grad_probes(staged: StagedModel, fired: dict[str, int]) -> None:
+    """Tensor hooks on every stage input and unit input recorded during the forward."""
+    def probe(key: str):
+        def pre(_m, args):
+            t = args[0]
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda g: fired.__setitem__(key, fired.get(key, 0) + 1))
+        return pre
+    for st in staged.stages:
+        st.module.register_forward_pre_hook(probe(f"stage:{st.index}"))
+    seen: set[int] = set()
+    for u in staged.units:
+        if id(u.module) not in seen:
+            seen.add(id(u.module))
+            u.module.register_forward_pre_hook(probe(f"unit:{u.index}"))
+
+
+@pytest.mark.parametrize("arch,size", [("resnet18", 64), ("mobilenet_v2", 64)])
+def test_sparse_backward_cuts_the_graph(arch: str, size: int) -> None:
+    staged = _staged(arch, size)
+    eng = AdaShadowEngine(staged, EngineConfig())
+    fired: dict[str, int] = {}
+    _attach_grad_probes(staged, fired)
+    selected = _mid_and_later(staged)
+    d = selected[0]
+    eng.step(torch.randn(4, 3, size, size), plan=_plan(len(staged.units), selected))
+    below = [k for k in fired if (k.startswith("unit:") and int(k[5:]) <= d)
+             or (k.startswith("stage:") and staged.stages[int(k[6:])].first_unit <= d)]
+    assert below == [], f"gradients computed below the first updated unit {d}: {below}"
+    assert any(k.startswith("unit:") and int(k[5:]) > d for k in fired)  # probes work
+    for u in staged.units:
+        for p in u.parameters():
+            assert (p.grad is not None) == (u.index in selected), u.name
+
+
+def test_full_backward_reaches_the_input_when_first_unit_selected() -> None:
+    staged = _staged("small_resnet", 32)
+    eng = AdaShadowEngine(staged, EngineConfig())
+    fired: dict[str, int] = {}
+    _attach_grad_probes(staged, fired)
+    eng.step(torch.randn(4, 3, 32, 32), plan=_plan(len(staged.units), [0, 1]))
+    assert "stage:1" in fired  # gradient flows down to the stem's output
+
+
+def test_nothing_updated_returns_forward_logits() -> None:
+    staged = _staged("small_resnet", 32)
+    eng = AdaShadowEngine(staged, EngineConfig())
+    w0 = [p.detach().clone() for p in eng.params]
+    x = torch.randn(4, 3, 32, 32)
+    res = eng.step(x, plan=_plan(len(staged.units), []))
+    assert not res.adapted and res.units_updated == 0 and res.times.reforward_ms == 0.0
+    assert all(torch.equal(a, p) for a, p in zip(w0, eng.params, strict=True))
+    with torch.no_grad():
+        assert torch.allclose(res.logits, staged.model(x), atol=1e-6)
+
+
+def _run(mode: str, plans: list[Plan], xs: list[torch.Tensor], loss: str) -> list[torch.Tensor]:
+    staged = _staged("small_resnet", 32)
+    eng = AdaShadowEngine(staged, EngineConfig(mode=mode, loss=loss, lr=0.05))
+    for x, plan in zip(xs, plans, strict=True):
+        eng.step(x, plan=plan)
+    eng.sync()
+    return [p.detach().clone() for p in eng.params]
+
+
+@pytest.mark.parametrize("loss", ["entropy", "multilayer_kl"])
+def test_parallel_matches_sequential(loss: str) -> None:
+    torch.manual_seed(1)
+    xs = [torch.randn(4, 3, 32, 32) for _ in range(4)]
+    n = len(_staged("small_resnet", 32).units)
+    plans = [_plan(n, [3, 7, 10]), _plan(n, list(range(5, n))), _plan(n, []),
+             _plan(n, [n - 1])]
+    seq = _run("sequential", plans, xs, loss)
+    par = _run("parallel", plans, xs, loss)
+    src = [p.detach() for u in _staged("small_resnet", 32).units for p in u.parameters()]
+    assert any(not torch.equal(a, b) for a, b in zip(seq, src, strict=True))
+    for a, b in zip(seq, par, strict=True):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_parallel_returns_forward_logits_and_times_backward() -> None:
+    staged = _staged("small_resnet", 32)
+    eng = AdaShadowEngine(staged, EngineConfig(mode="parallel"))
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        before = staged.model(x)
+    res = eng.step(x, plan=_plan(len(staged.units), [len(staged.units) - 1]))
+    done = eng.sync()
+    assert done is res and res.times.backward_ms > 0 and res.times.reforward_ms == 0
+    assert torch.allclose(res.logits, before, atol=1e-6)
+
+
+def test_planner_drives_updates_and_sigma() -> None:
+    staged = _staged("small_resnet", 32)
+    counts = {}
+    for sigma in (0.2, 1.0):
+        s = _staged("small_resnet", 32)
+        eng = AdaShadowEngine(s, EngineConfig(sigma=sigma))
+        prof = mac_profile(s, 10.0, 4, (3, 32, 32))
+        eng.profile = prof  # fixed times: the plan depends on importance and sigma only
+        torch.manual_seed(3)
+        n_up = []
+        for i in range(3):
+            r = eng.step(torch.randn(4, 3, 32, 32) * (1 + 0.5 * i))
+            n_up.append(r.units_updated)
+            if r.adapted:
+                assert r.predicted_total_ms <= r.budget_ms + 1e-9
+        counts[sigma] = n_up
+    assert counts[0.2][0] == counts[1.0][0] == 0  # first batch: no history, no importance
+    assert sum(counts[1.0]) > sum(counts[0.2])
+    assert len(staged.units) == 19
+
+
+def test_config_validation() -> None:
+    staged = _staged("small_resnet", 32)
+    with pytest.raises(ValueError, match="mode"):
+        AdaShadowEngine(staged, EngineConfig(mode="fast"))
+    with pytest.raises(ValueError, match="loss"):
+        AdaShadowEngine(staged, EngineConfig(loss="ce"))
+    bad = mac_profile(_staged("resnet18", 64), 1.0, 4, (3, 64, 64))
+    with pytest.raises(ValueError, match="units"):
+        AdaShadowEngine(staged, EngineConfig(), profile=bad)
+
+
+def test_profiler_sums_and_cli(tmp_path) -> None:
+    staged = _staged("small_resnet", 32)
+    r, b, fwd = profiler._one_run(staged, torch.randn(2, 3, 32, 32),
+                                  profiler._clock(False))
+    assert r.sum() == pytest.approx(fwd, rel=1e-9)  # every forward ms charged to a unit
+    assert (r >= 0).all() and (b >= 0).all() and b.sum() > 0
+    out = tmp_path / "p.json"
+    assert cli_main(["profile", "--arch", "small_resnet", "--batch-size", "2",
+                     "--image-size", "32", "--repeats", "2", "--out", str(out)]) == 0
+    prof = UnitProfile.load(out)
+    assert prof.unit_names == [u.name for u in staged.units] and prof.device == "cpu"
+    ratio = prof.w_ms / np.maximum(prof.w_ms + prof.x_ms, 1e-12)
+    dw = np.array([u.macs_dw / (u.macs_dw + u.macs_dx) for u in staged.units])
+    np.testing.assert_allclose(ratio[prof.w_ms > 0], dw[prof.w_ms > 0], rtol=1e-6)
+    eng = AdaShadowEngine(staged, EngineConfig(), profile=prof)
+    eng.step(torch.randn(2, 3, 32, 32))
+    res = eng.step(torch.randn(2, 3, 32, 32) * 3)
+    assert res.plan is not None and res.plan.full_ms > prof.forward_ms

@@ -1,0 +1,302 @@
+"""Telemetry sources on fabricated input (fake sysfs tree, recorded jtop dict) and live psutil
+with busy processes started by the test; perf_event either measures or says why not."""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tta_core.telemetry import (
+    PerfSource,
+    PsutilSource,
+    ResourceSample,
+    SysfsSource,
+    TelemetrySampler,
+    cache_hit_rate,
+    competing_pids,
+    merge_readings,
+    parse_jtop,
+)
+from tta_core.telemetry.perf_source import (
+    PERF_COUNT_SW_TASK_CLOCK,
+    PERF_TYPE_SOFTWARE,
+    PerfUnavailable,
+    explain_errno,
+    open_counter,
+    read_counter,
+)
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+
+
+@pytest.fixture
+def fake_sys(tmp_path: Path) -> Path:
+    zones = [("CPU-therm", 45500), ("GPU-therm", 41000), ("x86_pkg_temp", 52250),
+             ("acpitz", 99000), ("gpu-thermal", 43500)]
+    for i, (kind, milli_c) in enumerate(zones):
+        _write(tmp_path / f"class/thermal/thermal_zone{i}/type", kind)
+        _write(tmp_path / f"class/thermal/thermal_zone{i}/temp", str(milli_c))
+    for i, (cur, mx) in enumerate([(1200000, 2201600), (1400000, 2201600),
+                                   (1500000, 1907200), (1900000, 1907200)]):
+        _write(tmp_path / f"devices/system/cpu/cpu{i}/cpufreq/scaling_cur_freq", str(cur))
+        _write(tmp_path / f"devices/system/cpu/cpu{i}/cpufreq/cpuinfo_max_freq", str(mx))
+    _write(tmp_path / "devices/system/cpu/cpufreq/policy0/scaling_cur_freq", "1")  # not a cpu
+    _write(tmp_path / "class/devfreq/17000000.gv11b/cur_freq", "1300500000")
+    _write(tmp_path / "class/devfreq/17000000.gv11b/max_freq", "1377000000")
+    _write(tmp_path / "class/devfreq/3d00000.host1x/cur_freq", "408000000")
+    return tmp_path
+
+
+def test_sysfs_fake_tree_exact_values(fake_sys: Path) -> None:
+    src = SysfsSource(fake_sys)
+    got = src.read()
+    assert got["cpu_temp_c"] == 52.25  # max of CPU-like zones; acpitz (99 C) is not a CPU
+    assert got["gpu_temp_c"] == 43.5
+    assert got["cpu_freq_mhz"] == pytest.approx((1200 + 1400 + 1500 + 1900) / 4)
+    assert got["cpu_freq_max_mhz"] == pytest.approx(2201.6)
+    assert got["gpu_freq_mhz"] == pytest.approx(1300.5)
+    assert got["gpu_freq_max_mhz"] == pytest.approx(1377.0)
+    assert src.describe().available
+    # values are re-read on every sample (throttling shows up at once)
+    _write(fake_sys / "devices/system/cpu/cpu3/cpufreq/scaling_cur_freq", "700000")
+    _write(fake_sys / "class/thermal/thermal_zone2/temp", "60000")
+    got = src.read()
+    assert got["cpu_freq_mhz"] == pytest.approx((1200 + 1400 + 1500 + 700) / 4)
+    assert got["cpu_temp_c"] == 60.0
+
+
+def test_sysfs_missing_tree_is_nan_and_explained(tmp_path: Path) -> None:
+    src = SysfsSource(tmp_path / "nothing")
+    got = src.read()
+    assert all(math.isnan(v) for v in got.values())
+    st = src.describe()
+    assert not st.available and st.detail.startswith("unavailable: ")
+    sample = TelemetrySampler(sources=[src]).sample()
+    assert sample.source == "" and math.isnan(sample.cpu_temp_c)
+
+
+# A jtop 4.x `jetson.stats` dict as printed on a Jetson AGX Orin (values recorded by hand in
+# the documented format), with the `jetson.cpu`, `jetson.gpu`, `jetson.memory` structures.
+ORIN_STATS = {
+    "time": "2024-05-02 10:11:12.123456", "uptime": "3 days, 2:01:00",
+    "CPU1": 35, "CPU2": 12, "CPU3": 7, "CPU4": "OFF", "CPU5": 50, "CPU6": 10,
+    "CPU7": "OFF", "CPU8": "OFF", "CPU9": 2, "CPU10": 4, "CPU11": 3, "CPU12": 1,
+    "RAM": 0.2553, "SWAP": 0.0, "EMC": 7, "GPU": 61.7, "APE": "OFF", "NVDEC": "OFF",
+    "NVENC": "OFF", "NVJPG": "OFF", "Fan pwmfan0": 23.5,
+    "Temp CPU": 48.656, "Temp CV0": -256, "Temp GPU": 46.25, "Temp SOC0": 45.1,
+    "Temp tj": 48.656, "Power CPU": 1202, "Power GPU": 3210, "Power TOT": 11236,
+    "jetson_clocks": "OFF", "nvp model": "MAXN",
+}
+ORIN_CPU = {"total": {"user": 8.0, "nice": 0.0, "system": 2.0, "idle": 90.0},
+            "cpu": [{"online": i not in (3, 6, 7), "governor": "schedutil",
+                     "freq": {"min": 115200, "max": 2201600, "cur": 1000000 + 100000 * i},
+                     "model": "ARMv8 Processor rev 1 (v8l)"} for i in range(12)]}
+ORIN_GPU = {"ga10b": {"type": "integrated",
+                      "status": {"railgate": False, "3d_scaling": True, "load": 61.7},
+                      "freq": {"governor": "nvhost_podgov", "cur": 1300500, "max": 1300500,
+                               "min": 306000}}}
+ORIN_MEMORY = {"RAM": {"tot": 31_457_280, "used": 8_031_232, "free": 20_000_000,
+                       "shared": 1_048_576, "buffers": 1000, "cached": 3_000_000}}
+
+
+def test_jtop_recorded_stats_dict() -> None:
+    got = parse_jtop(ORIN_STATS, cpu=ORIN_CPU, gpu=ORIN_GPU, memory=ORIN_MEMORY)
+    per_core = got["cpu_percent_per_core"]
+    assert len(per_core) == 12  # CPU10..12 sorted numerically, not as strings
+    assert per_core[9] == 4 and per_core[0] == 35
+    assert [math.isnan(v) for v in per_core] == [i in (3, 6, 7) for i in range(12)]
+    assert got["cpu_percent"] == pytest.approx((35 + 12 + 7 + 50 + 10 + 2 + 4 + 3 + 1) / 9)
+    assert got["gpu_percent"] == 61.7
+    assert got["cpu_temp_c"] == 48.656 and got["gpu_temp_c"] == 46.25
+    assert got["power_w"] == pytest.approx(11.236)
+    online = [i for i in range(12) if i not in (3, 6, 7)]
+    assert got["cpu_freq_mhz"] == pytest.approx(sum(1000 + 100 * i for i in online) / 9)
+    assert got["cpu_freq_max_mhz"] == pytest.approx(2201.6)
+    assert got["gpu_freq_mhz"] == pytest.approx(1300.5)
+    assert got["mem_total_mb"] == pytest.approx(30720.0)
+    assert got["mem_used_mb"] == pytest.approx(8_031_232 / 1024)
+    assert got["gpu_mem_used_mb"] == pytest.approx(1024.0)
+
+
+def test_jtop_stats_only_lowercase_sensors_and_offline() -> None:
+    stats = {"CPU1": 20, "CPU2": "OFF", "GPU": 0.0, "RAM": 0.5, "Temp cpu": 51.5,
+             "Temp gpu": -256, "Power TOT": 5000}
+    got = parse_jtop(stats)
+    assert got["cpu_temp_c"] == 51.5
+    assert math.isnan(got["gpu_temp_c"])  # -256 = offline sensor
+    assert got["gpu_percent"] == 0.0  # a real idle GPU is 0, not unknown
+    assert math.isnan(got["cpu_freq_mhz"]) and math.isnan(got["mem_used_mb"])
+    assert got["cpu_percent"] == 20.0
+    with pytest.raises(ValueError, match="mapping"):
+        parse_jtop([1, 2])  # type: ignore[arg-type]
+
+
+def test_competing_rule_excludes_own_tree() -> None:
+    shares = {10: 0.9, 11: 0.95, 12: 0.5, 20: 0.8, 21: 0.05, 30: 0.3}
+    parents = {10: 1, 11: 10, 12: 11, 20: 1, 21: 20, 30: 20}
+    assert competing_pids(shares, parents, own_pids={10}, threshold=0.2) == [20, 30]
+    assert competing_pids(shares, parents, own_pids=set(), threshold=0.6) == [10, 11, 20]
+    with pytest.raises(ValueError, match="threshold"):
+        competing_pids(shares, parents, {10}, 0.0)
+
+
+def _busy(n: int) -> list[subprocess.Popen]:
+    code = "import time\nt=time.time()+30\nwhile time.time()<t: pass"
+    return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(n)]
+
+
+def test_psutil_counts_busy_processes_then_drops_them() -> None:
+    procs = _busy(2)
+    try:
+        time.sleep(0.2)
+        src = PsutilSource(own_pids=(), proc_interval_s=0.5)
+        mine = PsutilSource(own_pids=(os.getpid(),), proc_interval_s=0.5)
+        time.sleep(0.7)
+        during = src.read()
+        mine.read()
+        busy = {p.pid for p in procs}
+        assert busy <= set(src.last_competing), (src.last_shares, busy)
+        assert during["competing_processes"] >= 2
+        assert not busy & set(mine.last_competing)  # our children never compete with us
+        assert len(during["cpu_percent_per_core"]) == os.cpu_count()
+        assert 0 < during["mem_used_mb"] < during["mem_total_mb"]
+        before = set(src.last_competing)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    time.sleep(0.6)
+    after = src.read()
+    assert not busy & set(src.last_competing)
+    survivors = set(src.last_competing) & before
+    assert len(survivors) <= len(before) - 2
+    assert after["competing_processes"] == len(src.last_competing)
+
+
+def test_cache_hit_rate_formula() -> None:
+    assert cache_hit_rate(1000, 250) == 0.75
+    assert cache_hit_rate(1000, 0) == 1.0
+    assert cache_hit_rate(100, 130) == 0.0  # multiplexing skew is clipped
+    assert math.isnan(cache_hit_rate(0, 0))
+    with pytest.raises(ValueError):
+        cache_hit_rate(-1, 0)
+
+
+def test_perf_errno_reasons() -> None:
+    r = explain_errno(errno.EACCES, "2")
+    assert "perf_event_paranoid=2" in r and r.endswith("(EACCES)")
+    assert explain_errno(errno.ENOENT, "2").endswith("(ENOENT)")
+
+
+def test_perf_llc_rate_or_clear_reason() -> None:
+    src = PerfSource(pid=os.getpid())
+    try:
+        st = src.describe()
+        if st.available:
+            buf = bytearray(64 << 20)
+            for i in range(0, len(buf), 4096):
+                buf[i] = 1
+            rate = src.read()["cache_hit_rate"]
+            assert 0.0 <= rate <= 1.0
+        else:
+            assert re.fullmatch(r"unavailable: .+ \((ENOENT|EOPNOTSUPP|ENODEV|EACCES|EPERM|"
+                                r"ENOSYS|EINVAL|E\w+)\)", st.detail), st.detail
+            assert src.read() == {}
+    finally:
+        src.close()
+
+
+def test_perf_syscall_plumbing_with_software_counter() -> None:
+    """The ctypes attr layout is right if a task-clock counter sees our busy time."""
+    try:
+        fd = open_counter(PERF_TYPE_SOFTWARE, PERF_COUNT_SW_TASK_CLOCK, 0, -1)
+    except PerfUnavailable as exc:
+        pytest.skip(f"perf_event_open refused entirely here: {exc}")
+    try:
+        c0, t0 = read_counter(fd), time.thread_time_ns()
+        end = time.perf_counter() + 0.05
+        while time.perf_counter() < end:
+            pass
+        d_count, d_cpu = read_counter(fd) - c0, time.thread_time_ns() - t0
+        assert d_count == pytest.approx(d_cpu, rel=0.2)
+    finally:
+        os.close(fd)
+
+
+class _Broken:
+    name = "broken"
+
+    def read(self) -> dict:
+        raise OSError("sensor vanished")
+
+    def describe(self):
+        from tta_core.telemetry import SourceStatus
+        return SourceStatus(self.name, True, "ok")
+
+    def close(self) -> None:
+        pass
+
+
+def test_merge_priority_source_list_and_no_exception(fake_sys: Path) -> None:
+    merged = merge_readings([("a", {"cpu_temp_c": float("nan"), "mem_used_mb": 5.0}),
+                             ("b", {"cpu_temp_c": 40.0, "mem_used_mb": 7.0}),
+                             ("c", {"gpu_temp_c": float("nan")})])
+    assert (merged.source, merged.cpu_temp_c, merged.mem_used_mb) == ("a+b", 40.0, 5.0)
+    assert math.isnan(merged.power_w)
+    with pytest.raises(ValueError, match="bogus"):
+        merge_readings([("a", {"bogus": 1.0})])
+    sampler = TelemetrySampler(sources=[_Broken(), SysfsSource(fake_sys)])
+    s = sampler.sample()
+    assert isinstance(s, ResourceSample) and s.source == "sysfs" and s.cpu_temp_c == 52.25
+    assert "sensor vanished" in sampler.describe()[0].last_error
+
+
+def test_default_sampler_runs_here() -> None:
+    with TelemetrySampler() as sampler:
+        s = sampler.sample()
+        names = {d.name for d in sampler.describe()}
+    assert names == {"psutil", "sysfs", "nvml", "jtop", "perf"}
+    assert s.source.split("+")[0] == "psutil"
+    assert math.isfinite(s.cpu_percent) and math.isfinite(s.mem_total_mb)
+
+
+class _Fixed:
+    """A fabricated source reporting fixed readings (a device this machine does not have)."""
+
+    name = "fixed"
+
+    def __init__(self, values: dict) -> None:
+        self.values = values
+
+    def read(self) -> dict:
+        return dict(self.values)
+
+    def describe(self):
+        from tta_core.telemetry import SourceStatus
+        return SourceStatus(self.name, True, "ok")
+
+    def close(self) -> None:
+        pass
+
+
+def test_sampler_fills_pi1_pi2_from_calibration() -> None:
+    from tta_core.predictor import Calibration
+
+    cal = Calibration(f_slope=0.5, f_intercept=0.0, b_ratio=3.0, freq_offline_mhz=2000.0)
+    src = _Fixed({"cpu_freq_mhz": 1000.0, "competing_processes": 2.0, "cache_hit_rate": 0.5})
+    s = TelemetrySampler(sources=[src], calibration=cal).sample()
+    assert s.compute_expansion == pytest.approx(2000 / 1000 * (1 + 0.5 * 2))  # 4.0
+    assert s.memory_expansion == pytest.approx(0.5 + 0.5 * 3.0)  # 2.0
+    s = TelemetrySampler(sources=[src]).sample()  # no calibration: unknown, not 1 or 0
+    assert math.isnan(s.compute_expansion) and math.isnan(s.memory_expansion)

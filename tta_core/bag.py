@@ -1,0 +1,234 @@
+"""rosbag2 files of a camera stream with ground truth, through `rosbags` (no rclpy).
+
+Layout (written by `write_bag`, expected by `read_bag`):
+
+- `/camera/image_raw`   sensor_msgs/msg/Image, rgb8, frame_id "camera", stamps at the
+  camera rate;
+- `/ground_truth`       tta_msgs/msg/ClassPrediction, one per image, header.stamp = the
+  image's stamp, label + class_name, confidence 1;
+- `/ground_truth/domain` std_msgs/msg/Header, one per image, stamp = the image's stamp,
+  frame_id = "<corruption>/<severity>" or "clean".
+
+The side topics are joined to images by stamp, so a bag re-recorded by `ros2 bag record`
+(where log times differ from stamps) reads the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+from rosbags.rosbag2 import Reader, StoragePlugin, Writer
+from rosbags.typesys import Stores, get_types_from_msg, get_typestore
+from rosbags.typesys.store import Typestore
+
+IMAGE_TOPIC = "/camera/image_raw"
+GT_TOPIC = "/ground_truth"
+DOMAIN_TOPIC = "/ground_truth/domain"
+IMAGE_TYPE = "sensor_msgs/msg/Image"
+GT_TYPE = "tta_msgs/msg/ClassPrediction"
+DOMAIN_TYPE = "std_msgs/msg/Header"
+MSG_DIR = Path(__file__).resolve().parents[1] / "msg" / "msg"
+STORAGES = {"mcap": StoragePlugin.MCAP, "sqlite3": StoragePlugin.SQLITE3}
+_CHANNELS = {"rgb8": (3, (0, 1, 2)), "bgr8": (3, (2, 1, 0)), "mono8": (1, (0, 0, 0)),
+             "rgba8": (4, (0, 1, 2)), "bgra8": (4, (2, 1, 0))}
+
+
+@dataclass
+class BagFrame:
+    """One image of a bag with its ground truth (label -1 / domain "" when absent)."""
+
+    stamp_ns: int
+    image: np.ndarray  # (H, W, 3) uint8 RGB
+    label: int
+    domain: str
+    class_name: str = ""
+
+
+@dataclass
+class BagInfo:
+    """What a bag holds: image count, image size, duration and ground-truth presence."""
+
+    path: Path
+    n_images: int
+    duration_s: float
+    topics: dict[str, str]  # topic -> message type
+    has_ground_truth: bool
+
+
+def domain_name(corruption: str | None, severity: int = 0) -> str:
+    """Domain id as carried on /ground_truth/domain: "clean" or "<corruption>/<severity>"."""
+    return "clean" if not corruption or corruption == "clean" else f"{corruption}/{severity}"
+
+
+@lru_cache(maxsize=1)
+def tta_typestore() -> Typestore:
+    """ROS 2 Kilted typestore with the tta_msgs types of `msg/msg/*.msg` registered."""
+    files = sorted(MSG_DIR.glob("*.msg"))
+    if not files:
+        raise FileNotFoundError(f"no tta_msgs definitions in {MSG_DIR}")
+    store = get_typestore(Stores.ROS2_KILTED)
+    types = {}
+    for f in files:
+        types.update(get_types_from_msg(f.read_text(), f"tta_msgs/msg/{f.stem}"))
+    store.register(types)
+    return store
+
+
+def stamp_ns(header: object) -> int:
+    """Nanoseconds of a header's builtin_interfaces/Time stamp."""
+    st = header.stamp  # type: ignore[attr-defined]
+    return int(st.sec) * 1_000_000_000 + int(st.nanosec)
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+class BagWriter:
+    """Appends frames (image + ground truth) to a new bag; use as a context manager."""
+
+    def __init__(self, path: str | Path, rate_hz: float = 30.0, start_ns: int = 10**18,
+                 class_names: Sequence[str] = (), storage: str = "mcap") -> None:
+        if not rate_hz > 0:
+            raise ValueError(f"rate_hz must be > 0, got {rate_hz!r}")
+        if storage not in STORAGES:
+            raise ValueError(f"storage must be one of {sorted(STORAGES)}, got {storage!r}")
+        self.path = Path(path)
+        if self.path.exists():
+            raise FileExistsError(f"{self.path} exists already; bags are never overwritten")
+        self.rate_hz, self.start_ns, self.class_names = rate_hz, start_ns, tuple(class_names)
+        self.store = tta_typestore()
+        self.count = 0
+        self._writer = Writer(self.path, version=9, storage_plugin=STORAGES[storage])
+
+    def __enter__(self) -> BagWriter:
+        self._writer.open()
+        w, s = self._writer, self.store
+        self._conns = {t: w.add_connection(t, m, typestore=s) for t, m in
+                       ((IMAGE_TOPIC, IMAGE_TYPE), (GT_TOPIC, GT_TYPE),
+                        (DOMAIN_TOPIC, DOMAIN_TYPE))}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._writer.close()
+
+    def _header(self, t_ns: int, frame_id: str) -> object:
+        t = self.store.types
+        stamp = t["builtin_interfaces/msg/Time"](sec=t_ns // 10**9, nanosec=t_ns % 10**9)
+        return t["std_msgs/msg/Header"](stamp=stamp, frame_id=frame_id)
+
+    def add(self, image: np.ndarray, label: int, domain: str) -> int:
+        """Write one (H, W, 3) uint8 RGB frame and its ground truth; returns its stamp (ns)."""
+        if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
+            raise ValueError(f"image must be (H, W, 3) uint8, got {image.shape} {image.dtype}")
+        t = self.store.types
+        t_ns = self.start_ns + round(self.count * 1e9 / self.rate_hz)
+        h, w = image.shape[:2]
+        img = t[IMAGE_TYPE](header=self._header(t_ns, "camera"), height=h, width=w,
+                            encoding="rgb8", is_bigendian=0, step=w * 3,
+                            data=np.ascontiguousarray(image).reshape(-1))
+        name = self.class_names[label] if 0 <= label < len(self.class_names) else str(label)
+        gt = t[GT_TYPE](header=self._header(t_ns, "camera"), batch_id=self.count,
+                        label=int(label), confidence=1.0, class_name=name,
+                        scores=np.zeros(0, np.float32))
+        for topic, msg in ((IMAGE_TOPIC, img), (GT_TOPIC, gt),
+                           (DOMAIN_TOPIC, self._header(t_ns, domain))):
+            data = self.store.serialize_cdr(msg, self._conns[topic].msgtype)
+            self._writer.write(self._conns[topic], t_ns, data)
+        self.count += 1
+        return t_ns
+
+
+def write_bag(path: str | Path, frames: Iterable[tuple[np.ndarray, int, str]],
+              rate_hz: float = 30.0, class_names: Sequence[str] = (),
+              storage: str = "mcap") -> BagInfo:
+    """Write (image, label, domain) frames to a new bag at `path`; returns its info."""
+    with BagWriter(path, rate_hz, class_names=class_names, storage=storage) as w:
+        for image, label, domain in frames:
+            w.add(image, label, domain)
+    return bag_info(path)
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+def image_to_array(msg: object) -> np.ndarray:
+    """(H, W, 3) uint8 RGB of an 8-bit sensor_msgs/Image, honouring `step` (row padding)."""
+    enc = msg.encoding  # type: ignore[attr-defined]
+    if enc not in _CHANNELS:
+        raise ValueError(f"unsupported image encoding {enc!r}; expected one of {list(_CHANNELS)}")
+    ch, order = _CHANNELS[enc]
+    h, w, step = msg.height, msg.width, msg.step  # type: ignore[attr-defined]
+    data = np.asarray(msg.data, dtype=np.uint8)  # type: ignore[attr-defined]
+    if h == 0 or w == 0 or step < w * ch or data.size < h * step:
+        raise ValueError(f"bad image geometry {w}x{h} step {step} for {data.size} bytes")
+    rows = data[: h * step].reshape(h, step)[:, : w * ch].reshape(h, w, ch)
+    return np.ascontiguousarray(rows[..., list(order)])
+
+
+def _open(path: str | Path) -> Reader:
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"bag {p} does not exist")
+    return Reader(p)
+
+
+def _topics(reader: Reader) -> dict[str, str]:
+    return {c.topic: c.msgtype for c in reader.connections}
+
+
+def _check_topic(topics: dict[str, str], topic: str, msgtype: str, path: Path) -> None:
+    if topic not in topics:
+        raise ValueError(f"bag {path} has no topic {topic!r} (it has {sorted(topics)})")
+    if topics[topic] != msgtype:
+        raise ValueError(f"bag {path}: topic {topic} is {topics[topic]}, expected {msgtype}")
+
+
+def bag_info(path: str | Path) -> BagInfo:
+    """Image count, duration, topics and whether both ground-truth topics are present."""
+    with _open(path) as r:
+        topics = _topics(r)
+        n = sum(c.msgcount for c in r.connections if c.topic == IMAGE_TOPIC)
+        gt = GT_TOPIC in topics and DOMAIN_TOPIC in topics
+        return BagInfo(Path(path), n, r.duration / 1e9, topics, gt)
+
+
+def _ground_truth(reader: Reader, store: Typestore) -> tuple[dict, dict]:
+    """stamp -> (label, class_name) and stamp -> domain from the side topics."""
+    labels: dict[int, tuple[int, str]] = {}
+    domains: dict[int, str] = {}
+    conns = [c for c in reader.connections if c.topic in (GT_TOPIC, DOMAIN_TOPIC)]
+    for conn, _, raw in reader.messages(connections=conns):
+        msg = store.deserialize_cdr(raw, conn.msgtype)
+        if conn.topic == GT_TOPIC:
+            labels[stamp_ns(msg.header)] = (int(msg.label), str(msg.class_name))
+        else:
+            domains[stamp_ns(msg)] = str(msg.frame_id)
+    return labels, domains
+
+
+def read_bag(path: str | Path, require_ground_truth: bool = True) -> Iterator[BagFrame]:
+    """Images of a bag in recorded order, each joined by stamp to its label and domain.
+
+    Raises FileNotFoundError for a missing bag, ValueError for a missing or mistyped topic
+    and, when `require_ground_truth`, for an image without ground truth at its stamp.
+    """
+    store = tta_typestore()
+    with _open(path) as reader:
+        topics = _topics(reader)
+        _check_topic(topics, IMAGE_TOPIC, IMAGE_TYPE, Path(path))
+        if require_ground_truth:
+            _check_topic(topics, GT_TOPIC, GT_TYPE, Path(path))
+            _check_topic(topics, DOMAIN_TOPIC, DOMAIN_TYPE, Path(path))
+        labels, domains = _ground_truth(reader, store)
+        conns = [c for c in reader.connections if c.topic == IMAGE_TOPIC]
+        for conn, _, raw in reader.messages(connections=conns):
+            msg = store.deserialize_cdr(raw, conn.msgtype)
+            t = stamp_ns(msg.header)
+            if require_ground_truth and (t not in labels or t not in domains):
+                raise ValueError(f"bag {path}: image at stamp {t} ns has no ground truth")
+            label, name = labels.get(t, (-1, ""))
+            yield BagFrame(t, image_to_array(msg), label, domains.get(t, ""), name)

@@ -1,0 +1,69 @@
+"""`tta calibrate`: measure the predictor's device constants (f(n), b_ratio, offline
+frequency and cache hit rate) and store them as JSON next to the offline profiles."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+from dataclasses import replace
+from pathlib import Path
+
+from tqdm import tqdm
+
+from tta_core.calibration import CalibrationConfig, calibrate, n_steps
+
+NAME = "calibrate"
+HELP = "measure f(n) (competing processes), b_DRAM/b_cache and offline freq for the predictor"
+
+
+def default_out() -> Path:
+    return Path("config/profiles") / f"calibration_{socket.gethostname()}.json"
+
+
+def _ks(text: str) -> tuple[int, ...]:
+    try:
+        ks = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        msg = f"--ks must be comma-separated ints, got {text!r}"
+        raise argparse.ArgumentTypeError(msg) from None
+    if 0 not in ks or any(k < 0 for k in ks) or len(set(ks)) < 2:
+        raise argparse.ArgumentTypeError(f"--ks must contain 0 and another k >= 0, got {text!r}")
+    return ks
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output JSON (default config/profiles/calibration_<host>.json)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a few seconds: k in {0,2}, short runs (for tests)")
+    parser.add_argument("--ks", type=_ks, default=None,
+                        help="competing process counts, e.g. 0,1,2,3 (default)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="torch threads of the timed workload (0 = torch default); use "
+                             "the thread count adaptation will run with")
+    parser.add_argument("--fit-intercept", action="store_true",
+                        help="fit f(n) with a free intercept instead of f(0) = 0")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    base = CalibrationConfig.quick() if args.quick else CalibrationConfig()
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    cfg = replace(base, ks=args.ks or base.ks, threads=args.threads,
+                  fit_intercept=args.fit_intercept)
+    out = args.out or default_out()
+    with tqdm(total=n_steps(cfg), desc="calibrate", disable=args.no_progress) as bar:
+        def step(msg: str) -> None:
+            bar.set_postfix_str(msg)
+            bar.update(1)
+
+        report = calibrate(cfg, progress=step)
+    report.save(out)
+    cal = report.calibration
+    slow = ", ".join(f"k={k}: {s:.2f}x" for k, s in zip(report.ks, report.slowdown, strict=True))
+    print(f"f(n) = {cal.f_slope:.3f} n + {cal.f_intercept:.3f}  ({slow}); "
+          f"b_ratio = {cal.b_ratio:.2f}; freq_off = {cal.freq_offline_mhz} MHz; "
+          f"hit_off = {cal.cache_hit_offline}")
+    print(f"wrote {out}")
+    return 0

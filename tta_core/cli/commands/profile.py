@@ -1,0 +1,59 @@
+"""`tta profile`: measure the offline per-unit latency profile of a model on this device."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from tta_core.engine import set_bn_mode
+from tta_core.models import ARCHS, build_model
+from tta_core.profiler import device_name, profile_model
+from tta_core.units import decompose
+
+NAME = "profile"
+HELP = "measure per-unit forward/backward latency (AdaShadow offline profile) to JSON"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--arch", required=True, choices=ARCHS)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--num-classes", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--bn-mode", default="batch", choices=("batch", "source"))
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON path (default config/profiles/<arch>_<device>.json)")
+
+
+def default_path(arch: str, device: str) -> Path:
+    """config/profiles/<arch>_<device>.json with the device name made file-safe."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "-", device).strip("-").lower()
+    return Path("config") / "profiles" / f"{arch}_{safe}.json"
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.batch_size < 1 or args.image_size < 8 or args.repeats < 1:
+        raise ValueError(f"bad sizes: batch {args.batch_size}, image {args.image_size}, "
+                         f"repeats {args.repeats}")
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    model = build_model(args.arch, args.num_classes).to(device)
+    set_bn_mode(model, args.bn_mode)
+    shape = (3, args.image_size, args.image_size)
+    staged = decompose(model, shape, args.arch)
+    prof = profile_model(staged, batch=args.batch_size, repeats=args.repeats)
+    out = args.out or default_path(args.arch, device_name(device))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    prof.save(out)
+    print(json.dumps({"out": str(out), "model": prof.model, "device": prof.device,
+                      "units": len(prof.unit_names), "forward_ms": round(prof.forward_ms, 3),
+                      "sum_r_ms": round(float(prof.r_ms.sum()), 3),
+                      "sum_backward_ms": round(float((prof.w_ms + prof.x_ms).sum()), 3)}))
+    return 0

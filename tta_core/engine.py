@@ -1,0 +1,349 @@
+"""The per-batch AdaShadow pipeline: forward → plan → sparse backward → reforward.
+
+AdaShadow §4: the forward collects each unit's output statistics for the assessor and
+caches every stage's input; the scheduler picks units within sigma·T; the backward asks
+autograd only for the selected units' parameters, so nothing below the deepest selected
+unit is differentiated; the reforward restarts from the cached input of the first updated
+unit's stage (memory-I/O-aware computation reuse). Modes (§5.4): "sequential" predicts on
+the reforward, "parallel" returns the forward logits and adapts in a background thread.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from tta_core import assessor as assessor_mod
+from tta_core import losses, planner, predictor
+from tta_core.units import StagedModel
+
+MODES = ("sequential", "parallel")
+LOSSES = ("entropy", "multilayer_kl")
+BN_MODES = ("batch", "source")
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of the pipeline; defaults follow the paper (SGD lr 5e-3, alpha 0.1)."""
+
+    sigma: float = 0.33
+    lr: float = 5e-3
+    momentum: float = 0.9
+    mode: str = "sequential"
+    loss: str = "entropy"
+    bn_mode: str = "batch"  # "batch": BN uses batch statistics (Tent-style); "source": eval
+    alpha: float = 0.1
+    n_t: int = planner.DEFAULT_N_T
+    reuse: bool = True  # reforward from the cached stage input (False: full reforward)
+    pi1: float = 1.0  # compute expansion (predictor), updated from telemetry
+    pi2: float = 1.0  # memory expansion
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad value."""
+        for name, value, allowed in (("mode", self.mode, MODES), ("loss", self.loss, LOSSES),
+                                     ("bn_mode", self.bn_mode, BN_MODES)):
+            if value not in allowed:
+                raise ValueError(f"{name} {value!r} not in {allowed}")
+        if not 0.0 <= self.sigma <= 10.0 or math.isnan(self.sigma):
+            raise ValueError(f"sigma {self.sigma} outside [0, 10]")
+        if self.lr < 0 or not 0 <= self.momentum < 1:
+            raise ValueError(f"bad optimizer settings lr={self.lr} momentum={self.momentum}")
+        if self.pi1 <= 0 or self.pi2 <= 0:
+            raise ValueError(f"expansion coefficients must be > 0, got {self.pi1}, {self.pi2}")
+
+
+@dataclass
+class PhaseTimes:
+    """Wall time of each phase, ms. In parallel mode backward_ms is filled in by sync()."""
+
+    forward_ms: float = 0.0
+    plan_ms: float = 0.0
+    backward_ms: float = 0.0
+    reforward_ms: float = 0.0
+    total_ms: float = 0.0
+
+
+@dataclass
+class StepResult:
+    """Everything one batch produced; logits are detached."""
+
+    logits: Tensor
+    times: PhaseTimes
+    plan: planner.Plan | None
+    importance: np.ndarray
+    loss: float
+    mean_entropy: float
+    adapted: bool
+    units_updated: int
+    predicted_total_ms: float
+    budget_ms: float
+    extra: dict = field(default_factory=dict)
+
+
+def set_bn_mode(model: nn.Module, bn_mode: str) -> None:
+    """eval() everywhere; with "batch", BN layers normalise by batch statistics only."""
+    if bn_mode not in BN_MODES:
+        raise ValueError(f"bn_mode {bn_mode!r} not in {BN_MODES}")
+    model.eval()
+    if bn_mode == "batch":
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.train()
+                m.track_running_stats = False
+                m.running_mean = None
+                m.running_var = None
+
+
+def mean_entropy(logits: Tensor) -> float:
+    """Mean Shannon entropy (nats) of the softmax predictions."""
+    logp = torch.log_softmax(logits.detach().float(), dim=1)
+    return float(-(logp.exp() * logp).sum(1).mean())
+
+
+def mac_profile(staged: StagedModel, forward_ms: float, batch_size: int,
+                input_shape: tuple[int, ...]) -> predictor.UnitProfile:
+    """Default profile: per-unit times proportional to MACs, scaled so sum(r) = forward_ms."""
+    fwd = np.array([u.macs_fwd for u in staged.units], dtype=np.float64)
+    scale = forward_ms / max(fwd.sum(), 1.0)
+    dx = np.array([u.macs_dx for u in staged.units], dtype=np.float64)
+    dw = np.array([u.macs_dw for u in staged.units], dtype=np.float64)
+    return predictor.UnitProfile(
+        model=staged.arch, device="mac-estimate", batch_size=batch_size,
+        input_shape=tuple(input_shape), unit_names=[u.name for u in staged.units],
+        w_ms=dw * scale, x_ms=dx * scale, r_ms=fwd * scale,
+        eta=np.array([u.eta for u in staged.units]), forward_ms=float(forward_ms))
+
+
+class _Timer:
+    """perf_counter with cuda.synchronize when the model lives on a GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+@dataclass
+class _Forward:
+    """What the forward phase leaves for plan/backward/reforward."""
+
+    logits: Tensor
+    stats: list
+    stage_inputs: list
+    forward_ms: float
+
+
+class AdaShadowEngine:
+    """Runs AdaShadow on a StagedModel whose BN mode and requires_grad are already set."""
+
+    def __init__(self, staged: StagedModel, config: EngineConfig | None = None,
+                 profile: predictor.UnitProfile | None = None) -> None:
+        self.staged, self.config = staged, config or EngineConfig()
+        self.config.validate()
+        if profile is not None and len(profile.unit_names) != len(staged.units):
+            raise ValueError(f"profile has {len(profile.unit_names)} units, model has "
+                             f"{len(staged.units)}")
+        self.profile = profile
+        self.params = [p for u in staged.units for p in u.parameters()]
+        for p in self.params:
+            p.requires_grad_(True)
+        self.optimizer = torch.optim.SGD(self.params, lr=self.config.lr,
+                                         momentum=self.config.momentum)
+        self._opt_state0 = self.optimizer.state_dict()
+        self.assessor = assessor_mod.Assessor(len(staged.units), alpha=self.config.alpha)
+        self._timer = _Timer(self.params[0].device)
+        self._capture = False
+        self._stats: list = [None] * len(staged.units)
+        self._stage_inputs: list = [None] * len(staged.stages)
+        self._handles = self._install_hooks()
+        self._job: threading.Thread | None = None
+        self._job_error: BaseException | None = None
+        self._pending: StepResult | None = None
+
+    # ------------------------------------------------------------ hooks
+    def _install_hooks(self) -> list:
+        handles = []
+        for st in self.staged.stages:
+            handles.append(st.module.register_forward_pre_hook(self._stage_hook(st.index)))
+        by_module: dict[int, list[int]] = {}
+        for u in self.staged.units:
+            by_module.setdefault(id(u.module), []).append(u.index)
+        for u in self.staged.units:
+            idx = by_module.pop(id(u.module), None)
+            if idx is not None:  # one hook per module (attention in/out share one)
+                handles.append(u.module.register_forward_hook(self._unit_hook(idx)))
+        return handles
+
+    def _stage_hook(self, s: int):
+        def hook(_m, args):
+            if self._capture:
+                self._stage_inputs[s] = args[0]
+        return hook
+
+    def _unit_hook(self, idx: list[int]):
+        def hook(_m, _args, out):
+            if self._capture:
+                y = out[0] if isinstance(out, tuple) else out
+                kl = self.config.loss == "multilayer_kl"
+                with torch.set_grad_enabled(kl):
+                    st = assessor_mod.channel_stats(y)
+                for i in idx:
+                    self._stats[i] = st
+                if kl and not isinstance(out, tuple):
+                    # the KL loss differentiates the stats, so y must stay intact: hand a
+                    # copy downstream (torchvision's inplace ReLU / `out += identity`)
+                    return y.clone()
+            return None
+        return hook
+
+    def close(self) -> None:
+        """Remove the hooks (the engine is unusable afterwards)."""
+        self.sync()
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    # ------------------------------------------------------------ phases
+    def _forward(self, x: Tensor) -> _Forward:
+        t0 = self._timer.now()
+        self._capture = True
+        try:
+            with torch.enable_grad():
+                logits = self.staged.model(x)
+        finally:
+            self._capture = False
+        stats, inputs = list(self._stats), list(self._stage_inputs)
+        self._stats = [None] * len(self._stats)
+        self._stage_inputs = [None] * len(self._stage_inputs)
+        if any(s is None for s in stats):
+            missing = [u.name for u, s in zip(self.staged.units, stats, strict=True) if s is None]
+            raise RuntimeError(f"units did not run in the forward: {missing}")
+        return _Forward(logits, stats, inputs, (self._timer.now() - t0) * 1e3)
+
+    def _times(self, fwd: _Forward, x: Tensor) -> tuple[np.ndarray, ...]:
+        prof = self.profile or mac_profile(self.staged, fwd.forward_ms, x.shape[0],
+                                           tuple(x.shape[1:]))
+        return predictor.runtime_times(prof, self.config.pi1, self.config.pi2)
+
+    def _plan(self, fwd: _Forward, x: Tensor, importance: np.ndarray) -> planner.Plan:
+        w, dx, r = self._times(fwd, x)
+        problem = planner.PlanProblem(w=w, x=dx, r=r, stage_start=self.staged.stage_start(),
+                                      importance=importance, forward_ms=fwd.forward_ms,
+                                      sigma=self.config.sigma)
+        return planner.solve(problem, n_t=self.config.n_t)
+
+    def _loss(self, fwd: _Forward, history) -> Tensor | None:
+        if self.config.loss == "entropy":
+            return losses.entropy_loss(fwd.logits)
+        if history is None:
+            return None  # no history yet: nothing to align to on the first batch
+        return losses.multilayer_kl_loss(fwd.stats, history)
+
+    def _backward(self, loss: Tensor, update: np.ndarray) -> None:
+        """Gradients of the selected units only; autograd skips everything below them."""
+        sel = [p for u in self.staged.units if update[u.index] for p in u.parameters()]
+        self.optimizer.zero_grad(set_to_none=True)
+        grads = torch.autograd.grad(loss, sel)
+        for p, g in zip(sel, grads, strict=True):
+            p.grad = g
+        self.optimizer.step()
+
+    def _reforward(self, x: Tensor, fwd: _Forward, first_updated: int) -> Tensor:
+        stage = self.staged.units[first_updated].stage
+        with torch.no_grad():
+            if self.config.reuse:
+                return self.staged.forward_from(stage, fwd.stage_inputs[stage].detach())
+            return self.staged.model(x)
+
+    # ------------------------------------------------------------ public
+    def step(self, x: Tensor, plan: planner.Plan | None = None) -> StepResult:
+        """Adapt on batch x and return its predictions. `plan` overrides the scheduler."""
+        self.sync()
+        t0 = self._timer.now()
+        fwd = self._forward(x)
+        t1 = self._timer.now()
+        history = self.assessor.history
+        if history is not None and self.config.loss == "multilayer_kl":
+            history = [(m.clone(), v.clone()) for m, v in history]  # step() updates in place
+        loss = self._loss(fwd, history)
+        detached = [(m.detach(), v.detach()) for m, v in fwd.stats]
+        # KL >= 0 in exact arithmetic; clip float round-off so the planner accepts it
+        importance = np.maximum(np.asarray(self.assessor.step(detached), dtype=np.float64), 0.0)
+        if plan is None:
+            plan = self._plan(fwd, x, importance)
+        elif len(plan.update) != len(self.staged.units):
+            raise ValueError(f"plan has {len(plan.update)} units, model has "
+                             f"{len(self.staged.units)}")
+        update = np.asarray(plan.update, dtype=bool)
+        adapt = loss is not None and bool(update.any())
+        if adapt:  # keep only the stage input the reforward needs (§4 reuse)
+            keep = self.staged.units[int(np.flatnonzero(update)[0])].stage
+            fwd.stage_inputs = [t if i == keep else None for i, t in enumerate(fwd.stage_inputs)]
+        t2 = self._timer.now()
+        res = StepResult(
+            logits=fwd.logits.detach(), times=PhaseTimes(fwd.forward_ms, (t2 - t1) * 1e3),
+            plan=plan, importance=importance,
+            loss=float(loss.detach()) if loss is not None else float("nan"),
+            mean_entropy=mean_entropy(fwd.logits), adapted=adapt,
+            units_updated=int(update.sum()) if adapt else 0,
+            predicted_total_ms=float(plan.predicted_total_ms), budget_ms=float(plan.budget_ms))
+        if not adapt:
+            res.times.total_ms = (self._timer.now() - t0) * 1e3
+            return res
+        if self.config.mode == "parallel":
+            res.times.total_ms = (self._timer.now() - t0) * 1e3
+            self._start_job(res, loss, update)
+            return res
+        self._backward(loss, update)
+        t3 = self._timer.now()
+        res.logits = self._reforward(x, fwd, int(np.flatnonzero(update)[0]))
+        t4 = self._timer.now()
+        res.times.backward_ms, res.times.reforward_ms = (t3 - t2) * 1e3, (t4 - t3) * 1e3
+        res.times.total_ms = (t4 - t0) * 1e3
+        return res
+
+    def _start_job(self, res: StepResult, loss: Tensor, update: np.ndarray) -> None:
+        def job() -> None:
+            try:
+                t = self._timer.now()
+                self._backward(loss, update)
+                res.times.backward_ms = (self._timer.now() - t) * 1e3
+            except BaseException as exc:  # surfaced by sync()
+                self._job_error = exc
+        self._pending = res
+        self._job = threading.Thread(target=job, name="adashadow-backward", daemon=True)
+        self._job.start()
+
+    def sync(self) -> StepResult | None:
+        """Wait for the background update (parallel mode); return the result it completed."""
+        job, self._job = self._job, None
+        if job is None:
+            return None
+        job.join()
+        done, self._pending = self._pending, None
+        if self._job_error is not None:
+            err, self._job_error = self._job_error, None
+            raise RuntimeError("background adaptation failed") from err
+        return done
+
+    def set_expansion(self, pi1: float, pi2: float) -> None:
+        """Runtime calibration of the predictor (AdaShadow §3.2) from telemetry."""
+        if not (pi1 > 0 and pi2 > 0):
+            raise ValueError(f"expansion coefficients must be > 0, got {pi1}, {pi2}")
+        self.config.pi1, self.config.pi2 = float(pi1), float(pi2)
+
+    def reset(self) -> None:
+        """Forget optimizer momentum and assessor history (weights: see the method's reset)."""
+        self.sync()
+        self.optimizer.load_state_dict(self._opt_state0)
+        self.optimizer.state.clear()
+        self.assessor.reset()

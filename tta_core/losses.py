@@ -1,0 +1,42 @@
+"""Unsupervised adaptation losses: Tent's entropy and AdaShadow's multi-layer KL (§4)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from tta_core.assessor import gaussian_kl
+
+
+def entropy_loss(logits: Tensor) -> Tensor:
+    """Mean Shannon entropy (nats) of softmax(logits) over the batch; logits [B, K]."""
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [B, K], got shape {tuple(logits.shape)}")
+    logp = torch.log_softmax(logits.float(), dim=1)
+    return -(logp.exp() * logp).sum(dim=1).mean()
+
+
+def multilayer_kl_loss(
+    stats: Sequence[tuple[Tensor, Tensor]],
+    history: Sequence[tuple[Tensor, Tensor]],
+    eps: float = 1e-5,
+) -> Tensor:
+    """L = sum_l mean_c KL(E^H_l || E^e_l): robust to small batches (AdaShadow §4).
+
+    `stats` are the current batch's per-unit (mean, var) and carry gradients; `history`
+    is detached. The per-unit channel mean matches the importance score's scale.
+    """
+    if len(stats) != len(history):
+        raise ValueError(f"stats has {len(stats)} units, history has {len(history)}")
+    if len(stats) == 0:
+        raise ValueError("multilayer_kl_loss needs at least one unit")
+    total = stats[0][0].new_zeros((), dtype=torch.float32)
+    for i, ((mu_e, var_e), (mu_h, var_h)) in enumerate(zip(stats, history, strict=True)):
+        if mu_e.shape != mu_h.shape:
+            raise ValueError(f"unit {i}: stats shape {tuple(mu_e.shape)} != {tuple(mu_h.shape)}")
+        kl = gaussian_kl(mu_h.detach().float(), var_h.detach().float(),
+                         mu_e.float(), var_e.float(), eps)
+        total = total + kl.mean()
+    return total

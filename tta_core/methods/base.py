@@ -1,0 +1,118 @@
+"""Common interface of all TTA methods (after mariodoebler/test-time-adaptation).
+
+A method wraps a model; `step(x)` adapts on a batch and returns its predictions as an
+`engine.StepResult`; `reset()` restores the source weights, the optimizer and any
+method state bit for bit. Subclasses override the short hooks: configure_model,
+collect_params, loss, forward_and_adapt (and reset_state for extra state).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from tta_core import losses
+from tta_core.engine import PhaseTimes, StepResult, mean_entropy, set_bn_mode
+
+
+@dataclass
+class MethodConfig:
+    """Settings shared by every method; methods extend it with their own fields."""
+
+    lr: float = 5e-3  # AdaShadow §4 (SGD)
+    momentum: float = 0.9
+    bn_mode: str = "batch"  # "batch": BN uses test-batch statistics; "source": running stats
+    input_shape: tuple[int, ...] = (3, 224, 224)  # one sample, for model decomposition
+    arch: str | None = None
+
+
+class TTAMethod:
+    """Base class: no adaptation; subclasses override the hooks below."""
+
+    name: ClassVar[str] = "base"
+    config_cls: ClassVar[type] = MethodConfig
+
+    def __init__(self, model: nn.Module, config: MethodConfig | None = None) -> None:
+        self.model = model
+        self.config = config if config is not None else self.config_cls()
+        self.configure_model()
+        self.params = self.collect_params()
+        self.optimizer = self.setup_optimizer()
+        self._model_state = copy.deepcopy(self.model.state_dict())
+        self._opt_state = (copy.deepcopy(self.optimizer.state_dict())
+                           if self.optimizer is not None else None)
+
+    @classmethod
+    def make_config(cls, **cfg) -> MethodConfig:
+        """config_cls(**cfg), with a ValueError naming unknown keys."""
+        known = {f.name for f in dataclasses.fields(cls.config_cls)}
+        unknown = sorted(set(cfg) - known)
+        if unknown:
+            raise ValueError(f"unknown option(s) {unknown} for method {cls.name!r}; "
+                             f"known: {sorted(known)}")
+        return cls.config_cls(**cfg)
+
+    # ------------------------------------------------------------ override points
+    def configure_model(self) -> None:
+        """Set train/eval modes and requires_grad. Default: BN mode from config, no grad."""
+        set_bn_mode(self.model, self.config.bn_mode)
+        self.model.requires_grad_(False)
+
+    def collect_params(self) -> list[nn.Parameter]:
+        """Parameters the optimizer updates."""
+        return []
+
+    def setup_optimizer(self) -> torch.optim.Optimizer | None:
+        """SGD over collect_params() (None when there is nothing to adapt)."""
+        if not self.params:
+            return None
+        return torch.optim.SGD(self.params, lr=self.config.lr, momentum=self.config.momentum)
+
+    def loss(self, logits: Tensor) -> Tensor:
+        """Unsupervised adaptation loss; default Tent's entropy."""
+        return losses.entropy_loss(logits)
+
+    def forward_and_adapt(self, x: Tensor) -> StepResult:
+        """Predict on x, adapting on the way. Default: plain forward without grad."""
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            logits = self.model(x)
+        return self.result(logits, forward_ms=(time.perf_counter() - t0) * 1e3)
+
+    def reset_state(self) -> None:
+        """Reset method state other than weights and optimizer (override when needed)."""
+
+    # ------------------------------------------------------------ public
+    def step(self, x: Tensor) -> StepResult:
+        """Adapt on batch x (N, C, H, W) and return its predictions."""
+        if x.ndim != 4:
+            raise ValueError(f"expected a batch [N, C, H, W], got shape {tuple(x.shape)}")
+        return self.forward_and_adapt(x)
+
+    def reset(self) -> None:
+        """Restore source weights, optimizer and method state bit for bit."""
+        self.reset_state()
+        self.model.load_state_dict(self._model_state)
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(copy.deepcopy(self._opt_state))
+            self.optimizer.zero_grad(set_to_none=True)
+
+    @staticmethod
+    def result(logits: Tensor, forward_ms: float, backward_ms: float = 0.0,
+               reforward_ms: float = 0.0, loss: float = float("nan"),
+               adapted: bool = False, units_updated: int = 0) -> StepResult:
+        """A StepResult for methods without a planner."""
+        total = forward_ms + backward_ms + reforward_ms
+        times = PhaseTimes(forward_ms, 0.0, backward_ms, reforward_ms, total)
+        return StepResult(logits=logits.detach(), times=times, plan=None,
+                          importance=np.zeros(0), loss=loss,
+                          mean_entropy=mean_entropy(logits), adapted=adapted,
+                          units_updated=units_updated, predicted_total_ms=float("nan"),
+                          budget_ms=float("nan"))

@@ -1,0 +1,139 @@
+"""Offline per-unit latency profile (AdaShadow §3.2: t_l^off for ∂w, ∂x and reforward).
+
+Reforward r_l: forward hooks timestamp the end of every unit; r_l is the time from the
+previous unit's end to this unit's end, so non-parameterised layers (ReLU, pooling, adds)
+are charged to the unit that follows them and sum(r) ≈ the forward time.
+Backward b_l: tensor hooks timestamp the arrival of the gradient at every unit's input
+during one full backward; sorted by arrival, b_l is the gap since the previous arrival.
+b_l is split into ∂w and ∂x by the unit's MAC ratio, as the paper does. Median over
+`repeats` runs after one warm-up.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from tta_core.predictor import UnitProfile
+from tta_core.units import StagedModel
+
+
+def device_name(device: torch.device) -> str:
+    """"cpu" or the CUDA device name (profiles are keyed by it)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
+
+
+def _clock(cuda: bool) -> Callable[[], float]:
+    def now() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+    return now
+
+
+def _groups(staged: StagedModel) -> list[list[int]]:
+    """Units grouped by module (attention in/out projections share one module)."""
+    groups: dict[int, list[int]] = {}
+    for u in staged.units:
+        groups.setdefault(id(u.module), []).append(u.index)
+    return list(groups.values())
+
+
+def _split(total: np.ndarray, idx: list[int], weights: np.ndarray, out: np.ndarray) -> None:
+    share = weights[idx] / max(weights[idx].sum(), 1e-30)
+    out[idx] += total * share
+
+
+def _one_run(staged: StagedModel, x: Tensor, now: Callable[[], float]) -> tuple:
+    """(r_ms, b_ms, forward_ms) of one forward + full backward."""
+    n = len(staged.units)
+    groups = _groups(staged)
+    fwd_end = np.zeros(len(groups))
+    bwd_at = np.full(len(groups), np.nan)
+    handles = []
+
+    def fhook(g: int):
+        def hook(_m, args, _out):
+            fwd_end[g] = now()
+            inp = args[0]
+            if isinstance(inp, Tensor) and inp.requires_grad:
+                inp.register_hook(lambda _grad: bwd_at.__setitem__(g, now()))
+        return hook
+
+    for g, idx in enumerate(groups):
+        handles.append(staged.units[idx[0]].module.register_forward_hook(fhook(g)))
+    try:
+        x = x.detach().requires_grad_(True)  # so the first unit's input gets a gradient
+        t0 = now()
+        logits = staged.model(x)
+        t1 = now()
+        loss = logits.float().logsumexp(1).mean()
+        tb = now()
+        loss.backward()
+        t2 = now()
+    finally:
+        for h in handles:
+            h.remove()
+    fwd_macs = np.array([u.macs_fwd for u in staged.units], dtype=np.float64)
+    bwd_macs = np.array([u.macs_dx + u.macs_dw for u in staged.units], dtype=np.float64)
+    r = np.zeros(n)
+    b = np.zeros(n)
+    order = np.argsort(fwd_end)
+    prev = t0
+    for g in order:
+        _split(np.float64(fwd_end[g] - prev), groups[g], fwd_macs, r)
+        prev = fwd_end[g]
+    _split(np.float64(t1 - prev), groups[order[-1]], fwd_macs, r)  # tail after last unit
+    arrived = np.nan_to_num(bwd_at, nan=t2)
+    prev = tb
+    for g in np.argsort(arrived):
+        _split(np.float64(arrived[g] - prev), groups[g], bwd_macs, b)
+        prev = arrived[g]
+    return r * 1e3, b * 1e3, (t1 - t0) * 1e3
+
+
+def profile_model(staged: StagedModel, batch: int = 4, repeats: int = 5,
+                  input_shape: tuple[int, ...] | None = None) -> UnitProfile:
+    """Measure per-unit offline latencies of `staged` on its current device."""
+    if batch < 1 or repeats < 1:
+        raise ValueError(f"batch and repeats must be >= 1, got {batch}, {repeats}")
+    p = next(staged.model.parameters())
+    shape = tuple(input_shape) if input_shape is not None else _input_shape(staged)
+    now = _clock(p.device.type == "cuda")
+    grad_state = {q: q.requires_grad for q in staged.model.parameters()}
+    staged.model.requires_grad_(True)
+    runs = []
+    try:
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        x = torch.randn(batch, *shape, generator=gen).to(p.device, p.dtype)
+        for i in range(repeats + 1):
+            res = _one_run(staged, x, now)
+            staged.model.zero_grad(set_to_none=True)
+            if i > 0:  # the first run warms up allocators and kernels
+                runs.append(res)
+    finally:
+        for q, flag in grad_state.items():
+            q.requires_grad_(flag)
+    r = np.median(np.stack([a for a, _, _ in runs]), axis=0)
+    b = np.median(np.stack([bb for _, bb, _ in runs]), axis=0)
+    dx = np.array([u.macs_dx for u in staged.units], dtype=np.float64)
+    dw = np.array([u.macs_dw for u in staged.units], dtype=np.float64)
+    frac_w = dw / np.maximum(dx + dw, 1.0)
+    return UnitProfile(model=staged.arch, device=device_name(p.device), batch_size=batch,
+                       input_shape=shape, unit_names=[u.name for u in staged.units],
+                       w_ms=b * frac_w, x_ms=b * (1 - frac_w), r_ms=r,
+                       eta=np.array([u.eta for u in staged.units]),
+                       forward_ms=float(np.median([f for _, _, f in runs])))
+
+
+def _input_shape(staged: StagedModel) -> tuple[int, ...]:
+    shape = getattr(staged, "input_shape", None)
+    if shape is None:
+        raise ValueError("input_shape is required (the StagedModel does not record it)")
+    return tuple(shape)

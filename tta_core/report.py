@@ -1,0 +1,268 @@
+"""The report shared by `tta bench` and `tta replay`: per-frame records of one run (or of
+several methods) -> summary (accuracy per domain in stream order, throughput, latency per
+phase, end-to-end latency, peak memory) -> JSON + markdown table + PNG plots.
+
+Latency parts are per batch: every frame of a batch carries the same `phases_ms` and
+`batch_id`, and phase statistics count each batch once.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+PHASES: tuple[str, ...] = ("forward", "plan", "backward", "reforward")
+"""Phases stacked in the latency plot, in pipeline order; `total` is reported alongside."""
+
+
+@dataclass
+class FrameRecord:
+    """One frame of a stream: ground truth, prediction and the latency of its batch."""
+
+    domain: str
+    label: int
+    prediction: int
+    batch_id: int = -1  # -1: unknown, the frame counts as a batch of its own
+    phases_ms: dict[str, float] = field(default_factory=dict)
+    e2e_ms: float = math.nan  # image stamp -> prediction received (replay only)
+    stamp_ns: int = 0
+    confidence: float = math.nan
+
+
+@dataclass
+class RunRecord:
+    """All frames of one method over one stream, plus run-level measurements."""
+
+    method: str
+    frames: list[FrameRecord] = field(default_factory=list)
+    wall_s: float = math.nan  # wall time of the stream, for throughput
+    peak_memory_mb: float = math.nan
+    frames_dropped: int = 0
+    meta: dict[str, object] = field(default_factory=dict)
+
+
+@dataclass
+class Stats:
+    """Distribution summary of a latency, in ms."""
+
+    n: int
+    mean: float
+    p50: float
+    p90: float
+    max: float
+
+
+@dataclass
+class Segment:
+    """A contiguous run of frames of one domain: the x axis of accuracy over time."""
+
+    domain: str
+    start: int
+    stop: int
+    accuracy: float
+
+
+@dataclass
+class RunSummary:
+    """Summary numbers of one run; `accuracy` keys follow the stream order of domains."""
+
+    method: str
+    n_frames: int
+    n_batches: int
+    accuracy: dict[str, float]
+    mean_accuracy: float  # mean over domains (AdaShadow Table 5 style)
+    overall_accuracy: float  # over all frames
+    throughput_fps: float
+    phases: dict[str, Stats]
+    e2e: Stats | None
+    peak_memory_mb: float
+    frames_dropped: int
+    segments: list[Segment]
+
+
+@dataclass
+class ReportFiles:
+    """Paths written by `write_report`."""
+
+    json: Path
+    markdown: Path
+    plots: list[Path]
+
+
+# ----------------------------------------------------------------------------- summary
+
+
+def latency_stats(values: Iterable[float]) -> Stats | None:
+    """Mean, p50, p90 and max of the finite `values`; None when there are none."""
+    arr = np.asarray([v for v in values if math.isfinite(v)], dtype=np.float64)
+    if arr.size == 0:
+        return None
+    p50, p90 = np.percentile(arr, [50, 90])
+    return Stats(int(arr.size), float(arr.mean()), float(p50), float(p90), float(arr.max()))
+
+
+def domain_segments(frames: Sequence[FrameRecord]) -> list[Segment]:
+    """Contiguous same-domain runs of `frames` with their accuracy, in stream order."""
+    segments: list[Segment] = []
+    start = 0
+    for i in range(1, len(frames) + 1):
+        if i == len(frames) or frames[i].domain != frames[start].domain:
+            part = frames[start:i]
+            acc = sum(f.prediction == f.label for f in part) / len(part)
+            segments.append(Segment(frames[start].domain, start, i, acc))
+            start = i
+    return segments
+
+
+def _accuracy_by_domain(frames: Sequence[FrameRecord]) -> dict[str, float]:
+    correct: dict[str, int] = {}
+    total: dict[str, int] = {}
+    for f in frames:  # dicts keep first-appearance order = stream order
+        total[f.domain] = total.get(f.domain, 0) + 1
+        correct[f.domain] = correct.get(f.domain, 0) + int(f.prediction == f.label)
+    return {d: correct[d] / total[d] for d in total}
+
+
+def _batches(frames: Sequence[FrameRecord]) -> list[dict[str, float]]:
+    """Phase times once per batch (frames with batch_id -1 are batches of their own)."""
+    seen: dict[int, dict[str, float]] = {}
+    out: list[dict[str, float]] = []
+    for f in frames:
+        if f.batch_id < 0:
+            out.append(f.phases_ms)
+        elif f.batch_id not in seen:
+            seen[f.batch_id] = f.phases_ms
+            out.append(f.phases_ms)
+    return out
+
+
+def summarize(run: RunRecord) -> RunSummary:
+    """Summary of `run`; raises ValueError on a run without frames."""
+    frames = run.frames
+    if not frames:
+        raise ValueError(f"run {run.method!r} has no frames to summarise")
+    acc = _accuracy_by_domain(frames)
+    batches = _batches(frames)
+    names = [p for p in (*PHASES, "total") if any(p in b for b in batches)]
+    names += sorted({k for b in batches for k in b} - set(names))
+    phases = {p: latency_stats(b.get(p, math.nan) for b in batches) for p in names}
+    wall = run.wall_s
+    return RunSummary(
+        method=run.method,
+        n_frames=len(frames),
+        n_batches=len(batches),
+        accuracy=acc,
+        mean_accuracy=float(np.mean(list(acc.values()))),
+        overall_accuracy=sum(f.prediction == f.label for f in frames) / len(frames),
+        throughput_fps=len(frames) / wall if wall > 0 else math.nan,
+        phases={p: s for p, s in phases.items() if s is not None},
+        e2e=latency_stats(f.e2e_ms for f in frames),
+        peak_memory_mb=run.peak_memory_mb,
+        frames_dropped=run.frames_dropped,
+        segments=domain_segments(frames),
+    )
+
+
+# ----------------------------------------------------------------------------- files
+
+
+def _fmt(v: float, spec: str = ".1f") -> str:
+    return "–" if v is None or not math.isfinite(v) else format(v, spec)
+
+
+def markdown_table(summaries: Sequence[RunSummary]) -> str:
+    """Markdown table: one row per method, accuracy (%) per domain, mean, latency, memory."""
+    domains: list[str] = []
+    for s in summaries:
+        domains += [d for d in s.accuracy if d not in domains]
+    head = ["method", *domains, "mean", "fps", "total ms p50", "e2e ms p50", "e2e ms p90",
+            "peak MB"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in summaries:
+        total = s.phases.get("total")
+        row = [s.method, *(_fmt(100 * s.accuracy[d]) if d in s.accuracy else "–"
+                           for d in domains)]
+        row += [_fmt(100 * s.mean_accuracy), _fmt(s.throughput_fps),
+                _fmt(total.p50 if total else math.nan, ".2f"),
+                _fmt(s.e2e.p50 if s.e2e else math.nan, ".2f"),
+                _fmt(s.e2e.p90 if s.e2e else math.nan, ".2f"), _fmt(s.peak_memory_mb, ".0f")]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _clean(obj: object) -> object:
+    """JSON-safe copy: NaN/inf become null (strict JSON has no NaN)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, Path):
+        return str(obj)
+    return obj
+
+
+def write_json_atomic(path: Path, data: object) -> None:
+    """Write `data` as JSON to `path` via a temporary file, so a crash never leaves half a
+    file (used for the partial results flushed during a replay)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(_clean(data), indent=1))
+    os.replace(tmp, path)
+
+
+def report_dict(runs: Sequence[RunRecord], include_frames: bool = True) -> dict[str, object]:
+    """JSON-ready content of a report: summaries, run metadata and (optionally) frames."""
+    return {
+        "summaries": [asdict(summarize(r)) for r in runs if r.frames],
+        "runs": [
+            {"method": r.method, "wall_s": r.wall_s, "peak_memory_mb": r.peak_memory_mb,
+             "frames_dropped": r.frames_dropped, "meta": r.meta,
+             **({"frames": [asdict(f) for f in r.frames]} if include_frames else {})}
+            for r in runs
+        ],
+    }
+
+
+def load_runs(path: str | Path) -> list[RunRecord]:
+    """Runs (with frames) back from a report JSON written by `write_report`."""
+    data = json.loads(Path(path).read_text())
+
+    def nan(v: object) -> float:
+        return math.nan if v is None else float(v)  # type: ignore[arg-type]
+
+    runs = []
+    for r in data["runs"]:
+        frames = [FrameRecord(**{**f, "e2e_ms": nan(f["e2e_ms"]),
+                                 "confidence": nan(f["confidence"]),
+                                 "phases_ms": {k: nan(v) for k, v in f["phases_ms"].items()}})
+                  for f in r.get("frames", [])]
+        runs.append(RunRecord(r["method"], frames, nan(r["wall_s"]), nan(r["peak_memory_mb"]),
+                              int(r["frames_dropped"]), dict(r["meta"])))
+    return runs
+
+
+def write_report(runs: Sequence[RunRecord], out_dir: str | Path,
+                 title: str = "tta report") -> ReportFiles:
+    """Write report.json, report.md and the PNG plots of `runs` into `out_dir`."""
+    from tta_core.report_plots import write_plots
+
+    if not any(r.frames for r in runs):
+        raise ValueError("no run has frames: nothing to report")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    summaries = [summarize(r) for r in runs if r.frames]
+    json_path = out / "report.json"
+    write_json_atomic(json_path, report_dict(runs))
+    md_path = out / "report.md"
+    md_path.write_text(f"# {title}\n\nAccuracy in %, latency in ms.\n\n"
+                       + markdown_table(summaries))
+    return ReportFiles(json_path, md_path, write_plots(summaries, out))

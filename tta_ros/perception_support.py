@@ -1,0 +1,149 @@
+"""Thread-side helpers of the perception node (no rclpy): frame queue, plan gate, guard.
+
+- FrameQueue: bounded keep-latest queue between the image callback (never blocks) and the
+  worker; when full, the oldest frame is dropped and counted.
+- PlanGate: which plan the next batch uses in `plan_source: topic`. A plan is *stale* when
+  an importance message has waited longer than `timeout_s` without any plan arriving
+  after it (scheduler gone); an idle stream is never stale. Stale -> plan inline.
+- DivergenceGuard: reset the method when logits are non-finite, or when the mean entropy
+  stays above `ratio * ln(num_classes)` for `patience` consecutive batches.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+
+class FrameQueue:
+    """deque(maxlen) + condition; push never blocks, take waits for a batch."""
+
+    def __init__(self, maxlen: int) -> None:
+        if maxlen < 1:
+            raise ValueError(f"queue_size must be >= 1, got {maxlen}")
+        self._q: deque = deque(maxlen=maxlen)
+        self._cv = threading.Condition()
+        self.dropped = 0
+        self.received = 0
+        self.closed = False
+
+    def push(self, item: Any) -> bool:
+        """Append `item`; returns True when the oldest frame was dropped to make room."""
+        with self._cv:
+            full = len(self._q) == self._q.maxlen
+            if full:
+                self.dropped += 1
+            self._q.append(item)
+            self.received += 1
+            self._cv.notify()
+        return full
+
+    def resize(self, maxlen: int) -> None:
+        """New capacity, keeping the newest frames (the ones cut are counted as dropped)."""
+        if maxlen < 1:
+            raise ValueError(f"queue_size must be >= 1, got {maxlen}")
+        with self._cv:
+            old = list(self._q)
+            self.dropped += max(0, len(old) - maxlen)
+            self._q = deque(old[-maxlen:], maxlen=maxlen)
+
+    def take(self, n: int, batch_timeout_s: float, poll_s: float = 0.1) -> list:
+        """Up to n frames: returns when n are queued, or `batch_timeout_s` after the first.
+
+        Returns [] after `poll_s` without any frame, or when closed.
+        """
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._q or self.closed, timeout=poll_s):
+                return []
+            deadline = time.monotonic() + batch_timeout_s
+            while len(self._q) < n and not self.closed:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(timeout=left)
+            return [self._q.popleft() for _ in range(min(n, len(self._q)))]
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    @property
+    def maxlen(self) -> int:
+        return int(self._q.maxlen or 0)
+
+    def close(self) -> None:
+        with self._cv:
+            self.closed = True
+            self._cv.notify_all()
+
+
+class PlanGate:
+    """Latest external plan + staleness; all times from time.monotonic() by default."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = float(timeout_s)
+        self.plan: Any = None
+        self.plan_time = -math.inf
+        self.waiting_since: float | None = None  # oldest unanswered importance
+        self._lock = threading.Lock()
+
+    def on_plan(self, plan: Any, now: float | None = None) -> None:
+        with self._lock:
+            self.plan = plan
+            self.plan_time = time.monotonic() if now is None else now
+            self.waiting_since = None
+
+    def on_importance_sent(self, now: float | None = None) -> None:
+        with self._lock:
+            if self.waiting_since is None:
+                self.waiting_since = time.monotonic() if now is None else now
+
+    def stale(self, now: float | None = None) -> bool:
+        """True when an importance waits for a plan for more than timeout_s."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            return self.waiting_since is not None and now - self.waiting_since > self.timeout_s
+
+    def current(self, now: float | None = None) -> Any:
+        """The plan to apply to the next batch, or None (plan inline)."""
+        if self.stale(now):
+            return None
+        with self._lock:
+            return self.plan
+
+    def silent_for(self, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            return now - self.plan_time
+
+
+@dataclass
+class DivergenceGuard:
+    """Decides when adaptation collapsed and the source weights must come back."""
+
+    num_classes: int
+    ratio: float = 0.95
+    patience: int = 5
+    high_streak: int = 0
+    resets: int = 0
+
+    def check(self, logits_finite: bool, mean_entropy: float) -> str:
+        """'' when fine, else the reason to reset (the streak restarts after a reset)."""
+        limit = self.ratio * math.log(max(self.num_classes, 2))
+        if not logits_finite:
+            reason = "non-finite logits"
+        elif not math.isfinite(mean_entropy) or mean_entropy > limit:
+            self.high_streak += 1
+            if self.high_streak < self.patience:
+                return ""
+            reason = (f"mean entropy {mean_entropy:.3f} > {limit:.3f} nats for "
+                      f"{self.high_streak} batches")
+        else:
+            self.high_streak = 0
+            return ""
+        self.high_streak = 0
+        self.resets += 1
+        return reason

@@ -1,0 +1,328 @@
+"""Replay a bag through the perception pipeline over real ROS 2 and report accuracy/latency.
+
+The bag's images are published on the perception node's image topic (original stamps
+kept, so predictions join to ground truth by stamp); `predictions` and
+`adaptation_status` are collected; the result is the same report as `tta bench`
+(tta_core.report) plus end-to-end latency image publish -> prediction received.
+
+Pacing: `real` keeps the bag's relative timing, `<hz>` a fixed rate, `max` as fast as
+the pipeline goes with flow control (at most `window` images awaiting a prediction, so the
+perception queue never overflows) unless `allow_drops`. The nodes run in-process
+(tta_ros.bringup.build_nodes, on an executor thread) or are already running (`external`).
+Partial results are flushed every `flush_every` predictions; Ctrl-C writes what it has.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import rclpy
+from rclpy.executors import SingleThreadedExecutor
+from rclpy.node import Node
+from rclpy.qos import QoSProfile
+from sensor_msgs.msg import Image
+from tta_msgs.msg import AdaptationStatus, ClassPrediction
+
+from tta_core.bag import BagFrame, read_bag, stamp_ns
+from tta_core.report import (
+    FrameRecord,
+    ReportFiles,
+    RunRecord,
+    report_dict,
+    write_json_atomic,
+    write_report,
+)
+
+STATUS_PHASES = {"forward": "forward_ms", "plan": "plan_ms", "backward": "backward_ms",
+                 "reforward": "reforward_ms", "total": "total_ms"}
+
+
+@dataclass
+class ReplayOptions:
+    """What to replay and how; see the module docstring for pacing and flow control."""
+
+    bag: Path
+    config: Path = Path("config/vehicle.yaml")
+    rate: str = "max"  # "real" | "max" | a rate in Hz
+    method: str | None = None
+    out: Path | None = None  # None: no files written
+    external: bool = False
+    allow_drops: bool = False
+    window: int = 0  # images awaiting a prediction in max mode; 0: the perception batch size
+    flush_every: int = 50
+    timeout_s: float = 20.0  # no prediction for this long -> the rest counts as dropped
+    max_frames: int = 0  # 0: all
+    image_topic: str = "image"
+    predictions_topic: str = "predictions"
+    status_topic: str = "adaptation_status"
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.bag = Path(self.bag)
+        parse_rate(self.rate)
+        for name in ("window", "flush_every", "max_frames"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s!r}")
+
+
+@dataclass
+class ReplayResult:
+    """The joined run, the files written and the message counts seen."""
+
+    run: RunRecord
+    files: ReportFiles | None
+    n_published: int
+    n_predictions: int
+    n_statuses: int
+    interrupted: bool
+
+
+def parse_rate(rate: str) -> float | None:
+    """None for "real", inf for "max", else a positive rate in Hz (ValueError otherwise)."""
+    if rate == "real":
+        return None
+    if rate == "max":
+        return math.inf
+    try:
+        hz = float(rate)
+    except ValueError:
+        hz = math.nan
+    if not (hz > 0 and math.isfinite(hz)):
+        raise ValueError(f"rate must be 'real', 'max' or a rate in Hz > 0, got {rate!r}")
+    return hz
+
+
+class Collector:
+    """Thread-safe store of predictions (by stamp) and statuses (by batch id)."""
+
+    def __init__(self) -> None:
+        self.cond = threading.Condition()
+        self.predictions: dict[int, tuple[ClassPrediction, float]] = {}
+        self.statuses: dict[int, AdaptationStatus] = {}
+        self.published: dict[int, float] = {}  # stamp -> perf_counter at publish
+
+    def on_prediction(self, msg: ClassPrediction) -> None:
+        with self.cond:
+            self.predictions[stamp_ns(msg.header)] = (msg, time.perf_counter())
+            self.cond.notify_all()
+
+    def on_status(self, msg: AdaptationStatus) -> None:
+        with self.cond:
+            self.statuses[int(msg.batch_id)] = msg
+
+    def in_flight(self) -> int:
+        return sum(1 for s in self.published if s not in self.predictions)
+
+    def wait(self, done: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait until `done()` (checked under the lock) or no prediction for `timeout_s`."""
+        with self.cond:
+            while not done():
+                seen = len(self.predictions)
+
+                def moved(seen: int = seen) -> bool:
+                    return done() or len(self.predictions) > seen
+
+                if not self.cond.wait_for(moved, timeout_s):
+                    return False
+            return True
+
+
+def image_msg(frame: BagFrame) -> Image:
+    """sensor_msgs/Image (rgb8) of a bag frame with its original stamp."""
+    msg = Image()
+    msg.header.stamp.sec, msg.header.stamp.nanosec = divmod(frame.stamp_ns, 1_000_000_000)
+    msg.header.frame_id = "camera"
+    msg.height, msg.width = frame.image.shape[:2]
+    msg.encoding, msg.is_bigendian, msg.step = "rgb8", 0, frame.image.shape[1] * 3
+    msg.data = np.ascontiguousarray(frame.image).tobytes()
+    return msg
+
+
+def build_run(frames: list[BagFrame], col: Collector, wall_s: float, method: str,
+              meta: dict[str, Any]) -> RunRecord:
+    """Join published frames with their predictions and batch statuses (by stamp/batch)."""
+    with col.cond:
+        preds, stats = dict(col.predictions), dict(col.statuses)
+        published = dict(col.published)
+    records, dropped = [], 0
+    for f in frames:
+        if f.stamp_ns not in preds:
+            dropped += f.stamp_ns in published
+            continue
+        p, t_recv = preds[f.stamp_ns]
+        st = stats.get(int(p.batch_id))
+        phases = {k: float(getattr(st, a)) for k, a in STATUS_PHASES.items()} if st else {}
+        records.append(FrameRecord(f.domain, f.label, int(p.label), int(p.batch_id), phases,
+                                   1000.0 * (t_recv - published[f.stamp_ns]), f.stamp_ns,
+                                   float(p.confidence)))
+    peak = max((float(s.peak_memory_mb) for s in stats.values()), default=math.nan)
+    if stats:
+        method = next(iter(stats.values())).method or method
+        meta = {**meta, "mode": next(iter(stats.values())).mode,
+                "plan_ids": sorted({int(s.plan_id) for s in stats.values()})[:1000]}
+    return RunRecord(method, records, wall_s, peak, dropped, meta)
+
+
+class _Pacer:
+    """When to publish each frame: bag timing, a fixed rate, or flow-controlled max."""
+
+    def __init__(self, rate: str, window: int, allow_drops: bool) -> None:
+        self.hz, self.window, self.allow_drops = parse_rate(rate), window, allow_drops
+        self.t0 = time.perf_counter()
+        self.stamp0: int | None = None
+
+    def wait_turn(self, i: int, frame: BagFrame, col: Collector, timeout_s: float) -> None:
+        if self.hz is None:  # real: the bag's relative timing
+            self.stamp0 = frame.stamp_ns if self.stamp0 is None else self.stamp0
+            due = self.t0 + (frame.stamp_ns - self.stamp0) / 1e9
+        elif math.isfinite(self.hz):
+            due = self.t0 + i / self.hz
+        else:
+            if not self.allow_drops:
+                col.wait(lambda: col.in_flight() < self.window, timeout_s)
+            return
+        time.sleep(max(0.0, due - time.perf_counter()))
+
+
+class _Session:
+    """The ROS side of a replay: its own node, executor thread and (optionally) the nodes."""
+
+    def __init__(self, opts: ReplayOptions, context: Any) -> None:
+        self.context = context
+        self.nodes: list[Node] = []
+        if not opts.external:
+            from tta_ros.bringup import build_nodes
+
+            overrides = dict(opts.overrides)
+            if opts.method:
+                overrides["method"] = opts.method
+            self.nodes = build_nodes(opts.config, overrides, context=context)
+        self.node = Node("tta_replay", context=context)
+        self.col = Collector()
+        qos = QoSProfile(depth=1000)
+        self.pub = self.node.create_publisher(Image, opts.image_topic, qos)
+        self.node.create_subscription(ClassPrediction, opts.predictions_topic,
+                                      self.col.on_prediction, qos)
+        self.node.create_subscription(AdaptationStatus, opts.status_topic,
+                                      self.col.on_status, qos)
+        self.executor = SingleThreadedExecutor(context=context)
+        for n in (*self.nodes, self.node):
+            self.executor.add_node(n)
+        self.thread = threading.Thread(target=self._spin, daemon=True)
+        self.thread.start()
+
+    def _spin(self) -> None:
+        try:
+            self.executor.spin()
+        except Exception:  # context shut down under the executor
+            if self.context.ok():
+                raise
+
+    def batch_size(self) -> int:
+        for n in self.nodes:
+            if n.has_parameter("batch_size"):
+                return int(n.get_parameter("batch_size").value)
+        return 1
+
+    def wait_connected(self, opts: ReplayOptions, timeout_s: float) -> None:
+        """Wait until the image topic has a subscriber and predictions have a publisher."""
+        end = time.monotonic() + timeout_s
+        while time.monotonic() < end:
+            if (self.pub.get_subscription_count() > 0
+                    and self.node.count_publishers(opts.predictions_topic) > 0):
+                time.sleep(0.2)  # let discovery finish both ways
+                return
+            time.sleep(0.05)
+        raise RuntimeError(
+            f"no perception node subscribed to {opts.image_topic!r} / publishing "
+            f"{opts.predictions_topic!r} within {timeout_s:.0f} s"
+            + (" (is it running? try without --external)" if opts.external else ""))
+
+    def close(self) -> None:
+        self.executor.shutdown(timeout_sec=2.0)
+        for n in (*self.nodes, self.node):
+            n.destroy_node()
+        self.thread.join(timeout=2.0)
+
+
+def _publish_all(sess: _Session, opts: ReplayOptions, frames: list[BagFrame],
+                 pacer: _Pacer, flush: Callable[[], None],
+                 progress: Callable[[int, int], None] | None) -> None:
+    col, flushed = sess.col, 0
+    for i, f in enumerate(frames):
+        pacer.wait_turn(i, f, col, opts.timeout_s)
+        msg = image_msg(f)
+        with col.cond:
+            col.published[f.stamp_ns] = time.perf_counter()
+        sess.pub.publish(msg)
+        if progress:
+            progress(i + 1, len(frames))
+        if opts.flush_every and len(col.predictions) // opts.flush_every > flushed:
+            flushed = len(col.predictions) // opts.flush_every
+            flush()
+    col.wait(lambda: col.in_flight() == 0, opts.timeout_s)
+
+
+def replay(opts: ReplayOptions, context: Any = None,
+           progress: Callable[[int, int], None] | None = None) -> ReplayResult:
+    """Replay `opts.bag` through the nodes and return (and write, if `opts.out`) the report.
+
+    `context`: an initialised rclpy Context (None: rclpy's default one, initialised here
+    if needed). `progress(published, total)` is called after each image.
+    """
+    frames = list(read_bag(opts.bag))
+    if opts.max_frames:
+        frames = frames[: opts.max_frames]
+    if not frames:
+        raise ValueError(f"bag {opts.bag} has no images")
+    own_init = context is None and not rclpy.ok()
+    if own_init:
+        rclpy.init()
+    sess = _Session(opts, context or rclpy.get_default_context())
+    meta = {"bag": str(opts.bag), "rate": opts.rate, "external": opts.external,
+            "frames_in_bag": len(frames)}
+    t0 = time.perf_counter()
+    interrupted = False
+
+    def snapshot() -> RunRecord:
+        return build_run(frames, sess.col, time.perf_counter() - t0, opts.method or "?", meta)
+
+    def flush() -> None:
+        if opts.out:
+            write_json_atomic(Path(opts.out) / "partial.json",
+                              report_dict([snapshot()], include_frames=True))
+
+    try:
+        sess.wait_connected(opts, timeout_s=15.0)
+        window = opts.window or max(1, sess.batch_size())
+        pacer = _Pacer(opts.rate, window, opts.allow_drops)
+        t0 = pacer.t0
+        _publish_all(sess, opts, frames, pacer, flush, progress)
+    except KeyboardInterrupt:
+        interrupted = True
+        sess.col.wait(lambda: sess.col.in_flight() == 0, 1.0)
+    finally:
+        run = snapshot()
+        counts = (len(sess.col.published), len(sess.col.predictions), len(sess.col.statuses))
+        sess.close()
+        if own_init:
+            rclpy.try_shutdown()
+    run.meta["interrupted"] = interrupted
+    files = _write(run, opts) if opts.out and run.frames else None
+    return ReplayResult(run, files, *counts, interrupted)
+
+
+def _write(run: RunRecord, opts: ReplayOptions) -> ReportFiles:
+    out = Path(opts.out)  # type: ignore[arg-type]
+    files = write_report([run], out, title=f"tta replay {opts.bag.name}")
+    (out / "partial.json").unlink(missing_ok=True)
+    return files

@@ -1,0 +1,202 @@
+"""resource_monitor node: publishes `telemetry` (ResourceTelemetry) and `/diagnostics`.
+
+All sampling is tta_core.telemetry's (psutil, sysfs thermal/cpufreq, NVML, jtop, perf);
+this node only turns its ResourceSample into messages. Unknown values stay NaN; the uint32
+`competing_processes` field carries UNKNOWN_COUNT (2**32 - 1) when the count is unknown.
+/diagnostics carries one DiagnosticStatus per subsystem (cpu, memory, thermal, gpu, cache):
+OK / WARN / ERROR against the thresholds below, STALE when the subsystem is not measured.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Sequence
+
+import rclpy
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rclpy.context import Context
+from rclpy.node import Node
+from rclpy.parameter import Parameter
+from tta_msgs.msg import ResourceTelemetry
+
+from tta_core.telemetry import (
+    JtopSource,
+    NvmlSource,
+    PerfSource,
+    PsutilSource,
+    ResourceSample,
+    SysfsSource,
+    TelemetrySampler,
+)
+from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
+
+UNKNOWN_COUNT = 2**32 - 1
+OK, WARN, ERROR, STALE = (DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR,
+                          DiagnosticStatus.STALE)
+
+PARAMS: tuple[ParamSpec, ...] = (
+    ParamSpec("rate_hz", 10.0, "telemetry publish rate [Hz]", 0.1, 100.0, read_only=True),
+    ParamSpec("diagnostics_rate_hz", 1.0, "/diagnostics publish rate [Hz]", 0.1, 10.0,
+              read_only=True),
+    ParamSpec("sysfs_root", "/sys", "root of the sysfs tree (a fake tree in tests)",
+              read_only=True),
+    ParamSpec("enable_perf", True, "read LLC hit rate from perf_event when permitted",
+              read_only=True),
+    ParamSpec("enable_nvml", True, "query NVML for a desktop GPU", read_only=True),
+    ParamSpec("enable_jtop", True, "query jtop on a Jetson", read_only=True),
+    ParamSpec("gpu_index", 0, "NVML GPU index", 0, 64, read_only=True),
+    ParamSpec("frame_id", "", "header.frame_id of telemetry"),
+    ParamSpec("cpu_warn_percent", 90.0, "mean CPU load above which cpu is WARN", 0.0, 100.0),
+    ParamSpec("mem_warn_percent", 90.0, "memory use above which memory is WARN", 0.0, 100.0),
+    ParamSpec("temp_warn_c", 80.0, "temperature above which thermal is WARN", 0.0, 150.0),
+    ParamSpec("temp_error_c", 95.0, "temperature above which thermal is ERROR", 0.0, 150.0),
+    ParamSpec("cache_warn_hit_rate", 0.5, "LLC hit rate below which cache is WARN", 0.0, 1.0),
+)
+
+_FIELDS = ("source", "cpu_percent", "gpu_percent", "cpu_temp_c", "gpu_temp_c", "cpu_freq_mhz",
+           "cpu_freq_max_mhz", "gpu_freq_mhz", "gpu_freq_max_mhz", "cache_hit_rate",
+           "mem_used_mb", "mem_total_mb", "gpu_mem_used_mb", "power_w", "compute_expansion",
+           "memory_expansion")
+
+
+def sample_to_msg(sample: ResourceSample) -> ResourceTelemetry:
+    """ResourceSample -> ResourceTelemetry (stamp from the sample's wall-clock time)."""
+    msg = ResourceTelemetry()
+    for name in _FIELDS:
+        value = getattr(sample, name)
+        setattr(msg, name, value if name == "source" else float(value))
+    msg.cpu_percent_per_core = [float(v) for v in sample.cpu_percent_per_core]
+    n = sample.competing_processes
+    msg.competing_processes = int(n) if math.isfinite(n) else UNKNOWN_COUNT
+    sec = math.floor(sample.stamp)
+    msg.header.stamp.sec = int(sec)
+    msg.header.stamp.nanosec = int((sample.stamp - sec) * 1e9)
+    return msg
+
+
+def _kv(values: dict[str, float | str]) -> list[KeyValue]:
+    return [KeyValue(key=k, value=v if isinstance(v, str) else f"{v:.6g}")
+            for k, v in values.items()]
+
+
+def _status(name: str, level: int, message: str, vals: dict) -> DiagnosticStatus:
+    return DiagnosticStatus(level=level, name=f"tta resource_monitor: {name}", message=message,
+                            hardware_id="", values=_kv(vals))
+
+
+def _known(*xs: float) -> bool:
+    return any(math.isfinite(x) for x in xs)
+
+
+def subsystem_statuses(s: ResourceSample, th: dict[str, float]) -> list[DiagnosticStatus]:
+    """One status per subsystem: cpu, memory, thermal, gpu, cache (STALE when unmeasured)."""
+    out = []
+    cpu = s.cpu_percent
+    lvl = STALE if not _known(cpu) else WARN if cpu > th["cpu_warn_percent"] else OK
+    out.append(_status("cpu", lvl, "not measured" if lvl == STALE else f"load {cpu:.0f} %", {
+        "cpu_percent": cpu, "cores": float(len(s.cpu_percent_per_core)),
+        "cpu_freq_mhz": s.cpu_freq_mhz, "cpu_freq_max_mhz": s.cpu_freq_max_mhz,
+        "competing_processes": s.competing_processes, "compute_expansion": s.compute_expansion}))
+    mem_pct = 100.0 * s.mem_used_mb / s.mem_total_mb if s.mem_total_mb > 0 else math.nan
+    lvl = STALE if not _known(mem_pct) else WARN if mem_pct > th["mem_warn_percent"] else OK
+    out.append(_status("memory", lvl, "not measured" if lvl == STALE else f"{mem_pct:.0f} % used",
+                       {"mem_used_mb": s.mem_used_mb, "mem_total_mb": s.mem_total_mb}))
+    temps = [t for t in (s.cpu_temp_c, s.gpu_temp_c) if math.isfinite(t)]
+    hot = max(temps) if temps else math.nan
+    lvl = (STALE if not temps else ERROR if hot > th["temp_error_c"]
+           else WARN if hot > th["temp_warn_c"] else OK)
+    out.append(_status("thermal", lvl, "no thermal zone" if lvl == STALE else f"max {hot:.1f} C",
+                       {"cpu_temp_c": s.cpu_temp_c, "gpu_temp_c": s.gpu_temp_c}))
+    gpu_known = _known(s.gpu_percent, s.gpu_freq_mhz, s.gpu_mem_used_mb, s.gpu_temp_c)
+    out.append(_status("gpu", OK if gpu_known else STALE, "ok" if gpu_known else "no GPU source", {
+        "gpu_percent": s.gpu_percent, "gpu_freq_mhz": s.gpu_freq_mhz,
+        "gpu_freq_max_mhz": s.gpu_freq_max_mhz, "gpu_mem_used_mb": s.gpu_mem_used_mb,
+        "power_w": s.power_w}))
+    hit = s.cache_hit_rate
+    lvl = STALE if not _known(hit) else WARN if hit < th["cache_warn_hit_rate"] else OK
+    out.append(_status("cache", lvl, "no LLC counters" if lvl == STALE else f"hit {hit:.2f}",
+                       {"cache_hit_rate": hit, "memory_expansion": s.memory_expansion}))
+    return out
+
+
+class ResourceMonitorNode(Node):
+    """Samples resources at `rate_hz`; publishes telemetry and per-subsystem diagnostics."""
+
+    def __init__(self, node_name: str = "resource_monitor", *, context: Context | None = None,
+                 parameter_overrides: Sequence[Parameter] | None = None,
+                 cli_args: Sequence[str] | None = None) -> None:
+        super().__init__(node_name, context=context, parameter_overrides=parameter_overrides,
+                         cli_args=list(cli_args) if cli_args else None)
+        declare_all(self, PARAMS)
+        self.params = values(self, PARAMS)
+        check_initial(PARAMS, self.params)
+        self.add_on_set_parameters_callback(lambda ps: validate(PARAMS, ps))
+        self.sampler = TelemetrySampler(sources=self._sources())
+        self.last_sample: ResourceSample | None = None
+        self.samples_published = 0
+        self.pub_telemetry = self.create_publisher(ResourceTelemetry, "telemetry", 10)
+        self.pub_diag = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        self.create_timer(1.0 / self.params["rate_hz"], self._on_sample)
+        self.create_timer(1.0 / self.params["diagnostics_rate_hz"], self._on_diagnostics)
+
+    def _sources(self) -> list:
+        p = self.params
+        srcs: list = [PsutilSource(own_pids=(os.getpid(),)), SysfsSource(p["sysfs_root"])]
+        if p["enable_nvml"]:
+            srcs.append(NvmlSource(p["gpu_index"]))
+        if p["enable_jtop"]:
+            srcs.append(JtopSource())
+        if p["enable_perf"]:
+            srcs.append(PerfSource(None))
+        return srcs
+
+    def _on_sample(self) -> None:
+        sample = self.sampler.sample()
+        self.last_sample = sample
+        msg = sample_to_msg(sample)
+        msg.header.frame_id = self.get_parameter("frame_id").value
+        self.pub_telemetry.publish(msg)
+        self.samples_published += 1
+
+    def _on_diagnostics(self) -> None:
+        if self.last_sample is None:
+            return
+        th = {k: self.get_parameter(k).value for k in
+              ("cpu_warn_percent", "mem_warn_percent", "temp_warn_c", "temp_error_c",
+               "cache_warn_hit_rate")}
+        arr = DiagnosticArray()
+        arr.header.stamp = self.get_clock().now().to_msg()
+        arr.status = subsystem_statuses(self.last_sample, th)
+        arr.status.append(self._sources_status())
+        self.pub_diag.publish(arr)
+
+    def _sources_status(self) -> DiagnosticStatus:
+        sts = self.sampler.describe()
+        errors = [f"{s.name}: {s.last_error}" for s in sts if s.last_error]
+        vals = {s.name: s.detail for s in sts}
+        return _status("sources", WARN if errors else OK, "; ".join(errors) or
+                       (self.last_sample.source if self.last_sample else ""), vals)
+
+    def destroy_node(self) -> None:
+        self.sampler.close()
+        super().destroy_node()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point: `resource_monitor_node [--ros-args ...]`."""
+    rclpy.init(args=list(argv) if argv is not None else sys.argv)
+    node = ResourceMonitorNode()
+    try:
+        rclpy.spin(node)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        node.destroy_node()
+        rclpy.try_shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Parameter declaration helpers shared by the tta nodes: descriptors with ranges, one spec.
+
+Each node lists its parameters as `ParamSpec`s; `declare_all` declares them with a
+ParameterDescriptor (description + FloatingPointRange/IntegerRange where numeric), so
+`ros2 param describe` shows the range and rclpy itself refuses out-of-range values.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rcl_interfaces.msg import (
+    FloatingPointRange,
+    IntegerRange,
+    ParameterDescriptor,
+    SetParametersResult,
+)
+from rclpy.node import Node
+from rclpy.parameter import Parameter
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One node parameter: name, default, description, numeric range or allowed choices."""
+
+    name: str
+    default: Any
+    description: str
+    low: float | None = None
+    high: float | None = None
+    choices: tuple[str, ...] = ()
+    read_only: bool = False
+
+    def descriptor(self) -> ParameterDescriptor:
+        desc = self.description
+        if self.choices:
+            desc += f" (one of: {', '.join(self.choices)})"
+        d = ParameterDescriptor(description=desc, read_only=self.read_only)
+        if self.low is not None and self.high is not None:
+            if isinstance(self.default, bool):
+                raise ValueError(f"parameter {self.name!r}: a bool has no range")
+            if isinstance(self.default, int):
+                d.integer_range = [IntegerRange(from_value=int(self.low),
+                                                to_value=int(self.high), step=1)]
+            else:
+                d.floating_point_range = [FloatingPointRange(
+                    from_value=float(self.low), to_value=float(self.high), step=0.0)]
+        return d
+
+    def check(self, value: Any) -> str:
+        """'' when `value` is acceptable, else the reason (names the value)."""
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{self.name}={value!r} is not finite"
+        if self.low is not None and self.high is not None and isinstance(value, int | float) \
+                and not isinstance(value, bool) and not self.low <= value <= self.high:
+            return f"{self.name}={value!r} outside [{self.low:g}, {self.high:g}]"
+        if self.choices and value not in self.choices:
+            return f"{self.name}={value!r} not one of {', '.join(self.choices)}"
+        return ""
+
+
+def declare_all(node: Node, specs: Sequence[ParamSpec]) -> None:
+    """Declare every spec on `node` (values from overrides / params files win)."""
+    for spec in specs:
+        node.declare_parameter(spec.name, spec.default, spec.descriptor())
+
+
+def values(node: Node, specs: Iterable[ParamSpec]) -> dict[str, Any]:
+    """Current value of each spec'd parameter, by name."""
+    return {s.name: node.get_parameter(s.name).value for s in specs}
+
+
+def validate(specs: Sequence[ParamSpec], params: Sequence[Parameter]) -> SetParametersResult:
+    """on_set_parameters callback body: refuse the first bad value with its reason."""
+    by_name = {s.name: s for s in specs}
+    for p in params:
+        spec = by_name.get(p.name)
+        if spec is None:
+            continue
+        reason = spec.check(p.value)
+        if reason:
+            return SetParametersResult(successful=False, reason=reason)
+    return SetParametersResult(successful=True)
+
+
+def check_initial(specs: Sequence[ParamSpec], current: dict[str, Any]) -> None:
+    """Raise ValueError naming the first bad value among the declared parameters."""
+    for spec in specs:
+        reason = spec.check(current[spec.name])
+        if reason:
+            raise ValueError(reason)

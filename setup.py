@@ -33,6 +33,10 @@ setup(
     entry_points={
         "console_scripts": [
             "tta = tta_core.cli:main",
+            "perception_node = tta_ros.perception_node:main",
+            "resource_monitor_node = tta_ros.resource_monitor_node:main",
+            "scheduler_node = tta_ros.scheduler_node:main",
+            "bringup = tta_ros.bringup:main",
         ],
     },
 )

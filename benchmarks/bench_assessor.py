@@ -1,12 +1,14 @@
 """Assessor overhead in % of the forward pass (goal: <= 5 %).
 
 torchvision resnet50 (random weights, eval mode, no_grad), batch 4 at 224 px, CPU threads
-fixed. Variants, each timed interleaved with the plain forward (median over --runs):
-  * var_mean:  hooks on every Conv2d/BatchNorm2d/Linear, one torch.var_mean per output;
-  * bn_kernel: the same hooks, tta_core.assessor.channel_stats (BN statistics kernel);
-  * fused:     one statistics pass per Conv->BN pair (see tta_core.assessor.StatsRecorder);
+fixed (default 1: the machine is shared, so thread CPU time is reported next to wall time).
+Variants, each timed interleaved with the plain forward (median over --runs):
+  * var_mean:      hooks on every Conv2d/BatchNorm2d/Linear, one torch.var_mean per output;
+  * bn_kernel:     the same hooks, aten.batch_norm_update_stats per output;
+  * channel_stats: the same hooks, tta_core.assessor.channel_stats (guarded one-pass);
+  * fused:         channel_stats once per Conv->BN pair (tta_core.assessor.StatsRecorder);
 each followed by Assessor.step (importance + EMA). Also: per-unit vs flat KL cost.
-Usage: python benchmarks/bench_assessor.py [--runs 10] [--threads 2]
+Usage: python benchmarks/bench_assessor.py [--runs 10] [--threads 1]
 Prints JSON.
 """
 
@@ -23,7 +25,7 @@ import torch
 from torch import nn
 from torchvision.models import resnet50
 
-from tta_core.assessor import Assessor, StatsRecorder, channel_stats, gaussian_kl
+from tta_core.assessor import Assessor, StatsRecorder, gaussian_kl
 
 _UNIT_TYPES = (nn.Conv2d, nn.BatchNorm2d, nn.Linear)
 
@@ -33,23 +35,22 @@ def _var_mean_stats(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return mean, var
 
 
-class _NaiveHooks:
-    """A forward hook per unit computing `stats_fn(output)`."""
+def _bn_kernel_stats(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    mean, var = torch.ops.aten.batch_norm_update_stats(out, None, None, 0.0)
+    return mean, var
 
-    def __init__(self, model: nn.Module, stats_fn: Callable) -> None:
-        self.units = [m for m in model.modules() if isinstance(m, _UNIT_TYPES)]
-        self.stats: list = [None] * len(self.units)
-        self._handles = [m.register_forward_hook(self._hook(i, stats_fn))
-                         for i, m in enumerate(self.units)]
 
-    def _hook(self, i: int, stats_fn: Callable) -> Callable:
+class _FnRecorder(StatsRecorder):
+    """StatsRecorder without fusion whose statistics come from `fn` (reference variants)."""
+
+    def __init__(self, modules: list[nn.Module], fn: Callable) -> None:
+        super().__init__(modules, fuse_bn=False)
+        self.fn = fn
+
+    def _hook(self, i: int, mod: nn.Module) -> Callable:
         def hook(_m: nn.Module, _args: tuple, out: torch.Tensor) -> None:
-            self.stats[i] = stats_fn(out)
+            self._stats[i] = self.fn(out)
         return hook
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -58,50 +59,58 @@ def _timed(fn: Callable[[], object]) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
+def _wall_cpu(fn: Callable[[], object]) -> tuple[float, float]:
+    """(wall ms, process CPU ms) of one call."""
+    w0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    return (time.perf_counter() - w0) * 1e3, (time.process_time() - c0) * 1e3
+
+
 def _overheads(model: nn.Module, x: torch.Tensor, runs: int) -> dict:
     units = [m for m in model.modules() if isinstance(m, _UNIT_TYPES)]
-    variants: dict[str, tuple[Callable, Callable]] = {}
-    for name, fn in (("var_mean", _var_mean_stats), ("bn_kernel", channel_stats)):
-        hooks, assessor = _NaiveHooks(model, fn), Assessor(len(units))
-        variants[name] = (hooks, assessor)
-        hooks.remove()
-    recorder, fused_assessor = StatsRecorder(units), Assessor(len(units))
-    times: dict[str, list[float]] = {"plain": [], **{k: [] for k in (*variants, "fused")}}
+    recorders = {
+        "var_mean": _FnRecorder(units, _var_mean_stats),
+        "bn_kernel": _FnRecorder(units, _bn_kernel_stats),
+        "channel_stats": StatsRecorder(units, fuse_bn=False),
+        "fused": StatsRecorder(units, fuse_bn=True),
+    }
+    assessors = {name: Assessor(len(units)) for name in recorders}
+
+    def with_assessor(name: str) -> None:
+        with recorders[name].attach():
+            model(x)
+        assessors[name].step(recorders[name].stats())
+
+    samples: dict[str, list[tuple[float, float]]] = {k: [] for k in ("plain", *recorders)}
     with torch.no_grad():
-        for rep in range(runs + 1):
-            plain = _timed(lambda: model(x))
-            for name, (hooks, assessor) in variants.items():
-                hooks.__init__(model, _var_mean_stats if name == "var_mean" else channel_stats)
-                ms = _timed(lambda h=hooks, a=assessor: (model(x), a.step(h.stats)))
-                hooks.remove()
-                times[name].append(ms)
-            with recorder.attach():
-                ms = _timed(lambda: (model(x), fused_assessor.step(recorder.stats())))
-            times["fused"].append(ms)
-            if rep > 0:  # first round is warm-up
-                times["plain"].append(plain)
-            else:
-                for v in times.values():
-                    v.clear()
-    plain_med = statistics.median(times["plain"])
-    out = {"forward_ms_median": plain_med, "units": len(units)}
-    for name in (*variants, "fused"):
-        med = statistics.median(times[name])
-        out[f"{name}_ms_median"] = med
-        out[f"{name}_overhead_pct"] = 100.0 * (med - plain_med) / plain_med
+        for rep in range(runs + 1):  # round 0 is warm-up
+            for name in samples:
+                fn = (lambda: model(x)) if name == "plain" else (lambda n=name: with_assessor(n))
+                sample = _wall_cpu(fn)
+                if rep > 0:
+                    samples[name].append(sample)
+    med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v))
+           for k, v in samples.items()}
+    out = {"units": len(units), "forward_ms_median": med["plain"][0],
+           "forward_cpu_ms_median": med["plain"][1]}
+    for name in recorders:
+        out[f"{name}_ms_median"] = med[name][0]
+        out[f"{name}_overhead_pct"] = 100.0 * (med[name][0] / med["plain"][0] - 1.0)
+        out[f"{name}_cpu_overhead_pct"] = 100.0 * (med[name][1] / med["plain"][1] - 1.0)
     return out
 
 
 def _kl_layouts(model: nn.Module, x: torch.Tensor, reps: int = 50) -> dict:
     """Per-unit KL loop vs one flat KL + segment sum (Assessor's layout), same stats."""
     units = [m for m in model.modules() if isinstance(m, _UNIT_TYPES)]
-    hooks = _NaiveHooks(model, channel_stats)
+    rec = StatsRecorder(units, fuse_bn=False)
     with torch.no_grad():
-        model(x)
-        hist = [(m.clone(), v.clone()) for m, v in hooks.stats]
-        model(x * 1.1)
-    hooks.remove()
-    cur = hooks.stats
+        with rec.attach():
+            model(x)
+        hist = rec.stats()
+        with rec.attach():
+            model(x * 1.1)
+        cur = rec.stats()
     assessor = Assessor(len(units))
     assessor.update_history(hist)
 
@@ -119,7 +128,7 @@ def _kl_layouts(model: nn.Module, x: torch.Tensor, reps: int = 50) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--runs", type=int, default=10)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--batch", type=int, default=4)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)

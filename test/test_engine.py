@@ -14,7 +14,7 @@ from tta_core.engine import AdaShadowEngine, EngineConfig, mac_profile, set_bn_m
 from tta_core.models import build_model
 from tta_core.planner import Plan
 from tta_core.predictor import UnitProfile
-from tta_core.units import StagedModel, decompose
+from tta_core.units import StagedModel, decompose, stage_input_hooks
 
 torch.set_num_threads(2)
 
@@ -72,11 +72,16 @@ def test_reuse_starts_at_first_updated_stage() -> None:
     for st in staged.stages:
         st.module.register_forward_pre_hook(lambda m, a, name=st.name: calls.append(name))
     eng = AdaShadowEngine(staged, EngineConfig())
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        staged.model(x)
+    in_forward, calls[:] = list(calls), []
     plan = _plan(len(staged.units), [staged.stages[2].first_unit + 1])
-    eng.step(torch.randn(4, 3, 32, 32), plan=plan)
+    eng.step(x, plan=plan)
     names = [s.name for s in staged.stages]
-    # the forward ran every stage, the reforward only stage 2 onwards
-    assert calls == names + names[2:]
+    # the reforward runs stage 2 onwards only (stem wrapper and layer1 are skipped)
+    assert calls == in_forward + names[2:]
+    assert "layer1.0" in in_forward
 
 
 def _attach_grad_probes(staged: StagedModel, fired: dict[str, int]) -> None:
@@ -87,8 +92,10 @@ def _attach_grad_probes(staged: StagedModel, fired: dict[str, int]) -> None:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(lambda g: fired.__setitem__(key, fired.get(key, 0) + 1))
         return pre
-    for st in staged.stages:
-        st.module.register_forward_pre_hook(probe(f"stage:{st.index}"))
+    def stage_probe(s: int, t: torch.Tensor) -> None:
+        if t.requires_grad:
+            t.register_hook(lambda g: fired.__setitem__(f"stage:{s}", 1))
+    stage_input_hooks(staged, stage_probe)
     seen: set[int] = set()
     for u in staged.units:
         if id(u.module) not in seen:
@@ -221,3 +228,15 @@ def test_profiler_sums_and_cli(tmp_path) -> None:
     eng.step(torch.randn(2, 3, 32, 32))
     res = eng.step(torch.randn(2, 3, 32, 32) * 3)
     assert res.plan is not None and res.plan.full_ms > prof.forward_ms
+
+
+@pytest.mark.parametrize("feedback", [True, False])
+def test_forward_feedback_rescales_profile(feedback: bool) -> None:
+    staged = _staged("small_resnet", 32)
+    prof = mac_profile(staged, 1000.0, 4, (3, 32, 32))  # a profile from a 1 s forward
+    eng = AdaShadowEngine(staged, EngineConfig(forward_feedback=feedback), profile=prof)
+    res = eng.step(torch.randn(4, 3, 32, 32))
+    tf = res.times.forward_ms
+    rest = prof.w_ms.sum() + prof.x_ms[1:].sum() + prof.r_ms.sum()
+    k = tf / prof.r_ms.sum() if feedback else 1.0
+    assert res.plan.full_ms == pytest.approx(tf + k * rest, rel=1e-9)

@@ -111,7 +111,7 @@ def _good() -> dict:
     ("change", "needle"),
     [
         ({"encoding": "yuv422"}, "yuv422"),
-        ({"encoding": "32FC1"}, "32FC1"),
+        ({"encoding": "8UC3"}, "8UC3"),
         ({"height": 0, "data": b""}, "height=0"),
         ({"width": 0}, "width=0"),
         ({"step": 20}, "step=20"),
@@ -122,6 +122,17 @@ def test_bad_images_name_the_value(change: dict, needle: str) -> None:
     fields = {**_good(), **change}
     with pytest.raises(ValueError, match=needle):
         image_to_array(_msg(**fields))
+
+
+@pytest.mark.parametrize("bigendian", [False, True])
+def test_float_encoding_byte_order_and_nan_pixels(bigendian: bool) -> None:
+    img = RGB.copy()
+    fields = array_to_image_fields(img, "32FC3", pad=4, bigendian=bigendian)
+    np.testing.assert_array_equal(image_to_array(_msg(**fields)), img)
+    img[2, 3, 1] = np.nan
+    bad = _msg(**array_to_image_fields(img, "32FC3", bigendian=bigendian))
+    with pytest.raises(ValueError, match="non-finite values"):
+        image_to_tensor(bad, Preprocess(5, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)))
 
 
 def test_nan_after_conversion_is_refused() -> None:

@@ -22,7 +22,6 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 Stats = Sequence[tuple[Tensor, Tensor]]
-_HAS_BN_STATS = hasattr(torch.ops.aten, "batch_norm_update_stats")
 
 
 def _reduce_dims(ndim: int, channel_dim: int | None) -> tuple[int, tuple[int, ...]]:
@@ -34,11 +33,28 @@ def _reduce_dims(ndim: int, channel_dim: int | None) -> tuple[int, tuple[int, ..
     return channel_dim, tuple(d for d in range(ndim) if d != channel_dim)
 
 
-def _fast_stats(out: Tensor, channel_dim: int) -> tuple[Tensor, Tensor]:
-    if channel_dim != 1:  # [B,T,D] tokens -> [B*T, D]; other layouts -> channel to dim 1
-        out = out.reshape(-1, out.shape[-1]) if channel_dim == out.ndim - 1 else \
-            out.movedim(channel_dim, 1)
-    mean, var = torch.ops.aten.batch_norm_update_stats(out, None, None, 0.0)
+_CANCEL_RATIO = 1e3  # one-pass variance used while mean^2 <= 1e3 * var (rel. error <~1e-4)
+
+
+def _as_bcs(out: Tensor, channel_dim: int) -> Tensor:
+    """View as [rows, C, cols] so the statistics reduce over dims (0, 2)."""
+    c = out.shape[channel_dim]
+    if channel_dim == out.ndim - 1:
+        return out.reshape(-1, c, 1)
+    return out.movedim(channel_dim, 1).reshape(out.shape[0], c, -1)
+
+
+def _cpu_stats(out: Tensor, channel_dim: int) -> tuple[Tensor, Tensor]:
+    """Guarded one-pass moments: E[x], E[x^2] - E[x]^2, exact two-pass where it cancels."""
+    v = _as_bcs(out if out.dtype in (torch.float32, torch.float64) else out.float(), channel_dim)
+    n = v.shape[0] * v.shape[2]
+    mean = v.sum((0, 2)) / n
+    var = (v * v).sum((0, 2)) / n - mean * mean
+    if bool(((mean * mean > _CANCEL_RATIO * var) | (var <= 0)).any()):
+        d = v - mean.view(1, -1, 1)  # corrected two-pass (Chan, Golub, LeVeque 1983)
+        shift = d.sum((0, 2)) / n
+        var = (d * d).sum((0, 2)) / n - shift * shift
+        mean = mean + shift
     return mean, var
 
 
@@ -48,16 +64,16 @@ def channel_stats(out: Tensor, channel_dim: int | None = None) -> tuple[Tensor, 
     The channel is dim 1 for [B,C,H,W] and [B,F], the last dim for [B,T,D] token tensors
     (override with `channel_dim`); statistics run over all other dims.
 
-    With autograd recording (the small-batch KL loss needs gradients) this is one
-    torch.var_mean call. Without it (the assessor path, under no_grad) it uses the
-    BatchNorm statistics kernel (aten.batch_norm_update_stats, no running stats): same
-    two-pass accuracy, but on CPU ~3.7x faster than var_mean, whose Welford reduction over
-    dims (0, 2, 3) is slow (4x256x56x56 fp32, 2 threads: 7.4 ms vs 2.0 ms; mean + norm
-    would be 1.0 ms but loses ~1e-5 relative accuracy to cancellation).
+    With autograd recording (the small-batch KL loss needs gradients) or on an accelerator
+    this is one torch.var_mean call. On CPU without autograd (the assessor path, under
+    no_grad) var_mean's Welford reduction is slow: over all 107 unit outputs of ResNet-50
+    (batch 4, 1 thread) it takes 430 ms, the BatchNorm statistics kernel 110-125 ms, an
+    exact corrected two-pass 50 ms, and the one-pass sums used here 33 ms, which fall back
+    to the two-pass for any tensor where a channel has mean^2 > 1e3 var (cancellation).
     """
     cdim, dims = _reduce_dims(out.ndim, channel_dim)
-    if _HAS_BN_STATS and not (out.requires_grad and torch.is_grad_enabled()):
-        return _fast_stats(out, cdim)
+    if out.device.type == "cpu" and not (out.requires_grad and torch.is_grad_enabled()):
+        return _cpu_stats(out, cdim)
     var, mean = torch.var_mean(out, dim=dims, correction=0)
     return mean, var
 
@@ -189,7 +205,7 @@ def _bn_output_stats(bn: _BatchNorm, mean_x: Tensor, var_x: Tensor) -> tuple[Ten
     beta = bn.bias if bn.bias is not None else torch.zeros_like(mean_x)
     if bn.training or bn.running_mean is None or bn.running_var is None:
         # normalised with the biased batch statistics, which are exactly (mean_x, var_x)
-        return beta.expand_as(mean_x), gamma**2 * var_x / (var_x + bn.eps)
+        return torch.zeros_like(mean_x) + beta, gamma**2 * var_x / (var_x + bn.eps)
     scale = gamma / torch.sqrt(bn.running_var + bn.eps)
     return scale * (mean_x - bn.running_mean) + beta, scale**2 * var_x
 

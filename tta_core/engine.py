@@ -21,7 +21,7 @@ from torch import Tensor, nn
 
 from tta_core import assessor as assessor_mod
 from tta_core import losses, planner, predictor
-from tta_core.units import StagedModel
+from tta_core.units import StagedModel, stage_input_hooks
 
 MODES = ("sequential", "parallel")
 LOSSES = ("entropy", "multilayer_kl")
@@ -43,6 +43,9 @@ class EngineConfig:
     reuse: bool = True  # reforward from the cached stage input (False: full reforward)
     pi1: float = 1.0  # compute expansion (predictor), updated from telemetry
     pi2: float = 1.0  # memory expansion
+    # scale the predicted unit times so that their forward matches this batch's measured
+    # forward: a closed-loop correction on top of pi1/pi2 for load the telemetry misses
+    forward_feedback: bool = True
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad value."""
@@ -171,9 +174,7 @@ class AdaShadowEngine:
 
     # ------------------------------------------------------------ hooks
     def _install_hooks(self) -> list:
-        handles = []
-        for st in self.staged.stages:
-            handles.append(st.module.register_forward_pre_hook(self._stage_hook(st.index)))
+        handles = stage_input_hooks(self.staged, self._cache_stage_input)
         by_module: dict[int, list[int]] = {}
         for u in self.staged.units:
             by_module.setdefault(id(u.module), []).append(u.index)
@@ -183,11 +184,9 @@ class AdaShadowEngine:
                 handles.append(u.module.register_forward_hook(self._unit_hook(idx)))
         return handles
 
-    def _stage_hook(self, s: int):
-        def hook(_m, args):
-            if self._capture:
-                self._stage_inputs[s] = args[0]
-        return hook
+    def _cache_stage_input(self, s: int, t: Tensor) -> None:
+        if self._capture:
+            self._stage_inputs[s] = t
 
     def _unit_hook(self, idx: list[int]):
         def hook(_m, _args, out):
@@ -216,6 +215,7 @@ class AdaShadowEngine:
     def _forward(self, x: Tensor) -> _Forward:
         t0 = self._timer.now()
         self._capture = True
+        self._stage_inputs[0] = x
         try:
             with torch.enable_grad():
                 logits = self.staged.model(x)
@@ -232,7 +232,11 @@ class AdaShadowEngine:
     def _times(self, fwd: _Forward, x: Tensor) -> tuple[np.ndarray, ...]:
         prof = self.profile or mac_profile(self.staged, fwd.forward_ms, x.shape[0],
                                            tuple(x.shape[1:]))
-        return predictor.runtime_times(prof, self.config.pi1, self.config.pi2)
+        w, dx, r = predictor.runtime_times(prof, self.config.pi1, self.config.pi2)
+        if self.config.forward_feedback and r.sum() > 0:
+            k = fwd.forward_ms / float(r.sum())
+            w, dx, r = w * k, dx * k, r * k
+        return w, dx, r
 
     def _plan(self, fwd: _Forward, x: Tensor, importance: np.ndarray) -> planner.Plan:
         w, dx, r = self._times(fwd, x)

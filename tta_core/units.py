@@ -87,7 +87,11 @@ class StagedModel:
 
 
 # ---------------------------------------------------------------- stage wrappers
-class _ResNetStem(nn.Module):
+class _StageWrapper(nn.Module):
+    """A stage made of pieces of the model: model.forward never calls it as a module."""
+
+
+class _ResNetStem(_StageWrapper):
     def __init__(self, m: nn.Module) -> None:
         super().__init__()
         self.conv1, self.bn1, self.relu = m.conv1, m.bn1, m.relu
@@ -97,7 +101,7 @@ class _ResNetStem(nn.Module):
         return self.maxpool(self.relu(self.bn1(self.conv1(x))))
 
 
-class _ResNetHead(nn.Module):
+class _ResNetHead(_StageWrapper):
     def __init__(self, m: nn.Module) -> None:
         super().__init__()
         self.avgpool, self.fc = m.avgpool, m.fc
@@ -106,7 +110,7 @@ class _ResNetHead(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
-class _MobileNetHead(nn.Module):
+class _MobileNetHead(_StageWrapper):
     def __init__(self, m: MobileNetV2) -> None:
         super().__init__()
         self.classifier = m.classifier
@@ -116,7 +120,7 @@ class _MobileNetHead(nn.Module):
         return self.classifier(torch.flatten(x, 1))
 
 
-class _ViTStem(nn.Module):
+class _ViTStem(_StageWrapper):
     def __init__(self, m: VisionTransformer) -> None:
         super().__init__()
         self.vit = [m]  # list: keep the parent out of this module's parameters
@@ -128,7 +132,7 @@ class _ViTStem(nn.Module):
         return m.encoder.dropout(x + m.encoder.pos_embedding)
 
 
-class _ViTHead(nn.Module):
+class _ViTHead(_StageWrapper):
     def __init__(self, m: VisionTransformer) -> None:
         super().__init__()
         self.ln, self.heads = m.encoder.ln, m.heads
@@ -158,6 +162,27 @@ def _family(model: nn.Module, arch: str | None) -> str:
     if arch is not None and _FAMILY.get(arch, by_type) != by_type:
         raise ValueError(f"arch {arch!r} does not match model type {type(model).__name__}")
     return by_type
+
+
+def stage_input_hooks(staged: StagedModel, callback: Callable[[int, Tensor], None]) -> list:
+    """Hooks that call callback(s, input of stage s) during model(x), for s >= 1.
+
+    Stages that are real submodules get a forward pre-hook; wrapper stages (stem/head
+    pieces) get their input from a forward hook on the previous stage's output. Returns
+    the handles (call .remove() on each).
+    """
+    handles = []
+    for st in staged.stages[1:]:
+        s = st.index
+        if not isinstance(st.module, _StageWrapper):
+            handles.append(st.module.register_forward_pre_hook(
+                lambda _m, args, s=s: callback(s, args[0])))
+            continue
+        prev = staged.stages[s - 1].module
+        if isinstance(prev, _StageWrapper):
+            raise ValueError(f"stages {s - 1} and {s} are both wrappers: input not observable")
+        handles.append(prev.register_forward_hook(lambda _m, _a, out, s=s: callback(s, out)))
+    return handles
 
 
 # ---------------------------------------------------------------- unit costs

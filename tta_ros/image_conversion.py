@@ -1,7 +1,9 @@
 """sensor_msgs/Image -> model input tensor, in numpy (no cv_bridge: it breaks under NumPy 2).
 
 Supported encodings: rgb8, bgr8, mono8, rgba8, bgra8 (8-bit: `is_bigendian` is irrelevant)
-and mono16, rgb16 (16-bit: byte order taken from `is_bigendian`, scaled by 1/65535).
+mono16, rgb16 (16-bit: byte order taken from `is_bigendian`, scaled by 1/65535) and
+32FC1, 32FC3 (float32 RGB already in [0, 1], byte order from `is_bigendian`; these are the
+encodings through which NaN pixels can arrive, and NaN/inf is refused).
 Rows may be padded (`step` > width * bytes per pixel); padding bytes are ignored.
 Output: float32 NCHW RGB in [0, 1], resized (bilinear) to the model card's image size and
 normalised with its mean/std. Anything else is refused with a ValueError naming the value.
@@ -27,6 +29,7 @@ class EncodingSpec:
     channels: int
     depth: int  # bytes per channel
     to_rgb: tuple[int, ...]  # channel indices giving R, G, B (mono: (0, 0, 0))
+    kind: str = "u"  # "u": unsigned int scaled to [0, 1]; "f": float taken as is
 
 
 ENCODINGS: dict[str, EncodingSpec] = {
@@ -37,6 +40,8 @@ ENCODINGS: dict[str, EncodingSpec] = {
     "bgra8": EncodingSpec(4, 1, (2, 1, 0)),
     "mono16": EncodingSpec(1, 2, (0, 0, 0)),
     "rgb16": EncodingSpec(3, 2, (0, 1, 2)),
+    "32fc1": EncodingSpec(1, 4, (0, 0, 0), "f"),
+    "32fc3": EncodingSpec(3, 4, (0, 1, 2), "f"),
 }
 
 
@@ -86,9 +91,9 @@ def image_to_array(msg: Any) -> np.ndarray:
     if spec.depth == 1:
         pix = rows.reshape(h, w, spec.channels).astype(np.float32) / 255.0
     else:
-        dtype = np.dtype(">u2" if bool(msg.is_bigendian) else "<u2")
-        pix = (np.ascontiguousarray(rows).view(dtype).reshape(h, w, spec.channels)
-               .astype(np.float32) / 65535.0)
+        dtype = np.dtype(f"{'>' if bool(msg.is_bigendian) else '<'}{spec.kind}{spec.depth}")
+        pix = np.ascontiguousarray(rows).view(dtype).reshape(h, w, spec.channels)
+        pix = pix.astype(np.float32) / (65535.0 if spec.kind == "u" else 1.0)
     return pix[:, :, list(spec.to_rgb)]
 
 
@@ -123,20 +128,22 @@ def array_to_image_fields(rgb: np.ndarray, encoding: str = "rgb8", pad: int = 0,
 
     `pad` extra bytes are appended to each row (step = row bytes + pad).
     """
-    spec = ENCODINGS.get(encoding)
+    spec = ENCODINGS.get(encoding.lower())
     if spec is None:
         raise ValueError(f"unsupported image encoding {encoding!r}")
     h, w = rgb.shape[:2]
-    order = _from_rgb_order(spec)
-    chans = rgb[:, :, order] if spec.channels > 1 else rgb.mean(axis=2, keepdims=True)
+    chans = (rgb[:, :, _from_rgb_order(spec)] if spec.channels > 1
+             else rgb.mean(axis=2, keepdims=True))
     if spec.channels == 4:
         alpha = np.ones((h, w, 1), dtype=chans.dtype)
         chans = np.concatenate([chans, alpha], axis=2)
     if spec.depth == 1:
         raw = np.round(np.clip(chans, 0, 1) * 255).astype(np.uint8).tobytes()
-    else:
+    elif spec.kind == "u":
         dt = np.dtype(">u2" if bigendian else "<u2")
         raw = np.round(np.clip(chans, 0, 1) * 65535).astype(dt).tobytes()
+    else:
+        raw = chans.astype(np.dtype(">f4" if bigendian else "<f4")).tobytes()
     row = w * spec.channels * spec.depth
     arr = np.frombuffer(raw, dtype=np.uint8).reshape(h, row)
     if pad:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import rclpy
-from rclpy.executors import SingleThreadedExecutor
+from rclpy.executors import MultiThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import QoSProfile
 from sensor_msgs.msg import Image
@@ -202,10 +202,12 @@ class _Session:
         if not opts.external:
             from tta_ros.bringup import build_nodes
 
-            overrides = dict(opts.overrides)
+            overrides = {k: dict(v) for k, v in opts.overrides.items()}
             if opts.method:
-                overrides["method"] = opts.method
-            self.nodes = build_nodes(opts.config, overrides, context=context)
+                overrides.setdefault("perception", {})["method"] = opts.method
+            topic = None if opts.image_topic == "image" else opts.image_topic
+            self.nodes = build_nodes(opts.config, overrides, context=context,
+                                     image_topic=topic)
         self.node = Node("tta_replay", context=context)
         self.col = Collector()
         qos = QoSProfile(depth=1000)
@@ -214,7 +216,7 @@ class _Session:
                                       self.col.on_prediction, qos)
         self.node.create_subscription(AdaptationStatus, opts.status_topic,
                                       self.col.on_status, qos)
-        self.executor = SingleThreadedExecutor(context=context)
+        self.executor = MultiThreadedExecutor(num_threads=4, context=context)
         for n in (*self.nodes, self.node):
             self.executor.add_node(n)
         self.thread = threading.Thread(target=self._spin, daemon=True)
@@ -227,11 +229,33 @@ class _Session:
             if self.context.ok():
                 raise
 
-    def batch_size(self) -> int:
+    def _param(self, name: str, default: int) -> int:
         for n in self.nodes:
-            if n.has_parameter("batch_size"):
-                return int(n.get_parameter("batch_size").value)
-        return 1
+            if n.has_parameter(name):
+                return int(n.get_parameter(name).value)
+        return default
+
+    def default_window(self) -> int:
+        """Images in flight at max rate: one batch being processed + one filling the queue
+        (external nodes: one batch of 4, within the sensor-data QoS history depth of 5)."""
+        if not self.nodes:
+            return 4
+        batch = self._param("batch_size", 1)
+        return batch + min(batch, max(1, self._param("queue_size", batch) - 1))
+
+    def received(self) -> int | None:
+        """Images the in-process perception node has taken in (None when external)."""
+        queues = [n.queue for n in self.nodes if hasattr(n, "queue")]
+        return sum(q.received for q in queues) if queues else None
+
+    def wait_received(self, n: int, timeout_s: float = 0.5) -> None:
+        """Wait until the in-process node took `n` images, so bursts never overflow the
+        subscription's QoS history (external nodes: a short pause instead)."""
+        end = time.monotonic() + timeout_s
+        while (got := self.received()) is not None and got < n and time.monotonic() < end:
+            time.sleep(0.0005)
+        if got is None:
+            time.sleep(0.002)
 
     def wait_connected(self, opts: ReplayOptions, timeout_s: float) -> None:
         """Wait until the image topic has a subscriber and predictions have a publisher."""
@@ -264,6 +288,8 @@ def _publish_all(sess: _Session, opts: ReplayOptions, frames: list[BagFrame],
         with col.cond:
             col.published[f.stamp_ns] = time.perf_counter()
         sess.pub.publish(msg)
+        if pacer.hz == math.inf and not opts.allow_drops:
+            sess.wait_received(i + 1)
         if progress:
             progress(i + 1, len(frames))
         if opts.flush_every and len(col.predictions) // opts.flush_every > flushed:
@@ -303,7 +329,7 @@ def replay(opts: ReplayOptions, context: Any = None,
 
     try:
         sess.wait_connected(opts, timeout_s=15.0)
-        window = opts.window or max(1, sess.batch_size())
+        window = opts.window or sess.default_window()
         pacer = _Pacer(opts.rate, window, opts.allow_drops)
         t0 = pacer.t0
         _publish_all(sess, opts, frames, pacer, flush, progress)

@@ -30,6 +30,7 @@ class AdaShadowConfig(MethodConfig):
     alpha: float = 0.1
     n_t: int = 500
     reuse: bool = True
+    forward_feedback: bool = True  # see EngineConfig
     profile: UnitProfile | str | Path | None = None  # offline profile or its JSON path
 
 
@@ -52,7 +53,7 @@ class AdaShadow(TTAMethod):
             prof.check_units([u.name for u in self.staged.units])
         ecfg = EngineConfig(sigma=c.sigma, lr=c.lr, momentum=c.momentum, mode=c.mode,
                             loss=c.loss, bn_mode=c.bn_mode, alpha=c.alpha, n_t=c.n_t,
-                            reuse=c.reuse)
+                            reuse=c.reuse, forward_feedback=c.forward_feedback)
         self.engine = AdaShadowEngine(self.staged, ecfg, profile=prof)
 
     def collect_params(self) -> list[nn.Parameter]:

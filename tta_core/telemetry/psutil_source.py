@@ -4,7 +4,9 @@ Competing-process rule: a process competes when, over the last window of at leas
 `proc_interval_s` seconds, it used >= `share_threshold` of one core (user + system time /
 wall time). The CPU share is used as the "runnable" test because a process's instantaneous
 state flickers between R and S many times per window. Excluded: the pids in `own_pids`
-(default: this process) and all their descendants, so our own workers never count.
+(default: this process) and all their descendants, so our own workers never count
+(`exclude_children=False` keeps only the pids themselves out: for a benchmark whose
+deliberately started competitors must count).
 The process table is rescanned at most every `proc_interval_s`; in between the last count is
 returned, which keeps a 10 Hz sampler cheap.
 """
@@ -44,11 +46,13 @@ def competing_pids(
     parents: Mapping[int, int],
     own_pids: Collection[int],
     threshold: float,
+    exclude_children: bool = True,
 ) -> list[int]:
-    """Pids with CPU share (cores) >= threshold, excluding `own_pids` and their descendants."""
+    """Pids with CPU share (cores) >= threshold, excluding `own_pids` (and, by default,
+    their descendants)."""
     if not threshold > 0:
         raise ValueError(f"share threshold must be > 0, got {threshold!r}")
-    excluded = descendants_of(own_pids, parents)
+    excluded = descendants_of(own_pids, parents) if exclude_children else set(own_pids)
     return sorted(p for p, s in shares.items() if s >= threshold and p not in excluded)
 
 
@@ -61,7 +65,8 @@ class PsutilSource:
         self,
         own_pids: Iterable[int] | None = None,
         share_threshold: float = 0.2,
-        proc_interval_s: float = 0.5,
+        proc_interval_s: float = 1.0,
+        exclude_children: bool = True,
     ) -> None:
         if not share_threshold > 0:
             raise ValueError(f"share_threshold must be > 0, got {share_threshold!r}")
@@ -70,6 +75,7 @@ class PsutilSource:
         self.own_pids = frozenset(own_pids if own_pids is not None else (os.getpid(),))
         self.share_threshold = float(share_threshold)
         self.proc_interval_s = float(proc_interval_s)
+        self.exclude_children = exclude_children
         self.last_competing: list[int] = []
         self.last_shares: dict[int, float] = {}
         self._count = NAN
@@ -103,7 +109,7 @@ class PsutilSource:
         }
         self.last_shares = shares
         self.last_competing = competing_pids(
-            shares, parents, self.own_pids, self.share_threshold
+            shares, parents, self.own_pids, self.share_threshold, self.exclude_children
         )
         self._count = float(len(self.last_competing))
         self._prev_t, self._prev_times = now, times
@@ -129,7 +135,8 @@ class PsutilSource:
             True,
             f"ok: psutil {psutil.__version__}, competing = share >= "
             f"{self.share_threshold:g} core over >= {self.proc_interval_s:g} s, "
-            f"excluding pids {sorted(self.own_pids)} and descendants",
+            f"excluding pids {sorted(self.own_pids)}"
+            f"{' and descendants' if self.exclude_children else ''}",
             self._error,
         )
 

@@ -38,9 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a few seconds: k in {0,2}, short runs (for tests)")
     parser.add_argument("--ks", type=_ks, default=None,
                         help="competing process counts, e.g. 0,1,2,3 (default)")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="torch threads of the timed workload (0 = torch default); use "
-                             "the thread count adaptation will run with")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads of the timed workload (0 = torch default, the "
+                             "default; --quick uses 1); use the count adaptation will run with")
     parser.add_argument("--fit-intercept", action="store_true",
                         help="fit f(n) with a free intercept instead of f(0) = 0")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -48,9 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     base = CalibrationConfig.quick() if args.quick else CalibrationConfig()
-    if args.threads < 0:
-        raise ValueError(f"--threads must be >= 0, got {args.threads}")
-    cfg = replace(base, ks=args.ks or base.ks, threads=args.threads,
+    threads = base.threads if args.threads is None else args.threads
+    if threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {threads}")
+    cfg = replace(base, ks=args.ks or base.ks, threads=threads,
                   fit_intercept=args.fit_intercept)
     out = args.out or default_out()
     with tqdm(total=n_steps(cfg), desc="calibrate", disable=args.no_progress) as bar:

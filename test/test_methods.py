@@ -1,0 +1,134 @@
+"""TTA methods behind one interface: what each may change, reset, registry errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tta_core.engine import mac_profile
+from tta_core.methods import available_methods, build_method
+from tta_core.models import build_model
+
+CFG = {"input_shape": (3, 32, 32)}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return build_model("small_resnet", 10)
+
+
+def _batches(n: int = 4) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(4, 3, 32, 32, generator=g) * (1 + 0.5 * i) for i in range(n)]
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def _changed(model: nn.Module, snap: dict[str, torch.Tensor]) -> set[str]:
+    return {k for k, v in model.named_parameters() if not torch.equal(v, snap[k])}
+
+
+def test_registry_lists_required_methods() -> None:
+    assert {"source", "bn_adapt", "tent", "adashadow"} <= set(available_methods())
+
+
+def test_unknown_method_lists_available_names() -> None:
+    with pytest.raises(ValueError, match=r"nope.*adashadow.*bn_adapt.*source.*tent"):
+        build_method("nope", _model())
+
+
+def test_unknown_option_rejected() -> None:
+    with pytest.raises(ValueError, match="sigmaa"):
+        build_method("adashadow", _model(), sigmaa=0.3, **CFG)
+
+
+@pytest.mark.parametrize("name", ["source", "bn_adapt"])
+def test_source_and_bn_adapt_change_no_parameter(name: str) -> None:
+    model = _model()
+    snap = _snapshot(model)
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    m = build_method(name, model, **CFG)
+    for x in _batches():
+        res = m.step(x)
+        assert res.logits.shape == (4, 10) and not res.adapted
+    assert _changed(model, snap) == set()
+    if name == "source":  # eval mode: running statistics untouched
+        assert all(torch.equal(v, buffers[k]) for k, v in model.named_buffers())
+
+
+def test_bn_adapt_uses_batch_statistics() -> None:
+    x = _batches(1)[0] * 5 + 3
+    src = build_method("source", _model(), **CFG).step(x).logits
+    bn = build_method("bn_adapt", _model(), **CFG).step(x).logits
+    assert not torch.allclose(src, bn, atol=1e-3)
+
+
+def test_tent_changes_only_bn_affine() -> None:
+    model = _model()
+    snap = _snapshot(model)
+    m = build_method("tent", model, lr=0.05, **CFG)
+    for x in _batches():
+        res = m.step(x)
+        assert res.adapted and res.times.reforward_ms > 0
+    bn_names = {f"{n}.{p}" for n, mod in model.named_modules()
+                if isinstance(mod, nn.BatchNorm2d) for p in ("weight", "bias")}
+    changed = _changed(model, snap)
+    assert changed and changed <= bn_names
+    assert len(changed) >= len(bn_names) // 2
+
+
+def test_tent_sequential_reforward_uses_updated_model() -> None:
+    model = _model()
+    m = build_method("tent", model, lr=0.5, **CFG)
+    x = _batches(1)[0]
+    res = m.step(x)
+    with torch.no_grad():
+        assert torch.allclose(res.logits, model(x), atol=1e-6)
+    m2 = build_method("tent", _model(), lr=0.5, reforward=False, **CFG)
+    assert not torch.allclose(m2.step(x).logits, res.logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("name,cfg", [
+    ("tent", {}), ("adashadow", {"sigma": 1.0}),
+    ("adashadow", {"sigma": 1.0, "loss": "multilayer_kl"}),
+    ("adashadow", {"sigma": 1.0, "mode": "parallel"}),
+])
+def test_reset_restores_bit_for_bit(name: str, cfg: dict) -> None:
+    model = _model()
+    m = build_method(name, model, lr=0.05, **cfg, **CFG)
+    xs = _batches(3)
+    first = [m.step(x).logits for x in xs]
+    snap_after = _snapshot(model)
+    m.reset()
+    assert _changed(model, _snapshot(_model())) == set()
+    again = [m.step(x).logits for x in xs]
+    for a, b in zip(first, again, strict=True):
+        assert torch.equal(a, b)  # same weights, optimizer and assessor state
+    assert _changed(model, snap_after) == set()
+
+
+def test_adashadow_sigma_monotone_in_units_updated() -> None:
+    totals = {}
+    for sigma in (0.2, 1.0):
+        m = build_method("adashadow", _model(), sigma=sigma, **CFG)
+        # fixed unit times: the plan then depends only on importance and sigma
+        m.engine.profile = mac_profile(m.staged, 10.0, 4, (3, 32, 32))
+        totals[sigma] = sum(m.step(x).units_updated for x in _batches(4))
+    assert totals[1.0] >= totals[0.2]
+    assert totals[1.0] > 0
+
+
+def test_adashadow_updates_only_planned_units() -> None:
+    model = _model()
+    m = build_method("adashadow", model, sigma=0.5, lr=0.05, **CFG)
+    for x in _batches(3):
+        snap = _snapshot(model)
+        res = m.step(x)
+        owner = {id(p): u.index for u in m.staged.units for p in u.parameters()}
+        changed_units = {owner[id(p)] for k, p in model.named_parameters()
+                         if not torch.equal(p, snap[k])}
+        planned = set(res.plan.update.nonzero()[0].tolist()) if res.adapted else set()
+        assert changed_units <= planned

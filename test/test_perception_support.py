@@ -1,0 +1,61 @@
+"""Perception worker helpers: bounded keep-latest queue, plan staleness, divergence guard."""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import pytest
+
+from tta_ros.perception_support import DivergenceGuard, FrameQueue, PlanGate
+
+
+def test_queue_keeps_latest_and_counts_drops() -> None:
+    q = FrameQueue(3)
+    dropped = [q.push(i) for i in range(10)]
+    assert dropped == [False] * 3 + [True] * 7
+    assert q.dropped == 7 and q.received == 10 and len(q) == 3
+    assert q.take(5, batch_timeout_s=0.0) == [7, 8, 9]
+    assert q.take(5, batch_timeout_s=0.0, poll_s=0.01) == []
+
+
+def test_queue_take_waits_for_a_full_batch() -> None:
+    q = FrameQueue(8)
+    q.push(0)
+    threading.Timer(0.05, lambda: [q.push(i) for i in (1, 2)]).start()
+    assert q.take(3, batch_timeout_s=2.0) == [0, 1, 2]
+    q.push(3)
+    assert q.take(3, batch_timeout_s=0.05) == [3]  # partial batch after the timeout
+
+
+def test_queue_resize_keeps_newest() -> None:
+    q = FrameQueue(5)
+    for i in range(5):
+        q.push(i)
+    q.resize(2)
+    assert q.dropped == 3 and q.take(5, 0.0) == [3, 4]
+    with pytest.raises(ValueError, match="queue_size"):
+        FrameQueue(0)
+
+
+def test_plan_gate_stale_only_when_an_importance_waits() -> None:
+    g = PlanGate(timeout_s=1.0)
+    assert g.current(now=100.0) is None and not g.stale(now=100.0)
+    g.on_plan("p1", now=100.0)
+    assert g.current(now=500.0) == "p1"  # idle stream: never stale
+    g.on_importance_sent(now=501.0)
+    g.on_importance_sent(now=501.8)  # the oldest unanswered one counts
+    assert g.current(now=501.9) == "p1"
+    assert g.stale(now=502.1) and g.current(now=502.1) is None
+    g.on_plan("p2", now=502.2)  # plans resume
+    assert g.current(now=502.3) == "p2" and not g.stale(now=510.0)
+
+
+def test_divergence_guard() -> None:
+    g = DivergenceGuard(num_classes=10, ratio=0.5, patience=3)
+    limit = 0.5 * math.log(10)
+    assert g.check(True, limit + 0.1) == "" and g.check(True, limit + 0.1) == ""
+    assert "3 batches" in g.check(True, limit + 0.1)
+    assert g.check(True, limit + 0.1) == ""  # streak restarted after the reset
+    assert g.check(True, limit - 0.1) == "" and g.high_streak == 0
+    assert g.check(False, 0.0) == "non-finite logits" and g.resets == 2

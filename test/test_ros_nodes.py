@@ -1,0 +1,291 @@
+"""The three tta nodes over real rclpy + DDS (no ROS mocks), built by tta_ros.bringup.
+
+Synthetic camera frames go in on `image`; the tests check what comes out on the real topics.
+Model: the shipped small_resnet 32 px checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+rclpy = pytest.importorskip("rclpy")
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus  # noqa: E402
+from rclpy.executors import MultiThreadedExecutor  # noqa: E402
+from rclpy.parameter import Parameter  # noqa: E402
+from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data  # noqa: E402
+from sensor_msgs.msg import Image  # noqa: E402
+from tta_msgs.msg import (  # noqa: E402
+    AdaptationStatus,
+    ClassPrediction,
+    LayerImportance,
+    LayerPlan,
+    ResourceTelemetry,
+)
+from visualization_msgs.msg import Marker, MarkerArray  # noqa: E402
+
+from tta_ros.bringup import build_nodes  # noqa: E402
+from tta_ros.image_conversion import array_to_image_fields  # noqa: E402
+from tta_ros.scheduler_node import SchedulerNode  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "config" / "vehicle.yaml"
+CARD = Path(os.environ.get("TTA_TEST_MODEL_CARD",
+                           ROOT / "checkpoints" / "small_resnet_signs32.json"))
+RNG = np.random.default_rng(0)
+
+
+def _image(i: int, encoding: str = "rgb8", pad: int = 0, size: int = 40) -> Image:
+    fields = array_to_image_fields(RNG.random((size, size, 3)).astype(np.float32),
+                                   encoding, pad=pad)
+    msg = Image(**fields)
+    msg.header.stamp.sec, msg.header.stamp.nanosec = 1000 + i, 7 * i
+    msg.header.frame_id = "camera_front"
+    return msg
+
+
+class Rig:
+    """bringup nodes + a probe node recording every output topic, spun in a thread."""
+
+    def __init__(self, ctx, perception: dict | None = None, scheduler: dict | None = None):
+        if not CARD.exists():
+            pytest.skip(f"model card {CARD} not built yet (tta train-source)")
+        per = {"model_card": str(CARD), "batch_size": 4, "queue_size": 64,
+               "reset_patience": 100000, "plan_timeout_s": 0.5, "num_threads": 1,
+               **(perception or {})}
+        self.ctx = ctx
+        self.nodes = build_nodes(CONFIG, {"perception": per, "scheduler": {
+            "model_card": str(CARD), **(scheduler or {})}, "resource_monitor": {
+            "enable_perf": False}}, context=ctx)
+        self.monitor, self.scheduler, self.perception = self.nodes
+        self.probe = rclpy.create_node("probe", context=ctx)
+        self.got: dict[str, list] = {k: [] for k in (
+            "pred", "status", "imp", "plan", "markers", "tel", "diag")}
+        rel = QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE)
+        for key, typ, topic in (("pred", ClassPrediction, "predictions"),
+                                ("status", AdaptationStatus, "adaptation_status"),
+                                ("imp", LayerImportance, "layer_importance"),
+                                ("plan", LayerPlan, "layer_plan"),
+                                ("markers", MarkerArray, "layer_markers"),
+                                ("tel", ResourceTelemetry, "telemetry"),
+                                ("diag", DiagnosticArray, "/diagnostics")):
+            self.probe.create_subscription(typ, topic, self._rec(key), rel)
+        self.pub = self.probe.create_publisher(Image, "image", qos_profile_sensor_data)
+        self.ex = MultiThreadedExecutor(num_threads=4, context=ctx)
+        for n in [*self.nodes, self.probe]:
+            self.ex.add_node(n)
+        self.thread = threading.Thread(target=self.ex.spin, daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.pub.get_subscription_count() > 0, 5.0)
+
+    def _rec(self, key: str) -> Callable:
+        def cb(msg) -> None:
+            self.got[key].append((time.monotonic(), msg))
+        return cb
+
+    def msgs(self, key: str) -> list:
+        return [m for _, m in list(self.got[key])]
+
+    def statuses(self, subsystem: str) -> list[DiagnosticStatus]:
+        return [s for a in self.msgs("diag") for s in a.status if subsystem in s.name]
+
+    def send(self, images: list[Image], gap_s: float = 0.02) -> None:
+        for img in images:
+            self.pub.publish(img)
+            time.sleep(gap_s)
+
+    def close(self) -> None:
+        self.ex.shutdown(timeout_sec=2.0)
+        for n in [*self.nodes, self.probe]:
+            try:
+                n.destroy_node()
+            except Exception:  # already destroyed by the test
+                pass
+
+
+def wait_for(cond: Callable[[], bool], timeout: float) -> bool:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+@pytest.fixture
+def rig_factory(ros_context):
+    rigs: list[Rig] = []
+
+    def make(**kw) -> Rig:
+        rigs.append(Rig(ros_context, **kw))
+        return rigs[-1]
+    yield make
+    for r in rigs:
+        r.close()
+
+
+def test_stream_predictions_status_plans_markers_telemetry(rig_factory) -> None:
+    rig = rig_factory()
+    imgs = [_image(i, "bgr8" if i % 2 else "rgb8", pad=3 * (i % 3)) for i in range(24)]
+    rig.send(imgs)
+    assert wait_for(lambda: len(rig.msgs("pred")) >= 24, 20.0)
+    time.sleep(0.3)
+    preds = rig.msgs("pred")
+    stamps = [(p.header.stamp.sec, p.header.stamp.nanosec) for p in preds]
+    assert sorted(stamps) == [(1000 + i, 7 * i) for i in range(24)]  # one per image, same stamp
+    assert all(p.header.frame_id == "camera_front" and 0 <= p.label < 64 for p in preds)
+    statuses = rig.msgs("status")
+    assert sorted(s.batch_id for s in statuses) == sorted({p.batch_id for p in preds})
+    assert len(rig.msgs("imp")) == len(statuses)
+    names = rig.perception.unit_names
+    assert all(list(m.unit_names) == names and len(m.importance) == len(names)
+               for m in rig.msgs("imp"))
+    plans = {p.plan_id: p for p in rig.msgs("plan")}
+    assert plans and all(list(p.unit_names) == names for p in plans.values())
+    echoed = [s for s in statuses if s.plan_id != 0]
+    assert echoed, "no batch ran on a plan from layer_plan"
+    for s in echoed:  # the echoed plan exists and answers an earlier batch
+        assert s.plan_id in plans and plans[s.plan_id].based_on_batch_id < s.batch_id
+        assert s.units_updated == sum(plans[s.plan_id].update)
+    arr = rig.msgs("markers")[-1]
+    assert arr.markers[0].action == Marker.DELETEALL
+    cubes = [m for m in arr.markers if m.type == Marker.CUBE]
+    assert len(cubes) == len(names)
+    labels = [m for m in arr.markers if m.type == Marker.TEXT_VIEW_FACING]
+    assert len(labels) == 1 and "budget" in labels[0].text
+    assert wait_for(lambda: len(rig.statuses("resource_monitor")) >= 5, 3.0)
+    subsystems = {s.name.split(": ")[1] for s in rig.statuses("resource_monitor")}
+    assert {"cpu", "memory", "thermal", "gpu", "cache"} <= subsystems
+    tel = rig.msgs("tel")
+    assert len(tel) >= 5 and 0 <= tel[-1].cpu_percent <= 100 and tel[-1].mem_total_mb > 0
+    assert np.isnan(tel[-1].cache_hit_rate)  # perf disabled: unknown is NaN, not 0
+
+
+def test_bad_frames_rejected_next_good_frame_served(rig_factory) -> None:
+    rig = rig_factory(perception={"batch_size": 1})
+    nan_img = np.full((8, 8, 3), 0.5, dtype=np.float32)
+    nan_img[1, 2, 0] = np.nan
+    nan_msg = Image(**array_to_image_fields(nan_img, "32FC3"))
+    bad = [
+        (Image(height=4, width=4, encoding="yuv422", step=8, data=bytes(32)), "yuv422"),
+        (Image(height=0, width=4, encoding="rgb8", step=12, data=b""), "height=0"),
+        (Image(height=4, width=4, encoding="rgb8", step=5, data=bytes(20)), "step=5"),
+        (nan_msg, "non-finite"),
+    ]
+    for i, (msg, _) in enumerate(bad):
+        msg.header.stamp.sec = 1 + i
+    rig.send([m for m, _ in bad] + [_image(99)], gap_s=0.05)
+    assert wait_for(lambda: len(rig.msgs("pred")) >= 1, 10.0)
+    time.sleep(0.3)
+    assert [p.header.stamp.sec for p in rig.msgs("pred")] == [1099]
+    errors = [s for s in rig.statuses("perception: input") if s.level == DiagnosticStatus.ERROR]
+    for _, needle in bad:
+        assert any(needle in s.message for s in errors), needle
+    assert rig.perception.counters.rejected == 4
+
+
+def _stream(rig: Rig, stop: threading.Event) -> None:
+    i = 0
+    while not stop.is_set():
+        rig.pub.publish(_image(i, size=32))
+        i += 1
+        time.sleep(0.03)
+
+
+def test_scheduler_killed_inline_within_a_second_then_resumes(rig_factory, ros_context):
+    rig = rig_factory(perception={"batch_size": 2, "plan_timeout_s": 0.5})
+    stop = threading.Event()
+    th = threading.Thread(target=_stream, args=(rig, stop), daemon=True)
+    th.start()
+    try:
+        assert wait_for(lambda: any(s.plan_id for s in rig.msgs("status")), 15.0)
+        rig.ex.remove_node(rig.scheduler)
+        rig.scheduler.destroy_node()
+        t_kill = time.monotonic()
+        assert wait_for(lambda: any(t > t_kill and m.plan_id == 0 and m.batch_id > 2
+                                    for t, m in list(rig.got["status"])), 5.0)
+        t_inline = min(t for t, m in rig.got["status"] if t > t_kill and m.plan_id == 0)
+        assert t_inline - t_kill < 1.0 + 0.5  # timeout 0.5 s + one batch + delivery
+        warn = [s for s in rig.statuses("perception: planning")
+                if s.level == DiagnosticStatus.WARN and "inline" in s.message]
+        assert warn
+        n_plans = len(rig.msgs("plan"))
+        new = SchedulerNode(context=ros_context, parameter_overrides=[
+            Parameter("model_card", value=str(CARD))])
+        rig.nodes.append(new)
+        rig.ex.add_node(new)
+        t_new = time.monotonic()
+        assert wait_for(lambda: any(t > t_new and m.plan_id != 0
+                                    for t, m in list(rig.got["status"])), 10.0)
+        assert len(rig.msgs("plan")) > n_plans
+    finally:
+        stop.set()
+        th.join()
+
+
+def test_burst_drops_frames_with_bounded_queue(rig_factory) -> None:
+    rig = rig_factory(perception={"batch_size": 1, "queue_size": 4, "batch_timeout_s": 0.0,
+                                  "sigma": 1.0, "plan_source": "inline"})
+    rig.send([_image(i, size=32) for i in range(6)], gap_s=0.05)
+    assert wait_for(lambda: len(rig.msgs("status")) >= 6, 10.0)
+    per_frame_s = float(np.median([s.total_ms for s in rig.msgs("status")[1:]])) / 1e3
+    q = rig.perception.queue
+    received0, n = q.received, 150
+    imgs = [_image(i, size=32) for i in range(10, 10 + n)]
+    sizes: list[int] = []
+    t0 = time.monotonic()
+    for k, img in enumerate(imgs):  # aim at 15x the processing rate: sleeps overshoot
+        time.sleep(max(0.0, t0 + k * per_frame_s / 15 - time.monotonic()))  # frees the GIL
+        rig.pub.publish(img)
+        sizes.append(len(q))
+    rate_ratio = per_frame_s / ((time.monotonic() - t0) / n)
+    assert wait_for(lambda: len(q) == 0 and rig.perception.counters.batches
+                    >= q.received - q.dropped, 20.0)
+    time.sleep(0.3)
+    assert rate_ratio >= 8, f"burst only {rate_ratio:.1f}x the processing rate"
+    assert q.received - received0 > 8  # more frames reached the node than it can hold...
+    assert max(sizes) <= 4 and q.maxlen == 4  # ...the queue did not grow...
+    assert q.dropped > 0  # ...frames were dropped instead
+    assert len(rig.msgs("pred")) == q.received - q.dropped  # every kept frame is served
+    assert rig.msgs("status")[-1].frames_dropped == q.dropped
+
+
+def test_parameters_validated_and_applied_at_run_time(rig_factory) -> None:
+    rig = rig_factory(perception={"plan_source": "inline"})
+    node = rig.perception
+    for name, value, needle in (("sigma", 1.5, "sigma"), ("sigma", -0.1, "sigma"),
+                                ("lr", -1.0, "lr"), ("lr", 2.0, "lr"),
+                                ("batch_size", 0, "batch_size"),
+                                ("batch_size", 1000, "batch_size"),
+                                ("method", "nope", "nope"), ("plan_source", "bus", "bus"),
+                                ("model_card", "/x.json", "model_card")):
+        res = node.set_parameters([Parameter(name, value=value)])[0]
+        assert not res.successful and needle in res.reason, (name, value, res.reason)
+    assert node.get_parameter("sigma").value == pytest.approx(0.33)
+    ok = node.set_parameters([Parameter("sigma", value=0.2), Parameter("lr", value=0.01)])
+    assert all(r.successful for r in ok)
+    assert wait_for(lambda: node.method.engine.config.sigma == pytest.approx(0.2), 2.0)
+    assert all(g["lr"] == pytest.approx(0.01) for g in node.method.optimizer.param_groups)
+    rig.send([_image(i) for i in range(4)])
+    assert wait_for(lambda: len(rig.msgs("status")) >= 1, 10.0)
+    st = rig.msgs("status")[-1]
+    assert st.predicted_total_ms <= st.budget_ms + 1e-3 or st.units_updated == 0
+    assert node.set_parameters([Parameter("method", value="tent")])[0].successful
+    assert wait_for(lambda: type(node.method).__name__.lower() == "tent", 5.0)
+    rig.send([_image(10 + i) for i in range(4)])
+    assert wait_for(lambda: any(s.method == "tent" for s in rig.msgs("status")), 10.0)
+
+
+def test_divergence_guard_resets_method(rig_factory) -> None:
+    rig = rig_factory(perception={"reset_entropy_ratio": 0.0, "reset_patience": 2,
+                                  "plan_source": "inline"})
+    rig.send([_image(i) for i in range(16)])
+    assert wait_for(lambda: len(rig.msgs("status")) >= 4, 15.0)
+    flags = [s.reset for s in sorted(rig.msgs("status"), key=lambda s: s.batch_id)]
+    assert flags[:4] == [False, True, False, True]  # every 2nd batch over a 0-nats limit

@@ -1,0 +1,230 @@
+"""The accuracy–latency–memory benchmark: every method on the same shift stream.
+
+The stream is built once (deterministic by seed); each method gets a fresh copy of the
+source model from its checkpoint, adapts online batch by batch, and leaves per-frame
+records (domain, label, prediction, per-phase times of its batch) for `tta_core.report`,
+which writes the JSON, the markdown table (AdaShadow Table 5 layout plus memory) and
+the plots. Accuracy is reproducible for a seed; timings are wall-clock and vary.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import psutil
+import torch
+from torch import nn
+
+from tta_core.methods import available_methods, build_method, method_class
+from tta_core.report import FrameRecord, ReportFiles, RunRecord, write_report
+
+DEFAULT_METHODS: tuple[str, ...] = ("source", "bn_adapt", "tent", "eata", "sar", "cotta",
+                                    "lame", "adashadow")
+MODES = ("sequential", "parallel")
+DEFAULT_CARD = Path("checkpoints/small_resnet_signs32.json")
+
+
+@dataclass
+class BenchConfig:
+    """What to run; defaults give a meaningful comparison in minutes on 2 CPU cores."""
+
+    methods: tuple[str, ...] = DEFAULT_METHODS
+    order: str = "continual"
+    severity: int = 5
+    batch_size: int = 4
+    samples_per_domain: int = 200
+    model_card: Path = DEFAULT_CARD
+    mode: str = "sequential"
+    seed: int = 0
+    threads: int = 1  # torch intra-op threads, fixed for comparable timings (0: default)
+    device: str = "cpu"
+    method_options: dict[str, dict] = field(default_factory=dict)  # per-method config
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad value."""
+        known = set(available_methods())
+        bad = [m for m in self.methods if m not in known]
+        if bad or not self.methods:
+            raise ValueError(f"unknown method(s) {bad or self.methods}; "
+                             f"available: {sorted(known)}")
+        if self.mode not in MODES:
+            raise ValueError(f"mode {self.mode!r} not in {MODES}")
+        if not 1 <= self.severity <= 5:
+            raise ValueError(f"severity must be 1..5, got {self.severity}")
+        if self.batch_size < 1 or self.samples_per_domain < 1:
+            raise ValueError(f"batch_size {self.batch_size} and samples_per_domain "
+                             f"{self.samples_per_domain} must be >= 1")
+        if self.threads < 0:
+            raise ValueError(f"threads must be >= 0, got {self.threads}")
+
+
+@dataclass
+class Batch:
+    """One batch of the stream: images [N, C, H, W] (model input), labels, domain."""
+
+    x: torch.Tensor
+    labels: np.ndarray
+    domain: str
+
+
+@dataclass
+class BenchResult:
+    """The runs, the files written and the printed markdown."""
+
+    runs: list[RunRecord]
+    files: ReportFiles | None
+    markdown: str
+    clean_accuracy: float = math.nan
+
+
+class PeakRSS:
+    """Peak resident memory of this process while active, sampled by a thread (MB)."""
+
+    def __init__(self, interval_s: float = 0.002) -> None:
+        self.interval_s = interval_s
+        self._proc = psutil.Process()
+        self.peak_mb = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _sample(self) -> None:
+        self.peak_mb = max(self.peak_mb, self._proc.memory_info().rss / 2**20)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def __enter__(self) -> PeakRSS:
+        self._sample()
+        self._thread = threading.Thread(target=self._loop, name="peak-rss", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._sample()
+
+
+def method_options(name: str, cfg: BenchConfig, input_shape: tuple[int, ...]) -> dict:
+    """Config of method `name` for this bench: mode, input shape, user overrides.
+
+    Parallel mode: AdaShadow adapts in a background thread; methods with a reforward
+    predict with the pre-update model instead (the two-stage mode of AdaShadow §5.4).
+    """
+    cls_fields = set(method_class(name).config_cls.__dataclass_fields__)
+    opts: dict = {}
+    if "input_shape" in cls_fields:
+        opts["input_shape"] = tuple(input_shape)
+    if name == "adashadow":
+        opts["mode"] = cfg.mode
+    elif "reforward" in cls_fields and cfg.mode == "parallel":
+        opts["reforward"] = False
+    if "seed" in cls_fields:
+        opts["seed"] = cfg.seed
+    opts.update(cfg.method_options.get(name, {}))
+    return opts
+
+
+def _phases(res) -> dict[str, float]:
+    t = res.times
+    out = {"forward": t.forward_ms, "plan": t.plan_ms, "backward": t.backward_ms,
+           "reforward": t.reforward_ms}
+    out.update(res.extra.get("phases_ms", {}))
+    return out
+
+
+def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchConfig,
+               progress: Callable[[int], None] | None = None) -> RunRecord:
+    """Run method `name` online over `stream` and return its per-frame records."""
+    torch.manual_seed(cfg.seed)
+    opts = method_options(name, cfg, tuple(stream[0].x.shape[1:]))
+    meth = build_method(name, model, **opts)
+    cuda = stream[0].x.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    frames: list[FrameRecord] = []
+    busy = 0.0
+    with PeakRSS() as mem:
+        for b_id, b in enumerate(stream):
+            t0 = time.perf_counter()
+            res = meth.step(b.x)
+            pred = res.logits.argmax(1)
+            if cuda:
+                torch.cuda.synchronize()
+            wall_ms = (time.perf_counter() - t0) * 1e3
+            busy += wall_ms / 1e3
+            phases = {**_phases(res), "total": wall_ms}
+            conf = res.logits.float().softmax(1).max(1).values.tolist()
+            for label, p, c in zip(b.labels.tolist(), pred.tolist(), conf, strict=True):
+                frames.append(FrameRecord(b.domain, int(label), int(p), b_id, phases,
+                                          confidence=float(c)))
+            if progress is not None:
+                progress(len(b.labels))
+        sync = getattr(getattr(meth, "engine", None), "sync", None)
+        if sync is not None:
+            sync()
+    meta = {"options": {k: v for k, v in opts.items() if k != "input_shape"},
+            "mode": cfg.mode, "batch_size": cfg.batch_size, "threads": torch.get_num_threads(),
+            "rss_peak_mb": mem.peak_mb}
+    if cuda:
+        meta["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+    peak = meta.get("cuda_peak_mb", mem.peak_mb)
+    return RunRecord(name, frames, busy, float(peak), 0, meta)
+
+
+def batches_from_arrays(x: torch.Tensor, labels: np.ndarray, domains: Sequence[str],
+                        batch_size: int) -> list[Batch]:
+    """Cut a stream into batches that never straddle a domain change."""
+    if not len(x) == len(labels) == len(domains):
+        raise ValueError(f"lengths differ: x {len(x)}, labels {len(labels)}, "
+                         f"domains {len(domains)}")
+    out: list[Batch] = []
+    start = 0
+    for i in range(1, len(x) + 1):
+        if i == len(x) or domains[i] != domains[start] or i - start == batch_size:
+            out.append(Batch(x[start:i], np.asarray(labels[start:i]), str(domains[start])))
+            start = i
+    return out
+
+
+def summary_lines(runs: Sequence[RunRecord]) -> dict[str, dict[str, float]]:
+    """Per method: mean accuracy over domains, latency per phase (mean ms), fps, peak MB."""
+    from tta_core.report import summarize
+
+    out = {}
+    for r in runs:
+        s = summarize(r)
+        out[r.method] = {"mean_accuracy": 100 * s.mean_accuracy,
+                         "fps": s.throughput_fps, "peak_mb": s.peak_memory_mb,
+                         **{f"{p}_ms": st.mean for p, st in s.phases.items()}}
+    return out
+
+
+def config_dict(cfg: BenchConfig) -> dict:
+    """JSON-ready copy of the config."""
+    d = asdict(cfg)
+    d["model_card"] = str(cfg.model_card)
+    return d
+
+
+def write_bench(runs: list[RunRecord], out: Path, cfg: BenchConfig,
+                clean_accuracy: float) -> tuple[ReportFiles, str]:
+    """Write the report files; the markdown gets a header naming stream and model."""
+    title = (f"tta bench — {cfg.order} stream, severity {cfg.severity}, batch {cfg.batch_size},"
+             f" {cfg.mode}, seed {cfg.seed}")
+    files = write_report(runs, out, title=title)
+    text = files.markdown.read_text()
+    head = (f"model card: {cfg.model_card}; clean accuracy {100 * clean_accuracy:.1f}%; "
+            f"{cfg.samples_per_domain} samples per domain; torch threads {cfg.threads or 'all'}"
+            "\n\n")
+    text = text.replace("Accuracy in %", head + "Accuracy in %", 1)
+    files.markdown.write_text(text)
+    return files, text

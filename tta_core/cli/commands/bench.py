@@ -1,0 +1,54 @@
+"""`tta bench`: every TTA method on the same shift stream -> accuracy, latency, memory."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from tta_core.bench import DEFAULT_CARD, DEFAULT_METHODS, MODES, BenchConfig, run_bench
+
+NAME = "bench"
+HELP = "benchmark TTA methods on a corruption stream: accuracy per domain, latency, memory"
+
+
+def _methods(text: str) -> tuple[str, ...]:
+    names = tuple(m.strip() for m in text.split(",") if m.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"--methods needs at least one name, got {text!r}")
+    return names
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = BenchConfig()
+    parser.add_argument("--methods", type=_methods, default=DEFAULT_METHODS,
+                        help=f"comma-separated (default {','.join(DEFAULT_METHODS)})")
+    parser.add_argument("--order", default=d.order,
+                        help="continual, gradual, mixed, dirichlet or recurring")
+    parser.add_argument("--severity", type=int, default=d.severity, choices=range(1, 6))
+    parser.add_argument("--batch-size", type=int, default=d.batch_size)
+    parser.add_argument("--samples-per-domain", type=int, default=d.samples_per_domain)
+    parser.add_argument("--model-card", type=Path, default=DEFAULT_CARD)
+    parser.add_argument("--mode", choices=MODES, default=d.mode,
+                        help="sequential: predict after the update; parallel: predict first")
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--threads", type=int, default=d.threads,
+                        help="torch threads (0: torch default); fixed for comparable timings")
+    parser.add_argument("--device", default=d.device, help="cpu, cuda or cuda:N")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output folder (default runs/bench-<time>)")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = BenchConfig(methods=args.methods, order=args.order, severity=args.severity,
+                      batch_size=args.batch_size, samples_per_domain=args.samples_per_domain,
+                      model_card=args.model_card, mode=args.mode, seed=args.seed,
+                      threads=args.threads, device=args.device)
+    out = args.out or Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
+    result = run_bench(cfg, out, progress=not args.no_progress)
+    print(result.markdown)
+    if result.files is not None:
+        print(f"wrote {result.files.json}, {result.files.markdown}, "
+              + ", ".join(str(p) for p in result.files.plots))
+    return 0

@@ -1,0 +1,437 @@
+"""perception node: camera images -> TTA method (tta_core) -> predictions + status.
+
+The image callback only enqueues (bounded keep-latest FrameQueue, drops counted); one
+worker thread converts frames (tta_ros.image_conversion), batches them, runs the method's
+step and publishes `predictions` (one ClassPrediction per image, header = image header),
+`adaptation_status` and `layer_importance` (once per batch). With `plan_source: topic` the
+latest LayerPlan applies to the next batch; when plans go stale (PlanGate) it plans inline
+and says so on /diagnostics (WARN), and goes back to the topic as soon as plans resume.
+A divergence guard calls method.reset() (source weights) and sets status.reset.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import resource
+import sys
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import rclpy
+import torch
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from rcl_interfaces.msg import SetParametersResult
+from rclpy.context import Context
+from rclpy.node import Node
+from rclpy.parameter import Parameter
+from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+from sensor_msgs.msg import Image
+from tta_msgs.msg import AdaptationStatus, ClassPrediction, LayerImportance, LayerPlan
+
+from tta_core import planner
+from tta_core.methods import available_methods, build_method, method_class
+from tta_core.units import decompose
+from tta_ros.image_conversion import Preprocess, image_to_tensor, stack_batch
+from tta_ros.perception_support import DivergenceGuard, FrameQueue, PlanGate
+from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
+
+OK, WARN, ERROR = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR
+RUNTIME = ("method", "mode", "sigma", "lr", "batch_size", "queue_size", "plan_source",
+           "plan_timeout_s", "publish_scores", "batch_timeout_s", "reset_entropy_ratio",
+           "reset_patience")
+REBUILD = ("method", "mode")
+
+
+def param_specs() -> tuple[ParamSpec, ...]:
+    """The perception parameters (method choices come from the tta_core registry)."""
+    return (
+        ParamSpec("model_card", "", "model card JSON of the source model", read_only=True),
+        ParamSpec("method", "adashadow", "TTA method", choices=tuple(available_methods())),
+        ParamSpec("mode", "sequential", "predict on the reforward (sequential) or adapt in "
+                  "the background (parallel)", choices=("sequential", "parallel")),
+        ParamSpec("sigma", 0.33, "latency budget as a fraction of a full update", 0.0, 1.0),
+        ParamSpec("lr", 5e-3, "SGD learning rate", 0.0, 1.0),
+        ParamSpec("batch_size", 8, "frames per adaptation batch", 1, 256),
+        ParamSpec("batch_timeout_s", 0.05, "run a partial batch this long after its first "
+                  "frame", 0.0, 10.0),
+        ParamSpec("queue_size", 32, "bounded frame queue (keep latest)", 1, 4096),
+        ParamSpec("plan_source", "topic", "plans from layer_plan (topic) or solved here "
+                  "(inline)", choices=("topic", "inline")),
+        ParamSpec("plan_timeout_s", 1.0, "plan inline when an importance waits longer "
+                  "than this for a plan", 0.01, 60.0),
+        ParamSpec("publish_scores", False, "fill ClassPrediction.scores with the softmax"),
+        ParamSpec("device", "cpu", "torch device (cpu, cuda, cuda:N)", read_only=True),
+        ParamSpec("profile", "", "offline UnitProfile JSON for inline planning",
+                  read_only=True),
+        ParamSpec("num_threads", 0, "torch intra-op threads (0: torch default)", 0, 256,
+                  read_only=True),
+        ParamSpec("reset_entropy_ratio", 0.95, "divergence guard: entropy limit as a "
+                  "fraction of ln(num_classes)", 0.0, 1.0),
+        ParamSpec("reset_patience", 5, "divergence guard: batches above the limit", 1,
+                  100000),
+    )
+
+
+def card_value(card: Any, *keys: str, default: Any = None) -> Any:
+    """First of `keys` present in the card (dict or object)."""
+    for k in keys:
+        v = card.get(k) if isinstance(card, dict) else getattr(card, k, None)
+        if v is not None:
+            return v
+    return default
+
+
+def msg_to_plan(msg: LayerPlan) -> planner.Plan:
+    """LayerPlan -> planner.Plan (full_ms recovered from budget / sigma)."""
+    update = np.asarray(msg.update, dtype=bool)
+    full = msg.budget_ms / msg.sigma if msg.sigma > 0 else math.nan
+    imp = np.nan_to_num(np.asarray(msg.importance, dtype=np.float64))
+    return planner.Plan(update=update, first_updated=int(msg.first_updated_index),
+                        objective=float(imp[update].sum()) if imp.size == update.size else 0.0,
+                        predicted_total_ms=float(msg.predicted_total_ms),
+                        budget_ms=float(msg.budget_ms), full_ms=float(full),
+                        solve_ms=float(msg.solve_ms))
+
+
+def _kv(d: dict[str, Any]) -> list[KeyValue]:
+    return [KeyValue(key=k, value=f"{v:.6g}" if isinstance(v, float) else str(v))
+            for k, v in d.items()]
+
+
+@dataclasses.dataclass
+class Counters:
+    """What the node reports about its input side."""
+
+    batches: int = 0
+    rejected: int = 0
+    last_rejection: str = ""
+    step_errors: int = 0
+    last_error: str = ""
+    inline_batches: int = 0
+    topic_batches: int = 0
+
+
+class PerceptionNode(Node):
+    """Runs a tta_core method on the camera stream; see the module docstring."""
+
+    def __init__(self, node_name: str = "perception", *, context: Context | None = None,
+                 parameter_overrides: Sequence[Parameter] | None = None,
+                 cli_args: Sequence[str] | None = None) -> None:
+        super().__init__(node_name, context=context, parameter_overrides=parameter_overrides,
+                         cli_args=list(cli_args) if cli_args else None)
+        self.specs = param_specs()
+        declare_all(self, self.specs)
+        self.p = values(self, self.specs)
+        check_initial(self.specs, self.p)
+        self._check_device(self.p["device"])
+        if self.p["num_threads"] > 0:
+            torch.set_num_threads(self.p["num_threads"])
+        self.device = torch.device(self.p["device"])
+        self._load_card()
+        self._pending: dict[str, Any] = {}
+        self._pending_lock = threading.Lock()
+        self._build_method()
+        self.queue = FrameQueue(self.p["queue_size"])
+        self.gate = PlanGate(self.p["plan_timeout_s"])
+        self.guard = DivergenceGuard(self.num_classes, self.p["reset_entropy_ratio"],
+                                     self.p["reset_patience"])
+        self.counters = Counters()
+        self._inline_fallback = False
+        self._diag_lock = threading.Lock()
+        self.add_on_set_parameters_callback(self._on_set_parameters)
+        reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+        self.pub_pred = self.create_publisher(ClassPrediction, "predictions", 100)
+        self.pub_status = self.create_publisher(AdaptationStatus, "adaptation_status", reliable)
+        self.pub_imp = self.create_publisher(LayerImportance, "layer_importance", reliable)
+        self.pub_diag = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        self.create_subscription(Image, "image", self._on_image, qos_profile_sensor_data)
+        self.create_subscription(LayerPlan, "layer_plan", self._on_plan, reliable)
+        self.create_timer(1.0, self._publish_diagnostics)
+        self._stop = threading.Event()
+        self._worker = threading.Thread(target=self._run, name="perception-worker",
+                                        daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------ set-up
+    @staticmethod
+    def _check_device(name: str) -> None:
+        try:
+            dev = torch.device(name)
+        except RuntimeError as exc:
+            raise ValueError(f"device={name!r} is not a torch device: {exc}") from exc
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={name!r} requested but CUDA is not available")
+
+    def _load_card(self) -> None:
+        from tta_core.train_source import load_source
+
+        if not self.p["model_card"]:
+            raise ValueError("parameter model_card is empty: the perception node needs one")
+        _, card = load_source(self.p["model_card"])
+        self.card = card
+        self.pre = Preprocess.from_card(card)
+        self.num_classes = int(card_value(card, "num_classes"))
+        self.class_names = list(card_value(card, "class_names", "classes", default=[]) or [])
+        self.model_name = str(card_value(card, "name", "arch", default="model"))
+        self.arch = card_value(card, "arch")
+
+    def _method_cfg(self, name: str) -> dict[str, Any]:
+        """Only the options the method's config has (tent has no sigma, ...)."""
+        known = {f.name for f in dataclasses.fields(method_class(name).config_cls)}
+        s = self.pre.image_size
+        cfg = {"lr": self.p["lr"], "sigma": self.p["sigma"], "mode": self.p["mode"],
+               "input_shape": (3, s, s), "arch": self.arch}
+        if self.p["profile"]:
+            cfg["profile"] = self.p["profile"]
+        return {k: v for k, v in cfg.items() if k in known}
+
+    def _build_method(self) -> None:
+        """(Re)load the source model and build the configured method on it."""
+        from tta_core.train_source import load_source
+
+        model, _ = load_source(self.p["model_card"])
+        model = model.to(self.device)
+        old = getattr(self, "method", None)
+        if old is not None and hasattr(old, "engine"):
+            old.engine.close()
+        self.method = build_method(self.p["method"], model, **self._method_cfg(self.p["method"]))
+        staged = getattr(self.method, "staged", None)
+        if staged is None:
+            s = self.pre.image_size
+            staged = decompose(model, (3, s, s), self.arch)
+        self.unit_names = [u.name for u in staged.units]
+        self.accepts_plans = hasattr(self.method, "engine")
+
+    # ------------------------------------------------------------ parameters
+    def _on_set_parameters(self, params: Sequence[Parameter]) -> SetParametersResult:
+        res = validate(self.specs, params)
+        if not res.successful:
+            return res
+        bad = [p.name for p in params if p.name not in RUNTIME
+               and p.name in {s.name for s in self.specs}]
+        if bad:
+            return SetParametersResult(successful=False,
+                                       reason=f"{bad[0]} cannot change at run time")
+        with self._pending_lock:
+            self._pending.update({p.name: p.value for p in params if p.name in RUNTIME})
+        return res
+
+    def _apply_pending(self) -> None:
+        """Apply parameter changes between batches (worker thread)."""
+        with self._pending_lock:
+            changes, self._pending = self._pending, {}
+        if not changes:
+            return
+        self.p.update(changes)
+        if any(k in changes for k in REBUILD):
+            self._build_method()
+            self.get_logger().info(f"method rebuilt: {self.p['method']} ({self.p['mode']})")
+        engine = getattr(self.method, "engine", None)
+        if engine is not None and "sigma" in changes:
+            engine.config.sigma = float(self.p["sigma"])
+        if "lr" in changes and getattr(self.method, "optimizer", None) is not None:
+            for g in self.method.optimizer.param_groups:
+                g["lr"] = float(self.p["lr"])
+        if "queue_size" in changes:
+            self.queue.resize(self.p["queue_size"])
+        self.gate.timeout_s = float(self.p["plan_timeout_s"])
+        self.guard.ratio = float(self.p["reset_entropy_ratio"])
+        self.guard.patience = int(self.p["reset_patience"])
+
+    # ------------------------------------------------------------ callbacks
+    def _on_image(self, msg: Image) -> None:
+        self.queue.push(msg)  # O(1), never blocks; conversion happens on the worker
+
+    def _on_plan(self, msg: LayerPlan) -> None:
+        if list(msg.unit_names) != self.unit_names or len(msg.update) != len(self.unit_names):
+            self._diag_now("planning", WARN, f"plan {msg.plan_id} for model "
+                           f"{msg.model_name!r} does not match this model's "
+                           f"{len(self.unit_names)} units: ignored")
+            return
+        was_stale = self._inline_fallback
+        self.gate.on_plan((int(msg.plan_id), msg_to_plan(msg)))
+        if was_stale:
+            self._inline_fallback = False
+            self._diag_now("planning", OK, f"plans resumed on layer_plan (plan {msg.plan_id})")
+
+    # ------------------------------------------------------------ worker
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._apply_pending()
+                frames = self.queue.take(int(self.p["batch_size"]),
+                                         float(self.p["batch_timeout_s"]))
+                if frames:
+                    self._process(frames)
+            except Exception as exc:  # the node keeps running; the error is reported
+                self.counters.step_errors += 1
+                self.counters.last_error = f"{type(exc).__name__}: {exc}"
+                self.get_logger().error(f"batch failed: {self.counters.last_error}")
+                self._diag_now("adaptation", ERROR, self.counters.last_error)
+
+    def _convert(self, frames: list[Image]) -> tuple[list[torch.Tensor], list[Image]]:
+        xs, good = [], []
+        for msg in frames:
+            try:
+                xs.append(image_to_tensor(msg, self.pre))
+                good.append(msg)
+            except ValueError as exc:
+                self.counters.rejected += 1
+                self.counters.last_rejection = str(exc)
+                self.get_logger().warning(f"frame rejected: {exc}")
+                self._diag_now("input", ERROR, f"frame rejected: {exc}")
+        return xs, good
+
+    def _choose_plan(self) -> tuple[int, planner.Plan | None]:
+        """(plan_id, plan) for the next batch; (0, None) means plan inline."""
+        if not self.accepts_plans or self.p["plan_source"] != "topic":
+            return 0, None
+        current = self.gate.current()
+        if current is None and self.gate.stale() and not self._inline_fallback:
+            self._inline_fallback = True
+            self._diag_now("planning", WARN, self._planning_message())
+        return current if current is not None else (0, None)
+
+    def _step(self, x: torch.Tensor, plan: planner.Plan | None):
+        if plan is not None:  # the method's own step has no plan argument: see report
+            return self.method.engine.step(x, plan=plan)
+        return self.method.step(x)
+
+    def _process(self, frames: list[Image]) -> None:
+        xs, good = self._convert(frames)
+        if not xs:
+            return
+        x = stack_batch(xs).to(self.device)
+        plan_id, plan = self._choose_plan()
+        res = self._step(x, plan)
+        self.counters.batches += 1
+        if plan_id:
+            self.counters.topic_batches += 1
+        else:
+            self.counters.inline_batches += 1
+        logits = res.logits.float()
+        reason = self.guard.check(bool(torch.isfinite(logits).all()), float(res.mean_entropy))
+        if reason:
+            self.method.reset()
+            self.get_logger().warning(f"divergence guard: {reason}; source weights restored")
+            self._diag_now("adaptation", WARN, f"reset: {reason}")
+        self._publish_batch(good, logits, res, plan_id, bool(reason))
+
+    # ------------------------------------------------------------ publishing
+    def _publish_batch(self, frames: list[Image], logits: torch.Tensor, res: Any,
+                       plan_id: int, reset: bool) -> None:
+        batch_id = self.counters.batches
+        probs = torch.softmax(logits, dim=1).cpu()
+        conf, label = probs.max(dim=1)
+        scores = self.p["publish_scores"]
+        for i, img in enumerate(frames):
+            ok = bool(torch.isfinite(probs[i]).all())
+            lab = int(label[i]) if ok else -1
+            pred = ClassPrediction(batch_id=batch_id, label=lab,
+                                   confidence=float(conf[i]) if ok else math.nan,
+                                   class_name=self._class_name(lab),
+                                   scores=probs[i].tolist() if scores else [])
+            pred.header = img.header
+            self.pub_pred.publish(pred)
+        self.pub_status.publish(self._status_msg(frames[-1], batch_id, res, plan_id, reset))
+        imp = np.asarray(res.importance, dtype=np.float64)
+        if imp.shape == (len(self.unit_names),):
+            msg = LayerImportance(batch_id=batch_id, model_name=self.model_name,
+                                  unit_names=self.unit_names, importance=imp.tolist(),
+                                  forward_ms=float(res.times.forward_ms),
+                                  batch_size=len(frames))
+            msg.header = frames[-1].header
+            self.pub_imp.publish(msg)
+            if self.accepts_plans and self.p["plan_source"] == "topic":
+                self.gate.on_importance_sent()
+
+    def _class_name(self, label: int) -> str:
+        return self.class_names[label] if 0 <= label < len(self.class_names) else ""
+
+    def _status_msg(self, last: Image, batch_id: int, res: Any, plan_id: int,
+                    reset: bool) -> AdaptationStatus:
+        t = res.times
+        peak = (torch.cuda.max_memory_allocated(self.device) / 2**20
+                if self.device.type == "cuda" else
+                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)
+        msg = AdaptationStatus(
+            batch_id=batch_id, method=self.p["method"], mode=self.p["mode"],
+            adapted=bool(res.adapted), units_updated=int(res.units_updated), plan_id=plan_id,
+            forward_ms=float(t.forward_ms), plan_ms=float(t.plan_ms),
+            backward_ms=float(t.backward_ms), reforward_ms=float(t.reforward_ms),
+            total_ms=float(t.total_ms), predicted_total_ms=float(res.predicted_total_ms),
+            budget_ms=float(res.budget_ms), loss=float(res.loss),
+            mean_entropy=float(res.mean_entropy), peak_memory_mb=float(peak),
+            frames_dropped=int(self.queue.dropped), reset=reset,
+            domain=str(getattr(res, "extra", {}).get("domain", "")))
+        msg.header = last.header
+        return msg
+
+    def _planning_message(self) -> str:
+        if not self.accepts_plans:
+            return f"method {self.p['method']} plans nothing"
+        if self.p["plan_source"] == "inline":
+            return "planning inline (plan_source: inline)"
+        if self._inline_fallback:
+            return (f"no plan on layer_plan for {self.gate.silent_for():.1f} s "
+                    f"(timeout {self.gate.timeout_s:g} s): planning inline")
+        return "plans from layer_plan"
+
+    def _statuses(self) -> list[DiagnosticStatus]:
+        c, q = self.counters, self.queue
+        inp = DiagnosticStatus(name="tta perception: input", level=OK, message="ok")
+        inp.values = _kv({"received": q.received, "dropped": q.dropped, "rejected": c.rejected,
+                          "queue": f"{len(q)}/{q.maxlen}", "last_rejection": c.last_rejection})
+        plan = DiagnosticStatus(name="tta perception: planning",
+                                level=WARN if self._inline_fallback else OK,
+                                message=self._planning_message())
+        plan.values = _kv({"plan_source": self.p["plan_source"],
+                           "topic_batches": c.topic_batches, "inline_batches": c.inline_batches})
+        ada = DiagnosticStatus(name="tta perception: adaptation", level=OK,
+                               message=f"{self.p['method']} ({self.p['mode']})")
+        ada.values = _kv({"batches": c.batches, "resets": self.guard.resets,
+                          "step_errors": c.step_errors, "last_error": c.last_error})
+        return [inp, plan, ada]
+
+    def _publish_diagnostics(self) -> None:
+        self._send(self._statuses())
+
+    def _diag_now(self, which: str, level: int, message: str) -> None:
+        """Publish one status right away (rejections, fallbacks, resets)."""
+        st = next(s for s in self._statuses() if s.name.endswith(which))
+        st.level, st.message = level, message
+        self._send([st])
+
+    def _send(self, statuses: list[DiagnosticStatus]) -> None:
+        arr = DiagnosticArray(status=statuses)
+        arr.header.stamp = self.get_clock().now().to_msg()
+        with self._diag_lock:
+            self.pub_diag.publish(arr)
+
+    def destroy_node(self) -> None:
+        """Stop the worker, then destroy the node."""
+        self._stop.set()
+        self.queue.close()
+        self._worker.join(timeout=30.0)
+        super().destroy_node()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point: `perception_node --ros-args -p model_card:=...`."""
+    rclpy.init(args=list(argv) if argv is not None else sys.argv)
+    node = PerceptionNode()
+    try:
+        rclpy.spin(node)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        node.destroy_node()
+        rclpy.try_shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

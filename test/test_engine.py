@@ -68,10 +68,10 @@ def test_reforward_reuse_equals_full_forward(arch: str, size: int, bn_mode: str)
 
 def test_reuse_starts_at_first_updated_stage() -> None:
     staged = _staged("small_resnet", 32)
+    eng = AdaShadowEngine(staged, EngineConfig())  # its init runs a probe forward
     calls: list[str] = []
     for st in staged.stages:
         st.module.register_forward_pre_hook(lambda m, a, name=st.name: calls.append(name))
-    eng = AdaShadowEngine(staged, EngineConfig())
     x = torch.randn(4, 3, 32, 32)
     with torch.no_grad():
         staged.model(x)

@@ -6,6 +6,7 @@ Model: the shipped small_resnet 32 px checkpoint.
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -289,3 +290,33 @@ def test_divergence_guard_resets_method(rig_factory) -> None:
     assert wait_for(lambda: len(rig.msgs("status")) >= 4, 15.0)
     flags = [s.reset for s in sorted(rig.msgs("status"), key=lambda s: s.batch_id)]
     assert flags[:4] == [False, True, False, True]  # every 2nd batch over a 0-nats limit
+
+
+def test_resource_monitor_calibration_fills_expansion(ros_context, tmp_path) -> None:
+    from tta_core.predictor import Calibration, compute_expansion
+    from tta_ros.resource_monitor_node import ResourceMonitorNode
+
+    cal = {"f_slope": 0.5, "f_intercept": 0.0, "b_ratio": 4.0, "freq_offline_mhz": None,
+           "cache_hit_offline": None}
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"schema": "tta.calibration/1", "calibration": cal}))
+    off = [Parameter("enable_perf", value=False), Parameter("enable_nvml", value=False),
+           Parameter("enable_jtop", value=False)]
+    plain = ResourceMonitorNode(context=ros_context, parameter_overrides=off)
+    node = ResourceMonitorNode("rm_cal", context=ros_context, parameter_overrides=[
+        *off, Parameter("calibration", value=str(path))])
+    try:
+        plain._on_sample()
+        node._on_sample()
+        assert np.isnan(plain.last_sample.compute_expansion)
+        s = node.last_sample
+        n = s.competing_processes if np.isfinite(s.competing_processes) else 0.0
+        want = compute_expansion(s.cpu_freq_mhz, n, Calibration(f_slope=0.5, b_ratio=4.0))
+        assert s.compute_expansion == pytest.approx(want) and s.compute_expansion >= 1.0
+        assert s.memory_expansion == 1.0  # no cache counters: phi unknown -> pi2 = 1
+    finally:
+        plain.destroy_node()
+        node.destroy_node()
+    with pytest.raises(ValueError, match="calibration="):
+        ResourceMonitorNode("rm_bad", context=ros_context, parameter_overrides=[
+            *off, Parameter("calibration", value=str(tmp_path / "missing.json"))])

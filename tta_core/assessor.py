@@ -101,6 +101,7 @@ class Assessor:
         self._sizes: list[int] | None = None
         self._mean: Tensor | None = None
         self._var: Tensor | None = None
+        self._seeds: list[tuple[Tensor, Tensor] | None] | None = None
 
     # -- history -----------------------------------------------------------------------
     @property
@@ -111,8 +112,16 @@ class Assessor:
         return list(zip(self._mean.split(self._sizes), self._var.split(self._sizes), strict=True))
 
     def reset(self) -> None:
-        """Forget the history; the next batch re-initialises it."""
+        """Forget the history; the next batch re-initialises it (from the seeds if any)."""
         self._sizes, self._mean, self._var = None, None, None
+
+    def seed(self, seeds: Sequence[tuple[Tensor, Tensor] | None]) -> None:
+        """Known source-domain stats per unit (None where unknown), used as the initial
+        history: the first batch is then scored against the source instead of itself."""
+        if len(seeds) != self.n_units:
+            raise ValueError(f"expected seeds for {self.n_units} units, got {len(seeds)}")
+        self._seeds = [None if s is None else (s[0].detach().clone(), s[1].detach().clone())
+                       for s in seeds]
 
     def _flatten(self, stats: Stats) -> tuple[Tensor, Tensor, list[int]]:
         if len(stats) != self.n_units:
@@ -131,11 +140,27 @@ class Assessor:
     def _init_from(self, mean: Tensor, var: Tensor, sizes: list[int]) -> None:
         self._sizes, self._mean, self._var = sizes, mean.clone(), var.clone()
 
+    def _init_seeded(self, mean: Tensor, var: Tensor, sizes: list[int]) -> bool:
+        """History = seeds where known, this batch elsewhere; False when there are no seeds."""
+        if self._seeds is None or all(s is None for s in self._seeds):
+            return False
+        self._init_from(mean, var, sizes)
+        assert self._mean is not None and self._var is not None
+        hist = zip(self._mean.split(sizes), self._var.split(sizes), strict=True)
+        for i, ((m, v), s) in enumerate(zip(hist, self._seeds, strict=True)):
+            if s is not None:
+                if s[0].numel() != sizes[i]:
+                    raise ValueError(f"seed of unit {i} has {s[0].numel()} channels, "
+                                     f"output has {sizes[i]}")
+                m.copy_(s[0].reshape(-1))
+                v.copy_(s[1].reshape(-1))
+        return True
+
     # -- public API --------------------------------------------------------------------
     def importance(self, stats: Stats) -> np.ndarray:
         """a_l = mean_c KL(E^H_l,c || E^e_l,c); all zeros (and history set) on the first call."""
         mean, var, sizes = self._flatten(stats)
-        if self._mean is None:
+        if self._mean is None and not self._init_seeded(mean, var, sizes):
             self._init_from(mean, var, sizes)
             return np.zeros(self.n_units)
         return self._importance_flat(mean, var)
@@ -147,7 +172,8 @@ class Assessor:
         kl_np = kl.double().cpu().numpy()
         sizes = np.asarray(self._sizes)
         offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
-        return np.add.reduceat(kl_np, offsets) / sizes
+        # KL >= 0 exactly; clip float round-off so consumers (the planner) can rely on it
+        return np.maximum(np.add.reduceat(kl_np, offsets) / sizes, 0.0)
 
     def update_history(self, stats: Stats) -> None:
         """E^H <- alpha * E^e + (1 - alpha) * E^H (initialised from the first batch)."""
@@ -165,7 +191,7 @@ class Assessor:
     def step(self, stats: Stats) -> np.ndarray:
         """importance(stats) then update_history(stats), concatenating the stats once."""
         mean, var, sizes = self._flatten(stats)
-        if self._mean is None:
+        if self._mean is None and not self._init_seeded(mean, var, sizes):
             self._init_from(mean, var, sizes)
             return np.zeros(self.n_units)
         out = self._importance_flat(mean, var)

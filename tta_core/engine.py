@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from tta_core import assessor as assessor_mod
 from tta_core import losses, planner, predictor
+from tta_core.unit_stats import UnitStatsCollector, source_seeds
 from tta_core.units import StagedModel, stage_input_hooks
 
 MODES = ("sequential", "parallel")
@@ -149,7 +150,10 @@ class AdaShadowEngine:
     """Runs AdaShadow on a StagedModel whose BN mode and requires_grad are already set."""
 
     def __init__(self, staged: StagedModel, config: EngineConfig | None = None,
-                 profile: predictor.UnitProfile | None = None) -> None:
+                 profile: predictor.UnitProfile | None = None,
+                 source_bn: dict[str, tuple[Tensor, Tensor]] | None = None) -> None:
+        """`source_bn`: the checkpoint's BN running stats by unit name (captured before BN
+        was switched to batch statistics); they seed the assessor's history."""
         self.staged, self.config = staged, config or EngineConfig()
         self.config.validate()
         if profile is not None and len(profile.unit_names) != len(staged.units):
@@ -163,46 +167,20 @@ class AdaShadowEngine:
                                          momentum=self.config.momentum)
         self._opt_state0 = self.optimizer.state_dict()
         self.assessor = assessor_mod.Assessor(len(staged.units), alpha=self.config.alpha)
+        if source_bn:
+            self.assessor.seed(source_seeds(staged, source_bn))
         self._timer = _Timer(self.params[0].device)
-        self._capture = False
-        self._stats: list = [None] * len(staged.units)
+        self._collector = UnitStatsCollector(staged, with_grad=self.config.loss == "multilayer_kl")
         self._stage_inputs: list = [None] * len(staged.stages)
-        self._handles = self._install_hooks()
+        self._handles = stage_input_hooks(self.staged, self._cache_stage_input)
         self._job: threading.Thread | None = None
         self._job_error: BaseException | None = None
         self._pending: StepResult | None = None
 
     # ------------------------------------------------------------ hooks
-    def _install_hooks(self) -> list:
-        handles = stage_input_hooks(self.staged, self._cache_stage_input)
-        by_module: dict[int, list[int]] = {}
-        for u in self.staged.units:
-            by_module.setdefault(id(u.module), []).append(u.index)
-        for u in self.staged.units:
-            idx = by_module.pop(id(u.module), None)
-            if idx is not None:  # one hook per module (attention in/out share one)
-                handles.append(u.module.register_forward_hook(self._unit_hook(idx)))
-        return handles
-
     def _cache_stage_input(self, s: int, t: Tensor) -> None:
-        if self._capture:
+        if self._collector.capture:
             self._stage_inputs[s] = t
-
-    def _unit_hook(self, idx: list[int]):
-        def hook(_m, _args, out):
-            if self._capture:
-                y = out[0] if isinstance(out, tuple) else out
-                kl = self.config.loss == "multilayer_kl"
-                with torch.set_grad_enabled(kl):
-                    st = assessor_mod.channel_stats(y)
-                for i in idx:
-                    self._stats[i] = st
-                if kl and not isinstance(out, tuple):
-                    # the KL loss differentiates the stats, so y must stay intact: hand a
-                    # copy downstream (torchvision's inplace ReLU / `out += identity`)
-                    return y.clone()
-            return None
-        return hook
 
     def close(self) -> None:
         """Remove the hooks (the engine is unusable afterwards)."""
@@ -210,23 +188,20 @@ class AdaShadowEngine:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._collector.close()
 
     # ------------------------------------------------------------ phases
     def _forward(self, x: Tensor) -> _Forward:
         t0 = self._timer.now()
-        self._capture = True
+        self._collector.capture = True
         self._stage_inputs[0] = x
         try:
             with torch.enable_grad():
                 logits = self.staged.model(x)
         finally:
-            self._capture = False
-        stats, inputs = list(self._stats), list(self._stage_inputs)
-        self._stats = [None] * len(self._stats)
-        self._stage_inputs = [None] * len(self._stage_inputs)
-        if any(s is None for s in stats):
-            missing = [u.name for u, s in zip(self.staged.units, stats, strict=True) if s is None]
-            raise RuntimeError(f"units did not run in the forward: {missing}")
+            self._collector.capture = False
+        stats = self._collector.collect(x.shape[0])
+        inputs, self._stage_inputs = self._stage_inputs, [None] * len(self._stage_inputs)
         return _Forward(logits, stats, inputs, (self._timer.now() - t0) * 1e3)
 
     def _times(self, fwd: _Forward, x: Tensor) -> tuple[np.ndarray, ...]:
@@ -280,8 +255,7 @@ class AdaShadowEngine:
             history = [(m.clone(), v.clone()) for m, v in history]  # step() updates in place
         loss = self._loss(fwd, history)
         detached = [(m.detach(), v.detach()) for m, v in fwd.stats]
-        # KL >= 0 in exact arithmetic; clip float round-off so the planner accepts it
-        importance = np.maximum(np.asarray(self.assessor.step(detached), dtype=np.float64), 0.0)
+        importance = np.asarray(self.assessor.step(detached), dtype=np.float64)
         if plan is None:
             plan = self._plan(fwd, x, importance)
         elif len(plan.update) != len(self.staged.units):

@@ -240,12 +240,12 @@ def _trace(model: nn.Module, owners: dict[str, nn.Module], input_shape) -> list[
     def post(name: str, mod: nn.Module, part: str) -> Callable:
         def hook(m, args, out):
             y = out[0] if isinstance(out, tuple) else out
-            records.append(_Record(name, mod, _kind(mod), part, args[0], y))
+            records.append(_Record(name, mod, _kind(mod), part, args[0][:1], y[:1]))
         return hook
 
     def pre_attn(name: str, mod: nn.Module) -> Callable:
         def hook(m, args):  # in-projection happens first: record it at the start
-            records.append(_Record(name, mod, "attn", "in", args[0], args[0]))
+            records.append(_Record(name, mod, "attn", "in", args[0][:1], args[0][:1]))
         return hook
 
     for name, mod in owners.items():
@@ -258,14 +258,17 @@ def _trace(model: nn.Module, owners: dict[str, nn.Module], input_shape) -> list[
             handles.append(mod.register_forward_hook(post(name, mod, "out")))
         else:
             handles.append(mod.register_forward_hook(post(name, mod, "")))
-    was_training = model.training
+    modes = {m: m.training for m in model.modules()}  # per module: BN may train alone
     model.eval()
     try:
         with torch.no_grad():
             p = next(model.parameters())
-            model(torch.zeros(1, *input_shape, dtype=p.dtype, device=p.device))
+            # batch 2: BN without running stats normalises by the batch, which needs > 1
+            # value per channel; records keep sample 0, so shapes are per sample
+            model(torch.zeros(2, *input_shape, dtype=p.dtype, device=p.device))
     finally:
-        model.train(was_training)
+        for m, mode in modes.items():
+            m.training = mode
         for h in handles:
             h.remove()
     return records

@@ -203,7 +203,7 @@ class PerceptionNode(Node):
             s = self.pre.image_size
             staged = decompose(model, (3, s, s), self.arch)
         self.unit_names = [u.name for u in staged.units]
-        self.accepts_plans = hasattr(self.method, "engine")
+        self.accepts_plans = bool(getattr(self.method, "accepts_plan", False))
 
     # ------------------------------------------------------------ parameters
     def _on_set_parameters(self, params: Sequence[Parameter]) -> SetParametersResult:
@@ -296,9 +296,7 @@ class PerceptionNode(Node):
         return current if current is not None else (0, None)
 
     def _step(self, x: torch.Tensor, plan: planner.Plan | None):
-        if plan is not None:  # the method's own step has no plan argument: see report
-            return self.method.engine.step(x, plan=plan)
-        return self.method.step(x)
+        return self.method.step(x, plan=plan)
 
     def _process(self, frames: list[Image]) -> None:
         xs, good = self._convert(frames)

@@ -1,7 +1,9 @@
 """resource_monitor node: publishes `telemetry` (ResourceTelemetry) and `/diagnostics`.
 
 All sampling is tta_core.telemetry's (psutil, sysfs thermal/cpufreq, NVML, jtop, perf);
-this node only turns its ResourceSample into messages. Unknown values stay NaN; the uint32
+this node only turns its ResourceSample into messages. With the `calibration` parameter (the
+JSON written by `tta calibrate`) the sampler also fills pi_1 / pi_2 (compute / memory
+expansion of the latency predictor); without it they are NaN. Unknown values stay NaN; the uint32
 `competing_processes` field carries UNKNOWN_COUNT (2**32 - 1) when the count is unknown.
 /diagnostics carries one DiagnosticStatus per subsystem (cpu, memory, thermal, gpu, cache):
 OK / WARN / ERROR against the thresholds below, STALE when the subsystem is not measured.
@@ -21,6 +23,8 @@ from rclpy.node import Node
 from rclpy.parameter import Parameter
 from tta_msgs.msg import ResourceTelemetry
 
+from tta_core.calibration import load_calibration
+from tta_core.predictor import Calibration
 from tta_core.telemetry import (
     JtopSource,
     NvmlSource,
@@ -47,6 +51,8 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("enable_nvml", True, "query NVML for a desktop GPU", read_only=True),
     ParamSpec("enable_jtop", True, "query jtop on a Jetson", read_only=True),
     ParamSpec("gpu_index", 0, "NVML GPU index", 0, 64, read_only=True),
+    ParamSpec("calibration", "", "predictor calibration JSON from `tta calibrate` (fills "
+              "compute/memory expansion); empty = none, expansions are NaN", read_only=True),
     ParamSpec("frame_id", "", "header.frame_id of telemetry"),
     ParamSpec("cpu_warn_percent", 90.0, "mean CPU load above which cpu is WARN", 0.0, 100.0),
     ParamSpec("mem_warn_percent", 90.0, "memory use above which memory is WARN", 0.0, 100.0),
@@ -133,13 +139,24 @@ class ResourceMonitorNode(Node):
         self.params = values(self, PARAMS)
         check_initial(PARAMS, self.params)
         self.add_on_set_parameters_callback(lambda ps: validate(PARAMS, ps))
-        self.sampler = TelemetrySampler(sources=self._sources())
+        self.calibration = self._calibration(self.params["calibration"])
+        self.sampler = TelemetrySampler(sources=self._sources(), calibration=self.calibration)
         self.last_sample: ResourceSample | None = None
         self.samples_published = 0
         self.pub_telemetry = self.create_publisher(ResourceTelemetry, "telemetry", 10)
         self.pub_diag = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self.create_timer(1.0 / self.params["rate_hz"], self._on_sample)
         self.create_timer(1.0 / self.params["diagnostics_rate_hz"], self._on_diagnostics)
+
+    @staticmethod
+    def _calibration(path: str) -> Calibration | None:
+        """load_calibration(path), None for ''; a bad file raises ValueError naming it."""
+        if not path:
+            return None
+        try:
+            return load_calibration(path)
+        except (OSError, KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"calibration={path!r} cannot be loaded: {exc}") from exc
 
     def _sources(self) -> list:
         p = self.params

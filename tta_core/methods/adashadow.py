@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from tta_core.engine import AdaShadowEngine, EngineConfig, StepResult
 from tta_core.methods import register
 from tta_core.methods.base import MethodConfig, TTAMethod
+from tta_core.planner import Plan
 from tta_core.predictor import UnitProfile
 from tta_core.units import StagedModel, decompose
 
@@ -42,7 +43,15 @@ class AdaShadow(TTAMethod):
     staged: StagedModel
     engine: AdaShadowEngine
 
+    accepts_plan = True
+
     def configure_model(self) -> None:
+        # the checkpoint's BN running stats are the source domain's conv-output statistics:
+        # keep them (batch-statistics BN drops them) to seed the assessor's history
+        source_bn = {n: (m.running_mean.clone(), m.running_var.clone())
+                     for n, m in self.model.named_modules()
+                     if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                     and m.running_mean is not None and m.running_var is not None}
         super().configure_model()
         c = self.config
         prof = c.profile
@@ -54,7 +63,7 @@ class AdaShadow(TTAMethod):
         ecfg = EngineConfig(sigma=c.sigma, lr=c.lr, momentum=c.momentum, mode=c.mode,
                             loss=c.loss, bn_mode=c.bn_mode, alpha=c.alpha, n_t=c.n_t,
                             reuse=c.reuse, forward_feedback=c.forward_feedback)
-        self.engine = AdaShadowEngine(self.staged, ecfg, profile=prof)
+        self.engine = AdaShadowEngine(self.staged, ecfg, profile=prof, source_bn=source_bn)
 
     def collect_params(self) -> list[nn.Parameter]:
         return list(self.engine.params)
@@ -62,8 +71,8 @@ class AdaShadow(TTAMethod):
     def setup_optimizer(self):
         return self.engine.optimizer
 
-    def forward_and_adapt(self, x: Tensor) -> StepResult:
-        return self.engine.step(x)
+    def forward_and_adapt(self, x: Tensor, plan: Plan | None = None) -> StepResult:
+        return self.engine.step(x, plan=plan)
 
     def reset_state(self) -> None:
         self.engine.reset()

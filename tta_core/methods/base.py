@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from tta_core import losses
 from tta_core.engine import PhaseTimes, StepResult, mean_entropy, set_bn_mode
+from tta_core.planner import Plan
 
 
 @dataclass
@@ -38,6 +39,7 @@ class TTAMethod:
 
     name: ClassVar[str] = "base"
     config_cls: ClassVar[type] = MethodConfig
+    accepts_plan: ClassVar[bool] = False  # step() takes an external layer-update plan
 
     def __init__(self, model: nn.Module, config: MethodConfig | None = None) -> None:
         self.model = model
@@ -90,11 +92,19 @@ class TTAMethod:
         """Reset method state other than weights and optimizer (override when needed)."""
 
     # ------------------------------------------------------------ public
-    def step(self, x: Tensor) -> StepResult:
-        """Adapt on batch x (N, C, H, W) and return its predictions."""
+    def step(self, x: Tensor, plan: Plan | None = None) -> StepResult:
+        """Adapt on batch x (N, C, H, W) and return its predictions.
+
+        `plan` (a scheduler's layer-update plan, e.g. from the ROS `layer_plan` topic) is
+        only meaningful for methods with `accepts_plan`; others refuse it.
+        """
         if x.ndim != 4:
             raise ValueError(f"expected a batch [N, C, H, W], got shape {tuple(x.shape)}")
-        return self.forward_and_adapt(x)
+        if plan is None:
+            return self.forward_and_adapt(x)
+        if not self.accepts_plan:
+            raise ValueError(f"method {self.name!r} does not take a layer-update plan")
+        return self.forward_and_adapt(x, plan=plan)
 
     def reset(self) -> None:
         """Restore source weights, optimizer and method state bit for bit."""

@@ -1,0 +1,119 @@
+"""BN-carried unit statistics equal the directly computed ones, and the source history
+seeded from BN running stats makes the first batch's importance meaningful."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tta_core.assessor import Assessor, channel_stats
+from tta_core.engine import AdaShadowEngine, EngineConfig, set_bn_mode
+from tta_core.models import build_model
+from tta_core.unit_stats import UnitStatsCollector, source_seeds
+from tta_core.units import decompose
+
+
+def _model(arch: str, size: int):
+    torch.manual_seed(0)
+    model = build_model(arch, 10)
+    set_bn_mode(model, "batch")
+    return decompose(model, (3, size, size), arch)
+
+
+@pytest.mark.parametrize("arch,size", [("resnet18", 32), ("mobilenet_v2", 32),
+                                       ("small_resnet", 32)])
+def test_carried_stats_equal_direct_channel_stats(arch, size):
+    staged = _model(arch, size)
+    col = UnitStatsCollector(staged, with_grad=False)
+    n_conv = sum(u.kind == "conv" for u in staged.units)
+    assert len(col.pairs) == n_conv  # in these nets every conv feeds its own BN
+    direct: dict[int, tuple] = {}
+    hooks = [u.module.register_forward_hook(
+        lambda _m, _a, out, i=u.index: direct.__setitem__(i, channel_stats(out.detach())))
+        for u in staged.units]
+    x = torch.randn(3, 3, size, size) * 2 + 0.5
+    col.capture = True
+    with torch.no_grad():
+        staged.model(x)
+    col.capture = False
+    got = col.collect(x.shape[0])
+    for h in hooks:
+        h.remove()
+    for u in staged.units:
+        m, v = got[u.index]
+        dm, dv = direct[u.index]
+        torch.testing.assert_close(m, dm, rtol=1e-4, atol=1e-4, msg=u.name)
+        torch.testing.assert_close(v, dv, rtol=1e-3, atol=1e-4, msg=u.name)
+
+
+def test_pairs_follow_tensor_identity_not_names():
+    """A BN that comes right after a conv but does not read its output is not paired, and
+    its stats (and the conv's) still come out right through the hook fallback."""
+    from tta_core.models import SmallResNet
+
+    class Rewired(SmallResNet):
+        def forward(self, x):
+            c = self.conv1(x)
+            x = self.relu(self.bn1(c * 1.0))  # a new tensor: not the conv's output object
+            x = self.layer3(self.layer2(self.layer1(x)))
+            return self.fc(torch.flatten(self.avgpool(x), 1))
+
+    torch.manual_seed(0)
+    model = Rewired(num_classes=10)
+    set_bn_mode(model, "batch")
+    staged = decompose(model, (3, 32, 32), "small_resnet")
+    col = UnitStatsCollector(staged, with_grad=False)
+    paired = {p.conv for p in col.pairs}
+    assert 0 not in paired and len(paired) == sum(u.kind == "conv" for u in staged.units) - 1
+    x = torch.randn(2, 3, 32, 32)
+    col.capture = True
+    with torch.no_grad():
+        staged.model(x)
+        c = model.conv1(x)
+    col.capture = False
+    got = col.collect(2)
+    torch.testing.assert_close(got[0][0], channel_stats(c)[0], rtol=1e-4, atol=1e-5)
+
+
+def _source_model(clean: torch.Tensor):
+    """small_resnet whose BN running stats are those of `clean` (a trained source)."""
+    torch.manual_seed(1)
+    model = build_model("small_resnet", 10)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.momentum = None  # cumulative average over the calibration batches
+    model.train()
+    with torch.no_grad():
+        for chunk in clean.split(16):
+            model(chunk)
+    return model
+
+
+def test_seeded_history_scores_a_shifted_first_batch_higher():
+    g = torch.Generator().manual_seed(0)
+    clean = torch.rand(64, 3, 32, 32, generator=g)
+    results = {}
+    for name, batch in {"clean": torch.rand(8, 3, 32, 32, generator=g),
+                        "shifted": torch.rand(8, 3, 32, 32, generator=g) * 3 + 1}.items():
+        model = _source_model(clean)
+        source_bn = {n: (m.running_mean.clone(), m.running_var.clone())
+                     for n, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)}
+        set_bn_mode(model, "batch")
+        staged = decompose(model, (3, 32, 32), "small_resnet")
+        eng = AdaShadowEngine(staged, EngineConfig(sigma=1.0), source_bn=source_bn)
+        results[name] = eng.step(batch).importance
+        eng.close()
+    assert results["clean"].sum() > 0  # scored against the source, not against itself
+    assert results["shifted"][0] > 5 * results["clean"][0]  # the first conv sees the shift
+    assert results["shifted"].sum() > 2 * results["clean"].sum()
+
+
+def test_seeds_shape_mismatch_is_a_clear_error():
+    staged = _model("small_resnet", 32)
+    with pytest.raises(ValueError, match=r"bn1.*shape \(5,\).*16 channels"):
+        source_seeds(staged, {staged.units[1].name: (torch.zeros(5), torch.ones(5))})
+    a = Assessor(3)
+    a.seed([None, (torch.zeros(4), torch.ones(4)), None])
+    with pytest.raises(ValueError, match="seed of unit 1 has 4 channels"):
+        a.step([(torch.zeros(2), torch.ones(2))] * 3)

@@ -1,0 +1,501 @@
+"""The AdaShadow Table 9 experiment on this machine: is the runtime latency predictor right?
+
+Offline (idle): the model's per-unit profile (profiler.profile_model) is measured once and a
+fixed sparse plan is chosen: planner.solve at `sigma` with importance = ones on the offline
+profile (the most units that fit sigma*T; deterministic for a given profile). Then, for each
+resource condition, competing processes are started (bounded in time, always stopped), and
+over >= 30 batches we
+
+- measure the backward latency of that plan: forward, entropy loss, torch.autograd.grad to
+  the selected units' parameters only (as the engine does); only the backward is timed;
+- sample telemetry between batches (psutil competing processes, sysfs frequency, perf LLC
+  hit rate) and predict T_b'(S) = sum_{l in S} w_l + sum_{l > d} x_l (DESIGN §3) from
+  predictor.runtime_times(profile, pi1, pi2) (runtime predictor) and from the offline
+  times alone (the ElasticTrainer-style offline predictor);
+- report error % = |median prediction - median measurement| / median measurement.
+
+Conditions: offline (idle), dr2 (3 compute-bound competitors), dr3 (1 cache-thrashing
+memory-bound competitor), dr4 (both); dr1 (thermal/DVFS) only where sysfs exposes cpufreq.
+
+Two normalisations, both documented deviations from the paper's absolute formulas:
+- pi1 is relative to the offline profiling run: (1 + f(n_now)) / (1 + f(n_off)) times the
+  frequency ratio, with n_off the competing processes measured while profiling. A shared
+  machine is never idle; the offline profile already contains its background load (as
+  predictor.memory_expansion already normalises pi2 by the offline hit rate).
+- pi2 where the LLC hit rate is unavailable (no PMU in a VM): with `pi2_mode="probe"`, pi2 =
+  b_off / b_now, the DRAM copy bandwidth of a short probe (median over 1 MiB chunks of a
+  buffer 4x the LLC, so time-slicing by compute competitors does not look like memory
+  contention) measured between batches, relative to the same probe run right after the
+  offline profile. `pi2_mode="perf"` uses only the hit rate (pi2 = 1 when unknown).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tta_core import planner
+from tta_core.calibration import BusyProcesses, _cache_sizes
+from tta_core.losses import entropy_loss
+from tta_core.predictor import (
+    Calibration,
+    UnitProfile,
+    compute_expansion,
+    memory_expansion,
+    runtime_times,
+)
+from tta_core.units import StagedModel
+
+SCHEMA = "tta.predictor_bench/1"
+#: condition -> (compute-bound competitors, memory-bound competitors)
+CONDITIONS: dict[str, tuple[int, int]] = {
+    "offline": (0, 0), "dr2": (3, 0), "dr3": (0, 1), "dr4": (3, 1)}
+PI2_MODES = ("probe", "perf")
+
+
+@dataclass
+class BenchConfig:
+    """What to run. Times in seconds."""
+
+    arch: str = "resnet50"
+    image_size: int = 224
+    batch_size: int = 4
+    batches: int = 30
+    threads: int = 1
+    conditions: tuple[str, ...] = ("offline", "dr2", "dr3", "dr4")
+    sigma: float = 0.5
+    num_classes: int = 16
+    profile_repeats: int = 5
+    warmup: int = 2
+    settle_s: float = 1.5  # after starting competitors (psutil needs one 1 s window)
+    max_condition_s: float = 90.0  # measuring stops here even if fewer batches were done
+    pi2_mode: str = "probe"
+
+    def __post_init__(self) -> None:
+        bad = [c for c in self.conditions if c not in CONDITIONS]
+        if bad or not self.conditions:
+            raise ValueError(f"conditions must be among {tuple(CONDITIONS)}, got {bad or ()}")
+        if self.pi2_mode not in PI2_MODES:
+            raise ValueError(f"pi2_mode must be one of {PI2_MODES}, got {self.pi2_mode!r}")
+        for name in ("image_size", "batch_size", "batches", "threads", "profile_repeats"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        if not 0.0 < self.sigma <= 1.0:
+            raise ValueError(f"sigma must be in (0, 1], got {self.sigma!r}")
+        if not self.max_condition_s > 0:
+            raise ValueError(f"max_condition_s must be > 0, got {self.max_condition_s!r}")
+
+
+@dataclass
+class OfflineState:
+    """What the offline profiling run saw: the reference of the runtime normalisation."""
+
+    competing: float
+    freq_mhz: float
+    cache_hit_rate: float
+    probe_bw_gbs: float
+    profile_s: float
+
+
+@dataclass
+class ConditionResult:
+    """One row of Table 9."""
+
+    name: str
+    compute_procs: int
+    memory_procs: int
+    batches: int
+    measured_ms: float  # median backward latency of the plan
+    measured_iqr_ms: tuple[float, float]
+    offline_pred_ms: float
+    runtime_pred_ms: float
+    err_offline_pct: float
+    err_runtime_pct: float
+    pi1: float  # median over batches (relative to the offline run)
+    pi2: float
+    pi2_source: str  # "perf" | "probe" | "none"
+    competing: float  # median competing processes seen by psutil
+    cache_hit_rate: float
+    probe_bw_gbs: float
+    cpu_percent: float
+    loadavg_1m: float
+    elapsed_s: float
+    truncated: bool  # stopped by max_condition_s before `batches` were measured
+    measured_all_ms: list[float] = field(default_factory=list)
+
+
+@dataclass
+class BenchResult:
+    """Everything the command writes (JSON), plus the table/plot helpers."""
+
+    config: dict[str, Any]
+    calibration: dict[str, Any]
+    calibration_source: str
+    plan_units: list[str]
+    n_units: int
+    forward_ms: float
+    full_backward_ms: float
+    offline: OfflineState
+    conditions: list[ConditionResult]
+    skipped: dict[str, str]
+    sources: dict[str, str]
+    loadavg_start: tuple[float, float, float]
+    loadavg_end: tuple[float, float, float]
+    host: str = field(default_factory=socket.gethostname)
+    machine: str = field(default_factory=platform.machine)
+    cpu_count: int = field(default_factory=lambda: os.cpu_count() or 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _clean({"schema": SCHEMA, **asdict(self)})
+
+
+def _clean(obj: Any) -> Any:
+    """JSON-safe copy: NaN/inf -> None, tuples -> lists."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _clean(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_clean(v) for v in obj]
+    return obj
+
+
+# ---------------------------------------------------------------- predictions
+def plan_backward_ms(w: np.ndarray, x: np.ndarray, update: np.ndarray) -> float:
+    """T_b'(S) = sum_{l in S} w_l + sum_{l > d} x_l with d = min(S); 0 for an empty plan."""
+    sel = np.asarray(update, dtype=bool)
+    if sel.shape != np.shape(w) or sel.shape != np.shape(x):
+        raise ValueError(f"update shape {sel.shape} does not match w {np.shape(w)}, "
+                         f"x {np.shape(x)}")
+    if not sel.any():
+        return 0.0
+    d = int(np.argmax(sel))
+    return float(np.asarray(w)[sel].sum() + np.asarray(x)[d + 1:].sum())
+
+
+def fixed_plan(profile: UnitProfile, stage_start: np.ndarray, sigma: float) -> np.ndarray:
+    """planner.solve on the offline profile with importance = ones (most units in budget)."""
+    n = len(profile.unit_names)
+    plan = planner.solve(planner.PlanProblem(
+        w=profile.w_ms, x=profile.x_ms, r=profile.r_ms, stage_start=stage_start,
+        importance=np.ones(n), forward_ms=profile.forward_ms, sigma=sigma))
+    if not plan.update.any():
+        raise ValueError(f"sigma={sigma} leaves no budget for any unit: choose a larger sigma")
+    return np.asarray(plan.update, dtype=bool)
+
+
+def relative_pi1(freq_mhz: float, competing: float, off: OfflineState,
+                 cal: Calibration) -> float:
+    """pi1 relative to the offline profiling run (see the module docstring)."""
+    now = compute_expansion(freq_mhz, competing, cal)
+    ref = compute_expansion(off.freq_mhz, off.competing, cal)
+    return now / ref
+
+
+def estimate_pi2(hit_rate: float, probe_bw: float, off: OfflineState, cal: Calibration,
+                 mode: str) -> tuple[float, str]:
+    """(pi2, source): the hit-rate formula when phi is known, else the probe ratio (mode
+    "probe") or 1."""
+    if math.isfinite(hit_rate):
+        return memory_expansion(hit_rate, cal), "perf"
+    if mode == "probe" and probe_bw > 0 and off.probe_bw_gbs > 0:
+        return off.probe_bw_gbs / probe_bw, "probe"
+    return 1.0, "none"
+
+
+# ---------------------------------------------------------------- measurement
+class BandwidthProbe:
+    """Median copy bandwidth (GB/s) over 1 MiB chunks of a buffer 4x the LLC (>= 32 MiB)."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, nbytes: int | None = None) -> None:
+        if nbytes is None:
+            nbytes = min(max(4 * _cache_sizes()[1], 32 << 20), 256 << 20)
+        if nbytes < self.CHUNK:
+            raise ValueError(f"probe buffer must be >= {self.CHUNK} bytes, got {nbytes}")
+        self.src = np.ones(nbytes // 8)
+        self.dst = np.empty_like(self.src)
+        self.step = self.CHUNK // 8
+
+    def measure(self) -> float:
+        rates = []
+        for i in range(0, self.src.size - self.step + 1, self.step):
+            s, d = self.src[i:i + self.step], self.dst[i:i + self.step]
+            t0 = time.perf_counter()
+            np.copyto(d, s)
+            rates.append(2 * self.CHUNK / max(time.perf_counter() - t0, 1e-9) / 1e9)
+        return float(statistics.median(rates))
+
+
+class PlanBackward:
+    """Times the sparse backward of a fixed plan on a fixed input batch."""
+
+    def __init__(self, staged: StagedModel, update: np.ndarray, x: torch.Tensor) -> None:
+        self.model, self.x = staged.model, x
+        self.params = [p for u in staged.units if update[u.index] for p in u.parameters()]
+        if not self.params:
+            raise ValueError("the plan selects no parameters")
+
+    def once(self) -> float:
+        """Forward + entropy loss (untimed), then autograd.grad to the plan's params (ms)."""
+        with torch.enable_grad():
+            loss = entropy_loss(self.model(self.x))
+            t0 = time.perf_counter()
+            grads = torch.autograd.grad(loss, self.params)
+            dt = time.perf_counter() - t0
+        del grads
+        return dt * 1e3
+
+
+@dataclass
+class _Trace:
+    """Per-batch values collected during one condition."""
+
+    measured: list[float] = field(default_factory=list)
+    runtime_pred: list[float] = field(default_factory=list)
+    pi1: list[float] = field(default_factory=list)
+    pi2: list[float] = field(default_factory=list)
+    pi2_src: list[str] = field(default_factory=list)
+    competing: list[float] = field(default_factory=list)
+    hit: list[float] = field(default_factory=list)
+    bw: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+
+
+def _nanmedian(xs: list[float]) -> float:
+    arr = np.asarray(xs, dtype=np.float64)
+    return float(np.nanmedian(arr)) if np.isfinite(arr).any() else float("nan")
+
+
+def _err(pred: float, meas: float) -> float:
+    return abs(pred - meas) / meas * 100.0 if meas > 0 else float("nan")
+
+
+# ---------------------------------------------------------------- the experiment
+@dataclass
+class _Bench:
+    """State shared by all conditions of one run."""
+
+    cfg: BenchConfig
+    cal: Calibration
+    profile: UnitProfile
+    update: np.ndarray
+    meas: PlanBackward
+    sampler: Any  # TelemetrySampler
+    probe: BandwidthProbe | None
+    off: OfflineState
+
+    def observe(self, trace: _Trace) -> None:
+        """Telemetry + probe between batches -> pi1, pi2 and the runtime prediction."""
+        s = self.sampler.sample()
+        n = s.competing_processes if math.isfinite(s.competing_processes) else self.off.competing
+        bw = self.probe.measure() if self.probe is not None else float("nan")
+        pi1 = relative_pi1(s.cpu_freq_mhz, n, self.off, self.cal)
+        pi2, src = estimate_pi2(s.cache_hit_rate, bw, self.off, self.cal, self.cfg.pi2_mode)
+        w, x, _ = runtime_times(self.profile, pi1, pi2)
+        trace.runtime_pred.append(plan_backward_ms(w, x, self.update))
+        trace.pi1.append(pi1)
+        trace.pi2.append(pi2)
+        trace.pi2_src.append(src)
+        trace.competing.append(s.competing_processes)
+        trace.hit.append(s.cache_hit_rate)
+        trace.bw.append(bw)
+        trace.cpu.append(s.cpu_percent)
+
+
+def _measure(bench: _Bench, tick: Callable[[int], None]) -> tuple[_Trace, bool, float]:
+    """Warm-up, then up to cfg.batches (observe, time the backward); bounded in time."""
+    cfg = bench.cfg
+    trace = _Trace()
+    for _ in range(cfg.warmup):
+        bench.meas.once()
+    t0 = time.monotonic()
+    truncated = False
+    for _ in range(cfg.batches):
+        if time.monotonic() - t0 > cfg.max_condition_s:
+            truncated = True
+            break
+        bench.observe(trace)
+        trace.measured.append(bench.meas.once())
+        tick(1)
+    return trace, truncated, time.monotonic() - t0
+
+
+def run_condition(bench: _Bench, name: str,
+                  tick: Callable[[int], None] = lambda _n: None) -> ConditionResult:
+    """Start the condition's competitors, measure, stop them (also on errors)."""
+    nc, nm = CONDITIONS[name]
+    cfg = bench.cfg
+    life = cfg.settle_s + cfg.max_condition_s + 60.0  # hard bound even if we hang
+    with BusyProcesses(nc, "compute", life), BusyProcesses(nm, "memory", life):
+        time.sleep(cfg.settle_s)
+        bench.sampler.sample()  # close the psutil window that straddled the start
+        trace, truncated, elapsed = _measure(bench, tick)
+    meas = float(np.median(trace.measured))
+    q1, q3 = np.percentile(trace.measured, [25, 75])
+    off_pred = plan_backward_ms(bench.profile.w_ms, bench.profile.x_ms, bench.update)
+    rt_pred = float(np.median(trace.runtime_pred))
+    srcs = sorted(set(trace.pi2_src), key=trace.pi2_src.count)
+    return ConditionResult(
+        name=name, compute_procs=nc, memory_procs=nm, batches=len(trace.measured),
+        measured_ms=meas, measured_iqr_ms=(float(q1), float(q3)), offline_pred_ms=off_pred,
+        runtime_pred_ms=rt_pred, err_offline_pct=_err(off_pred, meas),
+        err_runtime_pct=_err(rt_pred, meas), pi1=_nanmedian(trace.pi1),
+        pi2=_nanmedian(trace.pi2), pi2_source=srcs[-1], competing=_nanmedian(trace.competing),
+        cache_hit_rate=_nanmedian(trace.hit), probe_bw_gbs=_nanmedian(trace.bw),
+        cpu_percent=_nanmedian(trace.cpu), loadavg_1m=os.getloadavg()[0], elapsed_s=elapsed,
+        truncated=truncated, measured_all_ms=[float(v) for v in trace.measured])
+
+
+def _sampler(cal: Calibration) -> Any:
+    """psutil (our competitors count: exclude_children=False), sysfs, perf on this pid."""
+    from tta_core.telemetry import PerfSource, PsutilSource, SysfsSource, TelemetrySampler
+
+    return TelemetrySampler(sources=[PsutilSource(exclude_children=False), SysfsSource(),
+                                     PerfSource(os.getpid())], calibration=cal)
+
+
+def _build(cfg: BenchConfig) -> tuple[StagedModel, torch.Tensor]:
+    from tta_core.engine import set_bn_mode
+    from tta_core.models import build_model
+    from tta_core.units import decompose
+
+    model = build_model(cfg.arch, cfg.num_classes)
+    set_bn_mode(model, "batch")  # TTA: BN on batch statistics, as adaptation runs
+    shape = (3, cfg.image_size, cfg.image_size)
+    staged = decompose(model, shape, arch=cfg.arch)
+    gen = torch.Generator().manual_seed(0)
+    return staged, torch.randn(cfg.batch_size, *shape, generator=gen)
+
+
+def offline_phase(staged: StagedModel, cfg: BenchConfig, sampler: Any,
+                  probe: BandwidthProbe | None) -> tuple[UnitProfile, OfflineState]:
+    """Profile idle; `sampler` was made just before, so its first psutil window spans the
+    profiling run (padded to >= 1 s)."""
+    from tta_core.profiler import profile_model
+
+    t0 = time.monotonic()
+    profile = profile_model(staged, cfg.batch_size, cfg.profile_repeats,
+                            input_shape=(3, cfg.image_size, cfg.image_size))
+    elapsed = time.monotonic() - t0
+    time.sleep(max(0.0, 1.05 - elapsed))
+    s = sampler.sample()
+    bw = float(np.median([probe.measure() for _ in range(3)])) if probe else float("nan")
+    n = s.competing_processes if math.isfinite(s.competing_processes) else 0.0
+    return profile, OfflineState(competing=n, freq_mhz=s.cpu_freq_mhz,
+                                 cache_hit_rate=s.cache_hit_rate, probe_bw_gbs=bw,
+                                 profile_s=elapsed)
+
+
+def _skipped(sampler: Any) -> dict[str, str]:
+    freq = sampler.sample().cpu_freq_mhz
+    sysfs = next((d for d in sampler.describe() if d.name == "sysfs"), None)
+    detail = sysfs.detail if sysfs else "no sysfs source"
+    if not math.isfinite(freq):
+        return {"dr1": f"thermal/DVFS not observable here: {detail}; the frequency term of "
+                       "pi1 can be neither read nor induced"}
+    return {"dr1": "not induced: heating the CPU until it throttles is not bounded in time "
+                   f"(cpufreq is readable: {freq:.0f} MHz, so pi1 would track it)"}
+
+
+def run_bench(cfg: BenchConfig, cal: Calibration, cal_source: str = "",
+              tick: Callable[[int], None] = lambda _n: None) -> BenchResult:
+    """The whole experiment; torch threads are set to cfg.threads and restored after."""
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(cfg.threads)
+    load0 = os.getloadavg()
+    staged, x = _build(cfg)
+    probe = BandwidthProbe() if cfg.pi2_mode == "probe" else None
+    sampler = _sampler(cal)  # its psutil window starts now: right before profiling
+    try:
+        profile, off = offline_phase(staged, cfg, sampler, probe)
+        tick(1)
+        update = fixed_plan(profile, staged.stage_start(), cfg.sigma)
+        bench = _Bench(cfg, cal, profile, update, PlanBackward(staged, update, x), sampler,
+                       probe, off)
+        rows = [run_condition(bench, name, tick) for name in cfg.conditions]
+        skipped = _skipped(sampler)
+        sources = {d.name: d.detail for d in sampler.describe()}
+    finally:
+        sampler.close()
+        torch.set_num_threads(prev_threads)
+    return BenchResult(
+        config=asdict(cfg), calibration=asdict(cal), calibration_source=cal_source,
+        plan_units=[n for n, u in zip(profile.unit_names, update, strict=True) if u],
+        n_units=len(profile.unit_names), forward_ms=profile.forward_ms,
+        full_backward_ms=float(profile.w_ms.sum() + profile.x_ms[1:].sum()), offline=off,
+        conditions=rows, skipped=skipped, sources=sources, loadavg_start=load0,
+        loadavg_end=os.getloadavg())
+
+
+# ---------------------------------------------------------------- outputs
+def to_markdown(res: BenchResult) -> str:
+    """Table 9 style markdown table (+ the skipped conditions and the machine load)."""
+    cfg = res.config
+    lines = [
+        f"Predictor bench: {cfg['arch']} {cfg['image_size']} px, batch {cfg['batch_size']}, "
+        f"{cfg['threads']} torch thread(s); plan = {len(res.plan_units)}/{res.n_units} units "
+        f"(sigma {cfg['sigma']}); offline competing n_off = {res.offline.competing:g}",
+        "",
+        "| condition | competitors (cpu+mem) | n | pi1 | pi2 (src) | measured ms | "
+        "runtime pred ms | runtime err % | offline pred ms | offline err % | load 1m |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in res.conditions:
+        lines.append(
+            f"| {c.name} | {c.compute_procs}+{c.memory_procs} | {c.competing:g} | {c.pi1:.3f} | "
+            f"{c.pi2:.3f} ({c.pi2_source}) | {c.measured_ms:.1f} | {c.runtime_pred_ms:.1f} | "
+            f"{c.err_runtime_pct:.1f} | {c.offline_pred_ms:.1f} | {c.err_offline_pct:.1f} | "
+            f"{c.loadavg_1m:.2f} |")
+    lines += ["", *(f"- {k} skipped: {v}" for k, v in res.skipped.items()),
+              f"- load average (1/5/15 min) start {tuple(round(v, 2) for v in res.loadavg_start)}"
+              f", end {tuple(round(v, 2) for v in res.loadavg_end)}"]
+    return "\n".join(lines) + "\n"
+
+
+def plot_errors(res: BenchResult, path: Path) -> Path:
+    """Bar chart: error % per condition, runtime vs offline-only predictor."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [c.name for c in res.conditions]
+    pos = np.arange(len(names))
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.bar(pos - 0.2, [c.err_runtime_pct for c in res.conditions], 0.4, label="runtime")
+    ax.bar(pos + 0.2, [c.err_offline_pct for c in res.conditions], 0.4, label="offline only")
+    ax.axhline(5.0, color="k", ls="--", lw=0.8, label="5 % goal")
+    ax.set_xticks(pos, names)
+    ax.set_ylabel("backward latency error %")
+    ax.set_title(f"{res.config['arch']} {res.config['image_size']} px b{res.config['batch_size']}")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_outputs(res: BenchResult, out_dir: str | Path) -> dict[str, Path]:
+    """results.json, table.md and errors.png in out_dir (created)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "results.json", "markdown": out / "table.md",
+             "plot": out / "errors.png"}
+    paths["json"].write_text(json.dumps(res.to_dict(), indent=1) + "\n")
+    paths["markdown"].write_text(to_markdown(res))
+    plot_errors(res, paths["plot"])
+    return paths

@@ -7,7 +7,9 @@ Variants, each timed interleaved with the plain forward (median over --runs):
   * bn_kernel:     the same hooks, aten.batch_norm_update_stats per output;
   * channel_stats: the same hooks, tta_core.assessor.channel_stats (guarded one-pass);
   * fused:         channel_stats once per Conv->BN pair (tta_core.assessor.StatsRecorder);
-each followed by Assessor.step (importance + EMA). Also: per-unit vs flat KL cost.
+each followed by Assessor.step (importance + EMA). Also: per-unit vs flat KL cost, and
+  * engine:        what the AdaShadow engine runs (BN on batch statistics, Conv->BN pair
+                   stats carried by the BN itself, tta_core.unit_stats), vs the same forward.
 Usage: python benchmarks/bench_assessor.py [--runs 10] [--threads 1]
 Prints JSON.
 """
@@ -26,6 +28,9 @@ from torch import nn
 from torchvision.models import resnet50
 
 from tta_core.assessor import Assessor, StatsRecorder, gaussian_kl
+from tta_core.engine import set_bn_mode
+from tta_core.unit_stats import UnitStatsCollector
+from tta_core.units import decompose
 
 _UNIT_TYPES = (nn.Conv2d, nn.BatchNorm2d, nn.Linear)
 
@@ -125,6 +130,39 @@ def _kl_layouts(model: nn.Module, x: torch.Tensor, reps: int = 50) -> dict:
             "agree": bool(same), "channels": int(sum(m.numel() for m, _ in cur))}
 
 
+def _engine_overhead(x: torch.Tensor, runs: int) -> dict:
+    """What AdaShadow's engine pays: BN-carried stats for Conv->BN pairs (tta_core.unit_stats)
+    + hooks on the rest + Assessor.step, vs the same forward (BN on batch statistics)."""
+    torch.manual_seed(0)
+    model = resnet50()
+    set_bn_mode(model, "batch")
+    staged = decompose(model, tuple(x.shape[1:]), "resnet50")
+    collector = UnitStatsCollector(staged, with_grad=False)
+    assessor = Assessor(len(staged.units))
+
+    def assessed() -> None:
+        collector.capture = True
+        model(x)
+        collector.capture = False
+        assessor.step(collector.collect(x.shape[0]))
+
+    plain, eng = [], []
+    with torch.no_grad():
+        for rep in range(runs + 1):
+            collector.capture = False
+            p, e = _wall_cpu(lambda: model(x)), _wall_cpu(assessed)
+            if rep > 0:
+                plain.append(p)
+                eng.append(e)
+    pw, pc = statistics.median(w for w, _ in plain), statistics.median(c for _, c in plain)
+    ew, ec = statistics.median(w for w, _ in eng), statistics.median(c for _, c in eng)
+    collector.close()
+    return {"pairs": len(collector.pairs), "units": len(staged.units),
+            "forward_batch_bn_ms_median": pw, "engine_stats_ms_median": ew,
+            "engine_overhead_pct": 100.0 * (ew / pw - 1.0),
+            "engine_cpu_overhead_pct": 100.0 * (ec / pc - 1.0)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--runs", type=int, default=10)
@@ -139,6 +177,7 @@ def main() -> None:
               "runs": args.runs}
     result.update(_overheads(model, x, args.runs))
     result["importance_layout"] = _kl_layouts(model, x)
+    result["engine"] = _engine_overhead(x, args.runs)
     print(json.dumps(result, indent=1))
 
 

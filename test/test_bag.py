@@ -119,3 +119,12 @@ def test_image_to_array_honours_step_and_order() -> None:
     msg.encoding = "yuv422"
     with pytest.raises(ValueError, match="yuv422"):
         image_to_array(msg)
+
+
+def test_parse_domains() -> None:
+    from tta_core.cli.commands.make_bag import parse_domains
+
+    assert parse_domains("clean,fog/5, snow/3") == [(None, 0), ("fog", 5), ("snow", 3)]
+    for bad in ("fog", "fog/9", "/3", "fog/x"):
+        with pytest.raises(ValueError, match=bad.replace("/", ".")):
+            parse_domains(bad)

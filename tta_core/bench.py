@@ -228,3 +228,76 @@ def write_bench(runs: list[RunRecord], out: Path, cfg: BenchConfig,
     text = text.replace("Accuracy in %", head + "Accuracy in %", 1)
     files.markdown.write_text(text)
     return files, text
+
+
+def _card_get(card: object, key: str, default: object = None) -> object:
+    if isinstance(card, dict):
+        return card.get(key, default)
+    return getattr(card, key, default)
+
+
+def images_to_input(images: np.ndarray, card: object, device: str = "cpu") -> torch.Tensor:
+    """uint8 [N, H, W, 3] -> float [N, 3, H, W], normalised by the card's mean/std (what
+    the source model was trained on; [0, 1] when the card has none)."""
+    from tta_core.data.streams import images_to_tensor
+
+    mean = _card_get(card, "mean") or (0.0, 0.0, 0.0)
+    std = _card_get(card, "std") or (1.0, 1.0, 1.0)
+    return images_to_tensor(images, tuple(mean), tuple(std)).to(device)
+
+
+def build_stream(cfg: BenchConfig, card: object, progress: bool = False) -> list[Batch]:
+    """The shift stream of `cfg` as model-ready batches (tta_core.data.streams)."""
+    from tta_core.data import streams
+
+    spec = streams.StreamSpec(order=cfg.order, severity=cfg.severity,
+                              samples_per_domain=cfg.samples_per_domain,
+                              image_size=int(_card_get(card, "image_size", 32)), seed=cfg.seed,
+                              num_classes=int(_card_get(card, "num_classes", 16)))
+    stream = streams.build_stream(spec, progress=progress)
+    x = images_to_input(stream.images, card, cfg.device)
+    return batches_from_arrays(x, stream.labels, stream.domains.tolist(), cfg.batch_size)
+
+
+def run_methods(stream: Sequence[Batch], make_model: Callable[[], nn.Module],
+                cfg: BenchConfig, progress: bool = True) -> list[RunRecord]:
+    """Every method of `cfg` over the same `stream`, each on a fresh `make_model()`."""
+    from tqdm import tqdm
+
+    cfg.validate()
+    if not stream:
+        raise ValueError("empty stream")
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    total = sum(len(b.labels) for b in stream) * len(cfg.methods)
+    runs = []
+    with tqdm(total=total, unit="img", disable=not progress, desc="bench") as bar:
+        for name in cfg.methods:
+            bar.set_postfix_str(name)
+            model = make_model().to(stream[0].x.device)
+            runs.append(run_method(name, model, stream, cfg, bar.update))
+            del model
+    return runs
+
+
+def run_bench(cfg: BenchConfig, out: str | Path | None, progress: bool = True) -> BenchResult:
+    """Build the stream once, run every method from the checkpoint, write the report."""
+    from tta_core.train_source import load_source
+
+    cfg.validate()
+    _, card = load_source(cfg.model_card)
+    stream = build_stream(cfg, card, progress)
+
+    def fresh() -> nn.Module:
+        return load_source(cfg.model_card)[0]
+
+    runs = run_methods(stream, fresh, cfg, progress)
+    clean = float(_card_get(card, "clean_accuracy", math.nan))
+    for r in runs:
+        r.meta["config"] = config_dict(cfg)
+    if out is None:
+        from tta_core.report import markdown_table, summarize
+
+        return BenchResult(runs, None, markdown_table([summarize(r) for r in runs]), clean)
+    files, text = write_bench(runs, Path(out), cfg, clean)
+    return BenchResult(runs, files, text, clean)

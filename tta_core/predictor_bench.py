@@ -17,11 +17,20 @@ over >= 30 batches we
 Conditions: offline (idle), dr2 (3 compute-bound competitors), dr3 (1 cache-thrashing
 memory-bound competitor), dr4 (both); dr1 (thermal/DVFS) only where sysfs exposes cpufreq.
 
-Two normalisations, both documented deviations from the paper's absolute formulas:
-- pi1 is relative to the offline profiling run: (1 + f(n_now)) / (1 + f(n_off)) times the
-  frequency ratio, with n_off the competing processes measured while profiling. A shared
-  machine is never idle; the offline profile already contains its background load (as
-  predictor.memory_expansion already normalises pi2 by the offline hit rate).
+Deviations from the paper's formulas (all recorded in the output):
+- Everything is relative to the offline profiling run, with n_off the competing processes
+  measured while profiling: a shared machine is never idle and the offline profile already
+  contains its background load (predictor.memory_expansion normalises pi2 the same way).
+- Two runtime models are always both evaluated (`model` picks the headline one), both
+  through predictor.runtime_times (Eq. 4):
+  "paper": pi1 = freq ratio * (1 + f(n)) / (1 + f(n_off)) with the linear f of
+  `tta calibrate`, pi2 = the memory expansion; Eq. 4 applies pi1 to the compute share of a
+  unit only.
+  "share" (default): round-robin sharing stretches a unit's whole time, not only its compute
+  share (a descheduled process neither computes nor loads), so the sharing factor
+  s(n) = max(1, (n + T) / C) / max(1, (n_off + T) / C) (T torch threads, C cores: the
+  fair-share f(n), flat until the cores are full, linear n / C beyond) multiplies both:
+  pi1 = freq ratio * s(n), pi2 = s(n) * memory expansion.
 - pi2 where the LLC hit rate is unavailable (no PMU in a VM): with `pi2_mode="probe"`, pi2 =
   b_off / b_now, the DRAM copy bandwidth of a short probe (median over 1 MiB chunks of a
   buffer 4x the LLC, so time-slicing by compute competitors does not look like memory
@@ -36,7 +45,6 @@ import math
 import os
 import platform
 import socket
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -63,6 +71,7 @@ SCHEMA = "tta.predictor_bench/1"
 CONDITIONS: dict[str, tuple[int, int]] = {
     "offline": (0, 0), "dr2": (3, 0), "dr3": (0, 1), "dr4": (3, 1)}
 PI2_MODES = ("probe", "perf")
+MODELS = ("share", "paper")
 
 
 @dataclass
@@ -79,9 +88,12 @@ class BenchConfig:
     num_classes: int = 16
     profile_repeats: int = 5
     warmup: int = 2
-    settle_s: float = 1.5  # after starting competitors (psutil needs one 1 s window)
+    settle_s: float = 2.2  # after starting competitors: two psutil windows (see run_condition)
     max_condition_s: float = 90.0  # measuring stops here even if fewer batches were done
     pi2_mode: str = "probe"
+    probe_window: int = 8  # pi2 probe: mean bandwidth of the last k probes (a monitor's smoothing)
+    model: str = "share"  # headline runtime model (both are evaluated)
+    cores: int = 0  # CPUs the scheduler shares ("share" model); 0 = this process's affinity
 
     def __post_init__(self) -> None:
         bad = [c for c in self.conditions if c not in CONDITIONS]
@@ -89,7 +101,12 @@ class BenchConfig:
             raise ValueError(f"conditions must be among {tuple(CONDITIONS)}, got {bad or ()}")
         if self.pi2_mode not in PI2_MODES:
             raise ValueError(f"pi2_mode must be one of {PI2_MODES}, got {self.pi2_mode!r}")
-        for name in ("image_size", "batch_size", "batches", "threads", "profile_repeats"):
+        if self.model not in MODELS:
+            raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
+        if self.cores < 0:
+            raise ValueError(f"cores must be >= 0, got {self.cores!r}")
+        for name in ("image_size", "batch_size", "batches", "threads", "profile_repeats",
+                     "probe_window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         if not 0.0 < self.sigma <= 1.0:
@@ -123,8 +140,15 @@ class ConditionResult:
     runtime_pred_ms: float
     err_offline_pct: float
     err_runtime_pct: float
-    pi1: float  # median over batches (relative to the offline run)
-    pi2: float
+    runtime_alt_pred_ms: float  # the other runtime model (see BenchConfig.model)
+    err_runtime_alt_pct: float
+    measured_mean_ms: float
+    pi1: float  # headline model's pi1, median over batches (relative to the offline run)
+    pi2: float  # headline model's pi2
+    pi1_alt: float
+    pi2_alt: float
+    share: float  # round-robin sharing factor s(n)
+    pi2_mem: float  # memory expansion before sharing (hit rate, probe or 1)
     pi2_source: str  # "perf" | "probe" | "none"
     competing: float  # median competing processes seen by psutil
     cache_hit_rate: float
@@ -198,10 +222,33 @@ def fixed_plan(profile: UnitProfile, stage_start: np.ndarray, sigma: float) -> n
 
 def relative_pi1(freq_mhz: float, competing: float, off: OfflineState,
                  cal: Calibration) -> float:
-    """pi1 relative to the offline profiling run (see the module docstring)."""
+    """Paper pi1 relative to the offline profiling run: (1 + f(n)) / (1 + f(n_off)) times
+    the frequency ratio, f from the Calibration (see the module docstring)."""
     now = compute_expansion(freq_mhz, competing, cal)
     ref = compute_expansion(off.freq_mhz, off.competing, cal)
     return now / ref
+
+
+def round_robin_share(competing: float, off: OfflineState, threads: int, cores: int) -> float:
+    """Fair-share slowdown max(1, (n + T) / C) / max(1, (n_off + T) / C).
+
+    For T >= C it is the line 1 + n / C through the origin (relative to n_off); for T < C it
+    is flat until the cores are full (1 thread on 2 cores: one competitor takes the free
+    core and does not slow us, which a line through the origin cannot express).
+    """
+    if threads < 1 or cores < 1:
+        raise ValueError(f"threads and cores must be >= 1, got {threads}, {cores}")
+    if not (math.isfinite(competing) and competing >= 0):
+        raise ValueError(f"competing processes must be finite and >= 0, got {competing}")
+    return max(1.0, (competing + threads) / cores) / max(1.0, (off.competing + threads) / cores)
+
+
+def share_pis(freq_mhz: float, competing: float, pi2_mem: float, off: OfflineState,
+              threads: int, cores: int) -> tuple[float, float]:
+    """(pi1, pi2) of the "share" model: sharing stretches compute and memory time alike."""
+    s = round_robin_share(competing, off, threads, cores)
+    freq_ratio = compute_expansion(freq_mhz, 0.0, Calibration(freq_offline_mhz=off.freq_mhz))
+    return freq_ratio * s, s * pi2_mem
 
 
 def estimate_pi2(hit_rate: float, probe_bw: float, off: OfflineState, cal: Calibration,
@@ -217,27 +264,38 @@ def estimate_pi2(hit_rate: float, probe_bw: float, off: OfflineState, cal: Calib
 
 # ---------------------------------------------------------------- measurement
 class BandwidthProbe:
-    """Median copy bandwidth (GB/s) over 1 MiB chunks of a buffer 4x the LLC (>= 32 MiB)."""
+    """Copy bandwidth (GB/s) of a buffer 4x the LLC (>= 32 MiB), timed per 1 MiB chunk.
+
+    Chunks slower than `outlier` x the median are dropped as preemptions (a descheduled
+    probe is time-sharing, which pi1 models, not memory contention); the rest are averaged
+    (total bytes / total time), so a competitor that thrashes memory only part of the time
+    lowers the result in proportion, where a median would ignore it below 50 %.
+    """
 
     CHUNK = 1 << 20
 
-    def __init__(self, nbytes: int | None = None) -> None:
+    def __init__(self, nbytes: int | None = None, outlier: float = 4.0) -> None:
         if nbytes is None:
             nbytes = min(max(4 * _cache_sizes()[1], 32 << 20), 256 << 20)
         if nbytes < self.CHUNK:
             raise ValueError(f"probe buffer must be >= {self.CHUNK} bytes, got {nbytes}")
+        if not outlier > 1:
+            raise ValueError(f"outlier factor must be > 1, got {outlier}")
         self.src = np.ones(nbytes // 8)
         self.dst = np.empty_like(self.src)
         self.step = self.CHUNK // 8
+        self.outlier = outlier
 
     def measure(self) -> float:
-        rates = []
+        times = []
         for i in range(0, self.src.size - self.step + 1, self.step):
             s, d = self.src[i:i + self.step], self.dst[i:i + self.step]
             t0 = time.perf_counter()
             np.copyto(d, s)
-            rates.append(2 * self.CHUNK / max(time.perf_counter() - t0, 1e-9) / 1e9)
-        return float(statistics.median(rates))
+            times.append(time.perf_counter() - t0)
+        arr = np.asarray(times)
+        kept = arr[arr <= self.outlier * np.median(arr)]
+        return float(2 * self.CHUNK * kept.size / max(kept.sum(), 1e-12) / 1e9)
 
 
 class PlanBackward:
@@ -266,7 +324,12 @@ class _Trace:
 
     measured: list[float] = field(default_factory=list)
     runtime_pred: list[float] = field(default_factory=list)
+    alt_pred: list[float] = field(default_factory=list)
     pi1: list[float] = field(default_factory=list)
+    pi1_alt: list[float] = field(default_factory=list)
+    pi2_alt: list[float] = field(default_factory=list)
+    share: list[float] = field(default_factory=list)
+    pi2_mem: list[float] = field(default_factory=list)
     pi2: list[float] = field(default_factory=list)
     pi2_src: list[str] = field(default_factory=list)
     competing: list[float] = field(default_factory=list)
@@ -302,17 +365,29 @@ class _Bench:
         """Telemetry + probe between batches -> pi1, pi2 and the runtime prediction."""
         s = self.sampler.sample()
         n = s.competing_processes if math.isfinite(s.competing_processes) else self.off.competing
-        bw = self.probe.measure() if self.probe is not None else float("nan")
-        pi1 = relative_pi1(s.cpu_freq_mhz, n, self.off, self.cal)
-        pi2, src = estimate_pi2(s.cache_hit_rate, bw, self.off, self.cal, self.cfg.pi2_mode)
-        w, x, _ = runtime_times(self.profile, pi1, pi2)
-        trace.runtime_pred.append(plan_backward_ms(w, x, self.update))
+        if self.probe is not None:
+            trace.bw.append(self.probe.measure())
+        bw = float(np.mean(trace.bw[-self.cfg.probe_window:])) if trace.bw else float("nan")
+        cores = self.cfg.cores or len(os.sched_getaffinity(0))
+        pi2_mem, src = estimate_pi2(s.cache_hit_rate, bw, self.off, self.cal,
+                                    self.cfg.pi2_mode)
+        pis = {"share": share_pis(s.cpu_freq_mhz, n, pi2_mem, self.off, self.cfg.threads, cores),
+               "paper": (relative_pi1(s.cpu_freq_mhz, n, self.off, self.cal), pi2_mem)}
+        pi1, pi2 = pis.pop(self.cfg.model)
+        pi1_alt, pi2_alt = pis.popitem()[1]
+        for (a, b), out in (((pi1, pi2), trace.runtime_pred), ((pi1_alt, pi2_alt),
+                                                                 trace.alt_pred)):
+            w, x, _ = runtime_times(self.profile, a, b)
+            out.append(plan_backward_ms(w, x, self.update))
         trace.pi1.append(pi1)
+        trace.pi1_alt.append(pi1_alt)
+        trace.pi2_alt.append(pi2_alt)
+        trace.share.append(round_robin_share(n, self.off, self.cfg.threads, cores))
+        trace.pi2_mem.append(pi2_mem)
         trace.pi2.append(pi2)
         trace.pi2_src.append(src)
         trace.competing.append(s.competing_processes)
         trace.hit.append(s.cache_hit_rate)
-        trace.bw.append(bw)
         trace.cpu.append(s.cpu_percent)
 
 
@@ -341,19 +416,27 @@ def run_condition(bench: _Bench, name: str,
     cfg = bench.cfg
     life = cfg.settle_s + cfg.max_condition_s + 60.0  # hard bound even if we hang
     with BusyProcesses(nc, "compute", life), BusyProcesses(nm, "memory", life):
-        time.sleep(cfg.settle_s)
-        bench.sampler.sample()  # close the psutil window that straddled the start
+        # psutil rates a pid only once it was in the previous scan: the first window after
+        # the start only registers the new pids, the second one counts them
+        for _ in range(2):
+            time.sleep(max(cfg.settle_s / 2, 1.05))
+            bench.sampler.sample()
         trace, truncated, elapsed = _measure(bench, tick)
     meas = float(np.median(trace.measured))
     q1, q3 = np.percentile(trace.measured, [25, 75])
     off_pred = plan_backward_ms(bench.profile.w_ms, bench.profile.x_ms, bench.update)
     rt_pred = float(np.median(trace.runtime_pred))
+    alt_pred = float(np.median(trace.alt_pred))
     srcs = sorted(set(trace.pi2_src), key=trace.pi2_src.count)
     return ConditionResult(
         name=name, compute_procs=nc, memory_procs=nm, batches=len(trace.measured),
         measured_ms=meas, measured_iqr_ms=(float(q1), float(q3)), offline_pred_ms=off_pred,
         runtime_pred_ms=rt_pred, err_offline_pct=_err(off_pred, meas),
-        err_runtime_pct=_err(rt_pred, meas), pi1=_nanmedian(trace.pi1),
+        err_runtime_pct=_err(rt_pred, meas), runtime_alt_pred_ms=alt_pred,
+        err_runtime_alt_pct=_err(alt_pred, meas), measured_mean_ms=float(np.mean(trace.measured)),
+        pi1=_nanmedian(trace.pi1), pi1_alt=_nanmedian(trace.pi1_alt),
+        pi2_alt=_nanmedian(trace.pi2_alt), share=_nanmedian(trace.share),
+        pi2_mem=_nanmedian(trace.pi2_mem),
         pi2=_nanmedian(trace.pi2), pi2_source=srcs[-1], competing=_nanmedian(trace.competing),
         cache_hit_rate=_nanmedian(trace.hit), probe_bw_gbs=_nanmedian(trace.bw),
         cpu_percent=_nanmedian(trace.cpu), loadavg_1m=os.getloadavg()[0], elapsed_s=elapsed,
@@ -393,7 +476,8 @@ def offline_phase(staged: StagedModel, cfg: BenchConfig, sampler: Any,
     elapsed = time.monotonic() - t0
     time.sleep(max(0.0, 1.05 - elapsed))
     s = sampler.sample()
-    bw = float(np.median([probe.measure() for _ in range(3)])) if probe else float("nan")
+    bw = float(np.mean([probe.measure() for _ in range(cfg.probe_window)])) if probe else \
+        float("nan")
     n = s.competing_processes if math.isfinite(s.competing_processes) else 0.0
     return profile, OfflineState(competing=n, freq_mhz=s.cpu_freq_mhz,
                                  cache_hit_rate=s.cache_hit_rate, probe_bw_gbs=bw,
@@ -445,20 +529,26 @@ def run_bench(cfg: BenchConfig, cal: Calibration, cal_source: str = "",
 def to_markdown(res: BenchResult) -> str:
     """Table 9 style markdown table (+ the skipped conditions and the machine load)."""
     cfg = res.config
+    alt = next(m for m in MODELS if m != cfg["model"])
     lines = [
         f"Predictor bench: {cfg['arch']} {cfg['image_size']} px, batch {cfg['batch_size']}, "
         f"{cfg['threads']} torch thread(s); plan = {len(res.plan_units)}/{res.n_units} units "
-        f"(sigma {cfg['sigma']}); offline competing n_off = {res.offline.competing:g}",
+        f"(sigma {cfg['sigma']}); n_off = {res.offline.competing:g} competing processes while "
+        f"profiling; runtime model: {cfg['model']} (also shown: {alt}); pi2 without LLC "
+        f"counters: {cfg['pi2_mode']}",
         "",
-        "| condition | competitors (cpu+mem) | n | pi1 | pi2 (src) | measured ms | "
-        "runtime pred ms | runtime err % | offline pred ms | offline err % | load 1m |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| condition | started (cpu+mem) | n | pi1 | pi2 (src) | measured ms median (mean) | "
+        "runtime pred ms | runtime err % | offline pred ms | offline err % | "
+        f"{alt} pi1 / pi2 | {alt} err % | load 1m |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in res.conditions:
         lines.append(
             f"| {c.name} | {c.compute_procs}+{c.memory_procs} | {c.competing:g} | {c.pi1:.3f} | "
-            f"{c.pi2:.3f} ({c.pi2_source}) | {c.measured_ms:.1f} | {c.runtime_pred_ms:.1f} | "
+            f"{c.pi2:.3f} ({c.pi2_source}) | {c.measured_ms:.1f} ({c.measured_mean_ms:.1f}) | "
+            f"{c.runtime_pred_ms:.1f} | "
             f"{c.err_runtime_pct:.1f} | {c.offline_pred_ms:.1f} | {c.err_offline_pct:.1f} | "
+            f"{c.pi1_alt:.3f} / {c.pi2_alt:.3f} | {c.err_runtime_alt_pct:.1f} | "
             f"{c.loadavg_1m:.2f} |")
     lines += ["", *(f"- {k} skipped: {v}" for k, v in res.skipped.items()),
               f"- load average (1/5/15 min) start {tuple(round(v, 2) for v in res.loadavg_start)}"
@@ -476,8 +566,11 @@ def plot_errors(res: BenchResult, path: Path) -> Path:
     names = [c.name for c in res.conditions]
     pos = np.arange(len(names))
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(pos - 0.2, [c.err_runtime_pct for c in res.conditions], 0.4, label="runtime")
-    ax.bar(pos + 0.2, [c.err_offline_pct for c in res.conditions], 0.4, label="offline only")
+    ax.bar(pos - 0.27, [c.err_runtime_pct for c in res.conditions], 0.27,
+           label=f"runtime ({res.config['model']})")
+    alt = next(m for m in MODELS if m != res.config["model"])
+    ax.bar(pos, [c.err_runtime_alt_pct for c in res.conditions], 0.27, label=f"runtime ({alt})")
+    ax.bar(pos + 0.27, [c.err_offline_pct for c in res.conditions], 0.27, label="offline only")
     ax.axhline(5.0, color="k", ls="--", lw=0.8, label="5 % goal")
     ax.set_xticks(pos, names)
     ax.set_ylabel("backward latency error %")

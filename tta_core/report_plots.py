@@ -31,9 +31,9 @@ def _accuracy_over_time(summaries: Sequence[RunSummary], path: Path) -> Path:
     first = summaries[0]
     for seg in first.segments:
         ax.axvline(seg.start, color="0.85", lw=0.8, zorder=0)
-        ax.text((seg.start + seg.stop) / 2, 101, seg.domain, rotation=90, fontsize=6,
+        ax.text((seg.start + seg.stop) / 2, 103, seg.domain, rotation=90, fontsize=6,
                 ha="center", va="bottom")
-    ax.set(xlabel="frame", ylabel="accuracy per domain segment (%)", ylim=(0, 100))
+    ax.set(xlabel="frame", ylabel="accuracy per domain segment (%)", ylim=(-2, 102))
     ax.legend(fontsize=7, loc="lower left")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -313,14 +313,22 @@ def replay(opts: ReplayOptions, context: Any = None,
     own_init = context is None and not rclpy.ok()
     if own_init:
         rclpy.init()
-    sess = _Session(opts, context or rclpy.get_default_context())
+    try:
+        sess = _Session(opts, context or rclpy.get_default_context())
+    except BaseException:
+        if own_init:
+            rclpy.try_shutdown()
+        raise
     meta = {"bag": str(opts.bag), "rate": opts.rate, "external": opts.external,
             "frames_in_bag": len(frames)}
     t0 = time.perf_counter()
     interrupted = False
 
     def snapshot() -> RunRecord:
-        return build_run(frames, sess.col, time.perf_counter() - t0, opts.method or "?", meta)
+        with sess.col.cond:  # the stream ends with its last prediction, not a timeout
+            last = max((t for _, t in sess.col.predictions.values()), default=None)
+        end = last if last is not None else time.perf_counter()
+        return build_run(frames, sess.col, end - t0, opts.method or "?", meta)
 
     def flush() -> None:
         if opts.out:

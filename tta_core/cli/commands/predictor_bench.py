@@ -13,7 +13,14 @@ from tqdm import tqdm
 
 from tta_core.calibration import CalibrationConfig, calibrate, load_calibration, n_steps
 from tta_core.models import ARCHS
-from tta_core.predictor_bench import CONDITIONS, PI2_MODES, BenchConfig, run_bench, write_outputs
+from tta_core.predictor_bench import (
+    CONDITIONS,
+    MODELS,
+    PI2_MODES,
+    BenchConfig,
+    run_bench,
+    write_outputs,
+)
 
 NAME = "predictor-bench"
 HELP = "runtime vs offline latency predictor error under competing processes (Table 9)"
@@ -40,6 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pi2", choices=PI2_MODES, default="probe",
                         help="pi2 without cache counters: probe (cache-residency probe, a "
                              "deviation from the paper) or perf (hit rate only, else 1)")
+    parser.add_argument("--model", choices=MODELS, default="share",
+                        help="headline runtime model: share (round-robin sharing stretches "
+                             "compute and memory time) or paper (Eq. 4 with the calibrated "
+                             "linear f(n)); both are reported")
     parser.add_argument("--max-condition-s", type=float, default=90.0,
                         help="stop measuring a condition after this many seconds")
     parser.add_argument("--calibration", type=Path, default=None,
@@ -73,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = BenchConfig(arch=args.arch, image_size=args.image_size, batch_size=args.batch_size,
                       batches=args.batches, threads=args.threads, conditions=args.conditions,
                       sigma=args.sigma, max_condition_s=args.max_condition_s,
-                      pi2_mode=args.pi2)
+                      pi2_mode=args.pi2, model=args.model)
     out = args.out or Path("runs") / f"predictor-bench-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     total = 1 + cfg.batches * len(cfg.conditions)

@@ -1,0 +1,185 @@
+"""Shift streams: synthetic traffic signs under ImageNet-C corruptions, in the orders used
+by the TTA literature, deterministic by seed.
+
+Orders
+- continual: each corruption in turn at one severity (AdaShadow / CoTTA / ImageNet-C order);
+- gradual:   per corruption, severity 1 -> 5 -> 1 (CoTTA's gradual setting);
+- mixed:     the continual samples shuffled, so the domain changes every sample;
+- dirichlet: continual domains, labels temporally correlated by a Dirichlet split of each
+             class over time slots (RoTTA / NOTE's non-i.i.d. protocol);
+- recurring: the continual sequence repeated `recurrences` times with fresh images.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from tta_core.data.corruptions import CORRUPTIONS, check, corrupt_image
+from tta_core.data.signs import CLASS_NAMES, balanced_labels, render_sign
+
+ORDERS: tuple[str, ...] = ("continual", "gradual", "mixed", "dirichlet", "recurring")
+CLEAN = "clean"
+GRADUAL_LEVELS: tuple[int, ...] = (1, 2, 3, 4, 5, 4, 3, 2, 1)
+
+
+def domain_name(corruption: str | None, severity: int) -> str:
+    """'fog/5', or 'clean' for uncorrupted samples."""
+    return CLEAN if corruption is None else f"{corruption}/{severity}"
+
+
+@dataclass
+class StreamBatch:
+    """One batch: uint8 NHWC images, labels and each sample's domain."""
+
+    images: np.ndarray
+    labels: np.ndarray
+    domains: np.ndarray  # str per sample, e.g. "fog/5"
+    index: int  # batch index in the stream
+
+    @property
+    def domain(self) -> str:
+        """The batch's domain (its first sample's; batches of `mixed` hold several)."""
+        return str(self.domains[0])
+
+
+@dataclass
+class Stream:
+    """A whole stream held in memory (small images: 15 x 500 x 32 px ~ 23 MB)."""
+
+    images: np.ndarray  # (N, H, W, 3) uint8
+    labels: np.ndarray  # (N,) int64
+    domains: np.ndarray  # (N,) str
+    class_names: tuple[str, ...]
+    order: str
+    seed: int
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def batches(self, batch_size: int) -> Iterator[StreamBatch]:
+        """Consecutive batches in stream order (the last one may be smaller)."""
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        for b, i in enumerate(range(0, len(self), batch_size)):
+            sl = slice(i, i + batch_size)
+            yield StreamBatch(self.images[sl], self.labels[sl], self.domains[sl], b)
+
+    def domain_order(self) -> list[str]:
+        """Domains in order of first appearance."""
+        return list(dict.fromkeys(self.domains.tolist()))
+
+
+@dataclass(frozen=True)
+class StreamSpec:
+    """What to generate; `samples_per_domain` counts images per (corruption, severity)."""
+
+    order: str = "continual"
+    image_size: int = 32
+    samples_per_domain: int = 100
+    severity: int = 5
+    corruptions: tuple[str, ...] = CORRUPTIONS
+    seed: int = 0
+    num_classes: int = len(CLASS_NAMES)
+    recurrences: int = 2
+    dirichlet_alpha: float = 0.1
+    dirichlet_slots: int = 10
+
+    def validate(self) -> None:
+        """ValueError naming the first bad field."""
+        if self.order not in ORDERS:
+            raise ValueError(f"unknown order {self.order!r}; choose from {', '.join(ORDERS)}")
+        for c in self.corruptions:
+            check(c, self.severity)
+        if not self.corruptions:
+            raise ValueError("corruptions is empty")
+        if self.samples_per_domain < 1:
+            raise ValueError(f"samples_per_domain must be >= 1, got {self.samples_per_domain}")
+        if not 2 <= self.num_classes <= len(CLASS_NAMES):
+            raise ValueError(f"num_classes must be in 2..{len(CLASS_NAMES)}, got "
+                             f"{self.num_classes}")
+        if self.recurrences < 1 or self.dirichlet_alpha <= 0 or self.dirichlet_slots < 1:
+            raise ValueError(f"bad recurrences/dirichlet settings: {self.recurrences}, "
+                             f"{self.dirichlet_alpha}, {self.dirichlet_slots}")
+
+
+def _segments(spec: StreamSpec) -> list[tuple[str | None, int, int]]:
+    """(corruption, severity, n samples) in stream order."""
+    n, sev = spec.samples_per_domain, spec.severity
+    if spec.order == "gradual":
+        per = max(1, -(-n // len(GRADUAL_LEVELS)))
+        return [(c, s, per) for c in spec.corruptions for s in GRADUAL_LEVELS]
+    seq = [(c, sev, n) for c in spec.corruptions]
+    return seq * spec.recurrences if spec.order == "recurring" else seq
+
+
+def dirichlet_labels(n: int, num_classes: int, alpha: float, slots: int,
+                     rng: np.random.Generator) -> np.ndarray:
+    """`n` balanced labels ordered so classes cluster in time: each class's samples are
+    spread over `slots` consecutive slots with Dirichlet(alpha) proportions."""
+    labels = np.arange(n, dtype=np.int64) % num_classes
+    slot_of = np.empty(n, dtype=np.int64)
+    for c in range(num_classes):
+        idx = np.flatnonzero(labels == c)
+        props = rng.dirichlet(np.full(slots, alpha))
+        slot_of[idx] = np.minimum(
+            np.searchsorted(np.cumsum(props), (np.arange(len(idx)) + 0.5) / len(idx)),
+            slots - 1)
+    order = np.lexsort((rng.random(n), slot_of))
+    return labels[order]
+
+
+def _plan_samples(spec: StreamSpec) -> tuple[np.ndarray, list[str | None], np.ndarray]:
+    """Labels, corruption and severity of every sample, in stream order."""
+    labels, corr, sevs = [], [], []
+    for k, (c, s, n) in enumerate(_segments(spec)):
+        if spec.order == "dirichlet":
+            rng = np.random.default_rng([spec.seed, k, 0xD1])
+            lab = dirichlet_labels(n, spec.num_classes, spec.dirichlet_alpha,
+                                   spec.dirichlet_slots, rng)
+        else:
+            lab = balanced_labels(n, spec.num_classes, spec.seed * 1000 + k)
+        labels.append(lab)
+        corr += [c] * n
+        sevs.append(np.full(n, s))
+    lab_all, sev_all = np.concatenate(labels), np.concatenate(sevs)
+    return lab_all, corr, sev_all
+
+
+def build_stream(spec: StreamSpec, progress: bool = False) -> Stream:
+    """Render and corrupt every sample of `spec`; image i uses seeds derived from (seed, i)."""
+    spec.validate()
+    labels, corr, sevs = _plan_samples(spec)
+    n, size = len(labels), spec.image_size
+    seeds = np.random.SeedSequence([spec.seed, 0xC0]).generate_state(n)
+    images = np.empty((n, size, size, 3), np.uint8)
+    it = range(n)
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(it, desc=f"{spec.order} stream", unit="img", leave=False)
+    for i in it:
+        img = render_sign(int(labels[i]), np.random.default_rng([spec.seed, 0x5E, i]), size)
+        c = corr[i]
+        images[i] = img if c is None else corrupt_image(img, c, int(sevs[i]), int(seeds[i]))
+    domains = np.array([domain_name(c, int(s)) for c, s in zip(corr, sevs, strict=True)])
+    if spec.order == "mixed":
+        perm = np.random.default_rng([spec.seed, 0x313]).permutation(n)
+        images, labels, domains = images[perm], labels[perm], domains[perm]
+    return Stream(images, labels, domains, CLASS_NAMES[: spec.num_classes], spec.order,
+                  spec.seed)
+
+
+def images_to_tensor(images: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]):
+    """uint8 NHWC -> float32 NCHW normalised by per-channel mean/std (in [0, 1] units)."""
+    import torch
+
+    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
+        raise ValueError(f"expected (N, H, W, 3) uint8 images, got {images.shape} "
+                         f"{images.dtype}")
+    x = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).float().div_(255.0)
+    m = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
+    s = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
+    return (x - m) / s

@@ -1,0 +1,193 @@
+"""Train the source model on clean synthetic signs and describe it with a model card.
+
+The card (JSON next to the checkpoint) is what every consumer reads: architecture, classes,
+input size and normalisation, clean accuracy, seed. Checkpoints are plain state_dicts,
+always loaded with `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from tta_core.data.signs import make_signs
+from tta_core.data.streams import images_to_tensor
+from tta_core.models import ARCHS, build_model
+
+CARD_SCHEMA = "tta.model_card/1"
+
+
+@dataclass
+class ModelCard:
+    """What a consumer needs to run a source checkpoint."""
+
+    arch: str
+    num_classes: int
+    class_names: list[str]
+    image_size: int
+    mean: list[float]
+    std: list[float]
+    checkpoint: str  # file name, relative to the card
+    clean_accuracy: float = float("nan")
+    seed: int = 0
+    epochs: int = 0
+    train_samples: int = 0
+    torch_version: str = torch.__version__
+    name: str = ""
+    schema: str = CARD_SCHEMA
+
+    def validate(self) -> None:
+        """ValueError naming the first inconsistent field."""
+        if self.schema != CARD_SCHEMA:
+            raise ValueError(f"model card schema {self.schema!r}, expected {CARD_SCHEMA!r}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"model card arch {self.arch!r} not in {ARCHS}")
+        if len(self.class_names) != self.num_classes:
+            raise ValueError(f"model card lists {len(self.class_names)} class names for "
+                             f"num_classes={self.num_classes}")
+        if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
+            raise ValueError(f"model card mean/std must be 3 values, std > 0: {self.mean}, "
+                             f"{self.std}")
+        if self.image_size < 8:
+            raise ValueError(f"model card image_size {self.image_size} too small")
+
+
+@dataclass
+class TrainConfig:
+    """Source training on CPU in minutes (defaults: small_resnet, 32 px)."""
+
+    arch: str = "small_resnet"
+    image_size: int = 32
+    epochs: int = 8
+    train_samples: int = 8000
+    val_samples: int = 2000
+    batch_size: int = 128
+    lr: float = 0.05
+    weight_decay: float = 5e-4
+    seed: int = 0
+    threads: int = 0  # 0: torch default
+    pad: int = 2  # random-translation augmentation (no test corruption is used)
+    extra: dict = field(default_factory=dict)
+
+
+def _augment(x: torch.Tensor, pad: int, gen: torch.Generator) -> torch.Tensor:
+    """Random translations by up to `pad` px (reflect padding); nothing else, so the test
+    corruptions stay unseen (no flips either: they would swap turn_left and turn_right)."""
+    if pad <= 0:
+        return x
+    n, _, h, w = x.shape
+    xp = nn.functional.pad(x, (pad, pad, pad, pad), mode="reflect")
+    dy = torch.randint(0, 2 * pad + 1, (n, 1, 1), generator=gen)
+    dx = torch.randint(0, 2 * pad + 1, (n, 1, 1), generator=gen)
+    rows = dy + torch.arange(h).view(1, h, 1)
+    cols = dx + torch.arange(w).view(1, 1, w)
+    return xp[torch.arange(n).view(n, 1, 1), :, rows, cols].permute(0, 3, 1, 2)
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 512) -> float:
+    """Top-1 accuracy of `model` (eval mode) on tensors x, y."""
+    model.eval()
+    hits = sum(int((model(x[i:i + batch]).argmax(1) == y[i:i + batch]).sum())
+               for i in range(0, len(y), batch))
+    return hits / max(len(y), 1)
+
+
+def train_source(cfg: TrainConfig, out: Path, progress: bool = True) -> ModelCard:
+    """Train, evaluate on a held-out seed, save `<out>.pt` + `<out>.json`; return the card."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    train = make_signs(cfg.train_samples, cfg.image_size, seed=cfg.seed, progress=progress)
+    val = make_signs(cfg.val_samples, cfg.image_size, seed=cfg.seed + 10_000, progress=progress)
+    flat = train.images.reshape(-1, 3).astype(np.float64) / 255.0
+    mean, std = flat.mean(0).tolist(), flat.std(0).tolist()
+    xtr, ytr = images_to_tensor(train.images, mean, std), torch.from_numpy(train.labels)
+    xva, yva = images_to_tensor(val.images, mean, std), torch.from_numpy(val.labels)
+    model = build_model(cfg.arch, len(train.class_names))
+    steps = cfg.epochs * -(-len(ytr) // cfg.batch_size)
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9, nesterov=True,
+                          weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=steps)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    bar = _progress(steps, progress)
+    for epoch in range(cfg.epochs):
+        model.train()
+        perm = torch.randperm(len(ytr), generator=gen)
+        for i in range(0, len(ytr), cfg.batch_size):
+            idx = perm[i:i + cfg.batch_size]
+            loss = nn.functional.cross_entropy(model(_augment(xtr[idx], cfg.pad, gen)), ytr[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            sched.step()
+            bar.update(1)
+            bar.set_postfix(epoch=epoch + 1, loss=f"{float(loss):.3f}")
+    bar.close()
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    card = ModelCard(arch=cfg.arch, num_classes=len(train.class_names),
+                     class_names=list(train.class_names), image_size=cfg.image_size,
+                     mean=mean, std=std, checkpoint=out.with_suffix(".pt").name,
+                     clean_accuracy=accuracy(model, xva, yva), seed=cfg.seed,
+                     epochs=cfg.epochs, train_samples=cfg.train_samples,
+                     name=f"{cfg.arch}_signs{cfg.image_size}")
+    torch.save(model.state_dict(), out.with_suffix(".pt"))
+    save_card(card, out.with_suffix(".json"))
+    return card
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="train-source", unit="step", disable=not enabled)
+
+
+def save_card(card: ModelCard, path: Path) -> None:
+    """Write the card as JSON (atomically: temp file then rename)."""
+    card.validate()
+    tmp = Path(path).with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(asdict(card), indent=1) + "\n")
+    tmp.replace(path)
+
+
+def load_card(path: str | Path) -> ModelCard:
+    """Read and validate a model card; clear errors for a missing file or bad fields."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"model card {str(path)!r} not found (make one with "
+                                "`tta train-source`)")
+    raw = json.loads(path.read_text())
+    known = set(ModelCard.__dataclass_fields__)
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"model card {str(path)!r} has unknown fields {unknown}")
+    try:
+        card = ModelCard(**raw)
+    except TypeError as exc:
+        raise ValueError(f"model card {str(path)!r} is incomplete: {exc}") from None
+    card.validate()
+    return card
+
+
+def load_source(card_path: str | Path, device: str | torch.device = "cpu"
+                ) -> tuple[nn.Module, ModelCard]:
+    """(model in eval mode with the source weights, its card); weights_only loading."""
+    card = load_card(card_path)
+    ckpt = Path(card_path).parent / card.checkpoint
+    if not ckpt.is_file():
+        raise FileNotFoundError(f"checkpoint {str(ckpt)!r} named by the card is missing")
+    model = build_model(card.arch, card.num_classes)
+    state = torch.load(ckpt, map_location=device, weights_only=True)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as exc:
+        raise ValueError(f"checkpoint {str(ckpt)!r} does not fit arch {card.arch!r} with "
+                         f"{card.num_classes} classes: {str(exc).splitlines()[0]}") from None
+    return model.to(device).eval(), card
+

@@ -127,7 +127,7 @@ def train_source(cfg: TrainConfig, out: Path, progress: bool = True) -> ModelCar
             opt.step()
             sched.step()
             bar.update(1)
-            bar.set_postfix(epoch=epoch + 1, loss=f"{float(loss):.3f}")
+            bar.set_postfix(epoch=epoch + 1, loss=f"{loss.detach().item():.3f}")
     bar.close()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

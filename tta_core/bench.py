@@ -38,7 +38,7 @@ class BenchConfig:
     order: str = "continual"
     severity: int = 5
     batch_size: int = 4
-    samples_per_domain: int = 200
+    samples_per_domain: int = 500
     model_card: Path = DEFAULT_CARD
     mode: str = "sequential"
     seed: int = 0
@@ -152,6 +152,7 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
         torch.cuda.reset_peak_memory_stats()
     frames: list[FrameRecord] = []
     busy = 0.0
+    start_mb = psutil.Process().memory_info().rss / 2**20
     with PeakRSS() as mem:
         for b_id, b in enumerate(stream):
             t0 = time.perf_counter()
@@ -173,10 +174,12 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
             sync()
     meta = {"options": {k: v for k, v in opts.items() if k != "input_shape"},
             "mode": cfg.mode, "batch_size": cfg.batch_size, "threads": torch.get_num_threads(),
-            "rss_peak_mb": mem.peak_mb}
+            "rss_peak_mb": mem.peak_mb, "rss_start_mb": start_mb}
     if cuda:
         meta["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
-    peak = meta.get("cuda_peak_mb", mem.peak_mb)
+    # RSS is process-wide and methods run one after another: report the growth over the
+    # RSS at the method's start (its models, optimizer state, activations); absolute in meta
+    peak = meta.get("cuda_peak_mb", max(mem.peak_mb - start_mb, 0.0))
     return RunRecord(name, frames, busy, float(peak), 0, meta)
 
 

@@ -63,14 +63,14 @@ class TrainConfig:
 
     arch: str = "small_resnet"
     image_size: int = 32
-    epochs: int = 8
+    epochs: int = 6
     train_samples: int = 8000
-    val_samples: int = 2000
+    val_samples: int = 1000
     batch_size: int = 128
     lr: float = 0.05
     weight_decay: float = 5e-4
     seed: int = 0
-    threads: int = 0  # 0: torch default
+    threads: int = 2  # torch threads (0: torch default)
     pad: int = 2  # random-translation augmentation (no test corruption is used)
     extra: dict = field(default_factory=dict)
 

@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=d.batch_size)
     parser.add_argument("--lr", type=float, default=d.lr)
     parser.add_argument("--seed", type=int, default=d.seed)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--threads", type=int, default=d.threads, help="torch threads (0: default)")
     parser.add_argument("--out", type=Path, default=None,
                         help="output stem (default checkpoints/<arch>_signs<size>)")
     parser.add_argument("--no-progress", action="store_true")

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 from rosbags.rosbag2 import StoragePlugin, Writer
 
+from tta_core.data.streams import domain_name
 from tta_core.bag import (
     DOMAIN_TOPIC,
     GT_TOPIC,
     IMAGE_TOPIC,
     BagWriter,
     bag_info,
-    domain_name,
     image_to_array,
     read_bag,
     tta_typestore,
@@ -24,7 +24,7 @@ NAMES = ("a", "b", "c", "d", "e")
 
 def _frames(n: int = 10, seed: int = 0) -> list[tuple[np.ndarray, int, str]]:
     rng = np.random.default_rng(seed)
-    doms = [domain_name(None)] * 4 + [domain_name("fog", 5)] * 3 + [domain_name("snow", 3)] * 3
+    doms = [domain_name(None, 0)] * 4 + [domain_name("fog", 5)] * 3 + [domain_name("snow", 3)] * 3
     return [(rng.integers(0, 256, (8 + i % 3, 12, 3), dtype=np.uint8), int(rng.integers(5)),
              doms[i]) for i in range(n)]
 

@@ -52,7 +52,7 @@ def _mid_and_later(staged: StagedModel) -> list[int]:
 ])
 def test_reforward_reuse_equals_full_forward(arch: str, size: int, bn_mode: str) -> None:
     staged = _staged(arch, size, bn_mode)
-    eng = AdaShadowEngine(staged, EngineConfig(lr=0.05, bn_mode=bn_mode))
+    eng = AdaShadowEngine(staged, EngineConfig(lr=0.05, bn_mode=bn_mode, trainable="all"))
     x = torch.randn(4, 3, size, size)
     before = [p.detach().clone() for p in eng.params]
     plan = _plan(len(staged.units), _mid_and_later(staged))
@@ -68,7 +68,7 @@ def test_reforward_reuse_equals_full_forward(arch: str, size: int, bn_mode: str)
 
 def test_reuse_starts_at_first_updated_stage() -> None:
     staged = _staged("small_resnet", 32)
-    eng = AdaShadowEngine(staged, EngineConfig())  # its init runs a probe forward
+    eng = AdaShadowEngine(staged, EngineConfig(trainable="all"))  # its init runs a probe forward
     calls: list[str] = []
     for st in staged.stages:
         st.module.register_forward_pre_hook(lambda m, a, name=st.name: calls.append(name))
@@ -106,7 +106,7 @@ def _attach_grad_probes(staged: StagedModel, fired: dict[str, int]) -> None:
 @pytest.mark.parametrize("arch,size", [("resnet18", 64), ("mobilenet_v2", 64)])
 def test_sparse_backward_cuts_the_graph(arch: str, size: int) -> None:
     staged = _staged(arch, size)
-    eng = AdaShadowEngine(staged, EngineConfig())
+    eng = AdaShadowEngine(staged, EngineConfig(trainable="all"))
     fired: dict[str, int] = {}
     _attach_grad_probes(staged, fired)
     selected = _mid_and_later(staged)
@@ -123,7 +123,7 @@ def test_sparse_backward_cuts_the_graph(arch: str, size: int) -> None:
 
 def test_full_backward_reaches_the_input_when_first_unit_selected() -> None:
     staged = _staged("small_resnet", 32)
-    eng = AdaShadowEngine(staged, EngineConfig())
+    eng = AdaShadowEngine(staged, EngineConfig(trainable="all"))
     fired: dict[str, int] = {}
     _attach_grad_probes(staged, fired)
     eng.step(torch.randn(4, 3, 32, 32), plan=_plan(len(staged.units), [0, 1]))
@@ -132,7 +132,7 @@ def test_full_backward_reaches_the_input_when_first_unit_selected() -> None:
 
 def test_nothing_updated_returns_forward_logits() -> None:
     staged = _staged("small_resnet", 32)
-    eng = AdaShadowEngine(staged, EngineConfig())
+    eng = AdaShadowEngine(staged, EngineConfig(trainable="all"))
     w0 = [p.detach().clone() for p in eng.params]
     x = torch.randn(4, 3, 32, 32)
     res = eng.step(x, plan=_plan(len(staged.units), []))
@@ -144,7 +144,7 @@ def test_nothing_updated_returns_forward_logits() -> None:
 
 def _run(mode: str, plans: list[Plan], xs: list[torch.Tensor], loss: str) -> list[torch.Tensor]:
     staged = _staged("small_resnet", 32)
-    eng = AdaShadowEngine(staged, EngineConfig(mode=mode, loss=loss, lr=0.05))
+    eng = AdaShadowEngine(staged, EngineConfig(mode=mode, loss=loss, lr=0.05, trainable="all"))
     for x, plan in zip(xs, plans, strict=True):
         eng.step(x, plan=plan)
     eng.sync()
@@ -168,7 +168,7 @@ def test_parallel_matches_sequential(loss: str) -> None:
 
 def test_parallel_returns_forward_logits_and_times_backward() -> None:
     staged = _staged("small_resnet", 32)
-    eng = AdaShadowEngine(staged, EngineConfig(mode="parallel"))
+    eng = AdaShadowEngine(staged, EngineConfig(mode="parallel", trainable="all"))
     x = torch.randn(4, 3, 32, 32)
     with torch.no_grad():
         before = staged.model(x)
@@ -240,3 +240,19 @@ def test_forward_feedback_rescales_profile(feedback: bool) -> None:
     rest = prof.w_ms.sum() + prof.x_ms[1:].sum() + prof.r_ms.sum()
     k = tf / prof.r_ms.sum() if feedback else 1.0
     assert res.plan.full_ms == pytest.approx(tf + k * rest, rel=1e-9)
+
+
+def test_norm_only_engine_refuses_a_plan_with_conv_units_and_plans_only_norms() -> None:
+    staged = _staged("small_resnet", 32)
+    eng = AdaShadowEngine(staged, EngineConfig(sigma=1.0))  # trainable="norm" by default
+    kinds = [u.kind for u in staged.units]
+    assert all(staged.units[i].kind == "bn" for i in range(len(kinds))
+               if eng.candidates[i]) and eng.candidates.sum() == kinds.count("bn")
+    with pytest.raises(ValueError, match="not trainable.*conv1"):
+        eng.step(torch.randn(4, 3, 32, 32), plan=_plan(len(kinds), [0]))
+    x = torch.randn(4, 3, 32, 32)
+    for _ in range(3):
+        res = eng.step(x * 3)
+    assert res.adapted and all(kinds[i] == "bn" for i in np.flatnonzero(res.plan.update))
+    assert (res.importance[[k != "bn" for k in kinds]] == 0).all()
+    eng.close()

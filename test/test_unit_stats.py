@@ -28,8 +28,10 @@ def test_carried_stats_equal_direct_channel_stats(arch, size):
     col = UnitStatsCollector(staged, with_grad=False)
     n_conv = sum(u.kind == "conv" for u in staged.units)
     assert len(col.pairs) == n_conv  # in these nets every conv feeds its own BN
-    direct: dict[int, tuple] = {}
-    hooks = [u.module.register_forward_hook(
+    direct: dict[int, tuple] = {}  # BN units (batch statistics) are described by their input
+    hooks = [u.module.register_forward_pre_hook(
+        lambda _m, a, i=u.index: direct.__setitem__(i, channel_stats(a[0].detach())))
+        if u.kind == "bn" else u.module.register_forward_hook(
         lambda _m, _a, out, i=u.index: direct.__setitem__(i, channel_stats(out.detach())))
         for u in staged.units]
     x = torch.randn(3, 3, size, size) * 2 + 0.5
@@ -105,7 +107,9 @@ def test_seeded_history_scores_a_shifted_first_batch_higher():
         results[name] = eng.step(batch).importance
         eng.close()
     assert results["clean"].sum() > 0  # scored against the source, not against itself
-    assert results["shifted"][0] > 5 * results["clean"][0]  # the first conv sees the shift
+    # bn1 (unit 1) normalises the first conv's output: it sees the input shift first
+    assert results["shifted"][1] > 5 * results["clean"][1]
+    assert results["shifted"][0] == 0.0  # conv units are not trainable by default
     assert results["shifted"].sum() > 2 * results["clean"].sum()
 
 

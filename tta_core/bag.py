@@ -59,11 +59,6 @@ class BagInfo:
     has_ground_truth: bool
 
 
-def domain_name(corruption: str | None, severity: int = 0) -> str:
-    """Domain id as carried on /ground_truth/domain: "clean" or "<corruption>/<severity>"."""
-    return "clean" if not corruption or corruption == "clean" else f"{corruption}/{severity}"
-
-
 @lru_cache(maxsize=1)
 def tta_typestore() -> Typestore:
     """ROS 2 Kilted typestore with the tta_msgs types of `msg/msg/*.msg` registered."""

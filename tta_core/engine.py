@@ -25,6 +25,7 @@ from tta_core.unit_stats import UnitStatsCollector, source_seeds
 from tta_core.units import StagedModel, stage_input_hooks
 
 MODES = ("sequential", "parallel")
+TRAINABLE = ("norm", "all")  # which units may be updated: normalisation layers, or every unit
 LOSSES = ("entropy", "multilayer_kl")
 BN_MODES = ("batch", "source")
 
@@ -47,11 +48,17 @@ class EngineConfig:
     # scale the predicted unit times so that their forward matches this batch's measured
     # forward: a closed-loop correction on top of pi1/pi2 for load the telemetry misses
     forward_feedback: bool = True
+    # "norm": only BN/LayerNorm units are candidates (their affine parameters, as Tent),
+    # "all": every unit (the paper's layer-wise reading). Entropy minimisation on conv or
+    # classifier weights with small batches collapses to one class within a few hundred
+    # batches (measured on the benchmark stream), so "norm" is the default.
+    trainable: str = "norm"
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad value."""
         for name, value, allowed in (("mode", self.mode, MODES), ("loss", self.loss, LOSSES),
-                                     ("bn_mode", self.bn_mode, BN_MODES)):
+                                     ("bn_mode", self.bn_mode, BN_MODES),
+                                     ("trainable", self.trainable, TRAINABLE)):
             if value not in allowed:
                 raise ValueError(f"{name} {value!r} not in {allowed}")
         if not 0.0 <= self.sigma <= 10.0 or math.isnan(self.sigma):
@@ -160,17 +167,23 @@ class AdaShadowEngine:
             raise ValueError(f"profile has {len(profile.unit_names)} units, model has "
                              f"{len(staged.units)}")
         self.profile = profile
-        self.params = [p for u in staged.units for p in u.parameters()]
+        self.candidates = np.array([self.config.trainable == "all" or u.kind in ("bn", "ln")
+                                    for u in staged.units])
+        if not self.candidates.any():
+            raise ValueError(f"trainable={self.config.trainable!r} leaves no unit to update "
+                             f"in {staged.arch}")
+        self.params = [p for u in staged.units if self.candidates[u.index]
+                       for p in u.parameters()]
         for p in self.params:
             p.requires_grad_(True)
         self.optimizer = torch.optim.SGD(self.params, lr=self.config.lr,
                                          momentum=self.config.momentum)
         self._opt_state0 = self.optimizer.state_dict()
         self.assessor = assessor_mod.Assessor(len(staged.units), alpha=self.config.alpha)
-        if source_bn:
-            self.assessor.seed(source_seeds(staged, source_bn))
-        self._timer = _Timer(self.params[0].device)
         self._collector = UnitStatsCollector(staged, with_grad=self.config.loss == "multilayer_kl")
+        if source_bn:
+            self.assessor.seed(source_seeds(staged, source_bn, self._collector.bn_input))
+        self._timer = _Timer(self.params[0].device)
         self._stage_inputs: list = [None] * len(staged.stages)
         self._handles = stage_input_hooks(self.staged, self._cache_stage_input)
         self._job: threading.Thread | None = None
@@ -255,13 +268,19 @@ class AdaShadowEngine:
             history = [(m.clone(), v.clone()) for m, v in history]  # step() updates in place
         loss = self._loss(fwd, history)
         detached = [(m.detach(), v.detach()) for m, v in fwd.stats]
-        importance = np.asarray(self.assessor.step(detached), dtype=np.float64)
+        # units that may not be updated get importance 0: the planner never picks them
+        importance = np.where(self.candidates, self.assessor.step(detached), 0.0)
         if plan is None:
             plan = self._plan(fwd, x, importance)
         elif len(plan.update) != len(self.staged.units):
             raise ValueError(f"plan has {len(plan.update)} units, model has "
                              f"{len(self.staged.units)}")
         update = np.asarray(plan.update, dtype=bool)
+        if (update & ~self.candidates).any():
+            bad = [u.name for u in self.staged.units if update[u.index] and not
+                   self.candidates[u.index]]
+            raise ValueError(f"plan updates units that are not trainable "
+                             f"(trainable={self.config.trainable!r}): {bad[:5]}")
         adapt = loss is not None and bool(update.any())
         if adapt:  # keep only the stage input the reforward needs (§4 reuse)
             keep = self.staged.units[int(np.flatnonzero(update)[0])].stage

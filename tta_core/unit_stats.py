@@ -82,11 +82,13 @@ def find_conv_bn_pairs(staged: StagedModel) -> list[_Pair]:
     return pairs
 
 
-def source_seeds(staged: StagedModel, source_bn: dict[str, Stats]) -> list[Stats | None]:
-    """Per unit, the source-domain output stats known from BN running stats (else None).
+def source_seeds(staged: StagedModel, source_bn: dict[str, Stats],
+                 bn_input: bool = True) -> list[Stats | None]:
+    """Per unit, the source-domain stats known from BN running stats (else None).
 
     `source_bn` maps BN unit names to the checkpoint's (running_mean, running_var), captured
-    before the BN was switched to batch statistics.
+    before the BN was switched to batch statistics. `bn_input`: BN units are described by
+    their input's stats (see UnitStatsCollector), else by their output's.
     """
     seeds: list[Stats | None] = [None] * len(staged.units)
     units = staged.units
@@ -97,21 +99,26 @@ def source_seeds(staged: StagedModel, source_bn: dict[str, Stats]) -> list[Stats
         if mean.shape != (u.module.num_features,) or var.shape != mean.shape:
             raise ValueError(f"source stats of {u.name!r} have shape {tuple(mean.shape)}, "
                              f"the layer has {u.module.num_features} channels")
-        seeds[u.index] = _bn_output_stats(u.module, var)
+        seeds[u.index] = (mean, var) if bn_input else _bn_output_stats(u.module, var)
         if u.index > 0 and units[u.index - 1].kind == "conv":
             seeds[u.index - 1] = (mean, var)
     return seeds
 
 
 class UnitStatsCollector:
-    """Per-unit output stats of one forward: BN-carried for Conv->BN pairs, hooks elsewhere.
+    """Per-unit stats of one forward: BN-carried for Conv->BN pairs, hooks elsewhere.
 
-    Carriers are used only when the stats need no gradient (the multi-layer KL loss
-    differentiates them) and the BN normalises by batch statistics.
+    A BN that normalises by batch statistics has an output whose statistics are (beta,
+    gamma^2) whatever the input: no shift is visible there. Its importance is the shift it
+    has to absorb, so such BN units are described by their *input* statistics (AdaShadow
+    scores a layer by the divergence of what it sees; for a batch-normalised layer that is
+    its input). Carriers and input statistics are used only when the stats need no
+    gradient (the multi-layer KL loss differentiates output stats).
     """
 
     def __init__(self, staged: StagedModel, with_grad: bool) -> None:
         self.staged, self.with_grad = staged, with_grad
+        self.bn_input = not with_grad  # batch-statistics BN units report their input stats
         self.pairs: list[_Pair] = []
         if not with_grad:
             self.pairs = [p for p in find_conv_bn_pairs(staged)
@@ -143,9 +150,18 @@ class UnitStatsCollector:
         handles = []
         for u in self.staged.units:
             idx = by_module.pop(id(u.module), None)
-            if idx is not None:  # one hook per module (attention in/out share one)
+            if idx is None:  # one hook per module (attention in/out share one)
+                continue
+            if self._reads_input(u.module):
+                hook = self._hook(idx)
+                handles.append(u.module.register_forward_pre_hook(
+                    lambda m, args, hook=hook: hook(m, args, args[0])))
+            else:
                 handles.append(u.module.register_forward_hook(self._hook(idx)))
         return handles
+
+    def _reads_input(self, mod: nn.Module) -> bool:
+        return self.bn_input and isinstance(mod, _BatchNorm) and mod.training
 
     def _hook(self, idx: list[int]):
         def hook(_m, _args, out):
@@ -172,7 +188,7 @@ class UnitStatsCollector:
             n = batch_size * p.spatial
             var = bn.running_var * ((n - 1) / n) if n > 1 else torch.zeros_like(bn.running_var)
             stats[p.conv] = (bn.running_mean.clone(), var)
-            stats[p.bn] = _bn_output_stats(bn, var)
+            stats[p.bn] = stats[p.conv] if self.bn_input else _bn_output_stats(bn, var)
         missing = [units[i].name for i, s in enumerate(stats) if s is None]
         if missing:
             raise RuntimeError(f"units did not run in the forward: {missing}")

@@ -31,6 +31,7 @@ class AdaShadowConfig(MethodConfig):
     alpha: float = 0.1
     n_t: int = 500
     reuse: bool = True
+    trainable: str = "norm"  # "norm" (BN/LN affine, default) | "all" (every unit)
     forward_feedback: bool = True  # see EngineConfig
     profile: UnitProfile | str | Path | None = None  # offline profile or its JSON path
 
@@ -62,7 +63,8 @@ class AdaShadow(TTAMethod):
             prof.check_units([u.name for u in self.staged.units])
         ecfg = EngineConfig(sigma=c.sigma, lr=c.lr, momentum=c.momentum, mode=c.mode,
                             loss=c.loss, bn_mode=c.bn_mode, alpha=c.alpha, n_t=c.n_t,
-                            reuse=c.reuse, forward_feedback=c.forward_feedback)
+                            reuse=c.reuse, forward_feedback=c.forward_feedback,
+                            trainable=c.trainable)
         self.engine = AdaShadowEngine(self.staged, ecfg, profile=prof, source_bn=source_bn)
 
     def collect_params(self) -> list[nn.Parameter]:

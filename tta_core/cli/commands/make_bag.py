@@ -37,9 +37,9 @@ def stream_frames(n: int, image_size: int, domains: Sequence[tuple[str | None, i
                   seed: int) -> Iterator[tuple[np.ndarray, int, str]]:
     """`n` sign images split evenly over `domains` in order, each domain's images corrupted
     at its severity; yields (image, label, domain name)."""
-    from tta_core.bag import domain_name
     from tta_core.data.corruptions import corrupt_batch
     from tta_core.data.signs import make_signs
+    from tta_core.data.streams import domain_name
 
     if n < len(domains):
         raise ValueError(f"--frames {n} is fewer than the {len(domains)} domains")

@@ -7,13 +7,13 @@ import pytest
 from rosbags.rosbag2 import StoragePlugin, Writer
 
 from tta_core.data.streams import domain_name
+from tta_core.image_msg import image_to_rgb8
 from tta_core.bag import (
     DOMAIN_TOPIC,
     GT_TOPIC,
     IMAGE_TOPIC,
     BagWriter,
     bag_info,
-    image_to_array,
     read_bag,
     tta_typestore,
     write_bag,
@@ -107,7 +107,7 @@ def test_writer_refuses_bad_input(tmp_path) -> None:
         w.add(np.zeros((4, 4, 3), np.float32), 0, "clean")
 
 
-def test_image_to_array_honours_step_and_order() -> None:
+def test_bag_images_decode_honouring_step_and_order() -> None:
     t = tta_typestore().types
     rgb = np.arange(2 * 3 * 3, dtype=np.uint8).reshape(2, 3, 3)
     padded = np.zeros((2, 12), np.uint8)  # 3 padding bytes per row
@@ -115,10 +115,10 @@ def test_image_to_array_honours_step_and_order() -> None:
     msg = t["sensor_msgs/msg/Image"](header=t["std_msgs/msg/Header"](
         stamp=t["builtin_interfaces/msg/Time"](sec=0, nanosec=0), frame_id=""),
         height=2, width=3, encoding="bgr8", is_bigendian=0, step=12, data=padded.reshape(-1))
-    assert np.array_equal(image_to_array(msg), rgb)
+    assert np.array_equal(image_to_rgb8(msg), rgb)
     msg.encoding = "yuv422"
     with pytest.raises(ValueError, match="yuv422"):
-        image_to_array(msg)
+        image_to_rgb8(msg)
 
 
 def test_parse_domains() -> None:

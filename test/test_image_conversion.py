@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import array
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from tta_ros.image_conversion import (
+from tta_core.image_msg import (
     ENCODINGS,
     Preprocess,
     array_to_image_fields,
     image_to_array,
+    image_to_rgb8,
     image_to_tensor,
+    to_tensor,
 )
 
 RNG = np.random.default_rng(0)
@@ -97,10 +100,36 @@ def test_tensor_resized_and_normalised() -> None:
     torch.testing.assert_close(x[0].mean(dim=(1, 2)), exp, atol=1e-6, rtol=0)
 
 
-def test_preprocess_from_card_dict() -> None:
-    pre = Preprocess.from_card({"image_size": 32, "mean": [0.1, 0.2, 0.3],
-                                "std": [1, 1, 1]})
-    assert pre.image_size == 32 and pre.mean == (0.1, 0.2, 0.3)
+def test_preprocess_from_the_shipped_card() -> None:
+    from tta_core.train_source import load_card
+
+    card = load_card(Path(__file__).resolve().parent.parent / "checkpoints"
+                     / "small_resnet_signs32.json")
+    pre = Preprocess.from_card(card)
+    assert pre.image_size == card.image_size == 32 and pre.mean == tuple(card.mean)
+
+
+def test_uint8_fast_path_equals_float_path() -> None:
+    """Same-size uint8 frames take the vectorised path; it must match the float path."""
+    pre = Preprocess(6, (0.4, 0.5, 0.6), (0.2, 0.3, 0.25))
+    imgs = [RNG.integers(0, 256, (6, 6, 3), dtype=np.uint8) for _ in range(3)]
+    fast = to_tensor(imgs, pre)
+    slow = to_tensor([a.astype(np.float32) / 255 for a in imgs], pre)
+    assert fast.shape == (3, 3, 6, 6)
+    torch.testing.assert_close(fast, slow, atol=1e-6, rtol=0)
+    mixed = to_tensor([imgs[0], RNG.random((9, 9, 3)).astype(np.float32)], pre)
+    torch.testing.assert_close(mixed[0], fast[0], atol=1e-6, rtol=0)  # resized: other path
+    with pytest.raises(ValueError, match="0 images"):
+        to_tensor([], pre)
+
+
+def test_rgb8_of_16bit_and_8bit() -> None:
+    fields = array_to_image_fields(RGB, "rgb16")
+    np.testing.assert_array_equal(image_to_rgb8(_msg(**fields)), np.round(RGB * 255))
+    msg, expect = _hand_built("bgra8", 2)
+    out = image_to_rgb8(msg)
+    assert out.dtype == np.uint8
+    np.testing.assert_array_equal(out, np.round(expect * 255))
 
 
 def _good() -> dict:
@@ -135,10 +164,8 @@ def test_float_encoding_byte_order_and_nan_pixels(bigendian: bool) -> None:
         image_to_tensor(bad, Preprocess(5, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)))
 
 
-def test_nan_after_conversion_is_refused() -> None:
-    # a zero std cannot be built; an inf mean makes every pixel non-finite
-    pre = Preprocess(4, (float("inf"), 0.0, 0.0), (1.0, 1.0, 1.0))
-    with pytest.raises(ValueError, match="non-finite"):
-        image_to_tensor(_msg(**_good()), pre)
+def test_non_finite_normalisation_is_refused() -> None:
+    with pytest.raises(ValueError, match="mean"):
+        Preprocess(4, (float("inf"), 0.0, 0.0), (1.0, 1.0, 1.0))
     with pytest.raises(ValueError, match="std"):
         Preprocess(4, (0.0, 0.0, 0.0), (1.0, 0.0, 1.0))

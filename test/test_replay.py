@@ -42,12 +42,12 @@ def _source_predictions(frames) -> np.ndarray:
     from tta_core.train_source import load_source
 
     from tta_ros.bringup import load_params, resolve_paths
-    from tta_ros.image_conversion import Preprocess, array_to_tensor
+    from tta_core.image_msg import Preprocess, to_tensor
 
     card_path = resolve_paths(load_params(CONFIG)["perception"], ROOT)["model_card"]
     model, card = load_source(card_path)
     pre = Preprocess.from_card(card)
-    x = torch.cat([array_to_tensor(f.image.astype(np.float32) / 255, pre) for f in frames])
+    x = to_tensor([f.image.astype(np.float32) / 255 for f in frames], pre)  # float path
     with torch.no_grad():
         return model.eval()(x).argmax(1).numpy()
 

@@ -25,6 +25,8 @@ from rosbags.rosbag2 import Reader, StoragePlugin, Writer
 from rosbags.typesys import Stores, get_types_from_msg, get_typestore
 from rosbags.typesys.store import Typestore
 
+from tta_core.image_msg import image_to_rgb8
+
 IMAGE_TOPIC = "/camera/image_raw"
 GT_TOPIC = "/ground_truth"
 DOMAIN_TOPIC = "/ground_truth/domain"
@@ -33,8 +35,6 @@ GT_TYPE = "tta_msgs/msg/ClassPrediction"
 DOMAIN_TYPE = "std_msgs/msg/Header"
 MSG_DIR = Path(__file__).resolve().parents[1] / "msg" / "msg"
 STORAGES = {"mcap": StoragePlugin.MCAP, "sqlite3": StoragePlugin.SQLITE3}
-_CHANNELS = {"rgb8": (3, (0, 1, 2)), "bgr8": (3, (2, 1, 0)), "mono8": (1, (0, 0, 0)),
-             "rgba8": (4, (0, 1, 2)), "bgra8": (4, (2, 1, 0))}
 
 
 @dataclass
@@ -150,20 +150,6 @@ def write_bag(path: str | Path, frames: Iterable[tuple[np.ndarray, int, str]],
 # ----------------------------------------------------------------------------- reading
 
 
-def image_to_array(msg: object) -> np.ndarray:
-    """(H, W, 3) uint8 RGB of an 8-bit sensor_msgs/Image, honouring `step` (row padding)."""
-    enc = msg.encoding  # type: ignore[attr-defined]
-    if enc not in _CHANNELS:
-        raise ValueError(f"unsupported image encoding {enc!r}; expected one of {list(_CHANNELS)}")
-    ch, order = _CHANNELS[enc]
-    h, w, step = msg.height, msg.width, msg.step  # type: ignore[attr-defined]
-    data = np.asarray(msg.data, dtype=np.uint8)  # type: ignore[attr-defined]
-    if h == 0 or w == 0 or step < w * ch or data.size < h * step:
-        raise ValueError(f"bad image geometry {w}x{h} step {step} for {data.size} bytes")
-    rows = data[: h * step].reshape(h, step)[:, : w * ch].reshape(h, w, ch)
-    return np.ascontiguousarray(rows[..., list(order)])
-
-
 def _open(path: str | Path) -> Reader:
     p = Path(path)
     if not p.exists():
@@ -226,4 +212,4 @@ def read_bag(path: str | Path, require_ground_truth: bool = True) -> Iterator[Ba
             if require_ground_truth and (t not in labels or t not in domains):
                 raise ValueError(f"bag {path}: image at stamp {t} ns has no ground truth")
             label, name = labels.get(t, (-1, ""))
-            yield BagFrame(t, image_to_array(msg), label, domains.get(t, ""), name)
+            yield BagFrame(t, image_to_rgb8(msg), label, domains.get(t, ""), name)

@@ -167,6 +167,7 @@ class AdaShadowEngine:
             raise ValueError(f"profile has {len(profile.unit_names)} units, model has "
                              f"{len(staged.units)}")
         self.profile = profile
+        self._mac_profile: predictor.UnitProfile | None = None
         self.candidates = np.array([self.config.trainable == "all" or u.kind in ("bn", "ln")
                                     for u in staged.units])
         if not self.candidates.any():
@@ -218,9 +219,16 @@ class AdaShadowEngine:
         return _Forward(logits, stats, inputs, (self._timer.now() - t0) * 1e3)
 
     def _times(self, fwd: _Forward, x: Tensor) -> tuple[np.ndarray, ...]:
-        prof = self.profile or mac_profile(self.staged, fwd.forward_ms, x.shape[0],
-                                           tuple(x.shape[1:]))
-        w, dx, r = predictor.runtime_times(prof, self.config.pi1, self.config.pi2)
+        if self.profile is None:
+            # MAC-proportional times: only their shape matters, they are scaled to this
+            # batch's measured forward below, so one profile serves every batch
+            if self._mac_profile is None:
+                self._mac_profile = mac_profile(self.staged, 1.0, x.shape[0], tuple(x.shape[1:]))
+            w, dx, r = predictor.runtime_times(self._mac_profile, self.config.pi1,
+                                               self.config.pi2)
+            k = fwd.forward_ms / max(float(r.sum()), 1e-12)
+            return w * k, dx * k, r * k
+        w, dx, r = predictor.runtime_times(self.profile, self.config.pi1, self.config.pi2)
         if self.config.forward_feedback and r.sum() > 0:
             k = fwd.forward_ms / float(r.sum())
             w, dx, r = w * k, dx * k, r * k

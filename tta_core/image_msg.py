@@ -1,0 +1,192 @@
+"""sensor_msgs/Image <-> numpy/torch, in numpy only (no rclpy, no cv_bridge: it breaks
+under NumPy 2, and rosbags-image ignores `step`). The one decoder of the project: the
+perception node (live frames) and tta_core.bag (recorded frames) both use it.
+
+Supported encodings: rgb8, bgr8, mono8, rgba8, bgra8 (8-bit: `is_bigendian` irrelevant),
+mono16, rgb16 (byte order from `is_bigendian`, scaled by 1/65535) and 32FC1, 32FC3
+(float32 RGB in [0, 1], byte order from `is_bigendian`; the encodings through which NaN
+pixels can arrive: non-finite pixels are refused). Rows may be padded (`step` > width *
+bytes per pixel); padding is ignored. Works on any object with the Image fields (height,
+width, encoding, is_bigendian, step, data). Bad input -> ValueError naming the value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from tta_core.data.streams import images_to_tensor
+
+
+@dataclass(frozen=True)
+class EncodingSpec:
+    """Layout of one encoding: channels, bytes per channel, channel order to reach RGB."""
+
+    channels: int
+    depth: int  # bytes per channel
+    to_rgb: tuple[int, ...]  # channel indices giving R, G, B (mono: (0, 0, 0))
+    kind: str = "u"  # "u": unsigned int scaled to [0, 1]; "f": float taken as is
+
+
+ENCODINGS: dict[str, EncodingSpec] = {
+    "rgb8": EncodingSpec(3, 1, (0, 1, 2)),
+    "bgr8": EncodingSpec(3, 1, (2, 1, 0)),
+    "mono8": EncodingSpec(1, 1, (0, 0, 0)),
+    "rgba8": EncodingSpec(4, 1, (0, 1, 2)),
+    "bgra8": EncodingSpec(4, 1, (2, 1, 0)),
+    "mono16": EncodingSpec(1, 2, (0, 0, 0)),
+    "rgb16": EncodingSpec(3, 2, (0, 1, 2)),
+    "32fc1": EncodingSpec(1, 4, (0, 0, 0), "f"),
+    "32fc3": EncodingSpec(3, 4, (0, 1, 2), "f"),
+}
+
+
+@dataclass(frozen=True)
+class Preprocess:
+    """Resize + normalisation of the model card (mean/std in [0, 1] pixel units)."""
+
+    image_size: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+    def __post_init__(self) -> None:
+        if self.image_size < 1:
+            raise ValueError(f"image_size must be >= 1, got {self.image_size!r}")
+        if len(self.mean) != 3 or len(self.std) != 3:
+            raise ValueError(f"mean/std need 3 values, got {self.mean!r} / {self.std!r}")
+        if any(not (0 < s < float("inf")) for s in self.std):
+            raise ValueError(f"std values must be finite and > 0, got {self.std!r}")
+        if not np.isfinite(self.mean).all():
+            raise ValueError(f"mean values must be finite, got {self.mean!r}")
+
+    @classmethod
+    def from_card(cls, card: Any) -> Preprocess:
+        """From a tta_core.train_source.ModelCard (image_size, mean, std)."""
+        return cls(int(card.image_size), tuple(float(v) for v in card.mean),
+                   tuple(float(v) for v in card.std))
+
+
+def _spec(encoding: str) -> EncodingSpec:
+    spec = ENCODINGS.get(str(encoding).lower())
+    if spec is None:
+        raise ValueError(f"unsupported image encoding {encoding!r}; supported: "
+                         f"{', '.join(ENCODINGS)}")
+    return spec
+
+
+def decode_image(msg: Any) -> np.ndarray:
+    """Image message -> HxWx3 RGB: uint8 for 8-bit encodings (possibly a read-only view of
+    `msg.data`), else float32 in [0, 1]."""
+    enc = str(msg.encoding)
+    spec = _spec(enc)
+    h, w, step = int(msg.height), int(msg.width), int(msg.step)
+    if h <= 0 or w <= 0:
+        raise ValueError(f"image has zero size: height={h} width={w}")
+    row_bytes = w * spec.channels * spec.depth
+    if step < row_bytes:
+        raise ValueError(f"image step={step} is smaller than width*bytes_per_pixel="
+                         f"{row_bytes} ({enc}, width {w})")
+    buf = _as_bytes(msg.data)
+    if buf.size != h * step:
+        raise ValueError(f"image data length={buf.size} does not match height*step="
+                         f"{h * step} (height {h}, step {step})")
+    rows = buf.reshape(h, step)[:, :row_bytes]
+    if spec.depth == 1:
+        pix = rows.reshape(h, w, spec.channels)
+    else:
+        dtype = np.dtype(f"{'>' if bool(msg.is_bigendian) else '<'}{spec.kind}{spec.depth}")
+        pix = np.ascontiguousarray(rows).view(dtype).reshape(h, w, spec.channels)
+        pix = pix.astype(np.float32) / (65535.0 if spec.kind == "u" else 1.0)
+        bad = ~np.isfinite(pix)
+        if bad.any():
+            raise ValueError(f"image has non-finite values ({int(bad.sum())} of {pix.size}, "
+                             f"first {pix[bad][0]}) in {enc}")
+    if spec.to_rgb == (0, 1, 2) and spec.channels == 3:
+        return np.ascontiguousarray(pix)
+    return pix[:, :, list(spec.to_rgb)]
+
+
+def image_to_array(msg: Any) -> np.ndarray:
+    """Image message -> float32 HxWx3 RGB in [0, 1]."""
+    pix = decode_image(msg)
+    return pix.astype(np.float32) / 255.0 if pix.dtype == np.uint8 else pix
+
+
+def image_to_rgb8(msg: Any) -> np.ndarray:
+    """Image message -> uint8 HxWx3 RGB (16-bit/float encodings rounded to 8 bits)."""
+    pix = decode_image(msg)
+    if pix.dtype == np.uint8:
+        return pix
+    return np.round(np.clip(pix, 0.0, 1.0) * 255.0).astype(np.uint8)
+
+
+def to_tensor(images: Sequence[np.ndarray], pre: Preprocess) -> torch.Tensor:
+    """Decoded HxWx3 images (uint8, or float in [0, 1]) -> Nx3xSxS normalised batch.
+
+    Same-size uint8 frames at the card's size go through one vectorised normalisation
+    (tta_core.data.streams.images_to_tensor, as in training); others are resized
+    (bilinear, antialiased) frame by frame first.
+    """
+    if not images:
+        raise ValueError("cannot build a batch from 0 images")
+    s = pre.image_size
+    if all(a.dtype == np.uint8 and a.shape == (s, s, 3) for a in images):
+        return images_to_tensor(np.stack(images), pre.mean, pre.std)
+    xs = []
+    for a in images:
+        if a.ndim != 3 or a.shape[2] != 3:
+            raise ValueError(f"expected an HxWx3 image, got shape {a.shape}")
+        f = a.astype(np.float32) / 255.0 if a.dtype == np.uint8 else a.astype(np.float32)
+        x = torch.from_numpy(f).permute(2, 0, 1).unsqueeze(0)
+        if x.shape[-2:] != (s, s):
+            x = F.interpolate(x, size=(s, s), mode="bilinear", align_corners=False,
+                              antialias=True)
+        xs.append(x)
+    mean = torch.tensor(pre.mean, dtype=torch.float32).view(1, 3, 1, 1)
+    std = torch.tensor(pre.std, dtype=torch.float32).view(1, 3, 1, 1)
+    return (torch.cat(xs) - mean) / std
+
+
+def image_to_tensor(msg: Any, pre: Preprocess) -> torch.Tensor:
+    """One Image message -> 1x3xSxS tensor, resized and normalised per the card."""
+    return to_tensor([decode_image(msg)], pre)
+
+
+def array_to_image_fields(rgb: np.ndarray, encoding: str = "rgb8", pad: int = 0,
+                          bigendian: bool = False) -> dict[str, Any]:
+    """Inverse, for tests and benchmarks: HxWx3 float [0, 1] RGB -> Image field dict.
+
+    `pad` extra bytes are appended to each row (step = row bytes + pad).
+    """
+    spec = _spec(encoding)
+    h, w = rgb.shape[:2]
+    chans = (rgb[:, :, [list(spec.to_rgb).index(i) for i in range(3)]]
+             if spec.channels > 1 else rgb.mean(axis=2, keepdims=True))
+    if spec.channels == 4:
+        chans = np.concatenate([chans, np.ones((h, w, 1), dtype=chans.dtype)], axis=2)
+    if spec.depth == 1:
+        raw = np.round(np.clip(chans, 0, 1) * 255).astype(np.uint8).tobytes()
+    elif spec.kind == "u":
+        dt = np.dtype(">u2" if bigendian else "<u2")
+        raw = np.round(np.clip(chans, 0, 1) * 65535).astype(dt).tobytes()
+    else:
+        raw = chans.astype(np.dtype(">f4" if bigendian else "<f4")).tobytes()
+    row = w * spec.channels * spec.depth
+    arr = np.frombuffer(raw, dtype=np.uint8).reshape(h, row)
+    if pad:
+        arr = np.concatenate([arr, np.full((h, pad), 0xAB, dtype=np.uint8)], axis=1)
+    return {"height": h, "width": w, "encoding": encoding, "is_bigendian": int(bigendian),
+            "step": row + pad, "data": arr.tobytes()}
+
+
+def _as_bytes(data: Any) -> np.ndarray:
+    """uint8 view of Image.data (bytes, array.array('B'), numpy or a list of ints)."""
+    try:
+        return np.frombuffer(data, dtype=np.uint8)
+    except TypeError:
+        return np.asarray(list(data), dtype=np.uint8)

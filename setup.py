@@ -3,6 +3,7 @@
 Works both with `colcon build` in a ROS 2 workspace and with `pip install -e .` in a venv.
 """
 
+import os
 from glob import glob
 
 from setuptools import find_packages, setup
@@ -27,6 +28,9 @@ setup(
         (f"share/{PACKAGE}/launch", glob("launch/*.launch.py")),
         (f"share/{PACKAGE}/config", glob("config/*.yaml") + glob("config/*.rviz")),
         (f"share/{PACKAGE}/config/profiles", glob("config/profiles/*.json")),
+        (f"share/{PACKAGE}/checkpoints", glob("checkpoints/*.pt") + glob("checkpoints/*.json")),
+        *[(f"share/{PACKAGE}/{d}", [f for f in glob(f"{d}/*") if os.path.isfile(f)])
+          for d in sorted(glob("bags/*")) if os.path.isdir(d)],
     ],
     install_requires=["setuptools"],
     zip_safe=False,

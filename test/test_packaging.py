@@ -57,3 +57,24 @@ def test_setup_py_installs_all_three_python_packages_and_ament_resources():
     import tta_kernels
 
     assert Path(tta_kernels.__file__).parent == ROOT / "kernels"
+
+
+def test_colcon_style_install_layout(tmp_path):
+    """What `colcon build` (ament_python: setup.py install) lays out for `ros2 launch/run`."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "setup.py", "-q", "build", "--build-base", str(tmp_path / "b"),
+         "install", "--prefix", str(tmp_path),
+         "--single-version-externally-managed", "--record", str(tmp_path / "rec.txt")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    share = tmp_path / "share" / "tta_ros"
+    for rel in ("package.xml", "launch/vehicle.launch.py", "config/vehicle.yaml",
+                "config/tta.rviz", "checkpoints/small_resnet_signs32.json",
+                "checkpoints/small_resnet_signs32.pt"):
+        assert (share / rel).is_file(), rel
+    assert (tmp_path / "share/ament_index/resource_index/packages/tta_ros").is_file()
+    for exe in ("perception_node", "resource_monitor_node", "scheduler_node", "tta"):
+        assert (tmp_path / "lib" / "tta_ros" / exe).is_file(), exe

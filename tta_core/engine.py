@@ -25,7 +25,8 @@ from tta_core.unit_stats import UnitStatsCollector, source_seeds
 from tta_core.units import StagedModel, stage_input_hooks
 
 MODES = ("sequential", "parallel")
-TRAINABLE = ("norm", "all")  # which units may be updated: normalisation layers, or every unit
+TRAINABLE = ("norm", "all")
+GRAPHS = ("lazy", "full")  # which units may be updated: normalisation layers, or every unit
 LOSSES = ("entropy", "multilayer_kl")
 BN_MODES = ("batch", "source")
 
@@ -53,12 +54,20 @@ class EngineConfig:
     # classifier weights with small batches collapses to one class within a few hundred
     # batches (measured on the benchmark stream), so "norm" is the default.
     trainable: str = "norm"
+    # "lazy": the forward runs without autograd; after planning, only the stages from the
+    # first updated unit's stage are re-run with autograd for the backward (entropy loss
+    # only: the multi-layer KL loss needs every unit's stats with grad, so it uses "full").
+    # Recording the graph over the whole net costs ~50 % of a small CPU forward and keeps
+    # every activation alive; the lazy tail costs about one more reforward of the tail,
+    # which the planner is told (each unit's reforward time counts twice).
+    graph: str = "lazy"
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad value."""
         for name, value, allowed in (("mode", self.mode, MODES), ("loss", self.loss, LOSSES),
                                      ("bn_mode", self.bn_mode, BN_MODES),
-                                     ("trainable", self.trainable, TRAINABLE)):
+                                     ("trainable", self.trainable, TRAINABLE),
+                                     ("graph", self.graph, GRAPHS)):
             if value not in allowed:
                 raise ValueError(f"{name} {value!r} not in {allowed}")
         if not 0.0 <= self.sigma <= 10.0 or math.isnan(self.sigma):
@@ -182,6 +191,7 @@ class AdaShadowEngine:
         self._opt_state0 = self.optimizer.state_dict()
         self.assessor = assessor_mod.Assessor(len(staged.units), alpha=self.config.alpha)
         self._collector = UnitStatsCollector(staged, with_grad=self.config.loss == "multilayer_kl")
+        self.lazy = self.config.graph == "lazy" and self.config.loss == "entropy"
         if source_bn:
             self.assessor.seed(source_seeds(staged, source_bn, self._collector.bn_input))
         self._timer = _Timer(self.params[0].device)
@@ -210,7 +220,7 @@ class AdaShadowEngine:
         self._collector.capture = True
         self._stage_inputs[0] = x
         try:
-            with torch.enable_grad():
+            with torch.set_grad_enabled(not self.lazy):
                 logits = self.staged.model(x)
         finally:
             self._collector.capture = False
@@ -236,6 +246,8 @@ class AdaShadowEngine:
 
     def _plan(self, fwd: _Forward, x: Tensor, importance: np.ndarray) -> planner.Plan:
         w, dx, r = self._times(fwd, x)
+        if self.lazy:
+            r = 2.0 * r  # the tail runs twice: with autograd for the backward, then again
         problem = planner.PlanProblem(w=w, x=dx, r=r, stage_start=self.staged.stage_start(),
                                       importance=importance, forward_ms=fwd.forward_ms,
                                       sigma=self.config.sigma)
@@ -243,10 +255,19 @@ class AdaShadowEngine:
 
     def _loss(self, fwd: _Forward, history) -> Tensor | None:
         if self.config.loss == "entropy":
-            return losses.entropy_loss(fwd.logits)
+            return losses.entropy_loss(fwd.logits)  # lazy: no graph, recomputed in _adapt
         if history is None:
             return None  # no history yet: nothing to align to on the first batch
         return losses.multilayer_kl_loss(fwd.stats, history)
+
+    def _adapt(self, fwd: _Forward, loss: Tensor, update: np.ndarray) -> None:
+        """Backward + step; in lazy mode first re-run the tail with autograd for the loss."""
+        if self.lazy:
+            stage = self.staged.units[int(np.flatnonzero(update)[0])].stage
+            with torch.enable_grad():
+                loss = losses.entropy_loss(
+                    self.staged.forward_from(stage, fwd.stage_inputs[stage]))
+        self._backward(loss, update)
 
     def _backward(self, loss: Tensor, update: np.ndarray) -> None:
         """Gradients of the selected units only; autograd skips everything below them."""
@@ -306,9 +327,9 @@ class AdaShadowEngine:
             return res
         if self.config.mode == "parallel":
             res.times.total_ms = (self._timer.now() - t0) * 1e3
-            self._start_job(res, loss, update)
+            self._start_job(res, fwd, loss, update)
             return res
-        self._backward(loss, update)
+        self._adapt(fwd, loss, update)
         t3 = self._timer.now()
         res.logits = self._reforward(x, fwd, int(np.flatnonzero(update)[0]))
         t4 = self._timer.now()
@@ -316,11 +337,12 @@ class AdaShadowEngine:
         res.times.total_ms = (t4 - t0) * 1e3
         return res
 
-    def _start_job(self, res: StepResult, loss: Tensor, update: np.ndarray) -> None:
+    def _start_job(self, res: StepResult, fwd: _Forward, loss: Tensor,
+                   update: np.ndarray) -> None:
         def job() -> None:
             try:
                 t = self._timer.now()
-                self._backward(loss, update)
+                self._adapt(fwd, loss, update)
                 res.times.backward_ms = (self._timer.now() - t) * 1e3
             except BaseException as exc:  # surfaced by sync()
                 self._job_error = exc

@@ -32,6 +32,7 @@ class AdaShadowConfig(MethodConfig):
     n_t: int = 500
     reuse: bool = True
     trainable: str = "norm"  # "norm" (BN/LN affine, default) | "all" (every unit)
+    graph: str = "full"  # "full": graph recorded in the forward | "lazy": tail only
     forward_feedback: bool = True  # see EngineConfig
     profile: UnitProfile | str | Path | None = None  # offline profile or its JSON path
 
@@ -64,7 +65,7 @@ class AdaShadow(TTAMethod):
         ecfg = EngineConfig(sigma=c.sigma, lr=c.lr, momentum=c.momentum, mode=c.mode,
                             loss=c.loss, bn_mode=c.bn_mode, alpha=c.alpha, n_t=c.n_t,
                             reuse=c.reuse, forward_feedback=c.forward_feedback,
-                            trainable=c.trainable)
+                            trainable=c.trainable, graph=c.graph)
         self.engine = AdaShadowEngine(self.staged, ecfg, profile=prof, source_bn=source_bn)
 
     def collect_params(self) -> list[nn.Parameter]:

@@ -1,17 +1,24 @@
-"""ROS path overhead and resource-monitor CPU cost; prints JSON.
+"""ROS path overhead per frame and resource-monitor CPU cost; prints JSON.
 
-1. End-to-end latency image publish -> ClassPrediction received, through the bringup nodes
-   over real rclpy/DDS (batch_size 1), against the in-process method.step on the same
-   frames. overhead_ms = median over frames of (e2e latency - the node's own step time).
+1. The bringup nodes (perception, scheduler, resource_monitor) over real rclpy/DDS with
+   batch_size 1 and batch_timeout_s 0, fed one frame at a time by a probe node. For each
+   frame, interleaved so both see the same machine load:
+   - ROS path: publish the sensor_msgs/Image -> ClassPrediction received (end to end);
+   - in process: decode + tta_core.image_msg.to_tensor + method.step of the same frame on
+     a second method built exactly like the node's (same card, config, threads).
+   overhead_vs_in_process_ms = median(e2e) - median(in-process); overhead_vs_node_step_ms
+   = median over frames of (e2e - the node's own step time from adaptation_status).
 2. CPU time of the resource_monitor node at 10 Hz over `--monitor-s` seconds, measured in
    a child process (time.process_time), minus the same process spinning an empty node.
 
     source build/env.sh && python benchmarks/bench_ros_overhead.py [--frames 150]
+        [--executor single|multi]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import subprocess
@@ -24,7 +31,8 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-CARDS = [ROOT / "checkpoints" / f"small_resnet_signs{s}.json" for s in (64, 32)]
+CARD = ROOT / "checkpoints" / "small_resnet_signs32.json"
+CONFIG = ROOT / "config" / "vehicle.yaml"
 
 MONITOR_CHILD = """
 import sys, time, rclpy
@@ -41,92 +49,118 @@ print((time.process_time() - c0) / (time.monotonic() - w0))
 """
 
 
-def _frames(n: int, size: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(0)
-    return [rng.random((size, size, 3)).astype(np.float32) for _ in range(n)]
+class Rig:
+    """bringup nodes + probe (publisher of images, recorder of predictions/statuses)."""
 
+    def __init__(self, executor: str, domain_id: int) -> None:
+        import rclpy
+        from rclpy.executors import MultiThreadedExecutor, SingleThreadedExecutor
+        from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+        from sensor_msgs.msg import Image
+        from tta_msgs.msg import AdaptationStatus, ClassPrediction
 
-def in_process_ms(card: Path, frames: list[np.ndarray]) -> list[float]:
-    """method.step per frame (conversion included), same method/config as the node."""
-    from types import SimpleNamespace
+        from tta_ros.bringup import build_nodes
 
-    from tta_core.train_source import load_source
+        self.ctx = rclpy.context.Context()
+        rclpy.init(context=self.ctx, domain_id=domain_id)
+        per = {"model_card": str(CARD), "batch_size": 1, "batch_timeout_s": 0.0,
+               "num_threads": 1, "reset_patience": 100000}
+        self.nodes = build_nodes(CONFIG, {"perception": per}, context=self.ctx)
+        self.perception = self.nodes[2]
+        self.probe = rclpy.create_node("probe", context=self.ctx,
+                                       start_parameter_services=False)
+        self.cond = threading.Condition()
+        self.recv: dict[int, float] = {}
+        self.step: dict[int, float] = {}
+        self.probe.create_subscription(ClassPrediction, "predictions", self._on_pred, 100)
+        rel = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
+        self.probe.create_subscription(AdaptationStatus, "adaptation_status", lambda m:
+                                       self.step.setdefault(_key(m), m.total_ms), rel)
+        self.pub = self.probe.create_publisher(Image, "image", qos_profile_sensor_data)
+        self.ex = (MultiThreadedExecutor(num_threads=4, context=self.ctx) if executor == "multi"
+                   else SingleThreadedExecutor(context=self.ctx))
+        for n in [self.probe, *self.nodes]:  # the consumer first: see the module doc
+            self.ex.add_node(n)
+        threading.Thread(target=self.ex.spin, daemon=True).start()
+        time.sleep(1.0)
 
-    from tta_core.methods import build_method
-    from tta_ros.image_conversion import Preprocess, array_to_image_fields, image_to_tensor
+    def _on_pred(self, msg) -> None:
+        with self.cond:
+            self.recv.setdefault(_key(msg), time.perf_counter())
+            self.cond.notify_all()
 
-    model, c = load_source(str(card))
-    pre = Preprocess.from_card(c)
-    s = pre.image_size
-    m = build_method("adashadow", model, input_shape=(3, s, s), arch=c["arch"]
-                     if isinstance(c, dict) else c.arch)
-    out = []
-    for f in frames:
-        msg = SimpleNamespace(**array_to_image_fields(f, "rgb8"))
+    def send(self, msg, timeout_s: float = 2.0) -> float:
+        """Publish and wait for the prediction; returns the publish time."""
         t0 = time.perf_counter()
-        m.step(image_to_tensor(msg, pre))
-        out.append((time.perf_counter() - t0) * 1e3)
+        self.pub.publish(msg)
+        with self.cond:
+            self.cond.wait_for(lambda: _key(msg) in self.recv, timeout_s)
+        return t0
+
+    def close(self) -> None:
+        self.ex.shutdown(timeout_sec=2.0)
+        for n in [*self.nodes, self.probe]:
+            n.destroy_node()
+        self.ctx.try_shutdown()
+
+
+def _key(msg) -> int:
+    return int(msg.header.stamp.sec) * 10**9 + int(msg.header.stamp.nanosec)
+
+
+def _messages(n: int, size: int) -> list:
+    from sensor_msgs.msg import Image
+
+    from tta_core.image_msg import array_to_image_fields
+
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(n):
+        m = Image(**array_to_image_fields(rng.random((size, size, 3)), "rgb8"))
+        m.header.stamp.sec = i + 1
+        out.append(m)
     return out
 
 
-def ros_path_ms(card: Path, frames: list[np.ndarray], gap_s: float,
-                executor: str = "multi") -> dict:
-    import rclpy
-    from rclpy.executors import MultiThreadedExecutor, SingleThreadedExecutor
-    from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
-    from sensor_msgs.msg import Image
-    from tta_msgs.msg import AdaptationStatus, ClassPrediction
+def ros_vs_in_process(frames: int, gap_s: float, executor: str, warmup: int = 10) -> dict:
+    """Interleaved per-frame timings of the ROS path and the in-process step."""
+    from tta_core.image_msg import decode_image, to_tensor
+    from tta_core.methods import build_method
 
-    from tta_ros.bringup import build_nodes
-    from tta_ros.image_conversion import array_to_image_fields
-
-    ctx = rclpy.context.Context()
-    rclpy.init(context=ctx, domain_id=77)
-    per = {"model_card": str(card), "batch_size": 1, "batch_timeout_s": 0.0, "num_threads": 1,
-           "reset_patience": 100000}
-    nodes = build_nodes(ROOT / "config" / "vehicle.yaml", {"perception": per, "scheduler": {
-        "model_card": str(card)}}, context=ctx)
-    probe = rclpy.create_node("probe", context=ctx)
-    recv: dict[int, float] = {}
-    step: dict[int, float] = {}
-    probe.create_subscription(ClassPrediction, "predictions", lambda m: recv.setdefault(
-        m.header.stamp.nanosec, time.perf_counter()), 100)
-    rel = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
-    probe.create_subscription(AdaptationStatus, "adaptation_status", lambda m: step.setdefault(
-        m.header.stamp.nanosec, m.total_ms), rel)
-    pub = probe.create_publisher(Image, "image", qos_profile_sensor_data)
-    ex = (MultiThreadedExecutor(num_threads=4, context=ctx) if executor == "multi"
-          else SingleThreadedExecutor(context=ctx))
-    for n in [*nodes, probe]:
-        ex.add_node(n)
-    th = threading.Thread(target=ex.spin, daemon=True)
-    th.start()
-    time.sleep(1.0)
+    rig = Rig(executor, domain_id=77)
+    node = rig.perception
+    name = node.p["method"]
+    method = build_method(name, copy.deepcopy(node.source_model), **node._method_cfg(name))
+    msgs = _messages(frames + warmup, node.pre.image_size)
     sent: dict[int, float] = {}
-    msgs = []
-    for i, f in enumerate(frames):
-        m = Image(**array_to_image_fields(f, "rgb8"))
-        m.header.stamp.nanosec = i + 1
-        msgs.append(m)
-    for m in msgs:
-        sent[m.header.stamp.nanosec] = time.perf_counter()
-        pub.publish(m)
-        time.sleep(gap_s)
-    time.sleep(1.0)
-    ex.shutdown(timeout_sec=2.0)
-    for n in [*nodes, probe]:
-        n.destroy_node()
-    ctx.try_shutdown()
-    keys = sorted(k for k in sent if k in recv and k in step)
-    e2e = [(recv[k] - sent[k]) * 1e3 for k in keys]
-    over = [(recv[k] - sent[k]) * 1e3 - step[k] for k in keys]
-    return {"frames_sent": len(sent), "frames_served": len(keys),
-            "e2e_ms_median": statistics.median(e2e), "node_step_ms_median":
-            statistics.median(step[k] for k in keys), "overhead_ms_median":
-            statistics.median(over), "overhead_ms_p90": float(np.percentile(over, 90))}
+    inproc: list[float] = []
+    try:
+        for i, m in enumerate(msgs):
+            sent[_key(m)] = rig.send(m)
+            time.sleep(gap_s / 2)
+            t0 = time.perf_counter()
+            method.step(to_tensor([decode_image(m)], node.pre))
+            if i >= warmup:
+                inproc.append((time.perf_counter() - t0) * 1e3)
+            time.sleep(gap_s / 2)
+        time.sleep(0.5)
+    finally:
+        rig.close()
+    keys = [_key(m) for m in msgs[warmup:] if _key(m) in rig.recv and _key(m) in rig.step]
+    e2e = [(rig.recv[k] - sent[k]) * 1e3 for k in keys]
+    over = [(rig.recv[k] - sent[k]) * 1e3 - rig.step[k] for k in keys]
+    return {"method": name, "plan_source": node.p["plan_source"], "frames_sent": frames,
+            "frames_served": len(keys), "e2e_ms_median": statistics.median(e2e),
+            "e2e_ms_p90": float(np.percentile(e2e, 90)),
+            "node_step_ms_median": statistics.median(rig.step[k] for k in keys),
+            "in_process_ms_median": statistics.median(inproc),
+            "overhead_vs_in_process_ms": statistics.median(e2e) - statistics.median(inproc),
+            "overhead_vs_node_step_ms_median": statistics.median(over),
+            "overhead_vs_node_step_ms_p90": float(np.percentile(over, 90))}
 
 
 def monitor_cpu(seconds: float) -> dict:
+    """CPU % of one core of the monitor node at 10 Hz, and of an idle node, in children."""
     def run(kind: str) -> float:
         out = subprocess.run([sys.executable, "-c", MONITOR_CHILD, kind, str(seconds)],
                              capture_output=True, text=True, check=True, cwd=ROOT)
@@ -134,30 +168,22 @@ def monitor_cpu(seconds: float) -> dict:
     mon, idle = run("monitor"), run("idle")
     return {"monitor_cpu_percent_of_core": 100 * mon, "idle_spin_cpu_percent_of_core":
             100 * idle, "monitor_minus_idle_percent": 100 * (mon - idle),
-            "rate_hz": 10.0, "seconds": seconds}
+            "monitor_rate_hz": 10.0, "monitor_seconds": seconds}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--frames", type=int, default=150)
-    ap.add_argument("--gap-s", type=float, default=0.05)
-    ap.add_argument("--monitor-s", type=float, default=20.0)
-    ap.add_argument("--executor", choices=("multi", "single"), default="multi",
-                    help="executor spinning the nodes (bringup uses multi)")
+    ap.add_argument("--gap-s", type=float, default=0.04, help="idle time between frames")
+    ap.add_argument("--monitor-s", type=float, default=20.0, help="0: skip the monitor")
+    ap.add_argument("--executor", choices=("single", "multi"), default="single",
+                    help="executor spinning the nodes (bringup uses single)")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    card = next((c for c in CARDS if c.exists()), None)
-    if card is None:
-        print(json.dumps({"error": f"no checkpoint among {[str(c) for c in CARDS]}"}))
-        return 1
-    size = json.loads(card.read_text())["image_size"]
-    frames = _frames(args.frames, size)
-    inproc = in_process_ms(card, frames)
-    ros = ros_path_ms(card, frames, args.gap_s, args.executor)
-    res = {"card": card.name, "image_size": size, "torch_threads": 1, "executor": args.executor,
-           "in_process_step_ms_median": statistics.median(inproc[5:]), **ros,
-           "overhead_vs_in_process_ms": ros["e2e_ms_median"] - statistics.median(inproc[5:]),
-           **monitor_cpu(args.monitor_s)}
+    res = {"card": CARD.name, "torch_threads": 1, "executor": args.executor,
+           **ros_vs_in_process(args.frames, args.gap_s, args.executor)}
+    if args.monitor_s > 0:
+        res.update(monitor_cpu(args.monitor_s))
     print(json.dumps(res, indent=1))
     return 0
 

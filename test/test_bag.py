@@ -6,8 +6,6 @@ import numpy as np
 import pytest
 from rosbags.rosbag2 import StoragePlugin, Writer
 
-from tta_core.data.streams import domain_name
-from tta_core.image_msg import image_to_rgb8
 from tta_core.bag import (
     DOMAIN_TOPIC,
     GT_TOPIC,
@@ -18,6 +16,8 @@ from tta_core.bag import (
     tta_typestore,
     write_bag,
 )
+from tta_core.data.streams import domain_name
+from tta_core.image_msg import image_to_rgb8
 
 NAMES = ("a", "b", "c", "d", "e")
 

@@ -125,6 +125,9 @@ def test_cifar10c_loader_reads_the_public_layout(tmp_path):
     np.save(tmp_path / "bad.npy", np.zeros((7, 32, 32, 3), np.uint8))
     with pytest.raises(ValueError, match="unknown corruption 'bad'"):
         load_cifar10c(tmp_path, corruptions=("bad",))
+    np.save(tmp_path / "snow.npy", np.zeros((5 * n + 1, 32, 32, 3), np.uint8))
+    with pytest.raises(ValueError, match=r"31 rows and labels\.npy 30"):
+        load_cifar10c(tmp_path, corruptions=("snow",))
     np.save(tmp_path / "fog.npy", np.zeros((5 * n, 16, 16, 3), np.uint8))
     with pytest.raises(ValueError, match=r"fog.npy has shape \(30, 16, 16, 3\)"):
         load_cifar10c(tmp_path, corruptions=("fog",))

@@ -111,3 +111,32 @@ def test_rviz_config_shows_markers_and_camera() -> None:
     frame = rviz["Visualization Manager"]["Global Options"]["Fixed Frame"]
     sched = bringup.load_params(CONFIG)["scheduler"]
     assert frame == sched["marker_frame_id"]  # markers are drawn in RViz's fixed frame
+
+
+def test_relative_paths_resolve_in_cwd_repo_then_package_share(tmp_path, monkeypatch) -> None:
+    """A colcon install: the YAML's relative model_card only exists under share/tta_ros."""
+    from tta_ros.ros_params import resolve_data_path, resolve_paths
+
+    prefix, repo, cwd = tmp_path / "install", tmp_path / "repo", tmp_path / "cwd"
+    index = prefix / "share" / "ament_index" / "resource_index" / "packages"
+    index.mkdir(parents=True)
+    (index / "tta_ros").write_text("")
+    rel = "checkpoints/card.json"
+    shared = prefix / "share" / "tta_ros" / rel
+    shared.parent.mkdir(parents=True)
+    shared.write_text("{}")
+    for d in (repo, cwd):
+        d.mkdir()
+    monkeypatch.setenv("AMENT_PREFIX_PATH", str(prefix))
+    monkeypatch.chdir(cwd)
+    assert resolve_data_path(rel, repo) == str(shared.resolve())
+    (repo / "checkpoints").mkdir()
+    (repo / rel).write_text("{}")  # the repo (source checkout) wins over the share dir
+    assert resolve_data_path(rel, repo) == str((repo / rel).resolve())
+    (cwd / "checkpoints").mkdir()
+    (cwd / rel).write_text("{}")  # and the working directory over both
+    assert resolve_data_path(rel, repo) == str((cwd / rel).resolve())
+    assert resolve_data_path("nowhere.json", repo) == str(repo / "nowhere.json")
+    assert resolve_data_path("/abs/x.json", repo) == "/abs/x.json"
+    assert resolve_paths({"model_card": rel, "profile": "", "sigma": 0.3}, repo) == {
+        "model_card": str((cwd / rel).resolve()), "profile": "", "sigma": 0.3}

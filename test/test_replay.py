@@ -39,10 +39,11 @@ def tiny_bag(tmp_path_factory) -> Path:
 def _source_predictions(frames) -> np.ndarray:
     """The source model applied directly (no ROS) to the bag's images."""
     import torch
-    from tta_core.train_source import load_source
 
-    from tta_ros.bringup import load_params, resolve_paths
     from tta_core.image_msg import Preprocess, to_tensor
+    from tta_core.train_source import load_source
+    from tta_ros.bringup import load_params
+    from tta_ros.ros_params import resolve_paths
 
     card_path = resolve_paths(load_params(CONFIG)["perception"], ROOT)["model_card"]
     model, card = load_source(card_path)

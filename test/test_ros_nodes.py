@@ -17,7 +17,7 @@ import pytest
 
 rclpy = pytest.importorskip("rclpy")
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus  # noqa: E402
-from rclpy.executors import MultiThreadedExecutor  # noqa: E402
+from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
@@ -74,7 +74,7 @@ class Rig:
                                 ("diag", DiagnosticArray, "/diagnostics")):
             self.probe.create_subscription(typ, topic, self._rec(key), rel)
         self.pub = self.probe.create_publisher(Image, "image", qos_profile_sensor_data)
-        self.ex = MultiThreadedExecutor(num_threads=4, context=ctx)
+        self.ex = SingleThreadedExecutor(context=ctx)  # as tta_ros.bringup.main
         for n in [*self.nodes, self.probe]:
             self.ex.add_node(n)
         self.thread = threading.Thread(target=self.ex.spin, daemon=True)
@@ -202,9 +202,16 @@ def test_scheduler_killed_inline_within_a_second_then_resumes(rig_factory, ros_c
     th.start()
     try:
         assert wait_for(lambda: any(s.plan_id for s in rig.msgs("status")), 15.0)
-        rig.ex.remove_node(rig.scheduler)
-        rig.scheduler.destroy_node()
-        t_kill = time.monotonic()
+        killed: list[float] = []
+
+        def kill() -> None:  # on the executor thread, so no scheduler callback is running
+            rig.ex.remove_node(rig.scheduler)
+            rig.scheduler.destroy_node()
+            killed.append(time.monotonic())
+
+        rig.ex.create_task(kill)
+        assert wait_for(lambda: bool(killed), 5.0)
+        t_kill = killed[0]
         assert wait_for(lambda: any(t > t_kill and m.plan_id == 0 and m.batch_id > 2
                                     for t, m in list(rig.got["status"])), 5.0)
         t_inline = min(t for t, m in rig.got["status"] if t > t_kill and m.plan_id == 0)

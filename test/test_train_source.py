@@ -31,7 +31,7 @@ def test_short_training_beats_chance_and_card_round_trips(tiny):
 
 
 def test_card_that_does_not_fit_the_checkpoint_is_refused(tiny, tmp_path):
-    card, out = tiny
+    _card, out = tiny
     raw = json.loads(out.with_suffix(".json").read_text())
     raw["num_classes"], raw["class_names"] = 5, raw["class_names"][:5]
     raw["checkpoint"] = str(out.with_suffix(".pt"))

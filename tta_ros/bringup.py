@@ -1,4 +1,4 @@
-"""Run perception, resource_monitor and scheduler in one process (MultiThreadedExecutor).
+"""Run perception, resource_monitor and scheduler in one process (SingleThreadedExecutor).
 
     python -m tta_ros.bringup --config config/vehicle.yaml [--image-topic /camera/image_raw]
         [--set perception.sigma=0.2 ...]
@@ -6,20 +6,32 @@
 Parameters come from a standard ROS 2 params file (`node_name: ros__parameters: {...}`;
 a `/**` section applies to every node, the node's own section wins), exactly what
 launch/vehicle.launch.py hands to the same three nodes. `build_nodes` is the testable core.
+
+One SingleThreadedExecutor serves all callbacks: they are short (the perception worker
+thread does the heavy work), and rclpy's MultiThreadedExecutor costs 3-4x more per frame
+(its spin loop competes with the worker for the GIL: benchmarks/bench_ros_overhead.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import rclpy
 import yaml
 from rclpy.context import Context
+from rclpy.executors import (
+    Executor,
+    ExternalShutdownException,
+    SingleThreadedExecutor,
+)
 from rclpy.node import Node
 from rclpy.parameter import Parameter
+
+from tta_ros.ros_params import resolve_paths
 
 # (node name, console script, module:class): the launch file lists the same names/scripts
 NODES: tuple[tuple[str, str, str], ...] = (
@@ -53,16 +65,6 @@ def load_params(config_path: str | Path) -> dict[str, dict[str, Any]]:
         raise ValueError(f"params file {config_path} names unknown node(s) {unknown}; "
                          f"known: {sorted(known)}")
     return {n: {**common, **per_node.get(n, {})} for n in known}
-
-
-def resolve_paths(params: dict[str, Any], base: Path) -> dict[str, Any]:
-    """Relative model_card/profile paths are taken relative to `base` (the repo root)."""
-    out = dict(params)
-    for key in ("model_card", "profile"):
-        v = out.get(key)
-        if isinstance(v, str) and v and not Path(v).is_absolute():
-            out[key] = str(base / v)
-    return out
 
 
 def _import(spec: str) -> type:
@@ -109,29 +111,37 @@ def parse_set(items: Sequence[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def spin(nodes: Sequence[Node], executor: Executor) -> None:
+    """Spin `nodes` on `executor` until Ctrl-C, then destroy them and shut rclpy down."""
+    for n in nodes:
+        executor.add_node(n)
+    try:
+        executor.spin()
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        for n in nodes:
+            n.destroy_node()
+        rclpy.try_shutdown()
+
+
+def node_main(node_cls: Callable[[], Node], argv: Sequence[str] | None = None) -> int:
+    """Console entry point of one node: init rclpy with `argv` (ROS args), spin it."""
+    rclpy.init(args=list(argv) if argv is not None else sys.argv)
+    spin([node_cls()], SingleThreadedExecutor())
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Spin the three nodes until Ctrl-C."""
-    import rclpy
-    from rclpy.executors import MultiThreadedExecutor
-
     ap = argparse.ArgumentParser(prog="python -m tta_ros.bringup", description=__doc__)
     ap.add_argument("--config", default=str(ROOT / "config" / "vehicle.yaml"))
     ap.add_argument("--image-topic", default=None, help="remap the perception input")
     ap.add_argument("--set", action="append", default=[], metavar="NODE.PARAM=VALUE")
     args = ap.parse_args(argv)
     rclpy.init()
-    nodes = build_nodes(args.config, parse_set(args.set), image_topic=args.image_topic)
-    ex = MultiThreadedExecutor()
-    for n in nodes:
-        ex.add_node(n)
-    try:
-        ex.spin()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        for n in nodes:
-            n.destroy_node()
-        rclpy.try_shutdown()
+    spin(build_nodes(args.config, parse_set(args.set), image_topic=args.image_topic),
+         SingleThreadedExecutor())
     return 0
 
 

@@ -1,7 +1,7 @@
 """perception node: camera images -> TTA method (tta_core) -> predictions + status.
 
 The image callback only enqueues (bounded keep-latest FrameQueue, drops counted); one
-worker thread converts frames (tta_ros.image_conversion), batches them, runs the method's
+worker thread decodes frames (tta_core.image_msg), batches them, runs the method's
 step and publishes `predictions` (one ClassPrediction per image, header = image header),
 `adaptation_status` and `layer_importance` (once per batch). With `plan_source: topic` the
 latest LayerPlan applies to the next batch; when plans go stale (PlanGate) it plans inline
@@ -11,6 +11,7 @@ A divergence guard calls method.reset() (source weights) and sets status.reset.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import resource
@@ -20,7 +21,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import rclpy
 import torch
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rcl_interfaces.msg import SetParametersResult
@@ -32,9 +32,11 @@ from sensor_msgs.msg import Image
 from tta_msgs.msg import AdaptationStatus, ClassPrediction, LayerImportance, LayerPlan
 
 from tta_core import planner
+from tta_core.image_msg import Preprocess, decode_image, to_tensor
 from tta_core.methods import available_methods, build_method, method_class
+from tta_core.train_source import load_source
 from tta_core.units import decompose
-from tta_ros.image_conversion import Preprocess, image_to_tensor, stack_batch
+from tta_ros import ros_params
 from tta_ros.perception_support import DivergenceGuard, FrameQueue, PlanGate
 from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
 
@@ -73,15 +75,6 @@ def param_specs() -> tuple[ParamSpec, ...]:
         ParamSpec("reset_patience", 5, "divergence guard: batches above the limit", 1,
                   100000),
     )
-
-
-def card_value(card: Any, *keys: str, default: Any = None) -> Any:
-    """First of `keys` present in the card (dict or object)."""
-    for k in keys:
-        v = card.get(k) if isinstance(card, dict) else getattr(card, k, None)
-        if v is not None:
-            return v
-    return default
 
 
 def msg_to_plan(msg: LayerPlan) -> planner.Plan:
@@ -166,17 +159,16 @@ class PerceptionNode(Node):
             raise ValueError(f"device={name!r} requested but CUDA is not available")
 
     def _load_card(self) -> None:
-        from tta_core.train_source import load_source
-
+        """Load the source model once; every (re)built method adapts a copy of it."""
         if not self.p["model_card"]:
             raise ValueError("parameter model_card is empty: the perception node needs one")
-        _, card = load_source(self.p["model_card"])
-        self.card = card
-        self.pre = Preprocess.from_card(card)
-        self.num_classes = int(card_value(card, "num_classes"))
-        self.class_names = list(card_value(card, "class_names", "classes", default=[]) or [])
-        self.model_name = str(card_value(card, "name", "arch", default="model"))
-        self.arch = card_value(card, "arch")
+        card_path = ros_params.resolve_data_path(self.p["model_card"])
+        self.source_model, self.card = load_source(card_path)
+        self.pre = Preprocess.from_card(self.card)
+        self.num_classes = self.card.num_classes
+        self.class_names = list(self.card.class_names)
+        self.model_name = self.card.name or self.card.arch
+        self.arch = self.card.arch
 
     def _method_cfg(self, name: str) -> dict[str, Any]:
         """Only the options the method's config has (tent has no sigma, ...)."""
@@ -185,15 +177,12 @@ class PerceptionNode(Node):
         cfg = {"lr": self.p["lr"], "sigma": self.p["sigma"], "mode": self.p["mode"],
                "input_shape": (3, s, s), "arch": self.arch}
         if self.p["profile"]:
-            cfg["profile"] = self.p["profile"]
+            cfg["profile"] = ros_params.resolve_data_path(self.p["profile"])
         return {k: v for k, v in cfg.items() if k in known}
 
     def _build_method(self) -> None:
-        """(Re)load the source model and build the configured method on it."""
-        from tta_core.train_source import load_source
-
-        model, _ = load_source(self.p["model_card"])
-        model = model.to(self.device)
+        """Build the configured method on a fresh copy of the source model."""
+        model = copy.deepcopy(self.source_model).to(self.device)
         old = getattr(self, "method", None)
         if old is not None and hasattr(old, "engine"):
             old.engine.close()
@@ -272,11 +261,11 @@ class PerceptionNode(Node):
                 self.get_logger().error(f"batch failed: {self.counters.last_error}")
                 self._diag_now("adaptation", ERROR, self.counters.last_error)
 
-    def _convert(self, frames: list[Image]) -> tuple[list[torch.Tensor], list[Image]]:
+    def _convert(self, frames: list[Image]) -> tuple[list[np.ndarray], list[Image]]:
         xs, good = [], []
         for msg in frames:
             try:
-                xs.append(image_to_tensor(msg, self.pre))
+                xs.append(decode_image(msg))
                 good.append(msg)
             except ValueError as exc:
                 self.counters.rejected += 1
@@ -302,7 +291,7 @@ class PerceptionNode(Node):
         xs, good = self._convert(frames)
         if not xs:
             return
-        x = stack_batch(xs).to(self.device)
+        x = to_tensor(xs, self.pre).to(self.device)
         plan_id, plan = self._choose_plan()
         res = self._step(x, plan)
         self.counters.batches += 1
@@ -322,14 +311,14 @@ class PerceptionNode(Node):
     def _publish_batch(self, frames: list[Image], logits: torch.Tensor, res: Any,
                        plan_id: int, reset: bool) -> None:
         batch_id = self.counters.batches
-        probs = torch.softmax(logits, dim=1).cpu()
-        conf, label = probs.max(dim=1)
+        probs = torch.softmax(logits, dim=1).cpu().numpy()  # numpy: cheap per-row access
+        label, finite = probs.argmax(axis=1), np.isfinite(probs).all(axis=1)
         scores = self.p["publish_scores"]
         for i, img in enumerate(frames):
-            ok = bool(torch.isfinite(probs[i]).all())
+            ok = bool(finite[i])
             lab = int(label[i]) if ok else -1
             pred = ClassPrediction(batch_id=batch_id, label=lab,
-                                   confidence=float(conf[i]) if ok else math.nan,
+                                   confidence=float(probs[i, lab]) if ok else math.nan,
                                    class_name=self._class_name(lab),
                                    scores=probs[i].tolist() if scores else [])
             pred.header = img.header
@@ -419,16 +408,9 @@ class PerceptionNode(Node):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point: `perception_node --ros-args -p model_card:=...`."""
-    rclpy.init(args=list(argv) if argv is not None else sys.argv)
-    node = PerceptionNode()
-    try:
-        rclpy.spin(node)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        node.destroy_node()
-        rclpy.try_shutdown()
-    return 0
+    from tta_ros.bringup import node_main
+
+    return node_main(PerceptionNode, argv)
 
 
 if __name__ == "__main__":

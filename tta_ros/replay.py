@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 import rclpy
-from rclpy.executors import MultiThreadedExecutor
+from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import QoSProfile
 from sensor_msgs.msg import Image
@@ -208,7 +208,7 @@ class _Session:
             topic = None if opts.image_topic == "image" else opts.image_topic
             self.nodes = build_nodes(opts.config, overrides, context=context,
                                      image_topic=topic)
-        self.node = Node("tta_replay", context=context)
+        self.node = Node("tta_replay", context=context, start_parameter_services=False)
         self.col = Collector()
         qos = QoSProfile(depth=1000)
         self.pub = self.node.create_publisher(Image, opts.image_topic, qos)
@@ -216,8 +216,8 @@ class _Session:
                                       self.col.on_prediction, qos)
         self.node.create_subscription(AdaptationStatus, opts.status_topic,
                                       self.col.on_status, qos)
-        self.executor = MultiThreadedExecutor(num_threads=4, context=context)
-        for n in (*self.nodes, self.node):
+        self.executor = SingleThreadedExecutor(context=context)  # see tta_ros.bringup
+        for n in (self.node, *self.nodes):  # predictions are taken before planning work
             self.executor.add_node(n)
         self.thread = threading.Thread(target=self._spin, daemon=True)
         self.thread.start()

@@ -16,7 +16,6 @@ import os
 import sys
 from collections.abc import Sequence
 
-import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from rclpy.context import Context
 from rclpy.node import Node
@@ -203,16 +202,9 @@ class ResourceMonitorNode(Node):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point: `resource_monitor_node [--ros-args ...]`."""
-    rclpy.init(args=list(argv) if argv is not None else sys.argv)
-    node = ResourceMonitorNode()
-    try:
-        rclpy.spin(node)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        node.destroy_node()
-        rclpy.try_shutdown()
-    return 0
+    from tta_ros.bringup import node_main
+
+    return node_main(ResourceMonitorNode, argv)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Parameter declaration helpers shared by the tta nodes: descriptors with ranges, one spec.
+"""Parameter helpers shared by the tta nodes: descriptors with ranges, one spec; data paths.
 
 Each node lists its parameters as `ParamSpec`s; `declare_all` declares them with a
 ParameterDescriptor (description + FloatingPointRange/IntegerRange where numeric), so
@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rcl_interfaces.msg import (
@@ -92,3 +93,42 @@ def check_initial(specs: Sequence[ParamSpec], current: dict[str, Any]) -> None:
         reason = spec.check(current[spec.name])
         if reason:
             raise ValueError(reason)
+
+
+PACKAGE = "tta_ros"
+REPO_ROOT = Path(__file__).resolve().parent.parent  # a source checkout; site-packages if not
+PATH_PARAMS = ("model_card", "profile")
+
+
+def share_dir(package: str = PACKAGE) -> Path | None:
+    """The package's ament share directory (colcon install), or None when not installed."""
+    try:
+        from ament_index_python.packages import PackageNotFoundError, get_package_share_directory
+    except ImportError:
+        return None
+    try:
+        return Path(get_package_share_directory(package))
+    except (PackageNotFoundError, ValueError):
+        return None
+
+
+def resolve_data_path(value: str, base: Path | None = None) -> str:
+    """A path parameter as a usable path: '' and absolute paths unchanged; a relative one is
+    looked up in the working directory, `base` (default: the repository root) and the
+    package share directory (where colcon installs checkpoints/, config/, bags/), first hit
+    wins. When none exists it is returned relative to `base`, so the loader's error names it.
+    """
+    if not value or Path(value).is_absolute():
+        return value
+    base = REPO_ROOT if base is None else base
+    share = share_dir()
+    for root in (Path.cwd(), base, *([share] if share else [])):
+        if (root / value).exists():
+            return str((root / value).resolve())
+    return str(base / value)
+
+
+def resolve_paths(params: dict[str, Any], base: Path | None = None) -> dict[str, Any]:
+    """`params` with its model_card/profile values resolved by resolve_data_path."""
+    return {k: resolve_data_path(v, base) if k in PATH_PARAMS and isinstance(v, str) else v
+            for k, v in params.items()}

@@ -11,15 +11,12 @@ LayerImportance whose unit_names differ is refused with a diagnostic.
 
 from __future__ import annotations
 
-import json
 import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
-import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from geometry_msgs.msg import Point, Vector3
 from rclpy.context import Context
@@ -32,7 +29,9 @@ from visualization_msgs.msg import Marker, MarkerArray
 
 from tta_core import engine, planner, predictor
 from tta_core.models import build_model
+from tta_core.train_source import load_card
 from tta_core.units import decompose
+from tta_ros import ros_params
 from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
 
 PARAMS: tuple[ParamSpec, ...] = (
@@ -67,14 +66,11 @@ class UnitLayout:
 
 def load_layout(card_path: str) -> UnitLayout:
     """Decompose the card's architecture (random weights: only the structure is used)."""
-    card = json.loads(Path(card_path).read_text())
-    for key in ("arch", "num_classes", "image_size"):
-        if key not in card:
-            raise ValueError(f"model card {card_path!r} lacks {key!r}")
-    size = int(card["image_size"])
-    staged = decompose(build_model(card["arch"], int(card["num_classes"])), (3, size, size),
-                       arch=card["arch"])
-    return UnitLayout(str(card.get("name", card["arch"])), [u.name for u in staged.units],
+    card = load_card(card_path)
+    size = card.image_size
+    staged = decompose(build_model(card.arch, card.num_classes), (3, size, size),
+                       arch=card.arch)
+    return UnitLayout(card.name or card.arch, [u.name for u in staged.units],
                       staged.stage_start(), (3, size, size), staged)
 
 
@@ -148,8 +144,9 @@ class SchedulerNode(Node):
         self.add_on_set_parameters_callback(lambda ps: validate(PARAMS, ps))
         if not p["model_card"]:
             raise ValueError("parameter model_card is empty: the scheduler needs the model")
-        self.layout = load_layout(p["model_card"])
-        self.profile = predictor.UnitProfile.load(p["profile"]) if p["profile"] else None
+        self.layout = load_layout(ros_params.resolve_data_path(p["model_card"]))
+        self.profile = (predictor.UnitProfile.load(ros_params.resolve_data_path(p["profile"]))
+                        if p["profile"] else None)
         if self.profile is not None:
             self.profile.check_units(self.layout.unit_names)
         self.telemetry: ResourceTelemetry | None = None
@@ -229,16 +226,9 @@ class SchedulerNode(Node):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point: `scheduler_node --ros-args -p model_card:=...`."""
-    rclpy.init(args=list(argv) if argv is not None else sys.argv)
-    node = SchedulerNode()
-    try:
-        rclpy.spin(node)
-    except KeyboardInterrupt:
-        pass
-    finally:
-        node.destroy_node()
-        rclpy.try_shutdown()
-    return 0
+    from tta_ros.bringup import node_main
+
+    return node_main(SchedulerNode, argv)
 
 
 if __name__ == "__main__":

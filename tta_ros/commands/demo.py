@@ -39,7 +39,8 @@ def check_setup(args: argparse.Namespace) -> str | None:
                 "(or `tta make-bag`)")
     if not args.config.exists():
         return f"node parameters {args.config} are missing (pass --config)"
-    from tta_ros.bringup import load_params, resolve_paths
+    from tta_ros.bringup import load_params
+    from tta_ros.ros_params import resolve_paths
 
     card = resolve_paths(load_params(args.config)["perception"], ROOT).get("model_card", "")
     if not card or not Path(card).exists():

@@ -18,8 +18,8 @@ setup(
     maintainer="tta maintainers",
     maintainer_email="maintainers@tta-robotics.org",
     python_requires=">=3.10",
-    packages=find_packages(include=["tta_core", "tta_core.*", "tta_ros", "tta_ros.*"])
-    + ["tta_kernels"],
+    packages=[*find_packages(include=["tta_core", "tta_core.*", "tta_ros", "tta_ros.*"]),
+              "tta_kernels"],
     package_dir={"tta_kernels": "kernels"},
     package_data={"tta_core": ["py.typed"]},
     data_files=[

@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 
 SETUP_FIX = "run `make setup`, then `source build/env.sh`"
+PIP_FIX = "pip install -r requirements/base.txt -c requirements/constraints.txt"
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,8 @@ def _module_version(name: str) -> tuple[bool, str]:
 def _python_checks() -> list[Check]:
     checks = []
     for name, required, fix in (
-        ("torch", True, "pip install -r requirements/base.txt -c requirements/constraints.txt"),
-        ("torchvision", True, "pip install -r requirements/base.txt -c requirements/constraints.txt"),
+        ("torch", True, PIP_FIX),
+        ("torchvision", True, PIP_FIX),
         ("numpy", True, SETUP_FIX),
         ("psutil", True, SETUP_FIX),
         ("imagecorruptions", True, "pip install imagecorruptions-imaug"),

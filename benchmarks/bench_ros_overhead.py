@@ -35,16 +35,16 @@ CARD = ROOT / "checkpoints" / "small_resnet_signs32.json"
 CONFIG = ROOT / "config" / "vehicle.yaml"
 
 MONITOR_CHILD = """
-import sys, time, rclpy
+import sys, time, rclpy, rclpy.task
 from rclpy.executors import SingleThreadedExecutor
 from tta_ros.resource_monitor_node import ResourceMonitorNode
 rclpy.init()
 node = ResourceMonitorNode(parameter_overrides=[]) if sys.argv[1] == "monitor" \\
     else rclpy.create_node("idle")
 ex = SingleThreadedExecutor(); ex.add_node(node)
-t_end = time.monotonic() + float(sys.argv[2]); c0 = time.process_time(); w0 = time.monotonic()
-while time.monotonic() < t_end:
-    ex.spin_once(timeout_sec=0.05)
+c0 = time.process_time(); w0 = time.monotonic()
+# block in the executor as a deployed node does (spin), no polling loop of our own
+ex.spin_until_future_complete(rclpy.task.Future(), timeout_sec=float(sys.argv[2]))
 print((time.process_time() - c0) / (time.monotonic() - w0))
 """
 

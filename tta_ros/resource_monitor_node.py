@@ -50,6 +50,9 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("enable_nvml", True, "query NVML for a desktop GPU", read_only=True),
     ParamSpec("enable_jtop", True, "query jtop on a Jetson", read_only=True),
     ParamSpec("gpu_index", 0, "NVML GPU index", 0, 64, read_only=True),
+    ParamSpec("process_scan_s", 2.0, "rescan the process table (competing processes) at most "
+              "this often [s]; the scan dominates the node's CPU cost", 0.2, 60.0,
+              read_only=True),
     ParamSpec("calibration", "", "predictor calibration JSON from `tta calibrate` (fills "
               "compute/memory expansion); empty = none, expansions are NaN", read_only=True),
     ParamSpec("frame_id", "", "header.frame_id of telemetry"),
@@ -159,7 +162,8 @@ class ResourceMonitorNode(Node):
 
     def _sources(self) -> list:
         p = self.params
-        srcs: list = [PsutilSource(own_pids=(os.getpid(),)), SysfsSource(p["sysfs_root"])]
+        srcs: list = [PsutilSource(own_pids=(os.getpid(),), proc_interval_s=p["process_scan_s"]),
+                      SysfsSource(p["sysfs_root"])]
         if p["enable_nvml"]:
             srcs.append(NvmlSource(p["gpu_index"]))
         if p["enable_jtop"]:

@@ -139,7 +139,9 @@ def test_eata_excludes_high_entropy_samples_from_the_update() -> None:
     assert sel.used.tolist() == [True] * 3 + [False] * 3
     assert (sel.weight[3:] == 0).all() and (sel.weight[:3] > 1).all()
     assert res.extra["n_used"] == 3
-    lr = meth.config.lr  # first SGD step with momentum: p1 = p0 - lr * g
+    # first SGD step with momentum: p1 = p0 - lr * g, lr scaled for the batch of 6
+    lr = meth.config.lr * 6 / meth.config.lr_ref_batch
+    assert meth.optimizer.param_groups[0]["lr"] == pytest.approx(lr)
     for p, q, g in zip(params, p0, ref, strict=True):
         torch.testing.assert_close(p.detach(), q - lr * g, rtol=1e-4, atol=1e-7)
 

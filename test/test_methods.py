@@ -132,3 +132,24 @@ def test_adashadow_updates_only_planned_units() -> None:
                          if not torch.equal(p, snap[k])}
         planned = set(res.plan.update.nonzero()[0].tolist()) if res.adapted else set()
         assert changed_units <= planned
+
+
+@pytest.mark.parametrize("name", ["tent", "adashadow"])
+def test_learning_rate_scales_linearly_with_batch_and_survives_reset(name: str) -> None:
+    m = build_method(name, _model(), lr=8e-3, input_shape=(3, 32, 32))
+    def lrs() -> list[float]:
+        return sorted({g["lr"] for g in m.optimizer.param_groups})
+
+    m.step(torch.randn(4, 3, 32, 32))
+    assert lrs() == pytest.approx([8e-3 * 4 / 64])
+    m.step(torch.randn(16, 3, 32, 32))
+    assert lrs() == pytest.approx([8e-3 * 16 / 64])
+    m.set_lr(1e-3)
+    m.step(torch.randn(16, 3, 32, 32))
+    assert lrs() == pytest.approx([1e-3 * 16 / 64])
+    m.reset()
+    m.step(torch.randn(16, 3, 32, 32))
+    assert lrs() == pytest.approx([1e-3 * 16 / 64])
+    unscaled = build_method(name, _model(), lr=8e-3, lr_ref_batch=0, input_shape=(3, 32, 32))
+    unscaled.step(torch.randn(4, 3, 32, 32))
+    assert {g["lr"] for g in unscaled.optimizer.param_groups} == {8e-3}

@@ -55,7 +55,8 @@ def param_specs() -> tuple[ParamSpec, ...]:
         ParamSpec("mode", "sequential", "predict on the reforward (sequential) or adapt in "
                   "the background (parallel)", choices=("sequential", "parallel")),
         ParamSpec("sigma", 0.33, "latency budget as a fraction of a full update", 0.0, 1.0),
-        ParamSpec("lr", 5e-3, "SGD learning rate", 0.0, 1.0),
+        ParamSpec("lr", 5e-3, "SGD learning rate at batch 64 (scaled linearly with the batch "
+                  "size, as the EATA/SAR code does)", 0.0, 1.0),
         ParamSpec("batch_size", 8, "frames per adaptation batch", 1, 256),
         ParamSpec("batch_timeout_s", 0.05, "run a partial batch this long after its first "
                   "frame", 0.0, 10.0),
@@ -221,9 +222,8 @@ class PerceptionNode(Node):
         engine = getattr(self.method, "engine", None)
         if engine is not None and "sigma" in changes:
             engine.config.sigma = float(self.p["sigma"])
-        if "lr" in changes and getattr(self.method, "optimizer", None) is not None:
-            for g in self.method.optimizer.param_groups:
-                g["lr"] = float(self.p["lr"])
+        if "lr" in changes:
+            self.method.set_lr(float(self.p["lr"]))
         if "queue_size" in changes:
             self.queue.resize(self.p["queue_size"])
         self.gate.timeout_s = float(self.p["plan_timeout_s"])

@@ -115,6 +115,9 @@ def spin(nodes: Sequence[Node], executor: Executor) -> None:
     """Spin `nodes` on `executor` until Ctrl-C, then destroy them and shut rclpy down."""
     for n in nodes:
         executor.add_node(n)
+        subs = sorted({s.topic_name for s in n.subscriptions} - {"/parameter_events"})
+        pubs = sorted({p.topic_name for p in n.publishers} - {"/parameter_events", "/rosout"})
+        n.get_logger().info(f"ready: subscribes {subs or '-'}, publishes {pubs or '-'}")
     try:
         executor.spin()
     except (KeyboardInterrupt, ExternalShutdownException):

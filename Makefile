@@ -19,7 +19,7 @@ MSGS   := $(wildcard msg/msg/*.msg)
 
 setup: $(ENV)
 
-$(VENV)/.deps: requirements/base.txt requirements/constraints.txt
+$(VENV)/.deps: requirements/base.txt requirements/python.txt requirements/constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -qq --disable-pip-version-check \
 		-r requirements/base.txt -c requirements/constraints.txt

@@ -147,16 +147,26 @@ def _prepare(problem: PlanProblem, n_t: int) -> _Prepared:
     return _Prepared(n, a, full, budget, item, fixed, int(n_t), True)
 
 
+def backward_cost(w: np.ndarray, x: np.ndarray, update: np.ndarray) -> float:
+    """T_b'(S) = sum_{l in S} w_l + sum_{l > d} x_l with d = min(S); 0 for an empty plan."""
+    sel = np.asarray(update, dtype=bool)
+    if sel.shape != np.shape(w) or sel.shape != np.shape(x):
+        raise ValueError(f"update shape {sel.shape} does not match w {np.shape(w)}, "
+                         f"x {np.shape(x)}")
+    if not sel.any():
+        return 0.0
+    d = int(np.argmax(sel))
+    return float(np.asarray(w)[sel].sum() + np.asarray(x)[d + 1:].sum())
+
+
 def plan_cost(problem: PlanProblem, update: np.ndarray) -> float:
     """Exact predicted total time T_f + T_b'(S) + T_re'(S) of a plan (ms)."""
     w, x, r, ss, _, tf, _ = _validate(problem)
     sel = np.asarray(update, dtype=bool)
-    if sel.shape != w.shape:
-        raise ValueError(f"update must have shape {w.shape}, got {sel.shape}")
     if not sel.any():
+        backward_cost(w, x, sel)  # shape check
         return tf
-    d = int(np.argmax(sel))
-    return float(tf + w[sel].sum() + x[d + 1:].sum() + r[ss[d]:].sum())
+    return float(tf + backward_cost(w, x, sel) + r[ss[int(np.argmax(sel))]:].sum())
 
 
 def _finish(problem: PlanProblem, prep: _Prepared, update: np.ndarray, t0: float) -> Plan:

@@ -198,15 +198,8 @@ def _clean(obj: Any) -> Any:
 
 # ---------------------------------------------------------------- predictions
 def plan_backward_ms(w: np.ndarray, x: np.ndarray, update: np.ndarray) -> float:
-    """T_b'(S) = sum_{l in S} w_l + sum_{l > d} x_l with d = min(S); 0 for an empty plan."""
-    sel = np.asarray(update, dtype=bool)
-    if sel.shape != np.shape(w) or sel.shape != np.shape(x):
-        raise ValueError(f"update shape {sel.shape} does not match w {np.shape(w)}, "
-                         f"x {np.shape(x)}")
-    if not sel.any():
-        return 0.0
-    d = int(np.argmax(sel))
-    return float(np.asarray(w)[sel].sum() + np.asarray(x)[d + 1:].sum())
+    """T_b'(S) of the DESIGN §3 contract (planner.backward_cost)."""
+    return planner.backward_cost(w, x, update)
 
 
 def fixed_plan(profile: UnitProfile, stage_start: np.ndarray, sigma: float) -> np.ndarray:

@@ -25,11 +25,16 @@ from tta_core.units import decompose
 PHASES = ("forward_ms", "plan_ms", "backward_ms", "reforward_ms", "total_ms")
 
 
+def _finite(v: float) -> float | None:
+    return round(v, 2) if np.isfinite(v) else None
+
+
 def _bench(methods: dict, xs: list[torch.Tensor], warmup: int) -> dict:
     """Round-robin over methods per batch, so machine load hits all of them alike."""
     walls = {n: [] for n in methods}
     phases = {n: {k: [] for k in PHASES} for n in methods}
     ups = {n: [] for n in methods}
+    pred = {n: [] for n in methods}
     for i, x in enumerate(xs):
         for name, method in methods.items():
             t0 = time.perf_counter()
@@ -39,12 +44,17 @@ def _bench(methods: dict, xs: list[torch.Tensor], warmup: int) -> dict:
                 continue
             walls[name].append(wall)
             ups[name].append(res.units_updated)
+            pred[name].append((res.predicted_total_ms, res.budget_ms))
             for k in PHASES:
                 phases[name][k].append(getattr(res.times, k))
     return {n: {"median_ms": round(statistics.median(walls[n]), 2),
                 "phases_median_ms": {k: round(statistics.median(v), 2)
                                      for k, v in phases[n].items()},
-                "units_updated": ups[n]} for n in methods}
+                "units_updated": ups[n],
+                # AdaShadow's own prediction of its total and its budget sigma*T (ms)
+                "predicted_total_median_ms": _finite(statistics.median(p for p, _ in pred[n])),
+                "budget_median_ms": _finite(statistics.median(b for _, b in pred[n]))}
+            for n in methods}
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -203,6 +203,39 @@ def test_planner_drives_updates_and_sigma() -> None:
     assert len(staged.units) == 19
 
 
+def test_graph_is_recorded_only_from_the_lowest_feasible_stage() -> None:
+    """Stages no feasible plan can reach run without autograd; the update is unchanged."""
+    results = {}
+    for floor in (True, False):
+        staged = _staged("resnet18", 64)
+        # MAC times scaled to the measured forward: the plan does not depend on timing
+        eng = AdaShadowEngine(staged, EngineConfig(sigma=0.5))
+        seen: dict[int, bool] = {}  # stage -> its input required grad in the forward
+
+        def record(s: int, t: torch.Tensor, eng=eng, seen=seen) -> None:
+            if eng._collector.capture:  # the forward phase, not the reforward
+                seen[s] = t.requires_grad
+        stage_input_hooks(staged, record)
+        if not floor:
+            eng._grad_stage_for = lambda x, plan: 0  # the paper's pipeline: graph everywhere
+        torch.manual_seed(5)
+        steps = [eng.step(torch.randn(4, 3, 64, 64) * (1 + 0.5 * i)) for i in range(3)]
+        results[floor] = (steps, [p.detach().clone() for p in eng.params], seen, eng)
+    (s_on, w_on, seen_on, eng), (s_off, w_off, seen_off, _) = results[True], results[False]
+    grad_stage = eng._grad_stage
+    assert 0 < grad_stage < len(eng.staged.stages)
+    assert not any(seen_on[s] for s in seen_on if s < grad_stage)
+    assert any(seen_on[s] for s in seen_on if s > grad_stage)
+    assert any(seen_off[s] for s in seen_off if 0 < s < grad_stage)
+    assert any(r.adapted for r in s_on)
+    for a, b in zip(s_on, s_off, strict=True):
+        assert np.array_equal(a.plan.update, b.plan.update)
+        assert not a.adapted or eng.staged.units[a.plan.first_updated].stage >= grad_stage
+        torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=1e-5)
+    for a, b in zip(w_on, w_off, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
 def test_config_validation() -> None:
     staged = _staged("small_resnet", 32)
     with pytest.raises(ValueError, match="mode"):

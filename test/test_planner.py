@@ -5,7 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tta_core.planner import Plan, PlanProblem, brute_force, plan_cost, solve
+from tta_core.planner import (
+    Plan,
+    PlanProblem,
+    brute_force,
+    lowest_feasible_unit,
+    plan_cost,
+    solve,
+)
 
 
 def _random_stage_start(rng: np.random.Generator, n: int) -> np.ndarray:
@@ -54,6 +61,24 @@ def test_dp_matches_brute_force_on_random_instances() -> None:
         _check_plan(problem, bf)
         nonempty += int(dp.update.any())
     assert nonempty > 100  # the instances exercise real choices, not just empty plans
+
+
+def test_lowest_feasible_unit_bounds_every_feasible_plan() -> None:
+    rng = np.random.default_rng(99)
+    reached = 0
+    for _ in range(200):
+        p = _random_problem(rng, n=int(rng.integers(2, 9)))
+        p.importance = np.ones_like(p.w)
+        n = len(p.w)
+        floor = lowest_feasible_unit(p)
+        masks = ((np.arange(1, 2**n)[:, None] >> np.arange(n)) & 1).astype(bool)
+        budget = solve(p).budget_ms
+        feasible = [m for m in masks if plan_cost(p, m) <= budget + 1e-9]
+        lowest = min((int(np.argmax(m)) for m in feasible), default=n)
+        assert floor == lowest  # exact: the one-unit plan {d} is the cheapest with min S = d
+        reached += int(0 < floor < n)
+        assert solve(p, n_t=500).first_updated >= floor
+    assert reached > 20  # the floor is often strictly inside the network
 
 
 def test_full_budget_costs_match_contract_formula() -> None:

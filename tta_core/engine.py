@@ -25,8 +25,8 @@ from tta_core.unit_stats import UnitStatsCollector, source_seeds
 from tta_core.units import StagedModel, stage_input_hooks
 
 MODES = ("sequential", "parallel")
-TRAINABLE = ("norm", "all")
-GRAPHS = ("lazy", "full")  # which units may be updated: normalisation layers, or every unit
+TRAINABLE = ("norm", "all")  # which units may be updated: normalisation layers, or all
+GRAPHS = ("lazy", "full")
 LOSSES = ("entropy", "multilayer_kl")
 BN_MODES = ("batch", "source")
 
@@ -54,8 +54,10 @@ class EngineConfig:
     # classifier weights with small batches collapses to one class within a few hundred
     # batches (measured on the benchmark stream), so "norm" is the default.
     trainable: str = "norm"
-    # "full" (the paper's pipeline): the forward records the autograd graph of every
-    # trainable unit, the backward asks only for the selected units. "lazy": the forward
+    # "full" (the paper's pipeline): the forward records the autograd graph from the
+    # lowest stage that any plan within the budget can reach (planner.lowest_feasible_unit;
+    # below it the forward runs without autograd: less time and no activations kept), the
+    # backward asks only for the selected units. "lazy": the forward
     # runs without autograd and, after planning, only the stages from the first updated
     # unit's stage are re-run with it (entropy loss only). Lazy keeps no activations of the
     # head of the net alive (memory) but runs the tail once more, which the planner is told
@@ -162,6 +164,7 @@ class _Forward:
     stats: list
     stage_inputs: list
     forward_ms: float
+    grad_stage: int  # first stage whose forward recorded the autograd graph
 
 
 class AdaShadowEngine:
@@ -198,6 +201,9 @@ class AdaShadowEngine:
             self.assessor.seed(source_seeds(staged, source_bn, self._collector.bn_input))
         self._timer = _Timer(self.params[0].device)
         self._stage_inputs: list = [None] * len(staged.stages)
+        self._grad_stage = 0
+        self._last_forward_ms = profile.forward_ms if profile is not None else float("nan")
+        self._stage_of_unit = np.array([u.stage for u in staged.units])
         self._handles = stage_input_hooks(self.staged, self._cache_stage_input)
         self._job: threading.Thread | None = None
         self._job_error: BaseException | None = None
@@ -207,6 +213,8 @@ class AdaShadowEngine:
     def _cache_stage_input(self, s: int, t: Tensor) -> None:
         if self._collector.capture:
             self._stage_inputs[s] = t
+            if s == self._grad_stage:  # stages from here on may be updated: record them
+                torch.set_grad_enabled(True)
 
     def close(self) -> None:
         """Remove the hooks (the engine is unusable afterwards)."""
@@ -217,43 +225,76 @@ class AdaShadowEngine:
         self._collector.close()
 
     # ------------------------------------------------------------ phases
-    def _forward(self, x: Tensor) -> _Forward:
+    def _forward(self, x: Tensor, grad_stage: int) -> _Forward:
+        """Forward with hooks; the autograd graph is recorded from stage grad_stage on."""
         t0 = self._timer.now()
         self._collector.capture = True
         self._stage_inputs[0] = x
+        self._grad_stage = grad_stage
         try:
-            with torch.set_grad_enabled(not self.lazy):
+            with torch.set_grad_enabled(grad_stage == 0):  # restores the mode on exit
                 logits = self.staged.model(x)
         finally:
             self._collector.capture = False
         stats = self._collector.collect(x.shape[0])
         inputs, self._stage_inputs = self._stage_inputs, [None] * len(self._stage_inputs)
-        return _Forward(logits, stats, inputs, (self._timer.now() - t0) * 1e3)
+        ms = (self._timer.now() - t0) * 1e3
+        self._last_forward_ms = ms
+        return _Forward(logits, stats, inputs, ms, grad_stage)
+
+    def _unit_times(self, batch: int, input_shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+        """Predicted w, x, r before forward feedback (profile, or MAC shape if none)."""
+        prof = self.profile
+        if prof is None:
+            # MAC-proportional times: only their shape matters, they are scaled to each
+            # batch's measured forward, so one profile serves every batch
+            if self._mac_profile is None:
+                self._mac_profile = mac_profile(self.staged, 1.0, batch, input_shape)
+            prof = self._mac_profile
+        return predictor.runtime_times(prof, self.config.pi1, self.config.pi2)
+
+    def _scaled(self) -> bool:
+        return self.profile is None or self.config.forward_feedback
 
     def _times(self, fwd: _Forward, x: Tensor) -> tuple[np.ndarray, ...]:
-        if self.profile is None:
-            # MAC-proportional times: only their shape matters, they are scaled to this
-            # batch's measured forward below, so one profile serves every batch
-            if self._mac_profile is None:
-                self._mac_profile = mac_profile(self.staged, 1.0, x.shape[0], tuple(x.shape[1:]))
-            w, dx, r = predictor.runtime_times(self._mac_profile, self.config.pi1,
-                                               self.config.pi2)
-            k = fwd.forward_ms / max(float(r.sum()), 1e-12)
-            return w * k, dx * k, r * k
-        w, dx, r = predictor.runtime_times(self.profile, self.config.pi1, self.config.pi2)
-        if self.config.forward_feedback and r.sum() > 0:
+        w, dx, r = self._unit_times(x.shape[0], tuple(x.shape[1:]))
+        if self._scaled() and r.sum() > 0:
             k = fwd.forward_ms / float(r.sum())
             w, dx, r = w * k, dx * k, r * k
+        if self.lazy:
+            r = 2.0 * r  # the tail runs twice: with autograd for the backward, then again
         return w, dx, r
+
+    def _problem(self, w, dx, r, importance: np.ndarray, forward_ms: float) -> planner.PlanProblem:
+        return planner.PlanProblem(w=w, x=dx, r=r, stage_start=self.staged.stage_start(),
+                                   importance=importance, forward_ms=forward_ms,
+                                   sigma=self.config.sigma)
 
     def _plan(self, fwd: _Forward, x: Tensor, importance: np.ndarray) -> planner.Plan:
         w, dx, r = self._times(fwd, x)
+        # units below the recorded graph cannot be updated; none fits the budget anyway
+        reachable = self.lazy | (self._stage_of_unit >= fwd.grad_stage)
+        return planner.solve(self._problem(w, dx, r, np.where(reachable, importance, 0.0),
+                                           fwd.forward_ms), n_t=self.config.n_t)
+
+    def _grad_stage_for(self, x: Tensor, plan: planner.Plan | None) -> int:
+        """First stage that may be updated on this batch; the forward records the graph
+        from there on only (AdaShadow's budget rarely reaches the bottom of the network, and
+        recording costs ~30 % of a CPU forward)."""
+        n_stages = len(self.staged.stages)
         if self.lazy:
-            r = 2.0 * r  # the tail runs twice: with autograd for the backward, then again
-        problem = planner.PlanProblem(w=w, x=dx, r=r, stage_start=self.staged.stage_start(),
-                                      importance=importance, forward_ms=fwd.forward_ms,
-                                      sigma=self.config.sigma)
-        return planner.solve(problem, n_t=self.config.n_t)
+            return n_stages  # the tail is re-run with autograd after planning
+        if plan is not None:
+            upd = np.asarray(plan.update, dtype=bool)
+            return int(self._stage_of_unit[np.argmax(upd)]) if upd.any() else n_stages
+        w, dx, r = self._unit_times(x.shape[0], tuple(x.shape[1:]))
+        # scaled times: the budget is proportional to the forward, so the floor does not
+        # depend on it; unscaled: a forward faster than the last one only lowers the floor
+        tf = float(r.sum()) if self._scaled() else 0.8 * self._last_forward_ms
+        if not np.isfinite(tf) or not 0 < self.config.sigma <= 1:
+            return 0
+        d = planner.lowest_feasible_unit(self._problem(w, dx, r, np.zeros_like(w), tf))
+        return int(self._stage_of_unit[d]) if d < len(w) else n_stages
 
     def _loss(self, fwd: _Forward, history) -> Tensor | None:
         if self.config.loss == "entropy":
@@ -291,8 +332,11 @@ class AdaShadowEngine:
     def step(self, x: Tensor, plan: planner.Plan | None = None) -> StepResult:
         """Adapt on batch x and return its predictions. `plan` overrides the scheduler."""
         self.sync()
+        if plan is not None and len(plan.update) != len(self.staged.units):
+            raise ValueError(f"plan has {len(plan.update)} units, model has "
+                             f"{len(self.staged.units)}")
         t0 = self._timer.now()
-        fwd = self._forward(x)
+        fwd = self._forward(x, self._grad_stage_for(x, plan))
         t1 = self._timer.now()
         history = self.assessor.history
         if history is not None and self.config.loss == "multilayer_kl":
@@ -303,9 +347,6 @@ class AdaShadowEngine:
         importance = np.where(self.candidates, self.assessor.step(detached), 0.0)
         if plan is None:
             plan = self._plan(fwd, x, importance)
-        elif len(plan.update) != len(self.staged.units):
-            raise ValueError(f"plan has {len(plan.update)} units, model has "
-                             f"{len(self.staged.units)}")
         update = np.asarray(plan.update, dtype=bool)
         if (update & ~self.candidates).any():
             bad = [u.name for u in self.staged.units if update[u.index] and not

@@ -169,6 +169,19 @@ def plan_cost(problem: PlanProblem, update: np.ndarray) -> float:
     return float(tf + backward_cost(w, x, sel) + r[ss[int(np.argmax(sel))]:].sum())
 
 
+def lowest_feasible_unit(problem: PlanProblem) -> int:
+    """Smallest d such that the one-unit plan {d} fits the budget (N when none does).
+
+    Every plan S has cost >= cost({min S}), so no feasible plan reaches below this unit:
+    the engine need not record the autograd graph under it. Uses the exact costs, which are
+    never above the discretised ones `solve` compares, so it is never above solve's d.
+    """
+    w, x, r, ss, _, tf, sigma = _validate(problem)
+    budget = sigma * (tf + w.sum() + x[1:].sum() + r.sum())
+    fits = np.flatnonzero(tf + w + _fixed_cost_ms(x, r, ss) <= budget)
+    return int(fits[0]) if fits.size else int(w.shape[0])
+
+
 def _finish(problem: PlanProblem, prep: _Prepared, update: np.ndarray, t0: float) -> Plan:
     first = int(np.argmax(update)) if update.any() else prep.n
     return Plan(

@@ -146,6 +146,21 @@ def test_nothing_updated_returns_forward_logits() -> None:
         assert torch.allclose(res.logits, staged.model(x), atol=1e-6)
 
 
+@pytest.mark.parametrize("units", [[], [12, 15]])
+def test_external_plan_sets_where_the_graph_starts(units: list[int]) -> None:
+    staged = _staged("small_resnet", 32)
+    eng = AdaShadowEngine(staged, EngineConfig(trainable="all"))
+    seen: dict[int, bool] = {}  # stage -> its input required grad (first call: the forward)
+
+    def record(s: int, t: torch.Tensor) -> None:  # a pre-hook's return value replaces input
+        seen.setdefault(s, t.requires_grad)
+    stage_input_hooks(staged, record)
+    eng.step(torch.randn(4, 3, 32, 32), plan=_plan(len(staged.units), units))
+    first = staged.units[units[0]].stage if units else len(staged.stages)
+    assert 0 < first or not units
+    assert seen and all(req == (s > first) for s, req in seen.items()), (first, seen)
+
+
 def _run(mode: str, plans: list[Plan], xs: list[torch.Tensor], loss: str) -> list[torch.Tensor]:
     staged = _staged("small_resnet", 32)
     eng = AdaShadowEngine(staged, EngineConfig(mode=mode, loss=loss, lr=0.05, trainable="all"))

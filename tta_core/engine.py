@@ -202,6 +202,7 @@ class AdaShadowEngine:
         self._timer = _Timer(self.params[0].device)
         self._stage_inputs: list = [None] * len(staged.stages)
         self._grad_stage = 0
+        self._floor_cache: tuple = (None, 0)  # (inputs of the floor, its stage)
         self._last_forward_ms = profile.forward_ms if profile is not None else float("nan")
         self._stage_of_unit = np.array([u.stage for u in staged.units])
         self._handles = stage_input_hooks(self.staged, self._cache_stage_input)
@@ -280,21 +281,26 @@ class AdaShadowEngine:
     def _grad_stage_for(self, x: Tensor, plan: planner.Plan | None) -> int:
         """First stage that may be updated on this batch; the forward records the graph
         from there on only (AdaShadow's budget rarely reaches the bottom of the network, and
-        recording costs ~30 % of a CPU forward)."""
+        recording costs up to ~30 % of a CPU forward, plus the activations it keeps)."""
         n_stages = len(self.staged.stages)
         if self.lazy:
             return n_stages  # the tail is re-run with autograd after planning
         if plan is not None:
             upd = np.asarray(plan.update, dtype=bool)
             return int(self._stage_of_unit[np.argmax(upd)]) if upd.any() else n_stages
-        w, dx, r = self._unit_times(x.shape[0], tuple(x.shape[1:]))
-        # scaled times: the budget is proportional to the forward, so the floor does not
-        # depend on it; unscaled: a forward faster than the last one only lowers the floor
-        tf = float(r.sum()) if self._scaled() else 0.8 * self._last_forward_ms
-        if not np.isfinite(tf) or not 0 < self.config.sigma <= 1:
-            return 0
-        d = planner.lowest_feasible_unit(self._problem(w, dx, r, np.zeros_like(w), tf))
-        return int(self._stage_of_unit[d]) if d < len(w) else n_stages
+        c = self.config
+        key = (tuple(x.shape), c.pi1, c.pi2, c.sigma, id(self.profile),
+               self._scaled() or self._last_forward_ms)
+        if self._floor_cache[0] != key:
+            w, dx, r = self._unit_times(x.shape[0], tuple(x.shape[1:]))
+            # scaled times: the budget is proportional to the forward, so the floor does not
+            # depend on it; unscaled: a forward faster than the last one only lowers it
+            tf = float(r.sum()) if self._scaled() else 0.8 * self._last_forward_ms
+            if not np.isfinite(tf) or not 0 < c.sigma <= 1:
+                return 0
+            d = planner.lowest_feasible_unit(self._problem(w, dx, r, np.zeros_like(w), tf))
+            self._floor_cache = (key, int(self._stage_of_unit[d]) if d < len(w) else n_stages)
+        return self._floor_cache[1]
 
     def _loss(self, fwd: _Forward, history) -> Tensor | None:
         if self.config.loss == "entropy":

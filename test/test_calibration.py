@@ -14,6 +14,7 @@ import pytest
 from tta_core.calibration import (
     BusyProcesses,
     CalibrationConfig,
+    CalibrationReport,
     fit_slowdown,
     load_calibration,
 )
@@ -82,4 +83,32 @@ def test_calibrate_quick_cli(tmp_path: Path) -> None:
         assert 0.0 <= cal.cache_hit_offline <= 1.0
     else:
         assert math.isnan(cal.cache_hit_offline)
+    # the expansion model's offline reference
+    assert math.isfinite(cal.n_off) and cal.n_off >= 0  # whatever else runs on this machine
+    assert cal.probe_bw_offline_gbs > 0 and cal.threads == 1  # --quick: 1 thread
+    assert data["calibration"]["threads"] == 1
     assert not _children()  # every competing process was reaped
+
+
+def test_old_calibration_json_without_reference_keys_loads(tmp_path: Path) -> None:
+    old = {"f_slope": 0.4, "f_intercept": 0.0, "b_ratio": 8.0, "freq_offline_mhz": None,
+           "cache_hit_offline": 0.9}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({"schema": "tta.calibration/1", "calibration": old}))
+    cal = load_calibration(path)
+    assert (cal.f_slope, cal.b_ratio, cal.cache_hit_offline) == (0.4, 8.0, 0.9)
+    assert (cal.n_off, cal.threads) == (0.0, 0) and math.isnan(cal.probe_bw_offline_gbs)
+    assert math.isnan(cal.freq_offline_mhz)
+    new = {**old, "n_off": None, "probe_bw_offline_gbs": 21.5, "threads": 2}
+    path.write_text(json.dumps({"schema": "tta.calibration/1", "calibration": new}))
+    cal = load_calibration(path)
+    assert math.isnan(cal.n_off) and cal.probe_bw_offline_gbs == 21.5 and cal.threads == 2
+    assert isinstance(cal.threads, int)
+    # a report round-trips through its own JSON (NaN <-> null)
+    report = CalibrationReport(calibration=cal, ks=[0, 1], times_ms=[1.0, 1.5],
+                               slowdown=[1.0, 1.5], threads=2, bw_cache_gbs=80.0,
+                               bw_dram_gbs=10.0, cache_buffer_bytes=1, dram_buffer_bytes=2,
+                               temp_offline_c=math.nan)
+    report.save(path)
+    again = load_calibration(path)
+    assert again.threads == 2 and again.probe_bw_offline_gbs == 21.5 and math.isnan(again.n_off)

@@ -1,14 +1,25 @@
-"""Runtime latency predictor: Eq. 4 scaling, expansion coefficients, profile JSON."""
+"""Runtime latency predictor: Eq. 4 scaling, expansion coefficients (predictor's paper
+formulas and tta_core.expansion's models), profile JSON."""
 
 from __future__ import annotations
 
 import itertools
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
+from tta_core.expansion import (
+    Expansion,
+    ExpansionModel,
+    OfflineReference,
+    estimate_pi2,
+    relative_pi1,
+    round_robin_share,
+    share_pis,
+)
 from tta_core.predictor import (
     PROFILE_SCHEMA,
     Calibration,
@@ -18,6 +29,9 @@ from tta_core.predictor import (
     memory_expansion,
     runtime_times,
 )
+from tta_core.telemetry import ResourceSample
+
+NAN = math.nan
 
 
 def _profile(n: int = 4, seed: int = 0) -> UnitProfile:
@@ -135,3 +149,121 @@ def test_profile_rejects_wrong_schema_and_units(tmp_path) -> None:
         runtime_times(p, float("nan"), 1.0)
     with pytest.raises(ValueError, match="b_ratio"):
         Calibration(b_ratio=math.inf)
+
+
+# ---------------------------------------------------------------- tta_core.expansion
+def _ref(competing: float = 0.0, bw: float = 30.0, freq: float = NAN,
+         hit: float = NAN) -> OfflineReference:
+    return OfflineReference(competing=competing, freq_mhz=freq, cache_hit_rate=hit,
+                            probe_bw_gbs=bw)
+
+
+def _sample(n: float = NAN, freq: float = NAN, hit: float = NAN) -> ResourceSample:
+    return ResourceSample(competing_processes=n, cpu_freq_mhz=freq, cache_hit_rate=hit)
+
+
+def test_round_robin_share_and_share_pis_by_hand() -> None:
+    # 1 thread on 2 cores: one competitor fits on the free core, three share 2 cores by 4
+    assert round_robin_share(1, _ref(0), threads=1, cores=2) == 1.0
+    assert round_robin_share(3, _ref(0), threads=1, cores=2) == 2.0
+    assert round_robin_share(5, _ref(1), threads=1, cores=2) == 3.0
+    # T = C: the line 1 + n / C through the origin, relative to n_off
+    assert round_robin_share(2, _ref(0), threads=2, cores=2) == 2.0
+    assert round_robin_share(4, _ref(2), threads=2, cores=2) == 1.5
+    assert round_robin_share(2, _ref(NAN), threads=2, cores=2) == 2.0  # unknown n_off = 0
+    # sharing scales compute and memory; DVFS 2000 -> 1000 MHz doubles compute only
+    assert share_pis(1000.0, 3, 1.25, _ref(0, freq=2000.0), 1, 2) == (4.0, 2.5)
+    assert share_pis(NAN, 3, 1.25, _ref(0, freq=2000.0), 1, 2) == (2.0, 2.5)
+    with pytest.raises(ValueError, match="cores"):
+        round_robin_share(1, _ref(), threads=1, cores=0)
+
+
+def test_relative_pi1_and_pi2_by_hand() -> None:
+    cal = Calibration(f_slope=0.5, b_ratio=4.0, cache_hit_offline=0.9)
+    assert relative_pi1(NAN, 2, _ref(0), cal) == pytest.approx(2.0)
+    assert relative_pi1(NAN, 3, _ref(1), cal) == pytest.approx(2.5 / 1.5)
+    assert relative_pi1(NAN, 1, _ref(1), cal) == pytest.approx(1.0)
+    pi2, src = estimate_pi2(0.6, 10.0, _ref(bw=30.0), cal, "probe")  # phi known wins
+    assert (pi2, src) == (pytest.approx(memory_expansion(0.6, cal)), "perf")
+    assert pi2 == pytest.approx((0.6 + 0.4 * 4) / (0.9 + 0.1 * 4))
+    # the reference's own hit rate, when known, normalises instead of the calibration's
+    pi2, _ = estimate_pi2(0.6, NAN, _ref(hit=0.8), cal, "perf")
+    assert pi2 == pytest.approx((0.6 + 0.4 * 4) / (0.8 + 0.2 * 4))
+    # no hit rate: the probe gives b_off / b_now
+    assert estimate_pi2(NAN, 10.0, _ref(bw=30.0), cal, "probe") == (3.0, "probe")
+    assert estimate_pi2(NAN, 10.0, _ref(bw=30.0), cal, "perf") == (1.0, "none")
+    assert estimate_pi2(NAN, 10.0, _ref(bw=NAN), cal, "probe") == (1.0, "none")
+    assert estimate_pi2(NAN, 0.0, _ref(bw=30.0), cal, "probe") == (1.0, "none")
+
+
+def test_share_model_by_hand_relative_to_n_off() -> None:
+    cal = Calibration(f_slope=0.5, b_ratio=4.0)
+    share = ExpansionModel("share", cal, threads=1, cores=2)
+    assert share.pis(_sample(n=1)) == (1.0, 1.0)  # the free core: no slowdown
+    assert share.pis(_sample(n=3)) == (2.0, 2.0)  # 4 runnable on 2 cores: twice as long
+    busy_off = ExpansionModel("share", cal, _ref(competing=1), threads=1, cores=2)
+    assert busy_off.pis(_sample(n=1)) == (1.0, 1.0)  # as loaded as the offline run
+    assert busy_off.pis(_sample(n=5)) == (3.0, 3.0)
+    ex = ExpansionModel("share", cal, _ref(bw=30.0, freq=2000.0), threads=1, cores=2).evaluate(
+        _sample(n=3, freq=1000.0), probe_bw_gbs=20.0)
+    assert ex == Expansion(pi1=4.0, pi2=3.0, share=2.0, pi2_mem=1.5, pi2_source="probe",
+                           competing=3.0, probe_bw_gbs=20.0)
+
+
+def test_paper_model_is_the_old_compute_expansion_path() -> None:
+    """n_off = 0 and f through the origin: exactly predictor.compute/memory_expansion."""
+    cal = Calibration(f_slope=0.3, b_ratio=5.0, freq_offline_mhz=2000.0, cache_hit_offline=0.8)
+    paper = ExpansionModel("paper", cal, threads=1, cores=2)
+    for n, freq, hit in ((0, 2000.0, 0.8), (3, 1000.0, 0.4), (2, NAN, NAN), (NAN, 1500.0, 0.9)):
+        want = (compute_expansion(freq, n, cal), memory_expansion(hit, cal))
+        assert paper.pis(_sample(n, freq, hit)) == pytest.approx(want), (n, freq, hit)
+    # relative to a busy calibration run: (1 + f(n)) / (1 + f(n_off))
+    busy = ExpansionModel("paper", replace(cal, n_off=1.0), threads=1, cores=2)
+    assert busy.pis(_sample(3, 2000.0, 0.8)) == pytest.approx((1.9 / 1.3, 1.0))
+
+
+def test_unknown_or_bad_telemetry_gives_factor_one() -> None:
+    cal = Calibration(f_slope=0.5, b_ratio=4.0, freq_offline_mhz=2000.0, n_off=1.0,
+                      probe_bw_offline_gbs=30.0)
+    for model in ("share", "paper"):
+        m = ExpansionModel(model, cal, threads=2, cores=2)
+        assert m.pis(ResourceSample()) == (1.0, 1.0)  # all NaN
+        assert m.pis(ResourceSample(), probe_bw_gbs=NAN) == (1.0, 1.0)
+        bad = _sample(n=-3.0, freq=-5.0, hit=1.7)  # garbage readings count as unknown
+        assert m.pis(bad, probe_bw_gbs=-1.0) == (1.0, 1.0)
+        assert m.pis(_sample(n=math.inf, freq=math.inf)) == (1.0, 1.0)
+        ex = m.evaluate(ResourceSample())
+        assert (ex.pi2_source, ex.competing, ex.share) == ("none", 1.0, 1.0)
+    # a negative calibrated slope cannot make pi1 <= 0 or NaN
+    neg = ExpansionModel("paper", Calibration(f_slope=-2.0), threads=1, cores=2)
+    assert neg.pis(_sample(n=1.0)) == (1.0, 1.0)
+
+
+def test_expansion_model_defaults_and_bad_config() -> None:
+    cal = Calibration(n_off=2.0, freq_offline_mhz=1800.0, cache_hit_offline=0.7,
+                      probe_bw_offline_gbs=25.0, threads=3)
+    m = ExpansionModel(calibration=cal, cores=4)
+    assert (m.model, m.threads, m.cores, m.pi2_mode) == ("share", 3, 4, "probe")
+    assert m.reference == OfflineReference(2.0, 1800.0, 0.7, 25.0)
+    assert ExpansionModel(cores=4).threads == 1  # calibration without threads: 1
+    assert ExpansionModel().cores >= 1  # this process's affinity
+    for kwargs, needle in (({"model": "linear"}, "linear"), ({"pi2_mode": "llc"}, "llc"),
+                           ({"cores": -1}, "-1"), ({"threads": -2}, "-2"),
+                           ({"threads": 1.5}, "1.5"), ({"calibration": {}}, "calibration")):
+        with pytest.raises(ValueError, match=needle):
+            ExpansionModel(**kwargs)
+    with pytest.raises(ValueError, match="competing"):
+        OfflineReference(competing=-1.0)
+    with pytest.raises(ValueError, match="cache_hit_rate"):
+        OfflineReference(cache_hit_rate=2.0)
+
+
+def test_calibration_reference_fields_validated() -> None:
+    c = Calibration()
+    assert (c.n_off, c.threads) == (0.0, 0) and math.isnan(c.probe_bw_offline_gbs)
+    assert math.isnan(Calibration(n_off=NAN).n_off)  # unknown is allowed
+    for kwargs, needle in (({"n_off": -1.0}, "n_off"), ({"probe_bw_offline_gbs": 0.0},
+                           "probe_bw"), ({"threads": -1}, "threads"),
+                           ({"threads": 2.0}, "threads")):
+        with pytest.raises(ValueError, match=needle):
+            Calibration(**kwargs)

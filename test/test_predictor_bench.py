@@ -8,7 +8,6 @@ and that three busy processes both slow the backward down and raise the runtime 
 from __future__ import annotations
 
 import json
-import math
 
 import numpy as np
 import psutil
@@ -16,23 +15,12 @@ import pytest
 
 from tta_core import planner
 from tta_core.cli import main
-from tta_core.predictor import Calibration, memory_expansion
-from tta_core.predictor_bench import (
-    BenchConfig,
-    OfflineState,
-    estimate_pi2,
-    plan_backward_ms,
-    relative_pi1,
-    round_robin_share,
-    share_pis,
-)
+from tta_core.expansion import MODELS, ExpansionModel, OfflineReference
+from tta_core.predictor import Calibration, UnitProfile, runtime_times
+from tta_core.predictor_bench import BenchConfig, _Bench, _Trace, plan_backward_ms
+from tta_core.telemetry import ResourceSample
 
 RNG = np.random.default_rng(3)
-
-
-def _off(competing: float = 0.0, bw: float = 30.0, freq: float = math.nan) -> OfflineState:
-    return OfflineState(competing=competing, freq_mhz=freq, cache_hit_rate=math.nan,
-                        probe_bw_gbs=bw, profile_s=1.0)
 
 
 def test_plan_backward_is_the_contract_cost_minus_forward_and_reforward() -> None:
@@ -53,31 +41,37 @@ def test_plan_backward_is_the_contract_cost_minus_forward_and_reforward() -> Non
         plan_backward_ms(w, x, np.ones(n - 1, dtype=bool))
 
 
-def test_round_robin_share_and_share_pis_by_hand() -> None:
-    # 1 thread on 2 cores: one competitor fits on the free core, three share 2 cores by 4
-    assert round_robin_share(1, _off(0), threads=1, cores=2) == 1.0
-    assert round_robin_share(3, _off(0), threads=1, cores=2) == 2.0
-    assert round_robin_share(5, _off(1), threads=1, cores=2) == 3.0
-    # T = C: the line 1 + n / C through the origin, relative to n_off
-    assert round_robin_share(2, _off(0), threads=2, cores=2) == 2.0
-    assert round_robin_share(4, _off(2), threads=2, cores=2) == 1.5
-    # sharing scales compute and memory; DVFS 2000 -> 1000 MHz doubles compute only
-    assert share_pis(1000.0, 3, 1.25, _off(0, freq=2000.0), 1, 2) == (4.0, 2.5)
-    assert share_pis(math.nan, 3, 1.25, _off(0, freq=2000.0), 1, 2) == (2.0, 2.5)
-    with pytest.raises(ValueError, match="cores"):
-        round_robin_share(1, _off(), threads=1, cores=0)
+def test_observe_evaluates_the_product_expansion_models() -> None:
+    """The bench's pi1/pi2 are tta_core.expansion's, for the headline and the other model."""
+    cal = Calibration(f_slope=0.5)
+    ref = OfflineReference(competing=0.0, probe_bw_gbs=30.0)
+    models = {m: ExpansionModel(m, cal, ref, threads=1, cores=2) for m in MODELS}
+    n = 4
+    profile = UnitProfile(model="m", device="d", batch_size=1, input_shape=(3, 8, 8),
+                          unit_names=[f"u{i}" for i in range(n)], w_ms=RNG.random(n),
+                          x_ms=RNG.random(n), r_ms=RNG.random(n), eta=RNG.random(n) * 3,
+                          forward_ms=1.0)
+    update = np.array([False, True, False, True])
+    sample = ResourceSample(competing_processes=3.0, cpu_percent=50.0)
 
+    class Sampler:
+        def sample(self) -> ResourceSample:
+            return sample
 
-def test_relative_pi1_and_pi2_by_hand() -> None:
-    cal = Calibration(f_slope=0.5, b_ratio=4.0, cache_hit_offline=0.9)
-    assert relative_pi1(math.nan, 2, _off(0), cal) == pytest.approx(2.0)
-    assert relative_pi1(math.nan, 3, _off(1), cal) == pytest.approx(2.5 / 1.5)
-    assert relative_pi1(math.nan, 1, _off(1), cal) == pytest.approx(1.0)
-    pi2, src = estimate_pi2(0.6, 10.0, _off(bw=30.0), cal, "probe")  # phi known wins
-    assert (pi2, src) == (pytest.approx(memory_expansion(0.6, cal)), "perf")
-    assert pi2 == pytest.approx((0.6 + 0.4 * 4) / (0.9 + 0.1 * 4))
-    assert estimate_pi2(math.nan, 10.0, _off(bw=30.0), cal, "probe") == (3.0, "probe")
-    assert estimate_pi2(math.nan, 10.0, _off(bw=30.0), cal, "perf") == (1.0, "none")
+    class Probe:
+        def measure(self) -> float:
+            return 10.0
+
+    bench = _Bench(BenchConfig(threads=1, cores=2), profile, update, meas=None,
+                   sampler=Sampler(), probe=Probe(), models=models)
+    trace = _Trace()
+    bench.observe(trace)
+    # share: s(3) = 4/2 = 2 -> pi1 2, pi2 2 * 30/10; paper: 1 + 0.5 * 3, pi2 30/10
+    assert (trace.pi1, trace.pi2, trace.share, trace.pi2_mem) == ([2.0], [6.0], [2.0], [3.0])
+    assert (trace.pi1_alt, trace.pi2_alt, trace.pi2_src) == ([2.5], [3.0], ["probe"])
+    for model, preds in (("share", trace.runtime_pred), ("paper", trace.alt_pred)):
+        w, x, _ = runtime_times(profile, *models[model].pis(sample, 10.0))
+        assert preds == [pytest.approx(plan_backward_ms(w, x, update))]
 
 
 def test_config_rejects_bad_values() -> None:
@@ -108,6 +102,9 @@ def test_cli_offline_and_dr2_small_resnet(tmp_path) -> None:
     assert (out / "table.md").read_text().count("| dr2 |") == 1
     assert (out / "errors.png").read_bytes()[:4] == b"\x89PNG"
     assert 0 < len(res["plan_units"]) < res["n_units"]
+    # the offline reference of the expansion models (expansion.OfflineReference)
+    assert set(res["offline"]) == {"competing", "freq_mhz", "cache_hit_rate", "probe_bw_gbs"}
+    assert res["offline"]["probe_bw_gbs"] is None and res["offline_profile_s"] > 0  # --pi2 perf
     rows = {c["name"]: c for c in res["conditions"]}
     assert list(rows) == ["offline", "dr2"] and "dr1" in res["skipped"]
     for c in rows.values():

@@ -306,29 +306,55 @@ def test_divergence_guard_resets_method(rig_factory) -> None:
 
 def test_resource_monitor_calibration_fills_expansion(ros_context, tmp_path) -> None:
     from tta_core.predictor import Calibration, compute_expansion
-    from tta_ros.resource_monitor_node import ResourceMonitorNode
+    from tta_ros.resource_monitor_node import ResourceMonitorNode, expansion_status
 
     cal = {"f_slope": 0.5, "f_intercept": 0.0, "b_ratio": 4.0, "freq_offline_mhz": None,
-           "cache_hit_offline": None}
+           "cache_hit_offline": None}  # an old file: no n_off / probe / threads keys
     path = tmp_path / "cal.json"
     path.write_text(json.dumps({"schema": "tta.calibration/1", "calibration": cal}))
     off = [Parameter("enable_perf", value=False), Parameter("enable_nvml", value=False),
            Parameter("enable_jtop", value=False)]
     plain = ResourceMonitorNode(context=ros_context, parameter_overrides=off)
     node = ResourceMonitorNode("rm_cal", context=ros_context, parameter_overrides=[
-        *off, Parameter("calibration", value=str(path))])
+        *off, Parameter("calibration", value=str(path)), Parameter("torch_threads", value=2),
+        Parameter("bandwidth_probe", value=True)])
+    paper = ResourceMonitorNode("rm_paper", context=ros_context, parameter_overrides=[
+        *off, Parameter("calibration", value=str(path)),
+        Parameter("expansion_model", value="paper")])
     try:
-        plain._on_sample()
-        node._on_sample()
+        for n in (plain, node, paper):
+            n._on_sample()
         assert np.isnan(plain.last_sample.compute_expansion)
+        assert expansion_status(plain.sampler).level == DiagnosticStatus.STALE
+        # default "share" model, T = 2 torch threads, C = the cores, n_off = 0 (old file)
         s = node.last_sample
         n = s.competing_processes if np.isfinite(s.competing_processes) else 0.0
+        cores = node.expansion.cores
+        assert (node.expansion.model, node.expansion.threads) == ("share", 2)
+        share = max(1.0, (n + 2) / cores) / max(1.0, 2 / cores)
+        assert s.compute_expansion == pytest.approx(share) and s.compute_expansion >= 1.0
+        assert s.memory_expansion == pytest.approx(share)  # no counters, no probe: 1 * s(n)
+        # the probe was asked for, but the old file has no probe reference: WARN, not run
+        assert node.sampler.probe is None and "probe_bw_offline_gbs" in node.probe_note
+        st = expansion_status(node.sampler, node.probe_note)
+        vals = {kv.key: kv.value for kv in st.values}
+        assert st.level == DiagnosticStatus.WARN and vals["model"] == "share"
+        assert vals["pi2_source"] == "none" and "share" in st.message
+        s = paper.last_sample
+        n = s.competing_processes if np.isfinite(s.competing_processes) else 0.0
         want = compute_expansion(s.cpu_freq_mhz, n, Calibration(f_slope=0.5, b_ratio=4.0))
-        assert s.compute_expansion == pytest.approx(want) and s.compute_expansion >= 1.0
-        assert s.memory_expansion == 1.0  # no cache counters: phi unknown -> pi2 = 1
+        assert s.compute_expansion == pytest.approx(want) and s.memory_expansion == 1.0
+        assert expansion_status(paper.sampler).level == DiagnosticStatus.OK
     finally:
-        plain.destroy_node()
-        node.destroy_node()
+        for n in (plain, node, paper):
+            n.destroy_node()
     with pytest.raises(ValueError, match="calibration="):
         ResourceMonitorNode("rm_bad", context=ros_context, parameter_overrides=[
             *off, Parameter("calibration", value=str(tmp_path / "missing.json"))])
+    from rclpy.exceptions import InvalidParameterValueException
+
+    # choices are checked by the node, ranges by rclpy already at declaration
+    for name, value in (("expansion_model", "linear"), ("torch_threads", -1)):
+        with pytest.raises((ValueError, InvalidParameterValueException), match=name):
+            ResourceMonitorNode("rm_bad", context=ros_context, parameter_overrides=[
+                *off, Parameter(name, value=value)])

@@ -189,6 +189,28 @@ def test_psutil_counts_busy_processes_then_drops_them() -> None:
     assert after["competing_processes"] == len(src.last_competing)
 
 
+def test_psutil_never_counts_processes_named_as_ours(tmp_path) -> None:
+    code = "import time\nt=time.time()+30\nwhile time.time()<t: pass\n"
+    scripts = [tmp_path / "perception_node", tmp_path / "mapping_node"]
+    for path in scripts:
+        path.write_text(code)
+    procs = [subprocess.Popen([sys.executable, str(path)]) for path in scripts]
+    try:
+        time.sleep(0.2)
+        src = PsutilSource(own_pids=(), proc_interval_s=0.5,
+                           exclude_names=("perception_node", "scheduler_node"))
+        time.sleep(0.7)
+        src.read()
+        ours, other = procs[0].pid, procs[1].pid
+        assert other in src.last_competing, src.last_shares
+        assert ours not in src.last_competing
+        assert "perception_node" in src.describe().detail
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def test_cache_hit_rate_formula() -> None:
     assert cache_hit_rate(1000, 250) == 0.75
     assert cache_hit_rate(1000, 0) == 1.0
@@ -298,12 +320,88 @@ class _Fixed:
 
 
 def test_sampler_fills_pi1_pi2_from_calibration() -> None:
+    from tta_core.expansion import ExpansionModel
     from tta_core.predictor import Calibration
 
     cal = Calibration(f_slope=0.5, f_intercept=0.0, b_ratio=3.0, freq_offline_mhz=2000.0)
     src = _Fixed({"cpu_freq_mhz": 1000.0, "competing_processes": 2.0, "cache_hit_rate": 0.5})
-    s = TelemetrySampler(sources=[src], calibration=cal).sample()
+    paper = ExpansionModel("paper", cal)
+    s = TelemetrySampler(sources=[src], expansion=paper).sample()
     assert s.compute_expansion == pytest.approx(2000 / 1000 * (1 + 0.5 * 2))  # 4.0
     assert s.memory_expansion == pytest.approx(0.5 + 0.5 * 3.0)  # 2.0
+    # share, 1 thread on 2 cores: s(2) = 3/2 scales the freq ratio 2 and the hit-rate pi2 2
+    share = ExpansionModel("share", cal, threads=1, cores=2)
+    sampler = TelemetrySampler(sources=[src], expansion=share)
+    s = sampler.sample()
+    assert (s.compute_expansion, s.memory_expansion) == (pytest.approx(3.0), pytest.approx(3.0))
+    assert sampler.last_expansion.pi2_source == "perf" and sampler.last_expansion.share == 1.5
+    # a bare calibration: the default ("share") model on it
+    sampler = TelemetrySampler(sources=[src], calibration=cal)
+    assert sampler.expansion.model == "share" and sampler.calibration is cal
+    assert math.isfinite(sampler.sample().compute_expansion)
     s = TelemetrySampler(sources=[src]).sample()  # no calibration: unknown, not 1 or 0
     assert math.isnan(s.compute_expansion) and math.isnan(s.memory_expansion)
+    # nothing measured: the offline times stand (factor 1), never NaN
+    s = TelemetrySampler(sources=[_Fixed({})], expansion=share).sample()
+    assert (s.compute_expansion, s.memory_expansion) == (1.0, 1.0)
+
+
+class _Probe:
+    """A fabricated BandwidthProbe: returns the next of the given bandwidths."""
+
+    def __init__(self, *bws: float) -> None:
+        self.bws, self.calls = list(bws), 0
+
+    def measure(self) -> float:
+        self.calls += 1
+        bw = self.bws.pop(0)
+        if isinstance(bw, Exception):
+            raise bw
+        return bw
+
+
+def test_sampler_probe_feeds_pi2_only_without_hit_rate() -> None:
+    from tta_core.expansion import ExpansionModel
+    from tta_core.predictor import Calibration
+
+    cal = Calibration(probe_bw_offline_gbs=30.0)
+    model = ExpansionModel("share", cal, threads=2, cores=2)  # n = 0: s = 1, pi2 = b_off/b_now
+    idle = _Fixed({"competing_processes": 0.0})
+    probe = _Probe(10.0, 20.0, 5.0)
+    sampler = TelemetrySampler(sources=[idle], expansion=model, probe=probe,
+                               probe_interval_s=0.0, probe_window=2)
+    assert sampler.sample().memory_expansion == pytest.approx(30 / 10)
+    assert sampler.sample().memory_expansion == pytest.approx(30 / 15)  # mean of 10, 20
+    assert sampler.last_expansion.pi2_source == "probe"
+    assert sampler.last_expansion.probe_bw_gbs == 15.0
+    assert sampler.sample().memory_expansion == pytest.approx(30 / 12.5)  # window: 20, 5
+    # a measured hit rate wins: the probe is not even run
+    hit = _Fixed({"competing_processes": 0.0, "cache_hit_rate": 0.9})
+    probe = _Probe(10.0)
+    sampler = TelemetrySampler(sources=[hit], expansion=model, probe=probe,
+                               probe_interval_s=0.0)
+    assert sampler.sample().memory_expansion == 1.0 and probe.calls == 0
+    assert sampler.last_expansion.pi2_source == "perf"
+    # rate limited (one run per interval), and a failing probe only falls back to pi2 = 1
+    probe = _Probe(MemoryError("no room"), 10.0)
+    sampler = TelemetrySampler(sources=[idle], expansion=model, probe=probe,
+                               probe_interval_s=3600.0)
+    s1, s2 = sampler.sample(), sampler.sample()
+    assert (s1.memory_expansion, s2.memory_expansion, probe.calls) == (1.0, 1.0, 1)
+    assert "MemoryError" in sampler.errors["probe"]
+    with pytest.raises(ValueError, match="probe_window"):
+        TelemetrySampler(sources=[idle], probe_window=0)
+
+
+def test_bandwidth_probe_measures_a_positive_bandwidth() -> None:
+    from tta_core.calibration import cache_sizes
+    from tta_core.telemetry import BandwidthProbe
+
+    probe = BandwidthProbe(nbytes=4 << 20)
+    assert probe.nbytes == 4 << 20
+    bws = [probe.measure() for _ in range(3)]
+    assert all(math.isfinite(b) and b > 0.1 for b in bws), bws
+    l2, llc = cache_sizes()
+    assert 0 < l2 <= llc
+    with pytest.raises(ValueError, match="probe buffer"):
+        BandwidthProbe(nbytes=1000)

@@ -9,6 +9,10 @@
 - b_ratio = b_cache / b_DRAM bandwidth (= DRAM / cache time per byte, >= 1): best copy
   bandwidth of a buffer that fits in L2 vs one much larger than the last-level cache.
 - cache_hit_offline: LLC hit rate during the k = 0 workload when perf_event works, else NaN.
+- The offline reference of the runtime expansion model (tta_core.expansion): n_off, the
+  competing processes psutil sees during the idle k = 0 runs (other load on the machine);
+  probe_bw_offline_gbs, the telemetry.BandwidthProbe bandwidth (pi2 where no LLC counters
+  exist); threads, the torch threads of the workload (the "share" model's T by default).
 
 Competing processes are started and stopped here (`BusyProcesses`), bounded in time, and
 always reaped, also on exceptions and KeyboardInterrupt.
@@ -117,18 +121,22 @@ class CalibrationConfig:
     threads: int = 0  # torch threads of the workload; 0 = torch.get_num_threads()
     fit_intercept: bool = False
     bw_time_s: float = 0.25  # per buffer size, best-of repetitions inside
+    probe_repeats: int = 8  # BandwidthProbe runs averaged into probe_bw_offline_gbs; 0 = none
     max_s: float = 300.0  # hard bound on the life of busy processes
 
     def __post_init__(self) -> None:
         if 0 not in self.ks or any(k < 0 for k in self.ks) or len(set(self.ks)) < 2:
             raise ValueError(f"ks must contain 0 and another k >= 0, got {self.ks!r}")
+        if self.probe_repeats < 0:
+            raise ValueError(f"probe_repeats must be >= 0, got {self.probe_repeats!r}")
         for name in ("reps", "matmul_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
 
     @classmethod
     def quick(cls) -> CalibrationConfig:
-        return cls(ks=(0, 2), reps=3, rep_ms=40.0, settle_s=0.3, threads=1, bw_time_s=0.08)
+        return cls(ks=(0, 2), reps=3, rep_ms=40.0, settle_s=0.3, threads=1, bw_time_s=0.08,
+                   probe_repeats=3)
 
 
 @dataclass
@@ -173,11 +181,20 @@ def _nan_to_none(obj: Any) -> Any:
 
 
 def load_calibration(path: str | Path) -> Calibration:
-    """Calibration stored by `CalibrationReport.save` (null -> NaN)."""
+    """Calibration stored by `CalibrationReport.save` (null -> NaN; threads null -> 0).
+
+    Files written before n_off / probe_bw_offline_gbs / threads existed load with their
+    defaults (0 competing processes, no probe reference, unknown threads).
+    """
     data = json.loads(Path(path).read_text())
     if data.get("schema") != CALIBRATION_SCHEMA:
         raise ValueError(f"{path}: schema {data.get('schema')!r} is not {CALIBRATION_SCHEMA!r}")
-    cal = {k: (float("nan") if v is None else float(v)) for k, v in data["calibration"].items()}
+    cal: dict[str, Any] = {}
+    for k, v in data["calibration"].items():
+        if k == "threads":
+            cal[k] = 0 if v is None else int(v)
+        else:
+            cal[k] = float("nan") if v is None else float(v)
     return Calibration(**cal)
 
 
@@ -227,7 +244,7 @@ class _Workload:
         return self._timed()
 
 
-def _cache_sizes() -> tuple[int, int]:
+def cache_sizes() -> tuple[int, int]:
     """(L2, last-level) data cache sizes in bytes from sysfs; defaults 512 KiB / 32 MiB."""
     sizes: dict[int, int] = {}
     for idx in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
@@ -262,7 +279,7 @@ def copy_bandwidth_gbs(nbytes: int, seconds: float) -> float:
 
 def measure_bandwidth(seconds: float) -> tuple[float, float, int, int]:
     """(b_cache, b_DRAM, cache buffer bytes, DRAM buffer bytes)."""
-    l2, llc = _cache_sizes()
+    l2, llc = cache_sizes()
     small = max(16 << 10, l2 // 4)  # src + dst fit in half of L2
     big = min(max(4 * llc, 64 << 20), 512 << 20)
     return copy_bandwidth_gbs(small, seconds), copy_bandwidth_gbs(big, seconds), small, big
@@ -281,6 +298,35 @@ def _time_k(work: _Workload, k: int, cfg: CalibrationConfig) -> float:
         if k:
             time.sleep(cfg.settle_s)
         return statistics.median(work.run() for _ in range(cfg.reps))
+
+
+def _time_idle(work: _Workload, cfg: CalibrationConfig) -> tuple[float, float]:
+    """(k = 0 time, competing processes psutil saw meanwhile: NaN if unknown).
+
+    Our own pid and children are excluded (the resource monitor likewise excludes itself).
+    """
+    from tta_core.telemetry import PsutilSource
+
+    window = 0.25
+    src = PsutilSource(proc_interval_s=window)
+    t0 = time.monotonic()
+    t = _time_k(work, 0, cfg)
+    time.sleep(max(0.0, window + 0.01 - (time.monotonic() - t0)))
+    try:
+        n = float(src.read()["competing_processes"])
+    except Exception:  # telemetry must not fail the calibration
+        n = float("nan")
+    return t, n
+
+
+def probe_bandwidth(repeats: int) -> float:
+    """Mean of `repeats` BandwidthProbe runs in GB/s (NaN for 0 repeats)."""
+    from tta_core.telemetry import BandwidthProbe
+
+    if repeats < 1:
+        return float("nan")
+    probe = BandwidthProbe()
+    return statistics.fmean(probe.measure() for _ in range(repeats))
 
 
 def _hit_rate_idle(work: _Workload) -> float:
@@ -304,17 +350,24 @@ def calibrate(cfg: CalibrationConfig | None = None,
     hit = _hit_rate_idle(work)
     step("probe")
     times = []
+    n_off = float("nan")
     for k in sorted(cfg.ks):
-        times.append(_time_k(work, k, cfg))
+        if k == 0:
+            t, n_off = _time_idle(work, cfg)
+        else:
+            t = _time_k(work, k, cfg)
+        times.append(t)
         step(f"k={k}")
     times[0] = min(times[0], _time_k(work, 0, cfg))  # idle baseline again: others' load drifts
     step("k=0 again")
     slowdown = [t / times[0] for t in times]
     slope, intercept = fit_slowdown(sorted(cfg.ks), slowdown, cfg.fit_intercept)
     b_cache, b_dram, small, big = measure_bandwidth(cfg.bw_time_s)
+    probe_bw = probe_bandwidth(cfg.probe_repeats)
     step("bandwidth")
     cal = Calibration(f_slope=slope, f_intercept=intercept, b_ratio=b_cache / b_dram,
-                      freq_offline_mhz=freq, cache_hit_offline=hit)
+                      freq_offline_mhz=freq, cache_hit_offline=hit, n_off=n_off,
+                      probe_bw_offline_gbs=probe_bw, threads=int(work.threads))
     return CalibrationReport(
         calibration=cal, ks=sorted(cfg.ks), times_ms=times, slowdown=slowdown,
         threads=work.threads, bw_cache_gbs=b_cache, bw_dram_gbs=b_dram,

@@ -112,6 +112,11 @@ class Calibration:
     """Offline device constants: f(n) = f_slope*n + f_intercept, b_ratio = b_DRAM / b_cache.
 
     b_ratio > 1 means a miss costs more than a hit (DRAM access time / cache access time).
+    The offline reference of the runtime expansion (tta_core.expansion) is stored too:
+    freq_offline_mhz, cache_hit_offline, n_off (competing processes seen while calibrating;
+    NaN = unknown, counted as 0), probe_bw_offline_gbs (telemetry.BandwidthProbe bandwidth
+    at calibration; NaN = not measured) and threads (torch threads of the calibration
+    workload; 0 = unknown).
     """
 
     f_slope: float = 0.0
@@ -119,6 +124,9 @@ class Calibration:
     b_ratio: float = 1.0
     freq_offline_mhz: float = float("nan")
     cache_hit_offline: float = float("nan")
+    n_off: float = 0.0
+    probe_bw_offline_gbs: float = float("nan")
+    threads: int = 0
 
     def __post_init__(self) -> None:
         for name in ("f_slope", "f_intercept", "b_ratio"):
@@ -129,6 +137,14 @@ class Calibration:
         hit = self.cache_hit_offline
         if not math.isnan(hit) and not 0.0 <= hit <= 1.0:
             raise ValueError(f"Calibration.cache_hit_offline must be in [0, 1] or NaN: {hit}")
+        if not math.isnan(self.n_off) and not (math.isfinite(self.n_off) and self.n_off >= 0):
+            raise ValueError(f"Calibration.n_off must be finite and >= 0 or NaN: {self.n_off}")
+        bw = self.probe_bw_offline_gbs
+        if not math.isnan(bw) and not (math.isfinite(bw) and bw > 0):
+            raise ValueError(f"Calibration.probe_bw_offline_gbs must be > 0 or NaN: {bw}")
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) \
+                or self.threads < 0:
+            raise ValueError(f"Calibration.threads must be an int >= 0, got {self.threads!r}")
 
 
 def _known_positive(v: float | None) -> bool:

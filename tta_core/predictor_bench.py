@@ -17,25 +17,20 @@ over >= 30 batches we
 Conditions: offline (idle), dr2 (3 compute-bound competitors), dr3 (1 cache-thrashing
 memory-bound competitor), dr4 (both); dr1 (thermal/DVFS) only where sysfs exposes cpufreq.
 
-Deviations from the paper's formulas (all recorded in the output):
-- Everything is relative to the offline profiling run, with n_off the competing processes
-  measured while profiling: a shared machine is never idle and the offline profile already
-  contains its background load (predictor.memory_expansion normalises pi2 the same way).
-- Two runtime models are always both evaluated (`model` picks the headline one), both
-  through predictor.runtime_times (Eq. 4):
-  "paper": pi1 = freq ratio * (1 + f(n)) / (1 + f(n_off)) with the linear f of
-  `tta calibrate`, pi2 = the memory expansion; Eq. 4 applies pi1 to the compute share of a
-  unit only.
-  "share" (default): round-robin sharing stretches a unit's whole time, not only its compute
-  share (a descheduled process neither computes nor loads), so the sharing factor
-  s(n) = max(1, (n + T) / C) / max(1, (n_off + T) / C) (T torch threads, C cores: the
-  fair-share f(n), flat until the cores are full, linear n / C beyond) multiplies both:
-  pi1 = freq ratio * s(n), pi2 = s(n) * memory expansion.
-- pi2 where the LLC hit rate is unavailable (no PMU in a VM): with `pi2_mode="probe"`, pi2 =
-  b_off / b_now, the DRAM copy bandwidth of a short probe (median over 1 MiB chunks of a
-  buffer 4x the LLC, so time-slicing by compute competitors does not look like memory
-  contention) measured between batches, relative to the same probe run right after the
-  offline profile. `pi2_mode="perf"` uses only the hit rate (pi2 = 1 when unknown).
+pi1 / pi2 come from the product's code: tta_core.expansion.ExpansionModel.evaluate, the same
+call the resource monitor's TelemetrySampler makes, evaluated for both runtime models
+("share", the default headline, and "paper"; `model` picks the headline one) and both fed
+to predictor.runtime_times (Eq. 4). The models and the pi2 sources are described in
+tta_core.expansion; what is specific to this bench:
+- The reference (expansion.OfflineReference) is this run's own offline profiling run, not
+  the `tta calibrate` file: n_off = competing processes psutil saw while profiling (a shared
+  machine is never idle and the profile already contains its background load), the CPU
+  frequency and LLC hit rate then, and the BandwidthProbe (telemetry.BandwidthProbe)
+  bandwidth measured right after profiling (mean of `probe_window` runs).
+- pi2 without LLC counters (no PMU in a VM): with `pi2_mode="probe"` the probe runs between
+  batches and pi2 uses the mean of its last `probe_window` runs; `pi2_mode="perf"` uses
+  only the hit rate (pi2 = 1 when unknown).
+- T (torch threads) is `threads`, C (cores) `cores` or this process's affinity.
 """
 
 from __future__ import annotations
@@ -55,23 +50,17 @@ import numpy as np
 import torch
 
 from tta_core import planner
-from tta_core.calibration import BusyProcesses, _cache_sizes
+from tta_core.calibration import BusyProcesses
+from tta_core.expansion import MODELS, PI2_MODES, ExpansionModel, OfflineReference
 from tta_core.losses import entropy_loss
-from tta_core.predictor import (
-    Calibration,
-    UnitProfile,
-    compute_expansion,
-    memory_expansion,
-    runtime_times,
-)
+from tta_core.predictor import Calibration, UnitProfile, runtime_times
+from tta_core.telemetry.bandwidth_probe import BandwidthProbe
 from tta_core.units import StagedModel
 
 SCHEMA = "tta.predictor_bench/1"
 #: condition -> (compute-bound competitors, memory-bound competitors)
 CONDITIONS: dict[str, tuple[int, int]] = {
     "offline": (0, 0), "dr2": (3, 0), "dr3": (0, 1), "dr4": (3, 1)}
-PI2_MODES = ("probe", "perf")
-MODELS = ("share", "paper")
 
 
 @dataclass
@@ -113,17 +102,6 @@ class BenchConfig:
             raise ValueError(f"sigma must be in (0, 1], got {self.sigma!r}")
         if not self.max_condition_s > 0:
             raise ValueError(f"max_condition_s must be > 0, got {self.max_condition_s!r}")
-
-
-@dataclass
-class OfflineState:
-    """What the offline profiling run saw: the reference of the runtime normalisation."""
-
-    competing: float
-    freq_mhz: float
-    cache_hit_rate: float
-    probe_bw_gbs: float
-    profile_s: float
 
 
 @dataclass
@@ -171,7 +149,8 @@ class BenchResult:
     n_units: int
     forward_ms: float
     full_backward_ms: float
-    offline: OfflineState
+    offline: OfflineReference  # what the offline profiling run saw
+    offline_profile_s: float
     conditions: list[ConditionResult]
     skipped: dict[str, str]
     sources: dict[str, str]
@@ -211,84 +190,6 @@ def fixed_plan(profile: UnitProfile, stage_start: np.ndarray, sigma: float) -> n
     if not plan.update.any():
         raise ValueError(f"sigma={sigma} leaves no budget for any unit: choose a larger sigma")
     return np.asarray(plan.update, dtype=bool)
-
-
-def relative_pi1(freq_mhz: float, competing: float, off: OfflineState,
-                 cal: Calibration) -> float:
-    """Paper pi1 relative to the offline profiling run: (1 + f(n)) / (1 + f(n_off)) times
-    the frequency ratio, f from the Calibration (see the module docstring)."""
-    now = compute_expansion(freq_mhz, competing, cal)
-    ref = compute_expansion(off.freq_mhz, off.competing, cal)
-    return now / ref
-
-
-def round_robin_share(competing: float, off: OfflineState, threads: int, cores: int) -> float:
-    """Fair-share slowdown max(1, (n + T) / C) / max(1, (n_off + T) / C).
-
-    For T >= C it is the line 1 + n / C through the origin (relative to n_off); for T < C it
-    is flat until the cores are full (1 thread on 2 cores: one competitor takes the free
-    core and does not slow us, which a line through the origin cannot express).
-    """
-    if threads < 1 or cores < 1:
-        raise ValueError(f"threads and cores must be >= 1, got {threads}, {cores}")
-    if not (math.isfinite(competing) and competing >= 0):
-        raise ValueError(f"competing processes must be finite and >= 0, got {competing}")
-    return max(1.0, (competing + threads) / cores) / max(1.0, (off.competing + threads) / cores)
-
-
-def share_pis(freq_mhz: float, competing: float, pi2_mem: float, off: OfflineState,
-              threads: int, cores: int) -> tuple[float, float]:
-    """(pi1, pi2) of the "share" model: sharing stretches compute and memory time alike."""
-    s = round_robin_share(competing, off, threads, cores)
-    freq_ratio = compute_expansion(freq_mhz, 0.0, Calibration(freq_offline_mhz=off.freq_mhz))
-    return freq_ratio * s, s * pi2_mem
-
-
-def estimate_pi2(hit_rate: float, probe_bw: float, off: OfflineState, cal: Calibration,
-                 mode: str) -> tuple[float, str]:
-    """(pi2, source): the hit-rate formula when phi is known, else the probe ratio (mode
-    "probe") or 1."""
-    if math.isfinite(hit_rate):
-        return memory_expansion(hit_rate, cal), "perf"
-    if mode == "probe" and probe_bw > 0 and off.probe_bw_gbs > 0:
-        return off.probe_bw_gbs / probe_bw, "probe"
-    return 1.0, "none"
-
-
-# ---------------------------------------------------------------- measurement
-class BandwidthProbe:
-    """Copy bandwidth (GB/s) of a buffer 4x the LLC (>= 32 MiB), timed per 1 MiB chunk.
-
-    Chunks slower than `outlier` x the median are dropped as preemptions (a descheduled
-    probe is time-sharing, which pi1 models, not memory contention); the rest are averaged
-    (total bytes / total time), so a competitor that thrashes memory only part of the time
-    lowers the result in proportion, where a median would ignore it below 50 %.
-    """
-
-    CHUNK = 1 << 20
-
-    def __init__(self, nbytes: int | None = None, outlier: float = 4.0) -> None:
-        if nbytes is None:
-            nbytes = min(max(4 * _cache_sizes()[1], 32 << 20), 256 << 20)
-        if nbytes < self.CHUNK:
-            raise ValueError(f"probe buffer must be >= {self.CHUNK} bytes, got {nbytes}")
-        if not outlier > 1:
-            raise ValueError(f"outlier factor must be > 1, got {outlier}")
-        self.src = np.ones(nbytes // 8)
-        self.dst = np.empty_like(self.src)
-        self.step = self.CHUNK // 8
-        self.outlier = outlier
-
-    def measure(self) -> float:
-        times = []
-        for i in range(0, self.src.size - self.step + 1, self.step):
-            s, d = self.src[i:i + self.step], self.dst[i:i + self.step]
-            t0 = time.perf_counter()
-            np.copyto(d, s)
-            times.append(time.perf_counter() - t0)
-        arr = np.asarray(times)
-        kept = arr[arr <= self.outlier * np.median(arr)]
-        return float(2 * self.CHUNK * kept.size / max(kept.sum(), 1e-12) / 1e9)
 
 
 class PlanBackward:
@@ -346,39 +247,32 @@ class _Bench:
     """State shared by all conditions of one run."""
 
     cfg: BenchConfig
-    cal: Calibration
     profile: UnitProfile
     update: np.ndarray
     meas: PlanBackward
     sampler: Any  # TelemetrySampler
     probe: BandwidthProbe | None
-    off: OfflineState
+    models: dict[str, ExpansionModel]  # both runtime models on the offline reference
 
     def observe(self, trace: _Trace) -> None:
         """Telemetry + probe between batches -> pi1, pi2 and the runtime prediction."""
         s = self.sampler.sample()
-        n = s.competing_processes if math.isfinite(s.competing_processes) else self.off.competing
         if self.probe is not None:
             trace.bw.append(self.probe.measure())
         bw = float(np.mean(trace.bw[-self.cfg.probe_window:])) if trace.bw else float("nan")
-        cores = self.cfg.cores or len(os.sched_getaffinity(0))
-        pi2_mem, src = estimate_pi2(s.cache_hit_rate, bw, self.off, self.cal,
-                                    self.cfg.pi2_mode)
-        pis = {"share": share_pis(s.cpu_freq_mhz, n, pi2_mem, self.off, self.cfg.threads, cores),
-               "paper": (relative_pi1(s.cpu_freq_mhz, n, self.off, self.cal), pi2_mem)}
-        pi1, pi2 = pis.pop(self.cfg.model)
-        pi1_alt, pi2_alt = pis.popitem()[1]
-        for (a, b), out in (((pi1, pi2), trace.runtime_pred), ((pi1_alt, pi2_alt),
-                                                                 trace.alt_pred)):
-            w, x, _ = runtime_times(self.profile, a, b)
+        alt_name = next(m for m in MODELS if m != self.cfg.model)
+        head = self.models[self.cfg.model].evaluate(s, bw)
+        alt = self.models[alt_name].evaluate(s, bw)
+        for ex, out in ((head, trace.runtime_pred), (alt, trace.alt_pred)):
+            w, x, _ = runtime_times(self.profile, ex.pi1, ex.pi2)
             out.append(plan_backward_ms(w, x, self.update))
-        trace.pi1.append(pi1)
-        trace.pi1_alt.append(pi1_alt)
-        trace.pi2_alt.append(pi2_alt)
-        trace.share.append(round_robin_share(n, self.off, self.cfg.threads, cores))
-        trace.pi2_mem.append(pi2_mem)
-        trace.pi2.append(pi2)
-        trace.pi2_src.append(src)
+        trace.pi1.append(head.pi1)
+        trace.pi1_alt.append(alt.pi1)
+        trace.pi2_alt.append(alt.pi2)
+        trace.share.append(head.share)
+        trace.pi2_mem.append(head.pi2_mem)
+        trace.pi2.append(head.pi2)
+        trace.pi2_src.append(head.pi2_source)
         trace.competing.append(s.competing_processes)
         trace.hit.append(s.cache_hit_rate)
         trace.cpu.append(s.cpu_percent)
@@ -436,12 +330,16 @@ def run_condition(bench: _Bench, name: str,
         truncated=truncated, measured_all_ms=[float(v) for v in trace.measured])
 
 
-def _sampler(cal: Calibration) -> Any:
-    """psutil (our competitors count: exclude_children=False), sysfs, perf on this pid."""
+def _sampler() -> Any:
+    """psutil (our competitors count: exclude_children=False), sysfs, perf on this pid.
+
+    No calibration: the bench evaluates the expansion models itself (`_Bench.observe`),
+    relative to its own offline run.
+    """
     from tta_core.telemetry import PerfSource, PsutilSource, SysfsSource, TelemetrySampler
 
     return TelemetrySampler(sources=[PsutilSource(exclude_children=False), SysfsSource(),
-                                     PerfSource(os.getpid())], calibration=cal)
+                                     PerfSource(os.getpid())])
 
 
 def _build(cfg: BenchConfig) -> tuple[StagedModel, torch.Tensor]:
@@ -458,9 +356,9 @@ def _build(cfg: BenchConfig) -> tuple[StagedModel, torch.Tensor]:
 
 
 def offline_phase(staged: StagedModel, cfg: BenchConfig, sampler: Any,
-                  probe: BandwidthProbe | None) -> tuple[UnitProfile, OfflineState]:
-    """Profile idle; `sampler` was made just before, so its first psutil window spans the
-    profiling run (padded to >= 1 s)."""
+                  probe: BandwidthProbe | None) -> tuple[UnitProfile, OfflineReference, float]:
+    """Profile idle -> (profile, reference, profiling seconds); `sampler` was made just
+    before, so its first psutil window spans the profiling run (padded to >= 1 s)."""
     from tta_core.profiler import profile_model
 
     t0 = time.monotonic()
@@ -472,9 +370,9 @@ def offline_phase(staged: StagedModel, cfg: BenchConfig, sampler: Any,
     bw = float(np.mean([probe.measure() for _ in range(cfg.probe_window)])) if probe else \
         float("nan")
     n = s.competing_processes if math.isfinite(s.competing_processes) else 0.0
-    return profile, OfflineState(competing=n, freq_mhz=s.cpu_freq_mhz,
-                                 cache_hit_rate=s.cache_hit_rate, probe_bw_gbs=bw,
-                                 profile_s=elapsed)
+    hit = s.cache_hit_rate if 0.0 <= s.cache_hit_rate <= 1.0 else float("nan")
+    return profile, OfflineReference(competing=n, freq_mhz=s.cpu_freq_mhz, cache_hit_rate=hit,
+                                     probe_bw_gbs=bw), elapsed
 
 
 def _skipped(sampler: Any) -> dict[str, str]:
@@ -496,13 +394,15 @@ def run_bench(cfg: BenchConfig, cal: Calibration, cal_source: str = "",
     load0 = os.getloadavg()
     staged, x = _build(cfg)
     probe = BandwidthProbe() if cfg.pi2_mode == "probe" else None
-    sampler = _sampler(cal)  # its psutil window starts now: right before profiling
+    sampler = _sampler()  # its psutil window starts now: right before profiling
     try:
-        profile, off = offline_phase(staged, cfg, sampler, probe)
+        profile, off, profile_s = offline_phase(staged, cfg, sampler, probe)
         tick(1)
         update = fixed_plan(profile, staged.stage_start(), cfg.sigma)
-        bench = _Bench(cfg, cal, profile, update, PlanBackward(staged, update, x), sampler,
-                       probe, off)
+        models = {m: ExpansionModel(model=m, calibration=cal, reference=off, threads=cfg.threads,
+                                    cores=cfg.cores, pi2_mode=cfg.pi2_mode) for m in MODELS}
+        bench = _Bench(cfg, profile, update, PlanBackward(staged, update, x), sampler,
+                       probe, models)
         rows = [run_condition(bench, name, tick) for name in cfg.conditions]
         skipped = _skipped(sampler)
         sources = {d.name: d.detail for d in sampler.describe()}
@@ -514,8 +414,8 @@ def run_bench(cfg: BenchConfig, cal: Calibration, cal_source: str = "",
         plan_units=[n for n, u in zip(profile.unit_names, update, strict=True) if u],
         n_units=len(profile.unit_names), forward_ms=profile.forward_ms,
         full_backward_ms=float(profile.w_ms.sum() + profile.x_ms[1:].sum()), offline=off,
-        conditions=rows, skipped=skipped, sources=sources, loadavg_start=load0,
-        loadavg_end=os.getloadavg())
+        offline_profile_s=profile_s, conditions=rows, skipped=skipped, sources=sources,
+        loadavg_start=load0, loadavg_end=os.getloadavg())
 
 
 # ---------------------------------------------------------------- outputs

@@ -3,10 +3,13 @@
 All sampling is tta_core.telemetry's (psutil, sysfs thermal/cpufreq, NVML, jtop, perf);
 this node only turns its ResourceSample into messages. With the `calibration` parameter (the
 JSON written by `tta calibrate`) the sampler also fills pi_1 / pi_2 (compute / memory
-expansion of the latency predictor); without it they are NaN. Unknown values stay NaN; the uint32
-`competing_processes` field carries UNKNOWN_COUNT (2**32 - 1) when the count is unknown.
+expansion of the latency predictor) with tta_core.expansion (`expansion_model`: "share" or
+"paper"; `bandwidth_probe` feeds pi_2 where no LLC counters exist); without it they are NaN.
+Unknown values stay NaN; the uint32 `competing_processes` field carries UNKNOWN_COUNT
+(2**32 - 1) when the count is unknown.
 /diagnostics carries one DiagnosticStatus per subsystem (cpu, memory, thermal, gpu, cache):
-OK / WARN / ERROR against the thresholds below, STALE when the subsystem is not measured.
+OK / WARN / ERROR against the thresholds below, STALE when the subsystem is not measured;
+plus "sources" and "expansion" (model, pi_2 source, reference).
 """
 
 from __future__ import annotations
@@ -23,8 +26,10 @@ from rclpy.parameter import Parameter
 from tta_msgs.msg import ResourceTelemetry
 
 from tta_core.calibration import load_calibration
+from tta_core.expansion import MODELS, ExpansionModel
 from tta_core.predictor import Calibration
 from tta_core.telemetry import (
+    BandwidthProbe,
     JtopSource,
     NvmlSource,
     PerfSource,
@@ -53,8 +58,20 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("process_scan_s", 2.0, "rescan the process table (competing processes) at most "
               "this often [s]; the scan dominates the node's CPU cost", 0.2, 60.0,
               read_only=True),
+    ParamSpec("own_processes", "perception_node,scheduler_node", "comma-separated process "
+              "names that are ours and never count as competitors (ROS launch runs each node "
+              "in its own process; the monitor's own pid is always excluded)", read_only=True),
     ParamSpec("calibration", "", "predictor calibration JSON from `tta calibrate` (fills "
               "compute/memory expansion); empty = none, expansions are NaN", read_only=True),
+    ParamSpec("expansion_model", "share", "runtime expansion model of pi1/pi2: share (round-"
+              "robin sharing stretches compute and memory) or paper (AdaShadow's linear f(n))",
+              choices=MODELS, read_only=True),
+    ParamSpec("torch_threads", 0, "torch threads of the adapting (perception) process, the "
+              "share model's T; 0 = the calibration's thread count (`tta calibrate --threads`)",
+              0, 256, read_only=True),
+    ParamSpec("bandwidth_probe", False, "measure DRAM copy bandwidth (at most every "
+              "process_scan_s, two buffers of 4x the LLC, up to 2x256 MiB) for pi2 where no LLC "
+              "counters exist; needs a calibration with probe_bw_offline_gbs", read_only=True),
     ParamSpec("frame_id", "", "header.frame_id of telemetry"),
     ParamSpec("cpu_warn_percent", 90.0, "mean CPU load above which cpu is WARN", 0.0, 100.0),
     ParamSpec("mem_warn_percent", 90.0, "memory use above which memory is WARN", 0.0, 100.0),
@@ -129,6 +146,43 @@ def subsystem_statuses(s: ResourceSample, th: dict[str, float]) -> list[Diagnost
     return out
 
 
+def probe_note(enabled: bool, cal: Calibration | None) -> str:
+    """Why an enabled bandwidth probe is not run ('' when it is run or not enabled)."""
+    if not enabled:
+        return ""
+    if cal is None:
+        return "bandwidth_probe ignored: no calibration (nothing to compare with)"
+    if not math.isfinite(cal.probe_bw_offline_gbs):
+        return ("bandwidth_probe ignored: the calibration has no probe_bw_offline_gbs "
+                "(re-run `tta calibrate`)")
+    return ""
+
+
+def expansion_status(sampler: TelemetrySampler, note: str = "") -> DiagnosticStatus:
+    """pi1/pi2 provenance: model, pi2 source, sharing factor and the offline reference.
+
+    STALE without a calibration, WARN on an expansion/probe error or an ignored probe.
+    """
+    model = sampler.expansion
+    if model is None:
+        msg = "no calibration: pi1/pi2 not computed" + (f"; {note}" if note else "")
+        return _status("expansion", STALE, msg, {"model": "none"})
+    errors = [f"{k}: {v}" for k, v in sampler.errors.items() if k in ("expansion", "probe")]
+    ex = sampler.last_expansion
+    ref = model.reference
+    vals: dict[str, float | str] = {
+        "model": model.model, "threads": float(model.threads), "cores": float(model.cores),
+        "pi2_source": ex.pi2_source if ex else "", "share": ex.share if ex else math.nan,
+        "pi2_mem": ex.pi2_mem if ex else math.nan, "competing": ex.competing if ex else math.nan,
+        "probe_bw_gbs": ex.probe_bw_gbs if ex else math.nan,
+        "n_off": ref.competing if ref else math.nan,
+        "probe_bw_offline_gbs": ref.probe_bw_gbs if ref else math.nan}
+    msg = (f"{model.model}: pi1 {ex.pi1:.3f}, pi2 {ex.pi2:.3f} (pi2 from {ex.pi2_source})"
+           if ex else f"{model.model}: no sample yet")
+    problems = errors + ([note] if note else [])
+    return _status("expansion", WARN if problems else OK, "; ".join([msg, *problems]), vals)
+
+
 class ResourceMonitorNode(Node):
     """Samples resources at `rate_hz`; publishes telemetry and per-subsystem diagnostics."""
 
@@ -142,7 +196,15 @@ class ResourceMonitorNode(Node):
         check_initial(PARAMS, self.params)
         self.add_on_set_parameters_callback(lambda ps: validate(PARAMS, ps))
         self.calibration = self._calibration(self.params["calibration"])
-        self.sampler = TelemetrySampler(sources=self._sources(), calibration=self.calibration)
+        self.expansion = None if self.calibration is None else ExpansionModel(
+            model=self.params["expansion_model"], calibration=self.calibration,
+            threads=self.params["torch_threads"])
+        self.probe_note = probe_note(self.params["bandwidth_probe"], self.calibration)
+        probe = BandwidthProbe() if self.params["bandwidth_probe"] and not self.probe_note \
+            else None
+        self.sampler = TelemetrySampler(sources=self._sources(), expansion=self.expansion,
+                                        probe=probe,
+                                        probe_interval_s=self.params["process_scan_s"])
         self.last_sample: ResourceSample | None = None
         self.samples_published = 0
         self.pub_telemetry = self.create_publisher(ResourceTelemetry, "telemetry", 10)
@@ -162,7 +224,8 @@ class ResourceMonitorNode(Node):
 
     def _sources(self) -> list:
         p = self.params
-        srcs: list = [PsutilSource(own_pids=(os.getpid(),), proc_interval_s=p["process_scan_s"]),
+        srcs: list = [PsutilSource(own_pids=(os.getpid(),), proc_interval_s=p["process_scan_s"],
+                                   exclude_names=p["own_processes"].replace(" ", "").split(",")),
                       SysfsSource(p["sysfs_root"])]
         if p["enable_nvml"]:
             srcs.append(NvmlSource(p["gpu_index"]))
@@ -190,6 +253,7 @@ class ResourceMonitorNode(Node):
         arr.header.stamp = self.get_clock().now().to_msg()
         arr.status = subsystem_statuses(self.last_sample, th)
         arr.status.append(self._sources_status())
+        arr.status.append(expansion_status(self.sampler, self.probe_note))
         self.pub_diag.publish(arr)
 
     def _sources_status(self) -> DiagnosticStatus:
@@ -200,7 +264,9 @@ class ResourceMonitorNode(Node):
                        (self.last_sample.source if self.last_sample else ""), vals)
 
     def destroy_node(self) -> None:
-        self.sampler.close()
+        sampler = getattr(self, "sampler", None)  # None when __init__ failed (bad parameter)
+        if sampler is not None:
+            sampler.close()
         super().destroy_node()
 
 

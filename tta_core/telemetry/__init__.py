@@ -3,8 +3,11 @@
 Sources (each optional, none raises from sample()): psutil (CPU, memory, competing
 processes), sysfs (thermal zones, cpufreq, GPU devfreq; root is a parameter), NVML
 (`pynvml`), jtop (Jetson), perf_event (LLC hit rate). Unknown values are NaN.
+BandwidthProbe (DRAM copy bandwidth) stands in for the hit rate where no PMU exists; the
+sampler turns a sample into pi1 / pi2 with tta_core.expansion.
 """
 
+from tta_core.telemetry.bandwidth_probe import BandwidthProbe
 from tta_core.telemetry.jtop_source import JtopSource, parse_jtop
 from tta_core.telemetry.nvml_source import NvmlSource
 from tta_core.telemetry.perf_source import PerfSource, cache_hit_rate
@@ -14,6 +17,7 @@ from tta_core.telemetry.sampler import TelemetrySampler, default_sources, merge_
 from tta_core.telemetry.sysfs_source import SysfsSource
 
 __all__ = [
+    "BandwidthProbe",
     "JtopSource",
     "NvmlSource",
     "PerfSource",

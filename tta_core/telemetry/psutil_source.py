@@ -6,7 +6,9 @@ wall time). The CPU share is used as the "runnable" test because a process's ins
 state flickers between R and S many times per window. Excluded: the pids in `own_pids`
 (default: this process) and all their descendants, so our own workers never count
 (`exclude_children=False` keeps only the pids themselves out: for a benchmark whose
-deliberately started competitors must count).
+deliberately started competitors must count). Processes named in `exclude_names` (their
+comm, or the basename of an argument of their command line, e.g. "perception_node" when ROS
+launch runs each node in its own process) are ours too and never count.
 The process table is rescanned at most every `proc_interval_s`; in between the last count is
 returned, which keeps a 10 Hz sampler cheap.
 """
@@ -67,6 +69,7 @@ class PsutilSource:
         share_threshold: float = 0.2,
         proc_interval_s: float = 1.0,
         exclude_children: bool = True,
+        exclude_names: Iterable[str] = (),
     ) -> None:
         if not share_threshold > 0:
             raise ValueError(f"share_threshold must be > 0, got {share_threshold!r}")
@@ -76,6 +79,7 @@ class PsutilSource:
         self.share_threshold = float(share_threshold)
         self.proc_interval_s = float(proc_interval_s)
         self.exclude_children = exclude_children
+        self.exclude_names = frozenset(n for n in exclude_names if n)
         self.last_competing: list[int] = []
         self.last_shares: dict[int, float] = {}
         self._count = NAN
@@ -108,11 +112,23 @@ class PsutilSource:
             if pid in self._prev_times
         }
         self.last_shares = shares
-        self.last_competing = competing_pids(
+        competing = competing_pids(
             shares, parents, self.own_pids, self.share_threshold, self.exclude_children
         )
+        self.last_competing = [p for p in competing if not self._named_ours(p)]
         self._count = float(len(self.last_competing))
         self._prev_t, self._prev_times = now, times
+
+    def _named_ours(self, pid: int) -> bool:
+        """True when the process's comm or a command-line basename is in exclude_names."""
+        if not self.exclude_names:
+            return False
+        try:
+            proc = psutil.Process(pid)
+            names = {proc.name(), *(os.path.basename(a) for a in proc.cmdline())}
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            return False
+        return not names.isdisjoint(self.exclude_names)
 
     def read(self) -> dict[str, Any]:
         """Current values; competing_processes is NaN until the first full window."""
@@ -136,7 +152,9 @@ class PsutilSource:
             f"ok: psutil {psutil.__version__}, competing = share >= "
             f"{self.share_threshold:g} core over >= {self.proc_interval_s:g} s, "
             f"excluding pids {sorted(self.own_pids)}"
-            f"{' and descendants' if self.exclude_children else ''}",
+            f"{' and descendants' if self.exclude_children else ''}"
+            + (f" and processes named {', '.join(sorted(self.exclude_names))}"
+               if self.exclude_names else ""),
             self._error,
         )
 

@@ -2,16 +2,23 @@
 
 Sources are asked in priority order; each field takes the first known (finite / non-empty)
 value. A source that raises is recorded in `describe()` and skipped: `sample()` never raises.
-With a Calibration, pi_1 / pi_2 are filled from tta_core.predictor.
+With a Calibration (or an ExpansionModel), compute_expansion / memory_expansion (pi_1 / pi_2)
+are filled by tta_core.expansion ("share" model by default). An optional BandwidthProbe
+feeds pi_2 where the LLC hit rate is unknown: run at most every `probe_interval_s`, the mean
+of the last `probe_window` runs is used.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tta_core.expansion import Expansion, ExpansionModel
+from tta_core.predictor import Calibration
+from tta_core.telemetry.bandwidth_probe import BandwidthProbe
 from tta_core.telemetry.jtop_source import JtopSource
 from tta_core.telemetry.nvml_source import NvmlSource
 from tta_core.telemetry.perf_source import PerfSource
@@ -64,17 +71,44 @@ def merge_readings(readings: Sequence[tuple[str, dict[str, Any]]]) -> ResourceSa
 
 
 class TelemetrySampler:
-    """Cheap combined sampler (meant for ~10 Hz). Close it to release counters/handles."""
+    """Cheap combined sampler (meant for ~10 Hz). Close it to release counters/handles.
+
+    `expansion` (an ExpansionModel) fills pi_1 / pi_2; a bare `calibration` means the
+    default ExpansionModel on it; with neither they stay NaN. `probe` see the module doc.
+    """
 
     def __init__(
         self,
         sources: Sequence[TelemetrySource] | None = None,
-        calibration: Any = None,
+        calibration: Calibration | None = None,
+        *,
+        expansion: ExpansionModel | None = None,
+        probe: BandwidthProbe | None = None,
+        probe_interval_s: float = 1.0,
+        probe_window: int = 4,
         **default_kwargs: Any,
     ) -> None:
+        if not probe_interval_s >= 0:
+            raise ValueError(f"probe_interval_s must be >= 0, got {probe_interval_s!r}")
+        if probe_window < 1:
+            raise ValueError(f"probe_window must be >= 1, got {probe_window!r}")
         self.sources = list(sources) if sources is not None else default_sources(**default_kwargs)
-        self.calibration = calibration
+        if expansion is None and calibration is not None:
+            expansion = ExpansionModel(calibration=calibration)
+        self.expansion = expansion
+        self.calibration = expansion.calibration if expansion is not None else None
+        self.probe = probe
+        self.probe_interval_s = float(probe_interval_s)
+        self.probe_window = int(probe_window)
+        self.last_expansion: Expansion | None = None
+        self._probe_bws: list[float] = []
+        self._probe_t = -math.inf
         self._errors: dict[str, str] = {}
+
+    @property
+    def errors(self) -> dict[str, str]:
+        """Last error per failing part (source names, 'probe', 'expansion')."""
+        return dict(self._errors)
 
     def sample(self) -> ResourceSample:
         """One merged sample; failing sources are skipped and remembered."""
@@ -86,23 +120,41 @@ class TelemetrySampler:
             except Exception as exc:  # a sampler must not take the monitor down
                 self._errors[src.name] = f"{type(exc).__name__}: {exc}"
         sample = merge_readings(readings)
-        if self.calibration is not None:
-            self._fill_expansion(sample)
+        if self.expansion is not None:
+            self._fill_expansion(sample, self.expansion)
         return sample
 
-    def _fill_expansion(self, sample: ResourceSample) -> None:
-        from tta_core.predictor import compute_expansion, memory_expansion
+    def probe_bandwidth(self) -> float:
+        """Mean probe bandwidth (GB/s) of the last runs; runs the probe when it is due.
 
-        n = sample.competing_processes
+        NaN without a probe or before a run succeeded.
+        """
+        if self.probe is None:
+            return math.nan
+        now = time.monotonic()
+        if now - self._probe_t >= self.probe_interval_s:
+            self._probe_t = now
+            try:
+                self._probe_bws.append(float(self.probe.measure()))
+                self._errors.pop("probe", None)
+            except Exception as exc:  # e.g. MemoryError: pi2 falls back, the sampler lives
+                self._errors["probe"] = f"{type(exc).__name__}: {exc}"
+            del self._probe_bws[:-self.probe_window]
+        return sum(self._probe_bws) / len(self._probe_bws) if self._probe_bws else math.nan
+
+    def _fill_expansion(self, sample: ResourceSample, model: ExpansionModel) -> None:
+        bw = math.nan
+        if model.pi2_mode == "probe" and not 0.0 <= sample.cache_hit_rate <= 1.0:
+            bw = self.probe_bandwidth()  # only where the hit rate cannot give pi2
         try:
-            pi1 = compute_expansion(sample.cpu_freq_mhz, n if math.isfinite(n) else 0,
-                                    self.calibration)
-            pi2 = memory_expansion(sample.cache_hit_rate, self.calibration)
-        except (ValueError, TypeError) as exc:
-            self._errors["predictor"] = str(exc)
+            ex = model.evaluate(sample, bw)
+        except (ValueError, TypeError) as exc:  # defensive: evaluate degrades to 1, not raise
+            self._errors["expansion"] = f"{type(exc).__name__}: {exc}"
             return
-        sample.compute_expansion = float(pi1) if math.isfinite(pi1) else sample.compute_expansion
-        sample.memory_expansion = float(pi2) if math.isfinite(pi2) else sample.memory_expansion
+        self._errors.pop("expansion", None)
+        self.last_expansion = ex
+        sample.compute_expansion = ex.pi1
+        sample.memory_expansion = ex.pi2
 
     def describe(self) -> list[SourceStatus]:
         """Status of each source (+ the last error it raised in sample())."""

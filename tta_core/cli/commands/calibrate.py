@@ -1,5 +1,7 @@
 """`tta calibrate`: measure the predictor's device constants (f(n), b_ratio, offline
-frequency and cache hit rate) and store them as JSON next to the offline profiles."""
+frequency and cache hit rate) and the runtime expansion model's offline reference (competing
+processes, bandwidth-probe GB/s, torch threads); store them as JSON next to the offline
+profiles (the resource monitor's `calibration` parameter)."""
 
 from __future__ import annotations
 
@@ -65,6 +67,7 @@ def run(args: argparse.Namespace) -> int:
     slow = ", ".join(f"k={k}: {s:.2f}x" for k, s in zip(report.ks, report.slowdown, strict=True))
     print(f"f(n) = {cal.f_slope:.3f} n + {cal.f_intercept:.3f}  ({slow}); "
           f"b_ratio = {cal.b_ratio:.2f}; freq_off = {cal.freq_offline_mhz} MHz; "
-          f"hit_off = {cal.cache_hit_offline}")
+          f"hit_off = {cal.cache_hit_offline}; n_off = {cal.n_off:g}; probe_bw_off = "
+          f"{cal.probe_bw_offline_gbs:.1f} GB/s; threads = {cal.threads}")
     print(f"wrote {out}")
     return 0

@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma list of offline,dr2,dr3,dr4 (default: all)")
     parser.add_argument("--sigma", type=float, default=0.5, help="budget of the fixed plan")
     parser.add_argument("--pi2", choices=PI2_MODES, default="probe",
-                        help="pi2 without cache counters: probe (cache-residency probe, a "
+                        help="pi2 without cache counters: probe (DRAM bandwidth probe, a "
                              "deviation from the paper) or perf (hit rate only, else 1)")
     parser.add_argument("--model", choices=MODELS, default="share",
                         help="headline runtime model: share (round-robin sharing stretches "

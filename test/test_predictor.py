@@ -267,3 +267,18 @@ def test_calibration_reference_fields_validated() -> None:
                            ({"threads": 2.0}, "threads")):
         with pytest.raises(ValueError, match=needle):
             Calibration(**kwargs)
+
+
+def test_forward_feedback_rescales_to_the_measured_forward() -> None:
+    from tta_core.predictor import forward_feedback
+
+    w, x, r = np.array([1.0, 2.0]), np.array([0.5, 0.5]), np.array([3.0, 1.0])
+    w2, x2, r2 = forward_feedback(w, x, r, 8.0)
+    assert r2.sum() == pytest.approx(8.0)
+    np.testing.assert_allclose(w2, w * 2)
+    np.testing.assert_allclose(x2, x * 2)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="forward_ms"):
+            forward_feedback(w, x, r, bad)
+    with pytest.raises(ValueError, match="sum to > 0"):
+        forward_feedback(w, x, np.zeros(2), 8.0)

@@ -72,6 +72,10 @@ def test_observe_evaluates_the_product_expansion_models() -> None:
     for model, preds in (("share", trace.runtime_pred), ("paper", trace.alt_pred)):
         w, x, _ = runtime_times(profile, *models[model].pis(sample, 10.0))
         assert preds == [pytest.approx(plan_backward_ms(w, x, update))]
+    # forward feedback: the share-model times rescaled so that their forward = the measured
+    w, x, r = runtime_times(profile, 2.0, 6.0)
+    k = 7.0 / r.sum()
+    assert bench.feedback_prediction(7.0) == pytest.approx(plan_backward_ms(w, x, update) * k)
 
 
 def test_config_rejects_bad_values() -> None:
@@ -112,6 +116,9 @@ def test_cli_offline_and_dr2_small_resnet(tmp_path) -> None:
         assert c["offline_pred_ms"] > 0 and c["measured_ms"] > 0
         assert c["err_runtime_pct"] == pytest.approx(
             abs(c["runtime_pred_ms"] - c["measured_ms"]) / c["measured_ms"] * 100)
+        assert c["err_feedback_pct"] == pytest.approx(
+            abs(c["feedback_pred_ms"] - c["measured_ms"]) / c["measured_ms"] * 100)
+        assert c["err_feedback_per_batch_pct"] >= 0
         # no LLC counters and --pi2 perf: memory expansion 1, "share" scales it by s(n)
         assert c["pi2_mem"] == 1.0 and c["pi2_source"] == "none"
         assert c["pi2"] == pytest.approx(c["share"]) and c["pi2_alt"] == 1.0
@@ -120,3 +127,4 @@ def test_cli_offline_and_dr2_small_resnet(tmp_path) -> None:
     assert busy["measured_ms"] > 1.2 * idle["measured_ms"]
     assert busy["pi1"] > 1.0 and busy["pi1_alt"] > 1.0 and busy["share"] > 1.0
     assert busy["runtime_pred_ms"] > busy["offline_pred_ms"]
+    assert busy["feedback_pred_ms"] > 1.2 * idle["feedback_pred_ms"]  # the forward slowed too

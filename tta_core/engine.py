@@ -259,9 +259,8 @@ class AdaShadowEngine:
 
     def _times(self, fwd: _Forward, x: Tensor) -> tuple[np.ndarray, ...]:
         w, dx, r = self._unit_times(x.shape[0], tuple(x.shape[1:]))
-        if self._scaled() and r.sum() > 0:
-            k = fwd.forward_ms / float(r.sum())
-            w, dx, r = w * k, dx * k, r * k
+        if self._scaled() and r.sum() > 0 and fwd.forward_ms > 0:
+            w, dx, r = predictor.forward_feedback(w, dx, r, fwd.forward_ms)
         if self.lazy:
             r = 2.0 * r  # the tail runs twice: with autograd for the backward, then again
         return w, dx, r

@@ -210,6 +210,24 @@ def runtime_times(
     return k * profile.w_ms, k * profile.x_ms, k * profile.r_ms
 
 
+def forward_feedback(w: np.ndarray, x: np.ndarray, r: np.ndarray,
+                     forward_ms: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Scale predicted (w, x, r) so that sum(r) equals the forward just measured.
+
+    The closed-loop correction the engine plans with: the forward of the current batch ran
+    under the same load as its backward will, so its measured/predicted ratio also corrects
+    the backward for whatever the telemetry missed (AdaShadow's pi1/pi2 stay in charge of
+    how compute- and memory-bound units scale relative to each other).
+    """
+    total = float(np.sum(r))
+    if not (math.isfinite(forward_ms) and forward_ms > 0):
+        raise ValueError(f"forward_ms must be finite and > 0, got {forward_ms!r}")
+    if not (math.isfinite(total) and total > 0):
+        raise ValueError(f"predicted reforward times must sum to > 0, got {total!r}")
+    k = forward_ms / total
+    return w * k, x * k, r * k
+
+
 def eta_from_macs(
     macs: np.ndarray | float,
     bytes_moved: np.ndarray | float,

@@ -53,7 +53,7 @@ from tta_core import planner
 from tta_core.calibration import BusyProcesses
 from tta_core.expansion import MODELS, PI2_MODES, ExpansionModel, OfflineReference
 from tta_core.losses import entropy_loss
-from tta_core.predictor import Calibration, UnitProfile, runtime_times
+from tta_core.predictor import Calibration, UnitProfile, forward_feedback, runtime_times
 from tta_core.telemetry.bandwidth_probe import BandwidthProbe
 from tta_core.units import StagedModel
 
@@ -120,6 +120,10 @@ class ConditionResult:
     err_runtime_pct: float
     runtime_alt_pred_ms: float  # the other runtime model (see BenchConfig.model)
     err_runtime_alt_pct: float
+    # the engine's planning prediction: runtime times + forward feedback (median over batches)
+    feedback_pred_ms: float
+    err_feedback_pct: float
+    err_feedback_per_batch_pct: float  # median over batches of |pred_i - meas_i| / meas_i
     measured_mean_ms: float
     pi1: float  # headline model's pi1, median over batches (relative to the offline run)
     pi2: float  # headline model's pi2
@@ -201,15 +205,19 @@ class PlanBackward:
         if not self.params:
             raise ValueError("the plan selects no parameters")
 
-    def once(self) -> float:
-        """Forward + entropy loss (untimed), then autograd.grad to the plan's params (ms)."""
+    def once(self) -> tuple[float, float]:
+        """(forward ms, backward ms): forward + entropy loss, then autograd.grad to the
+        plan's params only; the forward is timed for the engine's forward feedback."""
         with torch.enable_grad():
-            loss = entropy_loss(self.model(self.x))
             t0 = time.perf_counter()
+            logits = self.model(self.x)
+            t1 = time.perf_counter()
+            loss = entropy_loss(logits)
+            t2 = time.perf_counter()
             grads = torch.autograd.grad(loss, self.params)
-            dt = time.perf_counter() - t0
+            t3 = time.perf_counter()
         del grads
-        return dt * 1e3
+        return (t1 - t0) * 1e3, (t3 - t2) * 1e3
 
 
 @dataclass
@@ -219,6 +227,7 @@ class _Trace:
     measured: list[float] = field(default_factory=list)
     runtime_pred: list[float] = field(default_factory=list)
     alt_pred: list[float] = field(default_factory=list)
+    fb_pred: list[float] = field(default_factory=list)
     pi1: list[float] = field(default_factory=list)
     pi1_alt: list[float] = field(default_factory=list)
     pi2_alt: list[float] = field(default_factory=list)
@@ -253,6 +262,12 @@ class _Bench:
     sampler: Any  # TelemetrySampler
     probe: BandwidthProbe | None
     models: dict[str, ExpansionModel]  # both runtime models on the offline reference
+    _pis: tuple[float, float] = (1.0, 1.0)  # headline model's last (pi1, pi2)
+
+    def feedback_prediction(self, forward_ms: float) -> float:
+        """What the engine plans with: the runtime times rescaled to this batch's forward."""
+        w, x, _ = forward_feedback(*runtime_times(self.profile, *self._pis), forward_ms)
+        return plan_backward_ms(w, x, self.update)
 
     def observe(self, trace: _Trace) -> None:
         """Telemetry + probe between batches -> pi1, pi2 and the runtime prediction."""
@@ -266,6 +281,7 @@ class _Bench:
         for ex, out in ((head, trace.runtime_pred), (alt, trace.alt_pred)):
             w, x, _ = runtime_times(self.profile, ex.pi1, ex.pi2)
             out.append(plan_backward_ms(w, x, self.update))
+        self._pis = (head.pi1, head.pi2)
         trace.pi1.append(head.pi1)
         trace.pi1_alt.append(alt.pi1)
         trace.pi2_alt.append(alt.pi2)
@@ -291,7 +307,9 @@ def _measure(bench: _Bench, tick: Callable[[int], None]) -> tuple[_Trace, bool, 
             truncated = True
             break
         bench.observe(trace)
-        trace.measured.append(bench.meas.once())
+        forward_ms, backward_ms = bench.meas.once()
+        trace.measured.append(backward_ms)
+        trace.fb_pred.append(bench.feedback_prediction(forward_ms))
         tick(1)
     return trace, truncated, time.monotonic() - t0
 
@@ -314,13 +332,17 @@ def run_condition(bench: _Bench, name: str,
     off_pred = plan_backward_ms(bench.profile.w_ms, bench.profile.x_ms, bench.update)
     rt_pred = float(np.median(trace.runtime_pred))
     alt_pred = float(np.median(trace.alt_pred))
+    fb_pred = float(np.median(trace.fb_pred))
+    per_batch = [_err(p, m) for p, m in zip(trace.fb_pred, trace.measured, strict=True)]
     srcs = sorted(set(trace.pi2_src), key=trace.pi2_src.count)
     return ConditionResult(
         name=name, compute_procs=nc, memory_procs=nm, batches=len(trace.measured),
         measured_ms=meas, measured_iqr_ms=(float(q1), float(q3)), offline_pred_ms=off_pred,
         runtime_pred_ms=rt_pred, err_offline_pct=_err(off_pred, meas),
         err_runtime_pct=_err(rt_pred, meas), runtime_alt_pred_ms=alt_pred,
-        err_runtime_alt_pct=_err(alt_pred, meas), measured_mean_ms=float(np.mean(trace.measured)),
+        err_runtime_alt_pct=_err(alt_pred, meas), feedback_pred_ms=fb_pred,
+        err_feedback_pct=_err(fb_pred, meas), err_feedback_per_batch_pct=_nanmedian(per_batch),
+        measured_mean_ms=float(np.mean(trace.measured)),
         pi1=_nanmedian(trace.pi1), pi1_alt=_nanmedian(trace.pi1_alt),
         pi2_alt=_nanmedian(trace.pi2_alt), share=_nanmedian(trace.share),
         pi2_mem=_nanmedian(trace.pi2_mem),
@@ -431,19 +453,24 @@ def to_markdown(res: BenchResult) -> str:
         f"counters: {cfg['pi2_mode']}",
         "",
         "| condition | started (cpu+mem) | n | pi1 | pi2 (src) | measured ms median (mean) | "
-        "runtime pred ms | runtime err % | offline pred ms | offline err % | "
-        f"{alt} pi1 / pi2 | {alt} err % | load 1m |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "runtime pred ms | runtime err % | + forward feedback pred ms | err % (per batch) | "
+        f"offline pred ms | offline err % | {alt} pi1 / pi2 | {alt} err % | load 1m |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in res.conditions:
         lines.append(
             f"| {c.name} | {c.compute_procs}+{c.memory_procs} | {c.competing:g} | {c.pi1:.3f} | "
             f"{c.pi2:.3f} ({c.pi2_source}) | {c.measured_ms:.1f} ({c.measured_mean_ms:.1f}) | "
             f"{c.runtime_pred_ms:.1f} | "
-            f"{c.err_runtime_pct:.1f} | {c.offline_pred_ms:.1f} | {c.err_offline_pct:.1f} | "
+            f"{c.err_runtime_pct:.1f} | {c.feedback_pred_ms:.1f} | {c.err_feedback_pct:.1f} "
+            f"({c.err_feedback_per_batch_pct:.1f}) | "
+            f"{c.offline_pred_ms:.1f} | {c.err_offline_pct:.1f} | "
             f"{c.pi1_alt:.3f} / {c.pi2_alt:.3f} | {c.err_runtime_alt_pct:.1f} | "
             f"{c.loadavg_1m:.2f} |")
-    lines += ["", *(f"- {k} skipped: {v}" for k, v in res.skipped.items()),
+    lines += ["", "- runtime: offline profile x Eq. 4 with pi1/pi2 from telemetry; + forward "
+              "feedback: the same rescaled so its forward equals the forward measured on the "
+              "batch (predictor.forward_feedback: what the engine plans with)",
+              *(f"- {k} skipped: {v}" for k, v in res.skipped.items()),
               f"- load average (1/5/15 min) start {tuple(round(v, 2) for v in res.loadavg_start)}"
               f", end {tuple(round(v, 2) for v in res.loadavg_end)}"]
     return "\n".join(lines) + "\n"
@@ -458,12 +485,14 @@ def plot_errors(res: BenchResult, path: Path) -> Path:
 
     names = [c.name for c in res.conditions]
     pos = np.arange(len(names))
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.bar(pos - 0.27, [c.err_runtime_pct for c in res.conditions], 0.27,
-           label=f"runtime ({res.config['model']})")
+    fig, ax = plt.subplots(figsize=(7, 3.5))
     alt = next(m for m in MODELS if m != res.config["model"])
-    ax.bar(pos, [c.err_runtime_alt_pct for c in res.conditions], 0.27, label=f"runtime ({alt})")
-    ax.bar(pos + 0.27, [c.err_offline_pct for c in res.conditions], 0.27, label="offline only")
+    bars = ((f"runtime ({res.config['model']})", "err_runtime_pct"),
+            ("+ forward feedback (engine)", "err_feedback_pct"),
+            (f"runtime ({alt})", "err_runtime_alt_pct"), ("offline only", "err_offline_pct"))
+    for i, (label, key) in enumerate(bars):
+        ax.bar(pos + (i - 1.5) * 0.2, [getattr(c, key) for c in res.conditions], 0.2,
+               label=label)
     ax.axhline(5.0, color="k", ls="--", lw=0.8, label="5 % goal")
     ax.set_xticks(pos, names)
     ax.set_ylabel("backward latency error %")

@@ -262,6 +262,26 @@ def test_config_validation() -> None:
         AdaShadowEngine(staged, EngineConfig(), profile=bad)
 
 
+def test_measured_split_times_the_dx_chain_with_parameters_frozen(monkeypatch) -> None:
+    """split="measured": x_l from a parameter-frozen backward, w_l = b_l - x_l, both >= 0."""
+    staged = _staged("small_resnet", 32)
+    real, frozen = profiler._one_run, []
+
+    def spy(st, x, now):
+        frozen.append(not any(p.requires_grad for p in st.model.parameters()))
+        return real(st, x, now)
+    monkeypatch.setattr(profiler, "_one_run", spy)
+    prof = profiler.profile_model(staged, batch=2, repeats=2, split="measured")
+    assert frozen == [False, True] * 3  # warm-up + 2 repeats, each full then dx-only
+    assert (prof.w_ms >= 0).all() and (prof.x_ms >= 0).all() and prof.x_ms.sum() > 0
+    assert all(p.requires_grad for p in staged.model.parameters())  # restored
+    ratio = prof.w_ms / np.maximum(prof.w_ms + prof.x_ms, 1e-12)
+    dw = np.array([u.macs_dw / (u.macs_dw + u.macs_dx) for u in staged.units])
+    assert not np.allclose(ratio, dw, rtol=1e-3)  # not the MAC split
+    with pytest.raises(ValueError, match="split"):
+        profiler.profile_model(staged, batch=2, repeats=1, split="guess")
+
+
 def test_profiler_sums_and_cli(tmp_path) -> None:
     staged = _staged("small_resnet", 32)
     r, b, fwd = profiler._one_run(staged, torch.randn(2, 3, 32, 32),

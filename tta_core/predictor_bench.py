@@ -54,6 +54,7 @@ from tta_core.calibration import BusyProcesses
 from tta_core.expansion import MODELS, PI2_MODES, ExpansionModel, OfflineReference
 from tta_core.losses import entropy_loss
 from tta_core.predictor import Calibration, UnitProfile, forward_feedback, runtime_times
+from tta_core.profiler import SPLITS
 from tta_core.telemetry.bandwidth_probe import BandwidthProbe
 from tta_core.units import StagedModel
 
@@ -82,6 +83,7 @@ class BenchConfig:
     pi2_mode: str = "probe"
     probe_window: int = 8  # pi2 probe: mean bandwidth of the last k probes (a monitor's smoothing)
     model: str = "share"  # headline runtime model (both are evaluated)
+    split: str = "macs"  # profiler split of a unit's backward into dw / dx
     cores: int = 0  # CPUs the scheduler shares ("share" model); 0 = this process's affinity
 
     def __post_init__(self) -> None:
@@ -90,6 +92,8 @@ class BenchConfig:
             raise ValueError(f"conditions must be among {tuple(CONDITIONS)}, got {bad or ()}")
         if self.pi2_mode not in PI2_MODES:
             raise ValueError(f"pi2_mode must be one of {PI2_MODES}, got {self.pi2_mode!r}")
+        if self.split not in SPLITS:
+            raise ValueError(f"split must be one of {SPLITS}, got {self.split!r}")
         if self.model not in MODELS:
             raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
         if self.cores < 0:
@@ -384,7 +388,7 @@ def offline_phase(staged: StagedModel, cfg: BenchConfig, sampler: Any,
     from tta_core.profiler import profile_model
 
     t0 = time.monotonic()
-    profile = profile_model(staged, cfg.batch_size, cfg.profile_repeats,
+    profile = profile_model(staged, cfg.batch_size, cfg.profile_repeats, split=cfg.split,
                             input_shape=(3, cfg.image_size, cfg.image_size))
     elapsed = time.monotonic() - t0
     time.sleep(max(0.0, 1.05 - elapsed))

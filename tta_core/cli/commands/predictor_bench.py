@@ -21,6 +21,7 @@ from tta_core.predictor_bench import (
     run_bench,
     write_outputs,
 )
+from tta_core.profiler import SPLITS
 
 NAME = "predictor-bench"
 HELP = "runtime vs offline latency predictor error under competing processes (Table 9)"
@@ -44,6 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--conditions", type=_conditions, default=tuple(CONDITIONS),
                         help="comma list of offline,dr2,dr3,dr4 (default: all)")
     parser.add_argument("--sigma", type=float, default=0.5, help="budget of the fixed plan")
+    parser.add_argument("--split", choices=SPLITS, default="macs",
+                        help="profiler: dw/dx split of a unit's backward (see `tta profile`)")
     parser.add_argument("--pi2", choices=PI2_MODES, default="probe",
                         help="pi2 without cache counters: probe (DRAM bandwidth probe, a "
                              "deviation from the paper) or perf (hit rate only, else 1)")
@@ -84,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = BenchConfig(arch=args.arch, image_size=args.image_size, batch_size=args.batch_size,
                       batches=args.batches, threads=args.threads, conditions=args.conditions,
                       sigma=args.sigma, max_condition_s=args.max_condition_s,
-                      pi2_mode=args.pi2, model=args.model)
+                      pi2_mode=args.pi2, model=args.model, split=args.split)
     out = args.out or Path("runs") / f"predictor-bench-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     total = 1 + cfg.batches * len(cfg.conditions)

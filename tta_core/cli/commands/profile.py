@@ -11,7 +11,7 @@ import torch
 
 from tta_core.engine import set_bn_mode
 from tta_core.models import ARCHS, build_model
-from tta_core.profiler import device_name, profile_model
+from tta_core.profiler import SPLITS, device_name, profile_model
 from tta_core.units import decompose
 
 NAME = "profile"
@@ -24,6 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--num-classes", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--split", choices=SPLITS, default="macs",
+                        help="how a unit's backward divides into dw and dx: by MACs (paper) "
+                             "or measured with a second, parameter-frozen backward")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--bn-mode", default="batch", choices=("batch", "source"))
@@ -48,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
     set_bn_mode(model, args.bn_mode)
     shape = (3, args.image_size, args.image_size)
     staged = decompose(model, shape, args.arch)
-    prof = profile_model(staged, batch=args.batch_size, repeats=args.repeats)
+    prof = profile_model(staged, batch=args.batch_size, repeats=args.repeats, split=args.split)
     out = args.out or default_path(args.arch, device_name(device))
     out.parent.mkdir(parents=True, exist_ok=True)
     prof.save(out)

@@ -4,6 +4,8 @@ Median wall time per batch over `--batches` batches after `--warmup` warm-ups, w
 per-phase split, and the ratio AdaShadow / Tent measured in the same run (AdaShadow §5:
 2x-3.5x faster than Tent). Default: torchvision ResNet-50, batch 4, 224 px, 2 threads.
 AdaShadow runs with a measured offline profile (`tta profile`) unless --no-profile.
+`--sweep 0.25,0.4,0.5` adds AdaShadow at other sigmas to the same rounds and `--plot` draws
+latency / Tent and the units updated against sigma.
 """
 
 from __future__ import annotations
@@ -58,6 +60,30 @@ def _bench(methods: dict, xs: list[torch.Tensor], warmup: int) -> dict:
             for n in methods}
 
 
+def _plot(by_sigma: dict, tent_ms: float, report: dict, path: str) -> None:
+    """Latency / Tent's and median units updated against sigma."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sig = sorted(by_sigma)
+    fig, ax = plt.subplots(figsize=(5.5, 3.5))
+    ax.plot(sig, [by_sigma[s]["median_ms"] / tent_ms for s in sig], "o-", label="AdaShadow / Tent")
+    ax.axhline(0.4, color="k", ls="--", lw=0.8, label="0.4 goal")
+    ax.set_xlabel("sigma (budget / full-update latency)")
+    ax.set_ylabel("latency ratio to Tent")
+    ax2 = ax.twinx()
+    ax2.plot(sig, [statistics.median(by_sigma[s]["units_updated"]) for s in sig], "s:", color="C1")
+    ax2.set_ylabel("units updated (median)", color="C1")
+    ax.set_title(f"{report['arch']} {report['image_size']} px, batch {report['batch_size']}, "
+                 f"{report['threads']} threads", fontsize=9)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--arch", default="resnet50")
@@ -68,7 +94,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--sigma", type=float, default=0.33)
     ap.add_argument("--no-profile", action="store_true")
+    ap.add_argument("--sweep", default="", help="comma list of extra sigmas for AdaShadow")
+    ap.add_argument("--plot", default="", help="PNG path: ratio to Tent vs sigma")
     args = ap.parse_args(argv)
+    try:
+        sweep = sorted({float(v) for v in args.sweep.split(",") if v.strip()} - {args.sigma})
+    except ValueError as exc:
+        ap.error(f"--sweep {args.sweep!r}: {exc}")
     torch.set_num_threads(args.threads)
     shape = (3, args.image_size, args.image_size)
     gen = torch.Generator().manual_seed(0)
@@ -83,12 +115,16 @@ def main(argv: list[str] | None = None) -> dict:
         set_bn_mode(pm, "batch")
         prof = profile_model(decompose(pm, shape, args.arch), batch=args.batch_size, repeats=5)
     methods = {}
-    for name, cfg in (("source", {}), ("tent", {}),
-                      ("adashadow", {"sigma": args.sigma, "profile": prof})):
+    runs = [("source", "source", {}), ("tent", "tent", {}),
+            ("adashadow", "adashadow", {"sigma": args.sigma, "profile": prof})]
+    runs += [(f"adashadow@{sg:g}", "adashadow", {"sigma": sg, "profile": prof}) for sg in sweep]
+    for key, name, cfg in runs:
         torch.manual_seed(0)
-        methods[name] = build_method(name, build_model(args.arch, 10), input_shape=shape,
-                                     arch=args.arch, **cfg)
+        methods[key] = build_method(name, build_model(args.arch, 10), input_shape=shape,
+                                    arch=args.arch, **cfg)
     results = _bench(methods, xs, args.warmup)
+    by_sigma = {args.sigma: results["adashadow"], **{sg: results[f"adashadow@{sg:g}"]
+                                                     for sg in sweep}}
     report = {
         "arch": args.arch, "image_size": args.image_size, "batch_size": args.batch_size,
         "threads": args.threads, "batches": args.batches, "sigma": args.sigma,
@@ -105,7 +141,12 @@ def main(argv: list[str] | None = None) -> dict:
         "ratio_adashadow_source": (results["adashadow"]["median_ms"]
                                    / results["source"]["median_ms"]),
         "ratio_tent_source": results["tent"]["median_ms"] / results["source"]["median_ms"],
+        "ratio_adashadow_tent_by_sigma": {
+            f"{sg:g}": round(r["median_ms"] / results["tent"]["median_ms"], 4)
+            for sg, r in sorted(by_sigma.items())},
     }
+    if args.plot:
+        _plot(by_sigma, results["tent"]["median_ms"], report, args.plot)
     print(json.dumps(report, indent=1))
     return report
 

@@ -358,3 +358,37 @@ def test_resource_monitor_calibration_fills_expansion(ros_context, tmp_path) -> 
         with pytest.raises((ValueError, InvalidParameterValueException), match=name):
             ResourceMonitorNode("rm_bad", context=ros_context, parameter_overrides=[
                 *off, Parameter(name, value=value)])
+
+
+@pytest.mark.parametrize("feedback", [True, False])
+def test_scheduler_plans_with_the_engines_forward_feedback(ros_context, tmp_path,
+                                                           feedback: bool) -> None:
+    """With a measured profile the scheduler rescales it to the batch's measured forward,
+    as the perception engine does inline (predictor.planning_times)."""
+    from tta_core.predictor import UnitProfile
+
+    probe = SchedulerNode(context=ros_context, parameter_overrides=[
+        Parameter("model_card", value=str(CARD))])
+    names = probe.layout.unit_names
+    probe.destroy_node()
+    n = len(names)
+    prof = UnitProfile(model="small_resnet", device="cpu", batch_size=4,
+                       input_shape=(3, 32, 32), unit_names=names, w_ms=np.full(n, 0.2),
+                       x_ms=np.full(n, 0.1), r_ms=np.full(n, 0.3), eta=np.ones(n),
+                       forward_ms=0.3 * n)
+    prof.save(tmp_path / "p.json")
+    node = SchedulerNode(context=ros_context, parameter_overrides=[
+        Parameter("model_card", value=str(CARD)), Parameter("profile", value=str(tmp_path /
+                                                                                "p.json")),
+        Parameter("forward_feedback", value=feedback)])
+    try:
+        imp = LayerImportance(unit_names=names, importance=[1.0] * n, batch_size=4,
+                              forward_ms=2 * 0.3 * n)  # this batch ran twice as slow
+        plan, unit_ms = node._solve(imp)
+        k = 2.0 if feedback else 1.0  # no telemetry: pi1 = pi2 = 1
+        np.testing.assert_allclose(unit_ms, np.full(n, 0.3 * k), rtol=1e-6)
+        # T = T_f + sum w + sum_{l >= 2} x + sum r, every time scaled by k
+        full = imp.forward_ms + k * (0.2 * n + 0.1 * (n - 1) + 0.3 * n)
+        assert plan.full_ms == pytest.approx(full, rel=1e-6)
+    finally:
+        node.destroy_node()

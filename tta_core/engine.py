@@ -243,24 +243,27 @@ class AdaShadowEngine:
         self._last_forward_ms = ms
         return _Forward(logits, stats, inputs, ms, grad_stage)
 
+    def _profile_for(self, batch: int, input_shape: tuple[int, ...]) -> predictor.UnitProfile:
+        """The offline profile, or MAC-proportional times (only their shape matters: they
+        are always scaled to each batch's measured forward, so one serves every batch)."""
+        if self.profile is not None:
+            return self.profile
+        if self._mac_profile is None:
+            self._mac_profile = mac_profile(self.staged, 1.0, batch, input_shape)
+        return self._mac_profile
+
     def _unit_times(self, batch: int, input_shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
-        """Predicted w, x, r before forward feedback (profile, or MAC shape if none)."""
-        prof = self.profile
-        if prof is None:
-            # MAC-proportional times: only their shape matters, they are scaled to each
-            # batch's measured forward, so one profile serves every batch
-            if self._mac_profile is None:
-                self._mac_profile = mac_profile(self.staged, 1.0, batch, input_shape)
-            prof = self._mac_profile
-        return predictor.runtime_times(prof, self.config.pi1, self.config.pi2)
+        """Predicted w, x, r before forward feedback."""
+        return predictor.runtime_times(self._profile_for(batch, input_shape), self.config.pi1,
+                                       self.config.pi2)
 
     def _scaled(self) -> bool:
         return self.profile is None or self.config.forward_feedback
 
     def _times(self, fwd: _Forward, x: Tensor) -> tuple[np.ndarray, ...]:
-        w, dx, r = self._unit_times(x.shape[0], tuple(x.shape[1:]))
-        if self._scaled() and r.sum() > 0 and fwd.forward_ms > 0:
-            w, dx, r = predictor.forward_feedback(w, dx, r, fwd.forward_ms)
+        w, dx, r = predictor.planning_times(self._profile_for(x.shape[0], tuple(x.shape[1:])),
+                                            self.config.pi1, self.config.pi2, fwd.forward_ms,
+                                            feedback=self._scaled())
         if self.lazy:
             r = 2.0 * r  # the tail runs twice: with autograd for the backward, then again
         return w, dx, r

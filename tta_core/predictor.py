@@ -228,6 +228,17 @@ def forward_feedback(w: np.ndarray, x: np.ndarray, r: np.ndarray,
     return w * k, x * k, r * k
 
 
+def planning_times(profile: UnitProfile, pi1: float, pi2: float, forward_ms: float,
+                   feedback: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The (w, x, r) the planner uses: Eq. 4 runtime times, then, with `feedback` and a
+    measured forward (> 0), rescaled to that forward (forward_feedback). One function for
+    the engine and the ROS scheduler, so both plan with the same predictor."""
+    w, x, r = runtime_times(profile, pi1, pi2)
+    if feedback and math.isfinite(forward_ms) and forward_ms > 0 and float(np.sum(r)) > 0:
+        return forward_feedback(w, x, r, forward_ms)
+    return w, x, r
+
+
 def eta_from_macs(
     macs: np.ndarray | float,
     bytes_moved: np.ndarray | float,

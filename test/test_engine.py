@@ -262,22 +262,44 @@ def test_config_validation() -> None:
         AdaShadowEngine(staged, EngineConfig(), profile=bad)
 
 
-def test_measured_split_times_the_dx_chain_with_parameters_frozen(monkeypatch) -> None:
-    """split="measured": x_l from a parameter-frozen backward, w_l = b_l - x_l, both >= 0."""
-    staged = _staged("small_resnet", 32)
-    real, frozen = profiler._one_run, []
+def test_plan_fit_recovers_the_cost_model_exactly() -> None:
+    """fit_plan_times identifies w and x (x_0 aside) from suffix and single-unit plans."""
+    from tta_core.planner import backward_cost
 
-    def spy(st, x, now):
-        frozen.append(not any(p.requires_grad for p in st.model.parameters()))
-        return real(st, x, now)
-    monkeypatch.setattr(profiler, "_one_run", spy)
-    prof = profiler.profile_model(staged, batch=2, repeats=2, split="measured")
-    assert frozen == [False, True] * 3  # warm-up + 2 repeats, each full then dx-only
-    assert (prof.w_ms >= 0).all() and (prof.x_ms >= 0).all() and prof.x_ms.sum() > 0
+    rng = np.random.default_rng(11)
+    for n in (1, 2, 7, 19):
+        w, x = rng.random(n) * 3, rng.random(n)
+        x[0] = 0.0
+        idx = np.arange(n)
+        suffix = np.array([backward_cost(w, x, idx >= d) for d in range(n)])
+        single = np.array([backward_cost(w, x, idx == d) for d in range(n)])
+        fw, fx = profiler.fit_plan_times(suffix, single)
+        for _ in range(5):  # any plan's cost is reproduced
+            plan = rng.random(n) < 0.5
+            assert backward_cost(fw, fx, plan) == pytest.approx(backward_cost(w, x, plan))
+        if n > 1:  # w_0 and x_1 always occur together: only their sum is identified
+            w[0], x[1] = w[0] + x[1], 0.0
+        np.testing.assert_allclose(fw, w, atol=1e-9)
+        np.testing.assert_allclose(fx, x, atol=1e-9)
+    with pytest.raises(ValueError, match="finite"):
+        profiler.fit_plan_times(np.array([1.0, np.nan]), np.array([1.0, 1.0]))
+
+
+def test_plans_split_profiles_sparse_backwards(monkeypatch) -> None:
+    staged = _staged("small_resnet", 32)
+    calls: list[int] = []
+    real = torch.autograd.grad
+
+    def spy(outputs, inputs, *a, **k):
+        calls.append(len(inputs))
+        return real(outputs, inputs, *a, **k)
+    monkeypatch.setattr(torch.autograd, "grad", spy)
+    prof = profiler.profile_model(staged, batch=2, repeats=1, split="plans")
+    n = len(staged.units)
+    assert len(calls) == 2 * 2 * n  # warm-up + 1 repeat, each N suffix + N single plans
+    assert (prof.w_ms >= 0).all() and (prof.x_ms >= 0).all() and prof.w_ms.sum() > 0
+    assert prof.x_ms[0] == 0.0  # never enters a cost
     assert all(p.requires_grad for p in staged.model.parameters())  # restored
-    ratio = prof.w_ms / np.maximum(prof.w_ms + prof.x_ms, 1e-12)
-    dw = np.array([u.macs_dw / (u.macs_dw + u.macs_dx) for u in staged.units])
-    assert not np.allclose(ratio, dw, rtol=1e-3)  # not the MAC split
     with pytest.raises(ValueError, match="split"):
         profiler.profile_model(staged, batch=2, repeats=1, split="guess")
 

@@ -6,11 +6,16 @@ are charged to the unit that follows them and sum(r) ≈ the forward time.
 Backward b_l: tensor hooks timestamp the arrival of the gradient at every unit's input
 during one full backward; sorted by arrival, b_l is the gap since the previous arrival.
 The split of b_l into ∂w and ∂x: split="macs" (default) divides b_l by the unit's MAC
-ratio, as the paper does; split="measured" runs a second backward with every parameter
-frozen, which computes only the ∂x chain: its gaps are x_l and w_l = b_l - x_l. On this
-CPU "measured" predicted the small net's sparse backward better (64 px, batch 64: 0.6 % /
-5.6 % error vs 3.3 % / 13.8 %) and ResNet-50's worse (-4.7 % vs -1.2 %). Median over
-`repeats` runs after one warm-up.
+ratio, as the paper does. split="plans" instead fits w and x to what the planner's cost
+model is about: the measured sparse backward T_b'(S) of 2N plans, every suffix {d..N-1}
+and every single unit {d} (one forward, the backwards on the retained graph), by
+non-negative least squares; the linear model of DESIGN §3 is identified exactly by these
+plans. A unit's kernels do not cost inside a full backward what they cost in a sparse one
+(measured: the same conv backward node 25-35 % slower), so timings cut out of one full
+backward misjudge sparse plans: on this CPU "plans" cut the median error on random sparse
+plans from 7.2 % to 1.9 % (ResNet-50, 224 px, batch 4) and from 25.7 % to 10.1 % (small
+net, 64 px, batch 64), at 2N extra backwards per repeat (at most 3 repeats; ResNet-50 at
+batch 4 on one thread: ~3 min). Median over `repeats` runs after one warm-up.
 """
 
 from __future__ import annotations
@@ -102,7 +107,52 @@ def _one_run(staged: StagedModel, x: Tensor, now: Callable[[], float]) -> tuple:
     return r * 1e3, b * 1e3, (t1 - t0) * 1e3
 
 
-SPLITS = ("measured", "macs")
+SPLITS = ("macs", "plans")
+
+
+def _plan_times(staged: StagedModel, x: Tensor, repeats: int,
+                now: Callable[[], float]) -> tuple[np.ndarray, np.ndarray]:
+    """Median ms of the sparse backward of every suffix plan {d..N-1} and single {d}."""
+    n = len(staged.units)
+    groups = [u.parameters() for u in staged.units]
+    suffix, single = np.zeros((repeats, n)), np.zeros((repeats, n))
+    for k in range(repeats + 1):  # k = 0 warms up
+        with torch.enable_grad():
+            logits = staged.model(x)
+            loss = logits.float().logsumexp(1).mean()
+        for d in range(n - 1, -1, -1):
+            for out, params in ((suffix, [p for g in groups[d:] for p in g]), (single, groups[d])):
+                t0 = now()
+                torch.autograd.grad(loss, params, retain_graph=True)
+                if k:
+                    out[k - 1, d] = (now() - t0) * 1e3
+        del loss, logits
+    return np.median(suffix, axis=0), np.median(single, axis=0)
+
+
+def fit_plan_times(suffix_ms: np.ndarray, single_ms: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(w, x) >= 0 minimising the squared error of the DESIGN §3 backward cost
+    T_b'(S) = sum_{l in S} w_l + sum_{l > min S} x_l on the measured suffix plans
+    {d..N-1} and single-unit plans {d}. x_0 never enters a cost (0 here); w_0 and x_1
+    enter every cost and T only as their sum, which is returned in w_0 (x_1 = 0)."""
+    from scipy.optimize import nnls
+
+    suffix_ms, single_ms = np.asarray(suffix_ms, float), np.asarray(single_ms, float)
+    n = suffix_ms.shape[0]
+    if n < 1 or single_ms.shape != (n,) or not np.all(np.isfinite(suffix_ms)) \
+            or not np.all(np.isfinite(single_ms)):
+        raise ValueError(f"need finite suffix and single times of equal length, got "
+                         f"{suffix_ms.shape} and {single_ms.shape}")
+    a = np.zeros((2 * n, 2 * n - 1))  # columns: w_0..w_{n-1}, x_1..x_{n-1}
+    for d in range(n):
+        a[d, d:n] = 1.0
+        a[n + d, d] = 1.0
+        a[[d, n + d], n + d:] = 1.0  # sum_{l > d} x_l
+    sol, _ = nnls(a, np.concatenate([suffix_ms, single_ms]))
+    w, x = sol[:n].copy(), np.concatenate([[0.0], sol[n:]])
+    if n > 1:
+        w[0], x[1] = w[0] + x[1], 0.0
+    return w, x
 
 
 def profile_model(staged: StagedModel, batch: int = 4, repeats: int = 5,
@@ -118,29 +168,24 @@ def profile_model(staged: StagedModel, batch: int = 4, repeats: int = 5,
     now = _clock(p.device.type == "cuda")
     grad_state = {q: q.requires_grad for q in staged.model.parameters()}
     staged.model.requires_grad_(True)
-    runs, x_runs = [], []
+    runs = []
     try:
         gen = torch.Generator(device="cpu").manual_seed(0)
         x = torch.randn(batch, *shape, generator=gen).to(p.device, p.dtype)
         for i in range(repeats + 1):
-            staged.model.requires_grad_(True)
             res = _one_run(staged, x, now)
             staged.model.zero_grad(set_to_none=True)
-            if split == "measured":  # the ∂x chain alone: parameters frozen
-                staged.model.requires_grad_(False)
-                x_res = _one_run(staged, x, now)
             if i > 0:  # the first run warms up allocators and kernels
                 runs.append(res)
-                if split == "measured":
-                    x_runs.append(x_res[1])
+        # the 2N plan backwards cost about N full backwards per repeat: at most 3 repeats
+        plans = _plan_times(staged, x, min(repeats, 3), now) if split == "plans" else None
     finally:
         for q, flag in grad_state.items():
             q.requires_grad_(flag)
     r = np.median(np.stack([a for a, _, _ in runs]), axis=0)
     b = np.median(np.stack([bb for _, bb, _ in runs]), axis=0)
-    if split == "measured":
-        x_ms = np.minimum(np.median(np.stack(x_runs), axis=0), b)
-        w_ms = b - x_ms
+    if plans is not None:
+        w_ms, x_ms = fit_plan_times(*plans)
     else:
         dx = np.array([u.macs_dx for u in staged.units], dtype=np.float64)
         dw = np.array([u.macs_dw for u in staged.units], dtype=np.float64)

@@ -26,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--split", choices=SPLITS, default="macs",
                         help="how a unit's backward divides into dw and dx: by MACs (paper) "
-                             "or measured with a second, parameter-frozen backward")
+                             "or fitted to measured sparse-plan backwards (slower, closer; "
+                             "see tta_core.profiler)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--bn-mode", default="batch", choices=("batch", "source"))

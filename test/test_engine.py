@@ -312,7 +312,8 @@ def test_profiler_sums_and_cli(tmp_path) -> None:
     assert (r >= 0).all() and (b >= 0).all() and b.sum() > 0
     out = tmp_path / "p.json"
     assert cli_main(["profile", "--arch", "small_resnet", "--batch-size", "2",
-                     "--image-size", "32", "--repeats", "2", "--out", str(out)]) == 0
+                     "--image-size", "32", "--repeats", "2", "--split", "macs",
+                     "--out", str(out)]) == 0
     prof = UnitProfile.load(out)
     assert prof.unit_names == [u.name for u in staged.units] and prof.device == "cpu"
     ratio = prof.w_ms / np.maximum(prof.w_ms + prof.x_ms, 1e-12)

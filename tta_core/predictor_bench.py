@@ -83,7 +83,7 @@ class BenchConfig:
     pi2_mode: str = "probe"
     probe_window: int = 8  # pi2 probe: mean bandwidth of the last k probes (a monitor's smoothing)
     model: str = "share"  # headline runtime model (both are evaluated)
-    split: str = "macs"  # profiler split of a unit's backward into dw / dx
+    split: str = "plans"  # profiler split of a unit's backward into dw / dx (profiler.SPLITS)
     cores: int = 0  # CPUs the scheduler shares ("share" model); 0 = this process's affinity
 
     def __post_init__(self) -> None:

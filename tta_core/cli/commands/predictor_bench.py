@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--conditions", type=_conditions, default=tuple(CONDITIONS),
                         help="comma list of offline,dr2,dr3,dr4 (default: all)")
     parser.add_argument("--sigma", type=float, default=0.5, help="budget of the fixed plan")
-    parser.add_argument("--split", choices=SPLITS, default="macs",
+    parser.add_argument("--split", choices=SPLITS, default="plans",
                         help="profiler: dw/dx split of a unit's backward (see `tta profile`)")
     parser.add_argument("--pi2", choices=PI2_MODES, default="probe",
                         help="pi2 without cache counters: probe (DRAM bandwidth probe, a "

@@ -191,6 +191,7 @@ def test_relative_pi1_and_pi2_by_hand() -> None:
     assert pi2 == pytest.approx((0.6 + 0.4 * 4) / (0.8 + 0.2 * 4))
     # no hit rate: the probe gives b_off / b_now
     assert estimate_pi2(NAN, 10.0, _ref(bw=30.0), cal, "probe") == (3.0, "probe")
+    assert estimate_pi2(NAN, 40.0, _ref(bw=30.0), cal, "probe") == (1.0, "probe")  # noise
     assert estimate_pi2(NAN, 10.0, _ref(bw=30.0), cal, "perf") == (1.0, "none")
     assert estimate_pi2(NAN, 10.0, _ref(bw=NAN), cal, "probe") == (1.0, "none")
     assert estimate_pi2(NAN, 0.0, _ref(bw=30.0), cal, "probe") == (1.0, "none")

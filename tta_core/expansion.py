@@ -121,7 +121,10 @@ def relative_pi1(freq_mhz: float, competing: float, ref: OfflineReference,
 def estimate_pi2(hit_rate: float, probe_bw: float, ref: OfflineReference, cal: Calibration,
                  mode: str) -> tuple[float, str]:
     """(pi2 before sharing, source): the hit-rate formula when phi is known ("perf"), else
-    b_off / b_now of the bandwidth probe (mode "probe", both measured), else (1, "none").
+    max(1, b_off / b_now) of the bandwidth probe (mode "probe", both measured), else
+    (1, "none"). The probe detects contention; a reading above the reference bandwidth is
+    probe noise (idle runs read 0.83-1.65x the reference on the test VM), not a machine
+    faster than when it was profiled, so it never lowers pi2 below 1.
 
     The hit rate is normalised by the reference's hit rate when known, else by the
     calibration's cache_hit_offline.
@@ -131,7 +134,7 @@ def estimate_pi2(hit_rate: float, probe_bw: float, ref: OfflineReference, cal: C
             cal = replace(cal, cache_hit_offline=ref.cache_hit_rate)
         return memory_expansion(hit_rate, cal), "perf"
     if mode == "probe" and _known_positive(probe_bw) and _known_positive(ref.probe_bw_gbs):
-        return ref.probe_bw_gbs / probe_bw, "probe"
+        return max(1.0, ref.probe_bw_gbs / probe_bw), "probe"
     return 1.0, "none"
 
 

@@ -65,7 +65,7 @@ def test_observe_evaluates_the_product_expansion_models() -> None:
     bench = _Bench(BenchConfig(threads=1, cores=2), profile, update, meas=None,
                    sampler=Sampler(), probe=Probe(), models=models)
     trace = _Trace()
-    bench.observe(trace)
+    pis = bench.observe(trace)
     # share: s(3) = 4/2 = 2 -> pi1 2, pi2 2 * 30/10; paper: 1 + 0.5 * 3, pi2 30/10
     assert (trace.pi1, trace.pi2, trace.share, trace.pi2_mem) == ([2.0], [6.0], [2.0], [3.0])
     assert (trace.pi1_alt, trace.pi2_alt, trace.pi2_src) == ([2.5], [3.0], ["probe"])
@@ -75,7 +75,9 @@ def test_observe_evaluates_the_product_expansion_models() -> None:
     # forward feedback: the share-model times rescaled so that their forward = the measured
     w, x, r = runtime_times(profile, 2.0, 6.0)
     k = 7.0 / r.sum()
-    assert bench.feedback_prediction(7.0) == pytest.approx(plan_backward_ms(w, x, update) * k)
+    assert pis == (2.0, 6.0)
+    assert bench.feedback_prediction(pis, 7.0) == pytest.approx(
+        plan_backward_ms(w, x, update) * k)
 
 
 def test_config_rejects_bad_values() -> None:

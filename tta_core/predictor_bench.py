@@ -53,7 +53,7 @@ from tta_core import planner
 from tta_core.calibration import BusyProcesses
 from tta_core.expansion import MODELS, PI2_MODES, ExpansionModel, OfflineReference
 from tta_core.losses import entropy_loss
-from tta_core.predictor import Calibration, UnitProfile, forward_feedback, runtime_times
+from tta_core.predictor import Calibration, UnitProfile, planning_times, runtime_times
 from tta_core.profiler import SPLITS
 from tta_core.telemetry.bandwidth_probe import BandwidthProbe
 from tta_core.units import StagedModel
@@ -266,15 +266,16 @@ class _Bench:
     sampler: Any  # TelemetrySampler
     probe: BandwidthProbe | None
     models: dict[str, ExpansionModel]  # both runtime models on the offline reference
-    _pis: tuple[float, float] = (1.0, 1.0)  # headline model's last (pi1, pi2)
 
-    def feedback_prediction(self, forward_ms: float) -> float:
-        """What the engine plans with: the runtime times rescaled to this batch's forward."""
-        w, x, _ = forward_feedback(*runtime_times(self.profile, *self._pis), forward_ms)
+    def feedback_prediction(self, pis: tuple[float, float], forward_ms: float) -> float:
+        """What the engine plans with (predictor.planning_times): the runtime times at
+        `pis` rescaled to this batch's measured forward."""
+        w, x, _ = planning_times(self.profile, *pis, forward_ms)
         return plan_backward_ms(w, x, self.update)
 
-    def observe(self, trace: _Trace) -> None:
-        """Telemetry + probe between batches -> pi1, pi2 and the runtime prediction."""
+    def observe(self, trace: _Trace) -> tuple[float, float]:
+        """Telemetry + probe between batches -> the runtime predictions; returns the headline
+        model's (pi1, pi2)."""
         s = self.sampler.sample()
         if self.probe is not None:
             trace.bw.append(self.probe.measure())
@@ -285,7 +286,6 @@ class _Bench:
         for ex, out in ((head, trace.runtime_pred), (alt, trace.alt_pred)):
             w, x, _ = runtime_times(self.profile, ex.pi1, ex.pi2)
             out.append(plan_backward_ms(w, x, self.update))
-        self._pis = (head.pi1, head.pi2)
         trace.pi1.append(head.pi1)
         trace.pi1_alt.append(alt.pi1)
         trace.pi2_alt.append(alt.pi2)
@@ -296,6 +296,7 @@ class _Bench:
         trace.competing.append(s.competing_processes)
         trace.hit.append(s.cache_hit_rate)
         trace.cpu.append(s.cpu_percent)
+        return head.pi1, head.pi2
 
 
 def _measure(bench: _Bench, tick: Callable[[int], None]) -> tuple[_Trace, bool, float]:
@@ -310,10 +311,10 @@ def _measure(bench: _Bench, tick: Callable[[int], None]) -> tuple[_Trace, bool, 
         if time.monotonic() - t0 > cfg.max_condition_s:
             truncated = True
             break
-        bench.observe(trace)
+        pis = bench.observe(trace)
         forward_ms, backward_ms = bench.meas.once()
         trace.measured.append(backward_ms)
-        trace.fb_pred.append(bench.feedback_prediction(forward_ms))
+        trace.fb_pred.append(bench.feedback_prediction(pis, forward_ms))
         tick(1)
     return trace, truncated, time.monotonic() - t0
 

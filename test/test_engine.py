@@ -291,12 +291,15 @@ def test_plans_split_profiles_sparse_backwards(monkeypatch) -> None:
     real = torch.autograd.grad
 
     def spy(outputs, inputs, *a, **k):
+        assert not k.get("retain_graph"), "each plan is timed after its own forward"
         calls.append(len(inputs))
         return real(outputs, inputs, *a, **k)
     monkeypatch.setattr(torch.autograd, "grad", spy)
     prof = profiler.profile_model(staged, batch=2, repeats=1, split="plans")
     n = len(staged.units)
-    assert len(calls) == 2 * 2 * n  # warm-up + 1 repeat, each N suffix + N single plans
+    n_params = sum(1 for _ in staged.model.parameters())
+    # one full warm-up, then 1 repeat of N suffix + N single plans
+    assert len(calls) == 1 + 2 * n and calls[0] == calls[-2] == n_params  # suffix d = 0
     assert (prof.w_ms >= 0).all() and (prof.x_ms >= 0).all() and prof.w_ms.sum() > 0
     assert prof.x_ms[0] == 0.0  # never enters a cost
     assert all(p.requires_grad for p in staged.model.parameters())  # restored
@@ -325,8 +328,8 @@ def test_profiler_sums_and_cli(tmp_path) -> None:
     assert res.plan is not None and res.plan.full_ms > prof.forward_ms
 
 
-@pytest.mark.parametrize("feedback", [True, False])
-def test_forward_feedback_rescales_profile(feedback: bool) -> None:
+@pytest.mark.parametrize("feedback", ["uniform", "off"])
+def test_forward_feedback_rescales_profile(feedback: str) -> None:
     staged = _staged("small_resnet", 32)
     prof = mac_profile(staged, 1000.0, 4, (3, 32, 32))  # a profile from a 1 s forward
     eng = AdaShadowEngine(staged, EngineConfig(forward_feedback=feedback, graph="full"),
@@ -334,8 +337,13 @@ def test_forward_feedback_rescales_profile(feedback: bool) -> None:
     res = eng.step(torch.randn(4, 3, 32, 32))
     tf = res.times.forward_ms
     rest = prof.w_ms.sum() + prof.x_ms[1:].sum() + prof.r_ms.sum()
-    k = tf / prof.r_ms.sum() if feedback else 1.0
+    k = tf / prof.r_ms.sum() if feedback == "uniform" else 1.0
     assert res.plan.full_ms == pytest.approx(tf + k * rest, rel=1e-9)
+
+
+def test_engine_rejects_an_unknown_feedback_mode() -> None:
+    with pytest.raises(ValueError, match="forward_feedback 'yes'"):
+        AdaShadowEngine(_staged("small_resnet", 32), EngineConfig(forward_feedback="yes"))
 
 
 def test_norm_only_engine_refuses_a_plan_with_conv_units_and_plans_only_norms() -> None:

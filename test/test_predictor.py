@@ -270,16 +270,67 @@ def test_calibration_reference_fields_validated() -> None:
             Calibration(**kwargs)
 
 
-def test_forward_feedback_rescales_to_the_measured_forward() -> None:
-    from tta_core.predictor import forward_feedback
+def _fb_profile(eta: list[float]) -> UnitProfile:
+    """Two units, reforward 3 ms and 1 ms."""
+    return UnitProfile(model="m", device="cpu", batch_size=1, input_shape=(3, 8, 8),
+                       unit_names=["u0", "u1"], w_ms=np.array([1.0, 2.0]),
+                       x_ms=np.full(2, 0.5), r_ms=np.array([3.0, 1.0]),
+                       eta=np.asarray(eta, float), forward_ms=4.0)
 
-    w, x, r = np.array([1.0, 2.0]), np.array([0.5, 0.5]), np.array([3.0, 1.0])
-    w2, x2, r2 = forward_feedback(w, x, r, 8.0)
-    assert r2.sum() == pytest.approx(8.0)
-    np.testing.assert_allclose(w2, w * 2)
-    np.testing.assert_allclose(x2, x * 2)
+
+def test_uniform_feedback_rescales_every_time_to_the_measured_forward() -> None:
+    from tta_core.predictor import feedback_pis, planning_times
+
+    prof = _fb_profile([3.0, 0.25])
+    w0, x0, r0 = runtime_times(prof, 1.5, 1.2)
+    w, x, r = planning_times(prof, 1.5, 1.2, 8.0, "uniform")
+    k = 8.0 / r0.sum()
+    assert r.sum() == pytest.approx(8.0)
+    np.testing.assert_allclose(w, w0 * k)
+    np.testing.assert_allclose(x, x0 * k)
+    assert feedback_pis(prof, 1.5, 1.2, 8.0, "uniform") == pytest.approx((1.5 * k, 1.2 * k))
+
+
+def test_memory_feedback_solves_pi2_from_the_forward_and_slows_memory_bound_units_more() -> None:
+    from tta_core.predictor import feedback_pis, planning_times
+
+    # unit 0 compute-bound (a = 3/4), unit 1 memory-bound (a = 1/5); r_off = 3, 1
+    prof = _fb_profile([3.0, 0.25])
+    pi1, pi2 = feedback_pis(prof, 1.0, 1.0, 4.6, "memory")
+    # hand: comp = 3*3/4 + 1*1/5 = 2.45, mem = 3/4 + 4/5 = 1.55; pi2 = (4.6 - 2.45) / 1.55
+    assert pi1 == 1.0 and pi2 == pytest.approx(2.15 / 1.55)
+    w, x, r = planning_times(prof, 1.0, 1.0, 4.6, "memory")
+    assert r.sum() == pytest.approx(4.6)  # the measured forward, exactly
+    # the forward slowed 4.6 / 4 = 1.15x; the memory-bound unit slows more, the other less
+    slow = r / prof.r_ms
+    assert slow[1] > 1.15 > slow[0] > 1.0
+    np.testing.assert_allclose(w / prof.w_ms, slow)
+    # telemetry's pi1 is kept: compute sharing it saw is not read as memory contention
+    assert feedback_pis(prof, 2.0, 2.0, 9.2, "memory") == pytest.approx((2.0, 2.0 + 1.2 / 1.55))
+
+
+def test_memory_feedback_falls_back_to_uniform_when_the_forward_is_faster() -> None:
+    from tta_core.predictor import feedback_pis
+
+    prof = _fb_profile([3.0, 0.25])
+    # telemetry says 2x, the forward ran only 1.5x: the load was overestimated
+    assert feedback_pis(prof, 2.0, 2.0, 6.0, "memory") == pytest.approx((1.5, 1.5))
+    assert feedback_pis(prof, 2.0, 2.0, 6.0, "memory") == \
+        pytest.approx(feedback_pis(prof, 2.0, 2.0, 6.0, "uniform"))
+
+
+def test_feedback_off_or_unmeasured_forward_keeps_the_telemetry_pis() -> None:
+    from tta_core.predictor import feedback_pis
+
+    prof = _fb_profile([3.0, 0.25])
+    assert feedback_pis(prof, 1.3, 1.1, 9.0, "off") == (1.3, 1.1)
     for bad in (0.0, -1.0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="forward_ms"):
-            forward_feedback(w, x, r, bad)
+        assert feedback_pis(prof, 1.3, 1.1, bad, "memory") == (1.3, 1.1)
+    with pytest.raises(ValueError, match="feedback mode"):
+        feedback_pis(prof, 1.0, 1.0, 4.0, "both")
+    with pytest.raises(ValueError, match="pi1"):
+        feedback_pis(prof, 0.0, 1.0, 4.0, "uniform")
+    zero = _fb_profile([3.0, 0.25])
+    zero.r_ms = np.zeros(2)
     with pytest.raises(ValueError, match="sum to > 0"):
-        forward_feedback(w, x, np.zeros(2), 8.0)
+        feedback_pis(zero, 1.0, 1.0, 4.0, "uniform")

@@ -16,7 +16,7 @@ import pytest
 from tta_core import planner
 from tta_core.cli import main
 from tta_core.expansion import MODELS, ExpansionModel, OfflineReference
-from tta_core.predictor import Calibration, UnitProfile, runtime_times
+from tta_core.predictor import Calibration, UnitProfile, feedback_pis, runtime_times
 from tta_core.predictor_bench import BenchConfig, _Bench, _Trace, plan_backward_ms
 from tta_core.telemetry import ResourceSample
 
@@ -76,8 +76,17 @@ def test_observe_evaluates_the_product_expansion_models() -> None:
     w, x, r = runtime_times(profile, 2.0, 6.0)
     k = 7.0 / r.sum()
     assert pis == (2.0, 6.0)
-    assert bench.feedback_prediction(pis, 7.0) == pytest.approx(
+    assert bench.feedback_prediction(pis, 7.0, "uniform") == pytest.approx(
         plan_backward_ms(w, x, update) * k)
+    # memory feedback: pi1 kept, pi2 solved so that the forward is the measured one
+    fast, slow = r.sum(), 2 * r.sum()
+    assert bench.feedback_prediction(pis, fast, "memory") == pytest.approx(
+        plan_backward_ms(w, x, update))  # the forward telemetry predicted: nothing to solve
+    p1, p2 = feedback_pis(profile, *pis, slow, "memory")
+    assert p1 == 2.0 and runtime_times(profile, p1, p2)[2].sum() == pytest.approx(slow)
+    w2, x2, _ = runtime_times(profile, p1, p2)
+    assert bench.feedback_prediction(pis, slow, "memory") == pytest.approx(
+        plan_backward_ms(w2, x2, update))
 
 
 def test_config_rejects_bad_values() -> None:

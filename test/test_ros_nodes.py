@@ -360,11 +360,12 @@ def test_resource_monitor_calibration_fills_expansion(ros_context, tmp_path) -> 
                 *off, Parameter(name, value=value)])
 
 
-@pytest.mark.parametrize("feedback", [True, False])
+@pytest.mark.parametrize("feedback", ["memory", "uniform", "off"])
 def test_scheduler_plans_with_the_engines_forward_feedback(ros_context, tmp_path,
-                                                           feedback: bool) -> None:
+                                                           feedback: str) -> None:
     """With a measured profile the scheduler rescales it to the batch's measured forward,
-    as the perception engine does inline (predictor.planning_times)."""
+    as the perception engine does inline (predictor.planning_times); without telemetry
+    "memory" degrades to "uniform" (pi1 = 1 is unknown, not measured)."""
     from tta_core.predictor import UnitProfile
 
     probe = SchedulerNode(context=ros_context, parameter_overrides=[
@@ -385,10 +386,43 @@ def test_scheduler_plans_with_the_engines_forward_feedback(ros_context, tmp_path
         imp = LayerImportance(unit_names=names, importance=[1.0] * n, batch_size=4,
                               forward_ms=2 * 0.3 * n)  # this batch ran twice as slow
         plan, unit_ms = node._solve(imp)
-        k = 2.0 if feedback else 1.0  # no telemetry: pi1 = pi2 = 1
+        k = 1.0 if feedback == "off" else 2.0  # no telemetry: pi1 = pi2 = 1
         np.testing.assert_allclose(unit_ms, np.full(n, 0.3 * k), rtol=1e-6)
         # T = T_f + sum w + sum_{l >= 2} x + sum r, every time scaled by k
         full = imp.forward_ms + k * (0.2 * n + 0.1 * (n - 1) + 0.3 * n)
         assert plan.full_ms == pytest.approx(full, rel=1e-6)
+    finally:
+        node.destroy_node()
+
+
+def test_scheduler_memory_feedback_uses_fresh_telemetry_pi1(ros_context, tmp_path) -> None:
+    """With live telemetry, "memory" keeps its pi1 and solves pi2 from the forward: units
+    of low eta (memory-bound) slow more than the forward did, unlike "uniform"."""
+    from tta_core.predictor import UnitProfile, planning_times
+
+    node = SchedulerNode(context=ros_context, parameter_overrides=[
+        Parameter("model_card", value=str(CARD))])
+    names = node.layout.unit_names
+    node.destroy_node()
+    n = len(names)
+    eta = np.where(np.arange(n) % 2 == 0, 4.0, 0.25)
+    prof = UnitProfile(model="small_resnet", device="cpu", batch_size=4,
+                       input_shape=(3, 32, 32), unit_names=names, w_ms=np.full(n, 0.2),
+                       x_ms=np.full(n, 0.1), r_ms=np.full(n, 0.3), eta=eta,
+                       forward_ms=0.3 * n)
+    prof.save(tmp_path / "p.json")
+    node = SchedulerNode(context=ros_context, parameter_overrides=[
+        Parameter("model_card", value=str(CARD)),
+        Parameter("profile", value=str(tmp_path / "p.json"))])  # default: "memory"
+    try:
+        node._on_telemetry(ResourceTelemetry(compute_expansion=1.5, memory_expansion=1.5))
+        imp = LayerImportance(unit_names=names, importance=[1.0] * n, batch_size=4,
+                              forward_ms=2 * 0.3 * n)
+        _plan, unit_ms = node._solve(imp)
+        want = planning_times(prof, 1.5, 1.5, imp.forward_ms, "memory")[2]
+        np.testing.assert_allclose(unit_ms, want, rtol=1e-6)
+        assert unit_ms.sum() == pytest.approx(imp.forward_ms, rel=1e-6)
+        slow = np.asarray(unit_ms) / 0.3
+        assert slow[eta < 1].min() > 2.0 > slow[eta > 1].max()  # the forward slowed 2x
     finally:
         node.destroy_node()

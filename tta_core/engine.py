@@ -46,9 +46,11 @@ class EngineConfig:
     reuse: bool = True  # reforward from the cached stage input (False: full reforward)
     pi1: float = 1.0  # compute expansion (predictor), updated from telemetry
     pi2: float = 1.0  # memory expansion
-    # scale the predicted unit times so that their forward matches this batch's measured
-    # forward: a closed-loop correction on top of pi1/pi2 for load the telemetry misses
-    forward_feedback: bool = True
+    # correct the predicted unit times by this batch's measured forward, on top of pi1/pi2,
+    # for load the telemetry misses (predictor.feedback_pis): "uniform" (every unit scaled
+    # alike; right when pi1/pi2 are not live telemetry), "memory" (pi2 solved from the
+    # forward; needs a live telemetry pi1), or "off"
+    forward_feedback: str = "uniform"
     # "norm": only BN/LayerNorm units are candidates (their affine parameters, as Tent),
     # "all": every unit (the paper's layer-wise reading). Entropy minimisation on conv or
     # classifier weights with small batches collapses to one class within a few hundred
@@ -71,7 +73,9 @@ class EngineConfig:
         for name, value, allowed in (("mode", self.mode, MODES), ("loss", self.loss, LOSSES),
                                      ("bn_mode", self.bn_mode, BN_MODES),
                                      ("trainable", self.trainable, TRAINABLE),
-                                     ("graph", self.graph, GRAPHS)):
+                                     ("graph", self.graph, GRAPHS),
+                                     ("forward_feedback", self.forward_feedback,
+                                      predictor.FEEDBACK_MODES)):
             if value not in allowed:
                 raise ValueError(f"{name} {value!r} not in {allowed}")
         if not 0.0 <= self.sigma <= 10.0 or math.isnan(self.sigma):
@@ -258,12 +262,16 @@ class AdaShadowEngine:
                                        self.config.pi2)
 
     def _scaled(self) -> bool:
-        return self.profile is None or self.config.forward_feedback
+        return self.profile is None or self.config.forward_feedback != "off"
+
+    def _feedback(self) -> str:
+        # MAC times are unitless shapes: only a uniform scale to the forward makes them ms
+        return "uniform" if self.profile is None else self.config.forward_feedback
 
     def _times(self, fwd: _Forward, x: Tensor) -> tuple[np.ndarray, ...]:
         w, dx, r = predictor.planning_times(self._profile_for(x.shape[0], tuple(x.shape[1:])),
                                             self.config.pi1, self.config.pi2, fwd.forward_ms,
-                                            feedback=self._scaled())
+                                            feedback=self._feedback())
         if self.lazy:
             r = 2.0 * r  # the tail runs twice: with autograd for the backward, then again
         return w, dx, r

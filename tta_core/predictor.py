@@ -210,33 +210,50 @@ def runtime_times(
     return k * profile.w_ms, k * profile.x_ms, k * profile.r_ms
 
 
-def forward_feedback(w: np.ndarray, x: np.ndarray, r: np.ndarray,
-                     forward_ms: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Scale predicted (w, x, r) so that sum(r) equals the forward just measured.
+#: forward feedback modes of planning_times (see feedback_pis)
+FEEDBACK_MODES = ("off", "uniform", "memory")
 
-    The closed-loop correction the engine plans with: the forward of the current batch ran
-    under the same load as its backward will, so its measured/predicted ratio also corrects
-    the backward for whatever the telemetry missed (AdaShadow's pi1/pi2 stay in charge of
-    how compute- and memory-bound units scale relative to each other).
+
+def feedback_pis(profile: UnitProfile, pi1: float, pi2: float, forward_ms: float,
+                 mode: str) -> tuple[float, float]:
+    """(pi1, pi2) corrected by the forward measured on this batch.
+
+    "uniform": both scaled by measured / predicted forward (every unit slows alike).
+    "memory": pi1 is the telemetry's (trusted), pi2 is re-solved so that Eq. 4 predicts
+    exactly the measured forward: the forward is a memory-contention probe on our own
+    workload. Units then slow by their own eta, so a backward more memory-bound than the
+    forward slows more than it (ResNet-50's top units), one less memory-bound slows less
+    (the small net's). The solved pi2 only ever raises the telemetry's pi2: a forward
+    faster than the telemetry predicts falls back to "uniform". Use "memory" only with a
+    live telemetry pi1: with pi1 = 1 standing for "unknown", unseen compute sharing would
+    be read as memory contention.
+    "off", or a forward that is not finite and > 0: (pi1, pi2) unchanged.
     """
-    total = float(np.sum(r))
-    if not (math.isfinite(forward_ms) and forward_ms > 0):
-        raise ValueError(f"forward_ms must be finite and > 0, got {forward_ms!r}")
-    if not (math.isfinite(total) and total > 0):
-        raise ValueError(f"predicted reforward times must sum to > 0, got {total!r}")
-    k = forward_ms / total
-    return w * k, x * k, r * k
+    if mode not in FEEDBACK_MODES:
+        raise ValueError(f"feedback mode must be one of {FEEDBACK_MODES}, got {mode!r}")
+    pi1, pi2 = _check_pi("pi1", pi1), _check_pi("pi2", pi2)
+    if mode == "off" or not (math.isfinite(forward_ms) and forward_ms > 0):
+        return pi1, pi2
+    eta = np.asarray(profile.eta, dtype=np.float64)
+    r = np.asarray(profile.r_ms, dtype=np.float64)
+    comp, mem = float(np.sum(r * eta / (eta + 1.0))), float(np.sum(r / (eta + 1.0)))
+    predicted = pi1 * comp + pi2 * mem
+    if not (math.isfinite(predicted) and predicted > 0):
+        raise ValueError(f"predicted reforward times must sum to > 0, got {predicted!r}")
+    if mode == "memory" and mem > 0:
+        solved = (forward_ms - pi1 * comp) / mem
+        if solved >= pi2:
+            return pi1, solved
+    k = forward_ms / predicted
+    return pi1 * k, pi2 * k
 
 
 def planning_times(profile: UnitProfile, pi1: float, pi2: float, forward_ms: float,
-                   feedback: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The (w, x, r) the planner uses: Eq. 4 runtime times, then, with `feedback` and a
-    measured forward (> 0), rescaled to that forward (forward_feedback). One function for
-    the engine and the ROS scheduler, so both plan with the same predictor."""
-    w, x, r = runtime_times(profile, pi1, pi2)
-    if feedback and math.isfinite(forward_ms) and forward_ms > 0 and float(np.sum(r)) > 0:
-        return forward_feedback(w, x, r, forward_ms)
-    return w, x, r
+                   feedback: str = "uniform") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The (w, x, r) the planner uses: Eq. 4 runtime times at the telemetry's (pi1, pi2)
+    corrected by the measured forward (feedback_pis). One function for the engine and the
+    ROS scheduler, so both plan with the same predictor."""
+    return runtime_times(profile, *feedback_pis(profile, pi1, pi2, forward_ms, feedback))
 
 
 def eta_from_macs(

@@ -124,10 +124,14 @@ class ConditionResult:
     err_runtime_pct: float
     runtime_alt_pred_ms: float  # the other runtime model (see BenchConfig.model)
     err_runtime_alt_pct: float
-    # the engine's planning prediction: runtime times + forward feedback (median over batches)
+    # the scheduler's planning prediction: runtime times + "memory" forward feedback
+    # (predictor.feedback_pis; median over batches)
     feedback_pred_ms: float
     err_feedback_pct: float
     err_feedback_per_batch_pct: float  # median over batches of |pred_i - meas_i| / meas_i
+    # the same with "uniform" feedback (the engine's default without live telemetry)
+    feedback_uniform_pred_ms: float
+    err_feedback_uniform_pct: float
     measured_mean_ms: float
     pi1: float  # headline model's pi1, median over batches (relative to the offline run)
     pi2: float  # headline model's pi2
@@ -232,6 +236,7 @@ class _Trace:
     runtime_pred: list[float] = field(default_factory=list)
     alt_pred: list[float] = field(default_factory=list)
     fb_pred: list[float] = field(default_factory=list)
+    fb_uniform_pred: list[float] = field(default_factory=list)
     pi1: list[float] = field(default_factory=list)
     pi1_alt: list[float] = field(default_factory=list)
     pi2_alt: list[float] = field(default_factory=list)
@@ -267,10 +272,11 @@ class _Bench:
     probe: BandwidthProbe | None
     models: dict[str, ExpansionModel]  # both runtime models on the offline reference
 
-    def feedback_prediction(self, pis: tuple[float, float], forward_ms: float) -> float:
-        """What the engine plans with (predictor.planning_times): the runtime times at
-        `pis` rescaled to this batch's measured forward."""
-        w, x, _ = planning_times(self.profile, *pis, forward_ms)
+    def feedback_prediction(self, pis: tuple[float, float], forward_ms: float,
+                            mode: str) -> float:
+        """What the planners plan with (predictor.planning_times): the runtime times at
+        `pis` corrected by this batch's measured forward (`mode`: feedback_pis)."""
+        w, x, _ = planning_times(self.profile, *pis, forward_ms, mode)
         return plan_backward_ms(w, x, self.update)
 
     def observe(self, trace: _Trace) -> tuple[float, float]:
@@ -314,7 +320,8 @@ def _measure(bench: _Bench, tick: Callable[[int], None]) -> tuple[_Trace, bool, 
         pis = bench.observe(trace)
         forward_ms, backward_ms = bench.meas.once()
         trace.measured.append(backward_ms)
-        trace.fb_pred.append(bench.feedback_prediction(pis, forward_ms))
+        trace.fb_pred.append(bench.feedback_prediction(pis, forward_ms, "memory"))
+        trace.fb_uniform_pred.append(bench.feedback_prediction(pis, forward_ms, "uniform"))
         tick(1)
     return trace, truncated, time.monotonic() - t0
 
@@ -338,6 +345,7 @@ def run_condition(bench: _Bench, name: str,
     rt_pred = float(np.median(trace.runtime_pred))
     alt_pred = float(np.median(trace.alt_pred))
     fb_pred = float(np.median(trace.fb_pred))
+    fb_uni = float(np.median(trace.fb_uniform_pred))
     per_batch = [_err(p, m) for p, m in zip(trace.fb_pred, trace.measured, strict=True)]
     srcs = sorted(set(trace.pi2_src), key=trace.pi2_src.count)
     return ConditionResult(
@@ -347,6 +355,7 @@ def run_condition(bench: _Bench, name: str,
         err_runtime_pct=_err(rt_pred, meas), runtime_alt_pred_ms=alt_pred,
         err_runtime_alt_pct=_err(alt_pred, meas), feedback_pred_ms=fb_pred,
         err_feedback_pct=_err(fb_pred, meas), err_feedback_per_batch_pct=_nanmedian(per_batch),
+        feedback_uniform_pred_ms=fb_uni, err_feedback_uniform_pct=_err(fb_uni, meas),
         measured_mean_ms=float(np.mean(trace.measured)),
         pi1=_nanmedian(trace.pi1), pi1_alt=_nanmedian(trace.pi1_alt),
         pi2_alt=_nanmedian(trace.pi2_alt), share=_nanmedian(trace.share),
@@ -458,9 +467,10 @@ def to_markdown(res: BenchResult) -> str:
         f"counters: {cfg['pi2_mode']}",
         "",
         "| condition | started (cpu+mem) | n | pi1 | pi2 (src) | measured ms median (mean) | "
-        "runtime pred ms | runtime err % | + forward feedback pred ms | err % (per batch) | "
+        "runtime pred ms | runtime err % | + memory feedback pred ms | err % (per batch) | "
+        "+ uniform feedback err % | "
         f"offline pred ms | offline err % | {alt} pi1 / pi2 | {alt} err % | load 1m |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in res.conditions:
         lines.append(
@@ -468,13 +478,15 @@ def to_markdown(res: BenchResult) -> str:
             f"{c.pi2:.3f} ({c.pi2_source}) | {c.measured_ms:.1f} ({c.measured_mean_ms:.1f}) | "
             f"{c.runtime_pred_ms:.1f} | "
             f"{c.err_runtime_pct:.1f} | {c.feedback_pred_ms:.1f} | {c.err_feedback_pct:.1f} "
-            f"({c.err_feedback_per_batch_pct:.1f}) | "
+            f"({c.err_feedback_per_batch_pct:.1f}) | {c.err_feedback_uniform_pct:.1f} | "
             f"{c.offline_pred_ms:.1f} | {c.err_offline_pct:.1f} | "
             f"{c.pi1_alt:.3f} / {c.pi2_alt:.3f} | {c.err_runtime_alt_pct:.1f} | "
             f"{c.loadavg_1m:.2f} |")
-    lines += ["", "- runtime: offline profile x Eq. 4 with pi1/pi2 from telemetry; + forward "
-              "feedback: the same rescaled so its forward equals the forward measured on the "
-              "batch (predictor.forward_feedback: what the engine plans with)",
+    lines += ["", "- runtime: offline profile x Eq. 4 with pi1/pi2 from telemetry; + memory "
+              "feedback: telemetry pi1, pi2 solved so that Eq. 4 gives the forward measured on "
+              "the batch (what the scheduler plans with); + uniform feedback: every time "
+              "scaled by measured / predicted forward (the engine without live telemetry); "
+              "see predictor.feedback_pis",
               *(f"- {k} skipped: {v}" for k, v in res.skipped.items()),
               f"- load average (1/5/15 min) start {tuple(round(v, 2) for v in res.loadavg_start)}"
               f", end {tuple(round(v, 2) for v in res.loadavg_end)}"]
@@ -493,11 +505,13 @@ def plot_errors(res: BenchResult, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     alt = next(m for m in MODELS if m != res.config["model"])
     bars = ((f"runtime ({res.config['model']})", "err_runtime_pct"),
-            ("+ forward feedback (engine)", "err_feedback_pct"),
+            ("+ memory feedback (scheduler)", "err_feedback_pct"),
+            ("+ uniform feedback (engine)", "err_feedback_uniform_pct"),
             (f"runtime ({alt})", "err_runtime_alt_pct"), ("offline only", "err_offline_pct"))
+    width = 0.8 / len(bars)
     for i, (label, key) in enumerate(bars):
-        ax.bar(pos + (i - 1.5) * 0.2, [getattr(c, key) for c in res.conditions], 0.2,
-               label=label)
+        ax.bar(pos + (i - (len(bars) - 1) / 2) * width,
+               [getattr(c, key) for c in res.conditions], width, label=label)
     ax.axhline(5.0, color="k", ls="--", lw=0.8, label="5 % goal")
     ax.set_xticks(pos, names)
     ax.set_ylabel("backward latency error %")

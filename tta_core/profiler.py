@@ -8,14 +8,14 @@ during one full backward; sorted by arrival, b_l is the gap since the previous a
 The split of b_l into ∂w and ∂x: split="macs" (default) divides b_l by the unit's MAC
 ratio, as the paper does. split="plans" instead fits w and x to what the planner's cost
 model is about: the measured sparse backward T_b'(S) of 2N plans, every suffix {d..N-1}
-and every single unit {d} (one forward, the backwards on the retained graph), by
-non-negative least squares; the linear model of DESIGN §3 is identified exactly by these
-plans. A unit's kernels do not cost inside a full backward what they cost in a sparse one
-(measured: the same conv backward node 25-35 % slower), so timings cut out of one full
-backward misjudge sparse plans: on this CPU "plans" cut the median error on random sparse
-plans from 7.2 % to 1.9 % (ResNet-50, 224 px, batch 4) and from 25.7 % to 10.1 % (small
-net, 64 px, batch 64), at 2N extra backwards per repeat (at most 3 repeats; ResNet-50 at
-batch 4 on one thread: ~3 min). Median over `repeats` runs after one warm-up.
+and every single unit {d}, each timed after its own forward, by non-negative least
+squares; the linear model of DESIGN §3 is identified exactly by these plans. A unit's
+kernels do not cost inside a full backward what they cost in a sparse one (measured: the
+same conv backward node 25-35 % slower), so timings cut out of one full backward misjudge
+sparse plans: on this CPU "plans" cut the median error on random sparse plans from 7.2 %
+to 1.9 % (ResNet-50, 224 px, batch 4) and from 25.7 % to 10.1 % (small net, 64 px, batch
+64), at 2N extra forwards and backwards per repeat (at most 3 repeats; ResNet-50 at batch
+4 on one thread: ~5 min). Median over `repeats` runs after one warm-up.
 """
 
 from __future__ import annotations
@@ -112,21 +112,25 @@ SPLITS = ("macs", "plans")
 
 def _plan_times(staged: StagedModel, x: Tensor, repeats: int,
                 now: Callable[[], float]) -> tuple[np.ndarray, np.ndarray]:
-    """Median ms of the sparse backward of every suffix plan {d..N-1} and single {d}."""
+    """Median ms of the sparse backward of every suffix plan {d..N-1} and single {d}, each
+    after its own forward, as the engine runs it (a backward on a retained graph, right
+    after another one, measured 1-3 % faster on ResNet-50: hot caches, no graph freeing)."""
     n = len(staged.units)
     groups = [u.parameters() for u in staged.units]
     suffix, single = np.zeros((repeats, n)), np.zeros((repeats, n))
-    for k in range(repeats + 1):  # k = 0 warms up
+
+    def timed(params: list) -> float:
         with torch.enable_grad():
-            logits = staged.model(x)
-            loss = logits.float().logsumexp(1).mean()
+            loss = staged.model(x).float().logsumexp(1).mean()
+            t0 = now()
+            torch.autograd.grad(loss, params)
+            return (now() - t0) * 1e3
+
+    timed([p for g in groups for p in g])  # warm-up
+    for k in range(repeats):
         for d in range(n - 1, -1, -1):
-            for out, params in ((suffix, [p for g in groups[d:] for p in g]), (single, groups[d])):
-                t0 = now()
-                torch.autograd.grad(loss, params, retain_graph=True)
-                if k:
-                    out[k - 1, d] = (now() - t0) * 1e3
-        del loss, logits
+            suffix[k, d] = timed([p for g in groups[d:] for p in g])
+            single[k, d] = timed(groups[d])
     return np.median(suffix, axis=0), np.median(single, axis=0)
 
 
@@ -177,7 +181,7 @@ def profile_model(staged: StagedModel, batch: int = 4, repeats: int = 5,
             staged.model.zero_grad(set_to_none=True)
             if i > 0:  # the first run warms up allocators and kernels
                 runs.append(res)
-        # the 2N plan backwards cost about N full backwards per repeat: at most 3 repeats
+        # the 2N plans cost 2N forwards + about N full backwards per repeat: at most 3
         plans = _plan_times(staged, x, min(repeats, 3), now) if split == "plans" else None
     finally:
         for q, flag in grad_state.items():

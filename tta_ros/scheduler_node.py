@@ -41,9 +41,11 @@ PARAMS: tuple[ParamSpec, ...] = (
               "scaled to the measured forward time", read_only=True),
     ParamSpec("sigma", 0.33, "latency budget as a fraction of a full update", 0.0, 1.0),
     ParamSpec("n_t", 500, "planner budget discretisation steps", 10, 100000),
-    ParamSpec("forward_feedback", True, "rescale the profile's predicted times so that its "
-              "forward equals the forward measured on the batch (what the perception engine "
-              "does inline: corrects the prediction for load the telemetry misses)"),
+    ParamSpec("forward_feedback", "memory", "correct the telemetry-scaled times by the "
+              "forward measured on the batch (predictor.feedback_pis): memory = keep the "
+              "telemetry's pi1 and solve pi2 from the forward (uniform while telemetry is "
+              "stale), uniform = scale every time alike, off = telemetry only",
+              choices=predictor.FEEDBACK_MODES),
     ParamSpec("telemetry_timeout_s", 2.0, "older telemetry is ignored (pi = 1)", 0.1, 3600.0),
     ParamSpec("marker_frame_id", "tta", "frame of the RViz markers"),
     ParamSpec("bar_spacing", 0.3, "distance between unit bars [m]", 0.01, 10.0),
@@ -177,8 +179,11 @@ class SchedulerNode(Node):
         prof = self.profile or engine.mac_profile(self.layout.staged, float(imp.forward_ms),
                                                   max(int(imp.batch_size), 1),
                                                   self.layout.input_shape)
-        # MAC times are unitless shapes: always scaled to the measured forward
-        feedback = self.profile is None or bool(self.get_parameter("forward_feedback").value)
+        feedback = str(self.get_parameter("forward_feedback").value)
+        if self.profile is None or (feedback == "memory" and not fresh):
+            # MAC times are unitless shapes: always scaled to the measured forward; without
+            # live telemetry pi1 = 1 means "unknown", which "memory" would misread
+            feedback = "uniform"
         return predictor.planning_times(prof, pi1, pi2, float(imp.forward_ms), feedback)
 
     def _on_importance(self, imp: LayerImportance) -> None:

@@ -33,7 +33,7 @@ class AdaShadowConfig(MethodConfig):
     reuse: bool = True
     trainable: str = "norm"  # "norm" (BN/LN affine, default) | "all" (every unit)
     graph: str = "full"  # "full": graph recorded in the forward | "lazy": tail only
-    forward_feedback: bool = True  # see EngineConfig
+    forward_feedback: str = "uniform"  # "uniform" | "memory" | "off" (EngineConfig)
     profile: UnitProfile | str | Path | None = None  # offline profile or its JSON path
 
 

@@ -305,6 +305,7 @@ def test_memory_feedback_solves_pi2_from_the_forward_and_slows_memory_bound_unit
     slow = r / prof.r_ms
     assert slow[1] > 1.15 > slow[0] > 1.0
     np.testing.assert_allclose(w / prof.w_ms, slow)
+    np.testing.assert_allclose(x / prof.x_ms, slow)
     # telemetry's pi1 is kept: compute sharing it saw is not read as memory contention
     assert feedback_pis(prof, 2.0, 2.0, 9.2, "memory") == pytest.approx((2.0, 2.0 + 1.2 / 1.55))
 

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from tta_core.engine import set_bn_mode
+from tta_core.malloc_tuning import keep_freed_memory
 from tta_core.methods import build_method
 from tta_core.models import build_model
 from tta_core.profiler import profile_model
@@ -85,6 +86,7 @@ def _plot(by_sigma: dict, tent_ms: float, report: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    keep_freed_memory()  # as the tta CLI and the perception node (tta_core.malloc_tuning)
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--arch", default="resnet50")
     ap.add_argument("--image-size", type=int, default=224)

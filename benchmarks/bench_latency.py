@@ -86,7 +86,7 @@ def _plot(by_sigma: dict, tent_ms: float, report: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    keep_freed_memory()  # as the tta CLI and the perception node (tta_core.malloc_tuning)
+    keep_freed_memory()  # as the tta CLI and the ROS entry points (tta_core.malloc_tuning)
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--arch", default="resnet50")
     ap.add_argument("--image-size", type=int, default=224)

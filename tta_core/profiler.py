@@ -14,8 +14,8 @@ kernels do not cost inside a full backward what they cost in a sparse one (measu
 same conv backward node 25-35 % slower), so timings cut out of one full backward misjudge
 sparse plans: on this CPU "plans" cut the median error on random sparse plans from 7.2 %
 to 1.9 % (ResNet-50, 224 px, batch 4) and from 25.7 % to 10.1 % (small net, 64 px, batch
-64), at 2N extra forwards and backwards per repeat (at most 3 repeats; ResNet-50 at batch
-4 on one thread: ~5 min). Median over `repeats` runs after one warm-up.
+64), at 2N extra forwards and backwards per repeat (at most 3 repeats; the whole ResNet-50
+profile at batch 4 on one thread took 351 s). Median over `repeats` runs after one warm-up.
 """
 
 from __future__ import annotations

@@ -408,10 +408,8 @@ class PerceptionNode(Node):
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point: `perception_node --ros-args -p model_card:=...`."""
-    from tta_core.malloc_tuning import keep_freed_memory
     from tta_ros.bringup import node_main
 
-    keep_freed_memory()  # no page faults on every batch's activations
     return node_main(PerceptionNode, argv)
 
 

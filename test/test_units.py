@@ -58,6 +58,9 @@ def test_units_in_forward_order_with_contiguous_stages() -> None:
     names = [u.name for u in staged.units]
     # torchvision BasicBlock runs bn2 before the downsample branch
     assert names.index("layer2.0.bn2") < names.index("layer2.0.downsample.0")
+    small = [u.name for u in decompose(_model("small_resnet")[0], (3, 32, 32)).units]
+    # so does ours: a shortcut ordered first would be charged the main branch's ∂x chain
+    assert small.index("layer2.0.bn2") < small.index("layer2.0.downsample.0")
     start = staged.stage_start()
     for u in staged.units:
         st = staged.stages[u.stage]

@@ -30,9 +30,13 @@ class BasicBlock(nn.Module):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x if self.downsample is None else self.downsample(x)
         out = self.relu(self.bn1(self.conv1(x)))
         out = self.bn2(self.conv2(out))
+        # the shortcut runs after the main branch, as in torchvision: units are ordered by
+        # execution, and the planner's chain cost (DESIGN §3) charges every unit after the
+        # deepest selected one; a shortcut first would charge the whole main branch's ∂x to a
+        # downsample-only plan, which autograd never computes
+        identity = x if self.downsample is None else self.downsample(x)
         return self.relu(out + identity)
 
 

@@ -303,8 +303,25 @@ def test_plans_split_profiles_sparse_backwards(monkeypatch) -> None:
     assert (prof.w_ms >= 0).all() and (prof.x_ms >= 0).all() and prof.w_ms.sum() > 0
     assert prof.x_ms[0] == 0.0  # never enters a cost
     assert all(p.requires_grad for p in staged.model.parameters())  # restored
+    # the forward reference is the forwards timed among the plans (same moment as w, x)
+    assert prof.r_ms.sum() == pytest.approx(prof.forward_ms, rel=1e-6)
     with pytest.raises(ValueError, match="split"):
         profiler.profile_model(staged, batch=2, repeats=1, split="guess")
+
+
+def test_plans_profile_rescales_the_forward_to_the_plan_phase(monkeypatch) -> None:
+    """A machine twice as slow while the plans are timed: r and T_f follow it."""
+    staged = _staged("small_resnet", 32)
+    n = len(staged.units)
+    monkeypatch.setattr(profiler, "_plan_times", lambda *_a: (
+        np.arange(n, 0, -1, dtype=float), np.ones(n), 1000.0))
+    prof = profiler.profile_model(staged, batch=2, repeats=1, split="plans")
+    monkeypatch.undo()
+    plain = profiler.profile_model(staged, batch=2, repeats=1, split="macs")
+    assert prof.forward_ms == 1000.0 and prof.r_ms.sum() == pytest.approx(1000.0)
+    # the per-unit shares of the forward are the measured ones, only rescaled
+    share, ref = prof.r_ms / prof.r_ms.sum(), plain.r_ms / plain.r_ms.sum()
+    assert np.corrcoef(share, ref)[0, 1] > 0.9
 
 
 def test_profiler_sums_and_cli(tmp_path) -> None:

@@ -111,27 +111,32 @@ SPLITS = ("macs", "plans")
 
 
 def _plan_times(staged: StagedModel, x: Tensor, repeats: int,
-                now: Callable[[], float]) -> tuple[np.ndarray, np.ndarray]:
+                now: Callable[[], float]) -> tuple[np.ndarray, np.ndarray, float]:
     """Median ms of the sparse backward of every suffix plan {d..N-1} and single {d}, each
     after its own forward, as the engine runs it (a backward on a retained graph, right
-    after another one, measured 1-3 % faster on ResNet-50: hot caches, no graph freeing)."""
+    after another one, measured 1-3 % faster on ResNet-50: hot caches, no graph freeing),
+    and the median of those forwards."""
     n = len(staged.units)
     groups = [u.parameters() for u in staged.units]
     suffix, single = np.zeros((repeats, n)), np.zeros((repeats, n))
+    forwards: list[float] = []
 
     def timed(params: list) -> float:
         with torch.enable_grad():
-            loss = staged.model(x).float().logsumexp(1).mean()
             t0 = now()
+            loss = staged.model(x).float().logsumexp(1).mean()
+            t1 = now()
             torch.autograd.grad(loss, params)
-            return (now() - t0) * 1e3
+            forwards.append((t1 - t0) * 1e3)
+            return (now() - t1) * 1e3
 
     timed([p for g in groups for p in g])  # warm-up
+    forwards.clear()
     for k in range(repeats):
         for d in range(n - 1, -1, -1):
             suffix[k, d] = timed([p for g in groups[d:] for p in g])
             single[k, d] = timed(groups[d])
-    return np.median(suffix, axis=0), np.median(single, axis=0)
+    return np.median(suffix, axis=0), np.median(single, axis=0), float(np.median(forwards))
 
 
 def fit_plan_times(suffix_ms: np.ndarray, single_ms: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -188,8 +193,14 @@ def profile_model(staged: StagedModel, batch: int = 4, repeats: int = 5,
             q.requires_grad_(flag)
     r = np.median(np.stack([a for a, _, _ in runs]), axis=0)
     b = np.median(np.stack([bb for _, bb, _ in runs]), axis=0)
+    forward_ms = float(np.median([f for _, _, f in runs]))
     if plans is not None:
-        w_ms, x_ms = fit_plan_times(*plans)
+        w_ms, x_ms = fit_plan_times(plans[0], plans[1])
+        # the plans take minutes, and a shared machine drifts meanwhile: rescale the
+        # forward reference (r, T_f) to the forwards timed among the plans, so that the
+        # forward feedback (predictor.feedback_pis) compares with the same moment as w, x
+        scale = plans[2] / forward_ms if forward_ms > 0 else 1.0
+        r, forward_ms = r * scale, plans[2]
     else:
         dx = np.array([u.macs_dx for u in staged.units], dtype=np.float64)
         dw = np.array([u.macs_dw for u in staged.units], dtype=np.float64)
@@ -199,7 +210,7 @@ def profile_model(staged: StagedModel, batch: int = 4, repeats: int = 5,
                        input_shape=shape, unit_names=[u.name for u in staged.units],
                        w_ms=w_ms, x_ms=x_ms, r_ms=r,
                        eta=np.array([u.eta for u in staged.units]),
-                       forward_ms=float(np.median([f for _, _, f in runs])))
+                       forward_ms=forward_ms)
 
 
 def _input_shape(staged: StagedModel) -> tuple[int, ...]:

@@ -320,6 +320,29 @@ def test_memory_feedback_falls_back_to_uniform_when_the_forward_is_faster() -> N
         pytest.approx(feedback_pis(prof, 2.0, 2.0, 6.0, "uniform"))
 
 
+def test_feedback_compares_with_a_forward_of_the_same_kind() -> None:
+    """A forward that records the graph only from unit 1 on is compared with r_0 + g_1."""
+    from tta_core.predictor import feedback_pis, forward_reference
+
+    prof = _fb_profile([1.0, 1.0])  # r = (3, 1); graph-recording forward g = (4, 2)
+    prof.g_ms = np.array([4.0, 2.0])
+    np.testing.assert_allclose(forward_reference(prof, 0), [4.0, 2.0])
+    np.testing.assert_allclose(forward_reference(prof, 1), [3.0, 2.0])
+    np.testing.assert_allclose(forward_reference(prof, 2), [3.0, 1.0])
+    # the same 5 ms forward: idle for a forward with the graph from unit 1 on (3 + 2),
+    # faster than idle for a full-graph one (4 + 2), slower for a no-graph one (3 + 1)
+    assert feedback_pis(prof, 1.0, 1.0, 5.0, "uniform", grad_from=1) == pytest.approx((1, 1))
+    assert feedback_pis(prof, 1.0, 1.0, 5.0, "uniform") == pytest.approx((5 / 6, 5 / 6))
+    assert feedback_pis(prof, 1.0, 1.0, 5.0, "uniform", 2) == pytest.approx((1.25, 1.25))
+    for bad in (-1, 3, True):
+        with pytest.raises(ValueError, match="grad_from"):
+            forward_reference(prof, bad)
+    # profiles without g (older files, MAC estimates) use r, and g survives a round trip
+    assert UnitProfile.from_dict({k: v for k, v in _fb_profile([1.0, 1.0]).to_dict().items()
+                                  if k != "g_ms"}).g_ms.tolist() == [3.0, 1.0]
+    assert UnitProfile.from_dict(prof.to_dict()).g_ms.tolist() == [4.0, 2.0]
+
+
 def test_feedback_off_or_unmeasured_forward_keeps_the_telemetry_pis() -> None:
     from tta_core.predictor import feedback_pis
 
@@ -332,6 +355,6 @@ def test_feedback_off_or_unmeasured_forward_keeps_the_telemetry_pis() -> None:
     with pytest.raises(ValueError, match="pi1"):
         feedback_pis(prof, 0.0, 1.0, 4.0, "uniform")
     zero = _fb_profile([3.0, 0.25])
-    zero.r_ms = np.zeros(2)
+    zero.r_ms = zero.g_ms = np.zeros(2)
     with pytest.raises(ValueError, match="sum to > 0"):
         feedback_pis(zero, 1.0, 1.0, 4.0, "uniform")

@@ -426,3 +426,37 @@ def test_scheduler_memory_feedback_uses_fresh_telemetry_pi1(ros_context, tmp_pat
         assert slow[eta < 1].min() > 2.0 > slow[eta > 1].max()  # the forward slowed 2x
     finally:
         node.destroy_node()
+
+
+def test_scheduler_compares_the_forward_with_the_graph_perception_recorded(
+        ros_context, tmp_path) -> None:
+    """Perception records the autograd graph from the stage of the plan it follows: after
+    a plan, a forward as fast as that kind of forward is idle (times unscaled)."""
+    from tta_core.predictor import UnitProfile
+
+    probe = SchedulerNode(context=ros_context, parameter_overrides=[
+        Parameter("model_card", value=str(CARD))])
+    names, starts = probe.layout.unit_names, probe.layout.stage_start
+    probe.destroy_node()
+    n = len(names)
+    r, g = np.full(n, 0.3), np.full(n, 0.45)  # recording the graph: +50 % forward
+    UnitProfile(model="small_resnet", device="cpu", batch_size=4, input_shape=(3, 32, 32),
+                unit_names=names, w_ms=np.full(n, 0.2), x_ms=np.full(n, 0.1), r_ms=r,
+                eta=np.ones(n), forward_ms=float(g.sum()), g_ms=g).save(tmp_path / "p.json")
+    node = SchedulerNode(context=ros_context, parameter_overrides=[
+        Parameter("model_card", value=str(CARD)),
+        Parameter("profile", value=str(tmp_path / "p.json")),
+        Parameter("forward_feedback", value="uniform"), Parameter("sigma", value=0.8)])
+    try:
+        imp = LayerImportance(unit_names=names, importance=[1.0] * n, batch_size=4,
+                              forward_ms=float(g.sum()))  # before any plan: full graph
+        plan, unit_ms = node._solve(imp)
+        np.testing.assert_allclose(unit_ms, 0.3, rtol=1e-6)
+        node._on_importance(imp)  # publishes that plan
+        first = int(starts[plan.first_updated])
+        assert 0 < first < n
+        imp.forward_ms = float(r[:first].sum() + g[first:].sum())
+        _plan, unit_ms = node._solve(imp)
+        np.testing.assert_allclose(unit_ms, 0.3, rtol=1e-6)
+    finally:
+        node.destroy_node()

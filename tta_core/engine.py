@@ -268,10 +268,16 @@ class AdaShadowEngine:
         # MAC times are unitless shapes: only a uniform scale to the forward makes them ms
         return "uniform" if self.profile is None else self.config.forward_feedback
 
+    def _grad_from(self, grad_stage: int) -> int:
+        """First unit whose forward recorded the graph (len(units): none)."""
+        stages = self.staged.stages
+        return stages[grad_stage].first_unit if grad_stage < len(stages) else len(self.staged.units)
+
     def _times(self, fwd: _Forward, x: Tensor) -> tuple[np.ndarray, ...]:
         w, dx, r = predictor.planning_times(self._profile_for(x.shape[0], tuple(x.shape[1:])),
                                             self.config.pi1, self.config.pi2, fwd.forward_ms,
-                                            feedback=self._feedback())
+                                            feedback=self._feedback(),
+                                            grad_from=self._grad_from(fwd.grad_stage))
         if self.lazy:
             r = 2.0 * r  # the tail runs twice: with autograd for the backward, then again
         return w, dx, r

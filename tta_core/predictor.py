@@ -38,12 +38,18 @@ class UnitProfile:
     r_ms: np.ndarray
     eta: np.ndarray
     forward_ms: float
+    # per-unit times of a forward that records the autograd graph (the engine's forward
+    # above its floor, the predictor bench's forward); r_ms is the reforward, under no_grad.
+    # Profiles without it (older files, MAC estimates) use r_ms.
+    g_ms: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         self.input_shape = tuple(int(v) for v in self.input_shape)
         self.unit_names = [str(n) for n in self.unit_names]
         n = len(self.unit_names)
-        for name in ("w_ms", "x_ms", "r_ms", "eta"):
+        if self.g_ms is None:
+            self.g_ms = np.array(self.r_ms, dtype=np.float64, copy=True)
+        for name in ("w_ms", "x_ms", "r_ms", "eta", "g_ms"):
             arr = np.asarray(getattr(self, name), dtype=np.float64)
             if arr.shape != (n,):
                 raise ValueError(f"UnitProfile.{name} has shape {arr.shape}, expected ({n},)")
@@ -69,6 +75,7 @@ class UnitProfile:
             "r_ms": self.r_ms.tolist(),
             "eta": self.eta.tolist(),
             "forward_ms": float(self.forward_ms),
+            "g_ms": np.asarray(self.g_ms).tolist(),
         }
 
     @classmethod
@@ -214,9 +221,21 @@ def runtime_times(
 FEEDBACK_MODES = ("off", "uniform", "memory")
 
 
+def forward_reference(profile: UnitProfile, grad_from: int = 0) -> np.ndarray:
+    """Offline per-unit times of a forward that records the autograd graph from unit
+    `grad_from` on (0: everywhere, len(units): nowhere), what a measured forward is
+    compared with: skipping the graph below the floor makes the engine's forward faster,
+    which must not read as a faster machine."""
+    n = len(profile.unit_names)
+    if isinstance(grad_from, bool) or not 0 <= int(grad_from) <= n:
+        raise ValueError(f"grad_from must be a unit index in [0, {n}], got {grad_from!r}")
+    return np.where(np.arange(n) >= int(grad_from), profile.g_ms, profile.r_ms)
+
+
 def feedback_pis(profile: UnitProfile, pi1: float, pi2: float, forward_ms: float,
-                 mode: str) -> tuple[float, float]:
-    """(pi1, pi2) corrected by the forward measured on this batch.
+                 mode: str, grad_from: int = 0) -> tuple[float, float]:
+    """(pi1, pi2) corrected by the forward measured on this batch, a forward that recorded
+    the autograd graph from unit `grad_from` on (forward_reference).
 
     "uniform": both scaled by measured / predicted forward (every unit slows alike).
     "memory": pi1 is the telemetry's (trusted), pi2 is re-solved so that Eq. 4 predicts
@@ -235,7 +254,7 @@ def feedback_pis(profile: UnitProfile, pi1: float, pi2: float, forward_ms: float
     if mode == "off" or not (math.isfinite(forward_ms) and forward_ms > 0):
         return pi1, pi2
     eta = np.asarray(profile.eta, dtype=np.float64)
-    r = np.asarray(profile.r_ms, dtype=np.float64)
+    r = forward_reference(profile, grad_from)
     comp, mem = float(np.sum(r * eta / (eta + 1.0))), float(np.sum(r / (eta + 1.0)))
     predicted = pi1 * comp + pi2 * mem
     if not (math.isfinite(predicted) and predicted > 0):
@@ -249,11 +268,13 @@ def feedback_pis(profile: UnitProfile, pi1: float, pi2: float, forward_ms: float
 
 
 def planning_times(profile: UnitProfile, pi1: float, pi2: float, forward_ms: float,
-                   feedback: str = "uniform") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   feedback: str = "uniform", grad_from: int = 0
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The (w, x, r) the planner uses: Eq. 4 runtime times at the telemetry's (pi1, pi2)
     corrected by the measured forward (feedback_pis). One function for the engine and the
     ROS scheduler, so both plan with the same predictor."""
-    return runtime_times(profile, *feedback_pis(profile, pi1, pi2, forward_ms, feedback))
+    return runtime_times(profile, *feedback_pis(profile, pi1, pi2, forward_ms, feedback,
+                                                grad_from))
 
 
 def eta_from_macs(

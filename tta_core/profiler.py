@@ -1,8 +1,10 @@
 """Offline per-unit latency profile (AdaShadow §3.2: t_l^off for ∂w, ∂x and reforward).
 
-Reforward r_l: forward hooks timestamp the end of every unit; r_l is the time from the
-previous unit's end to this unit's end, so non-parameterised layers (ReLU, pooling, adds)
-are charged to the unit that follows them and sum(r) ≈ the forward time.
+Reforward r_l: forward hooks timestamp the end of every unit of a forward under no_grad
+(what the reforward is); r_l is the time from the previous unit's end to this unit's end,
+so non-parameterised layers (ReLU, pooling, adds) are charged to the unit that follows
+them and sum(r) ≈ the forward time. g_l: the same for a forward that records the autograd
+graph (the forward feedback's reference above the engine's floor).
 Backward b_l: tensor hooks timestamp the arrival of the gradient at every unit's input
 during one full backward; sorted by arrival, b_l is the gap since the previous arrival.
 The split of b_l into ∂w and ∂x: split="macs" (default) divides b_l by the unit's MAC
@@ -59,8 +61,39 @@ def _split(total: np.ndarray, idx: list[int], weights: np.ndarray, out: np.ndarr
     out[idx] += total * share
 
 
+def _unit_forward_ms(staged: StagedModel, groups: list[list[int]], fwd_end: np.ndarray,
+                     t0: float, t1: float) -> np.ndarray:
+    """Per-unit forward times from the end timestamps of every unit group."""
+    fwd_macs = np.array([u.macs_fwd for u in staged.units], dtype=np.float64)
+    r = np.zeros(len(staged.units))
+    order = np.argsort(fwd_end)
+    prev = t0
+    for g in order:
+        _split(np.float64(fwd_end[g] - prev), groups[g], fwd_macs, r)
+        prev = fwd_end[g]
+    _split(np.float64(t1 - prev), groups[order[-1]], fwd_macs, r)  # tail after last unit
+    return r * 1e3
+
+
+def _nograd_run(staged: StagedModel, x: Tensor, now: Callable[[], float]) -> np.ndarray:
+    """Per-unit ms of one forward under no_grad: what the reforward costs."""
+    groups = _groups(staged)
+    fwd_end = np.zeros(len(groups))
+    handles = [staged.units[idx[0]].module.register_forward_hook(
+        lambda _m, _a, _o, g=g: fwd_end.__setitem__(g, now())) for g, idx in enumerate(groups)]
+    try:
+        with torch.no_grad():
+            t0 = now()
+            staged.model(x)
+            t1 = now()
+    finally:
+        for h in handles:
+            h.remove()
+    return _unit_forward_ms(staged, groups, fwd_end, t0, t1)
+
+
 def _one_run(staged: StagedModel, x: Tensor, now: Callable[[], float]) -> tuple:
-    """(r_ms, b_ms, forward_ms) of one forward + full backward."""
+    """(g_ms, b_ms, forward_ms) of one forward that records the graph + full backward."""
     n = len(staged.units)
     groups = _groups(staged)
     fwd_end = np.zeros(len(groups))
@@ -89,22 +122,14 @@ def _one_run(staged: StagedModel, x: Tensor, now: Callable[[], float]) -> tuple:
     finally:
         for h in handles:
             h.remove()
-    fwd_macs = np.array([u.macs_fwd for u in staged.units], dtype=np.float64)
     bwd_macs = np.array([u.macs_dx + u.macs_dw for u in staged.units], dtype=np.float64)
-    r = np.zeros(n)
     b = np.zeros(n)
-    order = np.argsort(fwd_end)
-    prev = t0
-    for g in order:
-        _split(np.float64(fwd_end[g] - prev), groups[g], fwd_macs, r)
-        prev = fwd_end[g]
-    _split(np.float64(t1 - prev), groups[order[-1]], fwd_macs, r)  # tail after last unit
     arrived = np.nan_to_num(bwd_at, nan=t2)
     prev = tb
     for g in np.argsort(arrived):
         _split(np.float64(arrived[g] - prev), groups[g], bwd_macs, b)
         prev = arrived[g]
-    return r * 1e3, b * 1e3, (t1 - t0) * 1e3
+    return _unit_forward_ms(staged, groups, fwd_end, t0, t1), b * 1e3, (t1 - t0) * 1e3
 
 
 SPLITS = ("macs", "plans")
@@ -181,26 +206,30 @@ def profile_model(staged: StagedModel, batch: int = 4, repeats: int = 5,
     try:
         gen = torch.Generator(device="cpu").manual_seed(0)
         x = torch.randn(batch, *shape, generator=gen).to(p.device, p.dtype)
+        nograd = []
         for i in range(repeats + 1):
             res = _one_run(staged, x, now)
             staged.model.zero_grad(set_to_none=True)
+            r0 = _nograd_run(staged, x, now)
             if i > 0:  # the first run warms up allocators and kernels
                 runs.append(res)
+                nograd.append(r0)
         # the 2N plans cost 2N forwards + about N full backwards per repeat: at most 3
         plans = _plan_times(staged, x, min(repeats, 3), now) if split == "plans" else None
     finally:
         for q, flag in grad_state.items():
             q.requires_grad_(flag)
-    r = np.median(np.stack([a for a, _, _ in runs]), axis=0)
+    g = np.median(np.stack([a for a, _, _ in runs]), axis=0)
+    r = np.median(np.stack(nograd), axis=0)
     b = np.median(np.stack([bb for _, bb, _ in runs]), axis=0)
     forward_ms = float(np.median([f for _, _, f in runs]))
     if plans is not None:
         w_ms, x_ms = fit_plan_times(plans[0], plans[1])
         # the plans take minutes, and a shared machine drifts meanwhile: rescale the
-        # forward reference (r, T_f) to the forwards timed among the plans, so that the
+        # forward references (r, g, T_f) to the forwards timed among the plans, so that the
         # forward feedback (predictor.feedback_pis) compares with the same moment as w, x
         scale = plans[2] / forward_ms if forward_ms > 0 else 1.0
-        r, forward_ms = r * scale, plans[2]
+        r, g, forward_ms = r * scale, g * scale, plans[2]
     else:
         dx = np.array([u.macs_dx for u in staged.units], dtype=np.float64)
         dw = np.array([u.macs_dw for u in staged.units], dtype=np.float64)
@@ -208,7 +237,7 @@ def profile_model(staged: StagedModel, batch: int = 4, repeats: int = 5,
         w_ms, x_ms = b * frac_w, b * (1 - frac_w)
     return UnitProfile(model=staged.arch, device=device_name(p.device), batch_size=batch,
                        input_shape=shape, unit_names=[u.name for u in staged.units],
-                       w_ms=w_ms, x_ms=x_ms, r_ms=r,
+                       w_ms=w_ms, x_ms=x_ms, r_ms=r, g_ms=g,
                        eta=np.array([u.eta for u in staged.units]),
                        forward_ms=forward_ms)
 

@@ -157,6 +157,9 @@ class SchedulerNode(Node):
         self.telemetry: ResourceTelemetry | None = None
         self._tel_time = -math.inf
         self.plans_published = 0
+        # perception records the autograd graph from the stage of the plan it follows: the
+        # forward it reports is compared with that kind of forward (predictor.forward_reference)
+        self._grad_from = 0
         self.last_error = ""
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
         self.pub_plan = self.create_publisher(LayerPlan, "layer_plan", reliable)
@@ -184,7 +187,8 @@ class SchedulerNode(Node):
             # MAC times are unitless shapes: always scaled to the measured forward; without
             # live telemetry pi1 = 1 means "unknown", which "memory" would misread
             feedback = "uniform"
-        return predictor.planning_times(prof, pi1, pi2, float(imp.forward_ms), feedback)
+        return predictor.planning_times(prof, pi1, pi2, float(imp.forward_ms), feedback,
+                                        self._grad_from)
 
     def _on_importance(self, imp: LayerImportance) -> None:
         try:
@@ -197,6 +201,9 @@ class SchedulerNode(Node):
             return
         self.last_error = ""
         self.plans_published += 1
+        n = len(self.layout.unit_names)
+        self._grad_from = (int(self.layout.stage_start[plan.first_updated])
+                           if plan.first_updated < n else n)
         sigma = self.get_parameter("sigma").value
         msg = plan_to_msg(plan, imp, self.plans_published, sigma, unit_ms)
         self.pub_plan.publish(msg)

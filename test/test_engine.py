@@ -295,11 +295,11 @@ def test_plans_split_profiles_sparse_backwards(monkeypatch) -> None:
         calls.append(len(inputs))
         return real(outputs, inputs, *a, **k)
     monkeypatch.setattr(torch.autograd, "grad", spy)
-    prof = profiler.profile_model(staged, batch=2, repeats=1, split="plans")
+    prof = profiler.profile_model(staged, batch=2, repeats=4, split="plans")
     n = len(staged.units)
     n_params = sum(1 for _ in staged.model.parameters())
-    # one full warm-up, then 1 repeat of N suffix + N single plans
-    assert len(calls) == 1 + 2 * n and calls[0] == calls[-2] == n_params  # suffix d = 0
+    # one full warm-up, then every one of the 4 repeats times N suffix + N single plans
+    assert len(calls) == 1 + 4 * 2 * n and calls[0] == calls[-2] == n_params  # suffix d = 0
     assert (prof.w_ms >= 0).all() and (prof.x_ms >= 0).all() and prof.w_ms.sum() > 0
     assert prof.x_ms[0] == 0.0  # never enters a cost
     assert all(p.requires_grad for p in staged.model.parameters())  # restored

@@ -16,8 +16,12 @@ kernels do not cost inside a full backward what they cost in a sparse one (measu
 same conv backward node 25-35 % slower), so timings cut out of one full backward misjudge
 sparse plans: on this CPU "plans" cut the median error on random sparse plans from 7.2 %
 to 1.9 % (ResNet-50, 224 px, batch 4) and from 25.7 % to 10.1 % (small net, 64 px, batch
-64), at 2N extra forwards and backwards per repeat (at most 3 repeats; the whole ResNet-50
-profile at batch 4 on one thread took 351 s). Median over `repeats` runs after one warm-up.
+64), at 2N extra forwards and backwards per repeat (the whole ResNet-50 profile at batch 4
+on one thread took 351 s with 3 repeats). Median over `repeats` runs after one warm-up. A
+single sparse-backward timing varies by ~5 % here (a shared 2-core VM), and the fit is
+exactly determined, so a plan's predicted time inherits that noise: on the small net (64
+px, batch 64) the spread of a fixed plan's prediction from profile to profile was 3.6 %
+with 3 repeats and 1.6 % with 5 (all 5 are used; each repeat adds ~9 s there).
 """
 
 from __future__ import annotations
@@ -214,8 +218,8 @@ def profile_model(staged: StagedModel, batch: int = 4, repeats: int = 5,
             if i > 0:  # the first run warms up allocators and kernels
                 runs.append(res)
                 nograd.append(r0)
-        # the 2N plans cost 2N forwards + about N full backwards per repeat: at most 3
-        plans = _plan_times(staged, x, min(repeats, 3), now) if split == "plans" else None
+        # the 2N plans cost 2N forwards + about N full backwards per repeat
+        plans = _plan_times(staged, x, repeats, now) if split == "plans" else None
     finally:
         for q, flag in grad_state.items():
             q.requires_grad_(flag)

@@ -23,7 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--num-classes", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="median over this many timed runs (with --split plans each "
+                             "repeat also times 2N sparse backwards; fewer repeats, noisier "
+                             "plan costs)")
     parser.add_argument("--split", choices=SPLITS, default="plans",
                         help="how a unit's backward divides into dw and dx: by MACs (paper) "
                              "or fitted to measured sparse-plan backwards (slower, closer; "

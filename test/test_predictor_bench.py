@@ -98,11 +98,16 @@ def test_config_rejects_bad_values() -> None:
         BenchConfig(sigma=0.0)
 
 
-def test_cli_offline_and_dr2_small_resnet(tmp_path) -> None:
+def _cal(tmp_path):
     cal = tmp_path / "cal.json"
     cal.write_text(json.dumps({"schema": "tta.calibration/1", "calibration": {
         "f_slope": 0.4, "f_intercept": 0.0, "b_ratio": 8.0, "freq_offline_mhz": None,
         "cache_hit_offline": None}}))
+    return cal
+
+
+def test_cli_offline_and_dr2_small_resnet(tmp_path) -> None:
+    cal = _cal(tmp_path)
     out = tmp_path / "bench"
     me = psutil.Process()
     before = {p.pid for p in me.children(recursive=True)}
@@ -139,3 +144,41 @@ def test_cli_offline_and_dr2_small_resnet(tmp_path) -> None:
     assert busy["pi1"] > 1.0 and busy["pi1_alt"] > 1.0 and busy["share"] > 1.0
     assert busy["runtime_pred_ms"] > busy["offline_pred_ms"]
     assert busy["feedback_pred_ms"] > 1.2 * idle["feedback_pred_ms"]  # the forward slowed too
+
+
+def test_cli_reuses_a_given_profile_and_rejects_a_mismatched_one(tmp_path, monkeypatch) -> None:
+    from tta_core import profiler
+    from tta_core.engine import set_bn_mode
+    from tta_core.models import build_model
+    from tta_core.units import decompose
+
+    model = build_model("small_resnet", 16)
+    set_bn_mode(model, "batch")
+    prof = profiler.profile_model(decompose(model, (3, 32, 32), "small_resnet"), batch=8,
+                                  repeats=1)
+    given = tmp_path / "given.json"
+    prof.save(given)
+
+    def no_profiling(*_a, **_k):
+        raise AssertionError("the bench profiled although --profile was given")
+
+    monkeypatch.setattr(profiler, "profile_model", no_profiling)
+    args = ["predictor-bench", "--arch", "small_resnet", "--image-size", "32", "--batches", "5",
+            "--conditions", "offline", "--pi2", "perf", "--calibration", str(_cal(tmp_path)),
+            "--max-condition-s", "5", "--no-progress", "--profile", str(given)]
+    out = tmp_path / "bench"
+    assert main([*args, "--batch-size", "8", "--out", str(out)]) == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["offline_profile_s"] < 0.5 and res["conditions"][0]["batches"] >= 1
+    # the offline prediction is the given profile's cost of the plan
+    again = UnitProfile.load(out / "profile.json")
+    assert again.to_dict() == prof.to_dict()
+    upd = np.array([n in res["plan_units"] for n in prof.unit_names])
+    assert res["conditions"][0]["offline_pred_ms"] == pytest.approx(
+        plan_backward_ms(prof.w_ms, prof.x_ms, upd))
+    with pytest.raises(SystemExit, match="measured at batch 8.*runs batch 16"):
+        main([*args, "--batch-size", "16", "--out", str(tmp_path / "bad")])
+    (tmp_path / "junk.json").write_text("{not json")
+    with pytest.raises(SystemExit, match="cannot read --profile"):
+        main([*args[:-1], str(tmp_path / "junk.json"), "--batch-size", "8",
+              "--out", str(tmp_path / "bad2")])

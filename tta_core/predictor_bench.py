@@ -162,18 +162,21 @@ class BenchResult:
     forward_ms: float
     full_backward_ms: float
     offline: OfflineReference  # what the offline profiling run saw
-    offline_profile_s: float
+    offline_profile_s: float  # time spent profiling (0 when a profile was reused)
     conditions: list[ConditionResult]
     skipped: dict[str, str]
     sources: dict[str, str]
     loadavg_start: tuple[float, float, float]
     loadavg_end: tuple[float, float, float]
+    profile: UnitProfile | None = None  # the offline profile used (written as profile.json)
     host: str = field(default_factory=socket.gethostname)
     machine: str = field(default_factory=platform.machine)
     cpu_count: int = field(default_factory=lambda: os.cpu_count() or 1)
 
     def to_dict(self) -> dict[str, Any]:
-        return _clean({"schema": SCHEMA, **asdict(self)})
+        d = asdict(self)
+        d.pop("profile")  # arrays: written on its own by write_outputs
+        return _clean({"schema": SCHEMA, **d})
 
 
 def _clean(obj: Any) -> Any:
@@ -391,15 +394,31 @@ def _build(cfg: BenchConfig) -> tuple[StagedModel, torch.Tensor]:
     return staged, torch.randn(cfg.batch_size, *shape, generator=gen)
 
 
+def check_profile(profile: UnitProfile, staged: StagedModel, cfg: BenchConfig) -> None:
+    """Raise ValueError unless `profile` was measured for this model, batch and input."""
+    profile.check_units([u.name for u in staged.units])
+    shape = (3, cfg.image_size, cfg.image_size)
+    if profile.batch_size != cfg.batch_size or tuple(profile.input_shape) != shape:
+        raise ValueError(f"profile was measured at batch {profile.batch_size}, input "
+                         f"{tuple(profile.input_shape)}; the bench runs batch "
+                         f"{cfg.batch_size}, input {shape}")
+
+
 def offline_phase(staged: StagedModel, cfg: BenchConfig, sampler: Any,
-                  probe: BandwidthProbe | None) -> tuple[UnitProfile, OfflineReference, float]:
+                  probe: BandwidthProbe | None, profile: UnitProfile | None = None,
+                  ) -> tuple[UnitProfile, OfflineReference, float]:
     """Profile idle -> (profile, reference, profiling seconds); `sampler` was made just
-    before, so its first psutil window spans the profiling run (padded to >= 1 s)."""
+    before, so its first psutil window spans the profiling run (padded to >= 1 s). A given
+    `profile` (an earlier run's, `tta profile`'s) is reused: the reference is still
+    measured now, and the offline condition then shows whether the profile still fits."""
     from tta_core.profiler import profile_model
 
     t0 = time.monotonic()
-    profile = profile_model(staged, cfg.batch_size, cfg.profile_repeats, split=cfg.split,
-                            input_shape=(3, cfg.image_size, cfg.image_size))
+    if profile is None:
+        profile = profile_model(staged, cfg.batch_size, cfg.profile_repeats, split=cfg.split,
+                                input_shape=(3, cfg.image_size, cfg.image_size))
+    else:
+        check_profile(profile, staged, cfg)
     elapsed = time.monotonic() - t0
     time.sleep(max(0.0, 1.05 - elapsed))
     s = sampler.sample()
@@ -423,8 +442,10 @@ def _skipped(sampler: Any) -> dict[str, str]:
 
 
 def run_bench(cfg: BenchConfig, cal: Calibration, cal_source: str = "",
-              tick: Callable[[int], None] = lambda _n: None) -> BenchResult:
-    """The whole experiment; torch threads are set to cfg.threads and restored after."""
+              tick: Callable[[int], None] = lambda _n: None,
+              profile: UnitProfile | None = None) -> BenchResult:
+    """The whole experiment; torch threads are set to cfg.threads and restored after.
+    `profile`: reuse this offline profile instead of measuring one (see offline_phase)."""
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(cfg.threads)
     load0 = os.getloadavg()
@@ -432,7 +453,7 @@ def run_bench(cfg: BenchConfig, cal: Calibration, cal_source: str = "",
     probe = BandwidthProbe() if cfg.pi2_mode == "probe" else None
     sampler = _sampler()  # its psutil window starts now: right before profiling
     try:
-        profile, off, profile_s = offline_phase(staged, cfg, sampler, probe)
+        profile, off, profile_s = offline_phase(staged, cfg, sampler, probe, profile)
         tick(1)
         update = fixed_plan(profile, staged.stage_start(), cfg.sigma)
         models = {m: ExpansionModel(model=m, calibration=cal, reference=off, threads=cfg.threads,
@@ -451,7 +472,7 @@ def run_bench(cfg: BenchConfig, cal: Calibration, cal_source: str = "",
         n_units=len(profile.unit_names), forward_ms=profile.forward_ms,
         full_backward_ms=float(profile.w_ms.sum() + profile.x_ms[1:].sum()), offline=off,
         offline_profile_s=profile_s, conditions=rows, skipped=skipped, sources=sources,
-        loadavg_start=load0, loadavg_end=os.getloadavg())
+        loadavg_start=load0, loadavg_end=os.getloadavg(), profile=profile)
 
 
 # ---------------------------------------------------------------- outputs
@@ -524,12 +545,16 @@ def plot_errors(res: BenchResult, path: Path) -> Path:
 
 
 def write_outputs(res: BenchResult, out_dir: str | Path) -> dict[str, Path]:
-    """results.json, table.md and errors.png in out_dir (created)."""
+    """results.json, table.md, errors.png and profile.json (the offline profile, for
+    `--profile` on a later run) in out_dir (created)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "markdown": out / "table.md",
              "plot": out / "errors.png"}
     paths["json"].write_text(json.dumps(res.to_dict(), indent=1) + "\n")
+    if res.profile is not None:
+        paths["profile"] = out / "profile.json"
+        res.profile.save(paths["profile"])
     paths["markdown"].write_text(to_markdown(res))
     plot_errors(res, paths["plot"])
     return paths

@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from tta_core.calibration import CalibrationConfig, calibrate, load_calibration, n_steps
 from tta_core.models import ARCHS
+from tta_core.predictor import UnitProfile
 from tta_core.predictor_bench import (
     CONDITIONS,
     MODELS,
@@ -60,6 +61,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="JSON from `tta calibrate` (default: calibrate now, saved in --out)")
     parser.add_argument("--quick-calibration", action="store_true",
                         help="when calibrating now: the few-second `tta calibrate --quick`")
+    parser.add_argument("--profile", type=Path, default=None,
+                        help="reuse this offline profile (profile.json of an earlier run, "
+                             "or `tta profile` at the same batch, size and --threads) instead "
+                             "of measuring one; ResNet-50 profiling takes 10-25 min on 1 thread")
     parser.add_argument("--out", type=Path, default=None,
                         help="output folder (default runs/predictor-bench-<time>)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -88,14 +93,26 @@ def run(args: argparse.Namespace) -> int:
                       batches=args.batches, threads=args.threads, conditions=args.conditions,
                       sigma=args.sigma, max_condition_s=args.max_condition_s,
                       pi2_mode=args.pi2, model=args.model, split=args.split)
+    profile = None
+    if args.profile is not None:
+        try:
+            profile = UnitProfile.load(args.profile)
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SystemExit(f"tta predictor-bench: cannot read --profile {args.profile}: "
+                             f"{exc}") from exc
     out = args.out or Path("runs") / f"predictor-bench-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     total = 1 + cfg.batches * len(cfg.conditions)
     with tqdm(total=total, desc="predictor-bench", disable=args.no_progress) as bar:
         cal, source = _calibration(args, out, bar)
         bar.set_postfix_str("profile + conditions")
-        res = run_bench(cfg, cal, source, tick=bar.update)
+        try:
+            res = run_bench(cfg, cal, source, tick=bar.update, profile=profile)
+        except ValueError as exc:
+            if profile is None:
+                raise
+            raise SystemExit(f"tta predictor-bench: --profile {args.profile}: {exc}") from exc
     paths = write_outputs(res, out)
     print(paths["markdown"].read_text(), end="")
-    print(f"wrote {paths['json']}, {paths['markdown']}, {paths['plot']}")
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0

@@ -405,3 +405,34 @@ def test_lazy_graph_gives_the_same_update_as_the_full_graph() -> None:
         assert ra.loss == pytest.approx(rb.loss, rel=1e-5)
         torch.testing.assert_close(ra.logits, rb.logits, rtol=1e-4, atol=1e-5)
     assert not out["lazy"][1][0].logits.requires_grad
+
+
+def test_backward_feedback_learns_a_profile_that_underpredicts_the_backward() -> None:
+    """A profile whose backward times are 20x too small: with feedback on, the factor
+    rises (to its clip) and the predicted backward of later plans moves towards the
+    measured one; off, it stays 1. Plans themselves stay within the planner's contract."""
+    staged = _staged("small_resnet", 32)
+    prof = mac_profile(staged, 1.0, 4, (3, 32, 32))
+    prof.w_ms, prof.x_ms = prof.w_ms / 20.0, prof.x_ms / 20.0
+    gen = torch.Generator().manual_seed(0)
+    xs = [torch.randn(4, 3, 32, 32, generator=gen) * (1 + i % 3) for i in range(12)]
+    factors, errs = {}, {}
+    for alpha in (0.0, 0.5):
+        torch.manual_seed(0)
+        eng = AdaShadowEngine(_staged("small_resnet", 32), EngineConfig(
+            sigma=0.9, backward_feedback=alpha), profile=prof)
+        ratios = []
+        for x in xs:
+            res = eng.step(x)
+            if res.adapted:
+                ratios.append(res.times.backward_ms / res.extra["predicted_backward_ms"])
+        factors[alpha], errs[alpha] = eng.backward_fb.factor, ratios
+    assert factors[0.0] == 1.0 and factors[0.5] == pytest.approx(4.0)  # clipped at 4
+    assert len(errs[0.5]) >= 6 and len(errs[0.0]) >= 6
+    # measured / predicted: far above 1 without feedback, 4x closer once it has learnt
+    assert np.median(errs[0.0][-4:]) > 3.0 * np.median(errs[0.5][-4:])
+
+
+def test_backward_feedback_rejects_a_bad_alpha() -> None:
+    with pytest.raises(ValueError, match="alpha must be in"):
+        AdaShadowEngine(_staged("small_resnet", 32), EngineConfig(backward_feedback=1.5))

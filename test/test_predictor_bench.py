@@ -176,7 +176,7 @@ def test_cli_reuses_a_given_profile_and_rejects_a_mismatched_one(tmp_path, monke
     upd = np.array([n in res["plan_units"] for n in prof.unit_names])
     assert res["conditions"][0]["offline_pred_ms"] == pytest.approx(
         plan_backward_ms(prof.w_ms, prof.x_ms, upd))
-    with pytest.raises(SystemExit, match="measured at batch 8.*runs batch 16"):
+    with pytest.raises(SystemExit, match=r"measured at batch 8.*runs batch 16"):
         main([*args, "--batch-size", "16", "--out", str(tmp_path / "bad")])
     (tmp_path / "junk.json").write_text("{not json")
     with pytest.raises(SystemExit, match="cannot read --profile"):

@@ -385,7 +385,7 @@ def test_scheduler_plans_with_the_engines_forward_feedback(ros_context, tmp_path
     try:
         imp = LayerImportance(unit_names=names, importance=[1.0] * n, batch_size=4,
                               forward_ms=2 * 0.3 * n)  # this batch ran twice as slow
-        plan, unit_ms = node._solve(imp)
+        plan, unit_ms, _ = node._solve(imp)
         k = 1.0 if feedback == "off" else 2.0  # no telemetry: pi1 = pi2 = 1
         np.testing.assert_allclose(unit_ms, np.full(n, 0.3 * k), rtol=1e-6)
         # T = T_f + sum w + sum_{l >= 2} x + sum r, every time scaled by k
@@ -418,7 +418,7 @@ def test_scheduler_memory_feedback_uses_fresh_telemetry_pi1(ros_context, tmp_pat
         node._on_telemetry(ResourceTelemetry(compute_expansion=1.5, memory_expansion=1.5))
         imp = LayerImportance(unit_names=names, importance=[1.0] * n, batch_size=4,
                               forward_ms=2 * 0.3 * n)
-        _plan, unit_ms = node._solve(imp)
+        _plan, unit_ms, _ = node._solve(imp)
         want = planning_times(prof, 1.5, 1.5, imp.forward_ms, "memory")[2]
         np.testing.assert_allclose(unit_ms, want, rtol=1e-6)
         assert unit_ms.sum() == pytest.approx(imp.forward_ms, rel=1e-6)
@@ -450,13 +450,63 @@ def test_scheduler_compares_the_forward_with_the_graph_perception_recorded(
     try:
         imp = LayerImportance(unit_names=names, importance=[1.0] * n, batch_size=4,
                               forward_ms=float(g.sum()))  # before any plan: full graph
-        plan, unit_ms = node._solve(imp)
+        plan, unit_ms, _ = node._solve(imp)
         np.testing.assert_allclose(unit_ms, 0.3, rtol=1e-6)
         node._on_importance(imp)  # publishes that plan
         first = int(starts[plan.first_updated])
         assert 0 < first < n
         imp.forward_ms = float(r[:first].sum() + g[first:].sum())
-        _plan, unit_ms = node._solve(imp)
+        _plan, unit_ms, _ = node._solve(imp)
         np.testing.assert_allclose(unit_ms, 0.3, rtol=1e-6)
     finally:
+        node.destroy_node()
+
+
+def test_scheduler_corrects_backward_times_by_the_status_perception_reports(
+        ros_context, tmp_path) -> None:
+    """An AdaptationStatus received over DDS for one of our plans (plan_id echoed) feeds its
+    measured backward_ms back: the next plan's unit times grow by the EMA of measured /
+    predicted; a repeated status, or one for a plan we never made, changes nothing."""
+    from tta_core.predictor import UnitProfile
+
+    probe = SchedulerNode(context=ros_context, parameter_overrides=[
+        Parameter("model_card", value=str(CARD))])
+    names = probe.layout.unit_names
+    probe.destroy_node()
+    n = len(names)
+    UnitProfile(model="small_resnet", device="cpu", batch_size=4, input_shape=(3, 32, 32),
+                unit_names=names, w_ms=np.full(n, 0.2), x_ms=np.full(n, 0.1),
+                r_ms=np.full(n, 0.3), eta=np.ones(n), forward_ms=0.3 * n,
+                ).save(tmp_path / "p.json")
+    node = SchedulerNode(context=ros_context, parameter_overrides=[
+        Parameter("model_card", value=str(CARD)),
+        Parameter("profile", value=str(tmp_path / "p.json")),
+        Parameter("forward_feedback", value="uniform"), Parameter("sigma", value=0.8),
+        Parameter("backward_feedback", value=0.5)])
+    perception = rclpy.create_node("fake_perception", context=ros_context)
+    pub = perception.create_publisher(AdaptationStatus, "adaptation_status",
+                                      QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
+    ex = SingleThreadedExecutor(context=ros_context)
+    for nd in (node, perception):
+        ex.add_node(nd)
+    try:
+        imp = LayerImportance(unit_names=names, importance=[1.0] * n, batch_size=4,
+                              forward_ms=0.3 * n)
+        node._on_importance(imp)  # plan 1
+        predicted = node._predicted_bwd[1]
+        assert predicted > 0
+        deadline = time.monotonic() + 10.0
+        while node.backward_fb.updates == 0 and time.monotonic() < deadline:
+            pub.publish(AdaptationStatus(plan_id=1, adapted=True, backward_ms=4.0 * predicted))
+            pub.publish(AdaptationStatus(plan_id=77, adapted=True, backward_ms=1e6))
+            ex.spin_once(timeout_sec=0.05)
+        for _ in range(20):  # let the repeats arrive: plan 1 was answered already
+            ex.spin_once(timeout_sec=0.01)
+        assert node.backward_fb.updates == 1
+        assert node.backward_fb.factor == pytest.approx(2.0)  # exp(0.5 * ln 4)
+        _plan, unit_ms, _ = node._solve(imp)
+        np.testing.assert_allclose(unit_ms, np.full(n, 0.3 * 2.0), rtol=1e-6)
+    finally:
+        ex.shutdown()
+        perception.destroy_node()
         node.destroy_node()

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from tta_core import assessor as assessor_mod
 from tta_core import losses, planner, predictor
+from tta_core.backward_feedback import BackwardFeedback
 from tta_core.unit_stats import UnitStatsCollector, source_seeds
 from tta_core.units import StagedModel, stage_input_hooks
 
@@ -51,6 +52,12 @@ class EngineConfig:
     # alike; right when pi1/pi2 are not live telemetry), "memory" (pi2 solved from the
     # forward; needs a live telemetry pi1), or "off"
     forward_feedback: str = "uniform"
+    # EMA weight of the closed-loop backward correction (backward_feedback): predicted
+    # backward times are scaled by measured / predicted of past plans. Off (0) by default
+    # in the library: plans then depend only on relative unit costs, never on how fast
+    # this run happened to be, so `tta bench` accuracies repeat exactly; the ROS nodes turn
+    # it on (0.2), where the budget holding matters more than repeatability
+    backward_feedback: float = 0.0
     # "norm": only BN/LayerNorm units are candidates (their affine parameters, as Tent),
     # "all": every unit (the paper's layer-wise reading). Entropy minimisation on conv or
     # classifier weights with small batches collapses to one class within a few hundred
@@ -84,6 +91,7 @@ class EngineConfig:
             raise ValueError(f"bad optimizer settings lr={self.lr} momentum={self.momentum}")
         if self.pi1 <= 0 or self.pi2 <= 0:
             raise ValueError(f"expansion coefficients must be > 0, got {self.pi1}, {self.pi2}")
+        BackwardFeedback(alpha=self.backward_feedback)  # raises on a bad alpha
 
 
 @dataclass
@@ -199,6 +207,7 @@ class AdaShadowEngine:
                                          momentum=self.config.momentum)
         self._opt_state0 = self.optimizer.state_dict()
         self.assessor = assessor_mod.Assessor(len(staged.units), alpha=self.config.alpha)
+        self.backward_fb = BackwardFeedback(alpha=self.config.backward_feedback)
         self._collector = UnitStatsCollector(staged, with_grad=self.config.loss == "multilayer_kl")
         self.lazy = self.config.graph == "lazy" and self.config.loss == "entropy"
         if source_bn:
@@ -277,7 +286,8 @@ class AdaShadowEngine:
         w, dx, r = predictor.planning_times(self._profile_for(x.shape[0], tuple(x.shape[1:])),
                                             self.config.pi1, self.config.pi2, fwd.forward_ms,
                                             feedback=self._feedback(),
-                                            grad_from=self._grad_from(fwd.grad_stage))
+                                            grad_from=self._grad_from(fwd.grad_stage),
+                                            backward_factor=self.backward_fb.factor)
         if self.lazy:
             r = 2.0 * r  # the tail runs twice: with autograd for the backward, then again
         return w, dx, r
@@ -287,12 +297,21 @@ class AdaShadowEngine:
                                    importance=importance, forward_ms=forward_ms,
                                    sigma=self.config.sigma)
 
-    def _plan(self, fwd: _Forward, x: Tensor, importance: np.ndarray) -> planner.Plan:
+    def _plan(self, fwd: _Forward, x: Tensor,
+              importance: np.ndarray) -> tuple[planner.Plan, float]:
+        """The plan and its predicted backward ms (what the backward feedback checks)."""
         w, dx, r = self._times(fwd, x)
         # units below the recorded graph cannot be updated; none fits the budget anyway
         reachable = self.lazy | (self._stage_of_unit >= fwd.grad_stage)
-        return planner.solve(self._problem(w, dx, r, np.where(reachable, importance, 0.0),
+        plan = planner.solve(self._problem(w, dx, r, np.where(reachable, importance, 0.0),
                                            fwd.forward_ms), n_t=self.config.n_t)
+        return plan, planner.backward_cost(w, dx, plan.update)
+
+    def _check_backward(self, predicted_ms: float, measured_ms: float) -> None:
+        """Feed a measured backward to the closed-loop correction. Lazy mode's backward
+        also re-runs the tail forward, which the prediction does not count: skipped."""
+        if not self.lazy:
+            self.backward_fb.update(predicted_ms, measured_ms)
 
     def _grad_stage_for(self, x: Tensor, plan: planner.Plan | None) -> int:
         """First stage that may be updated on this batch; the forward records the graph
@@ -305,10 +324,12 @@ class AdaShadowEngine:
             upd = np.asarray(plan.update, dtype=bool)
             return int(self._stage_of_unit[np.argmax(upd)]) if upd.any() else n_stages
         c = self.config
+        k = round(self.backward_fb.factor, 2)  # the floor moves little with it
         key = (tuple(x.shape), c.pi1, c.pi2, c.sigma, id(self.profile),
-               self._scaled() or self._last_forward_ms)
+               self._scaled() or self._last_forward_ms, k)
         if self._floor_cache[0] != key:
             w, dx, r = self._unit_times(x.shape[0], tuple(x.shape[1:]))
+            w, dx = k * w, k * dx
             # scaled times: the budget is proportional to the forward, so the floor does not
             # depend on it; unscaled: a forward faster than the last one only lowers it
             tf = float(r.sum()) if self._scaled() else 0.8 * self._last_forward_ms
@@ -367,8 +388,9 @@ class AdaShadowEngine:
         detached = [(m.detach(), v.detach()) for m, v in fwd.stats]
         # units that may not be updated get importance 0: the planner never picks them
         importance = np.where(self.candidates, self.assessor.step(detached), 0.0)
+        predicted_bwd = float("nan")  # unknown for an external plan: no feedback
         if plan is None:
-            plan = self._plan(fwd, x, importance)
+            plan, predicted_bwd = self._plan(fwd, x, importance)
         update = np.asarray(plan.update, dtype=bool)
         if (update & ~self.candidates).any():
             bad = [u.name for u in self.staged.units if update[u.index] and not
@@ -386,16 +408,19 @@ class AdaShadowEngine:
             loss=float(loss.detach()) if loss is not None else float("nan"),
             mean_entropy=mean_entropy(fwd.logits), adapted=adapt,
             units_updated=int(update.sum()) if adapt else 0,
-            predicted_total_ms=float(plan.predicted_total_ms), budget_ms=float(plan.budget_ms))
+            predicted_total_ms=float(plan.predicted_total_ms), budget_ms=float(plan.budget_ms),
+            extra={"predicted_backward_ms": predicted_bwd,
+                   "backward_factor": self.backward_fb.factor})
         if not adapt:
             res.times.total_ms = (self._timer.now() - t0) * 1e3
             return res
         if self.config.mode == "parallel":
             res.times.total_ms = (self._timer.now() - t0) * 1e3
-            self._start_job(res, fwd, loss, update)
+            self._start_job(res, fwd, loss, update, predicted_bwd)
             return res
         self._adapt(fwd, loss, update)
         t3 = self._timer.now()
+        self._check_backward(predicted_bwd, (t3 - t2) * 1e3)
         res.logits = self._reforward(x, fwd, int(np.flatnonzero(update)[0]))
         t4 = self._timer.now()
         res.times.backward_ms, res.times.reforward_ms = (t3 - t2) * 1e3, (t4 - t3) * 1e3
@@ -403,12 +428,13 @@ class AdaShadowEngine:
         return res
 
     def _start_job(self, res: StepResult, fwd: _Forward, loss: Tensor,
-                   update: np.ndarray) -> None:
-        def job() -> None:
+                   update: np.ndarray, predicted_bwd: float) -> None:
+        def job() -> None:  # step() syncs before it plans again: no race on the feedback
             try:
                 t = self._timer.now()
                 self._adapt(fwd, loss, update)
                 res.times.backward_ms = (self._timer.now() - t) * 1e3
+                self._check_backward(predicted_bwd, res.times.backward_ms)
             except BaseException as exc:  # surfaced by sync()
                 self._job_error = exc
         self._pending = res

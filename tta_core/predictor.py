@@ -268,13 +268,17 @@ def feedback_pis(profile: UnitProfile, pi1: float, pi2: float, forward_ms: float
 
 
 def planning_times(profile: UnitProfile, pi1: float, pi2: float, forward_ms: float,
-                   feedback: str = "uniform", grad_from: int = 0
+                   feedback: str = "uniform", grad_from: int = 0,
+                   backward_factor: float = 1.0,
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The (w, x, r) the planner uses: Eq. 4 runtime times at the telemetry's (pi1, pi2)
-    corrected by the measured forward (feedback_pis). One function for the engine and the
-    ROS scheduler, so both plan with the same predictor."""
-    return runtime_times(profile, *feedback_pis(profile, pi1, pi2, forward_ms, feedback,
-                                                grad_from))
+    corrected by the measured forward (feedback_pis), w and x then by the measured
+    backwards of past plans (`backward_factor`, backward_feedback.BackwardFeedback). One
+    function for the engine and the ROS scheduler, so both plan with the same predictor."""
+    k = _check_pi("backward_factor", backward_factor)
+    w, x, r = runtime_times(profile, *feedback_pis(profile, pi1, pi2, forward_ms, feedback,
+                                                   grad_from))
+    return k * w, k * x, r
 
 
 def eta_from_macs(

@@ -50,6 +50,7 @@ import numpy as np
 import torch
 
 from tta_core import planner
+from tta_core.backward_feedback import BackwardFeedback
 from tta_core.calibration import BusyProcesses
 from tta_core.expansion import MODELS, PI2_MODES, ExpansionModel, OfflineReference
 from tta_core.losses import entropy_loss
@@ -132,6 +133,12 @@ class ConditionResult:
     # the same with "uniform" feedback (the engine's default without live telemetry)
     feedback_uniform_pred_ms: float
     err_feedback_uniform_pct: float
+    # uniform feedback x the closed-loop backward correction (backward_feedback), learnt
+    # from this run's earlier batches (carried over from the previous condition, as a
+    # running system would); backward_factor: its median over the condition
+    backward_fb_pred_ms: float
+    err_backward_fb_pct: float
+    backward_factor: float
     measured_mean_ms: float
     pi1: float  # headline model's pi1, median over batches (relative to the offline run)
     pi2: float  # headline model's pi2
@@ -240,6 +247,8 @@ class _Trace:
     alt_pred: list[float] = field(default_factory=list)
     fb_pred: list[float] = field(default_factory=list)
     fb_uniform_pred: list[float] = field(default_factory=list)
+    bwd_fb_pred: list[float] = field(default_factory=list)
+    bwd_factor: list[float] = field(default_factory=list)
     pi1: list[float] = field(default_factory=list)
     pi1_alt: list[float] = field(default_factory=list)
     pi2_alt: list[float] = field(default_factory=list)
@@ -274,12 +283,15 @@ class _Bench:
     sampler: Any  # TelemetrySampler
     probe: BandwidthProbe | None
     models: dict[str, ExpansionModel]  # both runtime models on the offline reference
+    backward_fb: BackwardFeedback = field(default_factory=BackwardFeedback)
 
     def feedback_prediction(self, pis: tuple[float, float], forward_ms: float,
-                            mode: str) -> float:
+                            mode: str, backward_factor: float = 1.0) -> float:
         """What the planners plan with (predictor.planning_times): the runtime times at
-        `pis` corrected by this batch's measured forward (`mode`: feedback_pis)."""
-        w, x, _ = planning_times(self.profile, *pis, forward_ms, mode)
+        `pis` corrected by this batch's measured forward (`mode`: feedback_pis) and by
+        `backward_factor`."""
+        w, x, _ = planning_times(self.profile, *pis, forward_ms, mode,
+                                 backward_factor=backward_factor)
         return plan_backward_ms(w, x, self.update)
 
     def observe(self, trace: _Trace) -> tuple[float, float]:
@@ -325,6 +337,11 @@ def _measure(bench: _Bench, tick: Callable[[int], None]) -> tuple[_Trace, bool, 
         trace.measured.append(backward_ms)
         trace.fb_pred.append(bench.feedback_prediction(pis, forward_ms, "memory"))
         trace.fb_uniform_pred.append(bench.feedback_prediction(pis, forward_ms, "uniform"))
+        fb = bench.backward_fb
+        trace.bwd_factor.append(fb.factor)
+        trace.bwd_fb_pred.append(bench.feedback_prediction(pis, forward_ms, "uniform",
+                                                           fb.factor))
+        fb.update(trace.bwd_fb_pred[-1], backward_ms)  # known only after this batch
         tick(1)
     return trace, truncated, time.monotonic() - t0
 
@@ -349,6 +366,7 @@ def run_condition(bench: _Bench, name: str,
     alt_pred = float(np.median(trace.alt_pred))
     fb_pred = float(np.median(trace.fb_pred))
     fb_uni = float(np.median(trace.fb_uniform_pred))
+    bwd_fb = float(np.median(trace.bwd_fb_pred))
     per_batch = [_err(p, m) for p, m in zip(trace.fb_pred, trace.measured, strict=True)]
     srcs = sorted(set(trace.pi2_src), key=trace.pi2_src.count)
     return ConditionResult(
@@ -359,6 +377,8 @@ def run_condition(bench: _Bench, name: str,
         err_runtime_alt_pct=_err(alt_pred, meas), feedback_pred_ms=fb_pred,
         err_feedback_pct=_err(fb_pred, meas), err_feedback_per_batch_pct=_nanmedian(per_batch),
         feedback_uniform_pred_ms=fb_uni, err_feedback_uniform_pct=_err(fb_uni, meas),
+        backward_fb_pred_ms=bwd_fb, err_backward_fb_pct=_err(bwd_fb, meas),
+        backward_factor=float(np.median(trace.bwd_factor)),
         measured_mean_ms=float(np.mean(trace.measured)),
         pi1=_nanmedian(trace.pi1), pi1_alt=_nanmedian(trace.pi1_alt),
         pi2_alt=_nanmedian(trace.pi2_alt), share=_nanmedian(trace.share),
@@ -489,9 +509,9 @@ def to_markdown(res: BenchResult) -> str:
         "",
         "| condition | started (cpu+mem) | n | pi1 | pi2 (src) | measured ms median (mean) | "
         "runtime pred ms | runtime err % | + memory feedback pred ms | err % (per batch) | "
-        "+ uniform feedback err % | "
+        "+ uniform feedback err % | + backward feedback pred ms (factor) | err % | "
         f"offline pred ms | offline err % | {alt} pi1 / pi2 | {alt} err % | load 1m |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c in res.conditions:
         lines.append(
@@ -500,6 +520,8 @@ def to_markdown(res: BenchResult) -> str:
             f"{c.runtime_pred_ms:.1f} | "
             f"{c.err_runtime_pct:.1f} | {c.feedback_pred_ms:.1f} | {c.err_feedback_pct:.1f} "
             f"({c.err_feedback_per_batch_pct:.1f}) | {c.err_feedback_uniform_pct:.1f} | "
+            f"{c.backward_fb_pred_ms:.1f} ({c.backward_factor:.3f}) | "
+            f"{c.err_backward_fb_pct:.1f} | "
             f"{c.offline_pred_ms:.1f} | {c.err_offline_pct:.1f} | "
             f"{c.pi1_alt:.3f} / {c.pi2_alt:.3f} | {c.err_runtime_alt_pct:.1f} | "
             f"{c.loadavg_1m:.2f} |")
@@ -507,7 +529,9 @@ def to_markdown(res: BenchResult) -> str:
               "feedback: telemetry pi1, pi2 solved so that Eq. 4 gives the forward measured on "
               "the batch (what the scheduler plans with); + uniform feedback: every time "
               "scaled by measured / predicted forward (the engine without live telemetry); "
-              "see predictor.feedback_pis",
+              "see predictor.feedback_pis; + backward feedback: uniform, then scaled by the "
+              "EMA of measured / predicted backward of the earlier batches "
+              "(tta_core.backward_feedback, what engine and scheduler plan with)",
               *(f"- {k} skipped: {v}" for k, v in res.skipped.items()),
               f"- load average (1/5/15 min) start {tuple(round(v, 2) for v in res.loadavg_start)}"
               f", end {tuple(round(v, 2) for v in res.loadavg_end)}"]
@@ -528,6 +552,7 @@ def plot_errors(res: BenchResult, path: Path) -> Path:
     bars = ((f"runtime ({res.config['model']})", "err_runtime_pct"),
             ("+ memory feedback (scheduler)", "err_feedback_pct"),
             ("+ uniform feedback (engine)", "err_feedback_uniform_pct"),
+            ("+ uniform + backward feedback", "err_backward_fb_pct"),
             (f"runtime ({alt})", "err_runtime_alt_pct"), ("offline only", "err_offline_pct"))
     width = 0.8 / len(bars)
     for i, (label, key) in enumerate(bars):

@@ -232,7 +232,8 @@ def profile_model(staged: StagedModel, batch: int = 4, repeats: int = 5,
         # the plans take minutes, and a shared machine drifts meanwhile: rescale the
         # forward references (r, g, T_f) to the forwards timed among the plans, so that the
         # forward feedback (predictor.feedback_pis) compares with the same moment as w, x
-        scale = plans[2] / forward_ms if forward_ms > 0 else 1.0
+        # (relative to the sum of the per-unit medians, so that g sums to T_f exactly)
+        scale = plans[2] / g.sum() if g.sum() > 0 else 1.0
         r, g, forward_ms = r * scale, g * scale, plans[2]
     else:
         dx = np.array([u.macs_dx for u in staged.units], dtype=np.float64)

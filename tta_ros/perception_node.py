@@ -69,6 +69,9 @@ def param_specs() -> tuple[ParamSpec, ...]:
         ParamSpec("device", "cpu", "torch device (cpu, cuda, cuda:N)", read_only=True),
         ParamSpec("profile", "", "offline UnitProfile JSON for inline planning",
                   read_only=True),
+        ParamSpec("backward_feedback", 0.2, "inline planning: EMA weight of the correction "
+                  "of predicted backward times by measured ones (0: off)", 0.0, 1.0,
+                  read_only=True),
         ParamSpec("num_threads", 0, "torch intra-op threads (0: torch default)", 0, 256,
                   read_only=True),
         ParamSpec("reset_entropy_ratio", 0.95, "divergence guard: entropy limit as a "
@@ -176,7 +179,8 @@ class PerceptionNode(Node):
         known = {f.name for f in dataclasses.fields(method_class(name).config_cls)}
         s = self.pre.image_size
         cfg = {"lr": self.p["lr"], "sigma": self.p["sigma"], "mode": self.p["mode"],
-               "input_shape": (3, s, s), "arch": self.arch}
+               "input_shape": (3, s, s), "arch": self.arch,
+               "backward_feedback": self.p["backward_feedback"]}
         if self.p["profile"]:
             cfg["profile"] = ros_params.resolve_data_path(self.p["profile"])
         return {k: v for k, v in cfg.items() if k in known}

@@ -6,7 +6,10 @@ AdaShadow DP (tta_core.planner.solve). Without a profile file the per-unit times
 MAC-proportional default of tta_core.engine.mac_profile, scaled to the batch's measured
 forward_ms. The unit structure (names, stage starts) comes from decomposing the model
 described by the model card, so plans and perception agree on units by construction; a
-LayerImportance whose unit_names differ is refused with a diagnostic.
+LayerImportance whose unit_names differ is refused with a diagnostic. The AdaptationStatus
+perception publishes for each plan it followed (plan_id echoed) closes the loop: its
+measured backward_ms against the plan's predicted backward drives the backward correction
+(tta_core.backward_feedback) of the next plans.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ from rclpy.node import Node
 from rclpy.parameter import Parameter
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import ColorRGBA
-from tta_msgs.msg import LayerImportance, LayerPlan, ResourceTelemetry
+from tta_msgs.msg import AdaptationStatus, LayerImportance, LayerPlan, ResourceTelemetry
 from visualization_msgs.msg import Marker, MarkerArray
 
 from tta_core import engine, planner, predictor
+from tta_core.backward_feedback import BackwardFeedback
 from tta_core.models import build_model
 from tta_core.train_source import load_card
 from tta_core.units import decompose
@@ -46,6 +50,9 @@ PARAMS: tuple[ParamSpec, ...] = (
               "telemetry's pi1 and solve pi2 from the forward (uniform while telemetry is "
               "stale), uniform = scale every time alike, off = telemetry only",
               choices=predictor.FEEDBACK_MODES),
+    ParamSpec("backward_feedback", 0.2, "EMA weight of the correction of predicted backward "
+              "times by the backward_ms perception reports for our plans (0: off)", 0.0, 1.0,
+              read_only=True),
     ParamSpec("telemetry_timeout_s", 2.0, "older telemetry is ignored (pi = 1)", 0.1, 3600.0),
     ParamSpec("marker_frame_id", "tta", "frame of the RViz markers"),
     ParamSpec("bar_spacing", 0.3, "distance between unit bars [m]", 0.01, 10.0),
@@ -160,6 +167,8 @@ class SchedulerNode(Node):
         # perception records the autograd graph from the stage of the plan it follows: the
         # forward it reports is compared with that kind of forward (predictor.forward_reference)
         self._grad_from = 0
+        self.backward_fb = BackwardFeedback(alpha=p["backward_feedback"])
+        self._predicted_bwd: dict[int, float] = {}  # plan_id -> predicted backward ms
         self.last_error = ""
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
         self.pub_plan = self.create_publisher(LayerPlan, "layer_plan", reliable)
@@ -168,10 +177,18 @@ class SchedulerNode(Node):
         self.create_subscription(LayerImportance, "layer_importance", self._on_importance,
                                  reliable)
         self.create_subscription(ResourceTelemetry, "telemetry", self._on_telemetry, 10)
+        self.create_subscription(AdaptationStatus, "adaptation_status", self._on_status,
+                                 reliable)
         self.create_timer(1.0, self._publish_diagnostics)
 
     def _on_telemetry(self, msg: ResourceTelemetry) -> None:
         self.telemetry, self._tel_time = msg, self._now()
+
+    def _on_status(self, msg: AdaptationStatus) -> None:
+        """Perception followed one of our plans: check its predicted backward."""
+        predicted = self._predicted_bwd.pop(int(msg.plan_id), None)
+        if predicted is not None and msg.adapted:
+            self.backward_fb.update(predicted, float(msg.backward_ms))
 
     def _now(self) -> float:
         return self.get_clock().now().nanoseconds * 1e-9
@@ -188,11 +205,11 @@ class SchedulerNode(Node):
             # live telemetry pi1 = 1 means "unknown", which "memory" would misread
             feedback = "uniform"
         return predictor.planning_times(prof, pi1, pi2, float(imp.forward_ms), feedback,
-                                        self._grad_from)
+                                        self._grad_from, self.backward_fb.factor)
 
     def _on_importance(self, imp: LayerImportance) -> None:
         try:
-            plan, unit_ms = self._solve(imp)
+            plan, unit_ms, predicted_bwd = self._solve(imp)
         except ValueError as exc:
             self.last_error = str(exc)
             self.get_logger().warning(f"no plan for batch {imp.batch_id}: {exc}",
@@ -206,12 +223,16 @@ class SchedulerNode(Node):
                            if plan.first_updated < n else n)
         sigma = self.get_parameter("sigma").value
         msg = plan_to_msg(plan, imp, self.plans_published, sigma, unit_ms)
+        self._predicted_bwd[self.plans_published] = predicted_bwd
+        while len(self._predicted_bwd) > 64:  # plans perception never followed
+            del self._predicted_bwd[next(iter(self._predicted_bwd))]
         self.pub_plan.publish(msg)
         self.pub_markers.publish(plan_markers(
             msg, self.get_parameter("marker_frame_id").value,
             self.get_parameter("bar_spacing").value, self.get_parameter("bar_max_height").value))
 
-    def _solve(self, imp: LayerImportance) -> tuple[planner.Plan, np.ndarray]:
+    def _solve(self, imp: LayerImportance) -> tuple[planner.Plan, np.ndarray, float]:
+        """The plan, the predicted per-unit backward ms and the plan's predicted backward."""
         if list(imp.unit_names) != self.layout.unit_names:
             raise ValueError(f"importance of model {imp.model_name!r} has "
                              f"{len(imp.unit_names)} units that do not match the card's "
@@ -224,7 +245,8 @@ class SchedulerNode(Node):
                                       importance=np.maximum(a, 0.0),
                                       forward_ms=float(imp.forward_ms),
                                       sigma=float(self.get_parameter("sigma").value))
-        return planner.solve(problem, n_t=int(self.get_parameter("n_t").value)), w + x
+        plan = planner.solve(problem, n_t=int(self.get_parameter("n_t").value))
+        return plan, w + x, planner.backward_cost(w, x, plan.update)
 
     def _publish_diagnostics(self) -> None:
         st = DiagnosticStatus(name="tta scheduler: planning", hardware_id="")
@@ -235,7 +257,8 @@ class SchedulerNode(Node):
                      KeyValue(key="profile", value=self.profile.device if self.profile
                               else "mac-estimate"),
                      KeyValue(key="pi1", value=f"{pi1:.4g}"),
-                     KeyValue(key="pi2", value=f"{pi2:.4g}")]
+                     KeyValue(key="pi2", value=f"{pi2:.4g}"),
+                     KeyValue(key="backward_factor", value=f"{self.backward_fb.factor:.4g}")]
         arr = DiagnosticArray(status=[st])
         arr.header.stamp = self.get_clock().now().to_msg()
         self.pub_diag.publish(arr)

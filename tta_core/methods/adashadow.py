@@ -34,6 +34,7 @@ class AdaShadowConfig(MethodConfig):
     trainable: str = "norm"  # "norm" (BN/LN affine, default) | "all" (every unit)
     graph: str = "full"  # "full": graph recorded in the forward | "lazy": tail only
     forward_feedback: str = "uniform"  # "uniform" | "memory" | "off" (EngineConfig)
+    backward_feedback: float = 0.0  # EMA weight of the measured-backward correction; 0: off
     profile: UnitProfile | str | Path | None = None  # offline profile or its JSON path
 
 
@@ -65,6 +66,7 @@ class AdaShadow(TTAMethod):
         ecfg = EngineConfig(sigma=c.sigma, lr=c.lr, momentum=c.momentum, mode=c.mode,
                             loss=c.loss, bn_mode=c.bn_mode, alpha=c.alpha, n_t=c.n_t,
                             reuse=c.reuse, forward_feedback=c.forward_feedback,
+                            backward_feedback=c.backward_feedback,
                             trainable=c.trainable, graph=c.graph)
         self.engine = AdaShadowEngine(self.staged, ecfg, profile=prof, source_bn=source_bn)
 

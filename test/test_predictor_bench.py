@@ -89,6 +89,41 @@ def test_observe_evaluates_the_product_expansion_models() -> None:
         plan_backward_ms(w2, x2, update))
 
 
+def test_backward_feedback_column_learns_only_from_earlier_batches() -> None:
+    """The machine runs the plan 1.5x slower than the uniform-feedback prediction: the
+    backward-feedback prediction starts there (factor 1) and converges on the measured
+    time, each batch predicted with the factor learnt before it was measured."""
+    from tta_core.predictor_bench import _measure
+
+    n = 4
+    profile = UnitProfile(model="m", device="d", batch_size=1, input_shape=(3, 8, 8),
+                          unit_names=[f"u{i}" for i in range(n)], w_ms=RNG.random(n),
+                          x_ms=RNG.random(n), r_ms=RNG.random(n), eta=np.ones(n),
+                          forward_ms=1.0)
+    update = np.array([False, True, True, True])
+    uniform = plan_backward_ms(profile.w_ms, profile.x_ms, update)  # forward as profiled
+
+    class Sampler:
+        def sample(self) -> ResourceSample:
+            return ResourceSample()  # nothing known: pi1 = pi2 = 1
+
+    class Meas:
+        def once(self) -> tuple[float, float]:
+            return float(profile.r_ms.sum()), 1.5 * uniform
+
+    cfg = BenchConfig(threads=1, cores=2, batches=25, warmup=0, pi2_mode="perf")
+    models = {m: ExpansionModel(m, Calibration(), OfflineReference(), threads=1, cores=2)
+              for m in MODELS}
+    bench = _Bench(cfg, profile, update, meas=Meas(), sampler=Sampler(), probe=None,
+                   models=models)
+    trace, truncated, _ = _measure(bench, lambda _n: None)
+    assert not truncated and len(trace.measured) == 25
+    assert trace.fb_uniform_pred == [pytest.approx(uniform)] * 25
+    assert trace.bwd_factor[0] == 1.0 and trace.bwd_fb_pred[0] == pytest.approx(uniform)
+    assert np.all(np.diff(trace.bwd_factor) > 0)  # learning, one batch behind
+    assert trace.bwd_fb_pred[-1] == pytest.approx(1.5 * uniform, rel=0.01)
+
+
 def test_config_rejects_bad_values() -> None:
     with pytest.raises(ValueError, match="dr9"):
         BenchConfig(conditions=("offline", "dr9"))
@@ -135,6 +170,9 @@ def test_cli_offline_and_dr2_small_resnet(tmp_path) -> None:
         assert c["err_feedback_pct"] == pytest.approx(
             abs(c["feedback_pred_ms"] - c["measured_ms"]) / c["measured_ms"] * 100)
         assert c["err_feedback_per_batch_pct"] >= 0
+        assert c["err_backward_fb_pct"] == pytest.approx(
+            abs(c["backward_fb_pred_ms"] - c["measured_ms"]) / c["measured_ms"] * 100)
+        assert 0.25 <= c["backward_factor"] <= 4.0  # BackwardFeedback's clip
         # no LLC counters and --pi2 perf: memory expansion 1, "share" scales it by s(n)
         assert c["pi2_mem"] == 1.0 and c["pi2_source"] == "none"
         assert c["pi2"] == pytest.approx(c["share"]) and c["pi2_alt"] == 1.0

@@ -413,7 +413,8 @@ def test_scheduler_memory_feedback_uses_fresh_telemetry_pi1(ros_context, tmp_pat
     prof.save(tmp_path / "p.json")
     node = SchedulerNode(context=ros_context, parameter_overrides=[
         Parameter("model_card", value=str(CARD)),
-        Parameter("profile", value=str(tmp_path / "p.json"))])  # default: "memory"
+        Parameter("profile", value=str(tmp_path / "p.json")),
+        Parameter("forward_feedback", value="memory")])
     try:
         node._on_telemetry(ResourceTelemetry(compute_expansion=1.5, memory_expansion=1.5))
         imp = LayerImportance(unit_names=names, importance=[1.0] * n, batch_size=4,

@@ -125,7 +125,7 @@ class ConditionResult:
     err_runtime_pct: float
     runtime_alt_pred_ms: float  # the other runtime model (see BenchConfig.model)
     err_runtime_alt_pct: float
-    # the scheduler's planning prediction: runtime times + "memory" forward feedback
+    # runtime times + "memory" forward feedback (the scheduler's forward_feedback option)
     # (predictor.feedback_pis; median over batches)
     feedback_pred_ms: float
     err_feedback_pct: float
@@ -527,11 +527,11 @@ def to_markdown(res: BenchResult) -> str:
             f"{c.loadavg_1m:.2f} |")
     lines += ["", "- runtime: offline profile x Eq. 4 with pi1/pi2 from telemetry; + memory "
               "feedback: telemetry pi1, pi2 solved so that Eq. 4 gives the forward measured on "
-              "the batch (what the scheduler plans with); + uniform feedback: every time "
-              "scaled by measured / predicted forward (the engine without live telemetry); "
+              "the batch (scheduler option); + uniform feedback: every time "
+              "scaled by measured / predicted forward (engine and scheduler default); "
               "see predictor.feedback_pis; + backward feedback: uniform, then scaled by the "
               "EMA of measured / predicted backward of the earlier batches "
-              "(tta_core.backward_feedback, what engine and scheduler plan with)",
+              "(tta_core.backward_feedback: what the ROS nodes plan with)",
               *(f"- {k} skipped: {v}" for k, v in res.skipped.items()),
               f"- load average (1/5/15 min) start {tuple(round(v, 2) for v in res.loadavg_start)}"
               f", end {tuple(round(v, 2) for v in res.loadavg_end)}"]
@@ -550,9 +550,9 @@ def plot_errors(res: BenchResult, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     alt = next(m for m in MODELS if m != res.config["model"])
     bars = ((f"runtime ({res.config['model']})", "err_runtime_pct"),
-            ("+ memory feedback (scheduler)", "err_feedback_pct"),
-            ("+ uniform feedback (engine)", "err_feedback_uniform_pct"),
-            ("+ uniform + backward feedback", "err_backward_fb_pct"),
+            ("+ memory feedback", "err_feedback_pct"),
+            ("+ uniform feedback", "err_feedback_uniform_pct"),
+            ("+ uniform + backward feedback (ROS nodes)", "err_backward_fb_pct"),
             (f"runtime ({alt})", "err_runtime_alt_pct"), ("offline only", "err_offline_pct"))
     width = 0.8 / len(bars)
     for i, (label, key) in enumerate(bars):

@@ -45,7 +45,7 @@ PARAMS: tuple[ParamSpec, ...] = (
               "scaled to the measured forward time", read_only=True),
     ParamSpec("sigma", 0.33, "latency budget as a fraction of a full update", 0.0, 1.0),
     ParamSpec("n_t", 500, "planner budget discretisation steps", 10, 100000),
-    ParamSpec("forward_feedback", "memory", "correct the telemetry-scaled times by the "
+    ParamSpec("forward_feedback", "uniform", "correct the telemetry-scaled times by the "
               "forward measured on the batch (predictor.feedback_pis): memory = keep the "
               "telemetry's pi1 and solve pi2 from the forward (uniform while telemetry is "
               "stale), uniform = scale every time alike, off = telemetry only",

@@ -109,3 +109,27 @@ def test_bad_rate_is_refused(tiny_bag) -> None:
         ReplayOptions(tiny_bag, CONFIG, rate="fast")
     with pytest.raises(ValueError, match="'-3'"):
         ReplayOptions(tiny_bag, CONFIG, rate="-3")
+
+
+def test_collector_waits_for_the_last_batch_status() -> None:
+    """Perception publishes a batch's status after its predictions: the replay is settled
+    only once both are in, and a status arriving wakes the waiter."""
+    import threading
+
+    from tta_msgs.msg import AdaptationStatus, ClassPrediction
+
+    from tta_ros.replay import Collector
+
+    col = Collector()
+    for stamp, batch in ((1, 7), (2, 7), (3, 8)):
+        col.published[stamp] = 0.0
+        msg = ClassPrediction(batch_id=batch)
+        msg.header.stamp.nanosec = stamp
+        col.on_prediction(msg)
+    col.on_status(AdaptationStatus(batch_id=7))
+    assert col.in_flight() == 0 and not col.settled()  # batch 8's status still on its way
+    late = threading.Timer(0.2, col.on_status, args=(AdaptationStatus(batch_id=8),))
+    late.start()
+    assert col.wait(col.settled, timeout_s=5.0) and col.settled()
+    late.join()
+    assert not Collector().wait(lambda: False, timeout_s=0.05)  # nothing moves: gives up

@@ -118,18 +118,25 @@ class Collector:
     def on_status(self, msg: AdaptationStatus) -> None:
         with self.cond:
             self.statuses[int(msg.batch_id)] = msg
+            self.cond.notify_all()
 
     def in_flight(self) -> int:
         return sum(1 for s in self.published if s not in self.predictions)
 
+    def settled(self) -> bool:
+        """Every published frame predicted and every predicted batch's status received
+        (perception publishes a batch's status right after its predictions)."""
+        return self.in_flight() == 0 and all(int(m.batch_id) in self.statuses
+                                             for m, _ in self.predictions.values())
+
     def wait(self, done: Callable[[], bool], timeout_s: float) -> bool:
-        """Wait until `done()` (checked under the lock) or no prediction for `timeout_s`."""
+        """Wait until `done()` (checked under the lock) or no message for `timeout_s`."""
         with self.cond:
             while not done():
-                seen = len(self.predictions)
+                seen = len(self.predictions) + len(self.statuses)
 
                 def moved(seen: int = seen) -> bool:
-                    return done() or len(self.predictions) > seen
+                    return done() or len(self.predictions) + len(self.statuses) > seen
 
                 if not self.cond.wait_for(moved, timeout_s):
                     return False
@@ -295,7 +302,7 @@ def _publish_all(sess: _Session, opts: ReplayOptions, frames: list[BagFrame],
         if opts.flush_every and len(col.predictions) // opts.flush_every > flushed:
             flushed = len(col.predictions) // opts.flush_every
             flush()
-    col.wait(lambda: col.in_flight() == 0, opts.timeout_s)
+    col.wait(col.settled, opts.timeout_s)
 
 
 def replay(opts: ReplayOptions, context: Any = None,

@@ -280,9 +280,9 @@ class _Session:
 
     def close(self) -> None:
         self.executor.shutdown(timeout_sec=2.0)
+        self.thread.join(timeout=2.0)  # no callback may run on a node being destroyed
         for n in (*self.nodes, self.node):
             n.destroy_node()
-        self.thread.join(timeout=2.0)
 
 
 def _publish_all(sess: _Session, opts: ReplayOptions, frames: list[BagFrame],

@@ -1,8 +1,9 @@
 """The AdaShadow Table 9 experiment on this machine: is the runtime latency predictor right?
 
-Offline (idle): the model's per-unit profile (profiler.profile_model) is measured once and a
-fixed sparse plan is chosen: planner.solve at `sigma` with importance = ones on the offline
-profile (the most units that fit sigma*T; deterministic for a given profile). Then, for each
+Offline (idle): the model's per-unit profile (profiler.profile_model) is measured once (or
+an earlier run's profile.json is reused: `--profile`) and a fixed sparse plan is chosen:
+planner.solve at `sigma` with importance = ones on the offline profile (the most units
+that fit sigma*T; deterministic for a given profile). Then, for each
 resource condition, competing processes are started (bounded in time, always stopped), and
 over >= 30 batches we
 
@@ -10,8 +11,10 @@ over >= 30 batches we
   the selected units' parameters only (as the engine does); only the backward is timed;
 - sample telemetry between batches (psutil competing processes, sysfs frequency, perf LLC
   hit rate) and predict T_b'(S) = sum_{l in S} w_l + sum_{l > d} x_l (DESIGN §3) from
-  predictor.runtime_times(profile, pi1, pi2) (runtime predictor) and from the offline
-  times alone (the ElasticTrainer-style offline predictor);
+  predictor.runtime_times(profile, pi1, pi2) (runtime predictor), from those corrected by
+  the measured forward (predictor.planning_times) and further by the measured backwards of
+  the batches before (backward_feedback), and from the offline times alone (the
+  ElasticTrainer-style offline predictor);
 - report error % = |median prediction - median measurement| / median measurement.
 
 Conditions: offline (idle), dr2 (3 compute-bound competitors), dr3 (1 cache-thrashing
@@ -130,7 +133,7 @@ class ConditionResult:
     feedback_pred_ms: float
     err_feedback_pct: float
     err_feedback_per_batch_pct: float  # median over batches of |pred_i - meas_i| / meas_i
-    # the same with "uniform" feedback (the engine's default without live telemetry)
+    # the same with "uniform" feedback (the engine's and the scheduler's default)
     feedback_uniform_pred_ms: float
     err_feedback_uniform_pct: float
     # uniform feedback x the closed-loop backward correction (backward_feedback), learnt

@@ -99,6 +99,7 @@ class Rig:
 
     def close(self) -> None:
         self.ex.shutdown(timeout_sec=2.0)
+        self.thread.join(timeout=2.0)  # no callback may run on a node being destroyed
         for n in [*self.nodes, self.probe]:
             try:
                 n.destroy_node()

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from tta_core import assessor as assessor_mod
 from tta_core import losses, planner, predictor
 from tta_core.backward_feedback import BackwardFeedback
+from tta_core.fixed_costs import FixedCosts
 from tta_core.unit_stats import UnitStatsCollector, source_seeds
 from tta_core.units import StagedModel, stage_input_hooks
 
@@ -58,6 +59,11 @@ class EngineConfig:
     # this run happened to be, so `tta bench` accuracies repeat exactly; the ROS nodes turn
     # it on (0.2), where the budget holding matters more than repeatability
     backward_feedback: float = 0.0
+    # EMA weight of the measured plan phase and fixed update cost (fixed_costs), which the
+    # per-unit model cannot see: the planner leaves room for them so the batch holds its
+    # budget (the pipeline's promise). On by default; 0 plans with the per-unit model alone
+    # (plans then never depend on how fast a run was: exactly repeatable accuracies)
+    fixed_cost_feedback: float = 0.2
     # "norm": only BN/LayerNorm units are candidates (their affine parameters, as Tent),
     # "all": every unit (the paper's layer-wise reading). Entropy minimisation on conv or
     # classifier weights with small batches collapses to one class within a few hundred
@@ -92,6 +98,7 @@ class EngineConfig:
         if self.pi1 <= 0 or self.pi2 <= 0:
             raise ValueError(f"expansion coefficients must be > 0, got {self.pi1}, {self.pi2}")
         BackwardFeedback(alpha=self.backward_feedback)  # raises on a bad alpha
+        FixedCosts(alpha=self.fixed_cost_feedback)
 
 
 @dataclass
@@ -208,6 +215,7 @@ class AdaShadowEngine:
         self._opt_state0 = self.optimizer.state_dict()
         self.assessor = assessor_mod.Assessor(len(staged.units), alpha=self.config.alpha)
         self.backward_fb = BackwardFeedback(alpha=self.config.backward_feedback)
+        self.fixed = FixedCosts(alpha=self.config.fixed_cost_feedback)
         self._collector = UnitStatsCollector(staged, with_grad=self.config.loss == "multilayer_kl")
         self.lazy = self.config.graph == "lazy" and self.config.loss == "entropy"
         if source_bn:
@@ -292,20 +300,27 @@ class AdaShadowEngine:
             r = 2.0 * r  # the tail runs twice: with autograd for the backward, then again
         return w, dx, r
 
-    def _problem(self, w, dx, r, importance: np.ndarray, forward_ms: float) -> planner.PlanProblem:
+    def _problem(self, w, dx, r, importance: np.ndarray, forward_ms: float,
+                 overhead_ms: float = 0.0) -> planner.PlanProblem:
         return planner.PlanProblem(w=w, x=dx, r=r, stage_start=self.staged.stage_start(),
                                    importance=importance, forward_ms=forward_ms,
-                                   sigma=self.config.sigma)
+                                   sigma=self.config.sigma, overhead_ms=overhead_ms)
 
     def _plan(self, fwd: _Forward, x: Tensor,
-              importance: np.ndarray) -> tuple[planner.Plan, float]:
-        """The plan and its predicted backward ms (what the backward feedback checks)."""
+              importance: np.ndarray) -> tuple[planner.Plan, float, float]:
+        """The plan and its predicted backward and reforward ms by the per-unit model
+        (what the backward and fixed-cost feedbacks check). T_f includes the expected plan
+        phase: the budget counts from the start of the batch."""
         w, dx, r = self._times(fwd, x)
         # units below the recorded graph cannot be updated; none fits the budget anyway
         reachable = self.lazy | (self._stage_of_unit >= fwd.grad_stage)
         plan = planner.solve(self._problem(w, dx, r, np.where(reachable, importance, 0.0),
-                                           fwd.forward_ms), n_t=self.config.n_t)
-        return plan, planner.backward_cost(w, dx, plan.update)
+                                           fwd.forward_ms + self.fixed.plan_phase_ms,
+                                           self.fixed.overhead_ms), n_t=self.config.n_t)
+        if not plan.update.any():
+            return plan, 0.0, 0.0
+        refwd = float(r[self.staged.stage_start()[plan.first_updated]:].sum())
+        return plan, planner.backward_cost(w, dx, plan.update), refwd
 
     def _check_backward(self, predicted_ms: float, measured_ms: float) -> None:
         """Feed a measured backward to the closed-loop correction. Lazy mode's backward
@@ -325,17 +340,24 @@ class AdaShadowEngine:
             return int(self._stage_of_unit[np.argmax(upd)]) if upd.any() else n_stages
         c = self.config
         k = round(self.backward_fb.factor, 2)  # the floor moves little with it
+        # the fixed costs in forwards (a unitless ratio, so the scaled floor stays
+        # independent of the forward's speed); rounded: the floor moves little with them
+        last = self._last_forward_ms
+        share = (self.fixed.plan_phase_ms, self.fixed.overhead_ms)
+        share = tuple(round(v / last, 2) if np.isfinite(last) and last > 0 else 0.0
+                      for v in share)
         key = (tuple(x.shape), c.pi1, c.pi2, c.sigma, id(self.profile),
-               self._scaled() or self._last_forward_ms, k)
+               self._scaled() or last, k, share)
         if self._floor_cache[0] != key:
             w, dx, r = self._unit_times(x.shape[0], tuple(x.shape[1:]))
             w, dx = k * w, k * dx
             # scaled times: the budget is proportional to the forward, so the floor does not
             # depend on it; unscaled: a forward faster than the last one only lowers it
-            tf = float(r.sum()) if self._scaled() else 0.8 * self._last_forward_ms
+            tf = float(r.sum()) if self._scaled() else 0.8 * last
             if not np.isfinite(tf) or not 0 < c.sigma <= 1:
                 return 0
-            d = planner.lowest_feasible_unit(self._problem(w, dx, r, np.zeros_like(w), tf))
+            d = planner.lowest_feasible_unit(self._problem(
+                w, dx, r, np.zeros_like(w), tf * (1.0 + share[0]), tf * share[1]))
             self._floor_cache = (key, int(self._stage_of_unit[d]) if d < len(w) else n_stages)
         return self._floor_cache[1]
 
@@ -388,9 +410,9 @@ class AdaShadowEngine:
         detached = [(m.detach(), v.detach()) for m, v in fwd.stats]
         # units that may not be updated get importance 0: the planner never picks them
         importance = np.where(self.candidates, self.assessor.step(detached), 0.0)
-        predicted_bwd = float("nan")  # unknown for an external plan: no feedback
+        predicted_bwd = predicted_re = float("nan")  # unknown for an external plan
         if plan is None:
-            plan, predicted_bwd = self._plan(fwd, x, importance)
+            plan, predicted_bwd, predicted_re = self._plan(fwd, x, importance)
         update = np.asarray(plan.update, dtype=bool)
         if (update & ~self.candidates).any():
             bad = [u.name for u in self.staged.units if update[u.index] and not
@@ -402,6 +424,7 @@ class AdaShadowEngine:
             keep = self.staged.units[int(np.flatnonzero(update)[0])].stage
             fwd.stage_inputs = [t if i == keep else None for i, t in enumerate(fwd.stage_inputs)]
         t2 = self._timer.now()
+        self.fixed.update_plan((t2 - t1) * 1e3, fwd.forward_ms)
         res = StepResult(
             logits=fwd.logits.detach(), times=PhaseTimes(fwd.forward_ms, (t2 - t1) * 1e3),
             plan=plan, importance=importance,
@@ -410,7 +433,9 @@ class AdaShadowEngine:
             units_updated=int(update.sum()) if adapt else 0,
             predicted_total_ms=float(plan.predicted_total_ms), budget_ms=float(plan.budget_ms),
             extra={"predicted_backward_ms": predicted_bwd,
-                   "backward_factor": self.backward_fb.factor})
+                   "backward_factor": self.backward_fb.factor,
+                   "overhead_ms": self.fixed.overhead_ms,
+                   "plan_phase_ms": self.fixed.plan_phase_ms})
         if not adapt:
             res.times.total_ms = (self._timer.now() - t0) * 1e3
             return res
@@ -423,6 +448,9 @@ class AdaShadowEngine:
         self._check_backward(predicted_bwd, (t3 - t2) * 1e3)
         res.logits = self._reforward(x, fwd, int(np.flatnonzero(update)[0]))
         t4 = self._timer.now()
+        if not self.lazy:  # lazy's backward re-runs the tail, which no prediction counts
+            self.fixed.update_adapt(predicted_bwd + predicted_re, (t4 - t2) * 1e3,
+                                    fwd.forward_ms)
         res.times.backward_ms, res.times.reforward_ms = (t3 - t2) * 1e3, (t4 - t3) * 1e3
         res.times.total_ms = (t4 - t0) * 1e3
         return res
@@ -435,6 +463,9 @@ class AdaShadowEngine:
                 self._adapt(fwd, loss, update)
                 res.times.backward_ms = (self._timer.now() - t) * 1e3
                 self._check_backward(predicted_bwd, res.times.backward_ms)
+                if not self.lazy:  # no reforward in this mode: the backward's fixed cost
+                    self.fixed.update_adapt(predicted_bwd, res.times.backward_ms,
+                                            res.times.forward_ms)
             except BaseException as exc:  # surfaced by sync()
                 self._job_error = exc
         self._pending = res

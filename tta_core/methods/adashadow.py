@@ -35,6 +35,7 @@ class AdaShadowConfig(MethodConfig):
     graph: str = "full"  # "full": graph recorded in the forward | "lazy": tail only
     forward_feedback: str = "uniform"  # "uniform" | "memory" | "off" (EngineConfig)
     backward_feedback: float = 0.0  # EMA weight of the measured-backward correction; 0: off
+    fixed_cost_feedback: float = 0.2  # EMA weight of plan phase + fixed update cost; 0: off
     profile: UnitProfile | str | Path | None = None  # offline profile or its JSON path
 
 
@@ -67,6 +68,7 @@ class AdaShadow(TTAMethod):
                             loss=c.loss, bn_mode=c.bn_mode, alpha=c.alpha, n_t=c.n_t,
                             reuse=c.reuse, forward_feedback=c.forward_feedback,
                             backward_feedback=c.backward_feedback,
+                            fixed_cost_feedback=c.fixed_cost_feedback,
                             trainable=c.trainable, graph=c.graph)
         self.engine = AdaShadowEngine(self.staged, ecfg, profile=prof, source_bn=source_bn)
 

@@ -1,0 +1,86 @@
+"""What a batch costs outside the per-unit cost model, learnt from the batches so far.
+
+The planner's per-unit times (w, x, r) scale with MACs or with a profile of the units'
+kernels. Two costs do not: the plan phase itself (the loss, the assessor, the predictor
+and the DP run after the forward and before any backward, on every batch) and a fixed
+part of every update (launching autograd, the loss head's gradient, the optimizer step,
+the reforward's call overhead). On the shipped 32 px net at batch 4 (1 thread) they are
+1.0 ms and 0.7 ms against a 4.9 ms budget: without them AdaShadow ran 1.38x over its
+budget on every batch. Both are measured on every batch, so the planner can leave room
+for them: `plan_ms` is added to T_f, `overhead_ms` is the planner's fixed cost of any
+non-empty plan (planner.PlanProblem.overhead_ms).
+
+Each is an EMA (weight `alpha` for the newest batch) started at the first measurement
+after `warmup` ignored ones (the first update of a run pays one-time allocations). A sample is clipped to [-scale, scale] with `scale` the batch's forward time, so one
+preempted batch cannot empty the plans for long. alpha = 0 turns both off (the planner
+then sees exactly the per-unit model, and plans no longer depend on how fast a run is).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+def _finite(*values: float) -> bool:
+    return all(math.isfinite(v) for v in values)
+
+
+@dataclass
+class FixedCosts:
+    """EMAs of the plan phase and of the update's fixed cost, ms; alpha = 0: off."""
+
+    alpha: float = 0.2
+    plan_ms: float = 0.0  # forward end -> plan ready, every batch
+    adapt_ms: float = 0.0  # measured minus predicted backward + reforward, per update
+    warmup: int = 1  # first measurements of each kind that are ignored
+    plan_updates: int = 0  # measurements seen, warm-up included
+    adapt_updates: int = 0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.alpha) and 0.0 <= self.alpha <= 1.0):
+            raise ValueError(f"fixed-cost feedback alpha must be in [0, 1], got {self.alpha!r}")
+        if self.warmup < 0:
+            raise ValueError(f"fixed-cost feedback warmup must be >= 0, got {self.warmup!r}")
+
+    @property
+    def on(self) -> bool:
+        return self.alpha > 0.0
+
+    @property
+    def overhead_ms(self) -> float:
+        """Fixed cost of a non-empty plan for the planner (never below 0; 0 when off)."""
+        return max(self.adapt_ms, 0.0) if self.on else 0.0
+
+    @property
+    def plan_phase_ms(self) -> float:
+        """Expected plan-phase time of the next batch (0 when off)."""
+        return self.plan_ms if self.on else 0.0
+
+    def _ema(self, old: float, sample: float, n: int) -> float:
+        if n < self.warmup:
+            return old
+        return sample if n == self.warmup else (1.0 - self.alpha) * old + self.alpha * sample
+
+    def update_plan(self, measured_ms: float, scale_ms: float) -> None:
+        """Fold in one batch's plan phase."""
+        if not self.on or not _finite(measured_ms, scale_ms) or measured_ms < 0:
+            return
+        sample = min(measured_ms, abs(scale_ms))
+        self.plan_ms = self._ema(self.plan_ms, sample, self.plan_updates)
+        self.plan_updates += 1
+
+    def update_adapt(self, predicted_ms: float, measured_ms: float, scale_ms: float) -> None:
+        """Fold in one update: `predicted_ms` is the per-unit model's backward + reforward
+        of the plan (without this overhead), `measured_ms` what they took."""
+        if not self.on or not _finite(predicted_ms, measured_ms, scale_ms) or measured_ms <= 0:
+            return
+        bound = abs(scale_ms)
+        sample = min(bound, max(-bound, measured_ms - predicted_ms))
+        self.adapt_ms = self._ema(self.adapt_ms, sample, self.adapt_updates)
+        self.adapt_updates += 1
+
+    def reset(self) -> None:
+        """Forget what was learnt (a new machine or model)."""
+        self.plan_ms = self.adapt_ms = 0.0
+        self.plan_updates = self.adapt_updates = 0

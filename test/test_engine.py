@@ -202,7 +202,7 @@ def test_planner_drives_updates_and_sigma() -> None:
     counts = {}
     for sigma in (0.2, 1.0):
         s = _staged("small_resnet", 32)
-        eng = AdaShadowEngine(s, EngineConfig(sigma=sigma))
+        eng = AdaShadowEngine(s, EngineConfig(sigma=sigma, fixed_cost_feedback=0.0))
         prof = mac_profile(s, 10.0, 4, (3, 32, 32))
         eng.profile = prof  # fixed times: the plan depends on importance and sigma only
         torch.manual_seed(3)
@@ -223,8 +223,9 @@ def test_graph_is_recorded_only_from_the_lowest_feasible_stage() -> None:
     results = {}
     for floor in (True, False):
         staged = _staged("resnet18", 64)
-        # MAC times scaled to the measured forward: the plan does not depend on timing
-        eng = AdaShadowEngine(staged, EngineConfig(sigma=0.5))
+        # MAC times scaled to the measured forward and no fixed-cost feedback: the plan
+        # does not depend on timing
+        eng = AdaShadowEngine(staged, EngineConfig(sigma=0.5, fixed_cost_feedback=0.0))
         seen: dict[int, bool] = {}  # stage -> its input required grad in the forward
 
         def record(s: int, t: torch.Tensor, eng=eng, seen=seen) -> None:
@@ -420,7 +421,7 @@ def test_backward_feedback_learns_a_profile_that_underpredicts_the_backward() ->
     for alpha in (0.0, 0.5):
         torch.manual_seed(0)
         eng = AdaShadowEngine(_staged("small_resnet", 32), EngineConfig(
-            sigma=0.9, backward_feedback=alpha), profile=prof)
+            sigma=0.9, backward_feedback=alpha, fixed_cost_feedback=0.0), profile=prof)
         ratios = []
         for x in xs:
             res = eng.step(x)

@@ -35,6 +35,8 @@ def _random_problem(rng: np.random.Generator, n: int | None = None) -> PlanProbl
         importance=importance,
         forward_ms=float(rng.uniform(0.0, 20.0)),
         sigma=float(rng.uniform(0.05, 1.0)),
+        # a fixed cost of non-empty plans on a third of the instances (0 otherwise)
+        overhead_ms=float(rng.uniform(0.0, 5.0)) if rng.random() < 1 / 3 else 0.0,
     )
 
 
@@ -85,7 +87,7 @@ def test_full_budget_costs_match_contract_formula() -> None:
     rng = np.random.default_rng(7)
     p = _random_problem(rng, n=6)
     everything = np.ones(6, dtype=bool)
-    full = p.forward_ms + p.w.sum() + p.x[1:].sum() + p.r.sum()
+    full = p.forward_ms + p.overhead_ms + p.w.sum() + p.x[1:].sum() + p.r.sum()
     assert plan_cost(p, everything) == pytest.approx(full)
     assert solve(p).full_ms == pytest.approx(full)
     assert solve(p).budget_ms == pytest.approx(p.sigma * full)
@@ -93,7 +95,7 @@ def test_full_budget_costs_match_contract_formula() -> None:
     only = np.zeros(6, dtype=bool)
     only[3] = True
     ss = p.stage_start[3]
-    expected = p.forward_ms + p.w[3] + p.x[4:].sum() + p.r[ss:].sum()
+    expected = p.forward_ms + p.overhead_ms + p.w[3] + p.x[4:].sum() + p.r[ss:].sum()
     assert plan_cost(p, only) == pytest.approx(expected)
 
 

@@ -464,11 +464,8 @@ def test_scheduler_compares_the_forward_with_the_graph_perception_recorded(
         node.destroy_node()
 
 
-def test_scheduler_corrects_backward_times_by_the_status_perception_reports(
-        ros_context, tmp_path) -> None:
-    """An AdaptationStatus received over DDS for one of our plans (plan_id echoed) feeds its
-    measured backward_ms back: the next plan's unit times grow by the EMA of measured /
-    predicted; a repeated status, or one for a plan we never made, changes nothing."""
+def _profiled_scheduler(ros_context, tmp_path, *params: Parameter) -> SchedulerNode:
+    """A scheduler on the shipped card with a flat profile (w 0.2, x 0.1, r 0.3 ms)."""
     from tta_core.predictor import UnitProfile
 
     probe = SchedulerNode(context=ros_context, parameter_overrides=[
@@ -480,11 +477,16 @@ def test_scheduler_corrects_backward_times_by_the_status_perception_reports(
                 unit_names=names, w_ms=np.full(n, 0.2), x_ms=np.full(n, 0.1),
                 r_ms=np.full(n, 0.3), eta=np.ones(n), forward_ms=0.3 * n,
                 ).save(tmp_path / "p.json")
-    node = SchedulerNode(context=ros_context, parameter_overrides=[
+    return SchedulerNode(context=ros_context, parameter_overrides=[
         Parameter("model_card", value=str(CARD)),
         Parameter("profile", value=str(tmp_path / "p.json")),
         Parameter("forward_feedback", value="uniform"), Parameter("sigma", value=0.8),
-        Parameter("backward_feedback", value=0.5)])
+        *params])
+
+
+def _send_until(ros_context, node: SchedulerNode, done: Callable[[], bool],
+                statuses: list[AdaptationStatus]) -> None:
+    """Publish `statuses` over DDS until `done()`, then let repeats arrive."""
     perception = rclpy.create_node("fake_perception", context=ros_context)
     pub = perception.create_publisher(AdaptationStatus, "adaptation_status",
                                       QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
@@ -492,23 +494,67 @@ def test_scheduler_corrects_backward_times_by_the_status_perception_reports(
     for nd in (node, perception):
         ex.add_node(nd)
     try:
-        imp = LayerImportance(unit_names=names, importance=[1.0] * n, batch_size=4,
-                              forward_ms=0.3 * n)
-        node._on_importance(imp)  # plan 1
-        predicted = node._predicted_bwd[1]
-        assert predicted > 0
         deadline = time.monotonic() + 10.0
-        while node.backward_fb.updates == 0 and time.monotonic() < deadline:
-            pub.publish(AdaptationStatus(plan_id=1, adapted=True, backward_ms=4.0 * predicted))
-            pub.publish(AdaptationStatus(plan_id=77, adapted=True, backward_ms=1e6))
+        while not done() and time.monotonic() < deadline:
+            for st in statuses:
+                pub.publish(st)
             ex.spin_once(timeout_sec=0.05)
-        for _ in range(20):  # let the repeats arrive: plan 1 was answered already
+        for _ in range(20):  # plans already answered: repeats must change nothing
             ex.spin_once(timeout_sec=0.01)
+    finally:
+        ex.shutdown()
+        perception.destroy_node()
+
+
+def test_scheduler_corrects_backward_times_by_the_status_perception_reports(
+        ros_context, tmp_path) -> None:
+    """An AdaptationStatus received over DDS for one of our plans (plan_id echoed) feeds its
+    measured backward_ms back: the next plan's unit times grow by the EMA of measured /
+    predicted; a repeated status, or one for a plan we never made, changes nothing."""
+    node = _profiled_scheduler(ros_context, tmp_path, Parameter("backward_feedback", value=0.5))
+    n = len(node.layout.unit_names)
+    try:
+        imp = LayerImportance(unit_names=node.layout.unit_names, importance=[1.0] * n,
+                              batch_size=4, forward_ms=0.3 * n)
+        node._on_importance(imp)  # plan 1
+        predicted = node._predicted[1][0]
+        assert predicted > 0
+        _send_until(ros_context, node, lambda: node.backward_fb.updates > 0, [
+            AdaptationStatus(plan_id=1, adapted=True, backward_ms=4.0 * predicted),
+            AdaptationStatus(plan_id=77, adapted=True, backward_ms=1e6)])
         assert node.backward_fb.updates == 1
         assert node.backward_fb.factor == pytest.approx(2.0)  # exp(0.5 * ln 4)
         _plan, unit_ms, _ = node._solve(imp)
         np.testing.assert_allclose(unit_ms, np.full(n, 0.3 * 2.0), rtol=1e-6)
     finally:
-        ex.shutdown()
-        perception.destroy_node()
+        node.destroy_node()
+
+
+def test_scheduler_leaves_room_for_the_fixed_costs_perception_reports(
+        ros_context, tmp_path) -> None:
+    """Statuses of our plans teach the plan phase (plan_ms) and the update's fixed cost
+    (backward + reforward beyond the per-unit prediction); the next plan's T_f and its
+    fixed cost include them, so T grows by exactly their sum."""
+    node = _profiled_scheduler(ros_context, tmp_path, Parameter("backward_feedback", value=0.0),
+                               Parameter("fixed_cost_feedback", value=1.0))
+    n = len(node.layout.unit_names)
+    try:
+        imp = LayerImportance(unit_names=node.layout.unit_names, importance=[1.0] * n,
+                              batch_size=4, forward_ms=0.3 * n)
+        before, _, _ = node._solve(imp)
+        for _ in range(2):  # plans 1 (the warm-up sample) and 2
+            node._on_importance(imp)
+        assert before.update.any()
+        per_unit = node._predicted[2][1]
+        assert per_unit == pytest.approx(before.predicted_total_ms - 0.3 * n)
+        _send_until(ros_context, node, lambda: node.fixed.adapt_updates >= 2, [
+            AdaptationStatus(plan_id=pid, adapted=True, forward_ms=0.3 * n, plan_ms=2.0,
+                             backward_ms=per_unit, reforward_ms=1.5) for pid in (1, 2)])
+        assert node.fixed.adapt_updates == 2 and node.fixed.plan_updates == 2
+        assert node.fixed.plan_phase_ms == pytest.approx(2.0)
+        assert node.fixed.overhead_ms == pytest.approx(1.5)
+        after, _, _ = node._solve(imp)
+        assert after.full_ms == pytest.approx(before.full_ms + 2.0 + 1.5)
+        assert after.predicted_total_ms <= after.budget_ms
+    finally:
         node.destroy_node()

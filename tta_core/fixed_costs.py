@@ -11,7 +11,8 @@ for them: `plan_ms` is added to T_f, `overhead_ms` is the planner's fixed cost o
 non-empty plan (planner.PlanProblem.overhead_ms).
 
 Each is an EMA (weight `alpha` for the newest batch) started at the first measurement
-after `warmup` ignored ones (the first update of a run pays one-time allocations). A sample is clipped to [-scale, scale] with `scale` the batch's forward time, so one
+after `warmup` ignored ones (the first update of a run pays one-time allocations). A
+sample is clipped to [-scale, scale] with `scale` the batch's forward time, so one
 preempted batch cannot empty the plans for long. alpha = 0 turns both off (the planner
 then sees exactly the per-unit model, and plans no longer depend on how fast a run is).
 """

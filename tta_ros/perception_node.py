@@ -72,6 +72,9 @@ def param_specs() -> tuple[ParamSpec, ...]:
         ParamSpec("backward_feedback", 0.2, "inline planning: EMA weight of the correction "
                   "of predicted backward times by measured ones (0: off)", 0.0, 1.0,
                   read_only=True),
+        ParamSpec("fixed_cost_feedback", 0.2, "inline planning: EMA weight of the plan "
+                  "phase and the update's fixed cost that plans leave room for (0: off)",
+                  0.0, 1.0, read_only=True),
         ParamSpec("num_threads", 0, "torch intra-op threads (0: torch default)", 0, 256,
                   read_only=True),
         ParamSpec("reset_entropy_ratio", 0.95, "divergence guard: entropy limit as a "
@@ -180,7 +183,8 @@ class PerceptionNode(Node):
         s = self.pre.image_size
         cfg = {"lr": self.p["lr"], "sigma": self.p["sigma"], "mode": self.p["mode"],
                "input_shape": (3, s, s), "arch": self.arch,
-               "backward_feedback": self.p["backward_feedback"]}
+               "backward_feedback": self.p["backward_feedback"],
+               "fixed_cost_feedback": self.p["fixed_cost_feedback"]}
         if self.p["profile"]:
             cfg["profile"] = ros_params.resolve_data_path(self.p["profile"])
         return {k: v for k, v in cfg.items() if k in known}

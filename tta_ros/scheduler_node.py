@@ -9,7 +9,9 @@ described by the model card, so plans and perception agree on units by construct
 LayerImportance whose unit_names differ is refused with a diagnostic. The AdaptationStatus
 perception publishes for each plan it followed (plan_id echoed) closes the loop: its
 measured backward_ms against the plan's predicted backward drives the backward correction
-(tta_core.backward_feedback) of the next plans.
+(tta_core.backward_feedback) of the next plans, and its plan_ms and backward_ms +
+reforward_ms against the per-unit model teach the fixed costs (tta_core.fixed_costs) that
+the next plans leave room for.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from visualization_msgs.msg import Marker, MarkerArray
 
 from tta_core import engine, planner, predictor
 from tta_core.backward_feedback import BackwardFeedback
+from tta_core.fixed_costs import FixedCosts
 from tta_core.models import build_model
 from tta_core.train_source import load_card
 from tta_core.units import decompose
@@ -52,6 +55,9 @@ PARAMS: tuple[ParamSpec, ...] = (
               choices=predictor.FEEDBACK_MODES),
     ParamSpec("backward_feedback", 0.2, "EMA weight of the correction of predicted backward "
               "times by the backward_ms perception reports for our plans (0: off)", 0.0, 1.0,
+              read_only=True),
+    ParamSpec("fixed_cost_feedback", 0.2, "EMA weight of perception's plan phase and the "
+              "update's fixed cost that plans leave room for (0: off)", 0.0, 1.0,
               read_only=True),
     ParamSpec("telemetry_timeout_s", 2.0, "older telemetry is ignored (pi = 1)", 0.1, 3600.0),
     ParamSpec("marker_frame_id", "tta", "frame of the RViz markers"),
@@ -168,7 +174,9 @@ class SchedulerNode(Node):
         # forward it reports is compared with that kind of forward (predictor.forward_reference)
         self._grad_from = 0
         self.backward_fb = BackwardFeedback(alpha=p["backward_feedback"])
-        self._predicted_bwd: dict[int, float] = {}  # plan_id -> predicted backward ms
+        self.fixed = FixedCosts(alpha=p["fixed_cost_feedback"])
+        # plan_id -> predicted backward ms, predicted backward + reforward ms (per-unit model)
+        self._predicted: dict[int, tuple[float, float]] = {}
         self.last_error = ""
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
         self.pub_plan = self.create_publisher(LayerPlan, "layer_plan", reliable)
@@ -185,10 +193,16 @@ class SchedulerNode(Node):
         self.telemetry, self._tel_time = msg, self._now()
 
     def _on_status(self, msg: AdaptationStatus) -> None:
-        """Perception followed one of our plans: check its predicted backward."""
-        predicted = self._predicted_bwd.pop(int(msg.plan_id), None)
-        if predicted is not None and msg.adapted:
-            self.backward_fb.update(predicted, float(msg.backward_ms))
+        """Perception followed one of our plans: check its predicted backward and learn the
+        costs outside the per-unit model."""
+        predicted = self._predicted.pop(int(msg.plan_id), None)
+        if predicted is None:
+            return
+        fwd = float(msg.forward_ms)
+        self.fixed.update_plan(float(msg.plan_ms), fwd)
+        if msg.adapted:
+            self.backward_fb.update(predicted[0], float(msg.backward_ms))
+            self.fixed.update_adapt(predicted[1], float(msg.backward_ms + msg.reforward_ms), fwd)
 
     def _now(self) -> float:
         return self.get_clock().now().nanoseconds * 1e-9
@@ -209,7 +223,7 @@ class SchedulerNode(Node):
 
     def _on_importance(self, imp: LayerImportance) -> None:
         try:
-            plan, unit_ms, predicted_bwd = self._solve(imp)
+            plan, unit_ms, predicted = self._solve(imp)
         except ValueError as exc:
             self.last_error = str(exc)
             self.get_logger().warning(f"no plan for batch {imp.batch_id}: {exc}",
@@ -223,16 +237,18 @@ class SchedulerNode(Node):
                            if plan.first_updated < n else n)
         sigma = self.get_parameter("sigma").value
         msg = plan_to_msg(plan, imp, self.plans_published, sigma, unit_ms)
-        self._predicted_bwd[self.plans_published] = predicted_bwd
-        while len(self._predicted_bwd) > 64:  # plans perception never followed
-            del self._predicted_bwd[next(iter(self._predicted_bwd))]
+        self._predicted[self.plans_published] = predicted
+        while len(self._predicted) > 64:  # plans perception never followed
+            del self._predicted[next(iter(self._predicted))]
         self.pub_plan.publish(msg)
         self.pub_markers.publish(plan_markers(
             msg, self.get_parameter("marker_frame_id").value,
             self.get_parameter("bar_spacing").value, self.get_parameter("bar_max_height").value))
 
-    def _solve(self, imp: LayerImportance) -> tuple[planner.Plan, np.ndarray, float]:
-        """The plan, the predicted per-unit backward ms and the plan's predicted backward."""
+    def _solve(self, imp: LayerImportance
+               ) -> tuple[planner.Plan, np.ndarray, tuple[float, float]]:
+        """The plan, the predicted per-unit backward ms and the plan's predicted backward
+        and backward + reforward by the per-unit model."""
         if list(imp.unit_names) != self.layout.unit_names:
             raise ValueError(f"importance of model {imp.model_name!r} has "
                              f"{len(imp.unit_names)} units that do not match the card's "
@@ -243,10 +259,13 @@ class SchedulerNode(Node):
         a = np.nan_to_num(np.asarray(imp.importance, dtype=np.float64), nan=0.0)
         problem = planner.PlanProblem(w=w, x=x, r=r, stage_start=self.layout.stage_start,
                                       importance=np.maximum(a, 0.0),
-                                      forward_ms=float(imp.forward_ms),
-                                      sigma=float(self.get_parameter("sigma").value))
+                                      forward_ms=float(imp.forward_ms) + self.fixed.plan_phase_ms,
+                                      sigma=float(self.get_parameter("sigma").value),
+                                      overhead_ms=self.fixed.overhead_ms)
         plan = planner.solve(problem, n_t=int(self.get_parameter("n_t").value))
-        return plan, w + x, planner.backward_cost(w, x, plan.update)
+        bwd = planner.backward_cost(w, x, plan.update)
+        per_unit = plan.predicted_total_ms - problem.forward_ms - problem.overhead_ms
+        return plan, w + x, (bwd, per_unit if plan.update.any() else 0.0)
 
     def _publish_diagnostics(self) -> None:
         st = DiagnosticStatus(name="tta scheduler: planning", hardware_id="")
@@ -258,7 +277,9 @@ class SchedulerNode(Node):
                               else "mac-estimate"),
                      KeyValue(key="pi1", value=f"{pi1:.4g}"),
                      KeyValue(key="pi2", value=f"{pi2:.4g}"),
-                     KeyValue(key="backward_factor", value=f"{self.backward_fb.factor:.4g}")]
+                     KeyValue(key="backward_factor", value=f"{self.backward_fb.factor:.4g}"),
+                     KeyValue(key="plan_phase_ms", value=f"{self.fixed.plan_phase_ms:.4g}"),
+                     KeyValue(key="update_overhead_ms", value=f"{self.fixed.overhead_ms:.4g}")]
         arr = DiagnosticArray(status=[st])
         arr.header.stamp = self.get_clock().now().to_msg()
         self.pub_diag.publish(arr)

@@ -1,0 +1,141 @@
+"""Fixed costs outside the per-unit model (tta_core.fixed_costs): the EMAs, and how the
+engine plans with them (plan phase in T_f, the update's fixed cost in every plan)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from tta_core import planner
+from tta_core.engine import AdaShadowEngine, EngineConfig, mac_profile, set_bn_mode
+from tta_core.fixed_costs import FixedCosts
+from tta_core.models import build_model
+from tta_core.units import decompose
+
+
+def test_emas_skip_the_warmup_start_at_the_next_sample_and_converge() -> None:
+    fc = FixedCosts(alpha=0.5)
+    fc.update_plan(9.0, 10.0)  # warm-up batch: ignored
+    assert fc.plan_phase_ms == 0.0 and fc.plan_updates == 1
+    fc.update_plan(2.0, 10.0)
+    assert fc.plan_phase_ms == 2.0
+    fc.update_plan(4.0, 10.0)
+    assert fc.plan_phase_ms == pytest.approx(3.0)
+    fc.update_adapt(1.0, 8.0, 10.0)  # warm-up
+    for _ in range(30):  # the update always takes 0.7 ms more than the per-unit model says
+        fc.update_adapt(1.0, 1.7, 10.0)
+    assert fc.overhead_ms == pytest.approx(0.7, abs=1e-6)
+
+
+def test_samples_are_clipped_to_the_forward_and_bad_pairs_ignored() -> None:
+    fc = FixedCosts(alpha=1.0, warmup=0)
+    fc.update_adapt(1.0, 500.0, 10.0)  # a preempted batch: at most one forward
+    assert fc.overhead_ms == 10.0
+    fc.update_adapt(5.0, 1.0, 10.0)  # faster than predicted: negative residual...
+    assert fc.adapt_ms == -4.0 and fc.overhead_ms == 0.0  # ...never a negative cost
+    n = fc.adapt_updates
+    for pred, meas in ((float("nan"), 1.0), (1.0, float("inf")), (1.0, 0.0)):
+        fc.update_adapt(pred, meas, 10.0)
+    fc.update_plan(float("nan"), 10.0)
+    assert fc.adapt_updates == n and fc.plan_updates == 0
+    fc.reset()
+    assert (fc.adapt_ms, fc.plan_ms, fc.adapt_updates) == (0.0, 0.0, 0)
+
+
+def test_alpha_zero_is_off_and_bad_settings_are_refused() -> None:
+    fc = FixedCosts(alpha=0.0)
+    fc.update_plan(3.0, 10.0)
+    fc.update_plan(3.0, 10.0)
+    fc.update_adapt(0.0, 3.0, 10.0)
+    assert fc.plan_phase_ms == 0.0 and fc.overhead_ms == 0.0
+    for bad in (-0.1, 1.1, float("nan")):
+        with pytest.raises(ValueError, match="alpha must be in"):
+            FixedCosts(alpha=bad)
+    with pytest.raises(ValueError, match="warmup"):
+        FixedCosts(warmup=-1)
+    with pytest.raises(ValueError, match="alpha must be in"):
+        EngineConfig(fixed_cost_feedback=2.0).validate()
+
+
+def _engine(alpha: float) -> AdaShadowEngine:
+    torch.manual_seed(0)
+    model = build_model("small_resnet", 10)
+    set_bn_mode(model, "batch")
+    staged = decompose(model, (3, 32, 32))
+    prof = mac_profile(staged, 10.0, 4, (3, 32, 32))
+    return AdaShadowEngine(staged, EngineConfig(sigma=0.6, fixed_cost_feedback=alpha,
+                                                forward_feedback="off"), profile=prof)
+
+
+def test_engine_plans_with_the_learnt_costs_and_feeds_back_its_own_prediction() -> None:
+    """The planner sees T_f + plan phase and the update's fixed cost; the sample fed back
+    is measured backward + reforward minus exactly the per-unit part of the plan's cost."""
+    xs = [torch.randn(4, 3, 32, 32) * (1 + i) for i in range(4)]
+    eng = _engine(0.5)
+    problems, samples = [], []
+    solve, update = planner.solve, eng.fixed.update_adapt
+
+    def spy_solve(problem, n_t=planner.DEFAULT_N_T):
+        problems.append(problem)
+        return solve(problem, n_t)
+
+    def spy_update(predicted, measured, scale):
+        samples.append((predicted, measured))
+        update(predicted, measured, scale)
+
+    eng.fixed.update_adapt = spy_update
+    planner_solve = planner.solve
+    planner.solve = spy_solve
+    try:
+        results = []
+        for x in xs:
+            plan_phase, overhead = eng.fixed.plan_phase_ms, eng.fixed.overhead_ms
+            res = eng.step(x)
+            results.append((res, plan_phase, overhead))
+    finally:
+        planner.solve = planner_solve
+    assert len(problems) == 4 and eng.fixed.plan_updates == 4
+    adapted = 0
+    for prob, (res, plan_phase, overhead) in zip(problems, results, strict=True):
+        assert prob.forward_ms == pytest.approx(res.times.forward_ms + plan_phase)
+        assert prob.overhead_ms == overhead
+        if res.adapted:
+            per_unit = res.predicted_total_ms - prob.forward_ms - prob.overhead_ms
+            predicted, measured = samples[adapted]
+            assert predicted == pytest.approx(per_unit)
+            assert measured == pytest.approx(res.times.backward_ms + res.times.reforward_ms,
+                                              rel=0.05, abs=0.05)
+            adapted += 1
+    assert adapted == len(samples) >= 2
+
+
+def test_a_large_fixed_cost_empties_the_plan_and_off_ignores_it() -> None:
+    x0, x1 = torch.randn(4, 3, 32, 32), torch.randn(4, 3, 32, 32) * 3 + 1
+    plans = {}
+    for alpha in (0.0, 0.2):
+        eng = _engine(alpha)
+        eng.step(x0)  # history
+        eng.fixed.adapt_ms, eng.fixed.adapt_updates = 1e4, 5  # an update costs 10 s here
+        res = eng.step(x1)
+        plans[alpha] = res
+    assert plans[0.0].adapted and plans[0.0].units_updated > 0
+    assert not plans[0.2].adapted and plans[0.2].extra["overhead_ms"] == 1e4
+    assert plans[0.2].predicted_total_ms <= plans[0.2].budget_ms
+
+
+def test_planner_overhead_is_a_fixed_cost_of_non_empty_plans() -> None:
+    rng = np.random.default_rng(3)
+    n = 6
+    p = planner.PlanProblem(w=rng.uniform(0, 1, n), x=rng.uniform(0, 1, n),
+                            r=rng.uniform(0, 1, n), stage_start=np.array([0, 0, 2, 2, 4, 5]),
+                            importance=np.ones(n), forward_ms=3.0, sigma=0.5, overhead_ms=0.8)
+    base = planner.PlanProblem(**{**p.__dict__, "overhead_ms": 0.0})
+    one = np.zeros(n, dtype=bool)
+    one[4] = True
+    assert planner.plan_cost(p, one) == pytest.approx(planner.plan_cost(base, one) + 0.8)
+    assert planner.plan_cost(p, np.zeros(n, bool)) == 3.0  # an empty plan pays nothing
+    full = planner.solve(p).full_ms
+    assert full == pytest.approx(planner.solve(base).full_ms + 0.8)  # a full update pays it
+    with pytest.raises(ValueError, match="overhead_ms"):
+        planner.solve(planner.PlanProblem(**{**p.__dict__, "overhead_ms": -1.0}))

@@ -103,3 +103,22 @@ def test_write_report_files_roundtrip(tmp_path) -> None:
 def test_write_report_without_frames_fails(tmp_path) -> None:
     with pytest.raises(ValueError, match="no run has frames"):
         write_report([RunRecord("tent")], tmp_path)
+
+
+def test_budget_adherence_counts_batches_with_a_budget(tmp_path) -> None:
+    """Per batch (not per frame): totals 1, 4, 7, 10 against a 5 ms budget -> 2 of 4 held;
+    frames without a budget do not count; methods without any budget show '–'."""
+    run = _run("adashadow")
+    for f in run.frames:
+        f.budget_ms = 5.0 if f.batch_id < 3 else 12.0  # the last batch (10 ms) holds 12
+    run.frames[6].budget_ms = run.frames[7].budget_ms = math.nan  # ...but reports none
+    s = summarize(run)
+    assert s.within_budget == pytest.approx(2 / 3)  # batches 0, 1 hold 5 ms; 2 does not
+    assert math.isnan(summarize(_run()).within_budget)
+    md = markdown_table([s, summarize(_run("tent"))]).strip().splitlines()
+    col = [c.strip() for c in md[0].split("|")].index("in budget %")
+    assert [c.strip() for c in md[2].split("|")][col] == "67"
+    assert [c.strip() for c in md[3].split("|")][col] == "–"
+    back = load_runs(write_report([run], tmp_path).json)[0]
+    assert back.frames[0].budget_ms == 5.0 and math.isnan(back.frames[7].budget_ms)
+    assert summarize(back).within_budget == pytest.approx(2 / 3)

@@ -2,8 +2,9 @@
 several methods) -> summary (accuracy per domain in stream order, throughput, latency per
 phase, end-to-end latency, peak memory) -> JSON + markdown table + PNG plots.
 
-Latency parts are per batch: every frame of a batch carries the same `phases_ms` and
-`batch_id`, and phase statistics count each batch once.
+Latency parts are per batch: every frame of a batch carries the same `phases_ms`,
+`budget_ms` and `batch_id`, and phase statistics count each batch once. A method with a
+latency budget (AdaShadow's sigma * T) is also scored by how many of its batches held it.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ class FrameRecord:
     e2e_ms: float = math.nan  # image stamp -> prediction received (replay only)
     stamp_ns: int = 0
     confidence: float = math.nan
+    budget_ms: float = math.nan  # the batch's latency budget; NaN: the method has none
 
 
 @dataclass
@@ -84,6 +86,8 @@ class RunSummary:
     peak_memory_mb: float
     frames_dropped: int
     segments: list[Segment]
+    # fraction of the batches with a budget whose total time held it (NaN: no budget)
+    within_budget: float = math.nan
 
 
 @dataclass
@@ -129,17 +133,24 @@ def _accuracy_by_domain(frames: Sequence[FrameRecord]) -> dict[str, float]:
     return {d: correct[d] / total[d] for d in total}
 
 
-def _batches(frames: Sequence[FrameRecord]) -> list[dict[str, float]]:
-    """Phase times once per batch (frames with batch_id -1 are batches of their own)."""
-    seen: dict[int, dict[str, float]] = {}
-    out: list[dict[str, float]] = []
+def _batches(frames: Sequence[FrameRecord]) -> list[FrameRecord]:
+    """The first frame of every batch (frames with batch_id -1 are batches of their own)."""
+    seen: set[int] = set()
+    out: list[FrameRecord] = []
     for f in frames:
-        if f.batch_id < 0:
-            out.append(f.phases_ms)
-        elif f.batch_id not in seen:
-            seen[f.batch_id] = f.phases_ms
-            out.append(f.phases_ms)
+        if f.batch_id < 0 or f.batch_id not in seen:
+            seen.add(f.batch_id)
+            out.append(f)
     return out
+
+
+def within_budget(batches: Sequence[FrameRecord]) -> float:
+    """Fraction of the batches with a finite budget whose total time was within it."""
+    pairs = [(f.phases_ms.get("total", math.nan), f.budget_ms) for f in batches
+             if math.isfinite(f.budget_ms) and f.budget_ms > 0]
+    if not pairs:
+        return math.nan
+    return sum(t <= b for t, b in pairs) / len(pairs)
 
 
 def summarize(run: RunRecord) -> RunSummary:
@@ -148,7 +159,8 @@ def summarize(run: RunRecord) -> RunSummary:
     if not frames:
         raise ValueError(f"run {run.method!r} has no frames to summarise")
     acc = _accuracy_by_domain(frames)
-    batches = _batches(frames)
+    firsts = _batches(frames)
+    batches = [f.phases_ms for f in firsts]
     names = [p for p in (*PHASES, "total") if any(p in b for b in batches)]
     names += sorted({k for b in batches for k in b} - set(names))
     phases = {p: latency_stats(b.get(p, math.nan) for b in batches) for p in names}
@@ -166,6 +178,7 @@ def summarize(run: RunRecord) -> RunSummary:
         peak_memory_mb=run.peak_memory_mb,
         frames_dropped=run.frames_dropped,
         segments=domain_segments(frames),
+        within_budget=within_budget(firsts),
     )
 
 
@@ -181,15 +194,15 @@ def markdown_table(summaries: Sequence[RunSummary]) -> str:
     domains: list[str] = []
     for s in summaries:
         domains += [d for d in s.accuracy if d not in domains]
-    head = ["method", *domains, "mean", "fps", "total ms p50", "e2e ms p50", "e2e ms p90",
-            "peak MB"]
+    head = ["method", *domains, "mean", "fps", "total ms p50", "in budget %", "e2e ms p50",
+            "e2e ms p90", "peak MB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summaries:
         total = s.phases.get("total")
         row = [s.method, *(_fmt(100 * s.accuracy[d]) if d in s.accuracy else "–"
                            for d in domains)]
         row += [_fmt(100 * s.mean_accuracy), _fmt(s.throughput_fps),
-                _fmt(total.p50 if total else math.nan, ".2f"),
+                _fmt(total.p50 if total else math.nan, ".2f"), _fmt(100 * s.within_budget, ".0f"),
                 _fmt(s.e2e.p50 if s.e2e else math.nan, ".2f"),
                 _fmt(s.e2e.p90 if s.e2e else math.nan, ".2f"), _fmt(s.peak_memory_mb, ".0f")]
         lines.append("| " + " | ".join(row) + " |")
@@ -243,6 +256,7 @@ def load_runs(path: str | Path) -> list[RunRecord]:
     for r in data["runs"]:
         frames = [FrameRecord(**{**f, "e2e_ms": nan(f["e2e_ms"]),
                                  "confidence": nan(f["confidence"]),
+                                 "budget_ms": nan(f.get("budget_ms")),
                                  "phases_ms": {k: nan(v) for k, v in f["phases_ms"].items()}})
                   for f in r.get("frames", [])]
         runs.append(RunRecord(r["method"], frames, nan(r["wall_s"]), nan(r["peak_memory_mb"]),

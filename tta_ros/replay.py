@@ -170,7 +170,8 @@ def build_run(frames: list[BagFrame], col: Collector, wall_s: float, method: str
         phases = {k: float(getattr(st, a)) for k, a in STATUS_PHASES.items()} if st else {}
         records.append(FrameRecord(f.domain, f.label, int(p.label), int(p.batch_id), phases,
                                    1000.0 * (t_recv - published[f.stamp_ns]), f.stamp_ns,
-                                   float(p.confidence)))
+                                   float(p.confidence),
+                                   float(st.budget_ms) if st else math.nan))
     peak = max((float(s.peak_memory_mb) for s in stats.values()), default=math.nan)
     if stats:
         method = next(iter(stats.values())).method or method

@@ -82,6 +82,9 @@ class _Prepared:
     fixed: np.ndarray       # int steps of sum_{l>d} x_l + reforward(d), per d
     n_t: int
     fits: bool              # False when the spare budget is <= 0 (only the empty plan)
+    forward_ms: float       # T_f
+    w: np.ndarray           # exact ms of the items
+    fixed_ms: np.ndarray    # exact ms of the fixed part, per d
 
 
 def _as_vector(name: str, value: object, n: int | None) -> np.ndarray:
@@ -156,11 +159,11 @@ def _prepare(problem: PlanProblem, n_t: int) -> _Prepared:
     fixed_ms = _fixed_cost_ms(x, r, ss, oh)
     if spare <= 0:
         zeros = np.zeros(n, dtype=np.int64)
-        return _Prepared(n, a, full, budget, zeros, zeros, int(n_t), False)
+        return _Prepared(n, a, full, budget, zeros, zeros, int(n_t), False, tf, w, fixed_ms)
     step = spare / n_t
     item = np.ceil(w / step).astype(np.int64)
     fixed = np.ceil(fixed_ms / step).astype(np.int64)
-    return _Prepared(n, a, full, budget, item, fixed, int(n_t), True)
+    return _Prepared(n, a, full, budget, item, fixed, int(n_t), True, tf, w, fixed_ms)
 
 
 def backward_cost(w: np.ndarray, x: np.ndarray, update: np.ndarray) -> float:
@@ -199,13 +202,16 @@ def lowest_feasible_unit(problem: PlanProblem) -> int:
     return int(fits[0]) if fits.size else int(w.shape[0])
 
 
-def _finish(problem: PlanProblem, prep: _Prepared, update: np.ndarray, t0: float) -> Plan:
+def _finish(prep: _Prepared, update: np.ndarray, t0: float) -> Plan:
     first = int(np.argmax(update)) if update.any() else prep.n
+    # plan_cost without validating the problem again (the planner's hot path)
+    cost = prep.forward_ms + (prep.w[update].sum() + prep.fixed_ms[first] if first < prep.n
+                              else 0.0)
     return Plan(
         update=update,
         first_updated=first,
         objective=float(prep.importance[update].sum()),
-        predicted_total_ms=plan_cost(problem, update),
+        predicted_total_ms=float(cost),
         budget_ms=float(prep.budget_ms),
         full_ms=float(prep.full_ms),
         solve_ms=(time.perf_counter() - t0) * 1e3,
@@ -250,7 +256,7 @@ def solve(problem: PlanProblem, n_t: int = DEFAULT_N_T) -> Plan:
                 if keep[u, cap]:
                     update[u] = True
                     cap -= int(prep.item[u])
-    return _finish(problem, prep, update, t0)
+    return _finish(prep, update, t0)
 
 
 def brute_force(problem: PlanProblem, n_t: int = DEFAULT_N_T) -> Plan:
@@ -270,4 +276,4 @@ def brute_force(problem: PlanProblem, n_t: int = DEFAULT_N_T) -> Plan:
         best = int(np.argmax(value))
         if value[best] > 0:
             update = masks[best].copy()
-    return _finish(problem, prep, update, t0)
+    return _finish(prep, update, t0)

@@ -139,3 +139,22 @@ def test_planner_overhead_is_a_fixed_cost_of_non_empty_plans() -> None:
     assert full == pytest.approx(planner.solve(base).full_ms + 0.8)  # a full update pays it
     with pytest.raises(ValueError, match="overhead_ms"):
         planner.solve(planner.PlanProblem(**{**p.__dict__, "overhead_ms": -1.0}))
+
+
+def test_an_estimate_that_blocks_every_update_is_forgotten_slowly() -> None:
+    """Batches without an update cannot re-measure the update's cost: it decays by
+    `forget` per batch, so the engine tries a plan again instead of freezing."""
+    fc = FixedCosts(alpha=0.5, warmup=0, forget=0.1)
+    fc.update_adapt(0.0, 0.8, 10.0)
+    for _ in range(5):
+        fc.idle()
+    assert fc.overhead_ms == pytest.approx(0.8 * 0.9**5)
+    assert fc.plan_phase_ms == 0.0  # the plan phase is measured every batch: not decayed
+    with pytest.raises(ValueError, match="forget"):
+        FixedCosts(forget=1.5)
+    eng = _engine(0.2)
+    eng.step(torch.randn(4, 3, 32, 32))  # history
+    eng.fixed.adapt_ms, eng.fixed.adapt_updates = 100.0, 5  # 100 ms: nothing fits
+    updated = [eng.step(torch.randn(4, 3, 32, 32) * 3 + 1).adapted for _ in range(300)]
+    assert not updated[0] and any(updated)  # blocked at first, adapting again later
+    assert eng.fixed.overhead_ms < 50.0

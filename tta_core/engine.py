@@ -437,6 +437,7 @@ class AdaShadowEngine:
                    "overhead_ms": self.fixed.overhead_ms,
                    "plan_phase_ms": self.fixed.plan_phase_ms})
         if not adapt:
+            self.fixed.idle()
             res.times.total_ms = (self._timer.now() - t0) * 1e3
             return res
         if self.config.mode == "parallel":

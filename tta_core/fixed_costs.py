@@ -13,8 +13,13 @@ non-empty plan (planner.PlanProblem.overhead_ms).
 Each is an EMA (weight `alpha` for the newest batch) started at the first measurement
 after `warmup` ignored ones (the first update of a run pays one-time allocations). A
 sample is clipped to [-scale, scale] with `scale` the batch's forward time, so one
-preempted batch cannot empty the plans for long. alpha = 0 turns both off (the planner
-then sees exactly the per-unit model, and plans no longer depend on how fast a run is).
+preempted batch cannot empty the plans for long. The update's cost is only measured when
+an update runs, so an estimate that leaves no plan within the budget could never be
+corrected (one slow start would freeze adaptation for good): every batch without an
+update forgets a share `forget` of it, so a plan is tried again after a while (about
+25 batches from 0.8 to 0.5 ms at the default 0.02) and measured afresh. alpha = 0 turns
+both off (the planner then sees exactly the per-unit model, and plans no longer depend on
+how fast a run is).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class FixedCosts:
     plan_ms: float = 0.0  # forward end -> plan ready, every batch
     adapt_ms: float = 0.0  # measured minus predicted backward + reforward, per update
     warmup: int = 1  # first measurements of each kind that are ignored
+    forget: float = 0.02  # share of the update's cost forgotten per batch without update
     plan_updates: int = 0  # measurements seen, warm-up included
     adapt_updates: int = 0
 
@@ -43,6 +49,9 @@ class FixedCosts:
             raise ValueError(f"fixed-cost feedback alpha must be in [0, 1], got {self.alpha!r}")
         if self.warmup < 0:
             raise ValueError(f"fixed-cost feedback warmup must be >= 0, got {self.warmup!r}")
+        if not (math.isfinite(self.forget) and 0.0 <= self.forget <= 1.0):
+            raise ValueError(f"fixed-cost feedback forget must be in [0, 1], got "
+                             f"{self.forget!r}")
 
     @property
     def on(self) -> bool:
@@ -80,6 +89,11 @@ class FixedCosts:
         sample = min(bound, max(-bound, measured_ms - predicted_ms))
         self.adapt_ms = self._ema(self.adapt_ms, sample, self.adapt_updates)
         self.adapt_updates += 1
+
+    def idle(self) -> None:
+        """A batch ran without an update: forget a share of the update's cost."""
+        if self.on:
+            self.adapt_ms *= 1.0 - self.forget
 
     def reset(self) -> None:
         """Forget what was learnt (a new machine or model)."""

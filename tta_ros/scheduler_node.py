@@ -203,6 +203,8 @@ class SchedulerNode(Node):
         if msg.adapted:
             self.backward_fb.update(predicted[0], float(msg.backward_ms))
             self.fixed.update_adapt(predicted[1], float(msg.backward_ms + msg.reforward_ms), fwd)
+        else:
+            self.fixed.idle()
 
     def _now(self) -> float:
         return self.get_clock().now().nanoseconds * 1e-9

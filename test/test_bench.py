@@ -3,6 +3,7 @@ files and gives the same accuracy twice; stream batching never straddles domains
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import numpy as np
@@ -82,3 +83,25 @@ def test_bench_config_rejects_bad_values() -> None:
         BenchConfig(mode="both").validate()
     with pytest.raises(ValueError, match="severity"):
         BenchConfig(severity=6).validate()
+
+
+def test_cli_bench_passes_method_options_and_refuses_bad_ones(tmp_path, capsys) -> None:
+    from tta_core.cli import main as cli_main
+    from tta_core.cli.commands.bench import _option
+
+    assert _option("adashadow.sigma=0.5") == ("adashadow", "sigma", 0.5)
+    assert _option("adashadow.loss=multilayer_kl") == ("adashadow", "loss", "multilayer_kl")
+    with pytest.raises(argparse.ArgumentTypeError, match=r"METHOD\.KEY=VALUE"):
+        _option("sigma=0.5")
+    out = tmp_path / "b"
+    assert cli_main(["bench", "--methods", "adashadow", "--samples-per-domain", "1",
+                     "--batch-size", "2", "--set", "adashadow.sigma=0.5", "--out", str(out),
+                     "--no-progress"]) == 0
+    meta = json.loads((out / "report.json").read_text())["runs"][0]["meta"]
+    assert meta["options"]["sigma"] == 0.5
+    with pytest.raises(SystemExit, match="'tent' is not among --methods"):
+        cli_main(["bench", "--methods", "adashadow", "--set", "tent.lr=0.1", "--out",
+                  str(out), "--no-progress"])
+    with pytest.raises(SystemExit, match=r"tta: error: .*sigmaa"):  # no traceback
+        cli_main(["bench", "--methods", "adashadow", "--samples-per-domain", "1",
+                  "--set", "adashadow.sigmaa=0.5", "--out", str(out), "--no-progress"])

@@ -61,7 +61,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     keep_freed_memory()  # steadier, faster CPU timings (tta_core.malloc_tuning)
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except ValueError as exc:  # bad input found past argparse: the message names it
+        raise SystemExit(f"tta: error: {exc}") from exc
 
 
 if __name__ == "__main__":

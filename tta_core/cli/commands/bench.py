@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import time
 from pathlib import Path
 
@@ -17,6 +18,19 @@ def _methods(text: str) -> tuple[str, ...]:
     if not names:
         raise argparse.ArgumentTypeError(f"--methods needs at least one name, got {text!r}")
     return names
+
+
+def _option(text: str) -> tuple[str, str, object]:
+    """METHOD.KEY=VALUE -> (method, key, value); VALUE is a Python literal or a string."""
+    head, sep, raw = text.partition("=")
+    method, dot, key = head.partition(".")
+    if not (sep and dot and method.strip() and key.strip()):
+        raise argparse.ArgumentTypeError(f"--set expects METHOD.KEY=VALUE, got {text!r}")
+    try:
+        value = ast.literal_eval(raw.strip())
+    except (ValueError, SyntaxError):
+        value = raw.strip()
+    return method.strip(), key.strip(), value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,13 +52,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None,
                         help="output folder (default runs/bench-<time>)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    parser.add_argument("--set", type=_option, action="append", default=[], dest="options",
+                        metavar="METHOD.KEY=VALUE",
+                        help="a method option, e.g. adashadow.sigma=0.5 (repeatable)")
 
 
 def run(args: argparse.Namespace) -> int:
+    options: dict[str, dict] = {}
+    for method, key, value in args.options:
+        if method not in args.methods:
+            raise SystemExit(f"--set {method}.{key}: {method!r} is not among --methods "
+                             f"{','.join(args.methods)}")
+        options.setdefault(method, {})[key] = value
     cfg = BenchConfig(methods=args.methods, order=args.order, severity=args.severity,
                       batch_size=args.batch_size, samples_per_domain=args.samples_per_domain,
                       model_card=args.model_card, mode=args.mode, seed=args.seed,
-                      threads=args.threads, device=args.device)
+                      threads=args.threads, device=args.device, method_options=options)
     out = args.out or Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
     result = run_bench(cfg, out, progress=not args.no_progress)
     print(result.markdown)

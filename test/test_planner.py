@@ -80,6 +80,11 @@ def test_lowest_feasible_unit_bounds_every_feasible_plan() -> None:
         assert floor == lowest  # exact: the one-unit plan {d} is the cheapest with min S = d
         reached += int(0 < floor < n)
         assert solve(p, n_t=500).first_updated >= floor
+        # among candidates only: the lowest feasible plan whose units are all candidates
+        cand = rng.random(n) < 0.5
+        lowest_c = min((int(np.argmax(m)) for m in feasible if not (m & ~cand).any()),
+                       default=n)
+        assert lowest_feasible_unit(p, cand) == lowest_c
     assert reached > 20  # the floor is often strictly inside the network
 
 

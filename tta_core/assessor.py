@@ -102,6 +102,7 @@ class Assessor:
         self._mean: Tensor | None = None
         self._var: Tensor | None = None
         self._seeds: list[tuple[Tensor, Tensor] | None] | None = None
+        self._seg: tuple | None = None  # (sizes list, sizes array, offsets) of _offsets
 
     # -- history -----------------------------------------------------------------------
     @property
@@ -126,16 +127,25 @@ class Assessor:
     def _flatten(self, stats: Stats) -> tuple[Tensor, Tensor, list[int]]:
         if len(stats) != self.n_units:
             raise ValueError(f"expected stats for {self.n_units} units, got {len(stats)}")
-        sizes = [int(m.numel()) for m, _ in stats]
+        sizes = [m.numel() for m, _ in stats]
         if self._sizes is not None and sizes != self._sizes:
             bad = next(i for i, (a, b) in enumerate(zip(sizes, self._sizes, strict=True)) if a != b)
             raise ValueError(
                 f"unit {bad} has {sizes[bad]} channels, history has {self._sizes[bad]}"
             )
-        with torch.no_grad():
-            mean = torch.cat([m.detach().reshape(-1) for m, _ in stats]).float()
-            var = torch.cat([v.detach().reshape(-1) for _, v in stats]).float()
+        with torch.no_grad():  # no graph: the concatenation is detached from the stats
+            mean = torch.cat([m.reshape(-1) for m, _ in stats])
+            var = torch.cat([v.reshape(-1) for _, v in stats])
+        if mean.dtype != torch.float32:
+            mean, var = mean.float(), var.float()
         return mean, var, sizes
+
+    def _offsets(self) -> tuple[np.ndarray, np.ndarray]:
+        """Unit sizes and their start offsets in the flat vectors (cached per layout)."""
+        if self._seg is None or self._seg[0] is not self._sizes:
+            sizes = np.asarray(self._sizes)
+            self._seg = (self._sizes, sizes, np.concatenate([[0], np.cumsum(sizes)[:-1]]))
+        return self._seg[1], self._seg[2]
 
     def _init_from(self, mean: Tensor, var: Tensor, sizes: list[int]) -> None:
         self._sizes, self._mean, self._var = sizes, mean.clone(), var.clone()
@@ -170,8 +180,7 @@ class Assessor:
         with torch.no_grad():
             kl = gaussian_kl(self._mean, self._var, mean, var, self.eps)
         kl_np = kl.double().cpu().numpy()
-        sizes = np.asarray(self._sizes)
-        offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]])
+        sizes, offsets = self._offsets()
         # KL >= 0 exactly; clip float round-off so consumers (the planner) can rely on it
         return np.maximum(np.add.reduceat(kl_np, offsets) / sizes, 0.0)
 

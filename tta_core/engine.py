@@ -341,11 +341,12 @@ class AdaShadowEngine:
         c = self.config
         k = round(self.backward_fb.factor, 2)  # the floor moves little with it
         # the fixed costs in forwards (a unitless ratio, so the scaled floor stays
-        # independent of the forward's speed); rounded: the floor moves little with them
+        # independent of the forward's speed), rounded down to 1/20: the cached floor is
+        # then recomputed only when they move by 5 % of a forward, and never set too high
         last = self._last_forward_ms
         share = (self.fixed.plan_phase_ms, self.fixed.overhead_ms)
-        share = tuple(round(v / last, 2) if np.isfinite(last) and last > 0 else 0.0
-                      for v in share)
+        share = tuple(math.floor(20.0 * v / last) / 20.0 if np.isfinite(last) and last > 0
+                      else 0.0 for v in share)
         key = (tuple(x.shape), c.pi1, c.pi2, c.sigma, id(self.profile),
                self._scaled() or last, k, share)
         if self._floor_cache[0] != key:
@@ -357,7 +358,8 @@ class AdaShadowEngine:
             if not np.isfinite(tf) or not 0 < c.sigma <= 1:
                 return 0
             d = planner.lowest_feasible_unit(self._problem(
-                w, dx, r, np.zeros_like(w), tf * (1.0 + share[0]), tf * share[1]))
+                w, dx, r, np.zeros_like(w), tf * (1.0 + share[0]), tf * share[1]),
+                self.candidates)
             self._floor_cache = (key, int(self._stage_of_unit[d]) if d < len(w) else n_stages)
         return self._floor_cache[1]
 
@@ -407,9 +409,9 @@ class AdaShadowEngine:
         if history is not None and self.config.loss == "multilayer_kl":
             history = [(m.clone(), v.clone()) for m, v in history]  # step() updates in place
         loss = self._loss(fwd, history)
-        detached = [(m.detach(), v.detach()) for m, v in fwd.stats]
         # units that may not be updated get importance 0: the planner never picks them
-        importance = np.where(self.candidates, self.assessor.step(detached), 0.0)
+        # (the assessor reads the stats without recording a graph)
+        importance = np.where(self.candidates, self.assessor.step(fwd.stats), 0.0)
         predicted_bwd = predicted_re = float("nan")  # unknown for an external plan
         if plan is None:
             plan, predicted_bwd, predicted_re = self._plan(fwd, x, importance)

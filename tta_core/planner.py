@@ -189,8 +189,9 @@ def plan_cost(problem: PlanProblem, update: np.ndarray) -> float:
     return float(tf + oh + backward_cost(w, x, sel) + r[ss[int(np.argmax(sel))]:].sum())
 
 
-def lowest_feasible_unit(problem: PlanProblem) -> int:
-    """Smallest d such that the one-unit plan {d} fits the budget (N when none does).
+def lowest_feasible_unit(problem: PlanProblem, candidates: np.ndarray | None = None) -> int:
+    """Smallest d such that the one-unit plan {d} fits the budget (N when none does),
+    among `candidates` (bool per unit; every unit when None).
 
     Every plan S has cost >= cost({min S}), so no feasible plan reaches below this unit:
     the engine need not record the autograd graph under it. Uses the exact costs, which are
@@ -198,7 +199,10 @@ def lowest_feasible_unit(problem: PlanProblem) -> int:
     """
     w, x, r, ss, _, tf, sigma, oh = _validate(problem)
     budget = sigma * _full_ms(w, x, r, tf, oh)
-    fits = np.flatnonzero(tf + w + _fixed_cost_ms(x, r, ss, oh) <= budget)
+    ok = tf + w + _fixed_cost_ms(x, r, ss, oh) <= budget
+    if candidates is not None:
+        ok &= np.asarray(candidates, dtype=bool)
+    fits = np.flatnonzero(ok)
     return int(fits[0]) if fits.size else int(w.shape[0])
 
 
@@ -248,7 +252,7 @@ def solve(problem: PlanProblem, n_t: int = DEFAULT_N_T) -> Plan:
     t0 = time.perf_counter()
     prep = _prepare(problem, n_t)
     update = np.zeros(prep.n, dtype=bool)
-    if prep.fits:
+    if prep.fits and prep.importance.any():  # all-zero importance: the empty plan (ties)
         d, cap, _, keep = _sweep(prep)
         if d >= 0:
             update[d] = True

@@ -122,3 +122,15 @@ def test_budget_adherence_counts_batches_with_a_budget(tmp_path) -> None:
     back = load_runs(write_report([run], tmp_path).json)[0]
     assert back.frames[0].budget_ms == 5.0 and math.isnan(back.frames[7].budget_ms)
     assert summarize(back).within_budget == pytest.approx(2 / 3)
+
+
+def test_adapted_share_counts_batches_that_reported_it() -> None:
+    run = _run("adashadow")
+    for f in run.frames:  # batches 0..3: updated, not, not reported, updated
+        f.adapted = {0: True, 1: False, 2: None, 3: True}[f.batch_id]
+    s = summarize(run)
+    assert s.adapted == pytest.approx(2 / 3)
+    assert math.isnan(summarize(_run()).adapted)
+    md = markdown_table([s]).strip().splitlines()
+    col = [c.strip() for c in md[0].split("|")].index("adapted %")
+    assert [c.strip() for c in md[2].split("|")][col] == "67"

@@ -166,7 +166,8 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
             conf = res.logits.float().softmax(1).max(1).values.tolist()
             for label, p, c in zip(b.labels.tolist(), pred.tolist(), conf, strict=True):
                 frames.append(FrameRecord(b.domain, int(label), int(p), b_id, phases,
-                                          confidence=float(c), budget_ms=res.budget_ms))
+                                          confidence=float(c), budget_ms=res.budget_ms,
+                                          adapted=bool(res.adapted)))
             if progress is not None:
                 progress(len(b.labels))
         sync = getattr(getattr(meth, "engine", None), "sync", None)

@@ -35,6 +35,7 @@ class FrameRecord:
     stamp_ns: int = 0
     confidence: float = math.nan
     budget_ms: float = math.nan  # the batch's latency budget; NaN: the method has none
+    adapted: bool | None = None  # did the batch update the model (None: not reported)
 
 
 @dataclass
@@ -88,6 +89,8 @@ class RunSummary:
     segments: list[Segment]
     # fraction of the batches with a budget whose total time held it (NaN: no budget)
     within_budget: float = math.nan
+    # fraction of the batches that updated the model (NaN: not reported)
+    adapted: float = math.nan
 
 
 @dataclass
@@ -144,6 +147,11 @@ def _batches(frames: Sequence[FrameRecord]) -> list[FrameRecord]:
     return out
 
 
+def _share(flags: Iterable[bool | None]) -> float:
+    known = [bool(f) for f in flags if f is not None]
+    return sum(known) / len(known) if known else math.nan
+
+
 def within_budget(batches: Sequence[FrameRecord]) -> float:
     """Fraction of the batches with a finite budget whose total time was within it."""
     pairs = [(f.phases_ms.get("total", math.nan), f.budget_ms) for f in batches
@@ -179,6 +187,7 @@ def summarize(run: RunRecord) -> RunSummary:
         frames_dropped=run.frames_dropped,
         segments=domain_segments(frames),
         within_budget=within_budget(firsts),
+        adapted=_share(f.adapted for f in firsts),
     )
 
 
@@ -194,8 +203,8 @@ def markdown_table(summaries: Sequence[RunSummary]) -> str:
     domains: list[str] = []
     for s in summaries:
         domains += [d for d in s.accuracy if d not in domains]
-    head = ["method", *domains, "mean", "fps", "total ms p50", "in budget %", "e2e ms p50",
-            "e2e ms p90", "peak MB"]
+    head = ["method", *domains, "mean", "fps", "total ms p50", "in budget %", "adapted %",
+            "e2e ms p50", "e2e ms p90", "peak MB"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summaries:
         total = s.phases.get("total")
@@ -203,6 +212,7 @@ def markdown_table(summaries: Sequence[RunSummary]) -> str:
                            for d in domains)]
         row += [_fmt(100 * s.mean_accuracy), _fmt(s.throughput_fps),
                 _fmt(total.p50 if total else math.nan, ".2f"), _fmt(100 * s.within_budget, ".0f"),
+                _fmt(100 * s.adapted, ".0f"),
                 _fmt(s.e2e.p50 if s.e2e else math.nan, ".2f"),
                 _fmt(s.e2e.p90 if s.e2e else math.nan, ".2f"), _fmt(s.peak_memory_mb, ".0f")]
         lines.append("| " + " | ".join(row) + " |")

@@ -171,7 +171,8 @@ def build_run(frames: list[BagFrame], col: Collector, wall_s: float, method: str
         records.append(FrameRecord(f.domain, f.label, int(p.label), int(p.batch_id), phases,
                                    1000.0 * (t_recv - published[f.stamp_ns]), f.stamp_ns,
                                    float(p.confidence),
-                                   float(st.budget_ms) if st else math.nan))
+                                   float(st.budget_ms) if st else math.nan,
+                                   bool(st.adapted) if st else None))
     peak = max((float(s.peak_memory_mb) for s in stats.values()), default=math.nan)
     if stats:
         method = next(iter(stats.values())).method or method

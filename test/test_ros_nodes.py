@@ -558,3 +558,23 @@ def test_scheduler_leaves_room_for_the_fixed_costs_perception_reports(
         assert after.predicted_total_ms <= after.budget_ms
     finally:
         node.destroy_node()
+
+
+def test_scheduler_warns_when_no_unit_fits_the_budget(ros_context, tmp_path) -> None:
+    """A budget below forward + the cheapest update: empty plans and a WARN saying to raise
+    sigma; a budget with room: OK again."""
+    node = _profiled_scheduler(ros_context, tmp_path)
+    n = len(node.layout.unit_names)
+    try:
+        imp = LayerImportance(unit_names=node.layout.unit_names, importance=[1.0] * n,
+                              batch_size=4, forward_ms=0.3 * n)
+        node.set_parameters([Parameter("sigma", value=0.05)])
+        node._on_importance(imp)
+        st = node._planning_status()
+        assert st.level == DiagnosticStatus.WARN and "raise sigma" in st.message
+        node.set_parameters([Parameter("sigma", value=0.8)])
+        node._on_importance(imp)
+        st = node._planning_status()
+        assert st.level == DiagnosticStatus.OK and node.no_room == ""
+    finally:
+        node.destroy_node()

@@ -178,6 +178,7 @@ class SchedulerNode(Node):
         # plan_id -> predicted backward ms, predicted backward + reforward ms (per-unit model)
         self._predicted: dict[int, tuple[float, float]] = {}
         self.last_error = ""
+        self.no_room = ""  # why no update fits the budget (empty: some unit does)
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
         self.pub_plan = self.create_publisher(LayerPlan, "layer_plan", reliable)
         self.pub_markers = self.create_publisher(MarkerArray, "layer_markers", 10)
@@ -265,14 +266,27 @@ class SchedulerNode(Node):
                                       sigma=float(self.get_parameter("sigma").value),
                                       overhead_ms=self.fixed.overhead_ms)
         plan = planner.solve(problem, n_t=int(self.get_parameter("n_t").value))
+        self.no_room = self._no_room(problem, plan, a)
         bwd = planner.backward_cost(w, x, plan.update)
         per_unit = plan.predicted_total_ms - problem.forward_ms - problem.overhead_ms
         return plan, w + x, (bwd, per_unit if plan.update.any() else 0.0)
 
-    def _publish_diagnostics(self) -> None:
+    @staticmethod
+    def _no_room(problem: planner.PlanProblem, plan: planner.Plan, importance: np.ndarray
+                 ) -> str:
+        """Why no unit that perception may update (importance > 0) fits the budget, or ""."""
+        candidates = importance > 0 if (importance > 0).any() else None
+        if planner.lowest_feasible_unit(problem, candidates) < len(importance):
+            return ""
+        return (f"no unit fits the budget sigma*T = {plan.budget_ms:.3g} ms after the forward "
+                f"and plan phase ({problem.forward_ms:.3g} ms) and the update's fixed cost "
+                f"({problem.overhead_ms:.3g} ms): plans stay empty, raise sigma to adapt")
+
+    def _planning_status(self) -> DiagnosticStatus:
         st = DiagnosticStatus(name="tta scheduler: planning", hardware_id="")
-        st.level = DiagnosticStatus.WARN if self.last_error else DiagnosticStatus.OK
-        st.message = self.last_error or f"{self.plans_published} plans"
+        warn = self.last_error or self.no_room
+        st.level = DiagnosticStatus.WARN if warn else DiagnosticStatus.OK
+        st.message = warn or f"{self.plans_published} plans"
         pi1, pi2 = expansion(self.telemetry)
         st.values = [KeyValue(key="plans", value=str(self.plans_published)),
                      KeyValue(key="profile", value=self.profile.device if self.profile
@@ -282,7 +296,10 @@ class SchedulerNode(Node):
                      KeyValue(key="backward_factor", value=f"{self.backward_fb.factor:.4g}"),
                      KeyValue(key="plan_phase_ms", value=f"{self.fixed.plan_phase_ms:.4g}"),
                      KeyValue(key="update_overhead_ms", value=f"{self.fixed.overhead_ms:.4g}")]
-        arr = DiagnosticArray(status=[st])
+        return st
+
+    def _publish_diagnostics(self) -> None:
+        arr = DiagnosticArray(status=[self._planning_status()])
         arr.header.stamp = self.get_clock().now().to_msg()
         self.pub_diag.publish(arr)
 

@@ -158,3 +158,12 @@ def test_an_estimate_that_blocks_every_update_is_forgotten_slowly() -> None:
     updated = [eng.step(torch.randn(4, 3, 32, 32) * 3 + 1).adapted for _ in range(300)]
     assert not updated[0] and any(updated)  # blocked at first, adapting again later
     assert eng.fixed.overhead_ms < 50.0
+
+
+def test_engine_says_when_no_unit_has_room() -> None:
+    eng = _engine(0.2)
+    eng.step(torch.randn(4, 3, 32, 32))
+    assert not eng.step(torch.randn(4, 3, 32, 32) * 2).extra["no_room"]
+    eng.fixed.adapt_ms, eng.fixed.adapt_updates = 1e4, 5
+    res = eng.step(torch.randn(4, 3, 32, 32) * 3)
+    assert res.extra["no_room"] and not res.adapted

@@ -578,3 +578,20 @@ def test_scheduler_warns_when_no_unit_fits_the_budget(ros_context, tmp_path) -> 
         assert st.level == DiagnosticStatus.OK and node.no_room == ""
     finally:
         node.destroy_node()
+
+
+def test_perception_warns_when_inline_plans_have_no_room(rig_factory) -> None:
+    """sigma so small that no unit fits after the forward: batches still served, planning
+    status WARNs with the fix; a sigma with room clears it."""
+    rig = rig_factory(perception={"plan_source": "inline", "sigma": 0.01})
+    rig.send([_image(i) for i in range(8)])
+    assert wait_for(lambda: len(rig.msgs("status")) >= 2, 10.0)
+    assert all(s.units_updated == 0 for s in rig.msgs("status"))
+    plan = next(s for s in rig.perception._statuses() if s.name.endswith("planning"))
+    assert plan.level == DiagnosticStatus.WARN and "raise sigma" in plan.message
+    assert rig.perception.set_parameters([Parameter("sigma", value=1.0)])[0].successful
+    n = len(rig.msgs("status"))
+    rig.send([_image(20 + i) for i in range(8)])
+    assert wait_for(lambda: any(s.units_updated > 0 for s in rig.msgs("status")[n:]), 10.0)
+    plan = next(s for s in rig.perception._statuses() if s.name.endswith("planning"))
+    assert plan.level == DiagnosticStatus.OK

@@ -413,6 +413,8 @@ class AdaShadowEngine:
         # (the assessor reads the stats without recording a graph)
         importance = np.where(self.candidates, self.assessor.step(fwd.stats), 0.0)
         predicted_bwd = predicted_re = float("nan")  # unknown for an external plan
+        # no trainable unit fits the budget at all (the graph floor is above every stage)
+        no_room = plan is None and not self.lazy and fwd.grad_stage >= len(self.staged.stages)
         if plan is None:
             plan, predicted_bwd, predicted_re = self._plan(fwd, x, importance)
         update = np.asarray(plan.update, dtype=bool)
@@ -437,7 +439,7 @@ class AdaShadowEngine:
             extra={"predicted_backward_ms": predicted_bwd,
                    "backward_factor": self.backward_fb.factor,
                    "overhead_ms": self.fixed.overhead_ms,
-                   "plan_phase_ms": self.fixed.plan_phase_ms})
+                   "plan_phase_ms": self.fixed.plan_phase_ms, "no_room": no_room})
         if not adapt:
             self.fixed.idle()
             res.times.total_ms = (self._timer.now() - t0) * 1e3

@@ -140,6 +140,7 @@ class PerceptionNode(Node):
                                      self.p["reset_patience"])
         self.counters = Counters()
         self._inline_fallback = False
+        self._no_room = False  # inline planning: no trainable unit fits sigma * T
         self._diag_lock = threading.Lock()
         self.add_on_set_parameters_callback(self._on_set_parameters)
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
@@ -302,6 +303,11 @@ class PerceptionNode(Node):
         x = to_tensor(xs, self.pre).to(self.device)
         plan_id, plan = self._choose_plan()
         res = self._step(x, plan)
+        no_room = bool(res.extra.get("no_room", False))
+        if no_room and not self._no_room:
+            self._no_room = True
+            self._diag_now("planning", WARN, self._planning_message())
+        self._no_room = no_room
         self.counters.batches += 1
         if plan_id:
             self.counters.topic_batches += 1
@@ -368,6 +374,9 @@ class PerceptionNode(Node):
     def _planning_message(self) -> str:
         if not self.accepts_plans:
             return f"method {self.p['method']} plans nothing"
+        if self._no_room:
+            return (f"no unit fits the budget at sigma={self.p['sigma']:g} after the forward,"
+                    f" plan phase and update cost: adapting BN statistics only; raise sigma")
         if self.p["plan_source"] == "inline":
             return "planning inline (plan_source: inline)"
         if self._inline_fallback:
@@ -381,7 +390,7 @@ class PerceptionNode(Node):
         inp.values = _kv({"received": q.received, "dropped": q.dropped, "rejected": c.rejected,
                           "queue": f"{len(q)}/{q.maxlen}", "last_rejection": c.last_rejection})
         plan = DiagnosticStatus(name="tta perception: planning",
-                                level=WARN if self._inline_fallback else OK,
+                                level=WARN if self._inline_fallback or self._no_room else OK,
                                 message=self._planning_message())
         plan.values = _kv({"plan_source": self.p["plan_source"],
                            "topic_batches": c.topic_batches, "inline_batches": c.inline_batches})

@@ -226,6 +226,7 @@ class AdaShadowEngine:
         self._floor_cache: tuple = (None, 0)  # (inputs of the floor, its stage)
         self._last_forward_ms = profile.forward_ms if profile is not None else float("nan")
         self._stage_of_unit = np.array([u.stage for u in staged.units])
+        self._stage_start = staged.stage_start()  # fixed per model; read on every plan
         self._handles = stage_input_hooks(self.staged, self._cache_stage_input)
         self._job: threading.Thread | None = None
         self._job_error: BaseException | None = None
@@ -302,7 +303,7 @@ class AdaShadowEngine:
 
     def _problem(self, w, dx, r, importance: np.ndarray, forward_ms: float,
                  overhead_ms: float = 0.0) -> planner.PlanProblem:
-        return planner.PlanProblem(w=w, x=dx, r=r, stage_start=self.staged.stage_start(),
+        return planner.PlanProblem(w=w, x=dx, r=r, stage_start=self._stage_start,
                                    importance=importance, forward_ms=forward_ms,
                                    sigma=self.config.sigma, overhead_ms=overhead_ms)
 
@@ -319,7 +320,7 @@ class AdaShadowEngine:
                                            self.fixed.overhead_ms), n_t=self.config.n_t)
         if not plan.update.any():
             return plan, 0.0, 0.0
-        refwd = float(r[self.staged.stage_start()[plan.first_updated]:].sum())
+        refwd = float(r[self._stage_start[plan.first_updated]:].sum())
         return plan, planner.backward_cost(w, dx, plan.update), refwd
 
     def _check_backward(self, predicted_ms: float, measured_ms: float) -> None:

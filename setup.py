@@ -37,9 +37,9 @@ setup(
     entry_points={
         "console_scripts": [
             "tta = tta_core.cli:main",
-            "perception_node = tta_ros.perception_node:main",
-            "resource_monitor_node = tta_ros.resource_monitor_node:main",
-            "scheduler_node = tta_ros.scheduler_node:main",
+            "perception_node = tta_ros.nodes.perception:main",
+            "resource_monitor_node = tta_ros.nodes.resource_monitor:main",
+            "scheduler_node = tta_ros.nodes.scheduler:main",
             "bringup = tta_ros.bringup:main",
         ],
     },

@@ -5,11 +5,11 @@ fixed (default 1: the machine is shared, so thread CPU time is reported next to 
 Variants, each timed interleaved with the plain forward (median over --runs):
   * var_mean:      hooks on every Conv2d/BatchNorm2d/Linear, one torch.var_mean per output;
   * bn_kernel:     the same hooks, aten.batch_norm_update_stats per output;
-  * channel_stats: the same hooks, tta_core.assessor.channel_stats (guarded one-pass);
-  * fused:         channel_stats once per Conv->BN pair (tta_core.assessor.StatsRecorder);
+  * channel_stats: the same hooks, tta_core.adashadow.assessor.channel_stats (guarded one-pass);
+  * fused:         channel_stats once per Conv->BN pair (tta_core.adashadow.assessor.StatsRecorder);
 each followed by Assessor.step (importance + EMA). Also: per-unit vs flat KL cost, and
   * engine:        what the AdaShadow engine runs (BN on batch statistics, Conv->BN pair
-                   stats carried by the BN itself, tta_core.unit_stats), vs the same forward.
+                   stats carried by the BN itself, tta_core.model.unit_stats), vs the same forward.
 Usage: python benchmarks/bench_assessor.py [--runs 10] [--threads 1]
 Prints JSON.
 """
@@ -27,10 +27,10 @@ import torch
 from torch import nn
 from torchvision.models import resnet50
 
-from tta_core.assessor import Assessor, StatsRecorder, gaussian_kl
-from tta_core.engine import set_bn_mode
-from tta_core.unit_stats import UnitStatsCollector
-from tta_core.units import decompose
+from tta_core.adashadow.assessor import Assessor, StatsRecorder, gaussian_kl
+from tta_core.adashadow.engine import set_bn_mode
+from tta_core.model.unit_stats import UnitStatsCollector
+from tta_core.model.units import decompose
 
 _UNIT_TYPES = (nn.Conv2d, nn.BatchNorm2d, nn.Linear)
 
@@ -131,7 +131,7 @@ def _kl_layouts(model: nn.Module, x: torch.Tensor, reps: int = 50) -> dict:
 
 
 def _engine_overhead(x: torch.Tensor, runs: int) -> dict:
-    """What AdaShadow's engine pays: BN-carried stats for Conv->BN pairs (tta_core.unit_stats)
+    """What AdaShadow's engine pays: BN-carried stats for Conv->BN pairs (tta_core.model.unit_stats)
     + hooks on the rest + Assessor.step, vs the same forward (BN on batch statistics)."""
     torch.manual_seed(0)
     model = resnet50()

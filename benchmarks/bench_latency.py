@@ -18,12 +18,12 @@ import time
 import numpy as np
 import torch
 
-from tta_core.engine import set_bn_mode
-from tta_core.malloc_tuning import keep_freed_memory
+from tta_core.adashadow.engine import set_bn_mode
+from tta_core.adashadow.profiler import profile_model
 from tta_core.methods import build_method
-from tta_core.models import build_model
-from tta_core.profiler import profile_model
-from tta_core.units import decompose
+from tta_core.model.units import decompose
+from tta_core.model.zoo import build_model
+from tta_core.runtime.malloc_tuning import keep_freed_memory
 
 PHASES = ("forward_ms", "plan_ms", "backward_ms", "reforward_ms", "total_ms")
 
@@ -86,7 +86,7 @@ def _plot(by_sigma: dict, tent_ms: float, report: dict, path: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    keep_freed_memory()  # as the tta CLI and the ROS entry points (tta_core.malloc_tuning)
+    keep_freed_memory()  # as the tta CLI and the ROS entry points (tta_core.runtime.malloc_tuning)
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--arch", default="resnet50")
     ap.add_argument("--image-size", type=int, default=224)

@@ -1,6 +1,6 @@
 """Planner solve time on ResNet-50-sized problems (goal: <= 5 ms median at N_T = 500).
 
-The unit list and stage structure come from tta_core.units.decompose(torchvision resnet50)
+The unit list and stage structure come from tta_core.model.units.decompose(torchvision resnet50)
 (107 units); per-unit times follow a roofline model t = MACs/F + bytes/b_cache, scaled so
 the forward pass takes --forward-ms. Each solve draws fresh random importances (some zero).
 Also reports the optimality gap of the DP vs brute force on 12-unit sub-problems.
@@ -17,14 +17,14 @@ import time
 import numpy as np
 import torch
 
-from tta_core.planner import PlanProblem, brute_force, solve
+from tta_core.adashadow.planner import PlanProblem, brute_force, solve
 
 
 def _resnet50_problem(forward_ms: float, sigma: float) -> tuple[PlanProblem, str]:
     try:
         from torchvision.models import resnet50
 
-        from tta_core.units import decompose
+        from tta_core.model.units import decompose
     except ImportError:  # units.py not available: synthetic 107 units in 18 stages
         n = 107
         rng = np.random.default_rng(0)
@@ -43,7 +43,7 @@ def _resnet50_problem(forward_ms: float, sigma: float) -> tuple[PlanProblem, str
     x = roofline([u.macs_dx for u in units]) * scale
     problem = PlanProblem(w, x, fwd * scale, staged.stage_start(), np.ones(len(units)),
                           forward_ms, sigma)
-    return problem, "resnet50 via tta_core.units.decompose"
+    return problem, "resnet50 via tta_core.model.units.decompose"
 
 
 def _random_importance(rng: np.random.Generator, n: int) -> np.ndarray:

@@ -4,7 +4,7 @@
    batch_size 1 and batch_timeout_s 0, fed one frame at a time by a probe node. For each
    frame, interleaved so both see the same machine load:
    - ROS path: publish the sensor_msgs/Image -> ClassPrediction received (end to end);
-   - in process: decode + tta_core.image_msg.to_tensor + method.step of the same frame on
+   - in process: decode + tta_core.io.image_msg.to_tensor + method.step of the same frame on
      a second method built exactly like the node's (same card, config, threads).
    overhead_vs_in_process_ms = median(e2e) - median(in-process); overhead_vs_node_step_ms
    = median over frames of (e2e - the node's own step time from adaptation_status).
@@ -37,7 +37,7 @@ CONFIG = ROOT / "config" / "vehicle.yaml"
 MONITOR_CHILD = """
 import sys, time, rclpy, rclpy.task
 from rclpy.executors import SingleThreadedExecutor
-from tta_ros.resource_monitor_node import ResourceMonitorNode
+from tta_ros.nodes.resource_monitor import ResourceMonitorNode
 rclpy.init()
 node = ResourceMonitorNode(parameter_overrides=[]) if sys.argv[1] == "monitor" \\
     else rclpy.create_node("idle")
@@ -111,7 +111,7 @@ def _key(msg) -> int:
 def _messages(n: int, size: int) -> list:
     from sensor_msgs.msg import Image
 
-    from tta_core.image_msg import array_to_image_fields
+    from tta_core.io.image_msg import array_to_image_fields
 
     rng = np.random.default_rng(0)
     out = []
@@ -124,7 +124,7 @@ def _messages(n: int, size: int) -> list:
 
 def ros_vs_in_process(frames: int, gap_s: float, executor: str, warmup: int = 10) -> dict:
     """Interleaved per-frame timings of the ROS path and the in-process step."""
-    from tta_core.image_msg import decode_image, to_tensor
+    from tta_core.io.image_msg import decode_image, to_tensor
     from tta_core.methods import build_method
 
     rig = Rig(executor, domain_id=77)

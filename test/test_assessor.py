@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy import integrate, stats
 
-from tta_core.assessor import Assessor, StatsRecorder, channel_stats, gaussian_kl
+from tta_core.adashadow.assessor import Assessor, StatsRecorder, channel_stats, gaussian_kl
 from tta_core.losses import entropy_loss, multilayer_kl_loss
 
 

@@ -1,4 +1,4 @@
-"""The closed-loop backward correction (tta_core.backward_feedback) and how
+"""The closed-loop backward correction (tta_core.adashadow.backward_feedback) and how
 predictor.planning_times applies it."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from tta_core.backward_feedback import BackwardFeedback
-from tta_core.predictor import UnitProfile, planning_times
+from tta_core.adashadow.backward_feedback import BackwardFeedback
+from tta_core.adashadow.predictor import UnitProfile, planning_times
 
 
 def test_converges_to_a_constant_misprediction_and_tracks_a_change() -> None:

@@ -1,4 +1,4 @@
-"""Bags written by tta_core.bag read back bit-identical, joined by stamp; clear errors."""
+"""Bags written by tta_core.io.bag read back bit-identical, joined by stamp; clear errors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 from rosbags.rosbag2 import StoragePlugin, Writer
 
-from tta_core.bag import (
+from tta_core.data.streams import domain_name
+from tta_core.io.bag import (
     DOMAIN_TOPIC,
     GT_TOPIC,
     IMAGE_TOPIC,
@@ -16,8 +17,7 @@ from tta_core.bag import (
     tta_typestore,
     write_bag,
 )
-from tta_core.data.streams import domain_name
-from tta_core.image_msg import image_to_rgb8
+from tta_core.io.image_msg import image_to_rgb8
 
 NAMES = ("a", "b", "c", "d", "e")
 

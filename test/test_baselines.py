@@ -14,7 +14,7 @@ from tta_core.methods import available_methods, build_method
 from tta_core.methods.base import TTAMethod
 from tta_core.methods.eata import softmax_entropy
 from tta_core.methods.lame import affinity_matrix
-from tta_core.models import SmallResNet
+from tta_core.model.zoo import SmallResNet
 
 SHAPE = (3, 32, 32)
 

@@ -10,14 +10,14 @@ import numpy as np
 import pytest
 import torch
 
-from tta_core.bench import (
+from tta_core.eval.bench import (
     BenchConfig,
     batches_from_arrays,
     images_to_input,
     run_methods,
     write_bench,
 )
-from tta_core.models import SmallResNet
+from tta_core.model.zoo import SmallResNet
 
 
 def tiny_stream(batch_size: int = 4):

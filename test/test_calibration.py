@@ -11,15 +11,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tta_core.calibration import (
+from tta_core.adashadow.calibration import (
     BusyProcesses,
     CalibrationConfig,
     CalibrationReport,
     fit_slowdown,
     load_calibration,
 )
+from tta_core.adashadow.predictor import Calibration
 from tta_core.cli import main
-from tta_core.predictor import Calibration
 from tta_core.telemetry import PerfSource
 
 

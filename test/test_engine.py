@@ -8,13 +8,13 @@ import torch
 from torch import nn
 from torchvision.models import VisionTransformer
 
-from tta_core import profiler
+from tta_core.adashadow import profiler
+from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig, mac_profile, set_bn_mode
+from tta_core.adashadow.planner import Plan
+from tta_core.adashadow.predictor import UnitProfile
 from tta_core.cli import main as cli_main
-from tta_core.engine import AdaShadowEngine, EngineConfig, mac_profile, set_bn_mode
-from tta_core.models import build_model
-from tta_core.planner import Plan
-from tta_core.predictor import UnitProfile
-from tta_core.units import StagedModel, decompose, stage_input_hooks
+from tta_core.model.units import StagedModel, decompose, stage_input_hooks
+from tta_core.model.zoo import build_model
 
 torch.set_num_threads(2)
 
@@ -265,7 +265,7 @@ def test_config_validation() -> None:
 
 def test_plan_fit_recovers_the_cost_model_exactly() -> None:
     """fit_plan_times identifies w and x (x_0 aside) from suffix and single-unit plans."""
-    from tta_core.planner import backward_cost
+    from tta_core.adashadow.planner import backward_cost
 
     rng = np.random.default_rng(11)
     for n in (1, 2, 7, 19):

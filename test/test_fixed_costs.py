@@ -1,4 +1,4 @@
-"""Fixed costs outside the per-unit model (tta_core.fixed_costs): the EMAs, and how the
+"""Fixed costs outside the per-unit model (tta_core.adashadow.fixed_costs): the EMAs, and how the
 engine plans with them (plan phase in T_f, the update's fixed cost in every plan)."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from tta_core import planner
-from tta_core.engine import AdaShadowEngine, EngineConfig, mac_profile, set_bn_mode
-from tta_core.fixed_costs import FixedCosts
-from tta_core.models import build_model
-from tta_core.units import decompose
+from tta_core.adashadow import planner
+from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig, mac_profile, set_bn_mode
+from tta_core.adashadow.fixed_costs import FixedCosts
+from tta_core.model.units import decompose
+from tta_core.model.zoo import build_model
 
 
 def test_emas_skip_the_warmup_start_at_the_next_sample_and_converge() -> None:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tta_core.image_msg import (
+from tta_core.io.image_msg import (
     ENCODINGS,
     Preprocess,
     array_to_image_fields,
@@ -101,7 +101,7 @@ def test_tensor_resized_and_normalised() -> None:
 
 
 def test_preprocess_from_the_shipped_card() -> None:
-    from tta_core.train_source import load_card
+    from tta_core.model.source import load_card
 
     card = load_card(Path(__file__).resolve().parent.parent / "checkpoints"
                      / "small_resnet_signs32.json")

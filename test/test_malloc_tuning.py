@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tta_core.malloc_tuning import keep_freed_memory
+from tta_core.runtime.malloc_tuning import keep_freed_memory
 
 PROBE = """
 import ctypes, sys
@@ -19,7 +19,7 @@ class MI2(ctypes.Structure):
 libc = ctypes.CDLL("libc.so.6")
 libc.mallinfo2.restype = MI2
 if sys.argv[1] == "1":
-    from tta_core.malloc_tuning import keep_freed_memory
+    from tta_core.runtime.malloc_tuning import keep_freed_memory
     print(int(keep_freed_memory()))
 else:
     print(-1)

@@ -6,9 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from tta_core.engine import mac_profile
+from tta_core.adashadow.engine import mac_profile
 from tta_core.methods import available_methods, build_method
-from tta_core.models import build_model
+from tta_core.model.zoo import build_model
 
 CFG = {"input_shape": (3, 32, 32)}
 

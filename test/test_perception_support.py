@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from tta_ros.perception_support import DivergenceGuard, FrameQueue, PlanGate
+from tta_ros.nodes.perception_support import DivergenceGuard, FrameQueue, PlanGate
 
 
 def test_queue_keeps_latest_and_counts_drops() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tta_core.planner import (
+from tta_core.adashadow.planner import (
     Plan,
     PlanProblem,
     brute_force,

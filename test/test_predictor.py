@@ -1,5 +1,5 @@
 """Runtime latency predictor: Eq. 4 scaling, expansion coefficients (predictor's paper
-formulas and tta_core.expansion's models), profile JSON."""
+formulas and tta_core.adashadow.expansion's models), profile JSON."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tta_core.expansion import (
+from tta_core.adashadow.expansion import (
     Expansion,
     ExpansionModel,
     OfflineReference,
@@ -20,7 +20,7 @@ from tta_core.expansion import (
     round_robin_share,
     share_pis,
 )
-from tta_core.predictor import (
+from tta_core.adashadow.predictor import (
     PROFILE_SCHEMA,
     Calibration,
     UnitProfile,
@@ -151,7 +151,7 @@ def test_profile_rejects_wrong_schema_and_units(tmp_path) -> None:
         Calibration(b_ratio=math.inf)
 
 
-# ---------------------------------------------------------------- tta_core.expansion
+# ---------------------------------------------------------------- tta_core.adashadow.expansion
 def _ref(competing: float = 0.0, bw: float = 30.0, freq: float = NAN,
          hit: float = NAN) -> OfflineReference:
     return OfflineReference(competing=competing, freq_mhz=freq, cache_hit_rate=hit,
@@ -279,7 +279,7 @@ def _fb_profile(eta: list[float]) -> UnitProfile:
 
 
 def test_uniform_feedback_rescales_every_time_to_the_measured_forward() -> None:
-    from tta_core.predictor import feedback_pis, planning_times
+    from tta_core.adashadow.predictor import feedback_pis, planning_times
 
     prof = _fb_profile([3.0, 0.25])
     w0, x0, r0 = runtime_times(prof, 1.5, 1.2)
@@ -292,7 +292,7 @@ def test_uniform_feedback_rescales_every_time_to_the_measured_forward() -> None:
 
 
 def test_memory_feedback_solves_pi2_from_the_forward_and_slows_memory_bound_units_more() -> None:
-    from tta_core.predictor import feedback_pis, planning_times
+    from tta_core.adashadow.predictor import feedback_pis, planning_times
 
     # unit 0 compute-bound (a = 3/4), unit 1 memory-bound (a = 1/5); r_off = 3, 1
     prof = _fb_profile([3.0, 0.25])
@@ -311,7 +311,7 @@ def test_memory_feedback_solves_pi2_from_the_forward_and_slows_memory_bound_unit
 
 
 def test_memory_feedback_falls_back_to_uniform_when_the_forward_is_faster() -> None:
-    from tta_core.predictor import feedback_pis
+    from tta_core.adashadow.predictor import feedback_pis
 
     prof = _fb_profile([3.0, 0.25])
     # telemetry says 2x, the forward ran only 1.5x: the load was overestimated
@@ -322,7 +322,7 @@ def test_memory_feedback_falls_back_to_uniform_when_the_forward_is_faster() -> N
 
 def test_feedback_compares_with_a_forward_of_the_same_kind() -> None:
     """A forward that records the graph only from unit 1 on is compared with r_0 + g_1."""
-    from tta_core.predictor import feedback_pis, forward_reference
+    from tta_core.adashadow.predictor import feedback_pis, forward_reference
 
     prof = _fb_profile([1.0, 1.0])  # r = (3, 1); graph-recording forward g = (4, 2)
     prof.g_ms = np.array([4.0, 2.0])
@@ -344,7 +344,7 @@ def test_feedback_compares_with_a_forward_of_the_same_kind() -> None:
 
 
 def test_feedback_off_or_unmeasured_forward_keeps_the_telemetry_pis() -> None:
-    from tta_core.predictor import feedback_pis
+    from tta_core.adashadow.predictor import feedback_pis
 
     prof = _fb_profile([3.0, 0.25])
     assert feedback_pis(prof, 1.3, 1.1, 9.0, "off") == (1.3, 1.1)

@@ -13,11 +13,11 @@ import numpy as np
 import psutil
 import pytest
 
-from tta_core import planner
+from tta_core.adashadow import planner
+from tta_core.adashadow.expansion import MODELS, ExpansionModel, OfflineReference
+from tta_core.adashadow.predictor import Calibration, UnitProfile, feedback_pis, runtime_times
 from tta_core.cli import main
-from tta_core.expansion import MODELS, ExpansionModel, OfflineReference
-from tta_core.predictor import Calibration, UnitProfile, feedback_pis, runtime_times
-from tta_core.predictor_bench import BenchConfig, _Bench, _Trace, plan_backward_ms
+from tta_core.eval.predictor_bench import BenchConfig, _Bench, _Trace, plan_backward_ms
 from tta_core.telemetry import ResourceSample
 
 RNG = np.random.default_rng(3)
@@ -42,7 +42,7 @@ def test_plan_backward_is_the_contract_cost_minus_forward_and_reforward() -> Non
 
 
 def test_observe_evaluates_the_product_expansion_models() -> None:
-    """The bench's pi1/pi2 are tta_core.expansion's, for the headline and the other model."""
+    """The bench's pi1/pi2 are tta_core.adashadow.expansion's, for both models."""
     cal = Calibration(f_slope=0.5)
     ref = OfflineReference(competing=0.0, probe_bw_gbs=30.0)
     models = {m: ExpansionModel(m, cal, ref, threads=1, cores=2) for m in MODELS}
@@ -93,7 +93,7 @@ def test_backward_feedback_column_learns_only_from_earlier_batches() -> None:
     """The machine runs the plan 1.5x slower than the uniform-feedback prediction: the
     backward-feedback prediction starts there (factor 1) and converges on the measured
     time, each batch predicted with the factor learnt before it was measured."""
-    from tta_core.predictor_bench import _measure
+    from tta_core.eval.predictor_bench import _measure
 
     n = 4
     profile = UnitProfile(model="m", device="d", batch_size=1, input_shape=(3, 8, 8),
@@ -185,10 +185,10 @@ def test_cli_offline_and_dr2_small_resnet(tmp_path) -> None:
 
 
 def test_cli_reuses_a_given_profile_and_rejects_a_mismatched_one(tmp_path, monkeypatch) -> None:
-    from tta_core import profiler
-    from tta_core.engine import set_bn_mode
-    from tta_core.models import build_model
-    from tta_core.units import decompose
+    from tta_core.adashadow import profiler
+    from tta_core.adashadow.engine import set_bn_mode
+    from tta_core.model.units import decompose
+    from tta_core.model.zoo import build_model
 
     model = build_model("small_resnet", 16)
     set_bn_mode(model, "batch")

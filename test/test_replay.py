@@ -12,9 +12,9 @@ import pytest
 pytest.importorskip("rclpy")
 pytest.importorskip("tta_msgs.msg")
 
-from tta_core.bag import read_bag, write_bag
 from tta_core.data.signs import CLASS_NAMES, make_signs
-from tta_core.report import load_runs, summarize
+from tta_core.eval.report import load_runs, summarize
+from tta_core.io.bag import read_bag, write_bag
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "config" / "vehicle.yaml"
@@ -40,8 +40,8 @@ def _source_predictions(frames) -> np.ndarray:
     """The source model applied directly (no ROS) to the bag's images."""
     import torch
 
-    from tta_core.image_msg import Preprocess, to_tensor
-    from tta_core.train_source import load_source
+    from tta_core.io.image_msg import Preprocess, to_tensor
+    from tta_core.model.source import load_source
     from tta_ros.bringup import load_params
     from tta_ros.ros_params import resolve_paths
 

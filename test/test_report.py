@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from tta_core.report import (
+from tta_core.eval.report import (
     FrameRecord,
     RunRecord,
     domain_segments,

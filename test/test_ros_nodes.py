@@ -30,9 +30,9 @@ from tta_msgs.msg import (  # noqa: E402
 )
 from visualization_msgs.msg import Marker, MarkerArray  # noqa: E402
 
-from tta_core.image_msg import array_to_image_fields  # noqa: E402
+from tta_core.io.image_msg import array_to_image_fields  # noqa: E402
 from tta_ros.bringup import build_nodes  # noqa: E402
-from tta_ros.scheduler_node import SchedulerNode  # noqa: E402
+from tta_ros.nodes.scheduler import SchedulerNode  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "config" / "vehicle.yaml"
@@ -306,8 +306,8 @@ def test_divergence_guard_resets_method(rig_factory) -> None:
 
 
 def test_resource_monitor_calibration_fills_expansion(ros_context, tmp_path) -> None:
-    from tta_core.predictor import Calibration, compute_expansion
-    from tta_ros.resource_monitor_node import ResourceMonitorNode, expansion_status
+    from tta_core.adashadow.predictor import Calibration, compute_expansion
+    from tta_ros.nodes.resource_monitor import ResourceMonitorNode, expansion_status
 
     cal = {"f_slope": 0.5, "f_intercept": 0.0, "b_ratio": 4.0, "freq_offline_mhz": None,
            "cache_hit_offline": None}  # an old file: no n_off / probe / threads keys
@@ -367,7 +367,7 @@ def test_scheduler_plans_with_the_engines_forward_feedback(ros_context, tmp_path
     """With a measured profile the scheduler rescales it to the batch's measured forward,
     as the perception engine does inline (predictor.planning_times); without telemetry
     "memory" degrades to "uniform" (pi1 = 1 is unknown, not measured)."""
-    from tta_core.predictor import UnitProfile
+    from tta_core.adashadow.predictor import UnitProfile
 
     probe = SchedulerNode(context=ros_context, parameter_overrides=[
         Parameter("model_card", value=str(CARD))])
@@ -399,7 +399,7 @@ def test_scheduler_plans_with_the_engines_forward_feedback(ros_context, tmp_path
 def test_scheduler_memory_feedback_uses_fresh_telemetry_pi1(ros_context, tmp_path) -> None:
     """With live telemetry, "memory" keeps its pi1 and solves pi2 from the forward: units
     of low eta (memory-bound) slow more than the forward did, unlike "uniform"."""
-    from tta_core.predictor import UnitProfile, planning_times
+    from tta_core.adashadow.predictor import UnitProfile, planning_times
 
     node = SchedulerNode(context=ros_context, parameter_overrides=[
         Parameter("model_card", value=str(CARD))])
@@ -434,7 +434,7 @@ def test_scheduler_compares_the_forward_with_the_graph_perception_recorded(
         ros_context, tmp_path) -> None:
     """Perception records the autograd graph from the stage of the plan it follows: after
     a plan, a forward as fast as that kind of forward is idle (times unscaled)."""
-    from tta_core.predictor import UnitProfile
+    from tta_core.adashadow.predictor import UnitProfile
 
     probe = SchedulerNode(context=ros_context, parameter_overrides=[
         Parameter("model_card", value=str(CARD))])
@@ -466,7 +466,7 @@ def test_scheduler_compares_the_forward_with_the_graph_perception_recorded(
 
 def _profiled_scheduler(ros_context, tmp_path, *params: Parameter) -> SchedulerNode:
     """A scheduler on the shipped card with a flat profile (w 0.2, x 0.1, r 0.3 ms)."""
-    from tta_core.predictor import UnitProfile
+    from tta_core.adashadow.predictor import UnitProfile
 
     probe = SchedulerNode(context=ros_context, parameter_overrides=[
         Parameter("model_card", value=str(CARD))])

@@ -320,8 +320,8 @@ class _Fixed:
 
 
 def test_sampler_fills_pi1_pi2_from_calibration() -> None:
-    from tta_core.expansion import ExpansionModel
-    from tta_core.predictor import Calibration
+    from tta_core.adashadow.expansion import ExpansionModel
+    from tta_core.adashadow.predictor import Calibration
 
     cal = Calibration(f_slope=0.5, f_intercept=0.0, b_ratio=3.0, freq_offline_mhz=2000.0)
     src = _Fixed({"cpu_freq_mhz": 1000.0, "competing_processes": 2.0, "cache_hit_rate": 0.5})
@@ -361,8 +361,8 @@ class _Probe:
 
 
 def test_sampler_probe_feeds_pi2_only_without_hit_rate() -> None:
-    from tta_core.expansion import ExpansionModel
-    from tta_core.predictor import Calibration
+    from tta_core.adashadow.expansion import ExpansionModel
+    from tta_core.adashadow.predictor import Calibration
 
     cal = Calibration(probe_bw_offline_gbs=30.0)
     model = ExpansionModel("share", cal, threads=2, cores=2)  # n = 0: s = 1, pi2 = b_off/b_now
@@ -394,7 +394,7 @@ def test_sampler_probe_feeds_pi2_only_without_hit_rate() -> None:
 
 
 def test_bandwidth_probe_measures_a_positive_bandwidth() -> None:
-    from tta_core.calibration import cache_sizes
+    from tta_core.adashadow.calibration import cache_sizes
     from tta_core.telemetry import BandwidthProbe
 
     probe = BandwidthProbe(nbytes=4 << 20)

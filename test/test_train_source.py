@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tta_core.cli import main
-from tta_core.train_source import TrainConfig, load_card, load_source, train_source
+from tta_core.model.source import TrainConfig, load_card, load_source, train_source
 
 
 @pytest.fixture(scope="module")

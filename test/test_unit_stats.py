@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from tta_core.assessor import Assessor, channel_stats
-from tta_core.engine import AdaShadowEngine, EngineConfig, set_bn_mode
-from tta_core.models import build_model
-from tta_core.unit_stats import UnitStatsCollector, source_seeds
-from tta_core.units import decompose
+from tta_core.adashadow.assessor import Assessor, channel_stats
+from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig, set_bn_mode
+from tta_core.model.unit_stats import UnitStatsCollector, source_seeds
+from tta_core.model.units import decompose
+from tta_core.model.zoo import build_model
 
 
 def _model(arch: str, size: int):
@@ -52,7 +52,7 @@ def test_carried_stats_equal_direct_channel_stats(arch, size):
 def test_pairs_follow_tensor_identity_not_names():
     """A BN that comes right after a conv but does not read its output is not paired, and
     its stats (and the conv's) still come out right through the hook fallback."""
-    from tta_core.models import SmallResNet
+    from tta_core.model.zoo import SmallResNet
 
     class Rewired(SmallResNet):
         def forward(self, x):

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 from torchvision.models import VisionTransformer
 
-from tta_core.models import build_model
-from tta_core.units import decompose
+from tta_core.model.units import decompose
+from tta_core.model.zoo import build_model
 
 
 def _tiny_vit() -> VisionTransformer:

@@ -31,15 +31,15 @@ from rclpy.executors import (
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 
-from tta_core.malloc_tuning import keep_freed_memory
+from tta_core.runtime.malloc_tuning import keep_freed_memory
 from tta_ros.ros_params import resolve_paths
 
 # (node name, console script, module:class): the launch file lists the same names/scripts
 NODES: tuple[tuple[str, str, str], ...] = (
     ("resource_monitor", "resource_monitor_node",
-     "tta_ros.resource_monitor_node:ResourceMonitorNode"),
-    ("scheduler", "scheduler_node", "tta_ros.scheduler_node:SchedulerNode"),
-    ("perception", "perception_node", "tta_ros.perception_node:PerceptionNode"),
+     "tta_ros.nodes.resource_monitor:ResourceMonitorNode"),
+    ("scheduler", "scheduler_node", "tta_ros.nodes.scheduler:SchedulerNode"),
+    ("perception", "perception_node", "tta_ros.nodes.perception:PerceptionNode"),
 )
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -131,7 +131,7 @@ def spin(nodes: Sequence[Node], executor: Executor) -> None:
 
 def node_main(node_cls: Callable[[], Node], argv: Sequence[str] | None = None) -> int:
     """Console entry point of one node: init rclpy with `argv` (ROS args), spin it."""
-    keep_freed_memory()  # no page faults on every batch's activations (tta_core.malloc_tuning)
+    keep_freed_memory()  # no page faults on every batch's activations (runtime.malloc_tuning)
     rclpy.init(args=list(argv) if argv is not None else sys.argv)
     spin([node_cls()], SingleThreadedExecutor())
     return 0

@@ -3,7 +3,7 @@
 The bag's images are published on the perception node's image topic (original stamps
 kept, so predictions join to ground truth by stamp); `predictions` and
 `adaptation_status` are collected; the result is the same report as `tta bench`
-(tta_core.report) plus end-to-end latency image publish -> prediction received.
+(tta_core.eval.report) plus end-to-end latency image publish -> prediction received.
 
 Pacing: `real` keeps the bag's relative timing, `<hz>` a fixed rate, `max` as fast as
 the pipeline goes with flow control (at most `window` images awaiting a prediction, so the
@@ -30,8 +30,7 @@ from rclpy.qos import QoSProfile
 from sensor_msgs.msg import Image
 from tta_msgs.msg import AdaptationStatus, ClassPrediction
 
-from tta_core.bag import BagFrame, read_bag, stamp_ns
-from tta_core.report import (
+from tta_core.eval.report import (
     FrameRecord,
     ReportFiles,
     RunRecord,
@@ -39,6 +38,7 @@ from tta_core.report import (
     write_json_atomic,
     write_report,
 )
+from tta_core.io.bag import BagFrame, read_bag, stamp_ns
 
 STATUS_PHASES = {"forward": "forward_ms", "plan": "plan_ms", "backward": "backward_ms",
                  "reforward": "reforward_ms", "total": "total_ms"}

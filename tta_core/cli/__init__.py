@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from tta_core import __version__
-from tta_core.malloc_tuning import keep_freed_memory
+from tta_core.runtime.malloc_tuning import keep_freed_memory
 
 _COMMAND_PACKAGES = ("tta_core.cli.commands", "tta_ros.commands")
 
@@ -60,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not hasattr(args, "_run"):
         parser.print_help()
         return 2
-    keep_freed_memory()  # steadier, faster CPU timings (tta_core.malloc_tuning)
+    keep_freed_memory()  # steadier, faster CPU timings (tta_core.runtime.malloc_tuning)
     try:
         return int(args._run(args) or 0)
     except ValueError as exc:  # bad input found past argparse: the message names it

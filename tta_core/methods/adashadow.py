@@ -3,7 +3,7 @@
 Chen et al., "AdaShadow: Responsive Test-time Model Adaptation in Non-stationary Mobile
 Environments", SenSys 2024. Backprop-free importance (assessor), runtime latency
 predictor, DP scheduler within sigma·T, sparse backward and reforward reuse; the pipeline
-itself lives in `tta_core.engine`.
+itself lives in `tta_core.adashadow.engine`.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from pathlib import Path
 
 from torch import Tensor, nn
 
-from tta_core.engine import AdaShadowEngine, EngineConfig, StepResult
+from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig, StepResult
+from tta_core.adashadow.planner import Plan
+from tta_core.adashadow.predictor import UnitProfile
 from tta_core.methods import register
 from tta_core.methods.base import MethodConfig, TTAMethod
-from tta_core.planner import Plan
-from tta_core.predictor import UnitProfile
-from tta_core.units import StagedModel, decompose
+from tta_core.model.units import StagedModel, decompose
 
 
 @dataclass

@@ -19,8 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from tta_core import losses
-from tta_core.engine import PhaseTimes, StepResult, mean_entropy, set_bn_mode
-from tta_core.planner import Plan
+from tta_core.adashadow.engine import PhaseTimes, StepResult, mean_entropy, set_bn_mode
+from tta_core.adashadow.planner import Plan
 
 
 @dataclass

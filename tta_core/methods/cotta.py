@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tta_core.engine import StepResult, set_bn_mode
+from tta_core.adashadow.engine import StepResult, set_bn_mode
 from tta_core.methods import register
 from tta_core.methods.base import MethodConfig, TTAMethod
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tta_core.engine import StepResult
+from tta_core.adashadow.engine import StepResult
 from tta_core.methods import register
 from tta_core.methods.base import MethodConfig
 from tta_core.methods.tent import Tent

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from tta_core.engine import StepResult, set_bn_mode
+from tta_core.adashadow.engine import StepResult, set_bn_mode
 from tta_core.methods import register
 from tta_core.methods.base import MethodConfig, TTAMethod
 from tta_core.methods.eata import softmax_entropy

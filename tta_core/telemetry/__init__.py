@@ -4,7 +4,7 @@ Sources (each optional, none raises from sample()): psutil (CPU, memory, competi
 processes), sysfs (thermal zones, cpufreq, GPU devfreq; root is a parameter), NVML
 (`pynvml`), jtop (Jetson), perf_event (LLC hit rate). Unknown values are NaN.
 BandwidthProbe (DRAM copy bandwidth) stands in for the hit rate where no PMU exists; the
-sampler turns a sample into pi1 / pi2 with tta_core.expansion.
+sampler turns a sample into pi1 / pi2 with tta_core.adashadow.expansion.
 """
 
 from tta_core.telemetry.bandwidth_probe import BandwidthProbe

@@ -3,7 +3,7 @@
 Sources are asked in priority order; each field takes the first known (finite / non-empty)
 value. A source that raises is recorded in `describe()` and skipped: `sample()` never raises.
 With a Calibration (or an ExpansionModel), compute_expansion / memory_expansion (pi_1 / pi_2)
-are filled by tta_core.expansion ("share" model by default). An optional BandwidthProbe
+are filled by tta_core.adashadow.expansion ("share" model by default). An optional BandwidthProbe
 feeds pi_2 where the LLC hit rate is unknown: run at most every `probe_interval_s`, the mean
 of the last `probe_window` runs is used.
 """
@@ -16,8 +16,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from tta_core.expansion import Expansion, ExpansionModel
-from tta_core.predictor import Calibration
+from tta_core.adashadow.expansion import Expansion, ExpansionModel
+from tta_core.adashadow.predictor import Calibration
 from tta_core.telemetry.bandwidth_probe import BandwidthProbe
 from tta_core.telemetry.jtop_source import JtopSource
 from tta_core.telemetry.nvml_source import NvmlSource

@@ -7,7 +7,7 @@ import ast
 import time
 from pathlib import Path
 
-from tta_core.bench import DEFAULT_CARD, DEFAULT_METHODS, MODES, BenchConfig, run_bench
+from tta_core.eval.bench import DEFAULT_CARD, DEFAULT_METHODS, MODES, BenchConfig, run_bench
 
 NAME = "bench"
 HELP = "benchmark TTA methods on a corruption stream: accuracy per domain, latency, memory"

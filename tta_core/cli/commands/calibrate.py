@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tta_core.calibration import CalibrationConfig, calibrate, n_steps
+from tta_core.adashadow.calibration import CalibrationConfig, calibrate, n_steps
 
 NAME = "calibrate"
 HELP = "measure f(n) (competing processes), b_DRAM/b_cache and offline freq for the predictor"

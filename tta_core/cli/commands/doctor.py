@@ -7,7 +7,7 @@ import argparse
 from rich.console import Console
 from rich.table import Table
 
-from tta_core.doctor import healthy, run_checks
+from tta_core.runtime.doctor import healthy, run_checks
 
 NAME = "doctor"
 HELP = "check the environment (torch, CUDA, rclpy, rmw, tta_msgs, jtop) and print fixes"

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from tta_core.bag import BagInfo
+    from tta_core.io.bag import BagInfo
 
 NAME = "make-bag"
 HELP = "write a rosbag2 of a shifting synthetic camera stream with ground-truth labels"
@@ -67,11 +67,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def make_bag(out: Path, frames: int, image_size: int, domains: str, seed: int,
              rate: float = 30.0, storage: str = "mcap", progress: bool = True) -> BagInfo:
-    """Write the bag; returns its tta_core.bag.BagInfo."""
+    """Write the bag; returns its tta_core.io.bag.BagInfo."""
     from tqdm import tqdm
 
-    from tta_core.bag import BagWriter, bag_info
     from tta_core.data.signs import CLASS_NAMES
+    from tta_core.io.bag import BagWriter, bag_info
 
     doms = parse_domains(domains)
     if frames < 1:

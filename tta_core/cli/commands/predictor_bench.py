@@ -11,10 +11,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tta_core.calibration import CalibrationConfig, calibrate, load_calibration, n_steps
-from tta_core.models import ARCHS
-from tta_core.predictor import UnitProfile
-from tta_core.predictor_bench import (
+from tta_core.adashadow.calibration import CalibrationConfig, calibrate, load_calibration, n_steps
+from tta_core.adashadow.predictor import UnitProfile
+from tta_core.adashadow.profiler import SPLITS
+from tta_core.eval.predictor_bench import (
     CONDITIONS,
     MODELS,
     PI2_MODES,
@@ -22,7 +22,7 @@ from tta_core.predictor_bench import (
     run_bench,
     write_outputs,
 )
-from tta_core.profiler import SPLITS
+from tta_core.model.zoo import ARCHS
 
 NAME = "predictor-bench"
 HELP = "runtime vs offline latency predictor error under competing processes (Table 9)"

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from tta_core.engine import set_bn_mode
-from tta_core.models import ARCHS, build_model
-from tta_core.profiler import SPLITS, device_name, profile_model
-from tta_core.units import decompose
+from tta_core.adashadow.engine import set_bn_mode
+from tta_core.adashadow.profiler import SPLITS, device_name, profile_model
+from tta_core.model.units import decompose
+from tta_core.model.zoo import ARCHS, build_model
 
 NAME = "profile"
 HELP = "measure per-unit forward/backward latency (AdaShadow offline profile) to JSON"
@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--split", choices=SPLITS, default="plans",
                         help="how a unit's backward divides into dw and dx: by MACs (paper) "
                              "or fitted to measured sparse-plan backwards (slower, closer; "
-                             "see tta_core.profiler)")
+                             "see tta_core.adashadow.profiler)")
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     parser.add_argument("--bn-mode", default="batch", choices=("batch", "source"))

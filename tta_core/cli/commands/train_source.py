@@ -6,8 +6,8 @@ import argparse
 import time
 from pathlib import Path
 
-from tta_core.models import ARCHS
-from tta_core.train_source import TrainConfig, train_source
+from tta_core.model.source import TrainConfig, train_source
+from tta_core.model.zoo import ARCHS
 
 NAME = "train-source"
 HELP = "train the source model on clean synthetic traffic signs; write checkpoint + card"

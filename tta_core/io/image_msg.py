@@ -1,6 +1,6 @@
 """sensor_msgs/Image <-> numpy/torch, in numpy only (no rclpy, no cv_bridge: it breaks
 under NumPy 2, and rosbags-image ignores `step`). The one decoder of the project: the
-perception node (live frames) and tta_core.bag (recorded frames) both use it.
+perception node (live frames) and tta_core.io.bag (recorded frames) both use it.
 
 Supported encodings: rgb8, bgr8, mono8, rgba8, bgra8 (8-bit: `is_bigendian` irrelevant),
 mono16, rgb16 (byte order from `is_bigendian`, scaled by 1/65535) and 32FC1, 32FC3
@@ -66,7 +66,7 @@ class Preprocess:
 
     @classmethod
     def from_card(cls, card: Any) -> Preprocess:
-        """From a tta_core.train_source.ModelCard (image_size, mean, std)."""
+        """From a tta_core.model.source.ModelCard (image_size, mean, std)."""
         return cls(int(card.image_size), tuple(float(v) for v in card.mean),
                    tuple(float(v) for v in card.std))
 

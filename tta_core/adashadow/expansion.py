@@ -33,7 +33,7 @@ import os
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from tta_core.predictor import Calibration, compute_expansion, memory_expansion
+from tta_core.adashadow.predictor import Calibration, compute_expansion, memory_expansion
 
 if TYPE_CHECKING:
     from tta_core.telemetry.sample import ResourceSample

@@ -34,8 +34,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tta_core.predictor import UnitProfile
-from tta_core.units import StagedModel
+from tta_core.adashadow.predictor import UnitProfile
+from tta_core.model.units import StagedModel
 
 
 def device_name(device: torch.device) -> str:

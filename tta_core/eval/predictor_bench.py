@@ -20,11 +20,12 @@ over >= 30 batches we
 Conditions: offline (idle), dr2 (3 compute-bound competitors), dr3 (1 cache-thrashing
 memory-bound competitor), dr4 (both); dr1 (thermal/DVFS) only where sysfs exposes cpufreq.
 
-pi1 / pi2 come from the product's code: tta_core.expansion.ExpansionModel.evaluate, the same
+pi1 / pi2 come from the product's code:
+tta_core.adashadow.expansion.ExpansionModel.evaluate, the same
 call the resource monitor's TelemetrySampler makes, evaluated for both runtime models
 ("share", the default headline, and "paper"; `model` picks the headline one) and both fed
 to predictor.runtime_times (Eq. 4). The models and the pi2 sources are described in
-tta_core.expansion; what is specific to this bench:
+tta_core.adashadow.expansion; what is specific to this bench:
 - The reference (expansion.OfflineReference) is this run's own offline profiling run, not
   the `tta calibrate` file: n_off = competing processes psutil saw while profiling (a shared
   machine is never idle and the profile already contains its background load), the CPU
@@ -52,15 +53,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from tta_core import planner
-from tta_core.backward_feedback import BackwardFeedback
-from tta_core.calibration import BusyProcesses
-from tta_core.expansion import MODELS, PI2_MODES, ExpansionModel, OfflineReference
+from tta_core.adashadow import planner
+from tta_core.adashadow.backward_feedback import BackwardFeedback
+from tta_core.adashadow.calibration import BusyProcesses
+from tta_core.adashadow.expansion import MODELS, PI2_MODES, ExpansionModel, OfflineReference
+from tta_core.adashadow.predictor import Calibration, UnitProfile, planning_times, runtime_times
+from tta_core.adashadow.profiler import SPLITS
 from tta_core.losses import entropy_loss
-from tta_core.predictor import Calibration, UnitProfile, planning_times, runtime_times
-from tta_core.profiler import SPLITS
+from tta_core.model.units import StagedModel
 from tta_core.telemetry.bandwidth_probe import BandwidthProbe
-from tta_core.units import StagedModel
 
 SCHEMA = "tta.predictor_bench/1"
 #: condition -> (compute-bound competitors, memory-bound competitors)
@@ -405,9 +406,9 @@ def _sampler() -> Any:
 
 
 def _build(cfg: BenchConfig) -> tuple[StagedModel, torch.Tensor]:
-    from tta_core.engine import set_bn_mode
-    from tta_core.models import build_model
-    from tta_core.units import decompose
+    from tta_core.adashadow.engine import set_bn_mode
+    from tta_core.model.units import decompose
+    from tta_core.model.zoo import build_model
 
     model = build_model(cfg.arch, cfg.num_classes)
     set_bn_mode(model, "batch")  # TTA: BN on batch statistics, as adaptation runs
@@ -434,7 +435,7 @@ def offline_phase(staged: StagedModel, cfg: BenchConfig, sampler: Any,
     before, so its first psutil window spans the profiling run (padded to >= 1 s). A given
     `profile` (an earlier run's, `tta profile`'s) is reused: the reference is still
     measured now, and the offline condition then shows whether the profile still fits."""
-    from tta_core.profiler import profile_model
+    from tta_core.adashadow.profiler import profile_model
 
     t0 = time.monotonic()
     if profile is None:
@@ -534,7 +535,7 @@ def to_markdown(res: BenchResult) -> str:
               "scaled by measured / predicted forward (engine and scheduler default); "
               "see predictor.feedback_pis; + backward feedback: uniform, then scaled by the "
               "EMA of measured / predicted backward of the earlier batches "
-              "(tta_core.backward_feedback: what the ROS nodes plan with)",
+              "(tta_core.adashadow.backward_feedback: what the ROS nodes plan with)",
               *(f"- {k} skipped: {v}" for k, v in res.skipped.items()),
               f"- load average (1/5/15 min) start {tuple(round(v, 2) for v in res.loadavg_start)}"
               f", end {tuple(round(v, 2) for v in res.loadavg_end)}"]

@@ -1,16 +1,16 @@
 """scheduler node: layer importance + telemetry -> `layer_plan` and RViz `layer_markers`.
 
 For every LayerImportance it scales the offline per-unit profile by the latest telemetry's
-pi_1/pi_2 (tta_core.predictor.runtime_times; NaN or no telemetry -> 1) and solves the
-AdaShadow DP (tta_core.planner.solve). Without a profile file the per-unit times are the
-MAC-proportional default of tta_core.engine.mac_profile, scaled to the batch's measured
+pi_1/pi_2 (tta_core.adashadow.predictor.runtime_times; NaN or no telemetry -> 1) and solves the
+AdaShadow DP (tta_core.adashadow.planner.solve). Without a profile file the per-unit times are the
+MAC-proportional default of tta_core.adashadow.engine.mac_profile, scaled to the batch's measured
 forward_ms. The unit structure (names, stage starts) comes from decomposing the model
 described by the model card, so plans and perception agree on units by construction; a
 LayerImportance whose unit_names differ is refused with a diagnostic. The AdaptationStatus
 perception publishes for each plan it followed (plan_id echoed) closes the loop: its
 measured backward_ms against the plan's predicted backward drives the backward correction
-(tta_core.backward_feedback) of the next plans, and its plan_ms and backward_ms +
-reforward_ms against the per-unit model teach the fixed costs (tta_core.fixed_costs) that
+(tta_core.adashadow.backward_feedback) of the next plans, and its plan_ms and backward_ms +
+reforward_ms against the per-unit model teach the fixed costs (tta_core.adashadow.fixed_costs) that
 the next plans leave room for.
 """
 
@@ -32,12 +32,12 @@ from std_msgs.msg import ColorRGBA
 from tta_msgs.msg import AdaptationStatus, LayerImportance, LayerPlan, ResourceTelemetry
 from visualization_msgs.msg import Marker, MarkerArray
 
-from tta_core import engine, planner, predictor
-from tta_core.backward_feedback import BackwardFeedback
-from tta_core.fixed_costs import FixedCosts
-from tta_core.models import build_model
-from tta_core.train_source import load_card
-from tta_core.units import decompose
+from tta_core.adashadow import engine, planner, predictor
+from tta_core.adashadow.backward_feedback import BackwardFeedback
+from tta_core.adashadow.fixed_costs import FixedCosts
+from tta_core.model.source import load_card
+from tta_core.model.units import decompose
+from tta_core.model.zoo import build_model
 from tta_ros import ros_params
 from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
 
@@ -79,7 +79,7 @@ class UnitLayout:
     unit_names: list[str]
     stage_start: np.ndarray
     input_shape: tuple[int, int, int]
-    staged: object  # tta_core.units.StagedModel (for the MAC default profile)
+    staged: object  # tta_core.model.units.StagedModel (for the MAC default profile)
 
 
 def load_layout(card_path: str) -> UnitLayout:

@@ -17,7 +17,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 if TYPE_CHECKING:
-    from tta_core.report import RunSummary
+    from tta_core.eval.report import RunSummary
 
 
 def _accuracy_over_time(summaries: Sequence[RunSummary], path: Path) -> Path:
@@ -42,7 +42,7 @@ def _accuracy_over_time(summaries: Sequence[RunSummary], path: Path) -> Path:
 
 
 def _latency_bars(summaries: Sequence[RunSummary], path: Path) -> Path:
-    from tta_core.report import PHASES
+    from tta_core.eval.report import PHASES
 
     fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(summaries) + 2), 3.6))
     names = [s.method for s in summaries]

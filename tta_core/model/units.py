@@ -17,7 +17,7 @@ import torch
 from torch import Tensor, nn
 from torchvision.models import MobileNetV2, ResNet, VisionTransformer
 
-from tta_core.models import SmallResNet
+from tta_core.model.zoo import SmallResNet
 
 DEFAULT_FLOPS = 1e11  # MAC/s used for eta (paper: delta_c = 1/F)
 DEFAULT_CACHE_BW = 2e10  # bytes/s (paper: delta_m = 1/b_cache)

@@ -25,7 +25,7 @@ from rosbags.rosbag2 import Reader, StoragePlugin, Writer
 from rosbags.typesys import Stores, get_types_from_msg, get_typestore
 from rosbags.typesys.store import Typestore
 
-from tta_core.image_msg import image_to_rgb8
+from tta_core.io.image_msg import image_to_rgb8
 
 IMAGE_TOPIC = "/camera/image_raw"
 GT_TOPIC = "/ground_truth"
@@ -33,7 +33,7 @@ DOMAIN_TOPIC = "/ground_truth/domain"
 IMAGE_TYPE = "sensor_msgs/msg/Image"
 GT_TYPE = "tta_msgs/msg/ClassPrediction"
 DOMAIN_TYPE = "std_msgs/msg/Header"
-MSG_DIR = Path(__file__).resolve().parents[1] / "msg" / "msg"
+MSG_DIR = Path(__file__).resolve().parents[2] / "msg" / "msg"
 STORAGES = {"mcap": StoragePlugin.MCAP, "sqlite3": StoragePlugin.SQLITE3}
 
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from tta_core.data.signs import make_signs
 from tta_core.data.streams import images_to_tensor
-from tta_core.models import ARCHS, build_model
+from tta_core.model.zoo import ARCHS, build_model
 
 CARD_SCHEMA = "tta.model_card/1"
 

@@ -2,7 +2,7 @@
 
 The stream is built once (deterministic by seed); each method gets a fresh copy of the
 source model from its checkpoint, adapts online batch by batch, and leaves per-frame
-records (domain, label, prediction, per-phase times of its batch) for `tta_core.report`,
+records (domain, label, prediction, per-phase times of its batch) for `tta_core.eval.report`,
 which writes the JSON, the markdown table (AdaShadow Table 5 layout plus memory) and
 the plots. Accuracy is reproducible for a seed; timings are wall-clock and vary.
 """
@@ -21,8 +21,8 @@ import psutil
 import torch
 from torch import nn
 
+from tta_core.eval.report import FrameRecord, ReportFiles, RunRecord, write_report
 from tta_core.methods import available_methods, build_method, method_class
-from tta_core.report import FrameRecord, ReportFiles, RunRecord, write_report
 
 DEFAULT_METHODS: tuple[str, ...] = ("source", "bn_adapt", "tent", "eata", "sar", "cotta",
                                     "lame", "adashadow")
@@ -201,7 +201,7 @@ def batches_from_arrays(x: torch.Tensor, labels: np.ndarray, domains: Sequence[s
 
 def summary_lines(runs: Sequence[RunRecord]) -> dict[str, dict[str, float]]:
     """Per method: mean accuracy over domains, latency per phase (mean ms), fps, peak MB."""
-    from tta_core.report import summarize
+    from tta_core.eval.report import summarize
 
     out = {}
     for r in runs:
@@ -286,7 +286,7 @@ def run_methods(stream: Sequence[Batch], make_model: Callable[[], nn.Module],
 
 def run_bench(cfg: BenchConfig, out: str | Path | None, progress: bool = True) -> BenchResult:
     """Build the stream once, run every method from the checkpoint, write the report."""
-    from tta_core.train_source import load_source
+    from tta_core.model.source import load_source
 
     cfg.validate()
     _, card = load_source(cfg.model_card)
@@ -300,7 +300,7 @@ def run_bench(cfg: BenchConfig, out: str | Path | None, progress: bool = True) -
     for r in runs:
         r.meta["config"] = config_dict(cfg)
     if out is None:
-        from tta_core.report import markdown_table, summarize
+        from tta_core.eval.report import markdown_table, summarize
 
         return BenchResult(runs, None, markdown_table([summarize(r) for r in runs]), clean)
     files, text = write_bench(runs, Path(out), cfg, clean)

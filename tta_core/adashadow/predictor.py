@@ -119,7 +119,7 @@ class Calibration:
     """Offline device constants: f(n) = f_slope*n + f_intercept, b_ratio = b_DRAM / b_cache.
 
     b_ratio > 1 means a miss costs more than a hit (DRAM access time / cache access time).
-    The offline reference of the runtime expansion (tta_core.expansion) is stored too:
+    The offline reference of the runtime expansion (tta_core.adashadow.expansion) is stored too:
     freq_offline_mhz, cache_hit_offline, n_off (competing processes seen while calibrating;
     NaN = unknown, counted as 0), probe_bw_offline_gbs (telemetry.BandwidthProbe bandwidth
     at calibration; NaN = not measured) and threads (torch threads of the calibration

@@ -3,7 +3,7 @@
 All sampling is tta_core.telemetry's (psutil, sysfs thermal/cpufreq, NVML, jtop, perf);
 this node only turns its ResourceSample into messages. With the `calibration` parameter (the
 JSON written by `tta calibrate`) the sampler also fills pi_1 / pi_2 (compute / memory
-expansion of the latency predictor) with tta_core.expansion (`expansion_model`: "share" or
+expansion of the latency predictor) with tta_core.adashadow.expansion (`expansion_model`: "share" or
 "paper"; `bandwidth_probe` feeds pi_2 where no LLC counters exist); without it they are NaN.
 Unknown values stay NaN; the uint32 `competing_processes` field carries UNKNOWN_COUNT
 (2**32 - 1) when the count is unknown.
@@ -25,9 +25,9 @@ from rclpy.node import Node
 from rclpy.parameter import Parameter
 from tta_msgs.msg import ResourceTelemetry
 
-from tta_core.calibration import load_calibration
-from tta_core.expansion import MODELS, ExpansionModel
-from tta_core.predictor import Calibration
+from tta_core.adashadow.calibration import load_calibration
+from tta_core.adashadow.expansion import MODELS, ExpansionModel
+from tta_core.adashadow.predictor import Calibration
 from tta_core.telemetry import (
     BandwidthProbe,
     JtopSource,

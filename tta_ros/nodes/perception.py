@@ -1,7 +1,7 @@
 """perception node: camera images -> TTA method (tta_core) -> predictions + status.
 
 The image callback only enqueues (bounded keep-latest FrameQueue, drops counted); one
-worker thread decodes frames (tta_core.image_msg), batches them, runs the method's
+worker thread decodes frames (tta_core.io.image_msg), batches them, runs the method's
 step and publishes `predictions` (one ClassPrediction per image, header = image header),
 `adaptation_status` and `layer_importance` (once per batch). With `plan_source: topic` the
 latest LayerPlan applies to the next batch; when plans go stale (PlanGate) it plans inline
@@ -31,13 +31,13 @@ from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import Image
 from tta_msgs.msg import AdaptationStatus, ClassPrediction, LayerImportance, LayerPlan
 
-from tta_core import planner
-from tta_core.image_msg import Preprocess, decode_image, to_tensor
+from tta_core.adashadow import planner
+from tta_core.io.image_msg import Preprocess, decode_image, to_tensor
 from tta_core.methods import available_methods, build_method, method_class
-from tta_core.train_source import load_source
-from tta_core.units import decompose
+from tta_core.model.source import load_source
+from tta_core.model.units import decompose
 from tta_ros import ros_params
-from tta_ros.perception_support import DivergenceGuard, FrameQueue, PlanGate
+from tta_ros.nodes.perception_support import DivergenceGuard, FrameQueue, PlanGate
 from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
 
 OK, WARN, ERROR = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR

@@ -9,7 +9,7 @@
 - b_ratio = b_cache / b_DRAM bandwidth (= DRAM / cache time per byte, >= 1): best copy
   bandwidth of a buffer that fits in L2 vs one much larger than the last-level cache.
 - cache_hit_offline: LLC hit rate during the k = 0 workload when perf_event works, else NaN.
-- The offline reference of the runtime expansion model (tta_core.expansion): n_off, the
+- The offline reference of the runtime expansion model (tta_core.adashadow.expansion): n_off, the
   competing processes psutil sees during the idle k = 0 runs (other load on the machine);
   probe_bw_offline_gbs, the telemetry.BandwidthProbe bandwidth (pi2 where no LLC counters
   exist); threads, the torch threads of the workload (the "share" model's T by default).
@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from tta_core.predictor import Calibration
+from tta_core.adashadow.predictor import Calibration
 
 CALIBRATION_SCHEMA = "tta.calibration/1"
 BUSY_KINDS = ("compute", "memory")

@@ -277,7 +277,7 @@ def load_runs(path: str | Path) -> list[RunRecord]:
 def write_report(runs: Sequence[RunRecord], out_dir: str | Path,
                  title: str = "tta report") -> ReportFiles:
     """Write report.json, report.md and the PNG plots of `runs` into `out_dir`."""
-    from tta_core.report_plots import write_plots
+    from tta_core.eval.report_plots import write_plots
 
     if not any(r.frames for r in runs):
         raise ValueError("no run has frames: nothing to report")

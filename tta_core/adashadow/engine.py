@@ -19,12 +19,13 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from tta_core import assessor as assessor_mod
-from tta_core import losses, planner, predictor
-from tta_core.backward_feedback import BackwardFeedback
-from tta_core.fixed_costs import FixedCosts
-from tta_core.unit_stats import UnitStatsCollector, source_seeds
-from tta_core.units import StagedModel, stage_input_hooks
+from tta_core import losses
+from tta_core.adashadow import assessor as assessor_mod
+from tta_core.adashadow import planner, predictor
+from tta_core.adashadow.backward_feedback import BackwardFeedback
+from tta_core.adashadow.fixed_costs import FixedCosts
+from tta_core.model.unit_stats import UnitStatsCollector, source_seeds
+from tta_core.model.units import StagedModel, stage_input_hooks
 
 MODES = ("sequential", "parallel")
 TRAINABLE = ("norm", "all")  # which units may be updated: normalisation layers, or all

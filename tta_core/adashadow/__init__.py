@@ -1,0 +1,2 @@
+"""AdaShadow: the assessor, the latency cost model (profile, predictor, expansion,
+calibration, feedback loops), the planner, the planning service and the engine."""

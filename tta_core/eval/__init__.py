@@ -1,0 +1,1 @@
+"""Evaluation: the benchmark over a shift stream, reports and plots, the predictor experiment."""

@@ -1,0 +1,1 @@
+"""I/O: sensor_msgs/Image conversion and rosbag2 files (no rclpy)."""

@@ -1,0 +1,1 @@
+"""Process runtime: environment doctor and allocator tuning."""

@@ -1,0 +1,1 @@
+"""The three rclpy nodes: perception, resource monitor, scheduler."""

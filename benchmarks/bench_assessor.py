@@ -28,7 +28,7 @@ from torch import nn
 from torchvision.models import resnet50
 
 from tta_core.adashadow.assessor import Assessor, StatsRecorder, gaussian_kl
-from tta_core.adashadow.engine import set_bn_mode
+from tta_core.model.norms import set_bn_mode
 from tta_core.model.unit_stats import UnitStatsCollector
 from tta_core.model.units import decompose
 

@@ -138,7 +138,7 @@ def test_eata_excludes_high_entropy_samples_from_the_update() -> None:
     sel = meth.last_selection
     assert sel.used.tolist() == [True] * 3 + [False] * 3
     assert (sel.weight[3:] == 0).all() and (sel.weight[:3] > 1).all()
-    assert res.extra["n_used"] == 3
+    assert res.stats["n_used"] == 3
     # first SGD step with momentum: p1 = p0 - lr * g, lr scaled for the batch of 6
     lr = meth.config.lr * 6 / meth.config.lr_ref_batch
     assert meth.optimizer.param_groups[0]["lr"] == pytest.approx(lr)
@@ -152,10 +152,10 @@ def test_eata_skips_redundant_samples() -> None:
     x[:, 0, 0, 0] = 1.0
     meth = build_method("eata", model, reforward=False)
     first = meth.step(x)
-    assert first.extra["n_used"] == 6 and meth.model_probs is not None
+    assert first.stats["n_used"] == 6 and meth.model_probs is not None
     snap = [p.detach().clone() for p in meth.params]
     second = meth.step(x)  # same predictions as the moving average: all redundant
-    assert second.extra["n_reliable"] == 6 and second.extra["n_used"] == 0
+    assert second.stats["n_reliable"] == 6 and second.stats["n_used"] == 0
     assert not second.adapted
     for p, q in zip(meth.params, snap, strict=True):
         assert torch.equal(p.detach(), q)
@@ -167,7 +167,7 @@ def test_sar_recovers_when_loss_ema_collapses() -> None:
     meth = build_method("sar", model, reforward=False)
     res = meth.step(batch())
     assert res.loss < meth.config.reset_constant
-    assert res.extra["recovered"] and meth.recoveries == 1 and meth.ema is None
+    assert res.stats["recovered"] and meth.recoveries == 1 and meth.ema is None
     for k, v in model.state_dict().items():
         assert torch.equal(v, source[k]), k
 
@@ -180,7 +180,7 @@ def test_sar_keeps_adapting_above_the_recovery_threshold() -> None:
     meth = build_method("sar", model, reforward=False)
     res = meth.step(x)
     assert meth.config.reset_constant < res.loss < 0.4 * math.log(16)  # premise
-    assert not res.extra["recovered"] and meth.ema == pytest.approx(res.loss)
+    assert not res.stats["recovered"] and meth.ema == pytest.approx(res.loss)
     assert changed(before, model)
 
 
@@ -201,8 +201,8 @@ def test_lame_knn_affinity_and_zero_lambda() -> None:
     grabbed = []
     model.fc.register_forward_pre_hook(lambda _m, a: grabbed.append(a[0].detach()))
     lame = build_method("lame", model).step(x)
-    assert lame.extra["phases_ms"]["post"] > 0
-    assert lame.times.total_ms >= lame.times.forward_ms + lame.extra["phases_ms"]["post"]
+    assert lame.times.post_ms > 0
+    assert lame.times.total_ms >= lame.times.forward_ms + lame.times.post_ms
     # the output is the fixed point y = softmax(log p + lambda * W y) (converged solve)
     w = affinity_matrix(torch.nn.functional.normalize(grabbed[-1], dim=1), "knn", 5)
     y = lame.logits.exp()

@@ -9,10 +9,11 @@ from torch import nn
 from torchvision.models import VisionTransformer
 
 from tta_core.adashadow import profiler
-from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig, mac_profile, set_bn_mode
+from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig, mac_profile
 from tta_core.adashadow.planner import Plan
 from tta_core.adashadow.predictor import UnitProfile
 from tta_core.cli import main as cli_main
+from tta_core.model.norms import set_bn_mode
 from tta_core.model.units import StagedModel, decompose, stage_input_hooks
 from tta_core.model.zoo import build_model
 
@@ -426,7 +427,7 @@ def test_backward_feedback_learns_a_profile_that_underpredicts_the_backward() ->
         for x in xs:
             res = eng.step(x)
             if res.adapted:
-                ratios.append(res.times.backward_ms / res.extra["predicted_backward_ms"])
+                ratios.append(res.times.backward_ms / res.planning.predicted_backward_ms)
         factors[alpha], errs[alpha] = eng.backward_fb.factor, ratios
     assert factors[0.0] == 1.0 and factors[0.5] == pytest.approx(4.0)  # clipped at 4
     assert len(errs[0.5]) >= 6 and len(errs[0.0]) >= 6

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from tta_core.adashadow import planner
-from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig, mac_profile, set_bn_mode
+from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig, mac_profile
 from tta_core.adashadow.fixed_costs import FixedCosts
+from tta_core.model.norms import set_bn_mode
 from tta_core.model.units import decompose
 from tta_core.model.zoo import build_model
 
@@ -120,7 +121,7 @@ def test_a_large_fixed_cost_empties_the_plan_and_off_ignores_it() -> None:
         res = eng.step(x1)
         plans[alpha] = res
     assert plans[0.0].adapted and plans[0.0].units_updated > 0
-    assert not plans[0.2].adapted and plans[0.2].extra["overhead_ms"] == 1e4
+    assert not plans[0.2].adapted and plans[0.2].planning.overhead_ms == 1e4
     assert plans[0.2].predicted_total_ms <= plans[0.2].budget_ms
 
 
@@ -163,7 +164,7 @@ def test_an_estimate_that_blocks_every_update_is_forgotten_slowly() -> None:
 def test_engine_says_when_no_unit_has_room() -> None:
     eng = _engine(0.2)
     eng.step(torch.randn(4, 3, 32, 32))
-    assert not eng.step(torch.randn(4, 3, 32, 32) * 2).extra["no_room"]
+    assert not eng.step(torch.randn(4, 3, 32, 32) * 2).planning.no_room
     eng.fixed.adapt_ms, eng.fixed.adapt_updates = 1e4, 5
     res = eng.step(torch.randn(4, 3, 32, 32) * 3)
-    assert res.extra["no_room"] and not res.adapted
+    assert res.planning.no_room and not res.adapted

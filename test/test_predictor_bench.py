@@ -186,7 +186,7 @@ def test_cli_offline_and_dr2_small_resnet(tmp_path) -> None:
 
 def test_cli_reuses_a_given_profile_and_rejects_a_mismatched_one(tmp_path, monkeypatch) -> None:
     from tta_core.adashadow import profiler
-    from tta_core.adashadow.engine import set_bn_mode
+    from tta_core.model.norms import set_bn_mode
     from tta_core.model.units import decompose
     from tta_core.model.zoo import build_model
 

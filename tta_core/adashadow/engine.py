@@ -13,17 +13,19 @@ from __future__ import annotations
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from tta_core import losses
 from tta_core.adashadow import assessor as assessor_mod
 from tta_core.adashadow import planner, predictor
 from tta_core.adashadow.backward_feedback import BackwardFeedback
 from tta_core.adashadow.fixed_costs import FixedCosts
+from tta_core.api import PhaseTimes, PlanningInfo, StepResult, mean_entropy
+from tta_core.model.norms import BN_MODES
 from tta_core.model.unit_stats import UnitStatsCollector, source_seeds
 from tta_core.model.units import StagedModel, stage_input_hooks
 
@@ -31,7 +33,6 @@ MODES = ("sequential", "parallel")
 TRAINABLE = ("norm", "all")  # which units may be updated: normalisation layers, or all
 GRAPHS = ("lazy", "full")
 LOSSES = ("entropy", "multilayer_kl")
-BN_MODES = ("batch", "source")
 
 
 @dataclass
@@ -100,54 +101,6 @@ class EngineConfig:
             raise ValueError(f"expansion coefficients must be > 0, got {self.pi1}, {self.pi2}")
         BackwardFeedback(alpha=self.backward_feedback)  # raises on a bad alpha
         FixedCosts(alpha=self.fixed_cost_feedback)
-
-
-@dataclass
-class PhaseTimes:
-    """Wall time of each phase, ms. In parallel mode backward_ms is filled in by sync()."""
-
-    forward_ms: float = 0.0
-    plan_ms: float = 0.0
-    backward_ms: float = 0.0
-    reforward_ms: float = 0.0
-    total_ms: float = 0.0
-
-
-@dataclass
-class StepResult:
-    """Everything one batch produced; logits are detached."""
-
-    logits: Tensor
-    times: PhaseTimes
-    plan: planner.Plan | None
-    importance: np.ndarray
-    loss: float
-    mean_entropy: float
-    adapted: bool
-    units_updated: int
-    predicted_total_ms: float
-    budget_ms: float
-    extra: dict = field(default_factory=dict)
-
-
-def set_bn_mode(model: nn.Module, bn_mode: str) -> None:
-    """eval() everywhere; with "batch", BN layers normalise by batch statistics only."""
-    if bn_mode not in BN_MODES:
-        raise ValueError(f"bn_mode {bn_mode!r} not in {BN_MODES}")
-    model.eval()
-    if bn_mode == "batch":
-        for m in model.modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm):
-                m.train()
-                m.track_running_stats = False
-                m.running_mean = None
-                m.running_var = None
-
-
-def mean_entropy(logits: Tensor) -> float:
-    """Mean Shannon entropy (nats) of the softmax predictions."""
-    logp = torch.log_softmax(logits.detach().float(), dim=1)
-    return float(-(logp.exp() * logp).sum(1).mean())
 
 
 def mac_profile(staged: StagedModel, forward_ms: float, batch_size: int,
@@ -438,10 +391,9 @@ class AdaShadowEngine:
             mean_entropy=mean_entropy(fwd.logits), adapted=adapt,
             units_updated=int(update.sum()) if adapt else 0,
             predicted_total_ms=float(plan.predicted_total_ms), budget_ms=float(plan.budget_ms),
-            extra={"predicted_backward_ms": predicted_bwd,
-                   "backward_factor": self.backward_fb.factor,
-                   "overhead_ms": self.fixed.overhead_ms,
-                   "plan_phase_ms": self.fixed.plan_phase_ms, "no_room": no_room})
+            planning=PlanningInfo(predicted_bwd, self.backward_fb.factor,
+                                  self.fixed.plan_phase_ms, self.fixed.overhead_ms,
+                                  "no trainable unit fits the budget" if no_room else ""))
         if not adapt:
             self.fixed.idle()
             res.times.total_ms = (self._timer.now() - t0) * 1e3

@@ -137,7 +137,8 @@ def _phases(res) -> dict[str, float]:
     t = res.times
     out = {"forward": t.forward_ms, "plan": t.plan_ms, "backward": t.backward_ms,
            "reforward": t.reforward_ms}
-    out.update(res.extra.get("phases_ms", {}))
+    if t.post_ms:
+        out["post"] = t.post_ms
     return out
 
 

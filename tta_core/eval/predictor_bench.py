@@ -406,7 +406,7 @@ def _sampler() -> Any:
 
 
 def _build(cfg: BenchConfig) -> tuple[StagedModel, torch.Tensor]:
-    from tta_core.adashadow.engine import set_bn_mode
+    from tta_core.model.norms import set_bn_mode
     from tta_core.model.units import decompose
     from tta_core.model.zoo import build_model
 

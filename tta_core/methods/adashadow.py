@@ -13,9 +13,10 @@ from pathlib import Path
 
 from torch import Tensor, nn
 
-from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig, StepResult
+from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig
 from tta_core.adashadow.planner import Plan
 from tta_core.adashadow.predictor import UnitProfile
+from tta_core.api import StepResult
 from tta_core.methods import register
 from tta_core.methods.base import MethodConfig, TTAMethod
 from tta_core.model.units import StagedModel, decompose

@@ -14,13 +14,13 @@ import time
 from dataclasses import dataclass
 from typing import ClassVar
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
 from tta_core import losses
-from tta_core.adashadow.engine import PhaseTimes, StepResult, mean_entropy, set_bn_mode
 from tta_core.adashadow.planner import Plan
+from tta_core.api import PhaseTimes, StepResult, mean_entropy
+from tta_core.model.norms import set_bn_mode
 
 
 @dataclass
@@ -145,8 +145,6 @@ class TTAMethod:
         """A StepResult for methods without a planner."""
         total = forward_ms + backward_ms + reforward_ms
         times = PhaseTimes(forward_ms, 0.0, backward_ms, reforward_ms, total)
-        return StepResult(logits=logits.detach(), times=times, plan=None,
-                          importance=np.zeros(0), loss=loss,
+        return StepResult(logits=logits.detach(), times=times, loss=loss,
                           mean_entropy=mean_entropy(logits), adapted=adapted,
-                          units_updated=units_updated, predicted_total_ms=float("nan"),
-                          budget_ms=float("nan"))
+                          units_updated=units_updated)

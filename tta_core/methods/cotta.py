@@ -21,9 +21,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tta_core.adashadow.engine import StepResult, set_bn_mode
+from tta_core.api import StepResult
 from tta_core.methods import register
 from tta_core.methods.base import MethodConfig, TTAMethod
+from tta_core.model.norms import set_bn_mode
 
 
 @dataclass
@@ -122,7 +123,7 @@ class CoTTA(TTAMethod):
                           loss=float(loss.detach()), adapted=True,
                           units_updated=sum(1 for m in self.model.modules()
                                             if any(True for _ in m.parameters(recurse=False))))
-        res.extra.update(augmented=augmented)
+        res.stats.update(augmented=augmented)
         return res
 
     def reset_state(self) -> None:

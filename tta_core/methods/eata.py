@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tta_core.adashadow.engine import StepResult
+from tta_core.api import StepResult
 from tta_core.methods import register
 from tta_core.methods.base import MethodConfig
 from tta_core.methods.tent import Tent
@@ -135,7 +135,7 @@ class EATA(Tent):
         res = self.result(out, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3,
                           loss=float(loss.detach()), adapted=n_used > 0,
                           units_updated=len(self.params) // 2 if n_used else 0)
-        res.extra.update(n_reliable=int(sel.reliable.sum()), n_used=n_used)
+        res.stats.update(n_reliable=int(sel.reliable.sum()), n_used=n_used)
         return res
 
     def compute_fisher(self, batches: Iterable[Tensor]) -> None:

@@ -7,7 +7,7 @@ simplex, with p the model's softmax and W a kNN affinity (k = 5) between L2-norm
 penultimate features; solved by the paper's bound-optimisation fixed point
 y_i ∝ p_i · exp(lambda · sum_j w_ij y_j) (≤ 100 iterations, relative tolerance 1e-8).
 Features are the input of the model's last nn.Linear (ResNet fc, MobileNet classifier,
-ViT head). The solve is reported as the extra phase "post" (res.extra["phases_ms"]).
+ViT head). The solve is reported as the phase "post" (res.times.post_ms).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tta_core.adashadow.engine import StepResult
+from tta_core.api import StepResult
 from tta_core.methods import register
 from tta_core.methods.base import MethodConfig, TTAMethod
 
@@ -114,8 +114,7 @@ class LAME(TTAMethod):
             y, iters = laplacian_optimization(unary, kernel, c.bound_lambda, c.max_steps)
         t2 = time.perf_counter()
         res = self.result(torch.log(y.clamp_min(1e-20)), (t1 - t0) * 1e3)
-        post_ms = (t2 - t1) * 1e3
-        res.times.total_ms += post_ms
-        res.extra.update(phases_ms={"post": post_ms}, iterations=iters,
-                         source_logits=logits.detach())
+        res.times.post_ms = (t2 - t1) * 1e3
+        res.times.total_ms += res.times.post_ms
+        res.stats.update(iterations=iters)
         return res

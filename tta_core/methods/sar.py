@@ -22,10 +22,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from tta_core.adashadow.engine import StepResult, set_bn_mode
+from tta_core.api import StepResult
 from tta_core.methods import register
 from tta_core.methods.base import MethodConfig, TTAMethod
 from tta_core.methods.eata import softmax_entropy
+from tta_core.model.norms import set_bn_mode
 
 _NORMS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)
 
@@ -131,7 +132,7 @@ class SAR(TTAMethod):
         res = self.result(out, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3,
                           loss=loss2, adapted=loss1 is not None,
                           units_updated=len(self.params) // 2 if loss1 is not None else 0)
-        res.extra.update(n_reliable=int(keep.sum()), recovered=recovered,
+        res.stats.update(n_reliable=int(keep.sum()), recovered=recovered,
                          loss_ema=self.ema if self.ema is not None else math.nan)
         return res
 

@@ -303,7 +303,7 @@ class PerceptionNode(Node):
         x = to_tensor(xs, self.pre).to(self.device)
         plan_id, plan = self._choose_plan()
         res = self._step(x, plan)
-        no_room = bool(res.extra.get("no_room", False))
+        no_room = bool(res.planning is not None and res.planning.no_room)
         if no_room and not self._no_room:
             self._no_room = True
             self._diag_now("planning", WARN, self._planning_message())
@@ -367,7 +367,7 @@ class PerceptionNode(Node):
             budget_ms=float(res.budget_ms), loss=float(res.loss),
             mean_entropy=float(res.mean_entropy), peak_memory_mb=float(peak),
             frames_dropped=int(self.queue.dropped), reset=reset,
-            domain=str(getattr(res, "extra", {}).get("domain", "")))
+            domain=res.domain)
         msg.header = last.header
         return msg
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from tta_core.adashadow.engine import set_bn_mode
 from tta_core.adashadow.profiler import SPLITS, device_name, profile_model
+from tta_core.model.norms import set_bn_mode
 from tta_core.model.units import decompose
 from tta_core.model.zoo import ARCHS, build_model
 

@@ -1,0 +1,161 @@
+"""The method interface every consumer (bench, replay, ROS nodes) programs against.
+
+- `StepResult` / `PhaseTimes`: what one batch produced, with typed optional parts
+  (`PlanningInfo` for methods that plan layer updates) instead of an untyped dict;
+- `PhaseClock`: the one clock every method times its phases with (it synchronises CUDA
+  before reading the time, so GPU timings are fair between methods);
+- capability protocols: what a method *can* do beyond `step`/`reset` (take an external
+  plan, change sigma or the learning rate at run time, take live telemetry, finish a
+  background update, report a domain). Consumers test `isinstance(method, Protocol)`;
+  nothing sniffs attributes.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from tta_core.adashadow.planner import Plan
+
+NAN = math.nan
+
+
+@dataclass
+class PhaseTimes:
+    """Wall time of each phase, ms. In parallel mode backward_ms is written when the
+    background update ends (see `BackgroundUpdate.finish`). `post_ms`: output-side work
+    after the forward (LAME's assignment solve)."""
+
+    forward_ms: float = 0.0
+    plan_ms: float = 0.0
+    backward_ms: float = 0.0
+    reforward_ms: float = 0.0
+    total_ms: float = 0.0
+    post_ms: float = 0.0
+
+
+@dataclass
+class PlanningInfo:
+    """What a planning method knows about its batch's plan (AdaShadow)."""
+
+    predicted_backward_ms: float = NAN  # by the per-unit model; NaN for an external plan
+    backward_factor: float = 1.0  # closed-loop correction of predicted backward times
+    plan_phase_ms: float = 0.0  # learnt plan phase the budget leaves room for
+    overhead_ms: float = 0.0  # learnt fixed cost of any update
+    no_room: str = ""  # why no trainable unit fits the budget ("" when one does)
+
+
+@dataclass
+class StepResult:
+    """Everything one batch produced; logits are detached.
+
+    `stats` holds method-specific figures for reports and tests (EATA's sample counts,
+    SAR's recoveries, ...): consumers that must act on something get a typed field."""
+
+    logits: Tensor
+    times: PhaseTimes
+    loss: float = NAN
+    mean_entropy: float = NAN
+    adapted: bool = False
+    units_updated: int = 0
+    plan: Plan | None = None
+    importance: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    predicted_total_ms: float = NAN
+    budget_ms: float = NAN
+    planning: PlanningInfo | None = None
+    domain: str = ""  # recognised domain id, "" if the method has none
+    stats: dict[str, float | int | bool] = field(default_factory=dict)
+
+
+def mean_entropy(logits: Tensor) -> float:
+    """Mean Shannon entropy (nats) of the softmax predictions."""
+    logp = torch.log_softmax(logits.detach().float(), dim=1)
+    return float(-(logp.exp() * logp).sum(1).mean())
+
+
+class PhaseClock:
+    """perf_counter in ms, after torch.cuda.synchronize when the work runs on a GPU, so
+    a phase's time includes its kernels (asynchronous launches would favour whoever does
+    not wait). `mark()` returns the ms since the previous mark."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self._last = self.now()
+
+    @classmethod
+    def for_tensor(cls, x: Tensor) -> PhaseClock:
+        """A clock for work on x's device."""
+        return cls(x.device)
+
+    def now(self) -> float:
+        """Seconds (perf_counter), after the GPU's queued work finished."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def mark(self) -> float:
+        """Milliseconds since the previous mark (or construction)."""
+        t = self.now()
+        ms, self._last = (t - self._last) * 1e3, t
+        return ms
+
+
+# ---------------------------------------------------------------- capabilities
+@runtime_checkable
+class TTAMethodLike(Protocol):
+    """What every method offers: adapt on a batch and predict, restore the source."""
+
+    name: str
+
+    def step(self, x: Tensor) -> StepResult: ...
+
+    def reset(self) -> None: ...
+
+
+@runtime_checkable
+class TakesPlan(Protocol):
+    """Accepts an external layer-update plan (the ROS `layer_plan` topic) for a batch."""
+
+    unit_names: Sequence[str]
+
+    def step(self, x: Tensor, plan: Plan | None = None) -> StepResult: ...
+
+
+@runtime_checkable
+class RuntimeTunable(Protocol):
+    """Sigma can change between batches (the learning rate always can: `set_lr`)."""
+
+    def set_sigma(self, sigma: float) -> None: ...
+
+
+@runtime_checkable
+class TakesTelemetry(Protocol):
+    """Plans with live expansion factors (pi1, pi2) from telemetry; `clear_expansion`
+    returns to offline factors when telemetry goes stale."""
+
+    def set_expansion(self, pi1: float, pi2: float) -> None: ...
+
+    def clear_expansion(self) -> None: ...
+
+
+@runtime_checkable
+class BackgroundUpdate(Protocol):
+    """Adapts in the background (parallel mode): `finish` waits for the update started by
+    the last step and fills that step's backward time."""
+
+    def finish(self) -> None: ...
+
+
+@runtime_checkable
+class ReportsDomain(Protocol):
+    """Recognises the ongoing domain (StepResult.domain is filled)."""
+
+    def current_domain(self) -> str: ...

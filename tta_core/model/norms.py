@@ -1,0 +1,25 @@
+"""Normalisation layers: BatchNorm statistics modes and the affine parameters that
+norm-based TTA methods (Tent, EATA, SAR, CoTTA's BN mode, AdaShadow's 'norm') adapt."""
+
+from __future__ import annotations
+
+from torch import nn
+
+BN_MODES = ("batch", "source")
+#: layers whose affine weight/bias norm-based methods adapt (the peers' choice)
+NORM_TYPES: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm,
+                                            nn.GroupNorm)
+
+
+def set_bn_mode(model: nn.Module, bn_mode: str) -> None:
+    """eval() everywhere; with "batch", BN layers normalise by batch statistics only."""
+    if bn_mode not in BN_MODES:
+        raise ValueError(f"bn_mode {bn_mode!r} not in {BN_MODES}")
+    model.eval()
+    if bn_mode == "batch":
+        for m in model.modules():
+            if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                m.train()
+                m.track_running_stats = False
+                m.running_mean = None
+                m.running_var = None

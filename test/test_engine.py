@@ -9,8 +9,9 @@ from torch import nn
 from torchvision.models import VisionTransformer
 
 from tta_core.adashadow import profiler
-from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig, mac_profile
+from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig
 from tta_core.adashadow.planner import Plan
+from tta_core.adashadow.planning import UnitLayout, mac_profile
 from tta_core.adashadow.predictor import UnitProfile
 from tta_core.cli import main as cli_main
 from tta_core.model.norms import set_bn_mode
@@ -193,8 +194,9 @@ def test_parallel_returns_forward_logits_and_times_backward() -> None:
     with torch.no_grad():
         before = staged.model(x)
     res = eng.step(x, plan=_plan(len(staged.units), [len(staged.units) - 1]))
-    done = eng.sync()
-    assert done is res and res.times.backward_ms > 0 and res.times.reforward_ms == 0
+    assert res.times.backward_ms == 0  # the update still runs in the background
+    eng.sync()  # fills the backward time into the step's own result
+    assert res.times.backward_ms > 0 and res.times.reforward_ms == 0
     assert torch.allclose(res.logits, before, atol=1e-6)
 
 
@@ -204,7 +206,7 @@ def test_planner_drives_updates_and_sigma() -> None:
     for sigma in (0.2, 1.0):
         s = _staged("small_resnet", 32)
         eng = AdaShadowEngine(s, EngineConfig(sigma=sigma, fixed_cost_feedback=0.0))
-        prof = mac_profile(s, 10.0, 4, (3, 32, 32))
+        prof = mac_profile(UnitLayout.from_staged(s), 10.0, 4)
         eng.profile = prof  # fixed times: the plan depends on importance and sigma only
         torch.manual_seed(3)
         n_up = []
@@ -234,7 +236,7 @@ def test_graph_is_recorded_only_from_the_lowest_feasible_stage() -> None:
                 seen[s] = t.requires_grad
         stage_input_hooks(staged, record)
         if not floor:
-            eng._grad_stage_for = lambda x, plan: 0  # the paper's pipeline: graph everywhere
+            eng._grad_stage_for = lambda plan: 0  # the paper's pipeline: graph everywhere
         torch.manual_seed(5)
         steps = [eng.step(torch.randn(4, 3, 64, 64) * (1 + 0.5 * i)) for i in range(3)]
         results[floor] = (steps, [p.detach().clone() for p in eng.params], seen, eng)
@@ -259,7 +261,7 @@ def test_config_validation() -> None:
         AdaShadowEngine(staged, EngineConfig(mode="fast"))
     with pytest.raises(ValueError, match="loss"):
         AdaShadowEngine(staged, EngineConfig(loss="ce"))
-    bad = mac_profile(_staged("resnet18", 64), 1.0, 4, (3, 64, 64))
+    bad = mac_profile(UnitLayout.from_staged(_staged("resnet18", 64)), 1.0, 4)
     with pytest.raises(ValueError, match="units"):
         AdaShadowEngine(staged, EngineConfig(), profile=bad)
 
@@ -353,7 +355,7 @@ def test_profiler_sums_and_cli(tmp_path) -> None:
 @pytest.mark.parametrize("feedback", ["uniform", "off"])
 def test_forward_feedback_rescales_profile(feedback: str) -> None:
     staged = _staged("small_resnet", 32)
-    prof = mac_profile(staged, 1000.0, 4, (3, 32, 32))  # a profile from a 1 s forward
+    prof = mac_profile(UnitLayout.from_staged(staged), 1000.0, 4)  # from a 1 s forward
     prof.g_ms = 3.0 * prof.r_ms  # recording the graph triples a unit's forward
     eng = AdaShadowEngine(staged, EngineConfig(forward_feedback=feedback, graph="full"),
                           profile=prof)
@@ -362,7 +364,7 @@ def test_forward_feedback_rescales_profile(feedback: str) -> None:
     tf = res.times.forward_ms
     rest = prof.w_ms.sum() + prof.x_ms[1:].sum() + prof.r_ms.sum()
     # the forward recorded the graph from the floor's first unit on: compared with that
-    grad_from = eng._grad_from(eng._grad_stage_for(x, None))
+    grad_from = eng._grad_from(eng._grad_stage_for(None))
     assert 0 < grad_from < len(staged.units)
     ref = prof.r_ms[:grad_from].sum() + prof.g_ms[grad_from:].sum()
     k = tf / ref if feedback == "uniform" else 1.0
@@ -414,7 +416,7 @@ def test_backward_feedback_learns_a_profile_that_underpredicts_the_backward() ->
     rises (to its clip) and the predicted backward of later plans moves towards the
     measured one; off, it stays 1. Plans themselves stay within the planner's contract."""
     staged = _staged("small_resnet", 32)
-    prof = mac_profile(staged, 1.0, 4, (3, 32, 32))
+    prof = mac_profile(UnitLayout.from_staged(staged), 1.0, 4)
     prof.w_ms, prof.x_ms = prof.w_ms / 20.0, prof.x_ms / 20.0
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(4, 3, 32, 32, generator=gen) * (1 + i % 3) for i in range(12)]
@@ -428,7 +430,7 @@ def test_backward_feedback_learns_a_profile_that_underpredicts_the_backward() ->
             res = eng.step(x)
             if res.adapted:
                 ratios.append(res.times.backward_ms / res.planning.predicted_backward_ms)
-        factors[alpha], errs[alpha] = eng.backward_fb.factor, ratios
+        factors[alpha], errs[alpha] = eng.planning.backward_fb.factor, ratios
     assert factors[0.0] == 1.0 and factors[0.5] == pytest.approx(4.0)  # clipped at 4
     assert len(errs[0.5]) >= 6 and len(errs[0.0]) >= 6
     # measured / predicted: far above 1 without feedback, 4x closer once it has learnt

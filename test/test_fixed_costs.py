@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from tta_core.adashadow import planner
-from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig, mac_profile
+from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig
 from tta_core.adashadow.fixed_costs import FixedCosts
+from tta_core.adashadow.planning import UnitLayout, mac_profile
 from tta_core.model.norms import set_bn_mode
 from tta_core.model.units import decompose
 from tta_core.model.zoo import build_model
@@ -64,7 +65,7 @@ def _engine(alpha: float) -> AdaShadowEngine:
     model = build_model("small_resnet", 10)
     set_bn_mode(model, "batch")
     staged = decompose(model, (3, 32, 32))
-    prof = mac_profile(staged, 10.0, 4, (3, 32, 32))
+    prof = mac_profile(UnitLayout.from_staged(staged), 10.0, 4)
     return AdaShadowEngine(staged, EngineConfig(sigma=0.6, fixed_cost_feedback=alpha,
                                                 forward_feedback="off"), profile=prof)
 
@@ -75,7 +76,7 @@ def test_engine_plans_with_the_learnt_costs_and_feeds_back_its_own_prediction() 
     xs = [torch.randn(4, 3, 32, 32) * (1 + i) for i in range(4)]
     eng = _engine(0.5)
     problems, samples = [], []
-    solve, update = planner.solve, eng.fixed.update_adapt
+    solve, update = planner.solve, eng.planning.fixed.update_adapt
 
     def spy_solve(problem, n_t=planner.DEFAULT_N_T):
         problems.append(problem)
@@ -85,18 +86,18 @@ def test_engine_plans_with_the_learnt_costs_and_feeds_back_its_own_prediction() 
         samples.append((predicted, measured))
         update(predicted, measured, scale)
 
-    eng.fixed.update_adapt = spy_update
+    eng.planning.fixed.update_adapt = spy_update
     planner_solve = planner.solve
     planner.solve = spy_solve
     try:
         results = []
         for x in xs:
-            plan_phase, overhead = eng.fixed.plan_phase_ms, eng.fixed.overhead_ms
+            plan_phase, overhead = eng.planning.fixed.plan_phase_ms, eng.planning.fixed.overhead_ms
             res = eng.step(x)
             results.append((res, plan_phase, overhead))
     finally:
         planner.solve = planner_solve
-    assert len(problems) == 4 and eng.fixed.plan_updates == 4
+    assert len(problems) == 4 and eng.planning.fixed.plan_updates == 4
     adapted = 0
     for prob, (res, plan_phase, overhead) in zip(problems, results, strict=True):
         assert prob.forward_ms == pytest.approx(res.times.forward_ms + plan_phase)
@@ -117,7 +118,8 @@ def test_a_large_fixed_cost_empties_the_plan_and_off_ignores_it() -> None:
     for alpha in (0.0, 0.2):
         eng = _engine(alpha)
         eng.step(x0)  # history
-        eng.fixed.adapt_ms, eng.fixed.adapt_updates = 1e4, 5  # an update costs 10 s here
+        fixed = eng.planning.fixed
+        fixed.adapt_ms, fixed.adapt_updates = 1e4, 5  # an update costs 10 s here
         res = eng.step(x1)
         plans[alpha] = res
     assert plans[0.0].adapted and plans[0.0].units_updated > 0
@@ -155,16 +157,16 @@ def test_an_estimate_that_blocks_every_update_is_forgotten_slowly() -> None:
         FixedCosts(forget=1.5)
     eng = _engine(0.2)
     eng.step(torch.randn(4, 3, 32, 32))  # history
-    eng.fixed.adapt_ms, eng.fixed.adapt_updates = 100.0, 5  # 100 ms: nothing fits
+    eng.planning.fixed.adapt_ms, eng.planning.fixed.adapt_updates = 100.0, 5  # 100 ms: nothing fits
     updated = [eng.step(torch.randn(4, 3, 32, 32) * 3 + 1).adapted for _ in range(300)]
     assert not updated[0] and any(updated)  # blocked at first, adapting again later
-    assert eng.fixed.overhead_ms < 50.0
+    assert eng.planning.fixed.overhead_ms < 50.0
 
 
 def test_engine_says_when_no_unit_has_room() -> None:
     eng = _engine(0.2)
     eng.step(torch.randn(4, 3, 32, 32))
     assert not eng.step(torch.randn(4, 3, 32, 32) * 2).planning.no_room
-    eng.fixed.adapt_ms, eng.fixed.adapt_updates = 1e4, 5
+    eng.planning.fixed.adapt_ms, eng.planning.fixed.adapt_updates = 1e4, 5
     res = eng.step(torch.randn(4, 3, 32, 32) * 3)
     assert res.planning.no_room and not res.adapted

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from tta_core.adashadow.engine import mac_profile
+from tta_core.adashadow.planning import UnitLayout, mac_profile
 from tta_core.methods import available_methods, build_method
 from tta_core.model.zoo import build_model
 
@@ -117,7 +117,7 @@ def test_adashadow_sigma_monotone_in_units_updated() -> None:
     for sigma in (0.2, 1.0):
         m = build_method("adashadow", _model(), sigma=sigma, fixed_cost_feedback=0.0, **CFG)
         # fixed unit times: the plan then depends only on importance and sigma
-        m.engine.profile = mac_profile(m.staged, 10.0, 4, (3, 32, 32))
+        m.engine.profile = mac_profile(UnitLayout.from_staged(m.staged), 10.0, 4)
         totals[sigma] = sum(m.step(x).units_updated for x in _batches(4))
     assert totals[1.0] >= totals[0.2]
     assert totals[1.0] > 0

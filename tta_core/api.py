@@ -5,9 +5,8 @@
 - `PhaseClock`: the one clock every method times its phases with (it synchronises CUDA
   before reading the time, so GPU timings are fair between methods);
 - capability protocols: what a method *can* do beyond `step`/`reset` (take an external
-  plan, change sigma or the learning rate at run time, take live telemetry, finish a
-  background update, report a domain). Consumers test `isinstance(method, Protocol)`;
-  nothing sniffs attributes.
+  plan, change sigma at run time, take live telemetry, report a domain). Consumers test
+  `isinstance(method, Protocol)`; nothing sniffs attributes.
 """
 
 from __future__ import annotations
@@ -31,7 +30,7 @@ NAN = math.nan
 @dataclass
 class PhaseTimes:
     """Wall time of each phase, ms. In parallel mode backward_ms is written when the
-    background update ends (see `BackgroundUpdate.finish`). `post_ms`: output-side work
+    background update ends (see `TTAMethodLike.finish`). `post_ms`: output-side work
     after the forward (LAME's assignment solve)."""
 
     forward_ms: float = 0.0
@@ -111,11 +110,18 @@ class PhaseClock:
 # ---------------------------------------------------------------- capabilities
 @runtime_checkable
 class TTAMethodLike(Protocol):
-    """What every method offers: adapt on a batch and predict, restore the source."""
+    """What every method offers (tta_core.methods.base.TTAMethod): adapt on a batch and
+    predict, change the learning rate, wait for work in flight (`finish`: in parallel mode
+    the last step's update runs in the background and fills that step's backward_ms),
+    restore the source."""
 
     name: str
 
     def step(self, x: Tensor) -> StepResult: ...
+
+    def set_lr(self, lr: float) -> None: ...
+
+    def finish(self) -> None: ...
 
     def reset(self) -> None: ...
 
@@ -144,14 +150,6 @@ class TakesTelemetry(Protocol):
     def set_expansion(self, pi1: float, pi2: float) -> None: ...
 
     def clear_expansion(self) -> None: ...
-
-
-@runtime_checkable
-class BackgroundUpdate(Protocol):
-    """Adapts in the background (parallel mode): `finish` waits for the update started by
-    the last step and fills that step's backward time."""
-
-    def finish(self) -> None: ...
 
 
 @runtime_checkable

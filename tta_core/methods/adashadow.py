@@ -8,6 +8,7 @@ itself lives in `tta_core.adashadow.engine`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,32 +24,24 @@ from tta_core.model.units import StagedModel, decompose
 
 
 @dataclass
-class AdaShadowConfig(MethodConfig):
-    """AdaShadow settings (paper defaults; sigma is the acceleration factor)."""
+class AdaShadowConfig(MethodConfig, EngineConfig):
+    """AdaShadow settings: the engine's and its planning's (EngineConfig, one source, paper
+    defaults; sigma is the acceleration factor), the shared method settings, the profile."""
 
-    sigma: float = 0.33
-    loss: str = "entropy"  # "entropy" | "multilayer_kl"
-    mode: str = "sequential"  # "sequential" | "parallel"
-    alpha: float = 0.1
-    n_t: int = 500
-    reuse: bool = True
-    trainable: str = "norm"  # "norm" (BN/LN affine, default) | "all" (every unit)
-    graph: str = "full"  # "full": graph recorded in the forward | "lazy": tail only
-    forward_feedback: str = "uniform"  # "uniform" | "memory" | "off" (EngineConfig)
-    backward_feedback: float = 0.0  # EMA weight of the measured-backward correction; 0: off
-    fixed_cost_feedback: float = 0.2  # EMA weight of plan phase + fixed update cost; 0: off
     profile: UnitProfile | str | Path | None = None  # offline profile or its JSON path
 
 
 @register("adashadow")
 class AdaShadow(TTAMethod):
-    """Selective-update TTA; every unit is a candidate, the planner picks per batch."""
+    """Selective-update TTA: the planner picks which units to update on every batch.
+
+    Capabilities (tta_core.api): TakesPlan, RuntimeTunable, TakesTelemetry, BackgroundUpdate.
+    """
 
     config_cls = AdaShadowConfig
+    config: AdaShadowConfig
     staged: StagedModel
     engine: AdaShadowEngine
-
-    accepts_plan = True
 
     def configure_model(self) -> None:
         # the checkpoint's BN running stats are the source domain's conv-output statistics:
@@ -58,20 +51,17 @@ class AdaShadow(TTAMethod):
                      if isinstance(m, nn.modules.batchnorm._BatchNorm)
                      and m.running_mean is not None and m.running_var is not None}
         super().configure_model()
-        c = self.config
-        prof = c.profile
+        prof = self.config.profile
         if isinstance(prof, (str, Path)):
             prof = UnitProfile.load(prof)
-        self.staged = decompose(self.model, c.input_shape, c.arch)
-        if prof is not None:
-            prof.check_units([u.name for u in self.staged.units])
-        ecfg = EngineConfig(sigma=c.sigma, lr=c.lr, momentum=c.momentum, mode=c.mode,
-                            loss=c.loss, bn_mode=c.bn_mode, alpha=c.alpha, n_t=c.n_t,
-                            reuse=c.reuse, forward_feedback=c.forward_feedback,
-                            backward_feedback=c.backward_feedback,
-                            fixed_cost_feedback=c.fixed_cost_feedback,
-                            trainable=c.trainable, graph=c.graph)
-        self.engine = AdaShadowEngine(self.staged, ecfg, profile=prof, source_bn=source_bn)
+        self.staged = decompose(self.model, self.config.input_shape, self.config.arch)
+        self.engine = AdaShadowEngine(self.staged, self.config, profile=prof,
+                                      source_bn=source_bn)
+
+    @property
+    def unit_names(self) -> list[str]:
+        """Unit names in forward order (what a LayerPlan is indexed by)."""
+        return list(self.engine.planning.layout.unit_names)
 
     def collect_params(self) -> list[nn.Parameter]:
         return list(self.engine.params)
@@ -81,6 +71,29 @@ class AdaShadow(TTAMethod):
 
     def forward_and_adapt(self, x: Tensor, plan: Plan | None = None) -> StepResult:
         return self.engine.step(x, plan=plan)
+
+    def step(self, x: Tensor, plan: Plan | None = None) -> StepResult:
+        """Adapt on x; `plan` (e.g. from the ROS `layer_plan` topic) replaces the planner's."""
+        return self._step(x, plan)
+
+    def set_sigma(self, sigma: float) -> None:
+        """New latency budget factor from the next batch on."""
+        if not (math.isfinite(sigma) and 0.0 <= sigma <= 10.0):
+            raise ValueError(f"sigma {sigma} outside [0, 10]")
+        self.finish()
+        self.config.sigma = float(sigma)
+
+    def set_expansion(self, pi1: float, pi2: float) -> None:
+        """Live telemetry expansion factors for inline planning."""
+        self.engine.planning.set_expansion(pi1, pi2)
+
+    def clear_expansion(self) -> None:
+        """Telemetry went stale: plan with the offline factors."""
+        self.engine.planning.clear_expansion()
+
+    def finish(self) -> None:
+        """Wait for the background update of the last step (parallel mode)."""
+        self.engine.sync()
 
     def reset_state(self) -> None:
         self.engine.reset()

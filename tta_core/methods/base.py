@@ -44,7 +44,6 @@ class TTAMethod:
 
     name: ClassVar[str] = "base"
     config_cls: ClassVar[type] = MethodConfig
-    accepts_plan: ClassVar[bool] = False  # step() takes an external layer-update plan
 
     def __init__(self, model: nn.Module, config: MethodConfig | None = None) -> None:
         self.model = model
@@ -98,25 +97,26 @@ class TTAMethod:
         """Reset method state other than weights and optimizer (override when needed)."""
 
     # ------------------------------------------------------------ public
-    def step(self, x: Tensor, plan: Plan | None = None) -> StepResult:
-        """Adapt on batch x (N, C, H, W) and return its predictions.
+    def step(self, x: Tensor) -> StepResult:
+        """Adapt on batch x (N, C, H, W) and return its predictions."""
+        return self._step(x, None)
 
-        `plan` (a scheduler's layer-update plan, e.g. from the ROS `layer_plan` topic) is
-        only meaningful for methods with `accepts_plan`; others refuse it.
-        """
+    def _step(self, x: Tensor, plan: Plan | None) -> StepResult:
         if x.ndim != 4:
             raise ValueError(f"expected a batch [N, C, H, W], got shape {tuple(x.shape)}")
+        self.finish()  # an update in flight runs at the rate it was started with
         self._scale_lr(int(x.shape[0]))
-        if plan is None:
-            return self.forward_and_adapt(x)
-        if not self.accepts_plan:
-            raise ValueError(f"method {self.name!r} does not take a layer-update plan")
-        return self.forward_and_adapt(x, plan=plan)
+        return self.forward_and_adapt(x) if plan is None else self.forward_and_adapt(x, plan=plan)
+
+    def finish(self) -> None:
+        """Wait for adaptation work still in flight (none unless the method adapts in the
+        background, see tta_core.api.BackgroundUpdate)."""
 
     def set_lr(self, lr: float) -> None:
         """Change the learning rate (at the reference batch size) from the next step on."""
         if not lr >= 0:
             raise ValueError(f"lr must be >= 0, got {lr}")
+        self.finish()
         self.config.lr = float(lr)
         self._lr_batch = None
 
@@ -131,6 +131,7 @@ class TTAMethod:
 
     def reset(self) -> None:
         """Restore source weights, optimizer and method state bit for bit."""
+        self.finish()
         self.reset_state()
         self.model.load_state_dict(self._model_state)
         self._lr_batch = None

@@ -1,0 +1,304 @@
+"""The planning service: one AdaShadow planning loop for the engine and the ROS scheduler.
+
+Per batch: the per-unit cost model (offline profile or MAC shape, Eq. 4 expansion from
+telemetry, forward feedback from the batch's measured forward, backward feedback from
+past plans), the fixed costs outside it (plan phase, update overhead), the DP under
+sigma*T, the no-room rule (no candidate unit fits at all) and the lowest unit any plan can
+reach (where the engine starts recording the autograd graph). After the batch, `observe`
+feeds what was measured back into the feedback loops.
+
+The engine plans inline with it; `tta_ros`'s scheduler node wraps the same service in ROS
+wiring, so a topic plan and an inline plan for the same importance, forward time and
+telemetry are the same plan. Pure Python + numpy; no torch model is needed at plan time.
+
+Which feedback needs what (see also docs/api.md):
+- forward feedback "uniform": the batch's measured forward only (works offline);
+- forward feedback "memory": a live telemetry pi1 (`set_expansion`); without one it falls
+  back to "uniform" (pi1 = 1 would read unseen compute sharing as memory contention);
+- MAC-shaped times (no profile) are unitless and always scaled "uniform";
+- backward feedback / fixed costs: measured backward, reforward and plan-phase times of
+  the plans this service made (`observe`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from tta_core.adashadow import planner, predictor
+from tta_core.adashadow.backward_feedback import BackwardFeedback
+from tta_core.adashadow.fixed_costs import FixedCosts
+from tta_core.model.units import StagedModel
+
+
+@dataclass
+class PlanningConfig:
+    """Settings of the planning loop (EngineConfig and the scheduler node extend it)."""
+
+    sigma: float = 0.33
+    n_t: int = planner.DEFAULT_N_T
+    # correct the predicted unit times by this batch's measured forward, on top of pi1/pi2
+    # (predictor.feedback_pis): "uniform", "memory" (needs live telemetry) or "off"
+    forward_feedback: str = "uniform"
+    # EMA weight of the closed-loop backward correction (0: off). Off by default in the
+    # library so `tta bench` plans never depend on how fast a run was; the ROS nodes use 0.2
+    backward_feedback: float = 0.0
+    # EMA weight of the measured plan phase and fixed update cost the planner leaves room
+    # for (fixed_costs); 0 plans with the per-unit model alone (repeatable accuracies)
+    fixed_cost_feedback: float = 0.2
+    pi1: float = 1.0  # offline compute expansion, used until live telemetry arrives
+    pi2: float = 1.0  # offline memory expansion
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad value."""
+        if self.forward_feedback not in predictor.FEEDBACK_MODES:
+            raise ValueError(f"forward_feedback {self.forward_feedback!r} not in "
+                             f"{predictor.FEEDBACK_MODES}")
+        if not 0.0 <= self.sigma <= 10.0 or math.isnan(self.sigma):
+            raise ValueError(f"sigma {self.sigma} outside [0, 10]")
+        if isinstance(self.n_t, bool) or not isinstance(self.n_t, int) or self.n_t < 1:
+            raise ValueError(f"n_t must be a positive integer, got {self.n_t!r}")
+        if not (self.pi1 > 0 and self.pi2 > 0):
+            raise ValueError(f"expansion coefficients must be > 0, got {self.pi1}, {self.pi2}")
+        BackwardFeedback(alpha=self.backward_feedback)  # raises on a bad alpha
+        FixedCosts(alpha=self.fixed_cost_feedback)
+
+
+@dataclass
+class UnitLayout:
+    """What planning needs of a model: unit names, stages, MAC counts (no weights)."""
+
+    model_name: str
+    arch: str
+    unit_names: list[str]
+    stage_start: np.ndarray  # per unit: index of the first unit of its stage
+    stage_of_unit: np.ndarray
+    stage_first_unit: np.ndarray  # per stage
+    macs_fwd: np.ndarray
+    macs_dx: np.ndarray
+    macs_dw: np.ndarray
+    eta: np.ndarray
+    input_shape: tuple[int, ...]
+
+    @classmethod
+    def from_staged(cls, staged: StagedModel, model_name: str = "") -> UnitLayout:
+        """The layout of a decomposed model."""
+        units = staged.units
+        return cls(model_name or staged.arch, staged.arch, [u.name for u in units],
+                   staged.stage_start(), np.array([u.stage for u in units]),
+                   np.array([s.first_unit for s in staged.stages]),
+                   np.array([u.macs_fwd for u in units], dtype=np.float64),
+                   np.array([u.macs_dx for u in units], dtype=np.float64),
+                   np.array([u.macs_dw for u in units], dtype=np.float64),
+                   np.array([u.eta for u in units], dtype=np.float64),
+                   tuple(staged.input_shape))
+
+    @property
+    def n_units(self) -> int:
+        return len(self.unit_names)
+
+    @property
+    def n_stages(self) -> int:
+        return len(self.stage_first_unit)
+
+
+def mac_profile(layout: UnitLayout, forward_ms: float, batch_size: int) -> predictor.UnitProfile:
+    """Default profile: per-unit times proportional to MACs, scaled so sum(r) = forward_ms."""
+    scale = forward_ms / max(layout.macs_fwd.sum(), 1.0)
+    return predictor.UnitProfile(
+        model=layout.arch, device="mac-estimate", batch_size=batch_size,
+        input_shape=tuple(layout.input_shape), unit_names=list(layout.unit_names),
+        w_ms=layout.macs_dw * scale, x_ms=layout.macs_dx * scale,
+        r_ms=layout.macs_fwd * scale, eta=layout.eta.copy(), forward_ms=float(forward_ms))
+
+
+@dataclass
+class PlanOutcome:
+    """A plan and what the cost model predicted for it (what `observe` checks)."""
+
+    plan: planner.Plan
+    unit_ms: np.ndarray  # predicted backward cost per unit (w + x), ms
+    predicted_backward_ms: float  # T_b' of the plan without the fixed overhead; 0 if empty
+    predicted_reforward_ms: float  # T_re' of the plan; 0 if empty
+    forward_ms: float  # T_f the plan was made with (measured forward + plan phase)
+    overhead_ms: float  # the fixed update cost the plan left room for
+    no_room: str  # why no candidate unit fits the budget; "" when one does
+
+    @property
+    def updates(self) -> bool:
+        return bool(np.asarray(self.plan.update).any())
+
+
+@dataclass
+class Measured:
+    """What a batch that followed a plan measured, ms. `reforward_ms` None: no reforward
+    ran (parallel mode), so the plan's predicted reforward is not part of the check."""
+
+    forward_ms: float
+    plan_ms: float
+    adapted: bool
+    backward_ms: float = math.nan
+    reforward_ms: float | None = 0.0
+
+
+class PlanningService:
+    """Cost model + planner + fixed costs + feedback loops, shared by engine and node."""
+
+    def __init__(self, layout: UnitLayout, config: PlanningConfig | None = None,
+                 profile: predictor.UnitProfile | None = None,
+                 reforward_twice: bool = False) -> None:
+        """`reforward_twice`: the engine's lazy graph mode re-runs the tail once more for
+        the backward, so every unit's reforward time counts twice and the backward it
+        measures is not comparable with the prediction (no backward/fixed-cost learning)."""
+        self.layout, self.config = layout, config or PlanningConfig()
+        self.config.validate()
+        if profile is not None:
+            profile.check_units(layout.unit_names)
+        self.profile = profile
+        self.reforward_twice = reforward_twice
+        self.backward_fb = BackwardFeedback(alpha=self.config.backward_feedback)
+        self.fixed = FixedCosts(alpha=self.config.fixed_cost_feedback)
+        self._pis: tuple[float, float] | None = None  # live telemetry (pi1, pi2)
+        self._mac = mac_profile(layout, 1.0, 1)  # unitless shape, scaled per batch
+        self._floor_cache: tuple = (None, 0)
+
+    # ------------------------------------------------------------ expansion
+    def set_expansion(self, pi1: float, pi2: float) -> None:
+        """Live expansion factors from telemetry (AdaShadow §3.2 runtime calibration)."""
+        if not (math.isfinite(pi1) and math.isfinite(pi2) and pi1 > 0 and pi2 > 0):
+            raise ValueError(f"expansion coefficients must be finite and > 0, got {pi1}, {pi2}")
+        self._pis = (float(pi1), float(pi2))
+
+    def clear_expansion(self) -> None:
+        """Telemetry went stale: back to the offline factors of the config."""
+        self._pis = None
+
+    @property
+    def expansion(self) -> tuple[float, float, bool]:
+        """(pi1, pi2, live)."""
+        if self._pis is not None:
+            return self._pis[0], self._pis[1], True
+        return self.config.pi1, self.config.pi2, False
+
+    def feedback_mode(self) -> str:
+        """The forward feedback actually applied (module docstring)."""
+        mode = self.config.forward_feedback
+        if self.profile is None or (mode == "memory" and self._pis is None):
+            return "uniform"
+        return mode
+
+    # ------------------------------------------------------------ cost model
+    def unit_times(self, forward_ms: float, grad_from: int = 0) -> tuple[np.ndarray, ...]:
+        """Predicted (w, x, r) in ms for a batch whose forward took `forward_ms` and
+        recorded the autograd graph from unit `grad_from` on."""
+        pi1, pi2, _ = self.expansion
+        w, x, r = predictor.planning_times(self.profile or self._mac, pi1, pi2, forward_ms,
+                                           self.feedback_mode(), grad_from,
+                                           self.backward_fb.factor)
+        return w, x, (2.0 * r if self.reforward_twice else r)
+
+    def _problem(self, w, x, r, importance, forward_ms: float,
+                 overhead_ms: float) -> planner.PlanProblem:
+        return planner.PlanProblem(w=w, x=x, r=r, stage_start=self.layout.stage_start,
+                                   importance=importance, forward_ms=forward_ms,
+                                   sigma=float(self.config.sigma), overhead_ms=overhead_ms)
+
+    def _importance(self, importance, candidates, reachable_from: int) -> np.ndarray:
+        a = np.asarray(importance, dtype=np.float64)
+        if a.shape != (self.layout.n_units,):
+            raise ValueError(f"importance has shape {a.shape}, the model has "
+                             f"{self.layout.n_units} units")
+        a = np.maximum(np.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0), 0.0)
+        if candidates is not None:
+            a = np.where(np.asarray(candidates, dtype=bool), a, 0.0)
+        a[:reachable_from] = 0.0
+        return a
+
+    # ------------------------------------------------------------ planning
+    def plan(self, importance: np.ndarray, forward_ms: float, *, grad_from: int = 0,
+             candidates: np.ndarray | None = None) -> PlanOutcome:
+        """The optimal plan within sigma*T for this batch. `candidates`: units that may be
+        updated (None: those with importance > 0); units below `grad_from` cannot be
+        updated (no graph was recorded there)."""
+        if not (math.isfinite(forward_ms) and forward_ms >= 0):
+            raise ValueError(f"forward_ms={forward_ms} is not a valid time")
+        a = self._importance(importance, candidates, 0 if self.reforward_twice else grad_from)
+        w, x, r = self.unit_times(forward_ms, grad_from)
+        problem = self._problem(w, x, r, a, forward_ms + self.fixed.plan_phase_ms,
+                                self.fixed.overhead_ms)
+        plan = planner.solve(problem, n_t=int(self.config.n_t))
+        bwd = planner.backward_cost(w, x, plan.update)
+        refwd = (float(r[self.layout.stage_start[plan.first_updated]:].sum())
+                 if plan.first_updated < self.layout.n_units else 0.0)
+        cand = candidates if candidates is not None else (a > 0 if a.any() else None)
+        return PlanOutcome(plan, w + x, bwd, refwd, problem.forward_ms, problem.overhead_ms,
+                           "" if plan.update.any() else self._no_room(problem, plan, cand))
+
+    @staticmethod
+    def _no_room(problem: planner.PlanProblem, plan: planner.Plan,
+                 candidates: np.ndarray | None) -> str:
+        """Why no candidate unit fits the budget at all, or ""."""
+        if planner.lowest_feasible_unit(problem, candidates) < len(problem.w):
+            return ""
+        return (f"no unit fits the budget sigma*T = {plan.budget_ms:.3g} ms after the forward "
+                f"and plan phase ({problem.forward_ms:.3g} ms) and the update's fixed cost "
+                f"({problem.overhead_ms:.3g} ms): plans stay empty, raise sigma to adapt")
+
+    def graph_floor(self, last_forward_ms: float, candidates: np.ndarray) -> int:
+        """Lowest unit that any plan within the budget can update (n_units: none), from
+        the last forward; the engine records the autograd graph from its stage on."""
+        c = self.config
+        k = round(self.backward_fb.factor, 2)  # the floor moves little with it
+        scaled = self.profile is None or c.forward_feedback != "off"
+        last = last_forward_ms
+        # fixed costs in forwards (unitless, so a scaled floor does not depend on the
+        # forward's speed), rounded down to 1/20: recomputed only when they move by 5 %
+        share = tuple(math.floor(20.0 * v / last) / 20.0 if math.isfinite(last) and last > 0
+                      else 0.0 for v in (self.fixed.plan_phase_ms, self.fixed.overhead_ms))
+        key = (self.expansion, c.sigma, id(self.profile), scaled or last, k, share)
+        if self._floor_cache[0] != key:
+            pi1, pi2, _ = self.expansion
+            w, x, r = predictor.runtime_times(self.profile or self._mac, pi1, pi2)
+            # scaled times: the budget is proportional to the forward, so the floor does
+            # not depend on it; unscaled: a faster forward than the last only lowers it
+            tf = float(r.sum()) if scaled else 0.8 * last
+            if not math.isfinite(tf) or not 0 < c.sigma <= 1:
+                return 0
+            d = planner.lowest_feasible_unit(self._problem(
+                k * w, k * x, r, np.zeros_like(w), tf * (1.0 + share[0]), tf * share[1]),
+                candidates)
+            self._floor_cache = (key, d)
+        return self._floor_cache[1]
+
+    # ------------------------------------------------------------ feedback
+    def observe(self, outcome: PlanOutcome | None, measured: Measured) -> None:
+        """Learn from a batch: its plan phase always; when it followed `outcome` (a plan
+        of this service) and updated, the backward correction and the update's fixed cost.
+        An external plan (outcome None) teaches only the plan phase."""
+        self.fixed.update_plan(measured.plan_ms, measured.forward_ms)
+        if not measured.adapted:
+            self.fixed.idle()
+            return
+        if outcome is None or self.reforward_twice:
+            return  # no prediction to check (lazy: the backward re-runs the tail)
+        self.backward_fb.update(outcome.predicted_backward_ms, measured.backward_ms)
+        predicted = outcome.predicted_backward_ms
+        spent = measured.backward_ms
+        if measured.reforward_ms is not None:
+            predicted += outcome.predicted_reforward_ms
+            spent += measured.reforward_ms
+        self.fixed.update_adapt(predicted, spent, measured.forward_ms)
+
+    @property
+    def backward_factor(self) -> float:
+        return self.backward_fb.factor
+
+    @property
+    def plan_phase_ms(self) -> float:
+        return self.fixed.plan_phase_ms
+
+    @property
+    def overhead_ms(self) -> float:
+        return self.fixed.overhead_ms

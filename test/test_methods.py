@@ -155,3 +155,34 @@ def test_learning_rate_scales_linearly_with_batch_and_survives_reset(name: str) 
     unscaled = build_method(name, _model(), lr=8e-3, lr_ref_batch=0, input_shape=(3, 32, 32))
     unscaled.step(torch.randn(4, 3, 32, 32))
     assert {g["lr"] for g in unscaled.optimizer.param_groups} == {8e-3}
+
+
+def test_pending_parallel_update_keeps_the_learning_rate_it_was_started_with() -> None:
+    """Parallel mode, batch 4 then batch 8: the background update of the first batch steps
+    with batch 4's scaled lr, although the next step (batch 8) rescales the lr; the
+    rescaling waits for the update in flight."""
+    import threading
+
+    model = build_model("small_resnet", 10)
+    meth = build_method("adashadow", model, input_shape=(3, 32, 32), mode="parallel",
+                        sigma=1.0, fixed_cost_feedback=0.0, lr=0.64, lr_ref_batch=64)
+    release, seen = threading.Event(), []
+    step = meth.optimizer.step
+
+    def slow_step(*a, **kw):  # the second update waits until the test releases it
+        if len(seen) == 1:
+            release.wait(5.0)
+        seen.append(meth.optimizer.param_groups[0]["lr"])
+        return step(*a, **kw)
+
+    meth.optimizer.step = slow_step
+    torch.manual_seed(0)
+    meth.step(torch.randn(4, 3, 32, 32))
+    meth.step(torch.randn(4, 3, 32, 32))
+    threading.Timer(0.3, release.set).start()
+    meth.step(torch.randn(8, 3, 32, 32))
+    meth.finish()
+    lr4, lr8 = 0.64 * 4 / 64, 0.64 * 8 / 64
+    assert len(seen) == 3, seen  # every batch adapted (sigma 1)
+    assert seen == [pytest.approx(lr4), pytest.approx(lr4), pytest.approx(lr8)]
+    meth.close()

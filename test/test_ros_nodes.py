@@ -280,7 +280,7 @@ def test_parameters_validated_and_applied_at_run_time(rig_factory) -> None:
     assert node.get_parameter("sigma").value == pytest.approx(0.33)
     ok = node.set_parameters([Parameter("sigma", value=0.2), Parameter("lr", value=0.01)])
     assert all(r.successful for r in ok)
-    assert wait_for(lambda: node.method.engine.config.sigma == pytest.approx(0.2), 2.0)
+    assert wait_for(lambda: node.method.config.sigma == pytest.approx(0.2), 2.0)
     assert wait_for(lambda: node.method.config.lr == pytest.approx(0.01), 2.0)
     rig.send([_image(i) for i in range(4)])
     assert wait_for(lambda: len(rig.msgs("status")) >= 1, 10.0)
@@ -361,107 +361,79 @@ def test_resource_monitor_calibration_fills_expansion(ros_context, tmp_path) -> 
                 *off, Parameter(name, value=value)])
 
 
+def _exchange(ros_context, node: SchedulerNode, tel: ResourceTelemetry | None,
+              imp: LayerImportance) -> LayerPlan:
+    """Publish telemetry (if any), then `imp`, over DDS; return the plan answering it."""
+    probe = rclpy.create_node("fake_perception", context=ros_context)
+    rel = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+    got: list[LayerPlan] = []
+    probe.create_subscription(LayerPlan, "layer_plan", got.append, rel)
+    pub_imp = probe.create_publisher(LayerImportance, "layer_importance", rel)
+    pub_tel = probe.create_publisher(ResourceTelemetry, "telemetry", 10)
+    ex = SingleThreadedExecutor(context=ros_context)
+    for nd in (node, probe):
+        ex.add_node(nd)
+    try:
+        deadline = time.monotonic() + 10.0
+        while tel is not None and node.telemetry is None and time.monotonic() < deadline:
+            pub_tel.publish(tel)
+            ex.spin_once(timeout_sec=0.05)
+        while not got and time.monotonic() < deadline:
+            if pub_imp.get_subscription_count() > 0 and probe.count_subscribers(
+                    "layer_plan") >= 1:
+                pub_imp.publish(imp)
+            ex.spin_once(timeout_sec=0.05)
+            ex.spin_once(timeout_sec=0.05)
+        assert got, "no plan received"
+        return got[0]
+    finally:
+        ex.shutdown()
+        probe.destroy_node()
+
+
 @pytest.mark.parametrize("feedback", ["memory", "uniform", "off"])
-def test_scheduler_plans_with_the_engines_forward_feedback(ros_context, tmp_path,
-                                                           feedback: str) -> None:
-    """With a measured profile the scheduler rescales it to the batch's measured forward,
-    as the perception engine does inline (predictor.planning_times); without telemetry
-    "memory" degrades to "uniform" (pi1 = 1 is unknown, not measured)."""
+def test_scheduler_publishes_the_planning_services_plan(ros_context, tmp_path,
+                                                         feedback: str) -> None:
+    """Importance and telemetry (pi1 = 2) in over DDS: the published LayerPlan is exactly
+    the plan of a standalone PlanningService (tta_core, no ROS) given the same input."""
+    from tta_core.adashadow.planning import PlanningConfig, PlanningService, layout_from_card
     from tta_core.adashadow.predictor import UnitProfile
 
-    probe = SchedulerNode(context=ros_context, parameter_overrides=[
-        Parameter("model_card", value=str(CARD))])
-    names = probe.layout.unit_names
-    probe.destroy_node()
-    n = len(names)
-    prof = UnitProfile(model="small_resnet", device="cpu", batch_size=4,
-                       input_shape=(3, 32, 32), unit_names=names, w_ms=np.full(n, 0.2),
-                       x_ms=np.full(n, 0.1), r_ms=np.full(n, 0.3), eta=np.ones(n),
-                       forward_ms=0.3 * n)
-    prof.save(tmp_path / "p.json")
-    node = SchedulerNode(context=ros_context, parameter_overrides=[
-        Parameter("model_card", value=str(CARD)), Parameter("profile", value=str(tmp_path /
-                                                                                "p.json")),
-        Parameter("forward_feedback", value=feedback)])
-    try:
-        imp = LayerImportance(unit_names=names, importance=[1.0] * n, batch_size=4,
-                              forward_ms=2 * 0.3 * n)  # this batch ran twice as slow
-        plan, unit_ms, _ = node._solve(imp)
-        k = 1.0 if feedback == "off" else 2.0  # no telemetry: pi1 = pi2 = 1
-        np.testing.assert_allclose(unit_ms, np.full(n, 0.3 * k), rtol=1e-6)
-        # T = T_f + sum w + sum_{l >= 2} x + sum r, every time scaled by k
-        full = imp.forward_ms + k * (0.2 * n + 0.1 * (n - 1) + 0.3 * n)
-        assert plan.full_ms == pytest.approx(full, rel=1e-6)
-    finally:
-        node.destroy_node()
-
-
-def test_scheduler_memory_feedback_uses_fresh_telemetry_pi1(ros_context, tmp_path) -> None:
-    """With live telemetry, "memory" keeps its pi1 and solves pi2 from the forward: units
-    of low eta (memory-bound) slow more than the forward did, unlike "uniform"."""
-    from tta_core.adashadow.predictor import UnitProfile, planning_times
-
-    node = SchedulerNode(context=ros_context, parameter_overrides=[
-        Parameter("model_card", value=str(CARD))])
-    names = node.layout.unit_names
-    node.destroy_node()
-    n = len(names)
+    layout = layout_from_card(CARD)
+    n = layout.n_units
     eta = np.where(np.arange(n) % 2 == 0, 4.0, 0.25)
     prof = UnitProfile(model="small_resnet", device="cpu", batch_size=4,
-                       input_shape=(3, 32, 32), unit_names=names, w_ms=np.full(n, 0.2),
-                       x_ms=np.full(n, 0.1), r_ms=np.full(n, 0.3), eta=eta,
-                       forward_ms=0.3 * n)
+                       input_shape=(3, 32, 32), unit_names=layout.unit_names,
+                       w_ms=np.linspace(0.1, 0.3, n), x_ms=np.full(n, 0.1),
+                       r_ms=np.full(n, 0.3), eta=eta, forward_ms=0.3 * n)
     prof.save(tmp_path / "p.json")
     node = SchedulerNode(context=ros_context, parameter_overrides=[
         Parameter("model_card", value=str(CARD)),
         Parameter("profile", value=str(tmp_path / "p.json")),
-        Parameter("forward_feedback", value="memory")])
+        Parameter("forward_feedback", value=feedback), Parameter("sigma", value=0.6),
+        Parameter("fixed_cost_feedback", value=0.0)])
+    imp = LayerImportance(unit_names=layout.unit_names, model_name="small_resnet",
+                          importance=np.random.default_rng(1).random(n).tolist(),
+                          batch_size=4, forward_ms=2.5 * 0.3 * n, batch_id=7)
     try:
-        node._on_telemetry(ResourceTelemetry(compute_expansion=1.5, memory_expansion=1.5))
-        imp = LayerImportance(unit_names=names, importance=[1.0] * n, batch_size=4,
-                              forward_ms=2 * 0.3 * n)
-        _plan, unit_ms, _ = node._solve(imp)
-        want = planning_times(prof, 1.5, 1.5, imp.forward_ms, "memory")[2]
-        np.testing.assert_allclose(unit_ms, want, rtol=1e-6)
-        assert unit_ms.sum() == pytest.approx(imp.forward_ms, rel=1e-6)
-        slow = np.asarray(unit_ms) / 0.3
-        assert slow[eta < 1].min() > 2.0 > slow[eta > 1].max()  # the forward slowed 2x
+        msg = _exchange(ros_context, node, ResourceTelemetry(
+            compute_expansion=2.0, memory_expansion=1.0), imp)
     finally:
         node.destroy_node()
-
-
-def test_scheduler_compares_the_forward_with_the_graph_perception_recorded(
-        ros_context, tmp_path) -> None:
-    """Perception records the autograd graph from the stage of the plan it follows: after
-    a plan, a forward as fast as that kind of forward is idle (times unscaled)."""
-    from tta_core.adashadow.predictor import UnitProfile
-
-    probe = SchedulerNode(context=ros_context, parameter_overrides=[
-        Parameter("model_card", value=str(CARD))])
-    names, starts = probe.layout.unit_names, probe.layout.stage_start
-    probe.destroy_node()
-    n = len(names)
-    r, g = np.full(n, 0.3), np.full(n, 0.45)  # recording the graph: +50 % forward
-    UnitProfile(model="small_resnet", device="cpu", batch_size=4, input_shape=(3, 32, 32),
-                unit_names=names, w_ms=np.full(n, 0.2), x_ms=np.full(n, 0.1), r_ms=r,
-                eta=np.ones(n), forward_ms=float(g.sum()), g_ms=g).save(tmp_path / "p.json")
-    node = SchedulerNode(context=ros_context, parameter_overrides=[
-        Parameter("model_card", value=str(CARD)),
-        Parameter("profile", value=str(tmp_path / "p.json")),
-        Parameter("forward_feedback", value="uniform"), Parameter("sigma", value=0.8)])
-    try:
-        imp = LayerImportance(unit_names=names, importance=[1.0] * n, batch_size=4,
-                              forward_ms=float(g.sum()))  # before any plan: full graph
-        plan, unit_ms, _ = node._solve(imp)
-        np.testing.assert_allclose(unit_ms, 0.3, rtol=1e-6)
-        node._on_importance(imp)  # publishes that plan
-        first = int(starts[plan.first_updated])
-        assert 0 < first < n
-        imp.forward_ms = float(r[:first].sum() + g[first:].sum())
-        _plan, unit_ms, _ = node._solve(imp)
-        np.testing.assert_allclose(unit_ms, 0.3, rtol=1e-6)
-    finally:
-        node.destroy_node()
+    svc = PlanningService(layout, PlanningConfig(sigma=0.6, forward_feedback=feedback,
+                                                 fixed_cost_feedback=0.0), prof)
+    svc.set_expansion(2.0, 1.0)
+    want = svc.plan(np.asarray(imp.importance), imp.forward_ms)
+    assert list(msg.update) == want.plan.update.tolist() and any(msg.update)
+    assert msg.based_on_batch_id == 7 and msg.first_updated_index == want.plan.first_updated
+    np.testing.assert_allclose(msg.predicted_unit_ms, want.unit_ms, rtol=1e-6)
+    assert msg.budget_ms == pytest.approx(want.plan.budget_ms, rel=1e-6)
+    assert msg.predicted_total_ms == pytest.approx(want.plan.predicted_total_ms, rel=1e-6)
+    offline = PlanningService(layout, svc.config, prof).plan(np.asarray(imp.importance),
+                                                             imp.forward_ms)
+    if feedback == "off":  # telemetry reached the plan: Eq. 4 at pi1 = 2
+        np.testing.assert_allclose(msg.predicted_unit_ms,
+                                   offline.unit_ms * (2 * eta + 1) / (eta + 1), rtol=1e-6)
 
 
 def _profiled_scheduler(ros_context, tmp_path, *params: Parameter) -> SchedulerNode:
@@ -516,16 +488,17 @@ def test_scheduler_corrects_backward_times_by_the_status_perception_reports(
     try:
         imp = LayerImportance(unit_names=node.layout.unit_names, importance=[1.0] * n,
                               batch_size=4, forward_ms=0.3 * n)
+        predicted = node.plan_for(imp).predicted_backward_ms
         node._on_importance(imp)  # plan 1
-        predicted = node._predicted[1][0]
         assert predicted > 0
-        _send_until(ros_context, node, lambda: node.backward_fb.updates > 0, [
+        fb = node.planning.backward_fb
+        _send_until(ros_context, node, lambda: fb.updates > 0, [
             AdaptationStatus(plan_id=1, adapted=True, backward_ms=4.0 * predicted),
             AdaptationStatus(plan_id=77, adapted=True, backward_ms=1e6)])
-        assert node.backward_fb.updates == 1
-        assert node.backward_fb.factor == pytest.approx(2.0)  # exp(0.5 * ln 4)
-        _plan, unit_ms, _ = node._solve(imp)
-        np.testing.assert_allclose(unit_ms, np.full(n, 0.3 * 2.0), rtol=1e-6)
+        assert fb.updates == 1
+        assert fb.factor == pytest.approx(2.0)  # exp(0.5 * ln 4)
+        np.testing.assert_allclose(node.plan_for(imp).unit_ms, np.full(n, 0.3 * 2.0),
+                                   rtol=1e-6)
     finally:
         node.destroy_node()
 
@@ -541,19 +514,21 @@ def test_scheduler_leaves_room_for_the_fixed_costs_perception_reports(
     try:
         imp = LayerImportance(unit_names=node.layout.unit_names, importance=[1.0] * n,
                               batch_size=4, forward_ms=0.3 * n)
-        before, _, _ = node._solve(imp)
+        out = node.plan_for(imp)
+        before = out.plan
         for _ in range(2):  # plans 1 (the warm-up sample) and 2
             node._on_importance(imp)
         assert before.update.any()
-        per_unit = node._predicted[2][1]
+        per_unit = out.predicted_backward_ms + out.predicted_reforward_ms
         assert per_unit == pytest.approx(before.predicted_total_ms - 0.3 * n)
-        _send_until(ros_context, node, lambda: node.fixed.adapt_updates >= 2, [
+        fixed = node.planning.fixed
+        _send_until(ros_context, node, lambda: fixed.adapt_updates >= 2, [
             AdaptationStatus(plan_id=pid, adapted=True, forward_ms=0.3 * n, plan_ms=2.0,
                              backward_ms=per_unit, reforward_ms=1.5) for pid in (1, 2)])
-        assert node.fixed.adapt_updates == 2 and node.fixed.plan_updates == 2
-        assert node.fixed.plan_phase_ms == pytest.approx(2.0)
-        assert node.fixed.overhead_ms == pytest.approx(1.5)
-        after, _, _ = node._solve(imp)
+        assert fixed.adapt_updates == 2 and fixed.plan_updates == 2
+        assert fixed.plan_phase_ms == pytest.approx(2.0)
+        assert fixed.overhead_ms == pytest.approx(1.5)
+        after = node.plan_for(imp).plan
         assert after.full_ms == pytest.approx(before.full_ms + 2.0 + 1.5)
         assert after.predicted_total_ms <= after.budget_ms
     finally:
@@ -595,3 +570,14 @@ def test_perception_warns_when_inline_plans_have_no_room(rig_factory) -> None:
     assert wait_for(lambda: any(s.units_updated > 0 for s in rig.msgs("status")[n:]), 10.0)
     plan = next(s for s in rig.perception._statuses() if s.name.endswith("planning"))
     assert plan.level == DiagnosticStatus.OK
+
+
+def test_parallel_status_carries_the_backward_of_its_update(rig_factory) -> None:
+    """Parallel mode: predictions go out after the forward; the batch's status waits for
+    the background update and carries its backward time (the scheduler learns from it)."""
+    rig = rig_factory(perception={"plan_source": "inline", "sigma": 1.0, "mode": "parallel"})
+    rig.send([_image(i) for i in range(12)])
+    assert wait_for(lambda: len(rig.msgs("status")) >= 3, 20.0)
+    adapted = [s for s in rig.msgs("status") if s.adapted]
+    assert adapted and all(s.mode == "parallel" for s in adapted)
+    assert all(s.backward_ms > 0 and s.reforward_ms == 0 for s in adapted)

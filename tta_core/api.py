@@ -125,6 +125,8 @@ class TTAMethodLike(Protocol):
 
     def reset(self) -> None: ...
 
+    def close(self) -> None: ...
+
 
 @runtime_checkable
 class TakesPlan(Protocol):

@@ -22,15 +22,22 @@ Which feedback needs what (see also docs/api.md):
 
 from __future__ import annotations
 
+__all__ = ["FEEDBACK_MODES", "Measured", "PlanOutcome", "PlanningConfig", "PlanningService",
+           "UnitLayout", "UnitProfile", "layout_from_card", "mac_profile", "telemetry_pis"]
+
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from tta_core.adashadow import planner, predictor
 from tta_core.adashadow.backward_feedback import BackwardFeedback
 from tta_core.adashadow.fixed_costs import FixedCosts
-from tta_core.model.units import StagedModel
+from tta_core.adashadow.predictor import FEEDBACK_MODES, UnitProfile
+from tta_core.model.source import load_card
+from tta_core.model.units import StagedModel, decompose
+from tta_core.model.zoo import build_model
 
 
 @dataclass
@@ -302,3 +309,20 @@ class PlanningService:
     @property
     def overhead_ms(self) -> float:
         return self.fixed.overhead_ms
+
+
+def telemetry_pis(compute_expansion: float, memory_expansion: float) -> tuple[float, float]:
+    """(pi1, pi2) from a telemetry reading; unknown (NaN) or non-positive values count as
+    1 (offline conditions), as ResourceTelemetry marks unknown values NaN."""
+    return tuple(float(v) if math.isfinite(v) and v > 0 else 1.0  # type: ignore[return-value]
+                 for v in (compute_expansion, memory_expansion))
+
+
+def layout_from_card(card_path: str | Path) -> UnitLayout:
+    """The unit layout of a model card's architecture (random weights: only the structure
+    is used), named as perception names it (card name, else arch)."""
+    card = load_card(card_path)
+    size = card.image_size
+    staged = decompose(build_model(card.arch, card.num_classes), (3, size, size),
+                       arch=card.arch)
+    return UnitLayout.from_staged(staged, card.name or card.arch)

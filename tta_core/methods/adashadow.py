@@ -95,5 +95,9 @@ class AdaShadow(TTAMethod):
         """Wait for the background update of the last step (parallel mode)."""
         self.engine.sync()
 
+    def close(self) -> None:
+        """Wait for the background update and remove the engine's hooks."""
+        self.engine.close()
+
     def reset_state(self) -> None:
         self.engine.reset()

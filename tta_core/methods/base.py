@@ -110,7 +110,11 @@ class TTAMethod:
 
     def finish(self) -> None:
         """Wait for adaptation work still in flight (none unless the method adapts in the
-        background, see tta_core.api.BackgroundUpdate)."""
+        background: AdaShadow's parallel mode)."""
+
+    def close(self) -> None:
+        """Release hooks and threads; the method is unusable afterwards (default: none)."""
+        self.finish()
 
     def set_lr(self, lr: float) -> None:
         """Change the learning rate (at the reference batch size) from the next step on."""

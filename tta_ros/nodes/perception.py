@@ -7,16 +7,22 @@ step and publishes `predictions` (one ClassPrediction per image, header = image 
 latest LayerPlan applies to the next batch; when plans go stale (PlanGate) it plans inline
 and says so on /diagnostics (WARN), and goes back to the topic as soon as plans resume.
 A divergence guard calls method.reset() (source weights) and sets status.reset.
+
+What the node may do with a method comes from its capabilities (tta_core.api): a
+TakesPlan method follows LayerPlans, a RuntimeTunable one takes sigma changes, a
+TakesTelemetry one plans inline with the live pi1/pi2 of the `telemetry` topic (offline
+factors when it is older than `telemetry_timeout_s`). In parallel mode the predictions are
+published as soon as the forward is done; the AdaptationStatus follows when the background
+update has finished, so it carries that update's backward_ms.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import math
-import resource
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,14 +35,23 @@ from rclpy.node import Node
 from rclpy.parameter import Parameter
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import Image
-from tta_msgs.msg import AdaptationStatus, ClassPrediction, LayerImportance, LayerPlan
+from tta_msgs.msg import (
+    AdaptationStatus,
+    ClassPrediction,
+    LayerImportance,
+    LayerPlan,
+    ResourceTelemetry,
+)
 
-from tta_core.adashadow import planner
+from tta_core.adashadow.planner import Plan
+from tta_core.adashadow.planning import telemetry_pis
+from tta_core.api import RuntimeTunable, StepResult, TakesPlan, TakesTelemetry, TTAMethodLike
 from tta_core.io.image_msg import Preprocess, decode_image, to_tensor
 from tta_core.methods import available_methods, build_method, method_class
 from tta_core.model.source import load_source
 from tta_core.model.units import decompose
 from tta_ros import ros_params
+from tta_ros.convert import importance_msg, msg_to_plan, peak_memory_mb, prediction_msgs, status_msg
 from tta_ros.nodes.perception_support import DivergenceGuard, FrameQueue, PlanGate
 from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
 
@@ -75,6 +90,8 @@ def param_specs() -> tuple[ParamSpec, ...]:
         ParamSpec("fixed_cost_feedback", 0.2, "inline planning: EMA weight of the plan "
                   "phase and the update's fixed cost that plans leave room for (0: off)",
                   0.0, 1.0, read_only=True),
+        ParamSpec("telemetry_timeout_s", 2.0, "inline planning: telemetry older than this is "
+                  "ignored (offline pi1 = pi2 = 1)", 0.1, 3600.0),
         ParamSpec("num_threads", 0, "torch intra-op threads (0: torch default)", 0, 256,
                   read_only=True),
         ParamSpec("reset_entropy_ratio", 0.95, "divergence guard: entropy limit as a "
@@ -82,18 +99,6 @@ def param_specs() -> tuple[ParamSpec, ...]:
         ParamSpec("reset_patience", 5, "divergence guard: batches above the limit", 1,
                   100000),
     )
-
-
-def msg_to_plan(msg: LayerPlan) -> planner.Plan:
-    """LayerPlan -> planner.Plan (full_ms recovered from budget / sigma)."""
-    update = np.asarray(msg.update, dtype=bool)
-    full = msg.budget_ms / msg.sigma if msg.sigma > 0 else math.nan
-    imp = np.nan_to_num(np.asarray(msg.importance, dtype=np.float64))
-    return planner.Plan(update=update, first_updated=int(msg.first_updated_index),
-                        objective=float(imp[update].sum()) if imp.size == update.size else 0.0,
-                        predicted_total_ms=float(msg.predicted_total_ms),
-                        budget_ms=float(msg.budget_ms), full_ms=float(full),
-                        solve_ms=float(msg.solve_ms))
 
 
 def _kv(d: dict[str, Any]) -> list[KeyValue]:
@@ -114,6 +119,17 @@ class Counters:
     topic_batches: int = 0
 
 
+def check_device(name: str) -> torch.device:
+    """The torch device `name`, or a ValueError saying why it cannot be used."""
+    try:
+        dev = torch.device(name)
+    except RuntimeError as exc:
+        raise ValueError(f"device={name!r} is not a torch device: {exc}") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} requested but CUDA is not available")
+    return dev
+
+
 class PerceptionNode(Node):
     """Runs a tta_core method on the camera stream; see the module docstring."""
 
@@ -126,13 +142,13 @@ class PerceptionNode(Node):
         declare_all(self, self.specs)
         self.p = values(self, self.specs)
         check_initial(self.specs, self.p)
-        self._check_device(self.p["device"])
+        self.device = check_device(self.p["device"])
         if self.p["num_threads"] > 0:
             torch.set_num_threads(self.p["num_threads"])
-        self.device = torch.device(self.p["device"])
         self._load_card()
         self._pending: dict[str, Any] = {}
         self._pending_lock = threading.Lock()
+        self.method: TTAMethodLike | None = None
         self._build_method()
         self.queue = FrameQueue(self.p["queue_size"])
         self.gate = PlanGate(self.p["plan_timeout_s"])
@@ -140,7 +156,8 @@ class PerceptionNode(Node):
                                      self.p["reset_patience"])
         self.counters = Counters()
         self._inline_fallback = False
-        self._no_room = False  # inline planning: no trainable unit fits sigma * T
+        self._no_room = ""  # inline planning: why no trainable unit fits sigma * T
+        self._telemetry: tuple[float, float, float] | None = None  # (time, pi1, pi2)
         self._diag_lock = threading.Lock()
         self.add_on_set_parameters_callback(self._on_set_parameters)
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
@@ -150,6 +167,7 @@ class PerceptionNode(Node):
         self.pub_diag = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
         self.create_subscription(Image, "image", self._on_image, qos_profile_sensor_data)
         self.create_subscription(LayerPlan, "layer_plan", self._on_plan, reliable)
+        self.create_subscription(ResourceTelemetry, "telemetry", self._on_telemetry, 10)
         self.create_timer(1.0, self._publish_diagnostics)
         self._stop = threading.Event()
         self._worker = threading.Thread(target=self._run, name="perception-worker",
@@ -157,15 +175,6 @@ class PerceptionNode(Node):
         self._worker.start()
 
     # ------------------------------------------------------------ set-up
-    @staticmethod
-    def _check_device(name: str) -> None:
-        try:
-            dev = torch.device(name)
-        except RuntimeError as exc:
-            raise ValueError(f"device={name!r} is not a torch device: {exc}") from exc
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device={name!r} requested but CUDA is not available")
-
     def _load_card(self) -> None:
         """Load the source model once; every (re)built method adapts a copy of it."""
         if not self.p["model_card"]:
@@ -193,16 +202,19 @@ class PerceptionNode(Node):
     def _build_method(self) -> None:
         """Build the configured method on a fresh copy of the source model."""
         model = copy.deepcopy(self.source_model).to(self.device)
-        old = getattr(self, "method", None)
-        if old is not None and hasattr(old, "engine"):
-            old.engine.close()
+        if self.method is not None:
+            self.method.close()
         self.method = build_method(self.p["method"], model, **self._method_cfg(self.p["method"]))
-        staged = getattr(self.method, "staged", None)
-        if staged is None:
+        if isinstance(self.method, TakesPlan):
+            self.unit_names = list(self.method.unit_names)
+        else:
             s = self.pre.image_size
-            staged = decompose(model, (3, s, s), self.arch)
-        self.unit_names = [u.name for u in staged.units]
-        self.accepts_plans = bool(getattr(self.method, "accepts_plan", False))
+            self.unit_names = [u.name for u in decompose(model, (3, s, s), self.arch).units]
+
+    @property
+    def accepts_plans(self) -> bool:
+        """Whether the current method follows LayerPlans."""
+        return isinstance(self.method, TakesPlan)
 
     # ------------------------------------------------------------ parameters
     def _on_set_parameters(self, params: Sequence[Parameter]) -> SetParametersResult:
@@ -228,9 +240,8 @@ class PerceptionNode(Node):
         if any(k in changes for k in REBUILD):
             self._build_method()
             self.get_logger().info(f"method rebuilt: {self.p['method']} ({self.p['mode']})")
-        engine = getattr(self.method, "engine", None)
-        if engine is not None and "sigma" in changes:
-            engine.config.sigma = float(self.p["sigma"])
+        if "sigma" in changes and isinstance(self.method, RuntimeTunable):
+            self.method.set_sigma(float(self.p["sigma"]))
         if "lr" in changes:
             self.method.set_lr(float(self.p["lr"]))
         if "queue_size" in changes:
@@ -242,6 +253,10 @@ class PerceptionNode(Node):
     # ------------------------------------------------------------ callbacks
     def _on_image(self, msg: Image) -> None:
         self.queue.push(msg)  # O(1), never blocks; conversion happens on the worker
+
+    def _on_telemetry(self, msg: ResourceTelemetry) -> None:
+        pi1, pi2 = telemetry_pis(msg.compute_expansion, msg.memory_expansion)
+        self._telemetry = (time.monotonic(), pi1, pi2)
 
     def _on_plan(self, msg: LayerPlan) -> None:
         if list(msg.unit_names) != self.unit_names or len(msg.update) != len(self.unit_names):
@@ -283,7 +298,7 @@ class PerceptionNode(Node):
                 self._diag_now("input", ERROR, f"frame rejected: {exc}")
         return xs, good
 
-    def _choose_plan(self) -> tuple[int, planner.Plan | None]:
+    def _choose_plan(self) -> tuple[int, Plan | None]:
         """(plan_id, plan) for the next batch; (0, None) means plan inline."""
         if not self.accepts_plans or self.p["plan_source"] != "topic":
             return 0, None
@@ -293,7 +308,20 @@ class PerceptionNode(Node):
             self._diag_now("planning", WARN, self._planning_message())
         return current if current is not None else (0, None)
 
-    def _step(self, x: torch.Tensor, plan: planner.Plan | None):
+    def _apply_telemetry(self) -> None:
+        """Inline plans use the live pi1/pi2 while telemetry is fresh."""
+        if not isinstance(self.method, TakesTelemetry):
+            return
+        tel = self._telemetry
+        if tel is not None and time.monotonic() - tel[0] <= self.p["telemetry_timeout_s"]:
+            self.method.set_expansion(tel[1], tel[2])
+        else:
+            self.method.clear_expansion()
+
+    def _step(self, x: torch.Tensor, plan: Plan | None) -> StepResult:
+        if plan is None:
+            self._apply_telemetry()
+            return self.method.step(x)
         return self.method.step(x, plan=plan)
 
     def _process(self, frames: list[Image]) -> None:
@@ -303,11 +331,7 @@ class PerceptionNode(Node):
         x = to_tensor(xs, self.pre).to(self.device)
         plan_id, plan = self._choose_plan()
         res = self._step(x, plan)
-        no_room = bool(res.planning is not None and res.planning.no_room)
-        if no_room and not self._no_room:
-            self._no_room = True
-            self._diag_now("planning", WARN, self._planning_message())
-        self._no_room = no_room
+        self._note_no_room(res)
         self.counters.batches += 1
         if plan_id:
             self.counters.topic_batches += 1
@@ -315,68 +339,47 @@ class PerceptionNode(Node):
             self.counters.inline_batches += 1
         logits = res.logits.float()
         reason = self.guard.check(bool(torch.isfinite(logits).all()), float(res.mean_entropy))
+        self._publish_batch(good, logits, res, plan_id, bool(reason))
         if reason:
             self.method.reset()
             self.get_logger().warning(f"divergence guard: {reason}; source weights restored")
             self._diag_now("adaptation", WARN, f"reset: {reason}")
-        self._publish_batch(good, logits, res, plan_id, bool(reason))
+
+    def _note_no_room(self, res: StepResult) -> None:
+        no_room = res.planning.no_room if res.planning is not None else ""
+        if no_room and not self._no_room:
+            self._no_room = no_room
+            self._diag_now("planning", WARN, self._planning_message())
+        self._no_room = no_room
 
     # ------------------------------------------------------------ publishing
-    def _publish_batch(self, frames: list[Image], logits: torch.Tensor, res: Any,
+    def _publish_batch(self, frames: list[Image], logits: torch.Tensor, res: StepResult,
                        plan_id: int, reset: bool) -> None:
+        """Predictions now; status (after a background update finished) and importance."""
         batch_id = self.counters.batches
         probs = torch.softmax(logits, dim=1).cpu().numpy()  # numpy: cheap per-row access
-        label, finite = probs.argmax(axis=1), np.isfinite(probs).all(axis=1)
-        scores = self.p["publish_scores"]
-        for i, img in enumerate(frames):
-            ok = bool(finite[i])
-            lab = int(label[i]) if ok else -1
-            pred = ClassPrediction(batch_id=batch_id, label=lab,
-                                   confidence=float(probs[i, lab]) if ok else math.nan,
-                                   class_name=self._class_name(lab),
-                                   scores=probs[i].tolist() if scores else [])
-            pred.header = img.header
+        for pred in prediction_msgs([f.header for f in frames], probs, batch_id,
+                                    self.class_names, self.p["publish_scores"]):
             self.pub_pred.publish(pred)
-        self.pub_status.publish(self._status_msg(frames[-1], batch_id, res, plan_id, reset))
-        imp = np.asarray(res.importance, dtype=np.float64)
-        if imp.shape == (len(self.unit_names),):
-            msg = LayerImportance(batch_id=batch_id, model_name=self.model_name,
-                                  unit_names=self.unit_names, importance=imp.tolist(),
-                                  forward_ms=float(res.times.forward_ms),
-                                  batch_size=len(frames))
-            msg.header = frames[-1].header
-            self.pub_imp.publish(msg)
+        self.method.finish()  # parallel mode: the status carries this update's backward
+        header = frames[-1].header
+        self.pub_status.publish(status_msg(
+            header, batch_id, res, method=self.p["method"], mode=self.p["mode"],
+            plan_id=plan_id, reset=reset, frames_dropped=int(self.queue.dropped),
+            peak_mb=peak_memory_mb(self.device)))
+        imp = importance_msg(header, batch_id, self.model_name, self.unit_names, res,
+                             len(frames))
+        if imp is not None:
+            self.pub_imp.publish(imp)
             if self.accepts_plans and self.p["plan_source"] == "topic":
                 self.gate.on_importance_sent()
-
-    def _class_name(self, label: int) -> str:
-        return self.class_names[label] if 0 <= label < len(self.class_names) else ""
-
-    def _status_msg(self, last: Image, batch_id: int, res: Any, plan_id: int,
-                    reset: bool) -> AdaptationStatus:
-        t = res.times
-        peak = (torch.cuda.max_memory_allocated(self.device) / 2**20
-                if self.device.type == "cuda" else
-                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0)
-        msg = AdaptationStatus(
-            batch_id=batch_id, method=self.p["method"], mode=self.p["mode"],
-            adapted=bool(res.adapted), units_updated=int(res.units_updated), plan_id=plan_id,
-            forward_ms=float(t.forward_ms), plan_ms=float(t.plan_ms),
-            backward_ms=float(t.backward_ms), reforward_ms=float(t.reforward_ms),
-            total_ms=float(t.total_ms), predicted_total_ms=float(res.predicted_total_ms),
-            budget_ms=float(res.budget_ms), loss=float(res.loss),
-            mean_entropy=float(res.mean_entropy), peak_memory_mb=float(peak),
-            frames_dropped=int(self.queue.dropped), reset=reset,
-            domain=res.domain)
-        msg.header = last.header
-        return msg
 
     def _planning_message(self) -> str:
         if not self.accepts_plans:
             return f"method {self.p['method']} plans nothing"
         if self._no_room:
-            return (f"no unit fits the budget at sigma={self.p['sigma']:g} after the forward,"
-                    f" plan phase and update cost: adapting BN statistics only; raise sigma")
+            return (f"sigma={self.p['sigma']:g}: {self._no_room} (adapting BN statistics "
+                    f"only)")
         if self.p["plan_source"] == "inline":
             return "planning inline (plan_source: inline)"
         if self._inline_fallback:
@@ -420,6 +423,8 @@ class PerceptionNode(Node):
         self._stop.set()
         self.queue.close()
         self._worker.join(timeout=30.0)
+        if self.method is not None:
+            self.method.close()
         super().destroy_node()
 
 

@@ -1,17 +1,14 @@
 """scheduler node: layer importance + telemetry -> `layer_plan` and RViz `layer_markers`.
 
-For every LayerImportance it scales the offline per-unit profile by the latest telemetry's
-pi_1/pi_2 (tta_core.adashadow.predictor.runtime_times; NaN or no telemetry -> 1) and solves the
-AdaShadow DP (tta_core.adashadow.planner.solve). Without a profile file the per-unit times are the
-MAC-proportional default of tta_core.adashadow.engine.mac_profile, scaled to the batch's measured
-forward_ms. The unit structure (names, stage starts) comes from decomposing the model
-described by the model card, so plans and perception agree on units by construction; a
-LayerImportance whose unit_names differ is refused with a diagnostic. The AdaptationStatus
-perception publishes for each plan it followed (plan_id echoed) closes the loop: its
-measured backward_ms against the plan's predicted backward drives the backward correction
-(tta_core.adashadow.backward_feedback) of the next plans, and its plan_ms and backward_ms +
-reforward_ms against the per-unit model teach the fixed costs (tta_core.adashadow.fixed_costs) that
-the next plans leave room for.
+ROS wiring around tta_core's PlanningService (the same planning loop the perception
+engine runs inline): every LayerImportance is planned with the latest fresh telemetry's
+pi1/pi2 (NaN or stale -> offline factors), the offline profile (or the MAC-proportional
+default scaled to the batch's measured forward), and what perception reported for earlier
+plans. The unit structure comes from decomposing the model the card describes, so plans
+and perception agree on units by construction; a LayerImportance whose unit_names differ
+is refused with a diagnostic. The AdaptationStatus perception publishes for each plan it
+followed (plan_id echoed) closes the loop (PlanningService.observe: backward correction,
+plan phase, the update's fixed cost).
 """
 
 from __future__ import annotations
@@ -19,7 +16,6 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
@@ -32,13 +28,18 @@ from std_msgs.msg import ColorRGBA
 from tta_msgs.msg import AdaptationStatus, LayerImportance, LayerPlan, ResourceTelemetry
 from visualization_msgs.msg import Marker, MarkerArray
 
-from tta_core.adashadow import engine, planner, predictor
-from tta_core.adashadow.backward_feedback import BackwardFeedback
-from tta_core.adashadow.fixed_costs import FixedCosts
-from tta_core.model.source import load_card
-from tta_core.model.units import decompose
-from tta_core.model.zoo import build_model
+from tta_core.adashadow.planning import (
+    FEEDBACK_MODES,
+    Measured,
+    PlanningConfig,
+    PlanningService,
+    PlanOutcome,
+    UnitProfile,
+    layout_from_card,
+    telemetry_pis,
+)
 from tta_ros import ros_params
+from tta_ros.convert import plan_to_msg
 from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
 
 PARAMS: tuple[ParamSpec, ...] = (
@@ -52,7 +53,7 @@ PARAMS: tuple[ParamSpec, ...] = (
               "forward measured on the batch (predictor.feedback_pis): memory = keep the "
               "telemetry's pi1 and solve pi2 from the forward (uniform while telemetry is "
               "stale), uniform = scale every time alike, off = telemetry only",
-              choices=predictor.FEEDBACK_MODES),
+              choices=FEEDBACK_MODES),
     ParamSpec("backward_feedback", 0.2, "EMA weight of the correction of predicted backward "
               "times by the backward_ms perception reports for our plans (0: off)", 0.0, 1.0,
               read_only=True),
@@ -69,53 +70,6 @@ PARAMS: tuple[ParamSpec, ...] = (
 UPDATED = ColorRGBA(r=0.1, g=0.8, b=0.2, a=0.9)
 FROZEN = ColorRGBA(r=0.55, g=0.55, b=0.55, a=0.6)
 WHITE = ColorRGBA(r=1.0, g=1.0, b=1.0, a=1.0)
-
-
-@dataclass
-class UnitLayout:
-    """What the scheduler knows about the model: unit names, stage starts, MAC profile."""
-
-    model_name: str
-    unit_names: list[str]
-    stage_start: np.ndarray
-    input_shape: tuple[int, int, int]
-    staged: object  # tta_core.model.units.StagedModel (for the MAC default profile)
-
-
-def load_layout(card_path: str) -> UnitLayout:
-    """Decompose the card's architecture (random weights: only the structure is used)."""
-    card = load_card(card_path)
-    size = card.image_size
-    staged = decompose(build_model(card.arch, card.num_classes), (3, size, size),
-                       arch=card.arch)
-    return UnitLayout(card.name or card.arch, [u.name for u in staged.units],
-                      staged.stage_start(), (3, size, size), staged)
-
-
-def expansion(tel: ResourceTelemetry | None) -> tuple[float, float]:
-    """(pi1, pi2) from telemetry; unknown / non-positive values count as 1 (offline)."""
-    if tel is None:
-        return 1.0, 1.0
-    vals = []
-    for v in (tel.compute_expansion, tel.memory_expansion):
-        vals.append(float(v) if math.isfinite(v) and v > 0 else 1.0)
-    return vals[0], vals[1]
-
-
-def plan_to_msg(plan: planner.Plan, imp: LayerImportance, plan_id: int, sigma: float,
-                unit_ms: np.ndarray) -> LayerPlan:
-    """planner.Plan -> LayerPlan answering `imp`."""
-    msg = LayerPlan(plan_id=plan_id, based_on_batch_id=imp.batch_id, model_name=imp.model_name,
-                    unit_names=list(imp.unit_names),
-                    update=[bool(u) for u in plan.update],
-                    importance=[float(a) for a in imp.importance],
-                    predicted_unit_ms=[float(t) for t in unit_ms],
-                    first_updated_index=int(plan.first_updated), sigma=float(sigma),
-                    budget_ms=float(plan.budget_ms),
-                    predicted_total_ms=float(plan.predicted_total_ms),
-                    solve_ms=float(plan.solve_ms))
-    msg.header = imp.header
-    return msg
 
 
 def plan_markers(plan: LayerPlan, frame_id: str, spacing: float,
@@ -159,24 +113,23 @@ class SchedulerNode(Node):
         declare_all(self, PARAMS)
         p = values(self, PARAMS)
         check_initial(PARAMS, p)
-        self.add_on_set_parameters_callback(lambda ps: validate(PARAMS, ps))
+        self.add_on_set_parameters_callback(self._on_set_parameters)
         if not p["model_card"]:
             raise ValueError("parameter model_card is empty: the scheduler needs the model")
-        self.layout = load_layout(ros_params.resolve_data_path(p["model_card"]))
-        self.profile = (predictor.UnitProfile.load(ros_params.resolve_data_path(p["profile"]))
-                        if p["profile"] else None)
-        if self.profile is not None:
-            self.profile.check_units(self.layout.unit_names)
+        layout = layout_from_card(ros_params.resolve_data_path(p["model_card"]))
+        profile = (UnitProfile.load(ros_params.resolve_data_path(p["profile"]))
+                   if p["profile"] else None)
+        self.planning = PlanningService(layout, PlanningConfig(
+            sigma=p["sigma"], n_t=p["n_t"], forward_feedback=p["forward_feedback"],
+            backward_feedback=p["backward_feedback"],
+            fixed_cost_feedback=p["fixed_cost_feedback"]), profile)
         self.telemetry: ResourceTelemetry | None = None
         self._tel_time = -math.inf
         self.plans_published = 0
         # perception records the autograd graph from the stage of the plan it follows: the
         # forward it reports is compared with that kind of forward (predictor.forward_reference)
         self._grad_from = 0
-        self.backward_fb = BackwardFeedback(alpha=p["backward_feedback"])
-        self.fixed = FixedCosts(alpha=p["fixed_cost_feedback"])
-        # plan_id -> predicted backward ms, predicted backward + reforward ms (per-unit model)
-        self._predicted: dict[int, tuple[float, float]] = {}
+        self._outcomes: dict[int, PlanOutcome] = {}  # plan_id -> outcome, last 64 plans
         self.last_error = ""
         self.no_room = ""  # why no update fits the budget (empty: some unit does)
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
@@ -190,112 +143,94 @@ class SchedulerNode(Node):
                                  reliable)
         self.create_timer(1.0, self._publish_diagnostics)
 
+    @property
+    def layout(self):
+        """The model's unit layout (tta_core.adashadow.planning.UnitLayout)."""
+        return self.planning.layout
+
+    def _on_set_parameters(self, params: Sequence[Parameter]):
+        res = validate(PARAMS, params)
+        if res.successful:
+            for prm in params:
+                if prm.name in ("sigma", "n_t", "forward_feedback"):
+                    setattr(self.planning.config, prm.name, prm.value)
+        return res
+
     def _on_telemetry(self, msg: ResourceTelemetry) -> None:
         self.telemetry, self._tel_time = msg, self._now()
 
     def _on_status(self, msg: AdaptationStatus) -> None:
-        """Perception followed one of our plans: check its predicted backward and learn the
-        costs outside the per-unit model."""
-        predicted = self._predicted.pop(int(msg.plan_id), None)
-        if predicted is None:
+        """Perception followed one of our plans: the service learns from what it measured.
+        In parallel mode no reforward runs (its time is not part of the check)."""
+        outcome = self._outcomes.pop(int(msg.plan_id), None)
+        if outcome is None:
             return
-        fwd = float(msg.forward_ms)
-        self.fixed.update_plan(float(msg.plan_ms), fwd)
-        if msg.adapted:
-            self.backward_fb.update(predicted[0], float(msg.backward_ms))
-            self.fixed.update_adapt(predicted[1], float(msg.backward_ms + msg.reforward_ms), fwd)
-        else:
-            self.fixed.idle()
+        self.planning.observe(outcome, Measured(
+            float(msg.forward_ms), float(msg.plan_ms), bool(msg.adapted),
+            float(msg.backward_ms),
+            None if msg.mode == "parallel" else float(msg.reforward_ms)))
 
     def _now(self) -> float:
         return self.get_clock().now().nanoseconds * 1e-9
 
-    def _unit_times(self, imp: LayerImportance) -> tuple[np.ndarray, ...]:
+    def _apply_telemetry(self) -> None:
+        """Fresh telemetry -> live pi1/pi2 in the service; stale -> offline factors."""
         fresh = self._now() - self._tel_time <= self.get_parameter("telemetry_timeout_s").value
-        pi1, pi2 = expansion(self.telemetry if fresh else None)
-        prof = self.profile or engine.mac_profile(self.layout.staged, float(imp.forward_ms),
-                                                  max(int(imp.batch_size), 1),
-                                                  self.layout.input_shape)
-        feedback = str(self.get_parameter("forward_feedback").value)
-        if self.profile is None or (feedback == "memory" and not fresh):
-            # MAC times are unitless shapes: always scaled to the measured forward; without
-            # live telemetry pi1 = 1 means "unknown", which "memory" would misread
-            feedback = "uniform"
-        return predictor.planning_times(prof, pi1, pi2, float(imp.forward_ms), feedback,
-                                        self._grad_from, self.backward_fb.factor)
+        if fresh and self.telemetry is not None:
+            self.planning.set_expansion(*telemetry_pis(self.telemetry.compute_expansion,
+                                                       self.telemetry.memory_expansion))
+        else:
+            self.planning.clear_expansion()
+
+    def plan_for(self, imp: LayerImportance) -> PlanOutcome:
+        """The service's plan for `imp` with the current telemetry (nothing published)."""
+        if list(imp.unit_names) != self.layout.unit_names:
+            raise ValueError(f"importance of model {imp.model_name!r} has "
+                             f"{len(imp.unit_names)} units that do not match the card's "
+                             f"{len(self.layout.unit_names)} units")
+        self._apply_telemetry()
+        return self.planning.plan(np.asarray(imp.importance, dtype=np.float64),
+                                  float(imp.forward_ms), grad_from=self._grad_from)
 
     def _on_importance(self, imp: LayerImportance) -> None:
         try:
-            plan, unit_ms, predicted = self._solve(imp)
+            outcome = self.plan_for(imp)
         except ValueError as exc:
             self.last_error = str(exc)
             self.get_logger().warning(f"no plan for batch {imp.batch_id}: {exc}",
                                       throttle_duration_sec=5.0)
             self._publish_diagnostics()
             return
-        self.last_error = ""
+        self.last_error, self.no_room = "", outcome.no_room
         self.plans_published += 1
-        n = len(self.layout.unit_names)
-        self._grad_from = (int(self.layout.stage_start[plan.first_updated])
-                           if plan.first_updated < n else n)
-        sigma = self.get_parameter("sigma").value
-        msg = plan_to_msg(plan, imp, self.plans_published, sigma, unit_ms)
-        self._predicted[self.plans_published] = predicted
-        while len(self._predicted) > 64:  # plans perception never followed
-            del self._predicted[next(iter(self._predicted))]
+        n = self.layout.n_units
+        first = outcome.plan.first_updated
+        self._grad_from = int(self.layout.stage_start[first]) if first < n else n
+        msg = plan_to_msg(outcome, imp, self.plans_published, self.planning.config.sigma)
+        self._outcomes[self.plans_published] = outcome
+        while len(self._outcomes) > 64:  # plans perception never followed
+            del self._outcomes[next(iter(self._outcomes))]
         self.pub_plan.publish(msg)
         self.pub_markers.publish(plan_markers(
             msg, self.get_parameter("marker_frame_id").value,
             self.get_parameter("bar_spacing").value, self.get_parameter("bar_max_height").value))
-
-    def _solve(self, imp: LayerImportance
-               ) -> tuple[planner.Plan, np.ndarray, tuple[float, float]]:
-        """The plan, the predicted per-unit backward ms and the plan's predicted backward
-        and backward + reforward by the per-unit model."""
-        if list(imp.unit_names) != self.layout.unit_names:
-            raise ValueError(f"importance of model {imp.model_name!r} has "
-                             f"{len(imp.unit_names)} units that do not match the card's "
-                             f"{len(self.layout.unit_names)} units")
-        if not (math.isfinite(imp.forward_ms) and imp.forward_ms >= 0):
-            raise ValueError(f"forward_ms={imp.forward_ms} is not a valid time")
-        w, x, r = self._unit_times(imp)
-        a = np.nan_to_num(np.asarray(imp.importance, dtype=np.float64), nan=0.0)
-        problem = planner.PlanProblem(w=w, x=x, r=r, stage_start=self.layout.stage_start,
-                                      importance=np.maximum(a, 0.0),
-                                      forward_ms=float(imp.forward_ms) + self.fixed.plan_phase_ms,
-                                      sigma=float(self.get_parameter("sigma").value),
-                                      overhead_ms=self.fixed.overhead_ms)
-        plan = planner.solve(problem, n_t=int(self.get_parameter("n_t").value))
-        self.no_room = self._no_room(problem, plan, a)
-        bwd = planner.backward_cost(w, x, plan.update)
-        per_unit = plan.predicted_total_ms - problem.forward_ms - problem.overhead_ms
-        return plan, w + x, (bwd, per_unit if plan.update.any() else 0.0)
-
-    @staticmethod
-    def _no_room(problem: planner.PlanProblem, plan: planner.Plan, importance: np.ndarray
-                 ) -> str:
-        """Why no unit that perception may update (importance > 0) fits the budget, or ""."""
-        candidates = importance > 0 if (importance > 0).any() else None
-        if planner.lowest_feasible_unit(problem, candidates) < len(importance):
-            return ""
-        return (f"no unit fits the budget sigma*T = {plan.budget_ms:.3g} ms after the forward "
-                f"and plan phase ({problem.forward_ms:.3g} ms) and the update's fixed cost "
-                f"({problem.overhead_ms:.3g} ms): plans stay empty, raise sigma to adapt")
 
     def _planning_status(self) -> DiagnosticStatus:
         st = DiagnosticStatus(name="tta scheduler: planning", hardware_id="")
         warn = self.last_error or self.no_room
         st.level = DiagnosticStatus.WARN if warn else DiagnosticStatus.OK
         st.message = warn or f"{self.plans_published} plans"
-        pi1, pi2 = expansion(self.telemetry)
+        svc = self.planning
+        pi1, pi2, live = svc.expansion
         st.values = [KeyValue(key="plans", value=str(self.plans_published)),
-                     KeyValue(key="profile", value=self.profile.device if self.profile
+                     KeyValue(key="profile", value=svc.profile.device if svc.profile
                               else "mac-estimate"),
                      KeyValue(key="pi1", value=f"{pi1:.4g}"),
                      KeyValue(key="pi2", value=f"{pi2:.4g}"),
-                     KeyValue(key="backward_factor", value=f"{self.backward_fb.factor:.4g}"),
-                     KeyValue(key="plan_phase_ms", value=f"{self.fixed.plan_phase_ms:.4g}"),
-                     KeyValue(key="update_overhead_ms", value=f"{self.fixed.overhead_ms:.4g}")]
+                     KeyValue(key="telemetry", value="live" if live else "offline"),
+                     KeyValue(key="backward_factor", value=f"{svc.backward_factor:.4g}"),
+                     KeyValue(key="plan_phase_ms", value=f"{svc.plan_phase_ms:.4g}"),
+                     KeyValue(key="update_overhead_ms", value=f"{svc.overhead_ms:.4g}")]
         return st
 
     def _publish_diagnostics(self) -> None:

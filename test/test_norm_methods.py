@@ -125,7 +125,8 @@ def test_norm_affine_params_filters_by_module_name() -> None:
     assert norm_affine_params(LayerNormNet(affine=False)) == []
 
 
-@pytest.mark.parametrize("model_cls", [NoNormNet, lambda: LayerNormNet(affine=False)])
+@pytest.mark.parametrize("model_cls", [NoNormNet, lambda: LayerNormNet(affine=False)],
+                         ids=["no-norm", "non-affine-layernorm"])
 @pytest.mark.parametrize("name", NORM_METHODS)
 def test_model_without_norm_affine_is_refused_in_one_line(name: str, model_cls) -> None:
     model = model_cls()

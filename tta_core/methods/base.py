@@ -1,7 +1,7 @@
 """Common interface of all TTA methods (after mariodoebler/test-time-adaptation).
 
 A method wraps a model; `step(x)` adapts on a batch and returns its predictions as an
-`engine.StepResult`; `reset()` restores the source weights, the optimizer and any
+`api.StepResult`; `reset()` restores the source weights, the optimizer and any
 method state bit for bit. Subclasses override the short hooks: configure_model,
 collect_params, loss, forward_and_adapt (and reset_state for extra state).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -19,8 +19,8 @@ from torch import Tensor, nn
 
 from tta_core import losses
 from tta_core.adashadow.planner import Plan
-from tta_core.api import PhaseTimes, StepResult, mean_entropy
-from tta_core.model.norms import set_bn_mode
+from tta_core.api import PhaseClock, PhaseTimes, StepResult, mean_entropy
+from tta_core.model.norms import NORM_NAMES, norm_affine_params, set_bn_mode
 
 
 @dataclass
@@ -73,8 +73,8 @@ class TTAMethod:
         self.model.requires_grad_(False)
 
     def collect_params(self) -> list[nn.Parameter]:
-        """Parameters the optimizer updates."""
-        return []
+        """Parameters the optimizer updates: those configure_model left trainable."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
     def setup_optimizer(self) -> torch.optim.Optimizer | None:
         """SGD over collect_params() (None when there is nothing to adapt)."""
@@ -88,13 +88,40 @@ class TTAMethod:
 
     def forward_and_adapt(self, x: Tensor) -> StepResult:
         """Predict on x, adapting on the way. Default: plain forward without grad."""
-        t0 = time.perf_counter()
+        clock = PhaseClock.for_tensor(x)
         with torch.no_grad():
             logits = self.model(x)
-        return self.result(logits, forward_ms=(time.perf_counter() - t0) * 1e3)
+        return self.result(logits, forward_ms=clock.mark())
 
     def reset_state(self) -> None:
         """Reset method state other than weights and optimizer (override when needed)."""
+
+    # ------------------------------------------------------------ helpers for subclasses
+    def nothing_to_adapt(self, lacks: str) -> ValueError:
+        """The one-line error for a model this method cannot adapt, e.g.
+        `tent: MLP has no parameters: nothing to adapt` (raised at construction, so a
+        bad model never reaches step() and fails there with an AttributeError)."""
+        return ValueError(f"{self.name}: {type(self.model).__name__} has {lacks}: "
+                          "nothing to adapt")
+
+    def train_norm_affine(self, include: Callable[[str], bool] | None = None) -> None:
+        """Make the affine params of the norm layers (`norm_affine_params`) trainable, as
+        Tent/EATA/SAR adapt them; ValueError (`nothing_to_adapt`) when there are none."""
+        params = norm_affine_params(self.model, include)
+        if not params:
+            skipped = include is not None and bool(norm_affine_params(self.model))
+            where = " outside the skipped modules" if skipped else ""
+            raise self.nothing_to_adapt(f"no {NORM_NAMES} layer with affine parameters{where}")
+        for p in params:
+            p.requires_grad_(True)
+
+    def reforward(self, x: Tensor, logits: Tensor, enabled: bool) -> Tensor:
+        """The batch's prediction after an update: a no-grad forward of the updated model
+        when `enabled` (sequential mode), else the pre-update `logits`."""
+        if not enabled:
+            return logits
+        with torch.no_grad():
+            return self.model(x)
 
     # ------------------------------------------------------------ public
     def step(self, x: Tensor) -> StepResult:
@@ -146,10 +173,11 @@ class TTAMethod:
     @staticmethod
     def result(logits: Tensor, forward_ms: float, backward_ms: float = 0.0,
                reforward_ms: float = 0.0, loss: float = float("nan"),
-               adapted: bool = False, units_updated: int = 0) -> StepResult:
-        """A StepResult for methods without a planner."""
-        total = forward_ms + backward_ms + reforward_ms
-        times = PhaseTimes(forward_ms, 0.0, backward_ms, reforward_ms, total)
+               adapted: bool = False, units_updated: int = 0,
+               post_ms: float = 0.0) -> StepResult:
+        """A StepResult for methods without a planner; total_ms is the sum of the phases."""
+        total = forward_ms + backward_ms + reforward_ms + post_ms
+        times = PhaseTimes(forward_ms, 0.0, backward_ms, reforward_ms, total, post_ms)
         return StepResult(logits=logits.detach(), times=times, loss=loss,
                           mean_entropy=mean_entropy(logits), adapted=adapted,
                           units_updated=units_updated)

@@ -14,14 +14,13 @@ jitter, shifts of ≤ 2 px, light noise — no flips: traffic-sign arrows are ch
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tta_core.api import StepResult
+from tta_core.api import PhaseClock, StepResult
 from tta_core.methods import register
 from tta_core.methods.base import MethodConfig, TTAMethod
 from tta_core.model.norms import set_bn_mode
@@ -73,15 +72,14 @@ class CoTTA(TTAMethod):
     def configure_model(self) -> None:
         if self.config.n_augmentations < 0:
             raise ValueError(f"n_augmentations must be >= 0, got {self.config.n_augmentations}")
+        if not any(True for _ in self.model.parameters()):
+            raise self.nothing_to_adapt("no parameters")
         set_bn_mode(self.model, self.config.bn_mode)
         self.model.requires_grad_(True)
         self.teacher = copy.deepcopy(self.model).requires_grad_(False)
         self.anchor = copy.deepcopy(self.model).requires_grad_(False)
         self._source = [p.detach().clone() for p in self.model.parameters()]
         self.gen = torch.Generator().manual_seed(self.config.seed)
-
-    def collect_params(self) -> list[nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
 
     @torch.no_grad()
     def _teacher_prediction(self, x: Tensor) -> tuple[Tensor, bool]:
@@ -107,19 +105,18 @@ class CoTTA(TTAMethod):
             p.copy_(torch.where(mask, src, p))
 
     def forward_and_adapt(self, x: Tensor) -> StepResult:
-        t0 = time.perf_counter()
+        clock = PhaseClock.for_tensor(x)
         with torch.enable_grad():
             student = self.model(x)
         teacher, augmented = self._teacher_prediction(x)
         with torch.enable_grad():  # CIFAR variant of the reference: CE to teacher's softmax
             loss = -(teacher.softmax(1) * student.log_softmax(1)).sum(1).mean()
-        t1 = time.perf_counter()
+        forward_ms = clock.mark()
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         self.optimizer.step()
         self._update_teacher_and_restore()
-        t2 = time.perf_counter()
-        res = self.result(teacher, (t1 - t0) * 1e3, (t2 - t1) * 1e3,
+        res = self.result(teacher, forward_ms, clock.mark(),
                           loss=float(loss.detach()), adapted=True,
                           units_updated=sum(1 for m in self.model.modules()
                                             if any(True for _ in m.parameters(recurse=False))))

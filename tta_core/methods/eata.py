@@ -1,7 +1,8 @@
 """EATA: efficient anti-forgetting test-time adaptation.
 
 Niu et al., "Efficient Test-Time Model Adaptation without Forgetting", ICML 2022.
-Tent's BN-affine entropy minimisation restricted to reliable, non-redundant samples:
+Tent's entropy minimisation on norm-layer (BN/LN/GN) affine parameters, restricted to
+reliable, non-redundant samples:
 - reliable: entropy below E0 = 0.4·ln C;
 - non-redundant: |cos(softmax(x), m)| < epsilon, m the moving average (0.9) of the
   softmax of the samples used so far. epsilon = 0.05 is the paper's ImageNet (C = 1000)
@@ -18,7 +19,6 @@ paper's ImageNet setting once enabled).
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tta_core.api import StepResult
+from tta_core.api import PhaseClock, StepResult
 from tta_core.methods import register
 from tta_core.methods.base import MethodConfig
 from tta_core.methods.tent import Tent
@@ -60,7 +60,7 @@ class Selection:
 
 @register("eata")
 class EATA(Tent):
-    """Sample-filtered, re-weighted entropy minimisation on BN affine parameters."""
+    """Sample-filtered, re-weighted entropy minimisation on norm affine parameters."""
 
     config_cls = EATAConfig
     config: EATAConfig
@@ -112,34 +112,30 @@ class EATA(Tent):
         return self.config.fisher_alpha * total
 
     def forward_and_adapt(self, x: Tensor) -> StepResult:
-        t0 = time.perf_counter()
+        clock = PhaseClock.for_tensor(x)
         with torch.enable_grad():
             logits = self.model(x)
             sel = self.select(logits)
             ent = softmax_entropy(logits)
             n_used = int(sel.used.sum())
             loss = (ent * sel.weight).sum() / max(n_used, 1) + self._ewc()
-        t1 = time.perf_counter()
+        forward_ms = clock.mark()
         if n_used > 0:  # original: no step when every sample is filtered out
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()
         self._update_probs(logits, sel.used)
         self.last_selection = sel
-        t2 = time.perf_counter()
-        out = logits
-        if self.config.reforward and n_used > 0:
-            with torch.no_grad():
-                out = self.model(x)
-        t3 = time.perf_counter()
-        res = self.result(out, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3,
+        backward_ms = clock.mark()
+        out = self.reforward(x, logits, self.config.reforward and n_used > 0)
+        res = self.result(out, forward_ms, backward_ms, clock.mark(),
                           loss=float(loss.detach()), adapted=n_used > 0,
                           units_updated=len(self.params) // 2 if n_used else 0)
         res.stats.update(n_reliable=int(sel.reliable.sum()), n_used=n_used)
         return res
 
     def compute_fisher(self, batches: Iterable[Tensor]) -> None:
-        """Diagonal Fisher of the BN affine params on source batches (EATA §3.3, EWC).
+        """Diagonal Fisher of the norm affine params on source batches (EATA §3.3, EWC).
 
         As in the reference code: cross-entropy against the model's own predictions,
         squared gradients averaged over batches. Enables the anti-forgetting term.

@@ -12,14 +12,13 @@ ViT head). The solve is reported as the phase "post" (res.times.post_ms).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tta_core.api import StepResult
+from tta_core.api import PhaseClock, StepResult
 from tta_core.methods import register
 from tta_core.methods.base import MethodConfig, TTAMethod
 
@@ -99,11 +98,11 @@ class LAME(TTAMethod):
         self._feats = args[0]
 
     def forward_and_adapt(self, x: Tensor) -> StepResult:
-        t0 = time.perf_counter()
+        clock = PhaseClock.for_tensor(x)
         with torch.no_grad():
             logits = self.model(x)
         feats, self._feats = self._feats, None
-        t1 = time.perf_counter()
+        forward_ms = clock.mark()
         c = self.config
         with torch.no_grad():
             unary = -torch.log(logits.float().softmax(1) + 1e-10)
@@ -112,9 +111,6 @@ class LAME(TTAMethod):
             if c.force_symmetry:
                 kernel = 0.5 * (kernel + kernel.t())
             y, iters = laplacian_optimization(unary, kernel, c.bound_lambda, c.max_steps)
-        t2 = time.perf_counter()
-        res = self.result(torch.log(y.clamp_min(1e-20)), (t1 - t0) * 1e3)
-        res.times.post_ms = (t2 - t1) * 1e3
-        res.times.total_ms += res.times.post_ms
+        res = self.result(torch.log(y.clamp_min(1e-20)), forward_ms, post_ms=clock.mark())
         res.stats.update(iterations=iters)
         return res

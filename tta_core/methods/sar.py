@@ -16,19 +16,15 @@ scales 2.5e-4 by batch/64 for ImageNet ResNet-50 (and uses Adam 1e-3 on CIFAR).
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from tta_core.api import StepResult
+from tta_core.api import PhaseClock, StepResult
 from tta_core.methods import register
 from tta_core.methods.base import MethodConfig, TTAMethod
 from tta_core.methods.eata import softmax_entropy
-from tta_core.model.norms import set_bn_mode
-
-_NORMS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm, nn.GroupNorm)
 
 
 @dataclass
@@ -64,18 +60,8 @@ class SAR(TTAMethod):
         return name not in c.skip_exact and not any(s in name + "." for s in c.skip)
 
     def configure_model(self) -> None:
-        set_bn_mode(self.model, self.config.bn_mode)
-        self.model.requires_grad_(False)
-        for name, m in self.model.named_modules():
-            if isinstance(m, _NORMS) and self._adapted(name):
-                for pn, p in m.named_parameters(recurse=False):
-                    if pn in ("weight", "bias"):
-                        p.requires_grad_(True)
-
-    def collect_params(self) -> list[nn.Parameter]:
-        return [p for name, m in self.model.named_modules()
-                if isinstance(m, _NORMS) and self._adapted(name)
-                for p in m.parameters(recurse=False) if p.requires_grad]
+        super().configure_model()
+        self.train_norm_affine(include=self._adapted)
 
     def e_margin(self, num_classes: int) -> float:
         """E0 = 0.4 · ln C."""
@@ -105,14 +91,14 @@ class SAR(TTAMethod):
         return float(loss2.detach()) if loss2 is not None else math.nan
 
     def forward_and_adapt(self, x: Tensor) -> StepResult:
-        t0 = time.perf_counter()
+        clock = PhaseClock.for_tensor(x)
         with torch.enable_grad():
             logits = self.model(x)
             e0 = self.e_margin(logits.shape[1])
             ent = softmax_entropy(logits)
             keep = ent.detach() < e0
             loss1 = ent[keep].mean() if bool(keep.any()) else None
-        t1 = time.perf_counter()
+        forward_ms = clock.mark()
         loss2, recovered = math.nan, False
         if loss1 is not None:
             loss2 = self._sam_update(x, loss1, keep, e0)
@@ -123,13 +109,9 @@ class SAR(TTAMethod):
                 self.reset()  # collapse: back to the source model
                 self.recoveries += 1
                 recovered = True
-        t2 = time.perf_counter()
-        out = logits
-        if self.config.reforward and loss1 is not None:
-            with torch.no_grad():
-                out = self.model(x)
-        t3 = time.perf_counter()
-        res = self.result(out, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3,
+        backward_ms = clock.mark()
+        out = self.reforward(x, logits, self.config.reforward and loss1 is not None)
+        res = self.result(out, forward_ms, backward_ms, clock.mark(),
                           loss=loss2, adapted=loss1 is not None,
                           units_updated=len(self.params) // 2 if loss1 is not None else 0)
         res.stats.update(n_reliable=int(keep.sum()), recovered=recovered,

@@ -21,7 +21,8 @@ import psutil
 import torch
 from torch import nn
 
-from tta_core.eval.report import FrameRecord, ReportFiles, RunRecord, write_report
+from tta_core.eval.report import FrameRecord, RunRecord
+from tta_core.eval.report_files import ReportFiles, write_report
 from tta_core.methods import available_methods, build_method, method_class
 
 DEFAULT_METHODS: tuple[str, ...] = ("source", "bn_adapt", "tent", "eata", "sar", "cotta",

@@ -21,6 +21,7 @@ import psutil
 import torch
 from torch import nn
 
+from tta_core.data.preprocess import images_to_tensor
 from tta_core.eval.report import FrameRecord, RunRecord
 from tta_core.eval.report_files import ReportFiles, write_report
 from tta_core.methods import available_methods, build_method, method_class
@@ -245,8 +246,6 @@ def _card_get(card: object, key: str, default: object = None) -> object:
 def images_to_input(images: np.ndarray, card: object, device: str = "cpu") -> torch.Tensor:
     """uint8 [N, H, W, 3] -> float [N, 3, H, W], normalised by the card's mean/std (what
     the source model was trained on; [0, 1] when the card has none)."""
-    from tta_core.data.streams import images_to_tensor
-
     mean = _card_get(card, "mean") or (0.0, 0.0, 0.0)
     std = _card_get(card, "std") or (1.0, 1.0, 1.0)
     return images_to_tensor(images, tuple(mean), tuple(std)).to(device)

@@ -202,19 +202,6 @@ def batches_from_arrays(x: torch.Tensor, labels: np.ndarray, domains: Sequence[s
     return out
 
 
-def summary_lines(runs: Sequence[RunRecord]) -> dict[str, dict[str, float]]:
-    """Per method: mean accuracy over domains, latency per phase (mean ms), fps, peak MB."""
-    from tta_core.eval.report import summarize
-
-    out = {}
-    for r in runs:
-        s = summarize(r)
-        out[r.method] = {"mean_accuracy": 100 * s.mean_accuracy,
-                         "fps": s.throughput_fps, "peak_mb": s.peak_memory_mb,
-                         **{f"{p}_ms": st.mean for p, st in s.phases.items()}}
-    return out
-
-
 def config_dict(cfg: BenchConfig) -> dict:
     """JSON-ready copy of the config."""
     d = asdict(cfg)

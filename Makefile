@@ -4,7 +4,7 @@
 #   make demo    set up (first time) and run the demo: bag -> three ROS 2 nodes -> report
 #   make test    set up (first time) and run the test suite
 #   make setup   only set up: .venv, pinned wheels, tta_msgs built, build/env.sh
-#   make lint    ruff over the Python sources
+#   make lint    ruff over the Python sources, lint-imports over the contracts in .importlinter
 
 PYTHON ?= python3
 VENV   := .venv
@@ -48,7 +48,7 @@ test: $(ENV)
 	. ./$(ENV) && python -m pytest
 
 lint: $(ENV)
-	. ./$(ENV) && ruff check .
+	. ./$(ENV) && ruff check . && lint-imports
 
 clean:
 	rm -rf $(BUILD) $(VENV) *.egg-info

@@ -27,7 +27,6 @@ setup(
         (f"share/{PACKAGE}", ["package.xml"]),
         (f"share/{PACKAGE}/launch", glob("launch/*.launch.py")),
         (f"share/{PACKAGE}/config", glob("config/*.yaml") + glob("config/*.rviz")),
-        (f"share/{PACKAGE}/config/profiles", glob("config/profiles/*.json")),
         (f"share/{PACKAGE}/checkpoints", glob("checkpoints/*.pt") + glob("checkpoints/*.json")),
         *[(f"share/{PACKAGE}/{d}", [f for f in glob(f"{d}/*") if os.path.isfile(f)])
           for d in sorted(glob("bags/*")) if os.path.isdir(d)],
@@ -41,6 +40,18 @@ setup(
             "resource_monitor_node = tta_ros.nodes.resource_monitor:main",
             "scheduler_node = tta_ros.nodes.scheduler:main",
             "bringup = tta_ros.bringup:main",
+        ],
+        # `tta` subcommands: each entry names a command module (tta_core.cli docstring)
+        "tta.commands": [
+            "bench = tta_core.cli.commands.bench",
+            "calibrate = tta_core.cli.commands.calibrate",
+            "doctor = tta_core.cli.commands.doctor",
+            "make-bag = tta_core.cli.commands.make_bag",
+            "predictor-bench = tta_core.cli.commands.predictor_bench",
+            "profile = tta_core.cli.commands.profile",
+            "train-source = tta_core.cli.commands.train_source",
+            "demo = tta_ros.commands.demo",
+            "replay = tta_ros.commands.replay",
         ],
     },
 )

@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from tta_core.data.corruptions import CORRUPTIONS, corrupt_image
+from tta_core.data.preprocess import images_to_tensor
 from tta_core.data.signs import make_signs
-from tta_core.data.streams import StreamSpec, build_stream, images_to_tensor
+from tta_core.data.streams import StreamSpec, build_stream
 from tta_core.model.source import accuracy, load_source
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,15 +1,21 @@
-"""The `tta` entry point: version, help, and the doctor's verdict with a dependency hidden."""
+"""The `tta` entry point: version, help, subcommands from the `tta.commands` entry points,
+and the doctor's verdict with a dependency hidden."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from importlib import metadata
+from pathlib import Path
 
 import pytest
 
 from tta_core import __version__
-from tta_core.cli import build_parser, main
+from tta_core.cli import ENTRY_POINT_GROUP, build_parser, main
+
+CORE_COMMANDS = {"bench", "calibrate", "doctor", "make-bag", "predictor-bench", "profile",
+                 "train-source"}
 
 
 def test_version_flag(capsys):
@@ -30,6 +36,61 @@ def test_every_discovered_command_has_help():
     assert "doctor" in sub.choices
     for name, p in sub.choices.items():
         assert p.description, name
+
+
+def _commands() -> set[str]:
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    return set(sub.choices)
+
+
+def _fake_entry_points(monkeypatch: pytest.MonkeyPatch, **values: str) -> None:
+    """`importlib.metadata.entry_points` answering the tta.commands group with `values`."""
+    eps = metadata.EntryPoints(metadata.EntryPoint(name, value, ENTRY_POINT_GROUP)
+                               for name, value in values.items())
+
+    def entry_points(**params: str) -> metadata.EntryPoints:
+        assert params == {"group": ENTRY_POINT_GROUP}, params
+        return eps
+
+    monkeypatch.setattr(metadata, "entry_points", entry_points)
+
+
+def _command_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, module: str,
+                    body: str) -> None:
+    (tmp_path / f"{module}.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_commands_come_from_the_entry_point_group(tmp_path, monkeypatch, capsys):
+    _command_module(tmp_path, monkeypatch, "tta_test_hello_cmd", (
+        "NAME = 'hello'\nHELP = 'say hello'\n"
+        "def add_arguments(p):\n    p.add_argument('--who', default='world')\n"
+        "def run(args):\n    print(f'hello {args.who}')\n    return 3\n"))
+    _fake_entry_points(monkeypatch, hello="tta_test_hello_cmd",
+                       doctor="tta_core.cli.commands.doctor")
+    assert _commands() == {"hello", "doctor"}  # only the group: nothing scanned besides
+    assert main(["hello", "--who", "tta"]) == 3
+    assert capsys.readouterr().out == "hello tta\n"
+
+
+def test_without_the_group_the_core_commands_are_scanned(monkeypatch):
+    """An install older than the group (no `make setup` since): tta_core's commands only."""
+    _fake_entry_points(monkeypatch)
+    assert _commands() == CORE_COMMANDS
+
+
+def test_bad_command_entry_points_are_named(tmp_path, monkeypatch):
+    _command_module(tmp_path, monkeypatch, "tta_test_runless_cmd",
+                    "NAME = 'runless'\nHELP = 'no run'\ndef add_arguments(p):\n    pass\n")
+    _fake_entry_points(monkeypatch, runless="tta_test_runless_cmd")
+    with pytest.raises(TypeError, match=r"'runless' .* lacks run"):
+        build_parser()
+    _fake_entry_points(monkeypatch, ghost="tta_test_no_such_module")
+    with pytest.raises(ImportError, match=r"'ghost' .* cannot be loaded"):
+        build_parser()
+    _fake_entry_points(monkeypatch, doc="tta_core.cli.commands.doctor")
+    with pytest.raises(ValueError, match=r"'doc' .* NAME is 'doctor'"):
+        build_parser()
 
 
 def _doctor(env: dict[str, str]) -> subprocess.CompletedProcess:

@@ -8,13 +8,13 @@ from PIL import Image
 
 from tta_core.data.corruptions import CORRUPTIONS, SEVERITIES, corrupt_batch, corrupt_image
 from tta_core.data.loaders import load_cifar10c, load_image_folder
+from tta_core.data.preprocess import images_to_tensor
 from tta_core.data.signs import CLASS_NAMES, make_signs
 from tta_core.data.streams import (
     GRADUAL_LEVELS,
     StreamSpec,
     build_stream,
     dirichlet_labels,
-    images_to_tensor,
 )
 
 

@@ -1,15 +1,36 @@
-"""ROS 2 package metadata is valid for colcon/rosdep and declares the real dependencies."""
+"""ROS 2 package metadata is valid for colcon/rosdep and declares the real dependencies; what
+setup.py builds (a wheel, a colcon-style install) holds the packages, the ROS share files, the
+console scripts and the `tta.commands` entry points."""
 
 from __future__ import annotations
 
-import ast
+import configparser
 import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+import pytest
 from catkin_pkg.package import parse_package
 
 ROOT = Path(__file__).resolve().parents[1]
+# What setup.py reads: copied, because building writes build/ and tta_ros.egg-info/ next to
+# setup.py, and an egg-info in the checkout would shadow the installed metadata.
+BUILD_INPUTS = ("setup.py", "setup.cfg", "package.xml", "resource", "tta_core", "tta_ros",
+                "kernels", "launch", "config", "checkpoints", "bags")
+CONSOLE_SCRIPTS = {
+    "tta": "tta_core.cli:main",
+    "perception_node": "tta_ros.nodes.perception:main",
+    "resource_monitor_node": "tta_ros.nodes.resource_monitor:main",
+    "scheduler_node": "tta_ros.nodes.scheduler:main",
+    "bringup": "tta_ros.bringup:main",
+}
+COMMAND_PACKAGES = {"tta_core.cli.commands": ROOT / "tta_core" / "cli" / "commands",
+                    "tta_ros.commands": ROOT / "tta_ros" / "commands"}
 
 
 def _deps(pkg) -> set[str]:
@@ -46,29 +67,122 @@ def test_cmake_generates_every_msg_file():
                                  "AdaptationStatus", "ClassPrediction"}
 
 
-def test_setup_py_installs_all_three_python_packages_and_ament_resources():
-    tree = ast.parse((ROOT / "setup.py").read_text())
-    text = ast.unparse(tree)
-    for needle in ("tta_core", "tta_ros", "tta_kernels", "'kernels'",
-                   "share/ament_index/resource_index/packages", "tta = tta_core.cli:main"):
-        assert needle in text, needle
-    assert (ROOT / "resource" / "tta_ros").exists()
+@pytest.fixture(scope="module")
+def source_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The build inputs of setup.py in a scratch directory (see BUILD_INPUTS)."""
+    dst = tmp_path_factory.mktemp("source")
+    for name in BUILD_INPUTS:
+        src = ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dst / name,
+                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        else:
+            shutil.copy2(src, dst / name)
+    return dst
+
+
+@dataclass
+class Wheel:
+    """The names and text files of a built wheel."""
+
+    path: Path
+    names: set[str]
+
+    @property
+    def dist_info(self) -> str:
+        return next(n.split("/")[0] for n in self.names if n.split("/")[0].endswith(".dist-info"))
+
+    @property
+    def share(self) -> str:
+        """Prefix of the data files (installed under sys.prefix)."""
+        return self.dist_info.replace(".dist-info", ".data") + "/data/share/"
+
+    def read(self, name: str) -> bytes:
+        with zipfile.ZipFile(self.path) as z:
+            return z.read(name)
+
+
+@pytest.fixture(scope="module")
+def wheel(source_copy: Path, tmp_path_factory: pytest.TempPathFactory) -> Wheel:
+    out = tmp_path_factory.mktemp("wheel")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+         "--disable-pip-version-check", "-q", "-w", str(out), "."],
+        cwd=source_copy, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    (path,) = out.glob("tta_ros-*.whl")
+    with zipfile.ZipFile(path) as z:
+        return Wheel(path, set(z.namelist()))
+
+
+def _sources(package_dir: Path, package: str) -> set[str]:
+    return {f"{package}/{p.relative_to(package_dir).as_posix()}"
+            for p in package_dir.rglob("*.py") if "__pycache__" not in p.parts}
+
+
+def test_wheel_holds_all_three_python_packages(wheel: Wheel) -> None:
+    assert _sources(ROOT / "tta_core", "tta_core") <= wheel.names
+    assert _sources(ROOT / "tta_ros", "tta_ros") <= wheel.names
+    assert "tta_core/py.typed" in wheel.names
+    kernels = _sources(ROOT / "kernels", "tta_kernels")  # kernels/ installs as tta_kernels
+    assert kernels and kernels <= wheel.names
+    for name in kernels:
+        assert wheel.read(name) == (ROOT / "kernels" / name.split("/", 1)[1]).read_bytes(), name
+    meta = wheel.read(f"{wheel.dist_info}/METADATA").decode()
+    version = parse_package(str(ROOT / "package.xml")).version
+    assert "\nName: tta_ros\n" in meta and f"\nVersion: {version}\n" in meta
+
+
+def test_installed_metadata_matches_the_manifest() -> None:
     assert metadata.version("tta_ros") == parse_package(str(ROOT / "package.xml")).version
-    import tta_kernels
-
-    assert Path(tta_kernels.__file__).parent == ROOT / "kernels"
 
 
-def test_colcon_style_install_layout(tmp_path):
+def test_wheel_installs_the_ros_share_files(wheel: Wheel) -> None:
+    """ament index marker, manifest, launch, config, checkpoints and every sample bag."""
+    shipped = {n[len(wheel.share):] for n in wheel.names if n.startswith(wheel.share)}
+    ament = {"ament_index/resource_index/packages/tta_ros", "tta_ros/package.xml"}
+    in_tree = {f"tta_ros/{p.relative_to(ROOT).as_posix()}" for pattern in (
+        "launch/*.launch.py", "config/*.yaml", "config/*.rviz", "checkpoints/*.pt",
+        "checkpoints/*.json", "bags/*/*") for p in ROOT.glob(pattern) if p.is_file()}
+    assert shipped == ament | in_tree
+    assert {"tta_ros/launch/vehicle.launch.py", "tta_ros/config/vehicle.yaml",
+            "tta_ros/config/tta.rviz", "tta_ros/checkpoints/small_resnet_signs32.json",
+            "tta_ros/checkpoints/small_resnet_signs32.pt",
+            "tta_ros/bags/signs32_sample/metadata.yaml",
+            "tta_ros/bags/signs32_sample/signs32_sample.mcap"} <= shipped
+    assert (ROOT / "resource" / "tta_ros").exists()
+
+
+def _entry_points(wheel: Wheel) -> configparser.ConfigParser:
+    parser = configparser.ConfigParser(delimiters=("=",))
+    parser.optionxform = str  # type: ignore[assignment,method-assign]  # names keep their case
+    parser.read_string(wheel.read(f"{wheel.dist_info}/entry_points.txt").decode())
+    return parser
+
+
+def test_wheel_declares_the_console_scripts(wheel: Wheel) -> None:
+    assert dict(_entry_points(wheel)["console_scripts"]) == CONSOLE_SCRIPTS
+
+
+def test_wheel_declares_every_tta_command(wheel: Wheel) -> None:
+    """Every module of the command packages is a `tta.commands` entry named by its NAME."""
+    commands = dict(_entry_points(wheel)["tta.commands"])
+    modules = {f"{pkg}.{p.stem}" for pkg, d in COMMAND_PACKAGES.items()
+               for p in d.glob("*.py") if not p.stem.startswith("_")}
+    assert set(commands.values()) == modules
+    for name, value in commands.items():
+        mod = metadata.EntryPoint(name, value, "tta.commands").load()
+        assert mod.NAME == name, value
+    assert {"doctor", "bench", "demo", "replay"} <= set(commands)
+
+
+def test_colcon_style_install_layout(source_copy: Path, tmp_path: Path) -> None:
     """What `colcon build` (ament_python: setup.py install) lays out for `ros2 launch/run`."""
-    import subprocess
-    import sys
-
     proc = subprocess.run(
         [sys.executable, "setup.py", "-q", "build", "--build-base", str(tmp_path / "b"),
          "install", "--prefix", str(tmp_path),
          "--single-version-externally-managed", "--record", str(tmp_path / "rec.txt")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300)
+        cwd=source_copy, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     share = tmp_path / "share" / "tta_ros"
     for rel in ("package.xml", "launch/vehicle.launch.py", "config/vehicle.yaml",

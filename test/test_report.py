@@ -15,8 +15,8 @@ from tta_core.eval.report import (
     load_runs,
     markdown_table,
     summarize,
-    write_report,
 )
+from tta_core.eval.report_files import write_report
 
 
 def _run(method: str = "tent") -> RunRecord:

@@ -335,9 +335,9 @@ def test_sampler_fills_pi1_pi2_from_calibration() -> None:
     s = sampler.sample()
     assert (s.compute_expansion, s.memory_expansion) == (pytest.approx(3.0), pytest.approx(3.0))
     assert sampler.last_expansion.pi2_source == "perf" and sampler.last_expansion.share == 1.5
-    # a bare calibration: the default ("share") model on it
-    sampler = TelemetrySampler(sources=[src], calibration=cal)
-    assert sampler.expansion.model == "share" and sampler.calibration is cal
+    # the default ("share") model on a calibration
+    sampler = TelemetrySampler(sources=[src], expansion=ExpansionModel(calibration=cal))
+    assert sampler.expansion.model == "share" and sampler.expansion.calibration is cal
     assert math.isfinite(sampler.sample().compute_expansion)
     s = TelemetrySampler(sources=[src]).sample()  # no calibration: unknown, not 1 or 0
     assert math.isnan(s.compute_expansion) and math.isnan(s.memory_expansion)
@@ -394,8 +394,7 @@ def test_sampler_probe_feeds_pi2_only_without_hit_rate() -> None:
 
 
 def test_bandwidth_probe_measures_a_positive_bandwidth() -> None:
-    from tta_core.adashadow.calibration import cache_sizes
-    from tta_core.telemetry import BandwidthProbe
+    from tta_core.telemetry import BandwidthProbe, cache_sizes
 
     probe = BandwidthProbe(nbytes=4 << 20)
     assert probe.nbytes == 4 << 20

@@ -30,14 +30,8 @@ from rclpy.qos import QoSProfile
 from sensor_msgs.msg import Image
 from tta_msgs.msg import AdaptationStatus, ClassPrediction
 
-from tta_core.eval.report import (
-    FrameRecord,
-    ReportFiles,
-    RunRecord,
-    report_dict,
-    write_json_atomic,
-    write_report,
-)
+from tta_core.eval.report import FrameRecord, RunRecord, report_dict, write_json_atomic
+from tta_core.eval.report_files import ReportFiles, write_report
 from tta_core.io.bag import BagFrame, read_bag, stamp_ns
 
 STATUS_PHASES = {"forward": "forward_ms", "plan": "plan_ms", "backward": "backward_ms",

@@ -35,7 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from tta_core.adashadow.predictor import Calibration
+from tta_core.adashadow.predictor import Calibration  # re-exported: load_calibration's type
+from tta_core.telemetry import BandwidthProbe, PerfSource, PsutilSource, SysfsSource
+from tta_core.telemetry.caches import cache_sizes
 
 CALIBRATION_SCHEMA = "tta.calibration/1"
 BUSY_KINDS = ("compute", "memory")
@@ -244,23 +246,6 @@ class _Workload:
         return self._timed()
 
 
-def cache_sizes() -> tuple[int, int]:
-    """(L2, last-level) data cache sizes in bytes from sysfs; defaults 512 KiB / 32 MiB."""
-    sizes: dict[int, int] = {}
-    for idx in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            level = int((idx / "level").read_text())
-            if (idx / "type").read_text().strip() == "Instruction":
-                continue
-            txt = (idx / "size").read_text().strip().upper()
-            mult = {"K": 1 << 10, "M": 1 << 20}.get(txt[-1], 1)
-            sizes[level] = int(txt.rstrip("KM")) * mult
-        except (OSError, ValueError):
-            continue
-    l2 = sizes.get(2, 512 << 10)
-    return l2, max(sizes.values(), default=32 << 20)
-
-
 def copy_bandwidth_gbs(nbytes: int, seconds: float) -> float:
     """Best observed copy bandwidth (read + write bytes / s, in GB/s) of an nbytes buffer."""
     src = np.ones(max(1, nbytes // 8))
@@ -287,8 +272,6 @@ def measure_bandwidth(seconds: float) -> tuple[float, float, int, int]:
 
 def _offline_state() -> tuple[float, float]:
     """(CPU MHz, CPU degC) from sysfs, NaN where not exposed."""
-    from tta_core.telemetry import SysfsSource
-
     got = SysfsSource().read()
     return got["cpu_freq_mhz"], got["cpu_temp_c"]
 
@@ -305,8 +288,6 @@ def _time_idle(work: _Workload, cfg: CalibrationConfig) -> tuple[float, float]:
 
     Our own pid and children are excluded (the resource monitor likewise excludes itself).
     """
-    from tta_core.telemetry import PsutilSource
-
     window = 0.25
     src = PsutilSource(proc_interval_s=window)
     t0 = time.monotonic()
@@ -321,8 +302,6 @@ def _time_idle(work: _Workload, cfg: CalibrationConfig) -> tuple[float, float]:
 
 def probe_bandwidth(repeats: int) -> float:
     """Mean of `repeats` BandwidthProbe runs in GB/s (NaN for 0 repeats)."""
-    from tta_core.telemetry import BandwidthProbe
-
     if repeats < 1:
         return float("nan")
     probe = BandwidthProbe()
@@ -330,8 +309,6 @@ def probe_bandwidth(repeats: int) -> float:
 
 
 def _hit_rate_idle(work: _Workload) -> float:
-    from tta_core.telemetry import PerfSource
-
     src = PerfSource(pid=os.getpid())
     try:
         work.run()

@@ -171,15 +171,3 @@ def build_stream(spec: StreamSpec, progress: bool = False) -> Stream:
     return Stream(images, labels, domains, CLASS_NAMES[: spec.num_classes], spec.order,
                   spec.seed)
 
-
-def images_to_tensor(images: np.ndarray, mean: tuple[float, ...], std: tuple[float, ...]):
-    """uint8 NHWC -> float32 NCHW normalised by per-channel mean/std (in [0, 1] units)."""
-    import torch
-
-    if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] != 3:
-        raise ValueError(f"expected (N, H, W, 3) uint8 images, got {images.shape} "
-                         f"{images.dtype}")
-    x = torch.from_numpy(np.ascontiguousarray(images)).permute(0, 3, 1, 2).float().div_(255.0)
-    m = torch.tensor(mean, dtype=torch.float32).view(1, 3, 1, 1)
-    s = torch.tensor(std, dtype=torch.float32).view(1, 3, 1, 1)
-    return (x - m) / s

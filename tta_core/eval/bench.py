@@ -21,7 +21,9 @@ import psutil
 import torch
 from torch import nn
 
-from tta_core.eval.report import FrameRecord, ReportFiles, RunRecord, write_report
+from tta_core.data.preprocess import images_to_tensor
+from tta_core.eval.report import FrameRecord, RunRecord
+from tta_core.eval.report_files import ReportFiles, write_report
 from tta_core.methods import available_methods, build_method, method_class
 
 DEFAULT_METHODS: tuple[str, ...] = ("source", "bn_adapt", "tent", "eata", "sar", "cotta",
@@ -200,19 +202,6 @@ def batches_from_arrays(x: torch.Tensor, labels: np.ndarray, domains: Sequence[s
     return out
 
 
-def summary_lines(runs: Sequence[RunRecord]) -> dict[str, dict[str, float]]:
-    """Per method: mean accuracy over domains, latency per phase (mean ms), fps, peak MB."""
-    from tta_core.eval.report import summarize
-
-    out = {}
-    for r in runs:
-        s = summarize(r)
-        out[r.method] = {"mean_accuracy": 100 * s.mean_accuracy,
-                         "fps": s.throughput_fps, "peak_mb": s.peak_memory_mb,
-                         **{f"{p}_ms": st.mean for p, st in s.phases.items()}}
-    return out
-
-
 def config_dict(cfg: BenchConfig) -> dict:
     """JSON-ready copy of the config."""
     d = asdict(cfg)
@@ -244,8 +233,6 @@ def _card_get(card: object, key: str, default: object = None) -> object:
 def images_to_input(images: np.ndarray, card: object, device: str = "cpu") -> torch.Tensor:
     """uint8 [N, H, W, 3] -> float [N, 3, H, W], normalised by the card's mean/std (what
     the source model was trained on; [0, 1] when the card has none)."""
-    from tta_core.data.streams import images_to_tensor
-
     mean = _card_get(card, "mean") or (0.0, 0.0, 0.0)
     std = _card_get(card, "std") or (1.0, 1.0, 1.0)
     return images_to_tensor(images, tuple(mean), tuple(std)).to(device)

@@ -1,6 +1,7 @@
 """The report shared by `tta bench` and `tta replay`: per-frame records of one run (or of
 several methods) -> summary (accuracy per domain in stream order, throughput, latency per
-phase, end-to-end latency, peak memory) -> JSON + markdown table + PNG plots.
+phase, end-to-end latency, peak memory) -> JSON + markdown table. The PNG plots come
+from tta_core.eval.report_plots; tta_core.eval.report_files writes all of them.
 
 Latency parts are per batch: every frame of a batch carries the same `phases_ms`,
 `budget_ms` and `batch_id`, and phase statistics count each batch once. A method with a
@@ -91,15 +92,6 @@ class RunSummary:
     within_budget: float = math.nan
     # fraction of the batches that updated the model (NaN: not reported)
     adapted: float = math.nan
-
-
-@dataclass
-class ReportFiles:
-    """Paths written by `write_report`."""
-
-    json: Path
-    markdown: Path
-    plots: list[Path]
 
 
 # ----------------------------------------------------------------------------- summary
@@ -272,21 +264,3 @@ def load_runs(path: str | Path) -> list[RunRecord]:
         runs.append(RunRecord(r["method"], frames, nan(r["wall_s"]), nan(r["peak_memory_mb"]),
                               int(r["frames_dropped"]), dict(r["meta"])))
     return runs
-
-
-def write_report(runs: Sequence[RunRecord], out_dir: str | Path,
-                 title: str = "tta report") -> ReportFiles:
-    """Write report.json, report.md and the PNG plots of `runs` into `out_dir`."""
-    from tta_core.eval.report_plots import write_plots
-
-    if not any(r.frames for r in runs):
-        raise ValueError("no run has frames: nothing to report")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    summaries = [summarize(r) for r in runs if r.frames]
-    json_path = out / "report.json"
-    write_json_atomic(json_path, report_dict(runs))
-    md_path = out / "report.md"
-    md_path.write_text(f"# {title}\n\nAccuracy in %, latency in ms.\n\n"
-                       + markdown_table(summaries))
-    return ReportFiles(json_path, md_path, write_plots(summaries, out))

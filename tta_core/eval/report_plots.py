@@ -9,15 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-if TYPE_CHECKING:
-    from tta_core.eval.report import RunSummary
+from tta_core.eval.report import PHASES, RunSummary
 
 
 def _accuracy_over_time(summaries: Sequence[RunSummary], path: Path) -> Path:
@@ -42,8 +40,6 @@ def _accuracy_over_time(summaries: Sequence[RunSummary], path: Path) -> Path:
 
 
 def _latency_bars(summaries: Sequence[RunSummary], path: Path) -> Path:
-    from tta_core.eval.report import PHASES
-
     fig, ax = plt.subplots(figsize=(max(4, 1.2 * len(summaries) + 2), 3.6))
     names = [s.method for s in summaries]
     bottom = [0.0] * len(summaries)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tta_core.data.streams import images_to_tensor
+from tta_core.data.preprocess import images_to_tensor
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def to_tensor(images: Sequence[np.ndarray], pre: Preprocess) -> torch.Tensor:
     """Decoded HxWx3 images (uint8, or float in [0, 1]) -> Nx3xSxS normalised batch.
 
     Same-size uint8 frames at the card's size go through one vectorised normalisation
-    (tta_core.data.streams.images_to_tensor, as in training); others are resized
+    (tta_core.data.preprocess.images_to_tensor, as in training); others are resized
     (bilinear, antialiased) frame by frame first.
     """
     if not images:

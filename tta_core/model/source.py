@@ -15,8 +15,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from tta_core.data.preprocess import images_to_tensor
 from tta_core.data.signs import make_signs
-from tta_core.data.streams import images_to_tensor
 from tta_core.model.zoo import ARCHS, build_model
 
 CARD_SCHEMA = "tta.model_card/1"

@@ -2,10 +2,9 @@
 
 Where perf_event gives no LLC hit rate (a VM, a locked-down kernel), memory contention is
 read as the drop of this probe's bandwidth relative to the same probe at calibration time:
-pi2 = b_off / b_now (tta_core.adashadow.expansion). The probe copies a buffer 4x the
-last-level cache
-(>= 32 MiB, <= 256 MiB; two such buffers are held) in 1 MiB chunks, some 5-50 ms a call,
-so a monitor runs it at most every second or so.
+pi2 = b_off / b_now (an expansion model, e.g. tta_core.adashadow.expansion). The probe
+copies a buffer 4x the last-level cache (>= 32 MiB, <= 256 MiB; two such buffers are held)
+in 1 MiB chunks, some 5-50 ms a call, so a monitor runs it at most every second or so.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import time
 
 import numpy as np
 
-from tta_core.adashadow.calibration import cache_sizes
+from tta_core.telemetry.caches import cache_sizes
 
 
 class BandwidthProbe:

@@ -2,10 +2,11 @@
 
 Sources are asked in priority order; each field takes the first known (finite / non-empty)
 value. A source that raises is recorded in `describe()` and skipped: `sample()` never raises.
-With a Calibration (or an ExpansionModel), compute_expansion / memory_expansion (pi_1 / pi_2)
-are filled by tta_core.adashadow.expansion ("share" model by default). An optional BandwidthProbe
-feeds pi_2 where the LLC hit rate is unknown: run at most every `probe_interval_s`, the mean
-of the last `probe_window` runs is used.
+With an expansion model (anything with the `ExpansionEstimator` shape, e.g.
+tta_core.adashadow.expansion.ExpansionModel), compute_expansion / memory_expansion (pi_1 /
+pi_2) are filled; telemetry itself knows no latency model, so it imports nothing from
+AdaShadow. An optional BandwidthProbe feeds pi_2 where the LLC hit rate is unknown: run at
+most every `probe_interval_s`, the mean of the last `probe_window` runs is used.
 """
 
 from __future__ import annotations
@@ -14,10 +15,8 @@ import math
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from tta_core.adashadow.expansion import Expansion, ExpansionModel
-from tta_core.adashadow.predictor import Calibration
 from tta_core.telemetry.bandwidth_probe import BandwidthProbe
 from tta_core.telemetry.jtop_source import JtopSource
 from tta_core.telemetry.nvml_source import NvmlSource
@@ -31,6 +30,29 @@ from tta_core.telemetry.sample import (
     is_known,
 )
 from tta_core.telemetry.sysfs_source import SysfsSource
+
+
+class ExpansionResult(Protocol):
+    """One evaluation of an expansion model: the factors the sampler copies into a sample."""
+
+    @property
+    def pi1(self) -> float: ...
+
+    @property
+    def pi2(self) -> float: ...
+
+
+class ExpansionEstimator(Protocol):
+    """What the sampler needs of an expansion model (duck-typed, so telemetry stays generic).
+
+    `pi2_mode` "probe" asks for the probe bandwidth where the LLC hit rate is unknown;
+    `evaluate` must not raise for unknown (NaN) readings.
+    """
+
+    @property
+    def pi2_mode(self) -> str: ...
+
+    def evaluate(self, sample: ResourceSample, probe_bw_gbs: float) -> ExpansionResult: ...
 
 
 def default_sources(
@@ -73,16 +95,15 @@ def merge_readings(readings: Sequence[tuple[str, dict[str, Any]]]) -> ResourceSa
 class TelemetrySampler:
     """Cheap combined sampler (meant for ~10 Hz). Close it to release counters/handles.
 
-    `expansion` (an ExpansionModel) fills pi_1 / pi_2; a bare `calibration` means the
-    default ExpansionModel on it; with neither they stay NaN. `probe` see the module doc.
+    `expansion` (an ExpansionEstimator) fills pi_1 / pi_2; without one they stay NaN.
+    `probe` see the module doc.
     """
 
     def __init__(
         self,
         sources: Sequence[TelemetrySource] | None = None,
-        calibration: Calibration | None = None,
         *,
-        expansion: ExpansionModel | None = None,
+        expansion: ExpansionEstimator | None = None,
         probe: BandwidthProbe | None = None,
         probe_interval_s: float = 1.0,
         probe_window: int = 4,
@@ -93,14 +114,11 @@ class TelemetrySampler:
         if probe_window < 1:
             raise ValueError(f"probe_window must be >= 1, got {probe_window!r}")
         self.sources = list(sources) if sources is not None else default_sources(**default_kwargs)
-        if expansion is None and calibration is not None:
-            expansion = ExpansionModel(calibration=calibration)
         self.expansion = expansion
-        self.calibration = expansion.calibration if expansion is not None else None
         self.probe = probe
         self.probe_interval_s = float(probe_interval_s)
         self.probe_window = int(probe_window)
-        self.last_expansion: Expansion | None = None
+        self.last_expansion: ExpansionResult | None = None
         self._probe_bws: list[float] = []
         self._probe_t = -math.inf
         self._errors: dict[str, str] = {}
@@ -142,7 +160,7 @@ class TelemetrySampler:
             del self._probe_bws[:-self.probe_window]
         return sum(self._probe_bws) / len(self._probe_bws) if self._probe_bws else math.nan
 
-    def _fill_expansion(self, sample: ResourceSample, model: ExpansionModel) -> None:
+    def _fill_expansion(self, sample: ResourceSample, model: ExpansionEstimator) -> None:
         bw = math.nan
         if model.pi2_mode == "probe" and not 0.0 <= sample.cache_hit_rate <= 1.0:
             bw = self.probe_bandwidth()  # only where the hit rate cannot give pi2

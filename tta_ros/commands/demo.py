@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     import rclpy
 
-    from tta_core.eval.report import write_report
+    from tta_core.eval.report_files import write_report
     from tta_ros.replay import ReplayOptions, replay
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

@@ -25,9 +25,8 @@ from rclpy.node import Node
 from rclpy.parameter import Parameter
 from tta_msgs.msg import ResourceTelemetry
 
-from tta_core.adashadow.calibration import load_calibration
-from tta_core.adashadow.expansion import MODELS, ExpansionModel
-from tta_core.adashadow.predictor import Calibration
+from tta_core.adashadow.calibration import Calibration, load_calibration
+from tta_core.adashadow.expansion import MODELS, Expansion, ExpansionModel
 from tta_core.telemetry import (
     BandwidthProbe,
     JtopSource,
@@ -164,11 +163,11 @@ def expansion_status(sampler: TelemetrySampler, note: str = "") -> DiagnosticSta
     STALE without a calibration, WARN on an expansion/probe error or an ignored probe.
     """
     model = sampler.expansion
-    if model is None:
+    if not isinstance(model, ExpansionModel):  # None: the node had no calibration
         msg = "no calibration: pi1/pi2 not computed" + (f"; {note}" if note else "")
         return _status("expansion", STALE, msg, {"model": "none"})
     errors = [f"{k}: {v}" for k, v in sampler.errors.items() if k in ("expansion", "probe")]
-    ex = sampler.last_expansion
+    ex = sampler.last_expansion if isinstance(sampler.last_expansion, Expansion) else None
     ref = model.reference
     vals: dict[str, float | str] = {
         "model": model.model, "threads": float(model.threads), "cores": float(model.cores),

@@ -194,7 +194,6 @@ def test_parallel_returns_forward_logits_and_times_backward() -> None:
     with torch.no_grad():
         before = staged.model(x)
     res = eng.step(x, plan=_plan(len(staged.units), [len(staged.units) - 1]))
-    assert res.times.backward_ms == 0  # the update still runs in the background
     eng.sync()  # fills the backward time into the step's own result
     assert res.times.backward_ms > 0 and res.times.reforward_ms == 0
     assert torch.allclose(res.logits, before, atol=1e-6)

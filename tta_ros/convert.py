@@ -10,8 +10,7 @@ import torch
 from std_msgs.msg import Header
 from tta_msgs.msg import AdaptationStatus, ClassPrediction, LayerImportance, LayerPlan
 
-from tta_core.adashadow.planner import Plan
-from tta_core.adashadow.planning import PlanOutcome
+from tta_core.adashadow.planning import Plan, PlanOutcome
 from tta_core.api import StepResult
 
 

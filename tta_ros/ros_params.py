@@ -74,13 +74,19 @@ def values(node: Node, specs: Iterable[ParamSpec]) -> dict[str, Any]:
     return {s.name: node.get_parameter(s.name).value for s in specs}
 
 
-def validate(specs: Sequence[ParamSpec], params: Sequence[Parameter]) -> SetParametersResult:
-    """on_set_parameters callback body: refuse the first bad value with its reason."""
+def validate(specs: Sequence[ParamSpec], params: Sequence[Parameter],
+             runtime: Iterable[str] | None = None) -> SetParametersResult:
+    """on_set_parameters callback body: refuse the first bad value with its reason, and
+    (when `runtime` names the parameters that may change while running) any other one."""
     by_name = {s.name: s for s in specs}
+    allowed = None if runtime is None else set(runtime)
     for p in params:
         spec = by_name.get(p.name)
         if spec is None:
             continue
+        if allowed is not None and p.name not in allowed:
+            return SetParametersResult(successful=False,
+                                       reason=f"{p.name} cannot change at run time")
         reason = spec.check(p.value)
         if reason:
             return SetParametersResult(successful=False, reason=reason)

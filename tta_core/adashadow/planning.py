@@ -22,7 +22,7 @@ Which feedback needs what (see also docs/api.md):
 
 from __future__ import annotations
 
-__all__ = ["FEEDBACK_MODES", "Measured", "PlanOutcome", "PlanningConfig", "PlanningService",
+__all__ = ["FEEDBACK_MODES", "Measured", "Plan", "PlanOutcome", "PlanningConfig", "PlanningService",
            "UnitLayout", "UnitProfile", "layout_from_card", "mac_profile", "telemetry_pis"]
 
 import math
@@ -34,6 +34,7 @@ import numpy as np
 from tta_core.adashadow import planner, predictor
 from tta_core.adashadow.backward_feedback import BackwardFeedback
 from tta_core.adashadow.fixed_costs import FixedCosts
+from tta_core.adashadow.planner import Plan
 from tta_core.adashadow.predictor import FEEDBACK_MODES, UnitProfile
 from tta_core.model.source import load_card
 from tta_core.model.units import StagedModel, decompose

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from diagnostic_msgs.msg import DiagnosticStatus
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.context import Context
 from rclpy.node import Node
@@ -43,8 +43,7 @@ from tta_msgs.msg import (
     ResourceTelemetry,
 )
 
-from tta_core.adashadow.planner import Plan
-from tta_core.adashadow.planning import telemetry_pis
+from tta_core.adashadow.planning import Plan, telemetry_pis
 from tta_core.api import RuntimeTunable, StepResult, TakesPlan, TakesTelemetry, TTAMethodLike
 from tta_core.io.image_msg import Preprocess, decode_image, to_tensor
 from tta_core.methods import available_methods, build_method, method_class
@@ -52,10 +51,10 @@ from tta_core.model.source import load_source
 from tta_core.model.units import decompose
 from tta_ros import ros_params
 from tta_ros.convert import importance_msg, msg_to_plan, peak_memory_mb, prediction_msgs, status_msg
+from tta_ros.diagnostics import ERROR, OK, WARN, DiagnosticsPublisher, status
 from tta_ros.nodes.perception_support import DivergenceGuard, FrameQueue, PlanGate
 from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
 
-OK, WARN, ERROR = DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR
 RUNTIME = ("method", "mode", "sigma", "lr", "batch_size", "queue_size", "plan_source",
            "plan_timeout_s", "publish_scores", "batch_timeout_s", "reset_entropy_ratio",
            "reset_patience")
@@ -101,11 +100,6 @@ def param_specs() -> tuple[ParamSpec, ...]:
     )
 
 
-def _kv(d: dict[str, Any]) -> list[KeyValue]:
-    return [KeyValue(key=k, value=f"{v:.6g}" if isinstance(v, float) else str(v))
-            for k, v in d.items()]
-
-
 @dataclasses.dataclass
 class Counters:
     """What the node reports about its input side."""
@@ -118,6 +112,13 @@ class Counters:
     inline_batches: int = 0
     topic_batches: int = 0
 
+    def count_batch(self, from_topic: bool) -> None:
+        self.batches += 1
+        if from_topic:
+            self.topic_batches += 1
+        else:
+            self.inline_batches += 1
+
 
 def check_device(name: str) -> torch.device:
     """The torch device `name`, or a ValueError saying why it cannot be used."""
@@ -128,6 +129,34 @@ def check_device(name: str) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={name!r} requested but CUDA is not available")
     return dev
+
+
+def method_options(p: dict[str, Any], image_size: int, arch: str) -> dict[str, Any]:
+    """The node's parameters as options of method p["method"] (only those its config has:
+    tent has no sigma, ...)."""
+    known = {f.name for f in dataclasses.fields(method_class(p["method"]).config_cls)}
+    cfg = {"lr": p["lr"], "sigma": p["sigma"], "mode": p["mode"],
+           "input_shape": (3, image_size, image_size), "arch": arch,
+           "backward_feedback": p["backward_feedback"],
+           "fixed_cost_feedback": p["fixed_cost_feedback"]}
+    if p["profile"]:
+        cfg["profile"] = ros_params.resolve_data_path(p["profile"])
+    return {k: v for k, v in cfg.items() if k in known}
+
+
+def planning_message(node: PerceptionNode) -> str:
+    """What the planning status says: topic, inline (and why), or why nothing fits."""
+    p = node.p
+    if not node.accepts_plans:
+        return f"method {p['method']} plans nothing"
+    if node._no_room:
+        return f"sigma={p['sigma']:g}: {node._no_room} (adapting BN statistics only)"
+    if p["plan_source"] == "inline":
+        return "planning inline (plan_source: inline)"
+    if node._inline_fallback:
+        return (f"no plan on layer_plan for {node.gate.silent_for():.1f} s "
+                f"(timeout {node.gate.timeout_s:g} s): planning inline")
+    return "plans from layer_plan"
 
 
 class PerceptionNode(Node):
@@ -145,26 +174,31 @@ class PerceptionNode(Node):
         self.device = check_device(self.p["device"])
         if self.p["num_threads"] > 0:
             torch.set_num_threads(self.p["num_threads"])
-        self._load_card()
+        if not self.p["model_card"]:
+            raise ValueError("parameter model_card is empty: the perception node needs one")
+        # the source model is loaded once; every (re)built method adapts a copy of it
+        self.source_model, self.card = load_source(
+            ros_params.resolve_data_path(self.p["model_card"]))
+        self.pre = Preprocess.from_card(self.card)
+        self.model_name = self.card.name or self.card.arch
         self._pending: dict[str, Any] = {}
         self._pending_lock = threading.Lock()
         self.method: TTAMethodLike | None = None
         self._build_method()
         self.queue = FrameQueue(self.p["queue_size"])
         self.gate = PlanGate(self.p["plan_timeout_s"])
-        self.guard = DivergenceGuard(self.num_classes, self.p["reset_entropy_ratio"],
+        self.guard = DivergenceGuard(self.card.num_classes, self.p["reset_entropy_ratio"],
                                      self.p["reset_patience"])
         self.counters = Counters()
         self._inline_fallback = False
         self._no_room = ""  # inline planning: why no trainable unit fits sigma * T
         self._telemetry: tuple[float, float, float] | None = None  # (time, pi1, pi2)
-        self._diag_lock = threading.Lock()
         self.add_on_set_parameters_callback(self._on_set_parameters)
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
         self.pub_pred = self.create_publisher(ClassPrediction, "predictions", 100)
         self.pub_status = self.create_publisher(AdaptationStatus, "adaptation_status", reliable)
         self.pub_imp = self.create_publisher(LayerImportance, "layer_importance", reliable)
-        self.pub_diag = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        self.diag = DiagnosticsPublisher(self)
         self.create_subscription(Image, "image", self._on_image, qos_profile_sensor_data)
         self.create_subscription(LayerPlan, "layer_plan", self._on_plan, reliable)
         self.create_subscription(ResourceTelemetry, "telemetry", self._on_telemetry, 10)
@@ -175,41 +209,18 @@ class PerceptionNode(Node):
         self._worker.start()
 
     # ------------------------------------------------------------ set-up
-    def _load_card(self) -> None:
-        """Load the source model once; every (re)built method adapts a copy of it."""
-        if not self.p["model_card"]:
-            raise ValueError("parameter model_card is empty: the perception node needs one")
-        card_path = ros_params.resolve_data_path(self.p["model_card"])
-        self.source_model, self.card = load_source(card_path)
-        self.pre = Preprocess.from_card(self.card)
-        self.num_classes = self.card.num_classes
-        self.class_names = list(self.card.class_names)
-        self.model_name = self.card.name or self.card.arch
-        self.arch = self.card.arch
-
-    def _method_cfg(self, name: str) -> dict[str, Any]:
-        """Only the options the method's config has (tent has no sigma, ...)."""
-        known = {f.name for f in dataclasses.fields(method_class(name).config_cls)}
-        s = self.pre.image_size
-        cfg = {"lr": self.p["lr"], "sigma": self.p["sigma"], "mode": self.p["mode"],
-               "input_shape": (3, s, s), "arch": self.arch,
-               "backward_feedback": self.p["backward_feedback"],
-               "fixed_cost_feedback": self.p["fixed_cost_feedback"]}
-        if self.p["profile"]:
-            cfg["profile"] = ros_params.resolve_data_path(self.p["profile"])
-        return {k: v for k, v in cfg.items() if k in known}
-
     def _build_method(self) -> None:
         """Build the configured method on a fresh copy of the source model."""
         model = copy.deepcopy(self.source_model).to(self.device)
         if self.method is not None:
             self.method.close()
-        self.method = build_method(self.p["method"], model, **self._method_cfg(self.p["method"]))
+        self.method = build_method(self.p["method"], model,
+                                   **method_options(self.p, self.pre.image_size, self.card.arch))
         if isinstance(self.method, TakesPlan):
             self.unit_names = list(self.method.unit_names)
         else:
             s = self.pre.image_size
-            self.unit_names = [u.name for u in decompose(model, (3, s, s), self.arch).units]
+            self.unit_names = [u.name for u in decompose(model, (3, s, s), self.card.arch).units]
 
     @property
     def accepts_plans(self) -> bool:
@@ -218,16 +229,10 @@ class PerceptionNode(Node):
 
     # ------------------------------------------------------------ parameters
     def _on_set_parameters(self, params: Sequence[Parameter]) -> SetParametersResult:
-        res = validate(self.specs, params)
-        if not res.successful:
-            return res
-        bad = [p.name for p in params if p.name not in RUNTIME
-               and p.name in {s.name for s in self.specs}]
-        if bad:
-            return SetParametersResult(successful=False,
-                                       reason=f"{bad[0]} cannot change at run time")
-        with self._pending_lock:
-            self._pending.update({p.name: p.value for p in params if p.name in RUNTIME})
+        res = validate(self.specs, params, runtime=RUNTIME)
+        if res.successful:  # applied by the worker between batches
+            with self._pending_lock:
+                self._pending.update({p.name: p.value for p in params if p.name in RUNTIME})
         return res
 
     def _apply_pending(self) -> None:
@@ -305,7 +310,7 @@ class PerceptionNode(Node):
         current = self.gate.current()
         if current is None and self.gate.stale() and not self._inline_fallback:
             self._inline_fallback = True
-            self._diag_now("planning", WARN, self._planning_message())
+            self._diag_now("planning", WARN, planning_message(self))
         return current if current is not None else (0, None)
 
     def _apply_telemetry(self) -> None:
@@ -332,11 +337,7 @@ class PerceptionNode(Node):
         plan_id, plan = self._choose_plan()
         res = self._step(x, plan)
         self._note_no_room(res)
-        self.counters.batches += 1
-        if plan_id:
-            self.counters.topic_batches += 1
-        else:
-            self.counters.inline_batches += 1
+        self.counters.count_batch(from_topic=plan_id != 0)
         logits = res.logits.float()
         reason = self.guard.check(bool(torch.isfinite(logits).all()), float(res.mean_entropy))
         self._publish_batch(good, logits, res, plan_id, bool(reason))
@@ -349,7 +350,7 @@ class PerceptionNode(Node):
         no_room = res.planning.no_room if res.planning is not None else ""
         if no_room and not self._no_room:
             self._no_room = no_room
-            self._diag_now("planning", WARN, self._planning_message())
+            self._diag_now("planning", WARN, planning_message(self))
         self._no_room = no_room
 
     # ------------------------------------------------------------ publishing
@@ -359,7 +360,7 @@ class PerceptionNode(Node):
         batch_id = self.counters.batches
         probs = torch.softmax(logits, dim=1).cpu().numpy()  # numpy: cheap per-row access
         for pred in prediction_msgs([f.header for f in frames], probs, batch_id,
-                                    self.class_names, self.p["publish_scores"]):
+                                    list(self.card.class_names), self.p["publish_scores"]):
             self.pub_pred.publish(pred)
         self.method.finish()  # parallel mode: the status carries this update's backward
         header = frames[-1].header
@@ -374,49 +375,29 @@ class PerceptionNode(Node):
             if self.accepts_plans and self.p["plan_source"] == "topic":
                 self.gate.on_importance_sent()
 
-    def _planning_message(self) -> str:
-        if not self.accepts_plans:
-            return f"method {self.p['method']} plans nothing"
-        if self._no_room:
-            return (f"sigma={self.p['sigma']:g}: {self._no_room} (adapting BN statistics "
-                    f"only)")
-        if self.p["plan_source"] == "inline":
-            return "planning inline (plan_source: inline)"
-        if self._inline_fallback:
-            return (f"no plan on layer_plan for {self.gate.silent_for():.1f} s "
-                    f"(timeout {self.gate.timeout_s:g} s): planning inline")
-        return "plans from layer_plan"
-
     def _statuses(self) -> list[DiagnosticStatus]:
         c, q = self.counters, self.queue
-        inp = DiagnosticStatus(name="tta perception: input", level=OK, message="ok")
-        inp.values = _kv({"received": q.received, "dropped": q.dropped, "rejected": c.rejected,
-                          "queue": f"{len(q)}/{q.maxlen}", "last_rejection": c.last_rejection})
-        plan = DiagnosticStatus(name="tta perception: planning",
-                                level=WARN if self._inline_fallback or self._no_room else OK,
-                                message=self._planning_message())
-        plan.values = _kv({"plan_source": self.p["plan_source"],
-                           "topic_batches": c.topic_batches, "inline_batches": c.inline_batches})
-        ada = DiagnosticStatus(name="tta perception: adaptation", level=OK,
-                               message=f"{self.p['method']} ({self.p['mode']})")
-        ada.values = _kv({"batches": c.batches, "resets": self.guard.resets,
-                          "step_errors": c.step_errors, "last_error": c.last_error})
-        return [inp, plan, ada]
+        planning_warn = self._inline_fallback or bool(self._no_room)
+        return [
+            status("tta perception: input", OK, "ok", {
+                "received": q.received, "dropped": q.dropped, "rejected": c.rejected,
+                "queue": f"{len(q)}/{q.maxlen}", "last_rejection": c.last_rejection}),
+            status("tta perception: planning", WARN if planning_warn else OK,
+                   planning_message(self), {
+                       "plan_source": self.p["plan_source"],
+                       "topic_batches": c.topic_batches, "inline_batches": c.inline_batches}),
+            status("tta perception: adaptation", OK, f"{self.p['method']} ({self.p['mode']})",
+                   {"batches": c.batches, "resets": self.guard.resets,
+                    "step_errors": c.step_errors, "last_error": c.last_error})]
 
     def _publish_diagnostics(self) -> None:
-        self._send(self._statuses())
+        self.diag.publish(self._statuses())
 
     def _diag_now(self, which: str, level: int, message: str) -> None:
         """Publish one status right away (rejections, fallbacks, resets)."""
         st = next(s for s in self._statuses() if s.name.endswith(which))
         st.level, st.message = level, message
-        self._send([st])
-
-    def _send(self, statuses: list[DiagnosticStatus]) -> None:
-        arr = DiagnosticArray(status=statuses)
-        arr.header.stamp = self.get_clock().now().to_msg()
-        with self._diag_lock:
-            self.pub_diag.publish(arr)
+        self.diag.publish([st])
 
     def destroy_node(self) -> None:
         """Stop the worker, then destroy the node."""

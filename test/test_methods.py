@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -113,27 +114,56 @@ def test_reset_restores_bit_for_bit(name: str, cfg: dict) -> None:
 
 
 def test_adashadow_sigma_monotone_in_units_updated() -> None:
-    totals = {}
-    for sigma in (0.2, 1.0):
+    """Fixed MAC-proportional unit times (fixed costs off): the plan depends only on the
+    importance and sigma, and the budget sigma * T grows with sigma. T (a full update) is
+    about 4x the forward T_f, so at sigma 0.2 not even the forward fits and no unit is
+    updated; at 1.0 the budget is a full update, so every trainable unit fits; 0.5 lies
+    strictly between."""
+    res = {}
+    for sigma in (0.2, 0.5, 1.0):
         m = build_method("adashadow", _model(), sigma=sigma, fixed_cost_feedback=0.0, **CFG)
         # fixed unit times: the plan then depends only on importance and sigma
         m.engine.profile = mac_profile(UnitLayout.from_staged(m.staged), 10.0, 4)
-        totals[sigma] = sum(m.step(x).units_updated for x in _batches(4))
-    assert totals[1.0] >= totals[0.2]
-    assert totals[1.0] > 0
+        res[sigma] = [m.step(x) for x in _batches(4)]
+        n_trainable = int(m.engine.candidates.sum())
+    for sigma, rs in res.items():
+        for r in rs:  # times scale with each batch's measured forward: compare shares of T
+            assert r.budget_ms / r.plan.full_ms == pytest.approx(sigma)
+            assert r.units_updated == int(r.plan.update.sum())
+            if r.units_updated:
+                assert r.plan.predicted_total_ms <= r.budget_ms  # the plan keeps the budget
+    assert all(r.units_updated == 0 and r.plan.predicted_total_ms > r.budget_ms
+               for r in res[0.2])  # the empty plan (the forward alone) is over budget
+    assert all(0 < r.units_updated < n_trainable for r in res[0.5])
+    assert all(r.units_updated == n_trainable for r in res[1.0])
+    for lo, hi in zip(res[0.5], res[1.0], strict=True):  # per batch, strictly more work
+        assert hi.units_updated > lo.units_updated
+        assert (hi.plan.predicted_total_ms / hi.plan.full_ms
+                > lo.plan.predicted_total_ms / lo.plan.full_ms)
+    totals = {s: sum(r.units_updated for r in rs) for s, rs in res.items()}
+    assert totals[1.0] > totals[0.5] > totals[0.2] == 0
 
 
 def test_adashadow_updates_only_planned_units() -> None:
+    """Every parameter of every planned unit changes on its batch, no other one does.
+    Fixed costs off: the plan then does not depend on the measured step times, and at
+    sigma 0.5 every batch updates some but not all trainable units."""
     model = _model()
-    m = build_method("adashadow", model, sigma=0.5, lr=0.05, **CFG)
+    m = build_method("adashadow", model, sigma=0.5, lr=0.05, fixed_cost_feedback=0.0, **CFG)
+    owner = {id(p): u.index for u in m.staged.units for p in u.parameters()}
+    assert len(owner) == len(list(model.parameters()))  # every parameter has its unit
+    n_trainable = int(m.engine.candidates.sum())
     for x in _batches(3):
         snap = _snapshot(model)
         res = m.step(x)
-        owner = {id(p): u.index for u in m.staged.units for p in u.parameters()}
-        changed_units = {owner[id(p)] for k, p in model.named_parameters()
-                         if not torch.equal(p, snap[k])}
-        planned = set(res.plan.update.nonzero()[0].tolist()) if res.adapted else set()
-        assert changed_units <= planned
+        planned = set(np.flatnonzero(res.plan.update).tolist())
+        assert res.adapted and 0 < len(planned) < n_trainable
+        assert res.units_updated == len(planned)
+        assert all(m.engine.candidates[u] for u in planned)
+        changed = {k for k, p in model.named_parameters() if not torch.equal(p, snap[k])}
+        in_plan = {k for k, p in model.named_parameters() if owner[id(p)] in planned}
+        assert changed == in_plan  # each planned unit's parameters moved, nothing else did
+        assert {owner[id(p)] for k, p in model.named_parameters() if k in changed} == planned
 
 
 @pytest.mark.parametrize("name", ["tent", "adashadow"])

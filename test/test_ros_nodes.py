@@ -32,6 +32,7 @@ from visualization_msgs.msg import Marker, MarkerArray  # noqa: E402
 
 from tta_core.io.image_msg import array_to_image_fields  # noqa: E402
 from tta_ros.bringup import build_nodes  # noqa: E402
+from tta_ros.nodes.perception_support import PlanGate  # noqa: E402
 from tta_ros.nodes.scheduler import SchedulerNode  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -196,39 +197,93 @@ def _stream(rig: Rig, stop: threading.Event) -> None:
         time.sleep(0.03)
 
 
-def test_scheduler_killed_inline_within_a_second_then_resumes(rig_factory, ros_context):
+class _StoppedClockGate(PlanGate):
+    """perception's PlanGate on a clock that stands still until the test moves it
+    (`now`, s): when plans go stale is then decided by the test, not by the wall clock."""
+
+    def __init__(self, timeout_s: float) -> None:
+        super().__init__(timeout_s)
+        self.now = 0.0
+
+    def on_plan(self, plan, now=None) -> None:
+        super().on_plan(plan, self.now)
+
+    def on_importance_sent(self, now=None) -> None:
+        super().on_importance_sent(self.now)
+
+    def stale(self, now=None) -> bool:
+        return super().stale(self.now)
+
+    def current(self, now=None):
+        return super().current(self.now)
+
+    def silent_for(self, now=None) -> float:
+        return super().silent_for(self.now)
+
+
+def test_scheduler_killed_inline_after_plan_timeout_then_resumes(rig_factory, ros_context):
+    """Plans stop: perception keeps the last plan until an importance has waited
+    plan_timeout_s for an answer (not at 0.9x of it), then plans inline from the next batch
+    on (at 1.2x) and says so on /diagnostics; a new scheduler's plans are used again. The
+    gate's clock is the test's (_StoppedClockGate): the wall clock only bounds the waits."""
     rig = rig_factory(perception={"batch_size": 2, "plan_timeout_s": 0.5})
+    timeout = rig.perception.gate.timeout_s
+    assert timeout == 0.5
+    gate = rig.perception.gate = _StoppedClockGate(timeout)  # before any frame is sent
     stop = threading.Event()
     th = threading.Thread(target=_stream, args=(rig, stop), daemon=True)
     th.start()
+
+    def statuses() -> list:
+        return rig.msgs("status")
+
+    def since(n: int, k: int) -> bool:  # k more statuses after the first n
+        return len(statuses()) >= n + k
+
     try:
-        assert wait_for(lambda: any(s.plan_id for s in rig.msgs("status")), 15.0)
-        killed: list[float] = []
+        assert wait_for(lambda: any(s.plan_id for s in statuses()), 15.0)
+        first = next(i for i, s in enumerate(statuses()) if s.plan_id)
+        killed: list[int] = []
 
         def kill() -> None:  # on the executor thread, so no scheduler callback is running
             rig.ex.remove_node(rig.scheduler)
             rig.scheduler.destroy_node()
-            killed.append(time.monotonic())
+            killed.append(len(statuses()))
 
         rig.ex.create_task(kill)
         assert wait_for(lambda: bool(killed), 5.0)
-        t_kill = killed[0]
-        assert wait_for(lambda: any(t > t_kill and m.plan_id == 0 and m.batch_id > 2
-                                    for t, m in list(rig.got["status"])), 5.0)
-        t_inline = min(t for t, m in rig.got["status"] if t > t_kill and m.plan_id == 0)
-        assert t_inline - t_kill < 1.0 + 0.5  # timeout 0.5 s + one batch + delivery
+        # the clock stands: the last plan stays in use, however long the wall clock runs
+        assert wait_for(lambda: since(killed[0], 3), 10.0)
+        assert gate.waiting_since == 0.0  # an importance is waiting for its plan
+        gate.now = 0.9 * timeout  # not stale yet
+        n = len(statuses())
+        assert wait_for(lambda: since(n, 3), 10.0)
+        assert all(s.plan_id for s in statuses()[first:]), "inline before plan_timeout_s"
+        inline_before = rig.perception.counters.inline_batches  # those before the 1st plan
+        assert not [s for s in rig.statuses("perception: planning")
+                    if s.level == DiagnosticStatus.WARN and "inline" in s.message]
+        before = rig.perception.counters.batches  # a batch running now may keep its plan
+        gate.now = 1.2 * timeout
+        assert wait_for(lambda: any(s.plan_id == 0 and s.batch_id > before
+                                    for s in statuses()), 10.0)
+        inline = [s.batch_id for s in statuses() if s.plan_id == 0 and s.batch_id > before]
+        assert min(inline) <= before + 2  # the next batch that chooses its plan
+        assert all(s.plan_id for s in statuses()[first:] if s.batch_id <= before)
+        assert rig.perception.counters.inline_batches > inline_before
         warn = [s for s in rig.statuses("perception: planning")
                 if s.level == DiagnosticStatus.WARN and "inline" in s.message]
-        assert warn
+        assert warn and f"timeout {timeout:g} s" in warn[0].message
         n_plans = len(rig.msgs("plan"))
         new = SchedulerNode(context=ros_context, parameter_overrides=[
             Parameter("model_card", value=str(CARD))])
         rig.nodes.append(new)
         rig.ex.add_node(new)
-        t_new = time.monotonic()
-        assert wait_for(lambda: any(t > t_new and m.plan_id != 0
-                                    for t, m in list(rig.got["status"])), 10.0)
+        n = len(statuses())
+        assert wait_for(lambda: any(s.plan_id != 0 for s in statuses()[n:]), 10.0)
         assert len(rig.msgs("plan")) > n_plans
+        assert wait_for(lambda: any(
+            s.level == DiagnosticStatus.OK and "plans resumed" in s.message
+            for s in rig.statuses("perception: planning")), 5.0)
     finally:
         stop.set()
         th.join()

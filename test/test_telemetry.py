@@ -29,6 +29,7 @@ from tta_core.telemetry.perf_source import (
     PERF_COUNT_SW_TASK_CLOCK,
     PERF_TYPE_SOFTWARE,
     PerfUnavailable,
+    _paranoid,
     explain_errno,
     open_counter,
     read_counter,
@@ -237,11 +238,47 @@ def test_perf_llc_rate_or_clear_reason() -> None:
             rate = src.read()["cache_hit_rate"]
             assert 0.0 <= rate <= 1.0
         else:
-            assert re.fullmatch(r"unavailable: .+ \((ENOENT|EOPNOTSUPP|ENODEV|EACCES|EPERM|"
-                                r"ENOSYS|EINVAL|E\w+)\)", st.detail), st.detail
+            _assert_perf_refusal(st.detail)
             assert src.read() == {}
     finally:
         src.close()
+
+
+# what perf_event_open(2) answers when it refuses the per-process LLC counters PerfSource
+# opens: no PMU for the event (ENOENT, EOPNOTSUPP, ENODEV), perf_event_paranoid or a seccomp
+# filter (EACCES, EPERM, ENOSYS), an event config the PMU rejects (EINVAL). Named as
+# explain_errno names them (errno.errorcode: EOPNOTSUPP is "ENOTSUP" on Linux, same number)
+_PERF_REFUSALS = tuple(errno.errorcode[e] for e in (
+    errno.ENOENT, errno.EOPNOTSUPP, errno.ENODEV, errno.EACCES, errno.EPERM, errno.ENOSYS,
+    errno.EINVAL))
+_REFUSAL = re.compile(r"unavailable: (?P<why>.+) \((?P<name>" + "|".join(_PERF_REFUSALS)
+                      + r")\)")
+
+
+def _assert_perf_refusal(detail: str) -> None:
+    """One of the refusals above, with the reason explain_errno gives for that errno."""
+    m = _REFUSAL.fullmatch(detail)
+    assert m, detail
+    assert detail == "unavailable: " + explain_errno(getattr(errno, m["name"]), _paranoid())
+
+
+@pytest.mark.parametrize("name", _PERF_REFUSALS)
+def test_perf_refusal_reported_with_its_errno(name: str, monkeypatch) -> None:
+    """The kernel's refusal, faked at the syscall: PerfSource reports the errno's reason."""
+    import ctypes
+
+    class _Libc:
+        def syscall(self, *_args) -> int:
+            return -1
+
+    monkeypatch.setattr(ctypes, "CDLL", lambda *_a, **_k: _Libc())
+    monkeypatch.setattr(ctypes, "get_errno", lambda: getattr(errno, name))
+    src = PerfSource(pid=os.getpid())
+    assert not src.describe().available and src.read() == {}
+    _assert_perf_refusal(src.describe().detail)
+    assert src.describe().detail.endswith(f"({name})")
+    # any other errno is not what this source can be refused with here
+    assert not _REFUSAL.fullmatch(src.describe().detail.replace(name, "EBUSY"))
 
 
 def test_perf_syscall_plumbing_with_software_counter() -> None:

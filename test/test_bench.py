@@ -105,3 +105,28 @@ def test_cli_bench_passes_method_options_and_refuses_bad_ones(tmp_path, capsys) 
     with pytest.raises(SystemExit, match=r"tta: error: .*sigmaa"):  # no traceback
         cli_main(["bench", "--methods", "adashadow", "--samples-per-domain", "1",
                   "--set", "adashadow.sigmaa=0.5", "--out", str(out), "--no-progress"])
+
+
+def test_live_telemetry_reaches_inline_planning() -> None:
+    """A sampler (fake input: pi1 = 2, pi2 unknown) feeds AdaShadow's planning before each
+    batch; the bench records what it fed; methods without telemetry are left alone."""
+    from tta_core.eval.bench import BenchConfig, run_method
+    from tta_core.eval.live_telemetry import LiveExpansion
+    from tta_core.model.zoo import build_model
+    from tta_core.telemetry.sample import ResourceSample
+
+    class FakeSampler:
+        def sample(self) -> ResourceSample:
+            return ResourceSample(compute_expansion=2.0)
+
+    stream = batches_from_arrays(torch.randn(12, 3, 32, 32), np.zeros(12, dtype=int),
+                                 ["a"] * 12, 4)
+    cfg = BenchConfig(methods=("adashadow", "tent"), samples_per_domain=12)
+    live = LiveExpansion(FakeSampler(), period_s=0.0)
+    run = run_method("adashadow", build_model("small_resnet", 16), stream, cfg, live=live)
+    assert run.meta["telemetry"] == {"pi1_mean": 2.0, "pi1_max": 2.0, "pi2_mean": 1.0,
+                                     "pi2_max": 1.0, "batches": 3}
+    tent = run_method("tent", build_model("small_resnet", 16), stream, cfg, live=live)
+    assert "telemetry" not in tent.meta and not live.fed
+    with pytest.raises(ValueError, match="neither 'live' nor a calibration file"):
+        BenchConfig(telemetry="/nonexistent.json").validate()

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from tta_core.data.preprocess import images_to_tensor
+from tta_core.eval.live_telemetry import LiveExpansion
 from tta_core.eval.report import FrameRecord, RunRecord
 from tta_core.eval.report_files import ReportFiles, write_report
 from tta_core.methods import available_methods, build_method, method_class
@@ -47,6 +48,9 @@ class BenchConfig:
     threads: int = 1  # torch intra-op threads, fixed for comparable timings (0: default)
     device: str = "cpu"
     method_options: dict[str, dict] = field(default_factory=dict)  # per-method config
+    # live telemetry for methods that plan with it (eval.live_telemetry): "" off, "live"
+    # (default calibration) or the path of a `tta calibrate` file
+    telemetry: str = ""
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad value."""
@@ -64,6 +68,9 @@ class BenchConfig:
                              f"{self.samples_per_domain} must be >= 1")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
+        if self.telemetry not in ("", "live") and not Path(self.telemetry).is_file():
+            raise ValueError(f"telemetry {self.telemetry!r} is neither 'live' nor a "
+                             f"calibration file")
 
 
 @dataclass
@@ -145,8 +152,10 @@ def _phases(res) -> dict[str, float]:
 
 
 def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchConfig,
-               progress: Callable[[int], None] | None = None) -> RunRecord:
-    """Run method `name` online over `stream` and return its per-frame records."""
+               progress: Callable[[int], None] | None = None,
+               live: LiveExpansion | None = None) -> RunRecord:
+    """Run method `name` online over `stream` and return its per-frame records; `live`
+    feeds telemetry pi1/pi2 to a method that plans with them, before each batch."""
     torch.manual_seed(cfg.seed)
     opts = method_options(name, cfg, tuple(stream[0].x.shape[1:]))
     meth = build_method(name, model, **opts)
@@ -158,6 +167,8 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
     start_mb = psutil.Process().memory_info().rss / 2**20
     with PeakRSS() as mem:
         for b_id, b in enumerate(stream):
+            if live is not None:
+                live.feed(meth)
             t0 = time.perf_counter()
             res = meth.step(b.x)
             pred = res.logits.argmax(1)
@@ -173,12 +184,14 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
                                           adapted=bool(res.adapted)))
             if progress is not None:
                 progress(len(b.labels))
-        sync = getattr(getattr(meth, "engine", None), "sync", None)
-        if sync is not None:
-            sync()
+        meth.finish()
+        meth.close()
     meta = {"options": {k: v for k, v in opts.items() if k != "input_shape"},
             "mode": cfg.mode, "batch_size": cfg.batch_size, "threads": torch.get_num_threads(),
             "rss_peak_mb": mem.peak_mb, "rss_start_mb": start_mb}
+    if live is not None and live.fed:
+        meta["telemetry"] = live.summary()
+        live.fed.clear()
     if cuda:
         meta["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
     # RSS is process-wide and methods run one after another: report the growth over the
@@ -262,13 +275,19 @@ def run_methods(stream: Sequence[Batch], make_model: Callable[[], nn.Module],
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     total = sum(len(b.labels) for b in stream) * len(cfg.methods)
+    live = (LiveExpansion.from_calibration(None if cfg.telemetry == "live" else cfg.telemetry,
+                                           cfg.threads) if cfg.telemetry else None)
     runs = []
-    with tqdm(total=total, unit="img", disable=not progress, desc="bench") as bar:
-        for name in cfg.methods:
-            bar.set_postfix_str(name)
-            model = make_model().to(stream[0].x.device)
-            runs.append(run_method(name, model, stream, cfg, bar.update))
-            del model
+    try:
+        with tqdm(total=total, unit="img", disable=not progress, desc="bench") as bar:
+            for name in cfg.methods:
+                bar.set_postfix_str(name)
+                model = make_model().to(stream[0].x.device)
+                runs.append(run_method(name, model, stream, cfg, bar.update, live))
+                del model
+    finally:
+        if live is not None:
+            live.close()
     return runs
 
 

@@ -55,6 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", type=_option, action="append", default=[], dest="options",
                         metavar="METHOD.KEY=VALUE",
                         help="a method option, e.g. adashadow.sigma=0.5 (repeatable)")
+    parser.add_argument("--telemetry", default="", metavar="live|CALIBRATION.json",
+                        help="plan with live pi1/pi2 sampled from this machine (AdaShadow), "
+                             "referenced to a `tta calibrate` file or the default ('live')")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = BenchConfig(methods=args.methods, order=args.order, severity=args.severity,
                       batch_size=args.batch_size, samples_per_domain=args.samples_per_domain,
                       model_card=args.model_card, mode=args.mode, seed=args.seed,
-                      threads=args.threads, device=args.device, method_options=options)
+                      threads=args.threads, device=args.device, method_options=options,
+                      telemetry=args.telemetry)
     out = args.out or Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
     result = run_bench(cfg, out, progress=not args.no_progress)
     print(result.markdown)

@@ -19,7 +19,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from diagnostic_msgs.msg import DiagnosticStatus
 from rclpy.context import Context
 from rclpy.node import Node
 from rclpy.parameter import Parameter
@@ -37,11 +37,10 @@ from tta_core.telemetry import (
     SysfsSource,
     TelemetrySampler,
 )
+from tta_ros.diagnostics import ERROR, OK, STALE, WARN, DiagnosticsPublisher, status
 from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
 
 UNKNOWN_COUNT = 2**32 - 1
-OK, WARN, ERROR, STALE = (DiagnosticStatus.OK, DiagnosticStatus.WARN, DiagnosticStatus.ERROR,
-                          DiagnosticStatus.STALE)
 
 PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("rate_hz", 10.0, "telemetry publish rate [Hz]", 0.1, 100.0, read_only=True),
@@ -100,14 +99,9 @@ def sample_to_msg(sample: ResourceSample) -> ResourceTelemetry:
     return msg
 
 
-def _kv(values: dict[str, float | str]) -> list[KeyValue]:
-    return [KeyValue(key=k, value=v if isinstance(v, str) else f"{v:.6g}")
-            for k, v in values.items()]
-
-
 def _status(name: str, level: int, message: str, vals: dict) -> DiagnosticStatus:
-    return DiagnosticStatus(level=level, name=f"tta resource_monitor: {name}", message=message,
-                            hardware_id="", values=_kv(vals))
+    return status(f"tta resource_monitor: {name}", level, message,
+                  {k: v if isinstance(v, str) else float(v) for k, v in vals.items()})
 
 
 def _known(*xs: float) -> bool:
@@ -207,7 +201,7 @@ class ResourceMonitorNode(Node):
         self.last_sample: ResourceSample | None = None
         self.samples_published = 0
         self.pub_telemetry = self.create_publisher(ResourceTelemetry, "telemetry", 10)
-        self.pub_diag = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        self.diag = DiagnosticsPublisher(self)
         self.create_timer(1.0 / self.params["rate_hz"], self._on_sample)
         self.create_timer(1.0 / self.params["diagnostics_rate_hz"], self._on_diagnostics)
 
@@ -248,12 +242,8 @@ class ResourceMonitorNode(Node):
         th = {k: self.get_parameter(k).value for k in
               ("cpu_warn_percent", "mem_warn_percent", "temp_warn_c", "temp_error_c",
                "cache_warn_hit_rate")}
-        arr = DiagnosticArray()
-        arr.header.stamp = self.get_clock().now().to_msg()
-        arr.status = subsystem_statuses(self.last_sample, th)
-        arr.status.append(self._sources_status())
-        arr.status.append(expansion_status(self.sampler, self.probe_note))
-        self.pub_diag.publish(arr)
+        self.diag.publish([*subsystem_statuses(self.last_sample, th), self._sources_status(),
+                           expansion_status(self.sampler, self.probe_note)])
 
     def _sources_status(self) -> DiagnosticStatus:
         sts = self.sampler.describe()

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 
 import numpy as np
-from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from diagnostic_msgs.msg import DiagnosticStatus
 from geometry_msgs.msg import Point, Vector3
 from rclpy.context import Context
 from rclpy.node import Node
@@ -40,6 +40,7 @@ from tta_core.adashadow.planning import (
 )
 from tta_ros import ros_params
 from tta_ros.convert import plan_to_msg
+from tta_ros.diagnostics import OK, WARN, DiagnosticsPublisher, status
 from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
 
 PARAMS: tuple[ParamSpec, ...] = (
@@ -135,7 +136,7 @@ class SchedulerNode(Node):
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
         self.pub_plan = self.create_publisher(LayerPlan, "layer_plan", reliable)
         self.pub_markers = self.create_publisher(MarkerArray, "layer_markers", 10)
-        self.pub_diag = self.create_publisher(DiagnosticArray, "/diagnostics", 10)
+        self.diag = DiagnosticsPublisher(self)
         self.create_subscription(LayerImportance, "layer_importance", self._on_importance,
                                  reliable)
         self.create_subscription(ResourceTelemetry, "telemetry", self._on_telemetry, 10)
@@ -216,27 +217,21 @@ class SchedulerNode(Node):
             self.get_parameter("bar_spacing").value, self.get_parameter("bar_max_height").value))
 
     def _planning_status(self) -> DiagnosticStatus:
-        st = DiagnosticStatus(name="tta scheduler: planning", hardware_id="")
         warn = self.last_error or self.no_room
-        st.level = DiagnosticStatus.WARN if warn else DiagnosticStatus.OK
-        st.message = warn or f"{self.plans_published} plans"
         svc = self.planning
         pi1, pi2, live = svc.expansion
-        st.values = [KeyValue(key="plans", value=str(self.plans_published)),
-                     KeyValue(key="profile", value=svc.profile.device if svc.profile
-                              else "mac-estimate"),
-                     KeyValue(key="pi1", value=f"{pi1:.4g}"),
-                     KeyValue(key="pi2", value=f"{pi2:.4g}"),
-                     KeyValue(key="telemetry", value="live" if live else "offline"),
-                     KeyValue(key="backward_factor", value=f"{svc.backward_factor:.4g}"),
-                     KeyValue(key="plan_phase_ms", value=f"{svc.plan_phase_ms:.4g}"),
-                     KeyValue(key="update_overhead_ms", value=f"{svc.overhead_ms:.4g}")]
-        return st
+        return status("tta scheduler: planning", WARN if warn else OK,
+                      warn or f"{self.plans_published} plans", {
+                          "plans": self.plans_published,
+                          "profile": svc.profile.device if svc.profile else "mac-estimate",
+                          "pi1": f"{pi1:.4g}", "pi2": f"{pi2:.4g}",
+                          "telemetry": "live" if live else "offline",
+                          "backward_factor": f"{svc.backward_factor:.4g}",
+                          "plan_phase_ms": f"{svc.plan_phase_ms:.4g}",
+                          "update_overhead_ms": f"{svc.overhead_ms:.4g}"})
 
     def _publish_diagnostics(self) -> None:
-        arr = DiagnosticArray(status=[self._planning_status()])
-        arr.header.stamp = self.get_clock().now().to_msg()
-        self.pub_diag.publish(arr)
+        self.diag.publish([self._planning_status()])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

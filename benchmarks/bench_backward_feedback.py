@@ -21,7 +21,8 @@ import statistics
 
 import torch
 
-from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig, mac_profile
+from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig
+from tta_core.adashadow.planning import UnitLayout, mac_profile
 from tta_core.model.norms import set_bn_mode
 from tta_core.model.units import decompose
 from tta_core.model.zoo import build_model
@@ -42,7 +43,7 @@ def main() -> None:
     ap.add_argument("--underpredict", type=float, default=20.0)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    prof = mac_profile(_staged(), 1.0, 4, (3, 32, 32))
+    prof = mac_profile(UnitLayout.from_staged(_staged()), 1.0, 4)
     prof.w_ms, prof.x_ms = prof.w_ms / args.underpredict, prof.x_ms / args.underpredict
     gen = torch.Generator().manual_seed(0)
     xs = [torch.randn(4, 3, 32, 32, generator=gen) * (1 + i % 3) for i in range(args.batches)]
@@ -58,7 +59,7 @@ def main() -> None:
         eng.close()
         tail = ratios[-args.tail:]
         out[f"alpha_{alpha:g}"] = {
-            "adapted_batches": len(ratios), "factor": round(eng.backward_fb.factor, 4),
+            "adapted_batches": len(ratios), "factor": round(eng.planning.backward_fb.factor, 4),
             "measured_over_predicted": [round(r, 3) for r in ratios],
             "median_tail": round(statistics.median(tail), 3) if tail else None}
     off, on = out["alpha_0"]["median_tail"], out["alpha_0.5"]["median_tail"]

@@ -636,3 +636,43 @@ def test_parallel_status_carries_the_backward_of_its_update(rig_factory) -> None
     adapted = [s for s in rig.msgs("status") if s.adapted]
     assert adapted and all(s.mode == "parallel" for s in adapted)
     assert all(s.backward_ms > 0 and s.reforward_ms == 0 for s in adapted)
+
+
+def test_telemetry_topic_reaches_inline_planning(ros_context) -> None:
+    """Perception planning inline takes pi1/pi2 from the `telemetry` topic (NaN -> 1) for
+    its next batches, and goes back to offline factors when telemetry is older than
+    telemetry_timeout_s."""
+    from tta_ros.nodes.perception import PerceptionNode
+
+    node = PerceptionNode(context=ros_context, parameter_overrides=[
+        Parameter("model_card", value=str(CARD)), Parameter("plan_source", value="inline"),
+        Parameter("batch_size", value=2), Parameter("telemetry_timeout_s", value=0.5),
+        Parameter("num_threads", value=1)])
+    probe = rclpy.create_node("fake_monitor", context=ros_context)
+    pub_tel = probe.create_publisher(ResourceTelemetry, "telemetry", 10)
+    pub_img = probe.create_publisher(Image, "image", qos_profile_sensor_data)
+    ex = SingleThreadedExecutor(context=ros_context)
+    for nd in (node, probe):
+        ex.add_node(nd)
+    thread = threading.Thread(target=ex.spin, daemon=True)
+    thread.start()
+    try:
+        assert wait_for(lambda: pub_img.get_subscription_count() > 0, 5.0)
+        tel = ResourceTelemetry(compute_expansion=2.0, memory_expansion=float("nan"))
+        i = 0
+
+        def fed(want: tuple) -> bool:
+            nonlocal i
+            if want[2]:  # live wanted: keep telemetry coming; offline: let it go stale
+                pub_tel.publish(tel)
+            pub_img.publish(_image(i))
+            i += 1
+            return node.method.expansion == want
+
+        assert wait_for(lambda: fed((2.0, 1.0, True)), 10.0)
+        assert wait_for(lambda: fed((1.0, 1.0, False)), 10.0)  # no telemetry for > 0.5 s
+    finally:
+        ex.shutdown(timeout_sec=2.0)
+        thread.join(timeout=2.0)
+        node.destroy_node()
+        probe.destroy_node()

@@ -87,6 +87,11 @@ class AdaShadow(TTAMethod):
         """Live telemetry expansion factors for inline planning."""
         self.engine.planning.set_expansion(pi1, pi2)
 
+    @property
+    def expansion(self) -> tuple[float, float, bool]:
+        """(pi1, pi2, live) the next inline plan uses."""
+        return self.engine.planning.expansion
+
     def clear_expansion(self) -> None:
         """Telemetry went stale: plan with the offline factors."""
         self.engine.planning.clear_expansion()

@@ -244,3 +244,14 @@ def test_dp_brackets_the_undiscretised_optimum() -> None:
         upper = _exact_optimum(p, plan.budget_ms)
         lower = _exact_optimum(p, plan.budget_ms - (len(p.w) + 1) * step)
         assert lower - 1e-9 <= plan.objective <= upper + 1e-9
+
+
+def test_lowest_feasible_unit_validated_shortcut_agrees() -> None:
+    """The hot-path shortcut (problem already validated by solve) gives the same unit."""
+    rng = np.random.default_rng(11)
+    for _ in range(100):
+        p = _random_problem(rng, n=int(rng.integers(1, 12)))
+        cand = rng.random(len(p.w)) < 0.6
+        for c in (None, cand):
+            assert (lowest_feasible_unit(p, c, validated=True)
+                    == lowest_feasible_unit(p, c))

@@ -280,9 +280,10 @@ class AdaShadowEngine:
         if adapt:  # keep only the stage input the reforward needs (§4 reuse)
             keep = self.staged.units[int(np.flatnonzero(update)[0])].stage
             fwd.stage_inputs = [t if i == keep else None for i, t in enumerate(fwd.stage_inputs)]
+        plan_ms = self.clock.mark()  # the plan phase ends here: the budget counts it
         res = self._result(fwd, loss, importance, outcome, plan, adapt)
-        res.times.plan_ms = self.clock.mark()
-        measured = Measured(fwd.forward_ms, res.times.plan_ms, adapt)
+        res.times.plan_ms = plan_ms
+        measured = Measured(fwd.forward_ms, plan_ms, adapt)
         if not adapt:
             self.planning.observe(outcome, measured)
         elif self.config.mode == "parallel":

@@ -189,15 +189,22 @@ def plan_cost(problem: PlanProblem, update: np.ndarray) -> float:
     return float(tf + oh + backward_cost(w, x, sel) + r[ss[int(np.argmax(sel))]:].sum())
 
 
-def lowest_feasible_unit(problem: PlanProblem, candidates: np.ndarray | None = None) -> int:
+def lowest_feasible_unit(problem: PlanProblem, candidates: np.ndarray | None = None,
+                         *, validated: bool = False) -> int:
     """Smallest d such that the one-unit plan {d} fits the budget (N when none does),
     among `candidates` (bool per unit; every unit when None).
 
     Every plan S has cost >= cost({min S}), so no feasible plan reaches below this unit:
     the engine need not record the autograd graph under it. Uses the exact costs, which are
     never above the discretised ones `solve` compares, so it is never above solve's d.
+    `validated`: the problem was just checked (by `solve`), skip the checks (hot path).
     """
-    w, x, r, ss, _, tf, sigma, oh = _validate(problem)
+    if validated:
+        w, x, r, ss = (np.asarray(v) for v in (problem.w, problem.x, problem.r,
+                                                problem.stage_start))
+        tf, sigma, oh = problem.forward_ms, problem.sigma, problem.overhead_ms
+    else:
+        w, x, r, ss, _, tf, sigma, oh = _validate(problem)
     budget = sigma * _full_ms(w, x, r, tf, oh)
     ok = tf + w + _fixed_cost_ms(x, r, ss, oh) <= budget
     if candidates is not None:

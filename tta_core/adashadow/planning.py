@@ -248,7 +248,7 @@ class PlanningService:
     def _no_room(problem: planner.PlanProblem, plan: planner.Plan,
                  candidates: np.ndarray | None) -> str:
         """Why no candidate unit fits the budget at all, or ""."""
-        if planner.lowest_feasible_unit(problem, candidates) < len(problem.w):
+        if planner.lowest_feasible_unit(problem, candidates, validated=True) < len(problem.w):
             return ""
         return (f"no unit fits the budget sigma*T = {plan.budget_ms:.3g} ms after the forward "
                 f"and plan phase ({problem.forward_ms:.3g} ms) and the update's fixed cost "

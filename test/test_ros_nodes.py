@@ -32,6 +32,7 @@ from visualization_msgs.msg import Marker, MarkerArray  # noqa: E402
 
 from tta_core.io.image_msg import array_to_image_fields  # noqa: E402
 from tta_ros.bringup import build_nodes  # noqa: E402
+from tta_ros.nodes.perception import perception_statuses  # noqa: E402
 from tta_ros.nodes.perception_support import PlanGate  # noqa: E402
 from tta_ros.nodes.scheduler import SchedulerNode  # noqa: E402
 
@@ -467,7 +468,7 @@ def test_scheduler_publishes_the_planning_services_plan(ros_context, tmp_path,
         Parameter("profile", value=str(tmp_path / "p.json")),
         Parameter("forward_feedback", value=feedback), Parameter("sigma", value=0.6),
         Parameter("fixed_cost_feedback", value=0.0)])
-    imp = LayerImportance(unit_names=layout.unit_names, model_name="small_resnet",
+    imp = LayerImportance(unit_names=layout.unit_names, model_name=layout.model_name,
                           importance=np.random.default_rng(1).random(n).tolist(),
                           batch_size=4, forward_ms=2.5 * 0.3 * n, batch_id=7)
     try:
@@ -478,7 +479,8 @@ def test_scheduler_publishes_the_planning_services_plan(ros_context, tmp_path,
     svc = PlanningService(layout, PlanningConfig(sigma=0.6, forward_feedback=feedback,
                                                  fixed_cost_feedback=0.0), prof)
     svc.set_expansion(2.0, 1.0)
-    want = svc.plan(np.asarray(imp.importance), imp.forward_ms)
+    want = svc.plan(np.asarray(imp.importance), imp.forward_ms,
+                    candidates=layout.trainable("norm"))  # the scheduler's default
     assert list(msg.update) == want.plan.update.tolist() and any(msg.update)
     assert msg.based_on_batch_id == 7 and msg.first_updated_index == want.plan.first_updated
     np.testing.assert_allclose(msg.predicted_unit_ms, want.unit_ms, rtol=1e-6)
@@ -542,6 +544,7 @@ def test_scheduler_corrects_backward_times_by_the_status_perception_reports(
     n = len(node.layout.unit_names)
     try:
         imp = LayerImportance(unit_names=node.layout.unit_names, importance=[1.0] * n,
+                              model_name=node.layout.model_name,
                               batch_size=4, forward_ms=0.3 * n)
         predicted = node.plan_for(imp).predicted_backward_ms
         node._on_importance(imp)  # plan 1
@@ -568,6 +571,7 @@ def test_scheduler_leaves_room_for_the_fixed_costs_perception_reports(
     n = len(node.layout.unit_names)
     try:
         imp = LayerImportance(unit_names=node.layout.unit_names, importance=[1.0] * n,
+                              model_name=node.layout.model_name,
                               batch_size=4, forward_ms=0.3 * n)
         out = node.plan_for(imp)
         before = out.plan
@@ -597,6 +601,7 @@ def test_scheduler_warns_when_no_unit_fits_the_budget(ros_context, tmp_path) -> 
     n = len(node.layout.unit_names)
     try:
         imp = LayerImportance(unit_names=node.layout.unit_names, importance=[1.0] * n,
+                              model_name=node.layout.model_name,
                               batch_size=4, forward_ms=0.3 * n)
         node.set_parameters([Parameter("sigma", value=0.05)])
         node._on_importance(imp)
@@ -617,13 +622,13 @@ def test_perception_warns_when_inline_plans_have_no_room(rig_factory) -> None:
     rig.send([_image(i) for i in range(8)])
     assert wait_for(lambda: len(rig.msgs("status")) >= 2, 10.0)
     assert all(s.units_updated == 0 for s in rig.msgs("status"))
-    plan = next(s for s in rig.perception._statuses() if s.name.endswith("planning"))
+    plan = next(s for s in perception_statuses(rig.perception) if s.name.endswith("planning"))
     assert plan.level == DiagnosticStatus.WARN and "raise sigma" in plan.message
     assert rig.perception.set_parameters([Parameter("sigma", value=1.0)])[0].successful
     n = len(rig.msgs("status"))
     rig.send([_image(20 + i) for i in range(8)])
     assert wait_for(lambda: any(s.units_updated > 0 for s in rig.msgs("status")[n:]), 10.0)
-    plan = next(s for s in rig.perception._statuses() if s.name.endswith("planning"))
+    plan = next(s for s in perception_statuses(rig.perception) if s.name.endswith("planning"))
     assert plan.level == DiagnosticStatus.OK
 
 

@@ -130,9 +130,11 @@ class TTAMethodLike(Protocol):
 
 @runtime_checkable
 class TakesPlan(Protocol):
-    """Accepts an external layer-update plan (the ROS `layer_plan` topic) for a batch."""
+    """Accepts an external layer-update plan (the ROS `layer_plan` topic) for a batch;
+    `trainable` (bool per unit) says which units a plan may update."""
 
     unit_names: Sequence[str]
+    trainable: np.ndarray
 
     def step(self, x: Tensor, plan: Plan | None = None) -> StepResult: ...
 

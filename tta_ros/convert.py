@@ -13,6 +13,77 @@ from tta_msgs.msg import AdaptationStatus, ClassPrediction, LayerImportance, Lay
 from tta_core.adashadow.planning import Plan, PlanOutcome
 from tta_core.api import StepResult
 
+#: a forward slower than this (ms) is not a measurement but a forged or broken message
+MAX_FORWARD_MS = 1e5
+
+
+def _short(value: object, limit: int = 40) -> str:
+    """repr of `value`, cut to `limit` characters with its full length (untrusted text)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} chars)"
+
+
+def _finite_nonneg(name: str, values: object) -> np.ndarray:
+    """`values` as float64, or ValueError naming the first that is not finite and >= 0."""
+    arr = np.asarray(values, dtype=np.float64)
+    bad = ~np.isfinite(arr) | (arr < 0)
+    if bad.any():
+        if arr.ndim == 0:
+            raise ValueError(f"{name} = {float(arr)!r} is not finite and >= 0")
+        i = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"{name}[{i}] = {arr[i]!r} is not finite and >= 0")
+    return arr
+
+
+def check_plan(msg: LayerPlan, model_name: str, unit_names: list[str],
+               trainable: np.ndarray) -> Plan:
+    """The Plan a LayerPlan describes, after checking it fits this model: model name, unit
+    names and array lengths, finite non-negative numbers, a consistent first unit, and only
+    trainable units selected. ValueError naming the first bad field otherwise."""
+    n = len(unit_names)
+    if msg.model_name != model_name:
+        raise ValueError(f"model_name {_short(msg.model_name)} is not this model's "
+                         f"{model_name!r}")
+    if list(msg.unit_names) != unit_names:
+        raise ValueError(f"unit_names ({len(msg.unit_names)}) do not match this model's "
+                         f"{n} units")
+    for field, allowed in (("update", (n,)), ("importance", (0, n)),
+                           ("predicted_unit_ms", (0, n))):
+        if len(getattr(msg, field)) not in allowed:
+            raise ValueError(f"{field} has {len(getattr(msg, field))} entries for {n} units")
+    for field in ("sigma", "budget_ms", "predicted_total_ms", "solve_ms", "importance",
+                  "predicted_unit_ms"):
+        _finite_nonneg(field, getattr(msg, field))
+    update = np.asarray(msg.update, dtype=bool)
+    first = int(np.argmax(update)) if update.any() else n
+    if msg.first_updated_index != first:
+        raise ValueError(f"first_updated_index {msg.first_updated_index} is not the first "
+                         f"updated unit ({first})")
+    bad = update & ~np.asarray(trainable, dtype=bool)
+    if bad.any():
+        raise ValueError(f"update selects units that are not trainable here: "
+                         f"{[unit_names[i] for i in np.flatnonzero(bad)[:3]]}")
+    return msg_to_plan(msg)
+
+
+def check_importance(msg: LayerImportance, model_name: str, unit_names: list[str]
+                     ) -> np.ndarray:
+    """The importance array of a LayerImportance after checking it: this model, its units,
+    finite non-negative importance, a plausible forward time, batch_size >= 1."""
+    if msg.model_name != model_name:
+        raise ValueError(f"model_name {_short(msg.model_name)} is not the card's "
+                         f"{model_name!r}")
+    if list(msg.unit_names) != unit_names or len(msg.importance) != len(unit_names):
+        raise ValueError(f"importance has {len(msg.importance)} values for "
+                         f"{len(msg.unit_names)} units that do not match the card's "
+                         f"{len(unit_names)} units")
+    if not (math.isfinite(msg.forward_ms) and 0 <= msg.forward_ms <= MAX_FORWARD_MS):
+        raise ValueError(f"forward_ms = {msg.forward_ms!r} is not a time in [0, "
+                         f"{MAX_FORWARD_MS:g}] ms")
+    if msg.batch_size < 1:
+        raise ValueError(f"batch_size = {msg.batch_size} is not >= 1")
+    return _finite_nonneg("importance", msg.importance)
+
 
 def msg_to_plan(msg: LayerPlan) -> Plan:
     """LayerPlan -> Plan (full_ms recovered from budget / sigma)."""

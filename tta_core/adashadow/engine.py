@@ -22,6 +22,7 @@ from tta_core import losses
 from tta_core.adashadow import assessor as assessor_mod
 from tta_core.adashadow import planner, predictor
 from tta_core.adashadow.planning import (
+    TRAINABLE,
     Measured,
     PlanningConfig,
     PlanningService,
@@ -34,7 +35,6 @@ from tta_core.model.unit_stats import UnitStatsCollector, source_seeds
 from tta_core.model.units import StagedModel, stage_input_hooks
 
 MODES = ("sequential", "parallel")
-TRAINABLE = ("norm", "all")  # which units may be updated: normalisation layers, or all
 GRAPHS = ("lazy", "full")
 LOSSES = ("entropy", "multilayer_kl")
 
@@ -109,8 +109,7 @@ class AdaShadowEngine:
         self.lazy = self.config.graph == "lazy" and self.config.loss == "entropy"
         self.planning = PlanningService(UnitLayout.from_staged(staged), self.config, profile,
                                         reforward_twice=self.lazy)
-        self.candidates = np.array([self.config.trainable == "all" or u.kind in ("bn", "ln")
-                                    for u in staged.units])
+        self.candidates = self.planning.layout.trainable(self.config.trainable)
         if not self.candidates.any():
             raise ValueError(f"trainable={self.config.trainable!r} leaves no unit to update "
                              f"in {staged.arch}")

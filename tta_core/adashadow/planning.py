@@ -22,8 +22,9 @@ Which feedback needs what (see also docs/api.md):
 
 from __future__ import annotations
 
-__all__ = ["FEEDBACK_MODES", "Measured", "Plan", "PlanOutcome", "PlanningConfig", "PlanningService",
-           "UnitLayout", "UnitProfile", "layout_from_card", "mac_profile", "telemetry_pis"]
+__all__ = ["FEEDBACK_MODES", "TRAINABLE", "Measured", "Plan", "PlanOutcome", "PlanningConfig",
+           "PlanningService", "UnitLayout", "UnitProfile", "layout_from_card", "mac_profile",
+           "telemetry_pis"]
 
 import math
 from dataclasses import dataclass
@@ -39,6 +40,9 @@ from tta_core.adashadow.predictor import FEEDBACK_MODES, UnitProfile
 from tta_core.model.source import load_card
 from tta_core.model.units import StagedModel, decompose
 from tta_core.model.zoo import build_model
+
+
+TRAINABLE = ("norm", "all")
 
 
 @dataclass
@@ -89,6 +93,7 @@ class UnitLayout:
     macs_dw: np.ndarray
     eta: np.ndarray
     input_shape: tuple[int, ...]
+    kinds: tuple[str, ...] = ()  # per unit: conv, linear, bn, ln, attn
 
     @classmethod
     def from_staged(cls, staged: StagedModel, model_name: str = "") -> UnitLayout:
@@ -101,11 +106,18 @@ class UnitLayout:
                    np.array([u.macs_dx for u in units], dtype=np.float64),
                    np.array([u.macs_dw for u in units], dtype=np.float64),
                    np.array([u.eta for u in units], dtype=np.float64),
-                   tuple(staged.input_shape))
+                   tuple(staged.input_shape), tuple(u.kind for u in units))
 
     @property
     def n_units(self) -> int:
         return len(self.unit_names)
+
+    def trainable(self, which: str) -> np.ndarray:
+        """Units a plan may update: "norm" (BN/LayerNorm, their affine parameters, as
+        Tent) or "all" (every unit, the paper's layer-wise reading)."""
+        if which not in TRAINABLE:
+            raise ValueError(f"trainable {which!r} not in {TRAINABLE}")
+        return np.array([which == "all" or k in ("bn", "ln") for k in self.kinds], dtype=bool)
 
     @property
     def n_stages(self) -> int:

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from torch import Tensor, nn
 
 from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig
@@ -57,6 +58,11 @@ class AdaShadow(TTAMethod):
         self.staged = decompose(self.model, self.config.input_shape, self.config.arch)
         self.engine = AdaShadowEngine(self.staged, self.config, profile=prof,
                                       source_bn=source_bn)
+
+    @property
+    def trainable(self) -> np.ndarray:
+        """Per unit: whether a plan may update it (config.trainable)."""
+        return self.engine.candidates.copy()
 
     @property
     def unit_names(self) -> list[str]:

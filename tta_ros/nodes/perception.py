@@ -22,7 +22,6 @@ import copy
 import dataclasses
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,15 +43,20 @@ from tta_msgs.msg import (
 )
 
 from tta_core.adashadow.planning import Plan, telemetry_pis
-from tta_core.api import RuntimeTunable, StepResult, TakesPlan, TakesTelemetry, TTAMethodLike
+from tta_core.api import RuntimeTunable, StepResult, TakesPlan, TTAMethodLike
 from tta_core.io.image_msg import Preprocess, decode_image, to_tensor
 from tta_core.methods import available_methods, build_method, method_class
 from tta_core.model.source import load_source
 from tta_core.model.units import decompose
 from tta_ros import ros_params
-from tta_ros.convert import importance_msg, msg_to_plan, peak_memory_mb, prediction_msgs, status_msg
+from tta_ros.convert import check_plan, importance_msg, peak_memory_mb, prediction_msgs, status_msg
 from tta_ros.diagnostics import ERROR, OK, WARN, DiagnosticsPublisher, status
-from tta_ros.nodes.perception_support import DivergenceGuard, FrameQueue, PlanGate
+from tta_ros.nodes.perception_support import (
+    DivergenceGuard,
+    FrameQueue,
+    PlanGate,
+    TelemetryFeed,
+)
 from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
 
 RUNTIME = ("method", "mode", "sigma", "lr", "batch_size", "queue_size", "plan_source",
@@ -159,6 +163,23 @@ def planning_message(node: PerceptionNode) -> str:
     return "plans from layer_plan"
 
 
+def perception_statuses(node: PerceptionNode) -> list[DiagnosticStatus]:
+    """The node's input, planning and adaptation statuses for /diagnostics."""
+    c, q, p = node.counters, node.queue, node.p
+    planning_warn = node._inline_fallback or bool(node._no_room)
+    return [
+        status("tta perception: input", OK, "ok", {
+            "received": q.received, "dropped": q.dropped, "rejected": c.rejected,
+            "queue": f"{len(q)}/{q.maxlen}", "last_rejection": c.last_rejection}),
+        status("tta perception: planning", WARN if planning_warn else OK,
+               planning_message(node), {
+                   "plan_source": p["plan_source"],
+                   "topic_batches": c.topic_batches, "inline_batches": c.inline_batches}),
+        status("tta perception: adaptation", OK, f"{p['method']} ({p['mode']})",
+               {"batches": c.batches, "resets": node.guard.resets,
+                "step_errors": c.step_errors, "last_error": c.last_error})]
+
+
 class PerceptionNode(Node):
     """Runs a tta_core method on the camera stream; see the module docstring."""
 
@@ -192,7 +213,7 @@ class PerceptionNode(Node):
         self.counters = Counters()
         self._inline_fallback = False
         self._no_room = ""  # inline planning: why no trainable unit fits sigma * T
-        self._telemetry: tuple[float, float, float] | None = None  # (time, pi1, pi2)
+        self.telemetry = TelemetryFeed(self.p["telemetry_timeout_s"])
         self.add_on_set_parameters_callback(self._on_set_parameters)
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
         self.pub_pred = self.create_publisher(ClassPrediction, "predictions", 100)
@@ -260,17 +281,19 @@ class PerceptionNode(Node):
         self.queue.push(msg)  # O(1), never blocks; conversion happens on the worker
 
     def _on_telemetry(self, msg: ResourceTelemetry) -> None:
-        pi1, pi2 = telemetry_pis(msg.compute_expansion, msg.memory_expansion)
-        self._telemetry = (time.monotonic(), pi1, pi2)
+        self.telemetry.on_reading(*telemetry_pis(msg.compute_expansion, msg.memory_expansion))
 
     def _on_plan(self, msg: LayerPlan) -> None:
-        if list(msg.unit_names) != self.unit_names or len(msg.update) != len(self.unit_names):
-            self._diag_now("planning", WARN, f"plan {msg.plan_id} for model "
-                           f"{msg.model_name!r} does not match this model's "
-                           f"{len(self.unit_names)} units: ignored")
+        method = self.method
+        if not isinstance(method, TakesPlan):
+            return
+        try:
+            plan = check_plan(msg, self.model_name, self.unit_names, method.trainable)
+        except ValueError as exc:  # the last good plan (or inline) goes on serving
+            self._diag_now("planning", WARN, f"plan {msg.plan_id} ignored: {exc}")
             return
         was_stale = self._inline_fallback
-        self.gate.on_plan((int(msg.plan_id), msg_to_plan(msg)))
+        self.gate.on_plan((int(msg.plan_id), plan))
         if was_stale:
             self._inline_fallback = False
             self._diag_now("planning", OK, f"plans resumed on layer_plan (plan {msg.plan_id})")
@@ -289,6 +312,8 @@ class PerceptionNode(Node):
                 self.counters.last_error = f"{type(exc).__name__}: {exc}"
                 self.get_logger().error(f"batch failed: {self.counters.last_error}")
                 self._diag_now("adaptation", ERROR, self.counters.last_error)
+                if self.accepts_plans and self.p["plan_source"] == "topic":
+                    self.gate.on_importance_sent()  # no plan answers a failed batch: stale
 
     def _convert(self, frames: list[Image]) -> tuple[list[np.ndarray], list[Image]]:
         xs, good = [], []
@@ -313,19 +338,9 @@ class PerceptionNode(Node):
             self._diag_now("planning", WARN, planning_message(self))
         return current if current is not None else (0, None)
 
-    def _apply_telemetry(self) -> None:
-        """Inline plans use the live pi1/pi2 while telemetry is fresh."""
-        if not isinstance(self.method, TakesTelemetry):
-            return
-        tel = self._telemetry
-        if tel is not None and time.monotonic() - tel[0] <= self.p["telemetry_timeout_s"]:
-            self.method.set_expansion(tel[1], tel[2])
-        else:
-            self.method.clear_expansion()
-
     def _step(self, x: torch.Tensor, plan: Plan | None) -> StepResult:
         if plan is None:
-            self._apply_telemetry()
+            self.telemetry.apply(self.method)
             return self.method.step(x)
         return self.method.step(x, plan=plan)
 
@@ -334,8 +349,18 @@ class PerceptionNode(Node):
         if not xs:
             return
         x = to_tensor(xs, self.pre).to(self.device)
-        plan_id, plan = self._choose_plan()
-        res = self._step(x, plan)
+        chosen = self._choose_plan()
+        plan_id, plan = chosen
+        try:
+            res = self._step(x, plan)
+        except Exception as exc:
+            if plan is None:
+                raise
+            self.gate.discard(chosen)  # this batch and the next ones: inline
+            self._diag_now("planning", WARN, f"plan {plan_id} failed ({type(exc).__name__}: "
+                           f"{exc}): planning inline until the next plan")
+            plan_id, plan = 0, None
+            res = self._step(x, None)
         self._note_no_room(res)
         self.counters.count_batch(from_topic=plan_id != 0)
         logits = res.logits.float()
@@ -375,27 +400,12 @@ class PerceptionNode(Node):
             if self.accepts_plans and self.p["plan_source"] == "topic":
                 self.gate.on_importance_sent()
 
-    def _statuses(self) -> list[DiagnosticStatus]:
-        c, q = self.counters, self.queue
-        planning_warn = self._inline_fallback or bool(self._no_room)
-        return [
-            status("tta perception: input", OK, "ok", {
-                "received": q.received, "dropped": q.dropped, "rejected": c.rejected,
-                "queue": f"{len(q)}/{q.maxlen}", "last_rejection": c.last_rejection}),
-            status("tta perception: planning", WARN if planning_warn else OK,
-                   planning_message(self), {
-                       "plan_source": self.p["plan_source"],
-                       "topic_batches": c.topic_batches, "inline_batches": c.inline_batches}),
-            status("tta perception: adaptation", OK, f"{self.p['method']} ({self.p['mode']})",
-                   {"batches": c.batches, "resets": self.guard.resets,
-                    "step_errors": c.step_errors, "last_error": c.last_error})]
-
     def _publish_diagnostics(self) -> None:
-        self.diag.publish(self._statuses())
+        self.diag.publish(perception_statuses(self))
 
     def _diag_now(self, which: str, level: int, message: str) -> None:
         """Publish one status right away (rejections, fallbacks, resets)."""
-        st = next(s for s in self._statuses() if s.name.endswith(which))
+        st = next(s for s in perception_statuses(self) if s.name.endswith(which))
         st.level, st.message = level, message
         self.diag.publish([st])
 

@@ -7,6 +7,7 @@
   after it (scheduler gone); an idle stream is never stale. Stale -> plan inline.
 - DivergenceGuard: reset the method when logits are non-finite, or when the mean entropy
   stays above `ratio * ln(num_classes)` for `patience` consecutive batches.
+- TelemetryFeed: the monitor's latest pi1/pi2 for inline planning while fresh.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
+
+from tta_core.api import TakesTelemetry
 
 
 class FrameQueue:
@@ -114,6 +117,13 @@ class PlanGate:
         with self._lock:
             return self.plan
 
+    def discard(self, plan: Any) -> None:
+        """Forget `plan` if it is still the current one (it failed): inline until the next
+        plan arrives."""
+        with self._lock:
+            if self.plan is plan:
+                self.plan = None
+
     def silent_for(self, now: float | None = None) -> float:
         now = time.monotonic() if now is None else now
         with self._lock:
@@ -147,3 +157,26 @@ class DivergenceGuard:
         self.high_streak = 0
         self.resets += 1
         return reason
+
+
+class TelemetryFeed:
+    """The latest telemetry pi1/pi2 for inline planning, until it is `timeout_s` old."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = float(timeout_s)
+        self._latest: tuple[float, float, float] | None = None  # (time, pi1, pi2)
+
+    def on_reading(self, pi1: float, pi2: float, now: float | None = None) -> None:
+        self._latest = (time.monotonic() if now is None else now, float(pi1), float(pi2))
+
+    def apply(self, method: object, now: float | None = None) -> None:
+        """Hand the fresh factors to a method that plans with telemetry, or tell it to use
+        offline ones (stale or none yet); other methods are left alone."""
+        if not isinstance(method, TakesTelemetry):
+            return
+        now = time.monotonic() if now is None else now
+        latest = self._latest
+        if latest is not None and now - latest[0] <= self.timeout_s:
+            method.set_expansion(latest[1], latest[2])
+        else:
+            method.clear_expansion()

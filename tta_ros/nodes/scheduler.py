@@ -30,6 +30,7 @@ from visualization_msgs.msg import Marker, MarkerArray
 
 from tta_core.adashadow.planning import (
     FEEDBACK_MODES,
+    TRAINABLE,
     Measured,
     PlanningConfig,
     PlanningService,
@@ -39,7 +40,7 @@ from tta_core.adashadow.planning import (
     telemetry_pis,
 )
 from tta_ros import ros_params
-from tta_ros.convert import plan_to_msg
+from tta_ros.convert import check_importance, plan_to_msg
 from tta_ros.diagnostics import OK, WARN, DiagnosticsPublisher, status
 from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
 
@@ -49,6 +50,9 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("profile", "", "offline UnitProfile JSON; empty: MAC-proportional default "
               "scaled to the measured forward time", read_only=True),
     ParamSpec("sigma", 0.33, "latency budget as a fraction of a full update", 0.0, 1.0),
+    ParamSpec("trainable", "norm", "units perception may update (its method's trainable "
+              "setting): norm = BN/LayerNorm affine parameters, all = every unit",
+              choices=TRAINABLE, read_only=True),
     ParamSpec("n_t", 500, "planner budget discretisation steps", 10, 100000),
     ParamSpec("forward_feedback", "uniform", "correct the telemetry-scaled times by the "
               "forward measured on the batch (predictor.feedback_pis): memory = keep the "
@@ -124,6 +128,7 @@ class SchedulerNode(Node):
             sigma=p["sigma"], n_t=p["n_t"], forward_feedback=p["forward_feedback"],
             backward_feedback=p["backward_feedback"],
             fixed_cost_feedback=p["fixed_cost_feedback"]), profile)
+        self._trainable = layout.trainable(p["trainable"])
         self.telemetry: ResourceTelemetry | None = None
         self._tel_time = -math.inf
         self.plans_published = 0
@@ -184,14 +189,13 @@ class SchedulerNode(Node):
             self.planning.clear_expansion()
 
     def plan_for(self, imp: LayerImportance) -> PlanOutcome:
-        """The service's plan for `imp` with the current telemetry (nothing published)."""
-        if list(imp.unit_names) != self.layout.unit_names:
-            raise ValueError(f"importance of model {imp.model_name!r} has "
-                             f"{len(imp.unit_names)} units that do not match the card's "
-                             f"{len(self.layout.unit_names)} units")
+        """The service's plan for `imp` with the current telemetry (nothing published);
+        ValueError naming the field when `imp` is not a valid message for this model."""
+        lay = self.layout
+        importance = check_importance(imp, lay.model_name, lay.unit_names)
         self._apply_telemetry()
-        return self.planning.plan(np.asarray(imp.importance, dtype=np.float64),
-                                  float(imp.forward_ms), grad_from=self._grad_from)
+        return self.planning.plan(importance, float(imp.forward_ms), grad_from=self._grad_from,
+                                  candidates=self._trainable)
 
     def _on_importance(self, imp: LayerImportance) -> None:
         try:

@@ -681,3 +681,83 @@ def test_telemetry_topic_reaches_inline_planning(ros_context) -> None:
         thread.join(timeout=2.0)
         node.destroy_node()
         probe.destroy_node()
+
+
+def _forged_plans(rig: Rig) -> list[tuple[str, LayerPlan]]:
+    """(the field its diagnostic must name, a forged LayerPlan) for perception's model."""
+    names = rig.perception.unit_names
+    n = len(names)
+    conv = int(np.flatnonzero(~rig.perception.method.trainable)[0])
+    base = {"model_name": rig.perception.model_name, "unit_names": names,
+            "update": [False] * n, "first_updated_index": n, "sigma": 0.3, "budget_ms": 5.0}
+    cases = [("not trainable", {"update": [i == conv for i in range(n)],
+                                "first_updated_index": conv}),
+             ("model_name", {"model_name": "other_net"}),
+             ("budget_ms", {"budget_ms": float("nan")}),
+             ("sigma", {"sigma": float("-inf")}),
+             ("update has", {"update": [True] * (n + 3)}),
+             ("unit_names", {"unit_names": names[:3]})]
+    return [(needle, LayerPlan(plan_id=900 + i, **{**base, **kw}))
+            for i, (needle, kw) in enumerate(cases)]
+
+
+def test_forged_plans_and_importance_never_stop_service(rig_factory) -> None:
+    """Each forged LayerPlan is ignored with a diagnostic naming the bad field and each
+    forged LayerImportance is refused by the scheduler (WARN); the next valid frame is
+    answered within 2 s every time."""
+    rig = rig_factory()
+    rel = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
+    pub_plan = rig.probe.create_publisher(LayerPlan, "layer_plan", rel)
+    pub_imp = rig.probe.create_publisher(LayerImportance, "layer_importance", rel)
+    assert wait_for(lambda: pub_plan.get_subscription_count() > 0, 5.0)
+    rig.send([_image(i) for i in range(8)])
+    assert wait_for(lambda: len(rig.msgs("pred")) >= 8, 20.0)
+    names, model = rig.perception.unit_names, rig.perception.model_name
+    forged_imp = [("forward_ms", LayerImportance(model_name=model, unit_names=names,
+                                                 importance=[1.0] * len(names),
+                                                 forward_ms=3e38, batch_size=4)),
+                  ("batch_size", LayerImportance(model_name=model, unit_names=names,
+                                                 importance=[1.0] * len(names),
+                                                 forward_ms=5.0, batch_size=0)),
+                  ("importance[0]", LayerImportance(model_name=model, unit_names=names,
+                                                    importance=[float("nan")] * len(names),
+                                                    forward_ms=5.0, batch_size=4))]
+    for k, (needle, msg) in enumerate(_forged_plans(rig) + forged_imp):
+        (pub_plan if isinstance(msg, LayerPlan) else pub_imp).publish(msg)
+        node = "perception" if isinstance(msg, LayerPlan) else "scheduler"
+        assert wait_for(lambda n=node, s=needle: any(
+            s in st.message and st.level == DiagnosticStatus.WARN
+            for st in rig.statuses(f"{n}: planning")), 5.0), needle
+        seen = len(rig.msgs("pred"))
+        t0 = time.monotonic()
+        rig.send([_image(100 + k)])
+        assert wait_for(lambda s=seen: len(rig.msgs("pred")) > s, 2.0), needle
+        assert time.monotonic() - t0 < 2.0
+    assert rig.perception.counters.step_errors == 0
+
+
+def test_a_plan_that_fails_is_served_inline(rig_factory) -> None:
+    """A topic plan that passes the checks but makes the step fail: the batch is served
+    inline at once, the plan is dropped with a WARN, and the next plans apply again."""
+    rig = rig_factory()
+    rig.send([_image(i) for i in range(8)])
+    assert wait_for(lambda: any(s.plan_id for s in rig.msgs("status")), 20.0)
+    method, broken = rig.perception.method, {"left": 1}
+    step = method.step
+
+    def failing_step(x, plan=None):
+        if plan is not None and broken["left"] > 0:
+            broken["left"] -= 1
+            raise RuntimeError("simulated plan failure")
+        return step(x, plan=plan)
+
+    method.step = failing_step
+    seen = len(rig.msgs("pred"))
+    rig.send([_image(50 + i) for i in range(4)])
+    assert wait_for(lambda: len(rig.msgs("pred")) >= seen + 4, 5.0)
+    assert broken["left"] == 0 and rig.perception.counters.step_errors == 0
+    assert any("simulated plan failure" in s.message and "inline" in s.message
+               for s in rig.statuses("perception: planning"))
+    rig.send([_image(60 + i) for i in range(8)])
+    n = len(rig.msgs("status"))
+    assert wait_for(lambda: any(s.plan_id for s in rig.msgs("status")[n:]), 10.0)

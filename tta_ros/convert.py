@@ -7,6 +7,8 @@ import resource
 
 import numpy as np
 import torch
+from rclpy.serialization import deserialize_message
+from sensor_msgs.msg import Image
 from std_msgs.msg import Header
 from tta_msgs.msg import AdaptationStatus, ClassPrediction, LayerImportance, LayerPlan
 
@@ -112,6 +114,18 @@ def plan_to_msg(outcome: PlanOutcome, imp: LayerImportance, plan_id: int,
                     solve_ms=float(plan.solve_ms))
     msg.header = imp.header
     return msg
+
+
+def images_from_raw(raw: list[bytes]) -> list[Image]:
+    """Serialized sensor_msgs/Image (a raw subscription's messages) -> messages; bytes
+    that do not deserialize are left out (the caller counts them as rejected)."""
+    frames = []
+    for data in raw:
+        try:
+            frames.append(deserialize_message(data, Image))
+        except Exception:
+            continue
+    return frames
 
 
 def prediction_msgs(headers: list[Header], probs: np.ndarray, batch_id: int,

@@ -49,7 +49,14 @@ from tta_core.methods import available_methods, build_method, method_class
 from tta_core.model.source import load_source
 from tta_core.model.units import decompose
 from tta_ros import ros_params
-from tta_ros.convert import check_plan, importance_msg, peak_memory_mb, prediction_msgs, status_msg
+from tta_ros.convert import (
+    check_plan,
+    images_from_raw,
+    importance_msg,
+    peak_memory_mb,
+    prediction_msgs,
+    status_msg,
+)
 from tta_ros.diagnostics import ERROR, OK, WARN, DiagnosticsPublisher, status
 from tta_ros.nodes.perception_support import (
     DivergenceGuard,
@@ -220,7 +227,11 @@ class PerceptionNode(Node):
         self.pub_status = self.create_publisher(AdaptationStatus, "adaptation_status", reliable)
         self.pub_imp = self.create_publisher(LayerImportance, "layer_importance", reliable)
         self.diag = DiagnosticsPublisher(self)
-        self.create_subscription(Image, "image", self._on_image, qos_profile_sensor_data)
+        # raw: the callback only queues the serialized bytes; the worker deserializes the
+        # frames it takes, never the ones the queue drops (overload costs the callback
+        # thread a copy per frame, not a Python message each)
+        self.create_subscription(Image, "image", self._on_image, qos_profile_sensor_data,
+                                 raw=True)
         self.create_subscription(LayerPlan, "layer_plan", self._on_plan, reliable)
         self.create_subscription(ResourceTelemetry, "telemetry", self._on_telemetry, 10)
         self.create_timer(1.0, self._publish_diagnostics)
@@ -277,8 +288,8 @@ class PerceptionNode(Node):
         self.guard.patience = int(self.p["reset_patience"])
 
     # ------------------------------------------------------------ callbacks
-    def _on_image(self, msg: Image) -> None:
-        self.queue.push(msg)  # O(1), never blocks; conversion happens on the worker
+    def _on_image(self, raw: bytes) -> None:
+        self.queue.push(raw)  # O(1), never blocks; deserialization happens on the worker
 
     def _on_telemetry(self, msg: ResourceTelemetry) -> None:
         self.telemetry.on_reading(*telemetry_pis(msg.compute_expansion, msg.memory_expansion))
@@ -344,7 +355,9 @@ class PerceptionNode(Node):
             return self.method.step(x)
         return self.method.step(x, plan=plan)
 
-    def _process(self, frames: list[Image]) -> None:
+    def _process(self, raw: list[bytes]) -> None:
+        frames = images_from_raw(raw)
+        self.counters.rejected += len(raw) - len(frames)
         xs, good = self._convert(frames)
         if not xs:
             return

@@ -1,0 +1,165 @@
+"""Overload: does perception keep serving when frames arrive far faster than it can answer?
+
+The three nodes run in their own process (`python -m tta_ros.bringup`, as on a robot);
+this script is the camera and the consumer. First it measures the saturation throughput
+S (offered rates rise 25 % per step while the node answers >= 90 % of them; S is the best
+answered rate), then
+publishes at `--factor` x S for `--seconds`, `--runs` times in a row, and reports each
+run's answered frames/s as a share of S, the drops the node counted, and the node
+process's RSS at the start and end of each run (flat = no leak, no growing queue).
+Goal (issue "Never stop serving"): every run >= 70 % of S, RSS within +-5 %.
+
+    python benchmarks/bench_overload.py [--seconds 60 --runs 3 --factor 10 --size 160x120]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import rclpy
+from rclpy.executors import SingleThreadedExecutor
+from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+from sensor_msgs.msg import Image
+from tta_msgs.msg import AdaptationStatus, ClassPrediction
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Camera:
+    """Publisher of synthetic frames + counter of the predictions that come back."""
+
+    def __init__(self, ctx, size: tuple[int, int]) -> None:
+        self.node = rclpy.create_node("overload_camera", context=ctx)
+        self.pub = self.node.create_publisher(Image, "image", qos_profile_sensor_data)
+        rel = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE)
+        self.answered = 0
+        self.dropped = 0
+        self.node.create_subscription(ClassPrediction, "predictions", self._on_pred, rel)
+        self.node.create_subscription(AdaptationStatus, "adaptation_status",
+                                      self._on_status, rel)
+        w, h = size
+        rng = np.random.default_rng(0)
+        self.frames = []
+        for _ in range(16):
+            msg = Image(height=h, width=w, encoding="rgb8", step=3 * w)
+            msg.data = rng.integers(0, 256, 3 * w * h, dtype=np.uint8).tobytes()
+            self.frames.append(msg)
+        self.sent = 0
+        self.ex = SingleThreadedExecutor(context=ctx)
+        self.ex.add_node(self.node)
+        self.thread = threading.Thread(target=self.ex.spin, daemon=True)
+        self.thread.start()
+
+    def _on_pred(self, _msg: ClassPrediction) -> None:
+        self.answered += 1
+
+    def _on_status(self, msg: AdaptationStatus) -> None:
+        self.dropped = max(self.dropped, int(msg.frames_dropped))
+
+    def publish(self) -> None:
+        self.pub.publish(self.frames[self.sent % len(self.frames)])
+        self.sent += 1
+
+    def close(self) -> None:
+        self.ex.shutdown(timeout_sec=2.0)
+        self.thread.join(timeout=2.0)
+        self.node.destroy_node()
+
+
+def _offer(cam: Camera, rate: float, seconds: float) -> float:
+    """Publish at `rate` frames/s for `seconds` (open loop); answered frames/s."""
+    a0, t0, k = cam.answered, time.monotonic(), 0
+    while (now := time.monotonic()) < t0 + seconds:
+        due = int((now - t0) * rate)
+        while k < due:
+            cam.publish()
+            k += 1
+        time.sleep(0.001)
+    return (cam.answered - a0) / (time.monotonic() - t0)
+
+
+def saturation(cam: Camera, step_s: float, start_rate: float = 50.0) -> float:
+    """The most frames/s the node answers: offered rates rise by 25 % per `step_s` step
+    while it keeps up (answers >= 90 % of them); the best answered rate seen."""
+    rate, best = start_rate, 0.0
+    while True:
+        answered = _offer(cam, rate, step_s)
+        best = max(best, answered)
+        if answered < 0.9 * rate:
+            return best
+        rate *= 1.25
+
+
+def overload(cam: Camera, rate: float, seconds: float, node: psutil.Process) -> dict:
+    """Publish at `rate` frames/s for `seconds`; answered/s, drops, node RSS."""
+    rss0 = node.memory_info().rss / 2**20
+    d0, s0 = cam.dropped, cam.sent
+    answered = _offer(cam, rate, seconds)
+    return {"sent_per_s": round((cam.sent - s0) / seconds, 1),
+            "answered_per_s": round(answered, 1),
+            "dropped_by_node": cam.dropped - d0,
+            "rss_start_mb": round(rss0, 1), "rss_end_mb": round(node.memory_info().rss / 2**20, 1)}
+
+
+def start_nodes(domain: int, threads: int) -> subprocess.Popen:
+    env = {**os.environ, "ROS_DOMAIN_ID": str(domain)}
+    cmd = [sys.executable, "-m", "tta_ros.bringup", "--config",
+           str(ROOT / "config" / "vehicle.yaml"), "--set", f"perception.num_threads={threads}"]
+    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=60.0)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--factor", type=float, default=10.0)
+    ap.add_argument("--step-s", type=float, default=4.0, help="seconds per rate step "
+                    "while measuring saturation")
+    ap.add_argument("--size", default="160x120", help="frame WIDTHxHEIGHT (rgb8)")
+    ap.add_argument("--threads", type=int, default=1, help="perception torch threads")
+    args = ap.parse_args()
+    size = tuple(int(v) for v in args.size.lower().split("x"))
+    domain = random.randint(1, 200)
+    proc = start_nodes(domain, args.threads)
+    ctx = rclpy.context.Context()
+    rclpy.init(context=ctx, domain_id=domain)
+    cam = Camera(ctx, size)
+    try:
+        t0 = time.monotonic()
+        while cam.answered == 0 and time.monotonic() - t0 < 60:  # nodes up, model warm
+            cam.publish()
+            time.sleep(0.05)
+        sat = saturation(cam, args.step_s)
+        runs = [overload(cam, args.factor * sat, args.seconds, psutil.Process(proc.pid))
+                for _ in range(args.runs)]
+    finally:
+        cam.close()
+        ctx.try_shutdown()
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    for r in runs:
+        r["share_of_saturation"] = round(r["answered_per_s"] / sat, 3)
+        r["rss_change_pct"] = round(100 * (r["rss_end_mb"] / r["rss_start_mb"] - 1), 2)
+    print(json.dumps({"size": args.size, "factor": args.factor, "seconds": args.seconds,
+                      "saturation_per_s": round(sat, 1), "runs": runs,
+                      "min_share": min(r["share_of_saturation"] for r in runs)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,8 +4,9 @@
 Prints JSON: median ms (over --repeats) to refuse a 2,000,000 x 1 rgb8 frame (6 MB of data,
 held as rclpy holds it: array.array('B')) and a 32FC3 frame with values ~1e6; median ms to
 decode valid 640 x 480 rgb8 and 32FC3 frames (the float one includes the range check),
-measured before and after the refusals; and, once, what the tall frame would have cost
-admitted (decode + resize to the card's 32 px, FrameLimits widened).
+measured before and after the refusals; and what the tall frame would have cost admitted
+(once: decode + resize to the card's 32 px, FrameLimits widened), next to valid frames at
+the default limits (4096 x 4096; 18300 x 915, aspect 20).
 Usage: python benchmarks/bench_bad_frames.py [--repeats 50] [--skip-admitted]
 """
 
@@ -82,6 +83,10 @@ def main() -> None:
         pre = Preprocess(32, (0.5, 0.5, 0.5), (0.25, 0.25, 0.25))
         out["admitted_2000000x1_decode_and_resize_ms"] = _median_ms(
             lambda: to_tensor([decode_image(tall, wide)], pre), 1)
+        for h, w in ((4096, 4096), (18300, 915)):  # at max_pixels; at max_pixels and aspect
+            big = _msg(np.zeros((h, w, 3), dtype=np.float32), "rgb8")
+            out[f"at_limit_{h}x{w}_decode_and_resize_ms"] = _median_ms(
+                lambda m=big: to_tensor([decode_image(m)], pre), 3)
     print(json.dumps(out, indent=2))
 
 

@@ -78,15 +78,18 @@ class FrameLimits:
     """What a frame may be before the decoder spends time or memory on it.
 
     A frame is refused (ValueError) when it has more than `max_pixels` pixels (default
-    4096 x 4096 = 16.8 MP: above a 4K UHD frame, 8.3 MP, and the 8-12 MP of automotive
-    cameras, so no real camera is refused; the resize of such a frame to the card's size
-    costs tens of ms), or when its long side exceeds `max_aspect` times its short side
-    (default 20: stitched panoramas stay under ~6:1; a 2,000,000 x 1 frame of a few MB, whose
-    antialiased resize costs seconds, is refused). Both come from height and width alone,
-    before `data` is read. Float encodings (32FC1, 32FC3; taken as is, not rescaled) must
-    lie in `float_range` (default [0, 1], what the model was trained on): one frame with
-    values far outside it would take over the batch statistics that BatchNorm shares
-    across frames. Integer encodings are scaled into [0, 1] and need no range check.
+    4096 x 4096 = 16.8 MP: above 4K UHD, 8.3 MP, and the 8-12 MP of automotive cameras, so
+    no real camera is refused; it bounds the work per frame, it does not make it small: the
+    resize of a 16.8 MP frame to the card's size takes ~0.1 s on 2 shared CPU cores (up to
+    1 s cold), of an 8.3 MP one ~50 ms; set it to the camera's resolution on a vehicle), or
+    when its long side exceeds `max_aspect` times its short side (default 20: stitched
+    panoramas stay under ~6:1; a 2,000,000 x 1 frame of a few MB, whose antialiased resize
+    costs ~1 s, is refused; benchmarks/bench_bad_frames.py measures these). Both come from
+    height and width alone, before `data` is read. Float encodings (32FC1, 32FC3; taken as
+    is, not rescaled) must lie in `float_range` (default [0, 1], what the model was trained
+    on): one frame with values far outside it would take over the batch statistics that
+    BatchNorm shares across frames. Integer encodings are scaled into [0, 1] and need no
+    range check.
     """
 
     float_range: tuple[float, float] = (0.0, 1.0)

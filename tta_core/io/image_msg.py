@@ -5,9 +5,11 @@ perception node (live frames) and tta_core.io.bag (recorded frames) both use it.
 Supported encodings: rgb8, bgr8, mono8, rgba8, bgra8 (8-bit: `is_bigendian` irrelevant),
 mono16, rgb16 (byte order from `is_bigendian`, scaled by 1/65535) and 32FC1, 32FC3
 (float32 RGB in [0, 1], byte order from `is_bigendian`; the encodings through which NaN
-pixels can arrive: non-finite pixels are refused). Rows may be padded (`step` > width *
-bytes per pixel); padding is ignored. Works on any object with the Image fields (height,
-width, encoding, is_bigendian, step, data). Bad input -> ValueError naming the value.
+or far out-of-range pixels can arrive: such frames are refused). Rows may be padded (`step`
+> width * bytes per pixel); padding is ignored. Works on any object with the Image fields
+(height, width, encoding, is_bigendian, step, data). Frames beyond FrameLimits (pixels,
+aspect, float range) are refused, the size checks before `data` is read. Bad input ->
+ValueError, one line naming the value (long strings cut to a prefix and their length).
 """
 
 from __future__ import annotations
@@ -71,55 +73,132 @@ class Preprocess:
                    tuple(float(v) for v in card.std))
 
 
+@dataclass(frozen=True)
+class FrameLimits:
+    """What a frame may be before the decoder spends time or memory on it.
+
+    A frame is refused (ValueError) when it has more than `max_pixels` pixels (default
+    4096 x 4096 = 16.8 MP: above 4K UHD, 8.3 MP, and the 8-12 MP of automotive cameras, so
+    no real camera is refused; it bounds the work per frame, it does not make it small: the
+    resize of a 16.8 MP frame to the card's size takes ~0.1 s on 2 shared CPU cores (up to
+    1 s cold), of an 8.3 MP one ~50 ms; set it to the camera's resolution on a vehicle), or
+    when its long side exceeds `max_aspect` times its short side (default 20: stitched
+    panoramas stay under ~6:1; a 2,000,000 x 1 frame of a few MB, whose antialiased resize
+    costs ~1 s, is refused; benchmarks/bench_bad_frames.py measures these). Both come from
+    height and width alone, before `data` is read. Float encodings (32FC1, 32FC3; taken as
+    is, not rescaled) must lie in `float_range` (default [0, 1], what the model was trained
+    on): one frame with values far outside it would take over the batch statistics that
+    BatchNorm shares across frames. Integer encodings are scaled into [0, 1] and need no
+    range check.
+    """
+
+    float_range: tuple[float, float] = (0.0, 1.0)
+    max_pixels: int = 4096 * 4096
+    max_aspect: float = 20.0
+
+    def __post_init__(self) -> None:
+        lo, hi = self.float_range
+        if not (np.isfinite([lo, hi]).all() and lo < hi):
+            raise ValueError(f"float_range must be finite with low < high, got {lo!r}, {hi!r}")
+        if self.max_pixels < 1:
+            raise ValueError(f"max_pixels must be >= 1, got {self.max_pixels!r}")
+        if not 1.0 <= self.max_aspect < float("inf"):
+            raise ValueError(f"max_aspect must be finite and >= 1, got {self.max_aspect!r}")
+
+
+def quoted(value: object, limit: int = 16) -> str:
+    """repr of str(value) cut to `limit` characters, with its length when cut: echoes a
+    field of a message (attacker-sized) in one short line."""
+    text = str(value)
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}\u2026 ({len(text)} chars)"
+
+
+def one_line(text: object, limit: int = 300) -> str:
+    """`text` on one line (control characters escaped), at most about `limit` characters:
+    for logs and /diagnostics."""
+    flat = repr(str(text))[1:-1]
+    return flat if len(flat) <= limit else f"{flat[:limit]}\u2026 ({len(flat)} chars)"
+
+
 def _spec(encoding: str) -> EncodingSpec:
     spec = ENCODINGS.get(str(encoding).lower())
     if spec is None:
-        raise ValueError(f"unsupported image encoding {encoding!r}; supported: "
+        raise ValueError(f"unsupported image encoding {quoted(encoding)}; supported: "
                          f"{', '.join(ENCODINGS)}")
     return spec
 
 
-def decode_image(msg: Any) -> np.ndarray:
-    """Image message -> HxWx3 RGB: uint8 for 8-bit encodings (possibly a read-only view of
-    `msg.data`), else float32 in [0, 1]."""
-    enc = str(msg.encoding)
-    spec = _spec(enc)
+def _check_layout(msg: Any, spec: EncodingSpec, limits: FrameLimits) -> tuple[int, int, int]:
+    """(height, width, step) once size, aspect, step and data length are acceptable; only
+    len(msg.data) is read, so nothing is copied for a refused frame."""
     h, w, step = int(msg.height), int(msg.width), int(msg.step)
     if h <= 0 or w <= 0:
         raise ValueError(f"image has zero size: height={h} width={w}")
+    if h * w > limits.max_pixels:
+        raise ValueError(f"image has {h * w} pixels (height={h} width={w}), more than "
+                         f"max_pixels={limits.max_pixels}")
+    if max(h, w) > limits.max_aspect * min(h, w):
+        raise ValueError(f"image aspect {max(h, w) / min(h, w):.4g} (height={h} width={w}) "
+                         f"exceeds max_aspect={limits.max_aspect:g}")
     row_bytes = w * spec.channels * spec.depth
     if step < row_bytes:
         raise ValueError(f"image step={step} is smaller than width*bytes_per_pixel="
-                         f"{row_bytes} ({enc}, width {w})")
-    buf = _as_bytes(msg.data)
-    if buf.size != h * step:
-        raise ValueError(f"image data length={buf.size} does not match height*step="
+                         f"{row_bytes} (width {w})")
+    size = _data_size(msg.data)
+    if size != h * step:
+        raise ValueError(f"image data length={size} does not match height*step="
                          f"{h * step} (height {h}, step {step})")
-    rows = buf.reshape(h, step)[:, :row_bytes]
+    return h, w, step
+
+
+def _check_floats(pix: np.ndarray, limits: FrameLimits) -> None:
+    """Float pixels must be finite and inside limits.float_range."""
+    bad = ~np.isfinite(pix)
+    if bad.any():
+        raise ValueError(f"image has non-finite values ({int(bad.sum())} of {pix.size}, "
+                         f"first {pix[bad][0]})")
+    lo, hi = limits.float_range
+    vmin, vmax = float(pix.min()), float(pix.max())
+    if vmin < lo or vmax > hi:
+        out = int(np.count_nonzero((pix < lo) | (pix > hi)))
+        raise ValueError(f"image values outside float_range [{lo:g}, {hi:g}]: {out} of "
+                         f"{pix.size}, min {vmin:.6g} max {vmax:.6g}")
+
+
+def decode_image(msg: Any, limits: FrameLimits = FrameLimits()) -> np.ndarray:
+    """Image message -> HxWx3 RGB: uint8 for 8-bit encodings (possibly a read-only view of
+    `msg.data`), else float32 in [0, 1] (floats: in limits.float_range). Frames outside
+    `limits` are refused before any copy (see FrameLimits)."""
+    spec = _spec(msg.encoding)
+    h, w, step = _check_layout(msg, spec, limits)
+    row_bytes = w * spec.channels * spec.depth
+    rows = _as_bytes(msg.data).reshape(h, step)[:, :row_bytes]
     if spec.depth == 1:
         pix = rows.reshape(h, w, spec.channels)
     else:
         dtype = np.dtype(f"{'>' if bool(msg.is_bigendian) else '<'}{spec.kind}{spec.depth}")
         pix = np.ascontiguousarray(rows).view(dtype).reshape(h, w, spec.channels)
-        pix = pix.astype(np.float32) / (65535.0 if spec.kind == "u" else 1.0)
-        bad = ~np.isfinite(pix)
-        if bad.any():
-            raise ValueError(f"image has non-finite values ({int(bad.sum())} of {pix.size}, "
-                             f"first {pix[bad][0]}) in {enc}")
+        pix = pix.astype(np.float32)
+        if spec.kind == "u":
+            pix /= 65535.0
+        else:
+            _check_floats(pix, limits)
     if spec.to_rgb == (0, 1, 2) and spec.channels == 3:
         return np.ascontiguousarray(pix)
     return pix[:, :, list(spec.to_rgb)]
 
 
-def image_to_array(msg: Any) -> np.ndarray:
+def image_to_array(msg: Any, limits: FrameLimits = FrameLimits()) -> np.ndarray:
     """Image message -> float32 HxWx3 RGB in [0, 1]."""
-    pix = decode_image(msg)
+    pix = decode_image(msg, limits)
     return pix.astype(np.float32) / 255.0 if pix.dtype == np.uint8 else pix
 
 
-def image_to_rgb8(msg: Any) -> np.ndarray:
+def image_to_rgb8(msg: Any, limits: FrameLimits = FrameLimits()) -> np.ndarray:
     """Image message -> uint8 HxWx3 RGB (16-bit/float encodings rounded to 8 bits)."""
-    pix = decode_image(msg)
+    pix = decode_image(msg, limits)
     if pix.dtype == np.uint8:
         return pix
     return np.round(np.clip(pix, 0.0, 1.0) * 255.0).astype(np.uint8)
@@ -182,6 +261,15 @@ def array_to_image_fields(rgb: np.ndarray, encoding: str = "rgb8", pad: int = 0,
         arr = np.concatenate([arr, np.full((h, pad), 0xAB, dtype=np.uint8)], axis=1)
     return {"height": h, "width": w, "encoding": encoding, "is_bigendian": int(bigendian),
             "step": row + pad, "data": arr.tobytes()}
+
+
+def _data_size(data: Any) -> int:
+    """Bytes in Image.data without copying it (a buffer's nbytes, else its length)."""
+    try:
+        with memoryview(data) as view:
+            return view.nbytes
+    except TypeError:
+        return len(data)
 
 
 def _as_bytes(data: Any) -> np.ndarray:

@@ -44,7 +44,7 @@ from tta_msgs.msg import (
 
 from tta_core.adashadow.planning import Plan, telemetry_pis
 from tta_core.api import RuntimeTunable, StepResult, TakesPlan, TTAMethodLike
-from tta_core.io.image_msg import Preprocess, decode_image, to_tensor
+from tta_core.io.image_msg import FrameLimits, Preprocess, decode_image, one_line, to_tensor
 from tta_core.methods import available_methods, build_method, method_class
 from tta_core.model.source import load_source
 from tta_core.model.units import decompose
@@ -108,6 +108,14 @@ def param_specs() -> tuple[ParamSpec, ...]:
                   "fraction of ln(num_classes)", 0.0, 1.0),
         ParamSpec("reset_patience", 5, "divergence guard: batches above the limit", 1,
                   100000),
+        ParamSpec("float_min", 0.0, "32FC1/32FC3 frames with a value below this are "
+                  "rejected", -1e6, 1e6, read_only=True),
+        ParamSpec("float_max", 1.0, "32FC1/32FC3 frames with a value above this are "
+                  "rejected", -1e6, 1e6, read_only=True),
+        ParamSpec("max_pixels", 4096 * 4096, "frames with more pixels are rejected "
+                  "(before decoding)", 1, 2**30, read_only=True),
+        ParamSpec("max_aspect", 20.0, "frames whose long side exceeds this times the short "
+                  "side are rejected (before decoding)", 1.0, 1e6, read_only=True),
     )
 
 
@@ -208,6 +216,8 @@ class PerceptionNode(Node):
         self.source_model, self.card = load_source(
             ros_params.resolve_data_path(self.p["model_card"]))
         self.pre = Preprocess.from_card(self.card)
+        self.limits = FrameLimits((self.p["float_min"], self.p["float_max"]),
+                                  self.p["max_pixels"], self.p["max_aspect"])
         self.model_name = self.card.name or self.card.arch
         self._pending: dict[str, Any] = {}
         self._pending_lock = threading.Lock()
@@ -330,13 +340,13 @@ class PerceptionNode(Node):
         xs, good = [], []
         for msg in frames:
             try:
-                xs.append(decode_image(msg))
+                xs.append(decode_image(msg, self.limits))
                 good.append(msg)
-            except ValueError as exc:
+            except ValueError as exc:  # never batched; the reason is one short line
                 self.counters.rejected += 1
-                self.counters.last_rejection = str(exc)
-                self.get_logger().warning(f"frame rejected: {exc}")
-                self._diag_now("input", ERROR, f"frame rejected: {exc}")
+                self.counters.last_rejection = one_line(exc)
+                self.get_logger().warning(f"frame rejected: {self.counters.last_rejection}")
+                self._diag_now("input", ERROR, f"frame rejected: {self.counters.last_rejection}")
         return xs, good
 
     def _choose_plan(self) -> tuple[int, Plan | None]:

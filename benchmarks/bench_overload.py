@@ -30,6 +30,7 @@ import psutil
 import rclpy
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+from rclpy.serialization import serialize_message
 from sensor_msgs.msg import Image
 from tta_msgs.msg import AdaptationStatus, ClassPrediction
 
@@ -45,6 +46,8 @@ class Camera:
         rel = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE)
         self.answered = 0
         self.dropped = 0
+        self.step_ms: list[float] = []  # the node's per-batch step time (status total_ms)
+        self.latency: list[tuple[float, float]] = []  # (send time, answer latency s)
         self.node.create_subscription(ClassPrediction, "predictions", self._on_pred, rel)
         self.node.create_subscription(AdaptationStatus, "adaptation_status",
                                       self._on_status, rel)
@@ -56,19 +59,36 @@ class Camera:
             msg.data = rng.integers(0, 256, 3 * w * h, dtype=np.uint8).tobytes()
             self.frames.append(msg)
         self.sent = 0
+        self._serialized: list[bytes] = []
         self.ex = SingleThreadedExecutor(context=ctx)
         self.ex.add_node(self.node)
         self.thread = threading.Thread(target=self.ex.spin, daemon=True)
         self.thread.start()
 
-    def _on_pred(self, _msg: ClassPrediction) -> None:
+    def _on_pred(self, msg: ClassPrediction) -> None:
         self.answered += 1
+        sent = msg.header.stamp.sec + msg.header.stamp.nanosec * 1e-9
+        self.latency.append((sent, time.monotonic() - sent))
 
     def _on_status(self, msg: AdaptationStatus) -> None:
         self.dropped = max(self.dropped, int(msg.frames_dropped))
+        self.step_ms.append(float(msg.total_ms))
 
-    def publish(self) -> None:
-        self.pub.publish(self.frames[self.sent % len(self.frames)])
+    def publish(self, msg: Image | None = None) -> None:
+        """Publish `msg` (default: the next synthetic frame) stamped with the send time
+        on the monotonic clock (predictions carry it back: latency)."""
+        msg = msg or self.frames[self.sent % len(self.frames)]
+        now = time.monotonic()
+        msg.header.stamp.sec, msg.header.stamp.nanosec = int(now), int((now % 1) * 1e9)
+        self.pub.publish(msg)
+        self.sent += 1
+
+    def publish_serialized(self) -> None:
+        """The next frame, serialized once in advance (a C++ camera driver's cost, not a
+        Python publisher's: the node, not this script, must be what saturates)."""
+        if not self._serialized:
+            self._serialized = [serialize_message(f) for f in self.frames]
+        self.pub.publish(self._serialized[self.sent % len(self._serialized)])
         self.sent += 1
 
     def close(self) -> None:
@@ -77,13 +97,15 @@ class Camera:
         self.node.destroy_node()
 
 
-def _offer(cam: Camera, rate: float, seconds: float) -> float:
-    """Publish at `rate` frames/s for `seconds` (open loop); answered frames/s."""
+def _offer(cam: Camera, rate: float, seconds: float, stamped: bool = False) -> float:
+    """Publish at `rate` frames/s for `seconds` (open loop); answered frames/s.
+    `stamped`: fresh send-time stamps (latency), else pre-serialized frames (cheap)."""
+    publish = cam.publish if stamped else cam.publish_serialized
     a0, t0, k = cam.answered, time.monotonic(), 0
     while (now := time.monotonic()) < t0 + seconds:
         due = int((now - t0) * rate)
         while k < due:
-            cam.publish()
+            publish()
             k += 1
         time.sleep(0.001)
     return (cam.answered - a0) / (time.monotonic() - t0)
@@ -104,12 +126,31 @@ def saturation(cam: Camera, step_s: float, start_rate: float = 50.0) -> float:
 def overload(cam: Camera, rate: float, seconds: float, node: psutil.Process) -> dict:
     """Publish at `rate` frames/s for `seconds`; answered/s, drops, node RSS."""
     rss0 = node.memory_info().rss / 2**20
-    d0, s0 = cam.dropped, cam.sent
+    d0, s0, k0 = cam.dropped, cam.sent, len(cam.step_ms)
     answered = _offer(cam, rate, seconds)
-    return {"sent_per_s": round((cam.sent - s0) / seconds, 1),
+    return {"step_ms_p50": round(float(np.median(cam.step_ms[k0:])), 2),
+            "sent_per_s": round((cam.sent - s0) / seconds, 1),
             "answered_per_s": round(answered, 1),
             "dropped_by_node": cam.dropped - d0,
             "rss_start_mb": round(rss0, 1), "rss_end_mb": round(node.memory_info().rss / 2**20, 1)}
+
+
+def bad_frame_latency(cam: Camera, rate: float, seconds: float = 6.0) -> dict:
+    """Valid frames at `rate` for `seconds` with one 2,000,000 x 1 rgb8 frame in the
+    middle: the valid frames' answer latency around it (+-0.5 s) against their median."""
+    tall = Image(height=2_000_000, width=1, encoding="rgb8", step=3)
+    tall.data = bytes(3 * 2_000_000)
+    k0 = len(cam.latency)
+    _offer(cam, rate, seconds / 2, stamped=True)
+    t_bad = time.monotonic()
+    cam.publish(tall)
+    _offer(cam, rate, seconds / 2, stamped=True)
+    time.sleep(0.5)
+    lat = np.array([(s, d) for s, d in cam.latency[k0:]])
+    near = lat[np.abs(lat[:, 0] - t_bad) <= 0.5, 1]
+    med = float(np.median(lat[:, 1]))
+    return {"median_ms": round(1e3 * med, 2), "max_near_bad_ms": round(1e3 * float(near.max()), 2),
+            "max_near_over_median": round(float(near.max()) / med, 2)}
 
 
 def start_nodes(domain: int, threads: int) -> subprocess.Popen:
@@ -141,7 +182,10 @@ def main() -> int:
         while cam.answered == 0 and time.monotonic() - t0 < 60:  # nodes up, model warm
             cam.publish()
             time.sleep(0.05)
+        k0 = len(cam.step_ms)
         sat = saturation(cam, args.step_s)
+        sat_step_ms = round(float(np.median(cam.step_ms[k0:])), 2)
+        bad = bad_frame_latency(cam, 0.5 * sat)
         runs = [overload(cam, args.factor * sat, args.seconds, psutil.Process(proc.pid))
                 for _ in range(args.runs)]
     finally:
@@ -156,7 +200,8 @@ def main() -> int:
         r["share_of_saturation"] = round(r["answered_per_s"] / sat, 3)
         r["rss_change_pct"] = round(100 * (r["rss_end_mb"] / r["rss_start_mb"] - 1), 2)
     print(json.dumps({"size": args.size, "factor": args.factor, "seconds": args.seconds,
-                      "saturation_per_s": round(sat, 1), "runs": runs,
+                      "saturation_per_s": round(sat, 1), "saturation_step_ms_p50": sat_step_ms,
+                      "bad_frame_latency": bad, "runs": runs,
                       "min_share": min(r["share_of_saturation"] for r in runs)}, indent=1))
     return 0
 

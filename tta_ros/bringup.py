@@ -10,19 +10,30 @@ launch/vehicle.launch.py hands to the same three nodes. `build_nodes` is the tes
 One SingleThreadedExecutor serves all callbacks: they are short (the perception worker
 thread does the heavy work), and rclpy's MultiThreadedExecutor costs 3-4x more per frame
 (its spin loop competes with the worker for the GIL: benchmarks/bench_ros_overhead.py).
+
+Shutdown order (`run_nodes`, `spin`): rclpy is initialised without its signal handlers,
+which shut the context down the moment SIGINT/SIGTERM arrives, under a perception worker
+that is still publishing. Our handlers only stop the spin loop; then every node is
+destroyed (perception stops and joins its worker first) and only then is the context shut
+down; exit status 0. Start-up errors (bad model card, params file, parameter) are one line
+on stderr (TTA_DEBUG=1: the traceback).
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import rclpy
 import yaml
 from rclpy.context import Context
+from rclpy.exceptions import ParameterException
 from rclpy.executors import (
     Executor,
     ExternalShutdownException,
@@ -30,7 +41,9 @@ from rclpy.executors import (
 )
 from rclpy.node import Node
 from rclpy.parameter import Parameter
+from rclpy.signals import SignalHandlerOptions
 
+from tta_core.errors import InputError, one_line_errors
 from tta_core.runtime.malloc_tuning import keep_freed_memory
 from tta_ros.ros_params import resolve_paths
 
@@ -42,11 +55,17 @@ NODES: tuple[tuple[str, str, str], ...] = (
     ("perception", "perception_node", "tta_ros.nodes.perception:PerceptionNode"),
 )
 ROOT = Path(__file__).resolve().parent.parent
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+SPIN_POLL_S = 0.1  # how soon the spin loop sees a stop request
 
 
 def load_params(config_path: str | Path) -> dict[str, dict[str, Any]]:
     """Params file -> {node_name: {param: value}} with `/**` merged under each node."""
-    data = yaml.safe_load(Path(config_path).read_text()) or {}
+    try:
+        with Path(config_path).open() as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as exc:
+        raise InputError(f"params file {config_path} is not valid YAML ({exc})") from None
     if not isinstance(data, dict):
         raise ValueError(f"params file {config_path} is not a mapping")
     common: dict[str, Any] = {}
@@ -112,29 +131,67 @@ def parse_set(items: Sequence[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def spin(nodes: Sequence[Node], executor: Executor) -> None:
-    """Spin `nodes` on `executor` until Ctrl-C, then destroy them and shut rclpy down."""
+@contextmanager
+def stop_on_signals(stop: threading.Event) -> Iterator[None]:
+    """SIGINT/SIGTERM set `stop` while inside (previous handlers restored on exit); off
+    the main thread, where Python cannot install handlers, nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def spin(nodes: Sequence[Node], executor: Executor,
+         stop: threading.Event | None = None) -> None:
+    """Spin `nodes` on `executor` until SIGINT/SIGTERM (or `stop`), then destroy them and,
+    only after that, shut rclpy down (the module docstring says why in this order)."""
+    stop = stop if stop is not None else threading.Event()
     for n in nodes:
         executor.add_node(n)
         subs = sorted({s.topic_name for s in n.subscriptions} - {"/parameter_events"})
         pubs = sorted({p.topic_name for p in n.publishers} - {"/parameter_events", "/rosout"})
         n.get_logger().info(f"ready: subscribes {subs or '-'}, publishes {pubs or '-'}")
     try:
-        executor.spin()
+        with stop_on_signals(stop):
+            while not stop.is_set() and executor.context.ok():
+                executor.spin_once(timeout_sec=SPIN_POLL_S)
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     finally:
         for n in nodes:
-            n.destroy_node()
+            n.destroy_node()  # perception: stops and joins its publishing worker
         rclpy.try_shutdown()
+
+
+def run_nodes(prog: str, build: Callable[[], Sequence[Node]],
+              ros_args: Sequence[str] | None = None) -> int:
+    """Init rclpy (ROS args `ros_args`, none of rclpy's signal handlers), build the nodes
+    (bad input: one line on stderr naming it, exit 1), spin them until SIGINT/SIGTERM."""
+    keep_freed_memory()  # no page faults on every batch's activations (runtime.malloc_tuning)
+    stop = threading.Event()
+    with stop_on_signals(stop):  # a signal during start-up stops the nodes once built
+        rclpy.init(args=list(ros_args) if ros_args is not None else None,
+                   signal_handler_options=SignalHandlerOptions.NO)
+        try:
+            with one_line_errors(prog, extra=(ParameterException,)):
+                nodes = build()
+        except BaseException:
+            rclpy.try_shutdown()  # also destroys a half-built node the context tracks
+            raise
+        spin(nodes, SingleThreadedExecutor(), stop)
+    return 0
 
 
 def node_main(node_cls: Callable[[], Node], argv: Sequence[str] | None = None) -> int:
     """Console entry point of one node: init rclpy with `argv` (ROS args), spin it."""
-    keep_freed_memory()  # no page faults on every batch's activations (runtime.malloc_tuning)
-    rclpy.init(args=list(argv) if argv is not None else sys.argv)
-    spin([node_cls()], SingleThreadedExecutor())
-    return 0
+    name = getattr(node_cls, "__name__", "")
+    prog = next((script for _, script, spec in NODES if spec.endswith(f":{name}")), name)
+    return run_nodes(prog, lambda: [node_cls()], argv if argv is not None else sys.argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -144,11 +201,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--image-topic", default=None, help="remap the perception input")
     ap.add_argument("--set", action="append", default=[], metavar="NODE.PARAM=VALUE")
     args = ap.parse_args(argv)
-    keep_freed_memory()
-    rclpy.init()
-    spin(build_nodes(args.config, parse_set(args.set), image_topic=args.image_topic),
-         SingleThreadedExecutor())
-    return 0
+    with one_line_errors(ap.prog):
+        overrides = parse_set(args.set)
+    return run_nodes(ap.prog, lambda: build_nodes(args.config, overrides,
+                                                  image_topic=args.image_topic))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import rclpy
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import QoSProfile
+from rclpy.signals import SignalHandlerOptions
 from sensor_msgs.msg import Image
 from tta_msgs.msg import AdaptationStatus, ClassPrediction
 
@@ -314,8 +315,8 @@ def replay(opts: ReplayOptions, context: Any = None,
     if not frames:
         raise ValueError(f"bag {opts.bag} has no images")
     own_init = context is None and not rclpy.ok()
-    if own_init:
-        rclpy.init()
+    if own_init:  # no rclpy signal handlers: Ctrl-C must not end the context before close()
+        rclpy.init(signal_handler_options=SignalHandlerOptions.NO)
     try:
         sess = _Session(opts, context or rclpy.get_default_context())
     except BaseException:

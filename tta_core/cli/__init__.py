@@ -23,6 +23,7 @@ from importlib import metadata
 from types import ModuleType
 
 from tta_core import __version__
+from tta_core.errors import one_line_errors
 from tta_core.runtime.malloc_tuning import keep_freed_memory
 
 ENTRY_POINT_GROUP = "tta.commands"
@@ -73,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="tta", description="Responsive test-time adaptation for ROS 2 vehicles."
     )
     parser.add_argument("--version", action="version", version=f"tta {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of an error instead of its one-line message")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for mod in discover():
         p = sub.add_parser(mod.NAME, help=mod.HELP, description=mod.HELP)
@@ -89,10 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     keep_freed_memory()  # steadier, faster CPU timings (tta_core.runtime.malloc_tuning)
-    try:
+    with one_line_errors("tta", debug=args.debug):  # bad input found past argparse
         return int(args._run(args) or 0)
-    except ValueError as exc:  # bad input found past argparse: the message names it
-        raise SystemExit(f"tta: error: {exc}") from exc
 
 
 if __name__ == "__main__":

@@ -13,8 +13,9 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import psutil
@@ -71,6 +72,29 @@ class BenchConfig:
         if self.telemetry not in ("", "live") and not Path(self.telemetry).is_file():
             raise ValueError(f"telemetry {self.telemetry!r} is neither 'live' nor a "
                              f"calibration file")
+        for name, opts in self.method_options.items():
+            if name in known:
+                check_option_types(name, opts)
+
+
+def check_option_types(method: str, options: dict[str, Any]) -> None:
+    """ValueError naming an option whose value is not of its config field's kind (a
+    number, a bool, a string: what the default is), before the method compares it."""
+    spec = {f.name: f.default for f in fields(method_class(method).config_cls)}
+    for key, value in options.items():
+        default = spec.get(key, MISSING)
+        if isinstance(default, bool):
+            ok, what = isinstance(value, bool), "true or false"
+        elif isinstance(default, int | float):
+            ok = isinstance(value, int | float) and not isinstance(value, bool) and (
+                isinstance(value, int) or isinstance(default, float))
+            what = "a number" if isinstance(default, float) else "an integer"
+        elif isinstance(default, str):
+            ok, what = isinstance(value, str), "a string"
+        else:
+            continue
+        if not ok:
+            raise ValueError(f"option {method}.{key}={value!r} must be {what}")
 
 
 @dataclass

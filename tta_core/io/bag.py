@@ -15,16 +15,20 @@ The side topics are joined to images by stamp, so a bag re-recorded by `ros2 bag
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
-from rosbags.rosbag2 import Reader, StoragePlugin, Writer
+from rosbags.rosbag2 import Reader, ReaderError, StoragePlugin, Writer
+from rosbags.serde import SerdeError
 from rosbags.typesys import Stores, get_types_from_msg, get_typestore
 from rosbags.typesys.store import Typestore
 
+from tta_core.errors import InputError, one_line
 from tta_core.io.image_msg import image_to_rgb8
 
 IMAGE_TOPIC = "/camera/image_raw"
@@ -150,6 +154,24 @@ def write_bag(path: str | Path, frames: Iterable[tuple[np.ndarray, int, str]],
 # ----------------------------------------------------------------------------- reading
 
 
+class BagError(InputError):
+    """A bag that exists but cannot be read (garbage, truncated, undecodable messages)."""
+
+
+# what rosbags raises on a damaged file: bad magic/metadata, undecodable or cut records
+_DAMAGED = (ReaderError, SerdeError, EOFError, OverflowError, struct.error)
+
+
+@contextmanager
+def _readable(path: str | Path) -> Iterator[None]:
+    """Turn rosbags' errors about a damaged bag into a BagError naming it."""
+    try:
+        yield
+    except _DAMAGED as exc:
+        raise BagError(f"bag {path} is not a readable rosbag2 ({type(exc).__name__}: "
+                       f"{one_line(exc)})") from None
+
+
 def _open(path: str | Path) -> Reader:
     p = Path(path)
     if not p.exists():
@@ -170,7 +192,7 @@ def _check_topic(topics: dict[str, str], topic: str, msgtype: str, path: Path) -
 
 def bag_info(path: str | Path) -> BagInfo:
     """Image count, duration, topics and whether both ground-truth topics are present."""
-    with _open(path) as r:
+    with _readable(path), _open(path) as r:
         topics = _topics(r)
         n = sum(c.msgcount for c in r.connections if c.topic == IMAGE_TOPIC)
         gt = GT_TOPIC in topics and DOMAIN_TOPIC in topics
@@ -194,11 +216,12 @@ def _ground_truth(reader: Reader, store: Typestore) -> tuple[dict, dict]:
 def read_bag(path: str | Path, require_ground_truth: bool = True) -> Iterator[BagFrame]:
     """Images of a bag in recorded order, each joined by stamp to its label and domain.
 
-    Raises FileNotFoundError for a missing bag, ValueError for a missing or mistyped topic
-    and, when `require_ground_truth`, for an image without ground truth at its stamp.
+    Raises FileNotFoundError for a missing bag, BagError for a damaged one, ValueError for
+    a missing or mistyped topic and, when `require_ground_truth`, for an image without
+    ground truth at its stamp.
     """
     store = tta_typestore()
-    with _open(path) as reader:
+    with _readable(path), _open(path) as reader:
         topics = _topics(reader)
         _check_topic(topics, IMAGE_TOPIC, IMAGE_TYPE, Path(path))
         if require_ground_truth:

@@ -8,8 +8,11 @@ always loaded with `torch.load(weights_only=True)`.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+import pickle
+from collections.abc import Callable
+from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,6 +20,7 @@ from torch import nn
 
 from tta_core.data.preprocess import images_to_tensor
 from tta_core.data.signs import make_signs
+from tta_core.errors import InputError, one_line
 from tta_core.model.zoo import ARCHS, build_model
 
 CARD_SCHEMA = "tta.model_card/1"
@@ -44,17 +48,16 @@ class ModelCard:
     def validate(self) -> None:
         """ValueError naming the first inconsistent field."""
         if self.schema != CARD_SCHEMA:
-            raise ValueError(f"model card schema {self.schema!r}, expected {CARD_SCHEMA!r}")
+            raise ValueError(f"schema {self.schema!r}, expected {CARD_SCHEMA!r}")
         if self.arch not in ARCHS:
-            raise ValueError(f"model card arch {self.arch!r} not in {ARCHS}")
+            raise ValueError(f"arch {self.arch!r} not in {ARCHS}")
         if len(self.class_names) != self.num_classes:
-            raise ValueError(f"model card lists {len(self.class_names)} class names for "
+            raise ValueError(f"class_names lists {len(self.class_names)} names for "
                              f"num_classes={self.num_classes}")
         if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
-            raise ValueError(f"model card mean/std must be 3 values, std > 0: {self.mean}, "
-                             f"{self.std}")
+            raise ValueError(f"mean/std must be 3 values, std > 0: {self.mean}, {self.std}")
         if self.image_size < 8:
-            raise ValueError(f"model card image_size {self.image_size} too small")
+            raise ValueError(f"image_size {self.image_size} too small (>= 8)")
 
 
 @dataclass
@@ -156,23 +159,82 @@ def save_card(card: ModelCard, path: Path) -> None:
     tmp.replace(path)
 
 
+# JSON type of each card field (the dataclass annotations, as strings)
+_JSON_TYPES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "float": ("a number", lambda v: isinstance(v, int | float) and not isinstance(v, bool)),
+    "list[str]": ("a list of strings",
+                  lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
+    "list[float]": ("a list of numbers", lambda v: isinstance(v, list) and all(
+        isinstance(x, int | float) and not isinstance(x, bool) for x in v)),
+}
+
+
+def _card_fields(raw: Any) -> str:
+    """'' when `raw` (parsed JSON) has exactly the card's fields with their types, else
+    what is wrong (names the field and the value)."""
+    if not isinstance(raw, dict):
+        return f"expected a JSON object, got {type(raw).__name__}"
+    fields = ModelCard.__dataclass_fields__
+    unknown = sorted(set(raw) - set(fields))
+    if unknown:
+        return f"unknown field(s) {unknown}"
+    missing = [n for n, f in fields.items() if n not in raw and f.default is MISSING]
+    if missing:
+        return f"missing field(s) {missing}"
+    for name, value in raw.items():
+        what, ok = _JSON_TYPES[str(fields[name].type)]
+        if not ok(value):
+            return f"{name} must be {what}, got {value!r}"
+    return ""
+
+
 def load_card(path: str | Path) -> ModelCard:
-    """Read and validate a model card; clear errors for a missing file or bad fields."""
+    """Read and validate a model card; InputError naming the file and the bad field."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"model card {str(path)!r} not found (make one with "
                                 "`tta train-source`)")
-    raw = json.loads(path.read_text())
-    known = set(ModelCard.__dataclass_fields__)
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ValueError(f"model card {str(path)!r} has unknown fields {unknown}")
     try:
-        card = ModelCard(**raw)
-    except TypeError as exc:
-        raise ValueError(f"model card {str(path)!r} is incomplete: {exc}") from None
-    card.validate()
+        raw = json.loads(path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError(f"model card {path} is not valid JSON ({exc})") from None
+    problem = _card_fields(raw)
+    if problem:
+        raise InputError(f"model card {path}: {problem}")
+    card = ModelCard(**raw)
+    try:
+        card.validate()
+    except ValueError as exc:
+        raise InputError(f"model card {path}: {exc}") from None
     return card
+
+
+def _load_failure(exc: BaseException) -> str:
+    """Why torch.load refused a file, in a few words (never torch's advice to load it
+    unsafely: only weights_only loading is done here)."""
+    text = str(exc)
+    if isinstance(exc, pickle.UnpicklingError):
+        detail = text.partition("WeightsUnpickler error:")[2].partition("Check the doc")[0]
+        return "not a weights-only torch file" + (f": {one_line(detail)}" if detail.strip()
+                                                  else "")
+    if isinstance(exc, EOFError):
+        return "empty or truncated file"
+    return one_line(text.partition(". ")[0])
+
+
+def load_state_dict(ckpt: Path) -> dict[str, Any]:
+    """The state_dict in `ckpt` (CPU tensors, weights_only loading); InputError naming the
+    file when it is not one."""
+    try:
+        state = torch.load(ckpt, map_location="cpu", weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as exc:
+        raise InputError(f"{ckpt} is not a valid checkpoint ({_load_failure(exc)})") from None
+    if not isinstance(state, dict):
+        raise InputError(f"{ckpt} is not a valid checkpoint (it holds a "
+                         f"{type(state).__name__}, not a state_dict)")
+    return state
 
 
 def load_source(card_path: str | Path, device: str | torch.device = "cpu"
@@ -183,11 +245,12 @@ def load_source(card_path: str | Path, device: str | torch.device = "cpu"
     if not ckpt.is_file():
         raise FileNotFoundError(f"checkpoint {str(ckpt)!r} named by the card is missing")
     model = build_model(card.arch, card.num_classes)
-    state = torch.load(ckpt, map_location=device, weights_only=True)
+    state = load_state_dict(ckpt)
     try:
         model.load_state_dict(state)
-    except RuntimeError as exc:
-        raise ValueError(f"checkpoint {str(ckpt)!r} does not fit arch {card.arch!r} with "
-                         f"{card.num_classes} classes: {str(exc).splitlines()[0]}") from None
+    except (RuntimeError, TypeError, AttributeError) as exc:
+        detail = one_line(" ".join(str(exc).splitlines()[:2]))
+        detail = detail if len(detail) <= 200 else detail[:200] + "..."
+        raise InputError(f"checkpoint {str(ckpt)!r} does not fit arch {card.arch!r} with "
+                         f"{card.num_classes} classes: {detail}") from None
     return model.to(device).eval(), card
-

@@ -68,16 +68,21 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"tta replay: {exc}", file=sys.stderr)
         return 2
-    with tqdm(desc="replay", unit="img") as bar:
-        def progress(done: int, total: int) -> None:
-            bar.total = total
-            bar.update(done - bar.n)
+    bars: list[tqdm] = []  # opened at the first image: a start-up error stays one line
 
-        try:
-            res = replay(opts, progress=progress)
-        except (FileNotFoundError, ValueError, RuntimeError) as exc:
-            print(f"tta replay: {exc}", file=sys.stderr)
-            return 1
+    def progress(done: int, total: int) -> None:
+        if not bars:
+            bars.append(tqdm(desc="replay", unit="img", total=total))
+        bars[0].update(done - bars[0].n)
+
+    try:  # bad bag/card/config: tta_core.cli reports it in one line
+        res = replay(opts, progress=progress)
+    except RuntimeError as exc:  # no perception node answered
+        print(f"tta replay: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        for bar in bars:
+            bar.close()
     return print_result(res)
 
 

@@ -201,6 +201,9 @@ class PerceptionNode(Node):
     def __init__(self, node_name: str = "perception", *, context: Context | None = None,
                  parameter_overrides: Sequence[Parameter] | None = None,
                  cli_args: Sequence[str] | None = None) -> None:
+        self._stop = threading.Event()  # first: destroy_node runs on a half-built node too
+        self._worker: threading.Thread | None = None
+        self.method: TTAMethodLike | None = None
         super().__init__(node_name, context=context, parameter_overrides=parameter_overrides,
                          cli_args=list(cli_args) if cli_args else None)
         self.specs = param_specs()
@@ -221,7 +224,6 @@ class PerceptionNode(Node):
         self.model_name = self.card.name or self.card.arch
         self._pending: dict[str, Any] = {}
         self._pending_lock = threading.Lock()
-        self.method: TTAMethodLike | None = None
         self._build_method()
         self.queue = FrameQueue(self.p["queue_size"])
         self.gate = PlanGate(self.p["plan_timeout_s"])
@@ -245,7 +247,6 @@ class PerceptionNode(Node):
         self.create_subscription(LayerPlan, "layer_plan", self._on_plan, reliable)
         self.create_subscription(ResourceTelemetry, "telemetry", self._on_telemetry, 10)
         self.create_timer(1.0, self._publish_diagnostics)
-        self._stop = threading.Event()
         self._worker = threading.Thread(target=self._run, name="perception-worker",
                                         daemon=True)
         self._worker.start()
@@ -433,10 +434,11 @@ class PerceptionNode(Node):
         self.diag.publish([st])
 
     def destroy_node(self) -> None:
-        """Stop the worker, then destroy the node."""
+        """Stop and join the publishing worker, then destroy the node (a half-built too)."""
         self._stop.set()
-        self.queue.close()
-        self._worker.join(timeout=30.0)
+        if self._worker is not None:  # started last: the queue exists
+            self.queue.close()
+            self._worker.join(timeout=30.0)
         if self.method is not None:
             self.method.close()
         super().destroy_node()

@@ -21,16 +21,25 @@ def _methods(text: str) -> tuple[str, ...]:
 
 
 def _option(text: str) -> tuple[str, str, object]:
-    """METHOD.KEY=VALUE -> (method, key, value); VALUE is a Python literal or a string."""
+    """METHOD.KEY=VALUE -> (method, key, value); VALUE is a Python literal, a float
+    (nan, inf too) or else a string (the config check then names a wrong kind)."""
     head, sep, raw = text.partition("=")
     method, dot, key = head.partition(".")
     if not (sep and dot and method.strip() and key.strip()):
         raise argparse.ArgumentTypeError(f"--set expects METHOD.KEY=VALUE, got {text!r}")
+    return method.strip(), key.strip(), _value(raw.strip())
+
+
+def _value(raw: str) -> object:
+    """A Python literal, else a float (`nan`, `inf`, `-inf`), else the string itself."""
     try:
-        value = ast.literal_eval(raw.strip())
+        return ast.literal_eval(raw)
     except (ValueError, SyntaxError):
-        value = raw.strip()
-    return method.strip(), key.strip(), value
+        pass
+    try:
+        return float(raw)
+    except ValueError:
+        return raw
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

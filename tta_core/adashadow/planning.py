@@ -41,7 +41,6 @@ from tta_core.model.source import load_card
 from tta_core.model.units import StagedModel, decompose
 from tta_core.model.zoo import build_model
 
-
 TRAINABLE = ("norm", "all")
 
 

@@ -59,3 +59,27 @@ def test_divergence_guard() -> None:
     assert g.check(True, limit + 0.1) == ""  # streak restarted after the reset
     assert g.check(True, limit - 0.1) == "" and g.high_streak == 0
     assert g.check(False, 0.0) == "non-finite logits" and g.resets == 2
+
+
+def test_sequence_gaps_count_missed_frames_per_publisher() -> None:
+    pytest.importorskip("rclpy")
+    from tta_ros.nodes.intake import SequenceGaps
+
+    g = SequenceGaps()
+    assert [g.missed(b"a", s) for s in (1, 2, 5, 6)] == [0, 0, 2, 0]
+    assert [g.missed(b"b", s) for s in (10, 13)] == [0, 2]  # its own sequence
+    assert g.missed(b"a", 1) == 0 and g.missed(b"a", None) == 0  # reordered / unknown
+    assert g.missed(b"a", 8) == 1  # counted from the newest seen (6), never twice
+    q = FrameQueue(4)
+    q.count_lost(3)
+    q.count_lost(0)
+    assert q.dropped == 3
+
+
+def test_wait_below_returns_when_the_worker_takes_frames() -> None:
+    q = FrameQueue(8)
+    for i in range(4):
+        q.push(i)
+    assert not q.wait_below(4, timeout=0.01)  # 4 queued: no room below 4
+    threading.Timer(0.05, lambda: q.take(2, 0.0)).start()
+    assert q.wait_below(4, timeout=5.0) and len(q) == 2

@@ -58,6 +58,7 @@ from tta_ros.convert import (
     status_msg,
 )
 from tta_ros.diagnostics import ERROR, OK, WARN, DiagnosticsPublisher, status
+from tta_ros.nodes.intake import FrameIntake
 from tta_ros.nodes.perception_support import (
     DivergenceGuard,
     FrameQueue,
@@ -203,6 +204,7 @@ class PerceptionNode(Node):
                  cli_args: Sequence[str] | None = None) -> None:
         self._stop = threading.Event()  # first: destroy_node runs on a half-built node too
         self._worker: threading.Thread | None = None
+        self.intake: FrameIntake | None = None
         self.method: TTAMethodLike | None = None
         super().__init__(node_name, context=context, parameter_overrides=parameter_overrides,
                          cli_args=list(cli_args) if cli_args else None)
@@ -239,11 +241,10 @@ class PerceptionNode(Node):
         self.pub_status = self.create_publisher(AdaptationStatus, "adaptation_status", reliable)
         self.pub_imp = self.create_publisher(LayerImportance, "layer_importance", reliable)
         self.diag = DiagnosticsPublisher(self)
-        # raw: the callback only queues the serialized bytes; the worker deserializes the
-        # frames it takes, never the ones the queue drops (overload costs the callback
-        # thread a copy per frame, not a Python message each)
-        self.create_subscription(Image, "image", self._on_image, qos_profile_sensor_data,
-                                 raw=True)
+        # frames come in on an intake thread of their own, never faster than the worker
+        # uses them (tta_ros.nodes.intake: why); raw bytes, deserialized by the worker
+        self.intake = FrameIntake(self, self.queue, self.resolve_topic_name("image"),
+                                  qos_profile_sensor_data, self._backlog)
         self.create_subscription(LayerPlan, "layer_plan", self._on_plan, reliable)
         self.create_subscription(ResourceTelemetry, "telemetry", self._on_telemetry, 10)
         self.create_timer(1.0, self._publish_diagnostics)
@@ -299,8 +300,9 @@ class PerceptionNode(Node):
         self.guard.patience = int(self.p["reset_patience"])
 
     # ------------------------------------------------------------ callbacks
-    def _on_image(self, raw: bytes) -> None:
-        self.queue.push(raw)  # O(1), never blocks; deserialization happens on the worker
+    def _backlog(self) -> int:
+        """Queued frames at which the intake pauses: two batches (fresh frames, no more)."""
+        return min(self.queue.maxlen, 2 * int(self.p["batch_size"]))
 
     def _on_telemetry(self, msg: ResourceTelemetry) -> None:
         self.telemetry.on_reading(*telemetry_pis(msg.compute_expansion, msg.memory_expansion))
@@ -436,6 +438,8 @@ class PerceptionNode(Node):
     def destroy_node(self) -> None:
         """Stop and join the publishing worker, then destroy the node (a half-built too)."""
         self._stop.set()
+        if self.intake is not None:  # no frame taken while the worker stops
+            self.intake.close()
         if self._worker is not None:  # started last: the queue exists
             self.queue.close()
             self._worker.join(timeout=30.0)

@@ -68,7 +68,21 @@ class FrameQueue:
                 if left <= 0:
                     break
                 self._cv.wait(timeout=left)
-            return [self._q.popleft() for _ in range(min(n, len(self._q)))]
+            out = [self._q.popleft() for _ in range(min(n, len(self._q)))]
+            self._cv.notify_all()  # room again: an intake waiting in wait_below goes on
+            return out
+
+    def wait_below(self, n: int, timeout: float) -> bool:
+        """Wait until fewer than n frames are queued (or closed, or timeout); True when
+        there is room."""
+        with self._cv:
+            return self._cv.wait_for(lambda: len(self._q) < n or self.closed, timeout=timeout)
+
+    def count_lost(self, n: int) -> None:
+        """Frames that never reached the queue (lost upstream of it) count as dropped."""
+        if n > 0:
+            with self._cv:
+                self.dropped += n
 
     def __len__(self) -> int:
         return len(self._q)

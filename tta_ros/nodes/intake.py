@@ -1,0 +1,88 @@
+"""Camera frame intake of the perception node: never faster than the worker can use frames.
+
+Under overload the cost that starves the worker is not the image callback's body (it only
+queues bytes) but the executor taking every message that arrives: at 10x the sustainable
+rate that is thousands of Python callbacks a second competing with the worker for the GIL
+(measured: the worker's per-batch Python work doubled, answered frames fell to 60-78 % of
+saturation; benchmarks/bench_overload.py). So frames are taken on an executor of their own,
+on a thread that takes only while fewer than `backlog` frames wait; beyond that the DDS
+reader keeps the newest frames (keep-last, sensor-data QoS) and overwrites older ones in
+C++, at no Python cost. Frames lost that way (or anywhere between the camera and us) are
+counted from gaps in each publisher's sequence numbers, so frames_dropped stays complete.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import rclpy
+from rclpy.executors import SingleThreadedExecutor
+from rclpy.node import Node
+from rclpy.qos import QoSProfile
+from sensor_msgs.msg import Image
+
+from tta_ros.nodes.perception_support import FrameQueue
+
+
+class SequenceGaps:
+    """Messages missed per publisher, from its publication sequence numbers."""
+
+    def __init__(self) -> None:
+        self._last: dict[bytes, int] = {}
+
+    def missed(self, publisher: bytes, seq: int | None) -> int:
+        """How many of this publisher's messages were skipped before `seq` (0 when the
+        number is unknown, the first seen, or not newer than the last one)."""
+        if seq is None:
+            return 0
+        last = self._last.get(publisher)
+        if last is not None and seq <= last:
+            return 0  # reordered or repeated: nothing new was missed
+        self._last[publisher] = seq
+        return 0 if last is None else seq - last - 1
+
+
+class FrameIntake:
+    """Subscribes to `topic` on its own node + executor thread and feeds `queue`."""
+
+    def __init__(self, owner: Node, queue: FrameQueue, topic: str, qos: QoSProfile,
+                 backlog: Callable[[], int]) -> None:
+        """`topic`: the owner's resolved image topic (namespace and remaps applied);
+        `backlog()`: how many queued frames stop the intake (read every time)."""
+        self.queue, self.backlog = queue, backlog
+        self.gaps = SequenceGaps()
+        self.node = rclpy.create_node(f"{owner.get_name()}_intake", context=owner.context,
+                                      namespace=owner.get_namespace(),
+                                      start_parameter_services=False)
+        self.node.create_subscription(Image, topic, self._on_frame, qos, raw=True)
+        self._executor = SingleThreadedExecutor(context=owner.context)
+        self._executor.add_node(self.node)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="perception-intake",
+                                        daemon=True)
+        self._thread.start()
+
+    def _on_frame(self, raw: bytes, info: dict) -> None:
+        gid = info.get("publisher_gid") or {}
+        self.queue.count_lost(self.gaps.missed(bytes(gid.get("data", b"")),
+                                               info.get("publication_sequence_number")))
+        self.queue.push(raw)  # O(1), never blocks; deserialization happens on the worker
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.queue.wait_below(self.backlog(), timeout=0.05):
+                continue  # the worker is behind: let DDS keep the newest frames
+            try:
+                self._executor.spin_once(timeout_sec=0.05)
+            except Exception:  # context shut down under us: stop taking frames
+                if not self.node.context.ok():
+                    return
+                raise
+
+    def close(self) -> None:
+        """Stop taking frames and release the intake node (before the context goes)."""
+        self._stop.set()
+        self._thread.join(timeout=5.0)
+        self._executor.shutdown(timeout_sec=1.0)
+        self.node.destroy_node()

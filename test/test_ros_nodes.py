@@ -155,6 +155,7 @@ def test_stream_predictions_status_plans_markers_telemetry(rig_factory) -> None:
         assert s.units_updated == sum(plans[s.plan_id].update)
     arr = rig.msgs("markers")[-1]
     assert arr.markers[0].action == Marker.DELETEALL
+    assert all(m.lifetime.sec == 2 for m in arr.markers)  # vehicle.yaml marker_lifetime_s
     cubes = [m for m in arr.markers if m.type == Marker.CUBE]
     assert len(cubes) == len(names)
     labels = [m for m in arr.markers if m.type == Marker.TEXT_VIEW_FACING]

@@ -57,7 +57,7 @@ from tta_ros.convert import (
     prediction_msgs,
     status_msg,
 )
-from tta_ros.diagnostics import ERROR, OK, WARN, DiagnosticsPublisher, status
+from tta_ros.diagnostics import ERROR, HARDWARE_ID, OK, WARN, DiagnosticsPublisher, status
 from tta_ros.nodes.intake import FrameIntake
 from tta_ros.nodes.perception_support import (
     DivergenceGuard,
@@ -117,6 +117,7 @@ def param_specs() -> tuple[ParamSpec, ...]:
                   "(before decoding)", 1, 2**30, read_only=True),
         ParamSpec("max_aspect", 20.0, "frames whose long side exceeds this times the short "
                   "side are rejected (before decoding)", 1.0, 1e6, read_only=True),
+        HARDWARE_ID,
     )
 
 
@@ -184,14 +185,14 @@ def perception_statuses(node: PerceptionNode) -> list[DiagnosticStatus]:
     c, q, p = node.counters, node.queue, node.p
     planning_warn = node._inline_fallback or bool(node._no_room)
     return [
-        status("tta perception: input", OK, "ok", {
+        status("input", OK, "ok", {
             "received": q.received, "dropped": q.dropped, "rejected": c.rejected,
             "queue": f"{len(q)}/{q.maxlen}", "last_rejection": c.last_rejection}),
-        status("tta perception: planning", WARN if planning_warn else OK,
+        status("planning", WARN if planning_warn else OK,
                planning_message(node), {
                    "plan_source": p["plan_source"],
                    "topic_batches": c.topic_batches, "inline_batches": c.inline_batches}),
-        status("tta perception: adaptation", OK, f"{p['method']} ({p['mode']})",
+        status("adaptation", OK, f"{p['method']} ({p['mode']})",
                {"batches": c.batches, "resets": node.guard.resets,
                 "step_errors": c.step_errors, "last_error": c.last_error})]
 

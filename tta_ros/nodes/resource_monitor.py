@@ -37,7 +37,15 @@ from tta_core.telemetry import (
     SysfsSource,
     TelemetrySampler,
 )
-from tta_ros.diagnostics import ERROR, OK, STALE, WARN, DiagnosticsPublisher, status
+from tta_ros.diagnostics import (
+    ERROR,
+    HARDWARE_ID,
+    OK,
+    STALE,
+    WARN,
+    DiagnosticsPublisher,
+    status,
+)
 from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
 
 UNKNOWN_COUNT = 2**32 - 1
@@ -76,6 +84,7 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("temp_warn_c", 80.0, "temperature above which thermal is WARN", 0.0, 150.0),
     ParamSpec("temp_error_c", 95.0, "temperature above which thermal is ERROR", 0.0, 150.0),
     ParamSpec("cache_warn_hit_rate", 0.5, "LLC hit rate below which cache is WARN", 0.0, 1.0),
+    HARDWARE_ID,
 )
 
 _FIELDS = ("source", "cpu_percent", "gpu_percent", "cpu_temp_c", "gpu_temp_c", "cpu_freq_mhz",
@@ -100,7 +109,7 @@ def sample_to_msg(sample: ResourceSample) -> ResourceTelemetry:
 
 
 def _status(name: str, level: int, message: str, vals: dict) -> DiagnosticStatus:
-    return status(f"tta resource_monitor: {name}", level, message,
+    return status(name, level, message,
                   {k: v if isinstance(v, str) else float(v) for k, v in vals.items()})
 
 

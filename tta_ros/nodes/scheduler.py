@@ -41,7 +41,7 @@ from tta_core.adashadow.planning import (
 )
 from tta_ros import ros_params
 from tta_ros.convert import check_importance, plan_to_msg
-from tta_ros.diagnostics import OK, WARN, DiagnosticsPublisher, status
+from tta_ros.diagnostics import HARDWARE_ID, OK, WARN, DiagnosticsPublisher, status
 from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
 
 PARAMS: tuple[ParamSpec, ...] = (
@@ -70,6 +70,9 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("bar_spacing", 0.3, "distance between unit bars [m]", 0.01, 10.0),
     ParamSpec("bar_max_height", 2.0, "height of the most important unit's bar [m]",
               0.01, 100.0),
+    ParamSpec("marker_lifetime_s", 2.0, "lifetime of the RViz markers: they vanish this long "
+              "after the last plan [s] (0: forever)", 0.0, 3600.0),
+    HARDWARE_ID,
 )
 
 UPDATED = ColorRGBA(r=0.1, g=0.8, b=0.2, a=0.9)
@@ -78,8 +81,9 @@ WHITE = ColorRGBA(r=1.0, g=1.0, b=1.0, a=1.0)
 
 
 def plan_markers(plan: LayerPlan, frame_id: str, spacing: float,
-                 max_height: float) -> MarkerArray:
-    """DELETEALL, then one CUBE bar per unit (height ∝ importance, green = updated), a label."""
+                 max_height: float, lifetime_s: float = 0.0) -> MarkerArray:
+    """DELETEALL, then one CUBE bar per unit (height ∝ importance, green = updated), a label;
+    every marker lives `lifetime_s` (0: forever)."""
     arr = MarkerArray()
     clear = Marker(action=Marker.DELETEALL)
     clear.header.frame_id = frame_id
@@ -104,6 +108,9 @@ def plan_markers(plan: LayerPlan, frame_id: str, spacing: float,
     label.pose.orientation.w = 1.0
     label.header.frame_id, label.header.stamp = frame_id, plan.header.stamp
     arr.markers.append(label)
+    sec, nanosec = divmod(round(lifetime_s * 1e9), 10**9)
+    for m in arr.markers:
+        m.lifetime.sec, m.lifetime.nanosec = sec, nanosec
     return arr
 
 
@@ -218,13 +225,14 @@ class SchedulerNode(Node):
         self.pub_plan.publish(msg)
         self.pub_markers.publish(plan_markers(
             msg, self.get_parameter("marker_frame_id").value,
-            self.get_parameter("bar_spacing").value, self.get_parameter("bar_max_height").value))
+            self.get_parameter("bar_spacing").value, self.get_parameter("bar_max_height").value,
+            self.get_parameter("marker_lifetime_s").value))
 
     def _planning_status(self) -> DiagnosticStatus:
         warn = self.last_error or self.no_room
         svc = self.planning
         pi1, pi2, live = svc.expansion
-        return status("tta scheduler: planning", WARN if warn else OK,
+        return status("planning", WARN if warn else OK,
                       warn or f"{self.plans_published} plans", {
                           "plans": self.plans_published,
                           "profile": svc.profile.device if svc.profile else "mac-estimate",

@@ -1,54 +1,45 @@
-"""ros2 launch tta_ros vehicle.launch.py [config:=...] [image_topic:=...] [method:=...]
-[sigma:=...]
+"""ros2 launch tta_ros vehicle.launch.py [namespace:=car1] [image_topic:=...] [method:=...]
+[sigma:=...] [use_sim_time:=true] [log_level:=debug] [rviz:=true] [config:=...]
 
-Starts the same three nodes as `python -m tta_ros.bringup`, each in its own process, with
-the same params file (config/vehicle.yaml). `method` / `sigma` are applied only when given
-(empty default: the YAML value stands); sigma goes to perception and scheduler alike.
+Starts the same three nodes as `python -m tta_ros.bringup`, each in its own process. Each
+node gets a dict of parameters from tta_ros.launch_params.launch_nodes, the plain function
+bringup uses too (node_parameters): the params file's `/**` and the node's own section (and
+a `/ns/node` section for this namespace), then the launch arguments. Not the params file
+path: launch_ros would write the overrides under `/**`, where the node's own YAML section
+beats them, and a pushed namespace would drop the bare `perception:` sections.
+`method` / `sigma` apply only when given (empty: the YAML value stands); sigma goes to
+perception and scheduler alike. `namespace` (relative ones go under a PushRosNamespace of an
+including file) puts the nodes and all their topics under it. `rviz:=true` also starts RViz
+with config/tta.rviz, remapped to the namespace's topics.
 Importing this file has no side effects: launch imports happen inside the functions.
 """
 
 import os
 
 PACKAGE = "tta_ros"
-# (node name, console script): the same list as tta_ros.bringup.NODES
-NODES = (
-    ("resource_monitor", "resource_monitor_node"),
-    ("scheduler", "scheduler_node"),
-    ("perception", "perception_node"),
+# name, default ('' = from the package share folder), description
+ARGUMENTS = (
+    ("config", "", "ROS 2 params file of the three nodes (default: the shipped vehicle.yaml)"),
+    ("namespace", "", "namespace of the nodes and their topics, e.g. car1 (empty: none)"),
+    ("image_topic", "image", "camera topic (sensor_msgs/Image), relative to the namespace"),
+    ("method", "", "TTA method (empty: the params file's)"),
+    ("sigma", "", "latency budget fraction (empty: the params file's)"),
+    ("use_sim_time", "false", "use /clock time (true when replaying a bag with --clock)"),
+    ("log_level", "info", "log level of the nodes (debug, info, warn, error, fatal)"),
+    ("rviz", "false", "also start RViz with config/tta.rviz"),
 )
-SIGMA_NODES = ("perception", "scheduler")
-
-
-def node_overrides(name, method, sigma):
-    """Per-node parameter overrides from the launch arguments ('' means not given)."""
-    out = {}
-    if method and name == "perception":
-        out["method"] = method
-    if sigma and name in SIGMA_NODES:
-        out["sigma"] = float(sigma)
-    return out
 
 
 def _nodes(context):
     from launch.substitutions import LaunchConfiguration
     from launch_ros.actions import Node
 
-    config = LaunchConfiguration("config").perform(context)
-    image_topic = LaunchConfiguration("image_topic").perform(context)
-    method = LaunchConfiguration("method").perform(context)
-    sigma = LaunchConfiguration("sigma").perform(context)
-    actions = []
-    for name, executable in NODES:
-        extra = node_overrides(name, method, sigma)
-        actions.append(Node(
-            package=PACKAGE,
-            executable=executable,
-            name=name,
-            output="screen",
-            parameters=[config, extra] if extra else [config],
-            remappings=[("image", image_topic)] if name == "perception" else [],
-        ))
-    return actions
+    from tta_ros.launch_params import launch_nodes
+
+    args = {name: LaunchConfiguration(name).perform(context) for name, _, _ in ARGUMENTS}
+    args["rviz_config"] = LaunchConfiguration("rviz_config").perform(context)
+    pushed = context.launch_configurations.get("ros_namespace", None)
+    return [Node(**kwargs) for kwargs in launch_nodes(args, pushed)]
 
 
 def generate_launch_description():
@@ -57,16 +48,14 @@ def generate_launch_description():
 
     from launch import LaunchDescription
 
-    default_config = os.path.join(get_package_share_directory(PACKAGE), "config",
-                                  "vehicle.yaml")
+    share = get_package_share_directory(PACKAGE)
+    defaults = {"config": os.path.join(share, "config", "vehicle.yaml")}
     return LaunchDescription([
-        DeclareLaunchArgument("config", default_value=default_config,
-                              description="ROS 2 params file of the three nodes"),
-        DeclareLaunchArgument("image_topic", default_value="image",
-                              description="camera topic (sensor_msgs/Image)"),
-        DeclareLaunchArgument("method", default_value="",
-                              description="TTA method (empty: the params file's)"),
-        DeclareLaunchArgument("sigma", default_value="",
-                              description="latency budget fraction (empty: the params file's)"),
+        *(DeclareLaunchArgument(name, default_value=defaults.get(name, default),
+                                description=description)
+          for name, default, description in ARGUMENTS),
+        DeclareLaunchArgument("rviz_config",
+                              default_value=os.path.join(share, "config", "tta.rviz"),
+                              description="RViz config used when rviz:=true"),
         OpaqueFunction(function=_nodes),
     ])

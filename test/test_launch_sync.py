@@ -1,19 +1,22 @@
 """launch/vehicle.launch.py and tta_ros.bringup start the same nodes with the same YAML.
 
-`launch`/`launch_ros` are not installable here, so the launch file is read with `ast`
-(and imported: it must have no import-time side effects); bringup runs over real rclpy.
+`launch`/`launch_ros` are not installable here, so the launch file runs against recording
+stand-ins of them (it must have no import-time side effects); bringup runs over real rclpy.
 """
 
 from __future__ import annotations
 
 import ast
 import importlib.util
+import sys
+import types
 from pathlib import Path
 
 import pytest
 import yaml
 
 from tta_ros import bringup
+from tta_ros.launch_params import launch_overrides, node_parameters
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = ROOT / "launch" / "vehicle.launch.py"
@@ -21,53 +24,123 @@ CONFIG = ROOT / "config" / "vehicle.yaml"
 CARD = ROOT / "checkpoints" / "small_resnet_signs32.json"  # shipped with the repo
 
 
-def _tree() -> ast.Module:
-    return ast.parse(LAUNCH.read_text())
+class _Recorded:
+    """A stand-in launch action: keeps its arguments."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.args, self.kwargs = args, kwargs
 
 
-def _assign(name: str):
-    for node in _tree().body:
-        if isinstance(node, ast.Assign) and any(
-                isinstance(t, ast.Name) and t.id == name for t in node.targets):
-            return ast.literal_eval(node.value)
-    raise AssertionError(f"{name} not assigned in {LAUNCH}")
+class _LaunchConfiguration:
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def perform(self, context) -> str:
+        return context.launch_configurations[self.name]
 
 
-def _calls(func: str) -> list[ast.Call]:
-    return [n for n in ast.walk(_tree()) if isinstance(n, ast.Call)
-            and getattr(n.func, "id", getattr(n.func, "attr", None)) == func]
+def _stub_modules(monkeypatch) -> None:
+    """launch / launch_ros / ament_index_python stand-ins (not installable here) recording
+    the actions the launch file builds."""
+    mods = {name: types.ModuleType(name) for name in (
+        "launch", "launch.actions", "launch.substitutions", "launch_ros",
+        "launch_ros.actions", "ament_index_python", "ament_index_python.packages")}
+    mods["launch"].LaunchDescription = lambda entities: list(entities)
+    mods["launch.actions"].DeclareLaunchArgument = type("DeclareLaunchArgument", (_Recorded,), {})
+    mods["launch.actions"].OpaqueFunction = type("OpaqueFunction", (_Recorded,), {})
+    mods["launch.substitutions"].LaunchConfiguration = _LaunchConfiguration
+    mods["launch_ros.actions"].Node = type("Node", (_Recorded,), {})
+    mods["ament_index_python.packages"].get_package_share_directory = lambda _: str(ROOT)
+    for name, mod in mods.items():
+        monkeypatch.setitem(sys.modules, name, mod)
 
 
-def test_launch_lists_the_bringup_nodes() -> None:
-    assert _assign("NODES") == tuple((n, exe) for n, exe, _ in bringup.NODES)
-    assert _assign("PACKAGE") == "tta_ros"
+def launch_nodes(monkeypatch, pushed: str | None = None, **args: str) -> dict[str, dict]:
+    """Run vehicle.launch.py as `ros2 launch` would (stub launch modules): the kwargs of
+    each Node it starts, by node name, for launch arguments `args`."""
+    _stub_modules(monkeypatch)
+    spec = importlib.util.spec_from_file_location("vehicle_launch", LAUNCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    entities = mod.generate_launch_description()
+    declared = {e.args[0]: e.kwargs["default_value"] for e in entities
+                if type(e).__name__ == "DeclareLaunchArgument"}
+    unknown = set(args) - set(declared)
+    assert not unknown, f"not launch arguments: {unknown}"
+    configs = {**declared, **args}
+    if pushed is not None:
+        configs["ros_namespace"] = pushed
+    context = types.SimpleNamespace(launch_configurations=configs)
+    (opaque,) = [e for e in entities if type(e).__name__ == "OpaqueFunction"]
+    return {n.kwargs["name"]: n.kwargs for n in opaque.kwargs["function"](context)}
 
 
-def test_launch_node_action_uses_params_file_and_names() -> None:
-    (call,) = _calls("Node")
-    kw = {k.arg: k.value for k in call.keywords}
-    assert ast.unparse(kw["package"]) == "PACKAGE"
-    assert ast.unparse(kw["executable"]) == "executable"
-    assert ast.unparse(kw["name"]) == "name"
-    assert ast.unparse(kw["parameters"]) == "[config, extra] if extra else [config]"
-    assert "image" in ast.unparse(kw["remappings"])
-    args = {ast.literal_eval(c.args[0]) for c in _calls("DeclareLaunchArgument")}
-    assert args == {"config", "image_topic", "method", "sigma"}
-    text = LAUNCH.read_text()
-    assert '"config",' in text and '"vehicle.yaml"' in text  # default: the shipped YAML
-
-
-def test_launch_imports_without_side_effects_and_overrides_like_bringup() -> None:
+def test_launch_imports_without_side_effects() -> None:
     spec = importlib.util.spec_from_file_location("vehicle_launch", LAUNCH)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)  # launch / launch_ros are imported lazily
-    assert mod.node_overrides("perception", "", "") == {}
-    assert mod.node_overrides("perception", "tent", "0.2") == {"method": "tent", "sigma": 0.2}
-    assert mod.node_overrides("scheduler", "tent", "0.2") == {"sigma": 0.2}
-    assert mod.node_overrides("resource_monitor", "tent", "0.2") == {}
-    # every node the launch file configures by sigma declares a sigma parameter
-    params = bringup.load_params(CONFIG)
-    assert all("sigma" in params[n] for n in mod.SIGMA_NODES)
+    assert mod.PACKAGE == "tta_ros"
+    names = {name for name, _, _ in mod.ARGUMENTS}
+    assert names == {"config", "namespace", "image_topic", "method", "sigma", "use_sim_time",
+                     "log_level", "rviz"}
+
+
+def test_launch_starts_the_bringup_nodes_with_the_shipped_yaml(monkeypatch) -> None:
+    nodes = launch_nodes(monkeypatch)
+    assert [(n["name"], n["executable"]) for n in nodes.values()] == [
+        (n, exe) for n, exe, _ in bringup.NODES]
+    assert all(n["package"] == "tta_ros" and n["namespace"] is None for n in nodes.values())
+    # the default config is the shipped YAML: parameters as bringup loads them
+    assert {k: n["parameters"] for k, n in nodes.items()} == {
+        k: [{**v, "use_sim_time": False}] for k, v in bringup.load_params(CONFIG).items()}
+    assert nodes["perception"]["remappings"] == [("image", "image")]
+    assert all(n["arguments"] == ["--ros-args", "--log-level", "info"]
+               for n in nodes.values())
+
+
+def test_launch_overrides_win_over_the_nodes_own_yaml_sections(monkeypatch) -> None:
+    """sigma:= / method:= used to lose to the node's section (launch_ros put them under /**).
+    """
+    nodes = launch_nodes(monkeypatch, sigma="0.5", method="tent", use_sim_time="true",
+                         image_topic="/cam/front", log_level="debug")
+    (per,) = nodes["perception"]["parameters"]
+    (sched,) = nodes["scheduler"]["parameters"]
+    (mon,) = nodes["resource_monitor"]["parameters"]
+    assert (per["sigma"], per["method"], sched["sigma"]) == (0.5, "tent", 0.5)
+    assert "sigma" not in mon and "method" not in sched
+    assert per["use_sim_time"] and sched["use_sim_time"] and mon["use_sim_time"]
+    assert per["batch_size"] == 8 and mon["frame_id"] == "base_link"  # YAML kept
+    assert nodes["perception"]["remappings"] == [("image", "/cam/front")]
+    assert nodes["scheduler"]["arguments"] == ["--ros-args", "--log-level", "debug"]
+    assert "rviz2" not in nodes
+
+
+@pytest.mark.parametrize("pushed", [None, "/fleet"])
+def test_launch_namespace_keeps_yaml_sections_and_overrides(monkeypatch, pushed) -> None:
+    """Under a namespace the per-node sections used to be dropped (frame_id '')."""
+    nodes = launch_nodes(monkeypatch, pushed, namespace="car1", sigma="0.5", rviz="true")
+    ns = "/fleet/car1" if pushed else "/car1"
+    assert {n["namespace"] for n in nodes.values()} == {ns}
+    (mon,) = nodes["resource_monitor"]["parameters"]
+    (per,) = nodes["perception"]["parameters"]
+    assert mon["frame_id"] == "base_link" and per["batch_size"] == 8 and per["sigma"] == 0.5
+    rviz = nodes["rviz2"]
+    assert rviz["arguments"] == ["-d", str(ROOT / "config" / "tta.rviz")]
+    assert sorted(rviz["remappings"]) == [("/image", f"{ns}/image"),
+                                          ("/layer_markers", f"{ns}/layer_markers")]
+
+
+def test_launch_uses_the_shared_parameter_function() -> None:
+    """The launch file builds its nodes with tta_ros.launch_params.launch_nodes (which
+    calls node_parameters, as bringup.build_nodes does), handing it every launch argument."""
+    tree = ast.parse(LAUNCH.read_text())
+    imports = {(n.module, a.name) for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+               for a in n.names}
+    assert ("tta_ros.launch_params", "launch_nodes") in imports
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and getattr(n.func, "id", None) == "launch_nodes"]
+    assert len(calls) == 1 and ast.unparse(calls[0].args[0]) == "args"
+    assert "parameters=[config" not in LAUNCH.read_text()  # never the params file itself
 
 
 def test_params_file_sections_match_nodes() -> None:
@@ -101,6 +174,80 @@ def test_bringup_nodes_carry_exactly_the_yaml_parameters(ros_context, tmp_path) 
     finally:
         for n in nodes:
             n.destroy_node()
+
+
+@pytest.mark.parametrize("namespace", ["", "car1"])
+def test_launch_and_bringup_give_each_node_the_same_parameters(monkeypatch, ros_context,
+                                                               namespace) -> None:
+    """Same launch arguments -> the same per-node parameters in `ros2 launch` and in
+    bringup.build_nodes, plain and namespaced: overrides win, YAML sections survive."""
+    args = {"namespace": namespace, "sigma": "0.5", "method": "tent", "use_sim_time": "false"}
+    launched = launch_nodes(monkeypatch, **args)
+    nodes = bringup.build_nodes(CONFIG, launch_overrides(args["method"], args["sigma"],
+                                                         args["use_sim_time"]),
+                                context=ros_context, namespace=namespace)
+    try:
+        for node in nodes:
+            name = node.get_name()
+            assert node.get_namespace() == (f"/{namespace}" if namespace else "/")
+            (want,) = launched[name]["parameters"]
+            declared = set(node._parameters)
+            own = yaml.safe_load(CONFIG.read_text())[name]["ros__parameters"]
+            assert set(own) <= declared and "use_sim_time" in want
+            want = bringup.resolve_paths({k: v for k, v in want.items() if k in declared},
+                                         bringup.ROOT)
+            got = {k: node.get_parameter(k).value for k in want}
+            assert got == want, name
+        per, sched, mon = (n.get_parameter for n in (nodes[2], nodes[1], nodes[0]))
+        assert (per("sigma").value, per("method").value, sched("sigma").value) == (
+            0.5, "tent", 0.5)
+        assert per("batch_size").value == 8 and mon("frame_id").value == "base_link"
+    finally:
+        for n in nodes:
+            n.destroy_node()
+
+
+def test_params_file_sections_follow_the_namespace(tmp_path) -> None:
+    """`/**` < `/ns/**` < `node` (any namespace; later of equals wins) < `/ns/node`."""
+    cfg = yaml.safe_load(CONFIG.read_text())
+    cfg["/car1/**"] = {"ros__parameters": {"frame_id": "car1_base", "sigma": 0.1}}
+    cfg["/car1/perception"] = {"ros__parameters": {"batch_size": 2}}
+    cfg["/**/scheduler"] = {"ros__parameters": {"n_t": 7}}
+    path = tmp_path / "vehicle.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    plain, car1, car2 = (node_parameters(path, ns) for ns in ("", "/car1", "car2"))
+    assert plain["perception"]["batch_size"] == 8 == car2["perception"]["batch_size"]
+    assert car1["perception"]["batch_size"] == 2
+    assert car1["resource_monitor"]["frame_id"] == "base_link"  # own section beats /car1/**
+    assert car1["scheduler"]["sigma"] == 0.33 and car1["perception"]["sigma"] == 0.33
+    assert car1["scheduler"]["n_t"] == 7 == plain["scheduler"]["n_t"]
+    cfg["/car1/planner"] = {"ros__parameters": {"x": 1}}
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    with pytest.raises(ValueError, match="unknown node 'planner'"):
+        node_parameters(path, "/car1")
+
+
+def test_bringup_command_line_namespace_and_ros_args(monkeypatch) -> None:
+    """--namespace / --ros-args -r __ns:= pick the namespace; ROS args go to rclpy."""
+    seen = {}
+
+    def fake_run(prog, build, ros_args=None):
+        seen["ros_args"] = ros_args
+        monkeypatch.setattr(bringup, "build_nodes", lambda *a, **kw: seen.update(kw=kw))
+        build()
+        return 0
+
+    monkeypatch.setattr(bringup, "run_nodes", fake_run)
+    assert bringup.main(["--sigma", "0.5", "--set", "perception.batch_size=2",
+                         "--ros-args", "-r", "__ns:=/car2", "--log-level", "debug"]) == 0
+    assert seen["kw"]["namespace"] == "/car2"
+    assert seen["ros_args"][1:] == ["--sigma", "0.5", "--set", "perception.batch_size=2",
+                                    "--ros-args", "-r", "__ns:=/car2", "--log-level", "debug"]
+    assert bringup.main(["--namespace", "car1", "--method", "tent"]) == 0
+    assert seen["kw"]["namespace"] == "car1"
+    assert bringup.node_cli_args("perception", "/car1", "/cam") == [
+        "--ros-args", "-r", "__ns:=/car1", "-r", "image:=/cam"]
+    assert bringup.node_cli_args("scheduler") is None
 
 
 def test_rviz_config_shows_markers_and_camera() -> None:

@@ -1,11 +1,14 @@
 """Run perception, resource_monitor and scheduler in one process (SingleThreadedExecutor).
 
-    python -m tta_ros.bringup --config config/vehicle.yaml [--image-topic /camera/image_raw]
-        [--set perception.sigma=0.2 ...]
+    python -m tta_ros.bringup --config config/vehicle.yaml [--namespace /car1]
+        [--image-topic /camera/image_raw] [--method tent] [--sigma 0.5]
+        [--set perception.batch_size=4 ...] [--ros-args --log-level debug ...]
 
-Parameters come from a standard ROS 2 params file (`node_name: ros__parameters: {...}`;
-a `/**` section applies to every node, the node's own section wins), exactly what
-launch/vehicle.launch.py hands to the same three nodes. `build_nodes` is the testable core.
+Parameters come from a standard ROS 2 params file (`node_name: ros__parameters: {...}`),
+merged per node and namespace by tta_ros.launch_params.node_parameters (`/**`, then the
+node's own section, then `/ns/node`, then the overrides): the same function and so the same
+values launch/vehicle.launch.py hands to the same three nodes. `build_nodes` is the
+testable core.
 
 One SingleThreadedExecutor serves all callbacks: they are short (the perception worker
 thread does the heavy work), and rclpy's MultiThreadedExecutor costs 3-4x more per frame
@@ -43,48 +46,26 @@ from rclpy.node import Node
 from rclpy.parameter import Parameter
 from rclpy.signals import SignalHandlerOptions
 
-from tta_core.errors import InputError, one_line_errors
+from tta_core.errors import one_line_errors
 from tta_core.runtime.malloc_tuning import keep_freed_memory
+from tta_ros import launch_params
+from tta_ros.launch_params import join_namespace, launch_overrides, node_parameters
 from tta_ros.ros_params import resolve_paths
 
-# (node name, console script, module:class): the launch file lists the same names/scripts
-NODES: tuple[tuple[str, str, str], ...] = (
-    ("resource_monitor", "resource_monitor_node",
-     "tta_ros.nodes.resource_monitor:ResourceMonitorNode"),
-    ("scheduler", "scheduler_node", "tta_ros.nodes.scheduler:SchedulerNode"),
-    ("perception", "perception_node", "tta_ros.nodes.perception:PerceptionNode"),
-)
+CLASSES = {"resource_monitor": "tta_ros.nodes.resource_monitor:ResourceMonitorNode",
+           "scheduler": "tta_ros.nodes.scheduler:SchedulerNode",
+           "perception": "tta_ros.nodes.perception:PerceptionNode"}
+# (node name, console script, module:class): the names/scripts the launch file starts
+NODES: tuple[tuple[str, str, str], ...] = tuple(
+    (name, script, CLASSES[name]) for name, script in launch_params.NODES)
 ROOT = Path(__file__).resolve().parent.parent
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 SPIN_POLL_S = 0.1  # how soon the spin loop sees a stop request
 
 
-def load_params(config_path: str | Path) -> dict[str, dict[str, Any]]:
-    """Params file -> {node_name: {param: value}} with `/**` merged under each node."""
-    try:
-        with Path(config_path).open() as f:
-            data = yaml.safe_load(f) or {}
-    except yaml.YAMLError as exc:
-        raise InputError(f"params file {config_path} is not valid YAML ({exc})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"params file {config_path} is not a mapping")
-    common: dict[str, Any] = {}
-    per_node: dict[str, dict[str, Any]] = {}
-    for key, section in data.items():
-        params = (section or {}).get("ros__parameters")
-        if not isinstance(params, dict):
-            raise ValueError(f"section {key!r} of {config_path} has no ros__parameters mapping")
-        name = str(key).lstrip("/")
-        if name == "**":
-            common.update(params)
-        else:
-            per_node[name] = params
-    known = {n for n, _, _ in NODES}
-    unknown = sorted(set(per_node) - known)
-    if unknown:
-        raise ValueError(f"params file {config_path} names unknown node(s) {unknown}; "
-                         f"known: {sorted(known)}")
-    return {n: {**common, **per_node.get(n, {})} for n in known}
+def load_params(config_path: str | Path, namespace: str = "") -> dict[str, dict[str, Any]]:
+    """Params file -> {node_name: {param: value}} in `namespace` (tta_ros.launch_params)."""
+    return node_parameters(config_path, namespace)
 
 
 def _import(spec: str) -> type:
@@ -93,24 +74,29 @@ def _import(spec: str) -> type:
     return getattr(mod, cls)
 
 
+def node_cli_args(name: str, namespace: str = "", image_topic: str | None = None,
+                  ) -> list[str] | None:
+    """Node-local ROS arguments: the namespace, and perception's image remap."""
+    rules = [f"__ns:={namespace}"] if namespace else []
+    if image_topic and name == "perception":
+        rules.append(f"image:={image_topic}")
+    return ["--ros-args", *(a for r in rules for a in ("-r", r))] if rules else None
+
+
 def build_nodes(config_path: str | Path,
                 overrides: Mapping[str, Mapping[str, Any]] | None = None,
                 context: Context | None = None, image_topic: str | None = None,
-                base: Path = ROOT) -> list[Node]:
-    """The three nodes with parameters from the YAML, then `overrides[node][param]`."""
-    params = load_params(config_path)
-    for node, vals in (overrides or {}).items():
-        if node not in params:
-            raise ValueError(f"override for unknown node {node!r}")
-        params[node].update(vals)
+                base: Path = ROOT, namespace: str = "") -> list[Node]:
+    """The three nodes in `namespace` with the parameters `node_parameters` gives (the
+    params file's sections for that namespace, then `overrides[node][param]`)."""
+    namespace = join_namespace(namespace)
+    params = node_parameters(config_path, namespace, overrides)
     nodes: list[Node] = []
     try:
         for name, _, spec in NODES:
             p = resolve_paths(params[name], base)
-            cli = ["--ros-args", "-r", f"image:={image_topic}"] if (
-                image_topic and name == "perception") else None
             nodes.append(_import(spec)(
-                name, context=context, cli_args=cli,
+                name, context=context, cli_args=node_cli_args(name, namespace, image_topic),
                 parameter_overrides=[Parameter(k, value=v) for k, v in p.items()]))
     except Exception:
         for n in nodes:
@@ -194,17 +180,51 @@ def node_main(node_cls: Callable[[], Node], argv: Sequence[str] | None = None) -
     return run_nodes(prog, lambda: [node_cls()], argv if argv is not None else sys.argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Spin the three nodes until Ctrl-C."""
-    ap = argparse.ArgumentParser(prog="python -m tta_ros.bringup", description=__doc__)
+def ros_args_namespace(argv: Sequence[str]) -> str:
+    """The namespace a `--ros-args -r __ns:=NS` (or `--remap`) in `argv` sets, else ''."""
+    ns, in_ros = "", False
+    for i, arg in enumerate(argv):
+        if arg == "--ros-args":
+            in_ros = True
+        elif arg == "--":
+            in_ros = False
+        elif in_ros and arg in ("-r", "--remap") and i + 1 < len(argv) \
+                and argv[i + 1].startswith("__ns:="):
+            ns = argv[i + 1].partition(":=")[2]
+    return ns
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m tta_ros.bringup", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(ROOT / "config" / "vehicle.yaml"))
+    ap.add_argument("--namespace", default="", help="namespace of the three nodes and "
+                    "their topics (default: a `--ros-args -r __ns:=...`, else none)")
     ap.add_argument("--image-topic", default=None, help="remap the perception input")
+    ap.add_argument("--method", default="", help="perception's TTA method (as method:=)")
+    ap.add_argument("--sigma", default="", help="perception's and scheduler's sigma")
+    ap.add_argument("--use-sim-time", default="", metavar="BOOL",
+                    help="use_sim_time of every node (as use_sim_time:=)")
     ap.add_argument("--set", action="append", default=[], metavar="NODE.PARAM=VALUE")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Spin the three nodes until Ctrl-C. ROS arguments after `--ros-args` (remaps,
+    `--log-level`, ...) go to rclpy; `-r __ns:=NS` there also picks NS's params sections."""
+    from rclpy.utilities import remove_ros_args
+
+    ap = _parser()
+    full = [ap.prog, *(sys.argv[1:] if argv is None else argv)]
+    args = ap.parse_args(remove_ros_args(full)[1:])
+    namespace = args.namespace or ros_args_namespace(full)
     with one_line_errors(ap.prog):
-        overrides = parse_set(args.set)
+        overrides = launch_overrides(args.method, args.sigma, args.use_sim_time)
+        for node, vals in parse_set(args.set).items():
+            overrides.setdefault(node, {}).update(vals)
     return run_nodes(ap.prog, lambda: build_nodes(args.config, overrides,
-                                                  image_topic=args.image_topic))
+                                                  image_topic=args.image_topic,
+                                                  namespace=namespace), ros_args=full)
 
 
 if __name__ == "__main__":

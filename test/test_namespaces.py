@@ -1,0 +1,120 @@
+"""Two vehicles in one process: bringup nodes in /car1 and /car2 over real rclpy + DDS.
+
+Frames published on /car1/image are answered only on /car1/predictions (and /car2 likewise);
+plans, status and importance stay inside their namespace; each node has its own section of
+config/vehicle.yaml plus its namespace's overrides.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+rclpy = pytest.importorskip("rclpy")
+from rclpy.executors import SingleThreadedExecutor  # noqa: E402
+from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data  # noqa: E402
+from sensor_msgs.msg import Image  # noqa: E402
+from tta_msgs.msg import (  # noqa: E402
+    AdaptationStatus,
+    ClassPrediction,
+    LayerImportance,
+    LayerPlan,
+)
+
+from tta_core.io.image_msg import array_to_image_fields  # noqa: E402
+from tta_ros.bringup import build_nodes  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "config" / "vehicle.yaml"
+CARD = ROOT / "checkpoints" / "small_resnet_signs32.json"
+CARS = ("/car1", "/car2")
+OUTPUTS = (("pred", ClassPrediction, "predictions"), ("status", AdaptationStatus,
+                                                      "adaptation_status"),
+           ("imp", LayerImportance, "layer_importance"), ("plan", LayerPlan, "layer_plan"))
+
+
+def _image(sec: int) -> Image:
+    rng = np.random.default_rng(sec)
+    msg = Image(**array_to_image_fields(rng.random((32, 32, 3)).astype(np.float32), "rgb8"))
+    msg.header.stamp.sec = sec
+    return msg
+
+
+def _wait(cond: Callable[[], bool], timeout: float) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end and not cond():
+        time.sleep(0.02)
+    return cond()
+
+
+@pytest.fixture
+def fleet(ros_context):
+    """Both vehicles' nodes (car1 with sigma 0.5), a probe recording every output topic
+    in /car1, /car2 and the root namespace, one executor thread."""
+    per = {"model_card": str(CARD), "batch_size": 2, "num_threads": 1,
+           "reset_patience": 100000, "plan_timeout_s": 0.5}
+    nodes = {}
+    for ns in CARS:
+        sigma = {"sigma": 0.5} if ns == "/car1" else {}
+        nodes[ns] = build_nodes(CONFIG, {"perception": {**per, **sigma},
+                                         "scheduler": {"model_card": str(CARD), **sigma},
+                                         "resource_monitor": {"enable_perf": False}},
+                                context=ros_context, namespace=ns)
+    probe = rclpy.create_node("probe", context=ros_context)
+    got: dict[tuple[str, str], list] = {}
+    rel = QoSProfile(depth=100, reliability=ReliabilityPolicy.RELIABLE)
+    for ns in ("", *CARS):
+        for key, typ, topic in OUTPUTS:
+            got[ns, key] = []
+            probe.create_subscription(typ, f"{ns}/{topic}",
+                                      lambda m, k=(ns, key): got[k].append(m), rel)
+    pubs = {ns: probe.create_publisher(Image, f"{ns}/image", qos_profile_sensor_data)
+            for ns in CARS}
+    ex = SingleThreadedExecutor(context=ros_context)
+    for n in [*nodes["/car1"], *nodes["/car2"], probe]:
+        ex.add_node(n)
+    thread = threading.Thread(target=ex.spin, daemon=True)
+    thread.start()
+    try:
+        assert _wait(lambda: all(p.get_subscription_count() == 1 for p in pubs.values()), 5)
+        yield nodes, pubs, got
+    finally:
+        ex.shutdown(timeout_sec=2.0)
+        thread.join(timeout=2.0)
+        for n in [*nodes["/car1"], *nodes["/car2"], probe]:
+            n.destroy_node()
+
+
+def test_two_vehicles_answer_only_in_their_own_namespace(fleet) -> None:
+    nodes, pubs, got = fleet
+    stamps = {"/car1": range(100, 106), "/car2": range(200, 206)}
+    for i in range(6):
+        for ns in CARS:
+            pubs[ns].publish(_image(stamps[ns][i]))
+        time.sleep(0.03)
+    assert _wait(lambda: all(len(got[ns, "pred"]) >= 6 and got[ns, "plan"] for ns in CARS),
+                 20.0)
+    time.sleep(0.3)
+    for ns in CARS:
+        assert sorted(p.header.stamp.sec for p in got[ns, "pred"]) == list(stamps[ns])
+        assert got[ns, "status"] and got[ns, "imp"]
+    for key, _, _ in OUTPUTS:
+        assert got["", key] == [], f"/{key} outside the namespaces"
+    for ns, (monitor, scheduler, perception) in nodes.items():
+        assert {n.get_namespace() for n in (monitor, scheduler, perception)} == {ns}
+        assert perception.intake.node.get_namespace() == ns
+        want_sigma = 0.5 if ns == "/car1" else 0.33
+        assert perception.get_parameter("sigma").value == want_sigma
+        assert scheduler.get_parameter("sigma").value == want_sigma
+        assert perception.get_parameter("method").value == "adashadow"
+        assert monitor.get_parameter("frame_id").value == "base_link"  # its YAML section
+        assert scheduler.get_parameter("trainable").value == "norm"
+        topics = {t for n in (monitor, scheduler, perception)
+                  for t in [p.topic_name for p in n.publishers]}
+        assert {f"{ns}/predictions", f"{ns}/layer_plan", f"{ns}/telemetry",
+                f"{ns}/adaptation_status", f"{ns}/layer_importance"} <= topics

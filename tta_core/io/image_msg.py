@@ -70,8 +70,8 @@ ENCODINGS: dict[str, EncodingSpec] = {
     "bayer_grbg8": EncodingSpec(1, 1, (0, 1, 2), "cv", cv2.COLOR_BayerGB2RGB),
 }
 
-_SUPPORTED = ("rgb8, bgr8, mono8, rgba8, bgra8, mono16, rgb16, 32FC1, 32FC3, yuv422/uyvy, "
-              "yuyv/yuv422_yuy2, bayer_{rggb,bggr,gbrg,grbg}8")  # short: one-line errors
+_SUPPORTED = ("rgb8 bgr8 mono8 rgba8 bgra8 mono16 rgb16 32FC1 32FC3 yuv422 uyvy yuyv "
+              "bayer_{rggb,bggr,gbrg,grbg}8")  # short: errors stay one line < 200 chars
 
 #: compressed formats decode_compressed takes (first word of CompressedImage.format, or of
 #: its part after ";": "jpeg", "png", "rgb8; jpeg compressed bgr8")

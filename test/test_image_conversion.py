@@ -77,7 +77,7 @@ def test_16bit_honours_byte_order(encoding: str, bigendian: bool) -> None:
     assert not np.allclose(image_to_array(msg), expect)
 
 
-@pytest.mark.parametrize("encoding", sorted(ENCODINGS))
+@pytest.mark.parametrize("encoding", sorted(e for e, s in ENCODINGS.items() if s.kind != "cv"))
 def test_round_trip_with_padding(encoding: str) -> None:
     fields = array_to_image_fields(RGB, encoding, pad=3, bigendian=True)
     out = image_to_array(_msg(**fields))
@@ -139,7 +139,7 @@ def _good() -> dict:
 @pytest.mark.parametrize(
     ("change", "needle"),
     [
-        ({"encoding": "yuv422"}, "yuv422"),
+        ({"encoding": "nv21"}, "nv21"),
         ({"encoding": "8UC3"}, "8UC3"),
         ({"height": 0, "data": b""}, "height=0"),
         ({"width": 0}, "width=0"),

@@ -174,7 +174,7 @@ def test_bad_frames_rejected_next_good_frame_served(rig_factory) -> None:
     nan_img[1, 2, 0] = np.nan
     nan_msg = Image(**array_to_image_fields(nan_img, "32FC3"))
     bad = [
-        (Image(height=4, width=4, encoding="yuv422", step=8, data=bytes(32)), "yuv422"),
+        (Image(height=4, width=4, encoding="nv21", step=8, data=bytes(32)), "nv21"),
         (Image(height=0, width=4, encoding="rgb8", step=12, data=b""), "height=0"),
         (Image(height=4, width=4, encoding="rgb8", step=5, data=bytes(20)), "step=5"),
         (nan_msg, "non-finite"),

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import math
 import resource
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
+from rclpy.node import Node
 from rclpy.serialization import deserialize_message
-from sensor_msgs.msg import Image
+from sensor_msgs.msg import CompressedImage, Image
 from std_msgs.msg import Header
 from tta_msgs.msg import AdaptationStatus, ClassPrediction, LayerImportance, LayerPlan
 
 from tta_core.adashadow.planning import Plan, PlanOutcome
 from tta_core.api import StepResult
+from tta_core.io.image_msg import FrameLimits, decode_compressed, decode_image
 
 #: a forward slower than this (ms) is not a measurement but a forged or broken message
 MAX_FORWARD_MS = 1e5
@@ -116,16 +121,37 @@ def plan_to_msg(outcome: PlanOutcome, imp: LayerImportance, plan_id: int,
     return msg
 
 
-def images_from_raw(raw: list[bytes]) -> list[Image]:
-    """Serialized sensor_msgs/Image (a raw subscription's messages) -> messages; bytes
-    that do not deserialize are left out (the caller counts them as rejected)."""
-    frames = []
-    for data in raw:
-        try:
-            frames.append(deserialize_message(data, Image))
-        except Exception:
-            continue
-    return frames
+@dataclass(frozen=True)
+class FrameInput:
+    """One way camera frames come in: message type, topic suffix, decoder."""
+
+    msg_type: type
+    suffix: str  # appended to the resolved base topic (image_transport: image/compressed)
+    decode: Callable[[Any, FrameLimits], np.ndarray]
+
+
+#: the perception node's `input` parameter -> how its frames come in
+FRAME_INPUTS = {"raw": FrameInput(Image, "", decode_image),
+                "compressed": FrameInput(CompressedImage, "/compressed", decode_compressed)}
+
+
+def frame_topic(node: Node, kind: str, base: str = "image") -> str:
+    """The topic of `kind` frames: `base` resolved by `node` (namespace, remaps), plus the
+    transport's suffix, as image_transport names them (remapping `image` moves both)."""
+    return node.resolve_topic_name(base) + FRAME_INPUTS[kind].suffix
+
+
+def decode_frame(data: bytes, kind: str, limits: FrameLimits) -> tuple[Any, np.ndarray]:
+    """One serialized frame of input `kind` ("raw": sensor_msgs/Image, "compressed":
+    sensor_msgs/CompressedImage) -> (message, HxWx3 RGB array); ValueError in one line
+    when it does not deserialize or decode (tta_core.io.image_msg says why)."""
+    spec = FRAME_INPUTS[kind]
+    try:
+        msg = deserialize_message(data, spec.msg_type)
+    except Exception as exc:
+        raise ValueError(f"{len(data)} bytes do not deserialize as "
+                         f"{spec.msg_type.__name__} ({type(exc).__name__})") from None
+    return msg, spec.decode(msg, limits)
 
 
 def prediction_msgs(headers: list[Header], probs: np.ndarray, batch_id: int,

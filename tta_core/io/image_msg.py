@@ -3,13 +3,21 @@ under NumPy 2, and rosbags-image ignores `step`). The one decoder of the project
 perception node (live frames) and tta_core.io.bag (recorded frames) both use it.
 
 Supported encodings: rgb8, bgr8, mono8, rgba8, bgra8 (8-bit: `is_bigendian` irrelevant),
-mono16, rgb16 (byte order from `is_bigendian`, scaled by 1/65535) and 32FC1, 32FC3
+mono16, rgb16 (byte order from `is_bigendian`, scaled by 1/65535), 32FC1, 32FC3
 (float32 RGB in [0, 1], byte order from `is_bigendian`; the encodings through which NaN
-or far out-of-range pixels can arrive: such frames are refused). Rows may be padded (`step`
-> width * bytes per pixel); padding is ignored. Works on any object with the Image fields
-(height, width, encoding, is_bigendian, step, data). Frames beyond FrameLimits (pixels,
-aspect, float range) are refused, the size checks before `data` is read. Bad input ->
-ValueError, one line naming the value (long strings cut to a prefix and their length).
+or far out-of-range pixels can arrive: such frames are refused), the packed YUV 4:2:2
+encodings yuv422 = uyvy (U Y0 V Y1) and yuyv = yuv422_yuy2 (Y0 U Y1 V) (even widths only)
+and the Bayer mosaics bayer_rggb8, bayer_bggr8, bayer_gbrg8, bayer_grbg8 (the last two
+families converted to RGB by OpenCV: BT.601 video range for YUV, bilinear demosaicing for
+Bayer). Rows may be padded (`step` > width * bytes per pixel); padding is ignored. Works
+on any object with the Image fields (height, width, encoding, is_bigendian, step, data).
+Frames beyond FrameLimits (pixels, aspect, float range) are refused, the size checks
+before `data` is read. Bad input -> ValueError, one line naming the value (long strings
+cut to a prefix and their length).
+
+sensor_msgs/CompressedImage (`format`, `data`; JPEG or PNG, as image_transport's
+`compressed` transport publishes them): decode_compressed, the size checks on the
+width and height read from the JPEG/PNG header, before OpenCV decodes anything.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import cv2
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -32,7 +41,9 @@ class EncodingSpec:
     channels: int
     depth: int  # bytes per channel
     to_rgb: tuple[int, ...]  # channel indices giving R, G, B (mono: (0, 0, 0))
-    kind: str = "u"  # "u": unsigned int scaled to [0, 1]; "f": float taken as is
+    kind: str = "u"  # "u": unsigned int scaled to [0, 1]; "f": float taken as is;
+    # "cv": 8-bit data converted to RGB by cv2.cvtColor(pixels, cv_code)
+    cv_code: int = -1
 
 
 ENCODINGS: dict[str, EncodingSpec] = {
@@ -45,7 +56,26 @@ ENCODINGS: dict[str, EncodingSpec] = {
     "rgb16": EncodingSpec(3, 2, (0, 1, 2)),
     "32fc1": EncodingSpec(1, 4, (0, 0, 0), "f"),
     "32fc3": EncodingSpec(3, 4, (0, 1, 2), "f"),
+    # packed YUV 4:2:2, 2 bytes a pixel; ROS "yuv422" is UYVY (sensor_msgs image_encodings)
+    "yuv422": EncodingSpec(2, 1, (0, 1, 2), "cv", cv2.COLOR_YUV2RGB_UYVY),
+    "uyvy": EncodingSpec(2, 1, (0, 1, 2), "cv", cv2.COLOR_YUV2RGB_UYVY),
+    "yuv422_yuy2": EncodingSpec(2, 1, (0, 1, 2), "cv", cv2.COLOR_YUV2RGB_YUY2),
+    "yuyv": EncodingSpec(2, 1, (0, 1, 2), "cv", cv2.COLOR_YUV2RGB_YUY2),
+    # Bayer mosaics: ROS names the first 2x2 block from the top left (rggb: R G / G B);
+    # OpenCV names the pattern by the 2nd and 3rd pixels of its 2nd row, so ROS rggb is
+    # OpenCV's BayerBG (as cv_bridge maps them; test_image_codecs checks it on a mosaic)
+    "bayer_rggb8": EncodingSpec(1, 1, (0, 1, 2), "cv", cv2.COLOR_BayerBG2RGB),
+    "bayer_bggr8": EncodingSpec(1, 1, (0, 1, 2), "cv", cv2.COLOR_BayerRG2RGB),
+    "bayer_gbrg8": EncodingSpec(1, 1, (0, 1, 2), "cv", cv2.COLOR_BayerGR2RGB),
+    "bayer_grbg8": EncodingSpec(1, 1, (0, 1, 2), "cv", cv2.COLOR_BayerGB2RGB),
 }
+
+_SUPPORTED = ("rgb8 bgr8 mono8 rgba8 bgra8 mono16 rgb16 32FC1 32FC3 yuv422 uyvy yuyv "
+              "bayer_{rggb,bggr,gbrg,grbg}8")  # short: errors stay one line < 200 chars
+
+#: compressed formats decode_compressed takes (first word of CompressedImage.format, or of
+#: its part after ";": "jpeg", "png", "rgb8; jpeg compressed bgr8")
+COMPRESSED_FORMATS = {"jpeg": "jpeg", "jpg": "jpeg", "png": "png"}
 
 
 @dataclass(frozen=True)
@@ -126,7 +156,7 @@ def _spec(encoding: str) -> EncodingSpec:
     spec = ENCODINGS.get(str(encoding).lower())
     if spec is None:
         raise ValueError(f"unsupported image encoding {quoted(encoding)}; supported: "
-                         f"{', '.join(ENCODINGS)}")
+                         f"{_SUPPORTED}")
     return spec
 
 
@@ -134,14 +164,9 @@ def _check_layout(msg: Any, spec: EncodingSpec, limits: FrameLimits) -> tuple[in
     """(height, width, step) once size, aspect, step and data length are acceptable; only
     len(msg.data) is read, so nothing is copied for a refused frame."""
     h, w, step = int(msg.height), int(msg.width), int(msg.step)
-    if h <= 0 or w <= 0:
-        raise ValueError(f"image has zero size: height={h} width={w}")
-    if h * w > limits.max_pixels:
-        raise ValueError(f"image has {h * w} pixels (height={h} width={w}), more than "
-                         f"max_pixels={limits.max_pixels}")
-    if max(h, w) > limits.max_aspect * min(h, w):
-        raise ValueError(f"image aspect {max(h, w) / min(h, w):.4g} (height={h} width={w}) "
-                         f"exceeds max_aspect={limits.max_aspect:g}")
+    _check_size(h, w, limits)
+    if spec.channels == 2 and w % 2:
+        raise ValueError(f"image width={w} is odd: packed YUV 4:2:2 needs an even width")
     row_bytes = w * spec.channels * spec.depth
     if step < row_bytes:
         raise ValueError(f"image step={step} is smaller than width*bytes_per_pixel="
@@ -151,6 +176,18 @@ def _check_layout(msg: Any, spec: EncodingSpec, limits: FrameLimits) -> tuple[in
         raise ValueError(f"image data length={size} does not match height*step="
                          f"{h * step} (height {h}, step {step})")
     return h, w, step
+
+
+def _check_size(h: int, w: int, limits: FrameLimits) -> None:
+    """Non-zero size within limits.max_pixels and limits.max_aspect."""
+    if h <= 0 or w <= 0:
+        raise ValueError(f"image has zero size: height={h} width={w}")
+    if h * w > limits.max_pixels:
+        raise ValueError(f"image has {h * w} pixels (height={h} width={w}), more than "
+                         f"max_pixels={limits.max_pixels}")
+    if max(h, w) > limits.max_aspect * min(h, w):
+        raise ValueError(f"image aspect {max(h, w) / min(h, w):.4g} (height={h} width={w}) "
+                         f"exceeds max_aspect={limits.max_aspect:g}")
 
 
 def _check_floats(pix: np.ndarray, limits: FrameLimits) -> None:
@@ -175,6 +212,9 @@ def decode_image(msg: Any, limits: FrameLimits = FrameLimits()) -> np.ndarray:
     h, w, step = _check_layout(msg, spec, limits)
     row_bytes = w * spec.channels * spec.depth
     rows = _as_bytes(msg.data).reshape(h, step)[:, :row_bytes]
+    if spec.kind == "cv":  # YUV 4:2:2 (h, w, 2) or Bayer (h, w) -> RGB, by OpenCV
+        shape = (h, w, spec.channels) if spec.channels > 1 else (h, w)
+        return cv2.cvtColor(rows.reshape(shape), spec.cv_code)
     if spec.depth == 1:
         pix = rows.reshape(h, w, spec.channels)
     else:
@@ -188,6 +228,81 @@ def decode_image(msg: Any, limits: FrameLimits = FrameLimits()) -> np.ndarray:
     if spec.to_rgb == (0, 1, 2) and spec.channels == 3:
         return np.ascontiguousarray(pix)
     return pix[:, :, list(spec.to_rgb)]
+
+
+def compressed_codec(fmt: object) -> str:
+    """"jpeg" or "png" from a CompressedImage.format ("jpeg", "png", "rgb8; jpeg compressed
+    bgr8", ...: the first word after the last ";"); ValueError for anything else (the
+    depth transport's "16UC1; compressedDepth png" included: its data is not a plain PNG)."""
+    words = str(fmt).lower().split(";")[-1].split()
+    codec = COMPRESSED_FORMATS.get(words[0]) if words else None
+    if codec is None:
+        raise ValueError(f"unsupported compressed format {quoted(fmt, 40)}; supported: "
+                         f"{', '.join(COMPRESSED_FORMATS)} (image_transport compressed)")
+    return codec
+
+
+def _png_size(buf: np.ndarray) -> tuple[int, int] | None:
+    """(height, width) from the IHDR chunk of a PNG, None when `buf` is not one."""
+    if buf.size < 24 or buf[:8].tobytes() != b"\x89PNG\r\n\x1a\n" \
+            or buf[12:16].tobytes() != b"IHDR":
+        return None
+    return int.from_bytes(buf[20:24].tobytes(), "big"), int.from_bytes(buf[16:20].tobytes(),
+                                                                      "big")
+
+
+#: JPEG start-of-frame markers (baseline, progressive, lossless, arithmetic): not DHT (C4),
+#: JPG (C8), DAC (CC)
+_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def _jpeg_size(buf: np.ndarray, max_segments: int = 256) -> tuple[int, int] | None:
+    """(height, width) from the first start-of-frame segment of a JPEG, None when `buf`
+    is not one or has no frame header in its first `max_segments` segments (real files
+    have a few: APPn, DQT, DHT, COM)."""
+    data, i = memoryview(buf), 2  # no copy
+    if data[:2].tobytes() != b"\xff\xd8":
+        return None
+    for _ in range(max_segments):
+        while i < len(data) and data[i] == 0xFF:
+            i += 1  # marker prefix and fill bytes
+        if i + 2 >= len(data):
+            return None
+        marker, length = data[i], int.from_bytes(data[i + 1:i + 3], "big")
+        if marker in _SOF and i + 8 <= len(data):
+            return (int.from_bytes(data[i + 4:i + 6], "big"),
+                    int.from_bytes(data[i + 6:i + 8], "big"))
+        if marker == 0xDA or length < 2:  # scan data before any frame header: broken
+            return None
+        i += 1 + length
+    return None
+
+
+def decode_compressed(msg: Any, limits: FrameLimits = FrameLimits()) -> np.ndarray:
+    """CompressedImage message (`format`, `data`) -> HxWx3 RGB uint8, like decode_image.
+
+    The format must be JPEG or PNG (compressed_codec). Width and height are read from the
+    file's header (PNG IHDR, JPEG start of frame) and checked against `limits` before
+    OpenCV decodes anything, so a small file declaring a huge image costs nothing; the
+    decoded image must then have that size. Grey, 16-bit and alpha images come out as
+    8-bit RGB (cv2.IMREAD_COLOR); EXIF orientation is ignored (cameras write none).
+    """
+    codec = compressed_codec(msg.format)
+    buf = _as_bytes(msg.data)
+    size = (_png_size if codec == "png" else _jpeg_size)(buf)
+    if size is None:
+        raise ValueError(f"compressed image is not a readable {codec} ({buf.size} bytes, "
+                         f"format {quoted(msg.format, 40)})")
+    h, w = size
+    _check_size(h, w, limits)
+    bgr = cv2.imdecode(buf, cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION)
+    if bgr is None:
+        raise ValueError(f"compressed {codec} image ({buf.size} bytes, height={h} "
+                         f"width={w}) could not be decoded")
+    if bgr.shape[:2] != (h, w):
+        raise ValueError(f"decoded {codec} image is {bgr.shape[0]}x{bgr.shape[1]}, its "
+                         f"header said height={h} width={w}")
+    return cv2.cvtColor(bgr, cv2.COLOR_BGR2RGB)
 
 
 def image_to_array(msg: Any, limits: FrameLimits = FrameLimits()) -> np.ndarray:
@@ -243,6 +358,8 @@ def array_to_image_fields(rgb: np.ndarray, encoding: str = "rgb8", pad: int = 0,
     `pad` extra bytes are appended to each row (step = row bytes + pad).
     """
     spec = _spec(encoding)
+    if spec.kind == "cv":
+        raise ValueError(f"array_to_image_fields does not encode {encoding} (YUV/Bayer)")
     h, w = rgb.shape[:2]
     chans = (rgb[:, :, [list(spec.to_rgb).index(i) for i in range(3)]]
              if spec.channels > 1 else rgb.mean(axis=2, keepdims=True))

@@ -47,15 +47,16 @@ class FrameIntake:
     """Subscribes to `topic` on its own node + executor thread and feeds `queue`."""
 
     def __init__(self, owner: Node, queue: FrameQueue, topic: str, qos: QoSProfile,
-                 backlog: Callable[[], int]) -> None:
+                 backlog: Callable[[], int], msg_type: type = Image) -> None:
         """`topic`: the owner's resolved image topic (namespace and remaps applied);
-        `backlog()`: how many queued frames stop the intake (read every time)."""
+        `backlog()`: how many queued frames stop the intake (read every time); `msg_type`:
+        the frames' message type (sensor_msgs Image or CompressedImage), taken serialized."""
         self.queue, self.backlog = queue, backlog
         self.gaps = SequenceGaps()
         self.node = rclpy.create_node(f"{owner.get_name()}_intake", context=owner.context,
                                       namespace=owner.get_namespace(),
                                       start_parameter_services=False)
-        self.node.create_subscription(Image, topic, self._on_frame, qos, raw=True)
+        self.node.create_subscription(msg_type, topic, self._on_frame, qos, raw=True)
         self._executor = SingleThreadedExecutor(context=owner.context)
         self._executor.add_node(self.node)
         self._stop = threading.Event()

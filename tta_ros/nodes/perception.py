@@ -33,7 +33,6 @@ from rclpy.context import Context
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
-from sensor_msgs.msg import Image
 from tta_msgs.msg import (
     AdaptationStatus,
     ClassPrediction,
@@ -44,14 +43,16 @@ from tta_msgs.msg import (
 
 from tta_core.adashadow.planning import Plan, telemetry_pis
 from tta_core.api import RuntimeTunable, StepResult, TakesPlan, TTAMethodLike
-from tta_core.io.image_msg import FrameLimits, Preprocess, decode_image, one_line, to_tensor
+from tta_core.io.image_msg import FrameLimits, Preprocess, one_line, to_tensor
 from tta_core.methods import available_methods, build_method, method_class
 from tta_core.model.source import load_source
 from tta_core.model.units import decompose
 from tta_ros import ros_params
 from tta_ros.convert import (
+    FRAME_INPUTS,
     check_plan,
-    images_from_raw,
+    decode_frame,
+    frame_topic,
     importance_msg,
     peak_memory_mb,
     prediction_msgs,
@@ -115,6 +116,9 @@ def param_specs() -> tuple[ParamSpec, ...]:
                   "rejected", -1e6, 1e6, read_only=True),
         ParamSpec("max_pixels", 4096 * 4096, "frames with more pixels are rejected "
                   "(before decoding)", 1, 2**30, read_only=True),
+        ParamSpec("input", "raw", "camera frames: sensor_msgs/Image on `image` (raw) or "
+                  "sensor_msgs/CompressedImage on `image/compressed` (compressed: JPEG, PNG)",
+                  choices=tuple(FRAME_INPUTS), read_only=True),
         ParamSpec("max_aspect", 20.0, "frames whose long side exceeds this times the short "
                   "side are rejected (before decoding)", 1.0, 1e6, read_only=True),
         HARDWARE_ID,
@@ -244,8 +248,9 @@ class PerceptionNode(Node):
         self.diag = DiagnosticsPublisher(self)
         # frames come in on an intake thread of their own, never faster than the worker
         # uses them (tta_ros.nodes.intake: why); raw bytes, deserialized by the worker
-        self.intake = FrameIntake(self, self.queue, self.resolve_topic_name("image"),
-                                  qos_profile_sensor_data, self._backlog)
+        self.intake = FrameIntake(self, self.queue, frame_topic(self, self.p["input"]),
+                                  qos_profile_sensor_data, self._backlog,
+                                  FRAME_INPUTS[self.p["input"]].msg_type)
         self.create_subscription(LayerPlan, "layer_plan", self._on_plan, reliable)
         self.create_subscription(ResourceTelemetry, "telemetry", self._on_telemetry, 10)
         self.create_timer(1.0, self._publish_diagnostics)
@@ -340,11 +345,12 @@ class PerceptionNode(Node):
                 if self.accepts_plans and self.p["plan_source"] == "topic":
                     self.gate.on_importance_sent()  # no plan answers a failed batch: stale
 
-    def _convert(self, frames: list[Image]) -> tuple[list[np.ndarray], list[Image]]:
-        xs, good = [], []
-        for msg in frames:
+    def _convert(self, raw: list[bytes]) -> tuple[list[np.ndarray], list[Any]]:
+        xs, good = [], []  # decoded frames and their messages (Image or CompressedImage)
+        for data in raw:
             try:
-                xs.append(decode_image(msg, self.limits))
+                msg, pix = decode_frame(data, self.p["input"], self.limits)
+                xs.append(pix)
                 good.append(msg)
             except ValueError as exc:  # never batched; the reason is one short line
                 self.counters.rejected += 1
@@ -370,9 +376,7 @@ class PerceptionNode(Node):
         return self.method.step(x, plan=plan)
 
     def _process(self, raw: list[bytes]) -> None:
-        frames = images_from_raw(raw)
-        self.counters.rejected += len(raw) - len(frames)
-        xs, good = self._convert(frames)
+        xs, good = self._convert(raw)
         if not xs:
             return
         x = to_tensor(xs, self.pre).to(self.device)
@@ -406,7 +410,7 @@ class PerceptionNode(Node):
         self._no_room = no_room
 
     # ------------------------------------------------------------ publishing
-    def _publish_batch(self, frames: list[Image], logits: torch.Tensor, res: StepResult,
+    def _publish_batch(self, frames: list[Any], logits: torch.Tensor, res: StepResult,
                        plan_id: int, reset: bool) -> None:
         """Predictions now; status (after a background update finished) and importance."""
         batch_id = self.counters.batches

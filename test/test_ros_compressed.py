@@ -1,0 +1,133 @@
+"""The perception node over real rclpy + DDS with `input: compressed`: the same camera
+frames sent as sensor_msgs/Image on `image` and as sensor_msgs/CompressedImage on
+`image/compressed` (the image_transport convention) give the same predictions.
+
+Method `source`: no adaptation; the model stays in eval mode with its running BatchNorm
+statistics, so a frame's prediction depends only on that frame's pixels, not on the
+frames batched with it nor on any earlier update. Differences between the two nodes can
+then only come from the transport: none for PNG (lossless: the decoded pixels are the raw
+ones), a few labels for JPEG quality 95 (lossy).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import cv2
+import numpy as np
+import pytest
+
+rclpy = pytest.importorskip("rclpy")
+from rclpy.executors import SingleThreadedExecutor  # noqa: E402
+from rclpy.parameter import Parameter  # noqa: E402
+from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data  # noqa: E402
+from sensor_msgs.msg import CompressedImage, Image  # noqa: E402
+from test_ros_nodes import CARD, wait_for  # noqa: E402
+from tta_msgs.msg import ClassPrediction  # noqa: E402
+
+from tta_core.data.signs import make_signs  # noqa: E402
+from tta_core.io.image_msg import array_to_image_fields  # noqa: E402
+from tta_ros.nodes.perception import PerceptionNode  # noqa: E402
+
+N = 64
+FRAMES = make_signs(N, image_size=64, seed=21).images  # camera-like 64 px sign frames
+
+
+class TwoInputs:
+    """A perception node per input (namespaces /raw and /cmp) and a probe publishing
+    frames to both and recording their predictions."""
+
+    def __init__(self, ctx) -> None:
+        self.nodes = {kind: PerceptionNode(
+            context=ctx, cli_args=["--ros-args", "-r", f"__ns:=/{ns}"],
+            parameter_overrides=[Parameter(k, value=v) for k, v in {
+                "model_card": str(CARD), "method": "source", "input": kind,
+                "batch_size": 8, "queue_size": 64, "num_threads": 1}.items()])
+            for kind, ns in (("raw", "raw"), ("compressed", "cmp"))}
+        self.probe = rclpy.create_node("probe", context=ctx)
+        self.preds: dict[str, dict[int, ClassPrediction]] = {"raw": {}, "compressed": {}}
+        rel = QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE)
+        for kind, ns in (("raw", "raw"), ("compressed", "cmp")):
+            self.probe.create_subscription(
+                ClassPrediction, f"/{ns}/predictions",
+                lambda m, k=kind: self.preds[k].__setitem__(m.header.stamp.sec, m), rel)
+        self.pub_raw = self.probe.create_publisher(Image, "/raw/image",
+                                                   qos_profile_sensor_data)
+        self.pub_cmp = self.probe.create_publisher(CompressedImage, "/cmp/image/compressed",
+                                                   qos_profile_sensor_data)
+        self.ex = SingleThreadedExecutor(context=ctx)
+        for n in [*self.nodes.values(), self.probe]:
+            self.ex.add_node(n)
+        self.thread = threading.Thread(target=self.ex.spin, daemon=True)
+        self.thread.start()
+        assert wait_for(lambda: self.pub_raw.get_subscription_count() > 0
+                        and self.pub_cmp.get_subscription_count() > 0, 5.0)
+
+    def send(self, first: int, fmt: str | None) -> None:
+        """All FRAMES, stamped first + i: raw (fmt None) or compressed (".png"/".jpg")."""
+        for i, img in enumerate(FRAMES):
+            if fmt is None:
+                msg = Image(**array_to_image_fields(img / 255.0, "rgb8"))
+            else:
+                params = [cv2.IMWRITE_JPEG_QUALITY, 95] if fmt == ".jpg" else []
+                data = cv2.imencode(fmt, np.ascontiguousarray(img[..., ::-1]), params)[1]
+                msg = CompressedImage(format=f"rgb8; {'jpeg' if fmt == '.jpg' else 'png'} "
+                                      "compressed bgr8", data=data.tobytes())
+            msg.header.stamp.sec = first + i
+            (self.pub_raw if fmt is None else self.pub_cmp).publish(msg)
+            wait_for(lambda: False, 0.015)
+
+    def received(self, kind: str, first: int) -> dict[int, ClassPrediction]:
+        return {s - first: p for s, p in list(self.preds[kind].items())
+                if first <= s < first + N}
+
+    def close(self) -> None:
+        self.ex.shutdown(timeout_sec=2.0)
+        self.thread.join(timeout=2.0)
+        for n in [*self.nodes.values(), self.probe]:
+            n.destroy_node()
+
+
+def test_same_frames_raw_and_compressed_give_the_same_predictions(ros_context) -> None:
+    rig = TwoInputs(ros_context)
+    try:
+        for first, kind, fmt in ((1000, "raw", None), (2000, "compressed", ".png"),
+                                 (3000, "compressed", ".jpg")):
+            rig.send(first, fmt)
+            assert wait_for(lambda f=first, k=kind: len(rig.received(k, f)) >= N * 0.9, 20.0)
+        raw, png = rig.received("raw", 1000), rig.received("compressed", 2000)
+        jpg = rig.received("compressed", 3000)
+        assert rig.nodes["compressed"].counters.rejected == 0
+        both = sorted(set(raw) & set(png))
+        assert len(both) >= N * 0.8
+        for i in both:  # lossless: the very same pixels, so the same prediction
+            assert png[i].label == raw[i].label, i
+            assert png[i].confidence == pytest.approx(raw[i].confidence, abs=1e-5), i
+        common = sorted(set(raw) & set(jpg))
+        agree = np.mean([jpg[i].label == raw[i].label for i in common])
+        print(f"jpeg q95 label agreement: {agree:.4f} over {len(common)} frames")
+        assert len(common) >= N * 0.8 and agree >= 0.95, agree
+    finally:
+        rig.close()
+
+
+def test_compressed_input_follows_a_remapped_image_topic(ros_context) -> None:
+    """image_transport naming: `image` remapped to /camera/image_raw puts the compressed
+    frames on /camera/image_raw/compressed; a frame that is not a PNG is refused there."""
+    node = PerceptionNode(context=ros_context, cli_args=[
+        "--ros-args", "-r", "image:=/camera/image_raw"], parameter_overrides=[
+        Parameter("model_card", value=str(CARD)), Parameter("input", value="compressed"),
+        Parameter("method", value="source"), Parameter("batch_size", value=1)])
+    try:
+        topics = dict(node.intake.node.get_topic_names_and_types())
+        names = [t for t, _ in node.intake.node.get_subscriber_names_and_types_by_node(
+            node.intake.node.get_name(), node.intake.node.get_namespace())]
+        assert names == ["/camera/image_raw/compressed"], (names, topics)
+        bad = CompressedImage(format="png", data=b"\x89PNG\r\n\x1a\n not really")
+        from rclpy.serialization import serialize_message
+
+        node._process([serialize_message(bad), b"\x00\x01"])
+        assert node.counters.rejected == 2
+        assert "deserialize as CompressedImage" in node.counters.last_rejection
+    finally:
+        node.destroy_node()

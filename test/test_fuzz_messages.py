@@ -113,3 +113,28 @@ def test_each_forged_field_is_named() -> None:
             check_plan(msg, LAYOUT.model_name, NAMES, TRAINABLE)
     with pytest.raises(ValueError, match=r"\(5002 chars\)"):  # untrusted text is cut
         check_plan(LayerPlan(model_name="x" * 5000), LAYOUT.model_name, NAMES, TRAINABLE)
+
+
+def test_raw_frame_size_is_read_from_its_bytes_before_deserializing(monkeypatch) -> None:
+    """peek_image_size reads height/width from the CDR bytes (any frame_id length); a
+    2,000,000 x 1 frame is refused before the bytes become a message."""
+    from rclpy.serialization import serialize_message
+    from sensor_msgs.msg import Image
+
+    from tta_core.io.image_msg import FrameLimits
+    from tta_ros import convert
+
+    for frame_id in ("", "c", "cam", "camera_front_left_xyz"):
+        msg = Image(height=7, width=5, encoding="rgb8", step=15, data=bytes(105))
+        msg.header.frame_id = frame_id
+        assert convert.peek_image_size(serialize_message(msg)) == (7, 5)
+    tall = serialize_message(Image(height=2_000_000, width=1, encoding="rgb8", step=3,
+                                   data=bytes(6_000_000)))
+    assert convert.peek_image_size(b"\x00\x01") is None
+
+    def never(*_a, **_k):
+        raise AssertionError("deserialized a frame the size check refuses")
+
+    monkeypatch.setattr(convert, "deserialize_message", never)
+    with pytest.raises(ValueError, match=r"max_aspect|max_pixels"):
+        convert.decode_frame(tall, "raw", FrameLimits())

@@ -18,7 +18,7 @@ from tta_msgs.msg import AdaptationStatus, ClassPrediction, LayerImportance, Lay
 
 from tta_core.adashadow.planning import Plan, PlanOutcome
 from tta_core.api import StepResult
-from tta_core.io.image_msg import FrameLimits, decode_compressed, decode_image
+from tta_core.io.image_msg import FrameLimits, check_size, decode_compressed, decode_image
 
 #: a forward slower than this (ms) is not a measurement but a forged or broken message
 MAX_FORWARD_MS = 1e5
@@ -141,11 +141,34 @@ def frame_topic(node: Node, kind: str, base: str = "image") -> str:
     return node.resolve_topic_name(base) + FRAME_INPUTS[kind].suffix
 
 
+def peek_image_size(data: bytes) -> tuple[int, int] | None:
+    """(height, width) of a serialized sensor_msgs/Image read from its CDR bytes without
+    deserializing it (a 2,000,000 x 1 frame is refused before 6 MB become a message), or
+    None when the bytes are too short to say. Layout after the 4-byte encapsulation
+    header: stamp (2 x 4 bytes), frame_id (uint32 length incl. NUL, chars, padding to 4),
+    height, width (uint32, byte order from the encapsulation header)."""
+    if len(data) < 16:
+        return None
+    order = "little" if data[1] == 1 else "big"
+    body = memoryview(data)[4:]
+    n = int.from_bytes(body[8:12], order)
+    pos = 12 + n
+    pos += -pos % 4
+    if pos + 8 > len(body):
+        return None
+    return int.from_bytes(body[pos:pos + 4], order), int.from_bytes(body[pos + 4:pos + 8],
+                                                                      order)
+
+
 def decode_frame(data: bytes, kind: str, limits: FrameLimits) -> tuple[Any, np.ndarray]:
     """One serialized frame of input `kind` ("raw": sensor_msgs/Image, "compressed":
     sensor_msgs/CompressedImage) -> (message, HxWx3 RGB array); ValueError in one line
-    when it does not deserialize or decode (tta_core.io.image_msg says why)."""
+    when it does not deserialize or decode (tta_core.io.image_msg says why). A raw frame
+    over the size limits is refused from its bytes, before deserialization."""
     spec = FRAME_INPUTS[kind]
+    size = peek_image_size(data) if kind == "raw" else None
+    if size is not None:
+        check_size(*size, limits)
     try:
         msg = deserialize_message(data, spec.msg_type)
     except Exception as exc:

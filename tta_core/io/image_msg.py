@@ -164,7 +164,7 @@ def _check_layout(msg: Any, spec: EncodingSpec, limits: FrameLimits) -> tuple[in
     """(height, width, step) once size, aspect, step and data length are acceptable; only
     len(msg.data) is read, so nothing is copied for a refused frame."""
     h, w, step = int(msg.height), int(msg.width), int(msg.step)
-    _check_size(h, w, limits)
+    check_size(h, w, limits)
     if spec.channels == 2 and w % 2:
         raise ValueError(f"image width={w} is odd: packed YUV 4:2:2 needs an even width")
     row_bytes = w * spec.channels * spec.depth
@@ -178,7 +178,7 @@ def _check_layout(msg: Any, spec: EncodingSpec, limits: FrameLimits) -> tuple[in
     return h, w, step
 
 
-def _check_size(h: int, w: int, limits: FrameLimits) -> None:
+def check_size(h: int, w: int, limits: FrameLimits) -> None:
     """Non-zero size within limits.max_pixels and limits.max_aspect."""
     if h <= 0 or w <= 0:
         raise ValueError(f"image has zero size: height={h} width={w}")
@@ -294,7 +294,7 @@ def decode_compressed(msg: Any, limits: FrameLimits = FrameLimits()) -> np.ndarr
         raise ValueError(f"compressed image is not a readable {codec} ({buf.size} bytes, "
                          f"format {quoted(msg.format, 40)})")
     h, w = size
-    _check_size(h, w, limits)
+    check_size(h, w, limits)
     bgr = cv2.imdecode(buf, cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION)
     if bgr is None:
         raise ValueError(f"compressed {codec} image ({buf.size} bytes, height={h} "

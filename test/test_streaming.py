@@ -1,0 +1,93 @@
+"""Streaming accuracy (tta_core.eval.streaming): fake step times, fake predictions."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tta_core.eval.streaming import recorded_step, replay_steps, simulate_stream
+
+
+def _labels(n: int) -> list[int]:
+    return [i % 3 for i in range(n)]
+
+
+def test_fast_method_answers_every_frame_and_strict_is_offline_accuracy() -> None:
+    labels = _labels(20)
+    preds = [lab if i % 4 else (lab + 1) % 3 for i, lab in enumerate(labels)]  # 75% right
+    r = simulate_stream(labels, 10, recorded_step(preds, 40.0), batch_size=4, queue_size=8)
+    offline = sum(p == lab for p, lab in zip(preds, labels, strict=True)) / len(labels)
+    s = r.summary
+    assert s.answered == 1.0 and s.dropped == 0.0
+    assert s.strict == s.stale == offline == 0.75
+    assert s.mean_latency_ms == 40.0
+    assert [f.answered_ms for f in r.frames] == [i * 100 + 40.0 for i in range(20)]
+
+
+def test_three_times_slower_with_queue_one_follows_the_hand_computed_schedule() -> None:
+    # 10 Hz (period 100 ms), step 300 ms, queue 1, batch 1; prediction of frame f is f
+    r = simulate_stream(list(range(10)), 10, recorded_step(list(range(10)), 300.0))
+    assert [b.frames for b in r.batches] == [(0,), (3,), (6,), (9,)]
+    assert [(b.start_ms, b.end_ms) for b in r.batches] == [(0, 300), (300, 600), (600, 900),
+                                                         (900, 1200)]
+    answered = {f.index: f.answered_ms for f in r.frames if not f.dropped}
+    assert answered == {0: 300.0, 3: 600.0, 6: 900.0, 9: 1200.0}  # ~1/3 served
+    assert all(math.isnan(f.answered_ms) for f in r.frames if f.dropped)
+    # each answer comes 2 periods after the deadline: strict never has one
+    assert [f.strict_prediction for f in r.frames] == [-1] * 10
+    # stale: the newest earlier frame's prediction available at the deadline (i + 1) * 100
+    assert [f.stale_prediction for f in r.frames] == [-1, -1, 0, 0, 0, 3, 3, 3, 6, 6]
+    assert r.summary.dropped == 0.6 and r.summary.answered == 0.0
+    assert r.summary.mean_latency_ms == 300.0
+
+
+def test_stale_is_never_below_strict() -> None:
+    labels = [0] * 30
+    for step_ms in (10.0, 90.0, 100.0, 150.0, 250.0, 1000.0):
+        for batch, queue in ((1, 1), (2, 4), (4, 2)):
+            s = simulate_stream(labels, 10, recorded_step(labels, step_ms), batch, queue).summary
+            assert s.stale >= s.strict
+    # stale rescues the frames a slow method skips (constant right prediction)
+    s = simulate_stream(labels, 10, recorded_step(labels, 250.0)).summary
+    assert s.strict == 0.0 and s.stale > 0.8
+
+
+def test_keep_latest_serves_the_newest_frames() -> None:
+    # 100 ms period, 350 ms step, queue 3, batch 2: at each take the newest two queued
+    r = simulate_stream([0] * 12, 10, recorded_step([0] * 12, 350.0), batch_size=2,
+                        queue_size=3)
+    assert [b.frames for b in r.batches] == [(0,), (2, 3), (6, 7), (9, 10), (11,)]
+    for b in r.batches[:-1]:  # (the last starts after the stream's last frame)
+        assert max(b.frames) == int(b.start_ms // 100)  # the newest arrival at the take
+    assert r.summary.dropped == pytest.approx(4 / 12)  # frames 1, 4, 5, 8
+
+
+def test_partial_batch_waits_at_most_batch_wait() -> None:
+    r = simulate_stream([0] * 8, 10, recorded_step([0] * 8, 10.0), batch_size=4,
+                        queue_size=8, batch_wait_ms=250.0)
+    assert [b.frames for b in r.batches] == [(0, 1, 2), (3, 4, 5), (6, 7)]
+
+
+def test_two_runs_and_a_replay_give_the_same_result() -> None:
+    labels = _labels(25)
+    times = [30.0, 180.0, 70.0, 260.0, 20.0]
+    a = simulate_stream(labels, 20, recorded_step(labels, times), 2, 2)
+    b = simulate_stream(labels, 20, recorded_step(labels, times), 2, 2)
+    c = simulate_stream(labels, 20, replay_steps(a), 2, 2)
+    assert a.frames == b.frames == c.frames
+    assert a.batches == b.batches == c.batches
+    assert a.summary == b.summary == c.summary
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    ({"hz": 0}, "frame rate"), ({"hz": -5.0}, "frame rate"), ({"hz": math.nan}, "frame rate"),
+    ({"batch_size": 0}, "batch_size"), ({"queue_size": 0}, "queue_size"),
+    ({"batch_wait_ms": -1.0}, "batch_wait_ms")])
+def test_bad_parameters_raise_one_line_value_errors(kwargs, word) -> None:
+    args = {"hz": 10, "batch_size": 1, "queue_size": 1, "batch_wait_ms": 0.0, **kwargs}
+    with pytest.raises(ValueError, match=word) as err:
+        simulate_stream([0, 1], step=recorded_step([0, 1], 1.0), **args)
+    assert "\n" not in str(err.value)
+    bad = next(iter(kwargs.values()))
+    assert repr(bad) in str(err.value)

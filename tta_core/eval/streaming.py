@@ -1,0 +1,252 @@
+"""Streaming accuracy (Li, Wang, Ramanan, "Towards Streaming Perception", ECCV 2020).
+
+Frame i arrives at i * period (period = 1000 / hz ms). The method is busy for the time its
+step took. The schedule, like the perception node's worker:
+
+- arriving frames enter a bounded keep-latest queue of `queue_size` frames: a frame that
+  arrives on a full queue evicts the oldest queued one (dropped, never answered);
+- as soon as the method is free and a frame is queued it starts a step — after at most
+  `batch_wait_ms` more waiting for a full batch (default 0: a partial batch is never waited
+  for) — on the newest min(batch_size, queued) frames; older frames still queued at that
+  moment are dropped (their answer would come after a newer frame's, past their deadline);
+  a frame arriving exactly when the method gets free is queued before the take;
+- the step's predictions for its frames become available when it ends (start + step ms).
+
+Frame i is scored at its deadline, arrival + one period: "strict" counts it right only when
+its own prediction was available by then and is right; "stale" uses its own prediction when
+available by then, else the newest prediction available by then for any earlier frame
+(AdaShadow's perception node keeps showing the last answer), wrong when there is none.
+stale >= strict always. The schedule is pure arithmetic on the step times: replaying
+recorded step times (`replay_steps`) gives the same outcomes, and tests pass fake times.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from bisect import bisect_left
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+# step(frame indices of the batch) -> (one prediction per frame, step time in ms)
+StepFn = Callable[[Sequence[int]], tuple[Sequence[int], float]]
+
+
+@dataclass(frozen=True)
+class StreamBatch:
+    """One step of the method: its frames (oldest first), start/end in ms, predictions."""
+
+    index: int
+    frames: tuple[int, ...]
+    start_ms: float
+    end_ms: float
+    predictions: tuple[int, ...]
+
+    @property
+    def step_ms(self) -> float:
+        return self.end_ms - self.start_ms
+
+
+@dataclass(frozen=True)
+class FrameOutcome:
+    """One frame: arrival, deadline, its own answer (batch -1 / nan / -1 when dropped), and
+    the prediction it is scored with in the strict and the stale rule (-1: none)."""
+
+    index: int
+    label: int
+    domain: str
+    arrival_ms: float
+    deadline_ms: float
+    batch: int = -1
+    answered_ms: float = math.nan
+    prediction: int = -1
+    strict_prediction: int = -1
+    stale_prediction: int = -1
+
+    @property
+    def dropped(self) -> bool:
+        return self.batch < 0
+
+    @property
+    def in_time(self) -> bool:
+        return self.answered_ms <= self.deadline_ms  # False for nan
+
+    @property
+    def strict_correct(self) -> bool:
+        return self.strict_prediction == self.label
+
+    @property
+    def stale_correct(self) -> bool:
+        return self.stale_prediction == self.label
+
+
+@dataclass(frozen=True)
+class StreamSummary:
+    """Shares in [0, 1]; latency (answer time - arrival) in ms over the frames answered."""
+
+    hz: float
+    frames: int
+    strict: float
+    stale: float
+    answered: float  # own prediction by the deadline
+    dropped: float  # never processed
+    mean_latency_ms: float
+
+
+@dataclass
+class StreamResult:
+    """Per-frame outcomes, the batches of the schedule and the summary."""
+
+    frames: list[FrameOutcome]
+    batches: list[StreamBatch]
+    summary: StreamSummary
+    params: dict = field(default_factory=dict)
+
+
+def check_stream_params(hz: float, batch_size: int, queue_size: int,
+                        batch_wait_ms: float = 0.0) -> None:
+    """One-line ValueError naming the first bad value."""
+    if not (isinstance(hz, int | float) and math.isfinite(hz) and hz > 0):
+        raise ValueError(f"frame rate must be a finite number > 0 Hz, got {hz!r}")
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+    if not isinstance(queue_size, int) or queue_size < 1:
+        raise ValueError(f"queue_size must be an integer >= 1, got {queue_size!r}")
+    if not (math.isfinite(batch_wait_ms) and batch_wait_ms >= 0):
+        raise ValueError(f"batch_wait_ms must be >= 0, got {batch_wait_ms!r}")
+
+
+def _take_time(free_ms: float, arrived: int, n: int, period: float, target: int,
+               wait_ms: float) -> float:
+    """When the next step starts (the queue is empty after each take; `arrived` frames were
+    queued so far): when free, or at the next arrival when idle; then, with `wait_ms` > 0,
+    until `target` frames are queued, the last frame arrived, or `wait_ms` passed."""
+    first = max(free_ms, arrived * period)
+    if wait_ms <= 0:
+        return first
+    last = min(arrived + target, n) - 1  # the frame that completes the batch
+    return max(first, min(last * period, first + wait_ms))
+
+
+def _schedule(n: int, period: float, batch_size: int, queue_size: int, wait_ms: float,
+              step: StepFn) -> list[StreamBatch]:
+    """Run the queue/step schedule and return its batches."""
+    queue: deque[int] = deque()
+    batches: list[StreamBatch] = []
+    arrived, free = 0, 0.0
+    while arrived < n:
+        start = _take_time(free, arrived, n, period, min(batch_size, queue_size), wait_ms)
+        while arrived < n and arrived * period <= start:  # arrivals up to the take
+            queue.append(arrived)
+            if len(queue) > queue_size:
+                queue.popleft()  # keep-latest: the oldest is dropped
+            arrived += 1
+        frames = tuple(list(queue)[-batch_size:])
+        queue.clear()  # frames older than the batch are dropped too
+        preds, step_ms = step(frames)
+        preds = tuple(int(p) for p in preds)
+        if len(preds) != len(frames):
+            raise ValueError(f"step returned {len(preds)} predictions for {len(frames)} frames")
+        if not (math.isfinite(step_ms) and step_ms >= 0):
+            raise ValueError(f"step time must be a finite number >= 0 ms, got {step_ms!r}")
+        free = start + float(step_ms)
+        batches.append(StreamBatch(len(batches), frames, start, free, preds))
+    return batches
+
+
+def _outcomes(labels: Sequence[int], domains: Sequence[str], period: float,
+              batches: Sequence[StreamBatch]) -> list[FrameOutcome]:
+    """Score every frame at its deadline with the strict and the stale rule."""
+    own: dict[int, tuple[int, float, int]] = {}
+    for b in batches:
+        for f, p in zip(b.frames, b.predictions, strict=True):
+            own[f] = (b.index, b.end_ms, p)
+    # answers in the order they became available: (time, frame, prediction); frames are
+    # answered in increasing order, so the available ones form a growing sorted list
+    answers = sorted((end, f, p) for f, (_, end, p) in own.items())
+    out: list[FrameOutcome] = []
+    k, avail = 0, []  # avail: (frame, prediction) answered by the current deadline
+    for i, label in enumerate(labels):
+        arrival, deadline = i * period, (i + 1) * period
+        while k < len(answers) and answers[k][0] <= deadline:
+            avail.append((answers[k][1], answers[k][2]))
+            k += 1
+        b, end, pred = own.get(i, (-1, math.nan, -1))
+        strict = pred if end <= deadline else -1
+        before = bisect_left(avail, (i, -math.inf))  # answers for frames < i
+        stale = strict if strict >= 0 or before == 0 else avail[before - 1][1]
+        out.append(FrameOutcome(i, int(label), str(domains[i]), arrival, deadline, b, end,
+                                pred, strict, stale))
+    return out
+
+
+def _summary(hz: float, frames: Sequence[FrameOutcome]) -> StreamSummary:
+    n = max(len(frames), 1)
+    lat = [f.answered_ms - f.arrival_ms for f in frames if not f.dropped]
+    return StreamSummary(hz, len(frames), sum(f.strict_correct for f in frames) / n,
+                         sum(f.stale_correct for f in frames) / n,
+                         sum(f.in_time for f in frames) / n,
+                         sum(f.dropped for f in frames) / n,
+                         sum(lat) / len(lat) if lat else math.nan)
+
+
+def simulate_stream(labels: Sequence[int], hz: float, step: StepFn, batch_size: int = 1,
+                    queue_size: int = 1, domains: Sequence[str] | None = None,
+                    batch_wait_ms: float = 0.0) -> StreamResult:
+    """Stream `labels` at `hz` through `step`; see the module doc for the rules."""
+    check_stream_params(hz, batch_size, queue_size, batch_wait_ms)
+    domains = list(domains) if domains is not None else [""] * len(labels)
+    if len(domains) != len(labels):
+        raise ValueError(f"lengths differ: labels {len(labels)}, domains {len(domains)}")
+    period = 1000.0 / hz
+    batches = _schedule(len(labels), period, batch_size, queue_size, batch_wait_ms, step)
+    frames = _outcomes(labels, domains, period, batches)
+    params = {"hz": hz, "batch_size": batch_size, "queue_size": queue_size,
+              "batch_wait_ms": batch_wait_ms}
+    return StreamResult(frames, batches, _summary(hz, frames), params)
+
+
+def recorded_step(predictions: Sequence[int], step_ms: float | Sequence[float]) -> StepFn:
+    """A step from recorded data: frame f gets predictions[f]; batch k takes step_ms (a
+    constant, or step_ms[k], the last value repeating) — fake or measured times."""
+    times = [float(step_ms)] if isinstance(step_ms, int | float) else [float(t) for t in step_ms]
+    if not times:
+        raise ValueError("step_ms is empty")
+    calls = [0]
+
+    def step(frames: Sequence[int]) -> tuple[list[int], float]:
+        k = calls[0]
+        calls[0] += 1
+        return [int(predictions[f]) for f in frames], times[min(k, len(times) - 1)]
+
+    return step
+
+
+def replay_steps(result: StreamResult) -> StepFn:
+    """Replay a run's batches (predictions and measured step times): the same schedule and
+    outcomes again, with no method and no clock; ValueError if the schedule diverges."""
+    calls = [0]
+
+    def step(frames: Sequence[int]) -> tuple[tuple[int, ...], float]:
+        b = result.batches[calls[0]]
+        calls[0] += 1
+        if tuple(frames) != b.frames:
+            raise ValueError(f"replay diverged at batch {b.index}: frames {tuple(frames)} "
+                             f"!= recorded {b.frames}")
+        return b.predictions, b.step_ms
+
+    return step
+
+
+def timed_step(run: Callable[[Sequence[int]], Sequence[int]],
+               clock: Callable[[], float] = time.perf_counter) -> StepFn:
+    """Run a real method on the frames the schedule gives it; the step time is the
+    measured wall time of `run` in ms (`run` must finish its device work before return)."""
+
+    def step(frames: Sequence[int]) -> tuple[Sequence[int], float]:
+        t0 = clock()
+        preds = run(frames)
+        return preds, (clock() - t0) * 1e3
+
+    return step

@@ -91,3 +91,33 @@ def test_bad_parameters_raise_one_line_value_errors(kwargs, word) -> None:
     assert "\n" not in str(err.value)
     bad = next(iter(kwargs.values()))
     assert repr(bad) in str(err.value)
+
+
+def test_cli_bench_stream_hz_writes_table_and_plot(tmp_path, capsys) -> None:
+    import json
+
+    from tta_core.cli import main as cli_main
+
+    out = tmp_path / "tmp"
+    assert cli_main(["bench", "--methods", "source,tent", "--samples-per-domain", "4",
+                     "--stream-hz", "30,1000", "--no-progress", "--out", str(out)]) == 0
+    for name in ("report.md", "report.json", "streaming.md", "streaming.json", "streaming.png"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0
+    table = (out / "streaming.md").read_text()
+    assert "| method | 30 Hz | 1000 Hz |" in table and "| tent |" in table
+    runs = json.loads((out / "streaming.json").read_text())["runs"]
+    assert sorted((r["method"], r["hz"]) for r in runs) == [
+        ("source", 30.0), ("source", 1000.0), ("tent", 30.0), ("tent", 1000.0)]
+    for r in runs:
+        for key in ("strict", "stale", "answered", "dropped"):
+            assert 0.0 <= 100 * r[key] <= 100.0
+        assert r["stale"] >= r["strict"]
+    assert "Streaming accuracy" in capsys.readouterr().out
+
+
+def test_cli_bench_refuses_bad_stream_hz(capsys) -> None:
+    from tta_core.cli import main as cli_main
+
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "--stream-hz", "30,0", "--no-progress"])
+    assert "--stream-hz" in capsys.readouterr().err

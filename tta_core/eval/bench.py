@@ -26,6 +26,13 @@ from tta_core.data.preprocess import images_to_tensor
 from tta_core.eval.live_telemetry import LiveExpansion
 from tta_core.eval.report import FrameRecord, RunRecord
 from tta_core.eval.report_files import ReportFiles, write_report
+from tta_core.eval.streaming import (
+    StreamResult,
+    StreamSummary,
+    check_stream_params,
+    simulate_stream,
+    timed_step,
+)
 from tta_core.methods import available_methods, build_method, method_class
 
 DEFAULT_METHODS: tuple[str, ...] = ("source", "bn_adapt", "tent", "eata", "sar", "cotta",
@@ -52,6 +59,8 @@ class BenchConfig:
     # live telemetry for methods that plan with it (eval.live_telemetry): "" off, "live"
     # (default calibration) or the path of a `tta calibrate` file
     telemetry: str = ""
+    # streaming accuracy at these frame rates (Hz) after the report (eval.streaming); () off
+    stream_hz: tuple[float, ...] = ()
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad value."""
@@ -72,6 +81,8 @@ class BenchConfig:
         if self.telemetry not in ("", "live") and not Path(self.telemetry).is_file():
             raise ValueError(f"telemetry {self.telemetry!r} is neither 'live' nor a "
                              f"calibration file")
+        for hz in self.stream_hz:
+            check_stream_params(hz, self.batch_size, self.batch_size)
         for name, opts in self.method_options.items():
             if name in known:
                 check_option_types(name, opts)
@@ -114,6 +125,7 @@ class BenchResult:
     files: ReportFiles | None
     markdown: str
     clean_accuracy: float = math.nan
+    stream_files: list[Path] = field(default_factory=list)
 
 
 class PeakRSS:
@@ -335,4 +347,53 @@ def run_bench(cfg: BenchConfig, out: str | Path | None, progress: bool = True) -
 
         return BenchResult(runs, None, markdown_table([summarize(r) for r in runs]), clean)
     files, text = write_bench(runs, Path(out), cfg, clean)
-    return BenchResult(runs, files, text, clean)
+    result = BenchResult(runs, files, text, clean)
+    if cfg.stream_hz:
+        from tta_core.eval.streaming_report import write_streaming
+
+        rows = run_streaming(stream, fresh, cfg)
+        result.stream_files, table = write_streaming(rows, Path(out), cfg.batch_size,
+                                                     cfg.batch_size)
+        result.markdown += "\n" + table
+    return result
+
+
+def stream_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchConfig,
+                  hz: float) -> StreamResult:
+    """Method `name` in streaming mode at `hz` (eval.streaming): the schedule hands it the
+    newest queued frames (keep-latest queue of batch_size frames) as soon as it is free; its
+    step time is its measured wall time. Frames are the stream's, in order."""
+    torch.manual_seed(cfg.seed)
+    x = torch.cat([b.x for b in stream])
+    labels = np.concatenate([b.labels for b in stream]).tolist()
+    domains = [b.domain for b in stream for _ in range(len(b.labels))]
+    meth = build_method(name, model, **method_options(name, cfg, tuple(x.shape[1:])))
+    cuda = x.device.type == "cuda"
+
+    def run(frames: Sequence[int]) -> list[int]:
+        pred = meth.step(x[list(frames)]).logits.argmax(1)
+        if cuda:
+            torch.cuda.synchronize()
+        return pred.tolist()
+
+    try:
+        return simulate_stream(labels, hz, timed_step(run), cfg.batch_size, cfg.batch_size,
+                               domains)
+    finally:
+        meth.finish()
+        meth.close()
+
+
+def run_streaming(stream: Sequence[Batch], make_model: Callable[[], nn.Module],
+                  cfg: BenchConfig) -> list[tuple[str, StreamSummary]]:
+    """Every method of `cfg` at every rate of `cfg.stream_hz`, each on a fresh model."""
+    cfg.validate()
+    if cfg.threads > 0:
+        torch.set_num_threads(cfg.threads)
+    rows = []
+    for name in cfg.methods:
+        for hz in cfg.stream_hz:
+            model = make_model().to(stream[0].x.device)
+            rows.append((name, stream_method(name, model, stream, cfg, hz).summary))
+            del model
+    return rows

@@ -42,6 +42,19 @@ def _value(raw: str) -> object:
         return raw
 
 
+def _rates(text: str) -> tuple[float, ...]:
+    """'10,20,30' -> (10.0, 20.0, 30.0); each a number > 0."""
+    try:
+        rates = tuple(float(r) for r in text.split(",") if r.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--stream-hz expects numbers like 10,30, got "
+                                         f"{text!r}") from None
+    bad = [r for r in rates if not (r > 0 and r != float("inf"))]
+    if not rates or bad:
+        raise argparse.ArgumentTypeError(f"--stream-hz needs frame rates > 0 Hz, got {text!r}")
+    return rates
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = BenchConfig()
     parser.add_argument("--methods", type=_methods, default=DEFAULT_METHODS,
@@ -67,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--telemetry", default="", metavar="live|CALIBRATION.json",
                         help="plan with live pi1/pi2 sampled from this machine (AdaShadow), "
                              "referenced to a `tta calibrate` file or the default ('live')")
+    parser.add_argument("--stream-hz", type=_rates, default=(), metavar="HZ[,HZ...]",
+                        help="also run every method in streaming mode at these frame rates "
+                             "(streaming.md/.json/.png: strict and stale streaming accuracy)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -80,11 +96,11 @@ def run(args: argparse.Namespace) -> int:
                       batch_size=args.batch_size, samples_per_domain=args.samples_per_domain,
                       model_card=args.model_card, mode=args.mode, seed=args.seed,
                       threads=args.threads, device=args.device, method_options=options,
-                      telemetry=args.telemetry)
+                      telemetry=args.telemetry, stream_hz=args.stream_hz)
     out = args.out or Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
     result = run_bench(cfg, out, progress=not args.no_progress)
     print(result.markdown)
     if result.files is not None:
         print(f"wrote {result.files.json}, {result.files.markdown}, "
-              + ", ".join(str(p) for p in result.files.plots))
+              + ", ".join(str(p) for p in [*result.files.plots, *result.stream_files]))
     return 0

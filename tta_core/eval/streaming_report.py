@@ -1,0 +1,82 @@
+"""Files of the streaming benchmark (`tta bench --stream-hz`): streaming.md (method × frame
+rate: strict, stale and answered %), streaming.json (the summaries) and streaming.png
+(streaming accuracy vs frame rate per method, strict solid, stale dashed)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+
+from tta_core.eval.report import write_json_atomic
+from tta_core.eval.streaming import StreamSummary
+
+# (method, summary at one rate)
+StreamRow = tuple[str, StreamSummary]
+
+
+def _rates(rows: Sequence[StreamRow]) -> list[float]:
+    return sorted({s.hz for _, s in rows})
+
+
+def _methods(rows: Sequence[StreamRow]) -> list[str]:
+    return list(dict.fromkeys(m for m, _ in rows))
+
+
+def _hz(hz: float) -> str:
+    return f"{hz:g} Hz"
+
+
+def streaming_table(rows: Sequence[StreamRow], batch_size: int, queue_size: int) -> str:
+    """Markdown: one row per method, per rate the cells strict / stale / answered in %."""
+    rates = _rates(rows)
+    by = {(m, s.hz): s for m, s in rows}
+    head = ("Streaming accuracy in % (strict / stale / answered by the deadline), batch "
+            f"{batch_size}, keep-latest queue {queue_size}; step time = measured wall time.\n\n")
+    lines = ["| method | " + " | ".join(_hz(r) for r in rates) + " |",
+             "|---|" + "---|" * len(rates)]
+    for m in _methods(rows):
+        cells = []
+        for r in rates:
+            s = by.get((m, r))
+            cells.append("–" if s is None else
+                         f"{100 * s.strict:.1f} / {100 * s.stale:.1f} / {100 * s.answered:.1f}")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    return head + "\n".join(lines) + "\n"
+
+
+def _plot(rows: Sequence[StreamRow], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for m in _methods(rows):
+        pts = sorted((s.hz, s.strict, s.stale) for name, s in rows if name == m)
+        line, = ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], "o-", label=m)
+        ax.plot([p[0] for p in pts], [100 * p[2] for p in pts], "x--", color=line.get_color())
+    ax.set_xlabel("frame rate (Hz)")
+    ax.set_ylabel("streaming accuracy (%)")
+    ax.set_title("streaming accuracy vs frame rate (solid strict, dashed stale)")
+    ax.set_ylim(0, 100)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def write_streaming(rows: Sequence[StreamRow], out_dir: str | Path, batch_size: int,
+                    queue_size: int) -> tuple[list[Path], str]:
+    """Write streaming.md, streaming.json and streaming.png; returns paths and markdown."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    text = streaming_table(rows, batch_size, queue_size)
+    md = out / "streaming.md"
+    md.write_text("# tta bench — streaming accuracy\n\n" + text)
+    js = out / "streaming.json"
+    write_json_atomic(js, {"batch_size": batch_size, "queue_size": queue_size,
+                           "runs": [{"method": m, **asdict(s)} for m, s in rows]})
+    return [md, js, _plot(rows, out / "streaming.png")], text

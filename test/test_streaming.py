@@ -53,14 +53,16 @@ def test_stale_is_never_below_strict() -> None:
     assert s.strict == 0.0 and s.stale > 0.8
 
 
-def test_keep_latest_serves_the_newest_frames() -> None:
-    # 100 ms period, 350 ms step, queue 3, batch 2: at each take the newest two queued
+def test_keep_latest_queue_drops_the_oldest_and_steps_take_the_oldest_kept() -> None:
+    # 100 ms period, 350 ms step, queue 3, batch 2 (the node's FrameQueue): a full queue
+    # drops its oldest frame; each step takes the two oldest kept, the rest stay queued.
+    # t=0 [0] -> (0,); t=350 [1,2,3] -> (1,2); t=700 [3,4,5,6,7] keeps [5,6,7] -> (5,6);
+    # t=1050 [7,8,9,10] keeps [8,9,10] -> (8,9); t=1400 [10,11] -> (10,11)
     r = simulate_stream([0] * 12, 10, recorded_step([0] * 12, 350.0), batch_size=2,
                         queue_size=3)
-    assert [b.frames for b in r.batches] == [(0,), (2, 3), (6, 7), (9, 10), (11,)]
-    for b in r.batches[:-1]:  # (the last starts after the stream's last frame)
-        assert max(b.frames) == int(b.start_ms // 100)  # the newest arrival at the take
-    assert r.summary.dropped == pytest.approx(4 / 12)  # frames 1, 4, 5, 8
+    assert [b.frames for b in r.batches] == [(0,), (1, 2), (5, 6), (8, 9), (10, 11)]
+    assert [b.start_ms for b in r.batches] == [0.0, 350.0, 700.0, 1050.0, 1400.0]
+    assert r.summary.dropped == pytest.approx(3 / 12)  # frames 3, 4, 7
 
 
 def test_partial_batch_waits_at_most_batch_wait() -> None:

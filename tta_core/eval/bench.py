@@ -27,6 +27,8 @@ from tta_core.eval.live_telemetry import LiveExpansion
 from tta_core.eval.report import FrameRecord, RunRecord
 from tta_core.eval.report_files import ReportFiles, write_report
 from tta_core.eval.streaming import (
+    NODE_BATCH_WAIT_MS,
+    NODE_QUEUE_SIZE,
     StreamResult,
     StreamSummary,
     check_stream_params,
@@ -353,16 +355,16 @@ def run_bench(cfg: BenchConfig, out: str | Path | None, progress: bool = True) -
 
         rows = run_streaming(stream, fresh, cfg)
         result.stream_files, table = write_streaming(rows, Path(out), cfg.batch_size,
-                                                     cfg.batch_size)
+                                                     NODE_QUEUE_SIZE)
         result.markdown += "\n" + table
     return result
 
 
 def stream_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchConfig,
                   hz: float) -> StreamResult:
-    """Method `name` in streaming mode at `hz` (eval.streaming): the schedule hands it the
-    newest queued frames (keep-latest queue of batch_size frames) as soon as it is free; its
-    step time is its measured wall time. Frames are the stream's, in order."""
+    """Method `name` in streaming mode at `hz` (eval.streaming) with the perception node's
+    queue (keep-latest, NODE_QUEUE_SIZE frames) and batching (batch_size frames or
+    NODE_BATCH_WAIT_MS after the first); its step time is its measured wall time."""
     torch.manual_seed(cfg.seed)
     x = torch.cat([b.x for b in stream])
     labels = np.concatenate([b.labels for b in stream]).tolist()
@@ -377,8 +379,8 @@ def stream_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: Ben
         return pred.tolist()
 
     try:
-        return simulate_stream(labels, hz, timed_step(run), cfg.batch_size, cfg.batch_size,
-                               domains)
+        return simulate_stream(labels, hz, timed_step(run), cfg.batch_size, NODE_QUEUE_SIZE,
+                               domains, NODE_BATCH_WAIT_MS)
     finally:
         meth.finish()
         meth.close()

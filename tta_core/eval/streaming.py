@@ -5,11 +5,10 @@ step took. The schedule, like the perception node's worker:
 
 - arriving frames enter a bounded keep-latest queue of `queue_size` frames: a frame that
   arrives on a full queue evicts the oldest queued one (dropped, never answered);
-- as soon as the method is free and a frame is queued it starts a step — after at most
-  `batch_wait_ms` more waiting for a full batch (default 0: a partial batch is never waited
-  for) — on the newest min(batch_size, queued) frames; older frames still queued at that
-  moment are dropped (their answer would come after a newer frame's, past their deadline);
-  a frame arriving exactly when the method gets free is queued before the take;
+- as soon as the method is free and a frame is queued it starts a step on the oldest
+  min(batch_size, queued) frames, after waiting at most `batch_wait_ms` for a full batch
+  (the node's FrameQueue.take with batch_timeout_s); the rest stay queued; a frame
+  arriving exactly when the method gets free is queued before the take;
 - the step's predictions for its frames become available when it ends (start + step ms).
 
 Frame i is scored at its deadline, arrival + one period: "strict" counts it right only when
@@ -28,6 +27,11 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+#: the perception node's defaults (config/vehicle.yaml queue_size, batch_timeout_s): what
+#: `tta bench --stream-hz` schedules with, so the stream behaves as on the robot
+NODE_QUEUE_SIZE = 32
+NODE_BATCH_WAIT_MS = 50.0
 
 # step(frame indices of the batch) -> (one prediction per frame, step time in ms)
 StepFn = Callable[[Sequence[int]], tuple[Sequence[int], float]]
@@ -117,33 +121,40 @@ def check_stream_params(hz: float, batch_size: int, queue_size: int,
         raise ValueError(f"batch_wait_ms must be >= 0, got {batch_wait_ms!r}")
 
 
-def _take_time(free_ms: float, arrived: int, n: int, period: float, target: int,
-               wait_ms: float) -> float:
-    """When the next step starts (the queue is empty after each take; `arrived` frames were
-    queued so far): when free, or at the next arrival when idle; then, with `wait_ms` > 0,
-    until `target` frames are queued, the last frame arrived, or `wait_ms` passed."""
-    first = max(free_ms, arrived * period)
-    if wait_ms <= 0:
-        return first
-    last = min(arrived + target, n) - 1  # the frame that completes the batch
-    return max(first, min(last * period, first + wait_ms))
+def _start_time(t0: float, queued: int, arrived: int, n: int, period: float,
+                batch_size: int, wait_ms: float) -> float:
+    """When a step that could start at t0 (free, a frame queued) starts: at once with a
+    full batch, else when the frame completing it arrives, at most `wait_ms` after t0
+    (FrameQueue.take: n frames, or batch_timeout_s after the first)."""
+    needed = batch_size - queued
+    if needed <= 0 or wait_ms <= 0:
+        return t0
+    last = arrived + needed - 1  # the frame that would complete the batch
+    t_full = last * period if last < n else math.inf
+    return min(max(t0, t_full), t0 + wait_ms)
 
 
 def _schedule(n: int, period: float, batch_size: int, queue_size: int, wait_ms: float,
               step: StepFn) -> list[StreamBatch]:
     """Run the queue/step schedule and return its batches."""
-    queue: deque[int] = deque()
+    queue: deque[int] = deque(maxlen=queue_size)  # keep-latest: a full queue drops its oldest
     batches: list[StreamBatch] = []
     arrived, free = 0, 0.0
-    while arrived < n:
-        start = _take_time(free, arrived, n, period, min(batch_size, queue_size), wait_ms)
-        while arrived < n and arrived * period <= start:  # arrivals up to the take
+
+    def admit(until: float) -> None:
+        nonlocal arrived
+        while arrived < n and arrived * period <= until:
             queue.append(arrived)
-            if len(queue) > queue_size:
-                queue.popleft()  # keep-latest: the oldest is dropped
             arrived += 1
-        frames = tuple(list(queue)[-batch_size:])
-        queue.clear()  # frames older than the batch are dropped too
+
+    while arrived < n or queue:
+        admit(free)
+        if not queue:  # idle until the next frame arrives
+            admit(arrived * period)
+        t0 = max(free, queue[0] * period)
+        start = _start_time(t0, len(queue), arrived, n, period, batch_size, wait_ms)
+        admit(start)
+        frames = tuple(queue.popleft() for _ in range(min(batch_size, len(queue))))
         preds, step_ms = step(frames)
         preds = tuple(int(p) for p in preds)
         if len(preds) != len(frames):

@@ -46,6 +46,8 @@ def test_tta_ros_manifest_declares_runtime_dependencies():
               "tta_msgs", "python3-torch", "python3-torchvision", "python3-numpy",
               "python3-psutil", "launch", "launch_ros"}
     assert needed <= _deps(pkg), needed - _deps(pkg)
+    # `rosdep check` stopped at it: ament_python is a build type, not a rosdep key
+    assert "ament_python" not in {d.name for d in pkg.buildtool_depends}
     assert all("@" in m.email and "." in m.email.split("@")[1] for m in pkg.maintainers)
 
 

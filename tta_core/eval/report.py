@@ -214,8 +214,8 @@ def markdown_table(summaries: Sequence[RunSummary]) -> str:
 def lr_markdown(runs: Sequence[RunRecord]) -> str:
     """Markdown table of the learning rate each run's method ran with (run.meta["lr"]:
     the configured lr at its reference batch, the effective rate per batch size); '' when
-    no run records one. Methods without an optimizer show '–'."""
-    if not any(isinstance(r.meta.get("lr"), dict) for r in runs):
+    no run records one (replays). Methods without an optimizer (lr None) show '–'."""
+    if not any("lr" in r.meta for r in runs):
         return ""
     lines = ["", "Learning rate (SGD): lr is the rate at batch `lr_ref_batch`; each step runs "
              "with lr × batch / lr_ref_batch (lr itself when lr_ref_batch is 0).", "",

@@ -50,7 +50,7 @@ def parse_data(text: str) -> DataSpec:
     kind, sep, root = text.partition(":")
     if not sep or kind not in DATA_KINDS or not root:
         raise ValueError(f"--data {text!r}: expected {', '.join(k + ':DIR' for k in DATA_KINDS)}")
-    return DataSpec(kind, Path(root))
+    return DataSpec(kind, Path(root).expanduser())  # the shell leaves ~ after ":" as is
 
 
 def _listing(root: Path, n: int = 6) -> str:

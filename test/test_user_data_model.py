@@ -288,3 +288,16 @@ def test_report_lists_the_effective_learning_rate(tmp_path) -> None:
                "--set", "tent.lr_ref_batch=0") == 0
     lr = json.loads((out / "report.json").read_text())["runs"][0]["meta"]["lr"]
     assert lr["effective"] == {"2": 5e-3} and lr["ref_batch"] == 0
+
+
+def test_mismatch_hints_at_training_checkpoints_and_dataparallel() -> None:
+    from tta_core.model.weights import state_dict_mismatch
+
+    model = SmallResNet(num_classes=4)
+    state = model.state_dict()
+    assert state_dict_mismatch(model, state) == ""
+    wrapped = state_dict_mismatch(model, {"state_dict": state, "epoch": 3})
+    assert "unexpected keys [state_dict, epoch]" in wrapped
+    assert "under 'state_dict'" in wrapped and "save model.state_dict() itself" in wrapped
+    prefixed = state_dict_mismatch(model, {f"module.{k}": v for k, v in state.items()})
+    assert "(+" in prefixed and "strip that prefix" in prefixed and "\n" not in prefixed

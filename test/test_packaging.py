@@ -62,7 +62,7 @@ ROSDEP_KEYS = {"torch": "python3-torch", "torchvision": "python3-torchvision",
 ROS_PACKAGES = {"rclpy", "rcl_interfaces", "ament_index_python", "launch", "launch_ros",
                 "std_msgs", "sensor_msgs", "diagnostic_msgs", "visualization_msgs",
                 "geometry_msgs", "builtin_interfaces", "nav_msgs", "tta_msgs"}
-NO_KEY = {"imagecorruptions"}  # pip only (requirements/python.txt); doctor reports it
+NO_KEY = {"imagecorruptions", "safetensors"}  # pip only (requirements/python.txt)
 OPTIONAL = {"pynvml", "jtop"}  # telemetry sources tried at run time on NVIDIA / Jetson
 FIRST_PARTY = {"tta_core", "tta_ros", "tta_kernels"}
 

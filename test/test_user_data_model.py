@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision
+from safetensors.torch import save_file
 
 from tta_core.cli import main as cli_main
 from tta_core.cli.commands import model_card as model_card_cmd
@@ -220,26 +221,11 @@ def test_a_card_factory_cannot_name_stock_code(tmp_path) -> None:
         load_source(tmp_path / "card.json")
 
 
-def write_safetensors(path: Path, state: dict[str, torch.Tensor]) -> None:
-    """The safetensors layout: u64 LE header size, JSON header, raw little-endian bytes."""
-    names = {torch.float32: "F32", torch.int64: "I64"}
-    header, blobs, offset = {}, [], 0
-    for key, t in state.items():
-        data = t.contiguous().numpy().tobytes()
-        header[key] = {"dtype": names[t.dtype], "shape": list(t.shape),
-                       "data_offsets": [offset, offset + len(data)]}
-        blobs.append(data)
-        offset += len(data)
-    head = json.dumps({"__metadata__": {"format": "pt"}, **header}).encode()
-    head += b" " * (-len(head) % 8)
-    path.write_bytes(len(head).to_bytes(8, "little") + head + b"".join(blobs))
-
-
 def test_safetensors_weights_load_and_bad_ones_are_named(tmp_path) -> None:
     torch.manual_seed(1)
     state = SmallResNet(num_classes=4).state_dict()
     weights = tmp_path / "small.safetensors"
-    write_safetensors(weights, state)
+    save_file(state, str(weights))
     read = read_safetensors(weights)
     assert read.keys() == state.keys() and all(torch.equal(read[k], v) for k, v in state.items())
     assert tta("model-card", "--model", "small_resnet", "--weights", str(weights),

@@ -1,31 +1,25 @@
 """Weights files: read a state_dict safely and say in one line why it does not fit a model.
 
 Two formats, neither of which runs code on load: torch files, always read with
-`torch.load(weights_only=True)` (never unpickled), and `.safetensors` files (a JSON header
-then raw little-endian tensor bytes; read here with the standard library, so the
-safetensors package is not needed). A state_dict that does not fit names the first missing
+`torch.load(weights_only=True)` (never unpickled), and `.safetensors` files (read with the
+safetensors package). A state_dict that does not fit names the first missing
 and unexpected keys and shape mismatches, where torch's own message is many lines long.
 """
 
 from __future__ import annotations
 
-import json
-import math
 import pickle
 from pathlib import Path
 from typing import Any
 
+import safetensors.torch
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from tta_core.errors import InputError, one_line
 
 SAFETENSORS_SUFFIX = ".safetensors"
-_ST_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
-    "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
-    "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
-}
 SHOWN_KEYS = 4  # keys named per kind of mismatch; the rest are counted
 
 
@@ -42,45 +36,13 @@ def _load_failure(exc: BaseException) -> str:
     return one_line(text.partition(". ")[0])
 
 
-def _st_tensor(path: Path, name: str, info: Any, body: memoryview) -> torch.Tensor:
-    """One tensor of a safetensors file from its header entry."""
-    try:
-        dtype = _ST_DTYPES[info["dtype"]]
-        shape = [int(s) for s in info["shape"]]
-        start, end = (int(o) for o in info["data_offsets"])
-    except (KeyError, TypeError, ValueError):
-        raise InputError(f"{path} is not a valid safetensors file (tensor {name!r} has "
-                         f"header entry {info!r})") from None
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    if min(shape, default=0) < 0 or not 0 <= start <= end <= len(body) \
-            or end - start != nbytes:
-        raise InputError(f"{path} is not a valid safetensors file (tensor {name!r}: "
-                         f"offsets {start}..{end} do not hold shape {shape} {info['dtype']})")
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(body[start:end]), dtype=dtype).reshape(shape)
-
-
 def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a `.safetensors` file (CPU); InputError naming the file when it is
-    not one. Format: u64 little-endian header size, JSON header, tensor bytes."""
-    path = Path(path)
-    data = path.read_bytes()
-    size = int.from_bytes(data[:8], "little") if len(data) >= 8 else -1
-    if not 0 <= size <= len(data) - 8:
-        raise InputError(f"{path} is not a valid safetensors file (header size "
-                         f"{size} for a {len(data)}-byte file)")
+    """Every tensor of a `.safetensors` file (CPU, via the safetensors package); InputError
+    naming the file when it is not one."""
     try:
-        header = json.loads(data[8:8 + size])
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise InputError(f"{path} is not a valid safetensors file (header is not "
-                         "JSON)") from None
-    if not isinstance(header, dict):
-        raise InputError(f"{path} is not a valid safetensors file (header is not a JSON "
-                         "object)")
-    body = memoryview(data)[8 + size:]
-    return {name: _st_tensor(path, name, info, body) for name, info in header.items()
-            if name != "__metadata__"}
+        return safetensors.torch.load_file(str(path), device="cpu")
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise InputError(f"{path} is not a valid safetensors file ({one_line(exc)})") from None
 
 
 def load_state_dict(ckpt: str | Path) -> dict[str, Any]:

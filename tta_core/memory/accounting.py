@@ -28,12 +28,39 @@ from tta_core.memory.ledger import Ledger, SavedBytes, SaveEvent
 from tta_core.memory.scope import WGRAD, SaveSite, UnitScope
 from tta_core.model.units import StagedModel
 
+_COMPILED_RUNTIME = ("torch/_functorch/_aot_autograd", "torch/_dynamo", "torch/_inductor")
+
 
 def refuse_compile() -> None:
     """Raise if torch.compile is tracing: the hooks need eager tensors and module hooks."""
     if torch.compiler.is_compiling():
         raise RuntimeError("tta_core.memory saved-tensor hooks need eager mode, but "
                            "torch.compile is tracing: run the model uncompiled")
+
+
+def _saved_by_compiled_graph(depth: int = 48) -> bool:
+    """True when the current save comes from a torch.compile'd graph at run time.
+
+    Such graphs save through an autograd.Function (grad mode off while packing) called
+    from torch's AOT-autograd runtime; only consulted when grad mode is off (rare in eager).
+    """
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        name = frame.f_code.co_filename.replace("\\", "/")
+        if any(part in name for part in _COMPILED_RUNTIME):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _refuse_compiled_modules(model: torch.nn.Module) -> None:
+    compiled = [n or "<root>" for n, m in model.named_modules()
+                if getattr(m, "_compiled_call_impl", None) is not None]
+    if compiled:
+        raise RuntimeError(f"module {compiled[0]!r} was compiled (nn.Module.compile): "
+                           "tta_core.memory saved-tensor hooks need eager mode")
 
 
 class SavedTensorContext:
@@ -53,6 +80,7 @@ class SavedTensorContext:
 
     def __enter__(self) -> SavedTensorContext:
         refuse_compile()
+        _refuse_compiled_modules(self.scope.model)
         if self._hooks is not None:
             raise RuntimeError(f"{type(self).__name__} is already active (not reentrant)")
         self.ledger = Ledger()
@@ -80,6 +108,9 @@ class SavedTensorContext:
         if self.scope.is_state(t):
             return t
         refuse_compile()
+        if not torch.is_grad_enabled() and _saved_by_compiled_graph():
+            raise RuntimeError("a torch.compile'd graph is saving tensors: tta_core.memory "
+                               "saved-tensor hooks need the model to run in eager mode")
         self.ledger.saves += 1
         return self._pack(t, self.scope.classify(t))
 

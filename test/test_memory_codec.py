@@ -258,7 +258,7 @@ def test_refuses_torch_compile(monkeypatch) -> None:
 
 
 class _Square(torch.autograd.Function):
-    """A custom autograd.Function: packs with grad mode off, as compiled graphs do."""
+    """A custom autograd.Function: how a compiled graph saves its tensors at run time."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:

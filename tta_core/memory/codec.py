@@ -36,6 +36,7 @@ outside checkpointed regions. Put the codec around the forward only.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -55,7 +56,7 @@ Encoding = str | float  # DENSE, MASK or a keep ratio in (0, 1)
 def _check_keep(unit: str, value: object) -> None:
     if value == DENSE:
         return
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value <= 1:
         raise ValueError(f"keep ratio for unit {unit!r} must be in (0, 1] or 'dense', "
                          f"got {value!r}")
 

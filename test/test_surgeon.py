@@ -183,6 +183,27 @@ def test_faithful_importance_pass_uses_exactly_k_samples() -> None:
     assert sizes == [3, 3, 3]
 
 
+def test_importance_pass_gradients_are_exact_at_importance_keep_one() -> None:
+    """G_i of the faithful pass (run under the codec: ReLU masks) equals Eq. 4 on plain
+    autograd gradients of the same k samples; importance_keep 0.1 changes them."""
+    x = batch(12)
+    idx = torch.randperm(12, generator=torch.Generator().manual_seed(0))[:10]
+    ref_model = shipped()
+    ref = build_method("surgeon", ref_model)
+    logp = ref_model(x[idx]).log_softmax(1)
+    params = [p for n in ref.scored for p in ref._cand[n]]
+    grads = torch.autograd.grad(-(logp.exp() * logp).sum(1).mean(), params)
+    by_param = dict(zip(map(id, params), grads, strict=True))
+    expected = {n: gradient_importance([by_param[id(p)] for p in ref._cand[n]])
+                for n in ref.scored}
+    for keep, exact in ((1.0, True), (0.1, False)):
+        meth = build_method("surgeon", shipped(), importance_keep=keep, lr=0.0)
+        meth.step(x)
+        got = meth.last_importance.gradient
+        close = all(got[n] == pytest.approx(v, rel=1e-5) for n, v in expected.items())
+        assert close == exact, keep
+
+
 def test_units_restrict_updates_and_keep_ratios() -> None:
     model = shipped()
     before = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -242,6 +263,7 @@ def test_default_lr_maps_the_official_adam_rates_to_batch_64() -> None:
     ({"mode": "fast"}, "'fast'"), ({"trainable": "bn"}, "'bn'"),
     ({"keep_floor": 0.0}, "keep_floor.*0.0"), ({"keep_floor": 1.5}, "1.5"),
     ({"importance_samples": 0}, "importance_samples.*0"),
+    ({"importance_keep": 0.0}, "importance_keep.*0.0"),
     ({"css_margin": -1.0}, "css_margin.*-1.0"), ({"cr_weight": -0.1}, "cr_weight.*-0.1"),
     ({"lr": -1.0}, "lr.*-1.0"), ({"units": ("layer9.conv",)}, "layer9.conv"),
     ({"units": ("conv1",), "trainable": "norm"}, "conv1"), ({"keep": 0.5}, "keep"),

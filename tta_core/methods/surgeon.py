@@ -8,10 +8,14 @@ held as a 1-bit position bitmap + kept values, ReLU saves as exact 1-bit masks, 
 dense (exact ∂γ and ∂x; the official code prunes them for ∂γ but keeps a full copy for ∂x).
 
 mode "faithful" (Algorithm 1): an extra forward/backward of the entropy on k random samples
-of the batch (official: 10; all of a smaller batch) gives the gradients of Eq. 4.
-mode "robot": no extra pass; Eq. 4 uses the gradients of the previous update (lagged; they
-were computed under that update's pruning, which shrinks them by ~0-25 % at keep 0.05 on
-the shipped net's convs). The first step of an input size has no gradient yet: it is dense.
+of the batch (official: 10; all of a smaller batch) gives the gradients of Eq. 4; it runs
+under the codec too (ReLU masks, frozen inputs; scored inputs at `importance_keep`, 1.0 =
+exact gradients), so at batch <= k its saved bytes stay near the adaptation pass's.
+mode "robot": no extra pass; Eq. 4 uses the gradients of the previous update (lagged).
+They were computed under that update's pruning, which biases against pruned layers: on the
+shipped net (batch 16) uniform keep 0.05 shrinks conv gradient norms by 14-42 % and the
+fc's by 68 % (keep 0.5: <= 1 %, fc 18 %). The first step (and the first after set_units or
+a new input size) has no usable gradient yet: it is dense.
 
 Keep ratios are clamped to [keep_floor, 1] (default 0.05): Eq. 7 gives keep 0 to the least
 important layer, i.e. no ∂W at all. `units` restricts the update (and the keep ratios) to
@@ -40,7 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from tta_core.api import PhaseClock, PhaseTimes, StepResult, mean_entropy
-from tta_core.memory import DENSE, ActivationCodec, CodecPlan, SavedActivationCounter, SavedBytes
+from tta_core.memory import DENSE, ActivationCodec, CodecPlan, SavedBytes
 from tta_core.memory.layer_importance import LayerImportance, gradient_importance, layer_keep
 from tta_core.memory.scope import unit_table
 from tta_core.methods import register
@@ -66,6 +70,9 @@ class SurgeonConfig(MethodConfig):
     trainable: str = "all"  # "all": every weight (SURGEON); "norm": BN/LN/GN (SURGEON (BN))
     keep_floor: float = 0.05
     importance_samples: int = 10  # faithful mode: samples of the importance pass
+    # faithful: keep ratio of the scored layers' inputs in the importance pass (paper §4.2
+    # (ii): e.g. 0.1); 1.0 = exact gradients (ReLU masks and frozen inputs still compressed)
+    importance_keep: float = 1.0
     css: bool = False  # certainty-based sample selection
     css_margin: float = 0.4  # selected: entropy < css_margin * ln C
     cr: bool = False  # consistency regularisation (one augmented forward more)
@@ -86,6 +93,8 @@ class SurgeonConfig(MethodConfig):
             (0 < self.keep_floor <= 1, f"keep_floor must be in (0, 1], got {self.keep_floor}"),
             (self.importance_samples >= 1,
              f"importance_samples must be >= 1, got {self.importance_samples}"),
+            (0 < self.importance_keep <= 1,
+             f"importance_keep must be in (0, 1], got {self.importance_keep}"),
             (self.css_margin > 0, f"css_margin must be > 0, got {self.css_margin}"),
             (self.cr_weight >= 0, f"cr_weight must be >= 0, got {self.cr_weight}"),
             (self.lr is None or self.lr >= 0, f"lr must be >= 0, got {self.lr}"),
@@ -122,11 +131,10 @@ def surgeon_loss(logits: Tensor, logits_aug: Tensor | None, cfg: SurgeonConfig
         loss = ent.mean()
     if logits_aug is not None:
         loss = loss + cfg.cr_weight * logits.shape[1] * consistency(logits, logits_aug)
-        used = logits.shape[0] if not cfg.css else used
     return loss, used
 
 
-def _candidates(name: str, mod: nn.Module, cfg: SurgeonConfig) -> list[nn.Parameter]:
+def _candidates(mod: nn.Module, cfg: SurgeonConfig) -> list[nn.Parameter]:
     """The parameters of unit `mod` that `trainable` and `biases` allow to update."""
     if cfg.trainable == "norm" and not isinstance(mod, NORM_TYPES):
         return []
@@ -159,8 +167,8 @@ class Surgeon(TTAMethod):
         self.model.requires_grad_(False)
         rows = unit_table(self.model)[1]
         self.unit_names = [name for name, _m, _k in rows]
-        self._modules = {name: mod for name, mod, _k in rows}
-        self._cand = {n: ps for n, m, _k in rows if (ps := _candidates(n, m, cfg))}
+        self._unit_mods = {name: mod for name, mod, _k in rows}
+        self._cand = {n: ps for n, m, _k in rows if (ps := _candidates(m, cfg))}
         if not self._cand:
             lacks = (f"no {NORM_NAMES} layer with affine parameters" if cfg.trainable == "norm"
                      else "no parameters")
@@ -206,7 +214,7 @@ class Surgeon(TTAMethod):
                     sizes[name] += args[0].numel() // args[0].shape[0]
             return pre
 
-        handles = [m.register_forward_pre_hook(hook(n)) for n, m in self._modules.items()]
+        handles = [m.register_forward_pre_hook(hook(n)) for n, m in self._unit_mods.items()]
         try:
             yield
         finally:
@@ -235,24 +243,24 @@ class Surgeon(TTAMethod):
         idx = torch.randperm(int(x.shape[0]), generator=self.gen)[:k].to(x.device)
         sub = x[idx]
         params = [p for n in self.scored for p in self._cand[n]]
-        counter = SavedActivationCounter(self.model)
-        with torch.enable_grad(), self._size_hooks(sub), counter:
+        keep = self.config.importance_keep
+        codec = ActivationCodec(self.model, self._plan({n: keep for n in self.scored}))
+        with torch.enable_grad(), self._size_hooks(sub), codec:
             loss = softmax_entropy(self.model(sub)).mean()
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         by_param = {id(p): g for p, g in zip(params, grads, strict=True)}
         imp = self._keep(self._gradient_importance(by_param), sub)
-        return imp, k, counter.result.total if counter.result else 0
+        return imp, k, codec.result.total if codec.result else 0
 
-    def _plan(self, imp: LayerImportance | None) -> CodecPlan:
-        """Keep ratios of the prunable (conv/linear) scored units; frozen conv/linear units
-        FROZEN_KEEP (autograd saves their input although no ∂W is computed: nothing reads
-        it, ∂x needs only the weight); everything else dense."""
+    def _plan(self, scored: dict[str, float] | None) -> CodecPlan:
+        """`scored` keep ratios for the prunable (conv/linear) scored units; frozen
+        conv/linear units FROZEN_KEEP (autograd saves their input although no ∂W is
+        computed: nothing reads it, ∂x needs only the weight); everything else dense."""
         keep: dict[str, float | str] = {
-            n: FROZEN_KEEP for n, m in self._modules.items()
+            n: FROZEN_KEEP for n, m in self._unit_mods.items()
             if isinstance(m, _PRUNABLE) and n not in self.scored}
-        if imp is not None:
-            keep.update({n: v for n, v in imp.keep.items()
-                         if isinstance(self._modules[n], _PRUNABLE)})
+        keep.update({n: v for n, v in (scored or {}).items()
+                     if isinstance(self._unit_mods[n], _PRUNABLE)})
         return CodecPlan(keep, DENSE, act_masks=self.config.act_masks)
 
     # ------------------------------------------------------------ step
@@ -276,7 +284,8 @@ class Surgeon(TTAMethod):
         elif self._lagged is not None and tuple(x.shape[1:]) in self._sizes:
             imp = self._keep(self._lagged, x)
         plan_ms = clock.mark()
-        logits, loss, used, saved = self._adapt_forward(x, self._plan(imp))
+        logits, loss, used, saved = self._adapt_forward(
+            x, self._plan(imp.keep if imp is not None else None))
         forward_ms = clock.mark()
         adapted = used > 0 or self.config.cr
         if adapted:

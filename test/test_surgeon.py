@@ -267,6 +267,8 @@ def test_default_lr_maps_the_official_adam_rates_to_batch_64() -> None:
     ({"css_margin": -1.0}, "css_margin.*-1.0"), ({"cr_weight": -0.1}, "cr_weight.*-0.1"),
     ({"lr": -1.0}, "lr.*-1.0"), ({"units": ("layer9.conv",)}, "layer9.conv"),
     ({"units": ("conv1",), "trainable": "norm"}, "conv1"), ({"keep": 0.5}, "keep"),
+    ({"keep_floor": "high"}, "keep_floor must be a number, got 'high'"),
+    ({"units": "fc,layer9"}, r"\['layer9'\]"),
 ])
 def test_bad_config_values_give_one_line_errors(opts: dict, bad: str) -> None:
     with pytest.raises(ValueError, match=bad) as err:

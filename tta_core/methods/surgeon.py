@@ -35,6 +35,7 @@ runs with exactly the official rate.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -58,6 +59,8 @@ TRAINABLE = ("all", "norm")
 OFFICIAL_LR = {"norm": 1e-3, "all": 2.2e-5}  # Adam, CIFAR-10-C, batch 200 (official cfgs)
 OFFICIAL_BATCH = 200
 _PRUNABLE = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)  # the codec prunes their inputs
+_NUMERIC = ("lr", "keep_floor", "importance_samples", "importance_keep", "css_margin",
+            "cr_weight", "max_shift")
 FROZEN_KEEP = 1e-6  # frozen conv/linear inputs: ~bitmap only (1/32 of float32), never read
 
 
@@ -85,7 +88,15 @@ class SurgeonConfig(MethodConfig):
     seed: int = 0  # importance subset and CR augmentation
 
     def check(self) -> None:
-        """Raise a one-line ValueError naming the first bad value."""
+        """Raise a one-line ValueError naming the first bad value (`units` given as a
+        string, as `tta bench --set surgeon.units=fc,layer3.0.conv1` does, is split at
+        commas)."""
+        if isinstance(self.units, str):
+            self.units = tuple(u.strip() for u in self.units.split(",") if u.strip())
+        for name in _NUMERIC:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real | None):
+                raise ValueError(f"{name} must be a number, got {value!r}")
         checks = (
             (self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}"),
             (self.trainable in TRAINABLE,

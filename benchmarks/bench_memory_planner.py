@@ -32,11 +32,13 @@ from tta_core.model.zoo import build_model
 
 
 def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    """Mean prediction entropy (the adaptation loss whose saves the profile includes)."""
     p = logits.softmax(1)
     return -(p * logits.log_softmax(1)).sum(1).mean()
 
 
 def _resnet50(px: int, batch: int) -> tuple[planner.PlanProblem, MemoryCosts]:
+    """ResNet-50 plan problem (MAC times) and profile-measured memory costs."""
     torch.manual_seed(0)
     model = build_model("resnet50", 10).train()
     staged = decompose(model, (3, px, px), arch="resnet50")
@@ -63,6 +65,7 @@ def _tile(problem: planner.PlanProblem, costs: MemoryCosts, n: int
 
 def _rows(name: str, problem: planner.PlanProblem, costs: MemoryCosts, repeats: int,
           n_ms: list[int]) -> list[dict]:
+    """Timing and objective-vs-fine-grid rows for every (sigma, budget, n_m)."""
     n = len(problem.w)
     full = plan_bytes(costs, np.ones(n, dtype=bool), np.zeros(n, dtype=np.int64))
     rng = np.random.default_rng(1)
@@ -92,6 +95,7 @@ def _rows(name: str, problem: planner.PlanProblem, costs: MemoryCosts, repeats: 
 
 
 def main() -> None:
+    """Parse arguments, run both instances, print JSON."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--px", type=int, default=112)

@@ -39,8 +39,10 @@ O(N * K * n_t * n_m) with one vectorised numpy update per (unit, option). Exact 
 options dominated in (memory steps, value) are dropped, items of value 0 are never inserted
 (the table is monotone: they cannot be strictly better), and the sweep stops once the time
 fixed part exceeds its budget (it only grows as d falls) or every d' <= d has F_d' > B_m.
-Rounding loses < 1 memory step per updated unit: on a ResNet-50 profile with the default
-keep options the objective is 0.89-1.0 of a 1024-step solve at n_m = 128 (docs/api.md).
+Rounding loses < 1 memory step per updated unit. DEFAULT_N_M = 128: on a ResNet-50
+profile (107 units) a binding memory budget at sigma = 1 solves in ~20-25 ms with 0.93-0.98
+of a 1024-step solve's objective (~1-2 ms at sigma = 0.33, where time prunes the sweep);
+benchmarks/bench_memory_planner.py, docs/api.md.
 With B_m = inf the memory axis has one cell and each unit keeps its highest-fidelity
 option: the plan is planner.solve's (same updates, same strict tie-breaking) when that
 fidelity is 1. Ties: a non-empty plan only for a strictly positive objective.
@@ -122,6 +124,7 @@ class _Grid:
 
 
 def _matrix(name: str, value: object, shape: tuple[int, int]) -> np.ndarray:
+    """A finite, non-negative float64 array of exactly `shape` (else a one-line error)."""
     arr = np.asarray(value, dtype=np.float64)
     if arr.shape != shape:
         raise ValueError(f"{name} must have shape {shape}, got {arr.shape}")
@@ -147,6 +150,7 @@ def _check_options(costs: MemoryCosts, n: int) -> tuple[np.ndarray, np.ndarray, 
 
 
 def _validate_memory(costs: MemoryCosts, n: int) -> _Memory:
+    """Checked arrays and the exact fixed part F_d (shared by solve, brute force, bytes)."""
     mx = planner._as_vector("x_bytes", costs.x_bytes, n)
     keeps, mw, fid = _check_options(costs, n)
     entry = (np.zeros(n) if costs.entry_bytes is None
@@ -158,6 +162,7 @@ def _validate_memory(costs: MemoryCosts, n: int) -> _Memory:
 
 
 def _check_budget(budget_bytes: float, n_m: int) -> float:
+    """The memory budget as a float (inf allowed) after checking it and n_m."""
     if isinstance(n_m, bool) or not isinstance(n_m, (int, np.integer)) or n_m < 1:
         raise ValueError(f"n_m must be a positive integer, got {n_m!r}")
     b = float(budget_bytes)
@@ -273,8 +278,9 @@ def _sweep(prep: planner._Prepared, grid: _Grid) -> tuple[tuple[int, int, int, i
     return best, choice
 
 
-def _finish(problem: PlanProblem, costs: MemoryCosts, prep: planner._Prepared, mem: _Memory,
-            option: np.ndarray, budget: float, t0: float) -> MemoryPlan:
+def _finish(costs: MemoryCosts, prep: planner._Prepared, mem: _Memory, option: np.ndarray,
+            budget: float, t0: float) -> MemoryPlan:
+    """MemoryPlan of the chosen options with exact (undiscretised) time and bytes."""
     update = option >= 0
     first = int(np.argmax(update)) if update.any() else prep.n
     idx = np.flatnonzero(update)
@@ -289,6 +295,8 @@ def _finish(problem: PlanProblem, costs: MemoryCosts, prep: planner._Prepared, m
 
 def _setup(problem: PlanProblem, costs: MemoryCosts, budget_bytes: float, n_t: int,
            n_m: int) -> tuple[planner._Prepared, _Memory, float, _Grid | None]:
+    """Validated, discretised inputs (planner's time grid + the memory grid; None: only
+    the empty plan fits)."""
     budget = _check_budget(budget_bytes, n_m)
     prep = planner._prepare(problem, n_t)
     mem = _validate_memory(costs, prep.n)
@@ -314,7 +322,7 @@ def solve_with_memory(problem: PlanProblem, costs: MemoryCosts, budget_bytes: fl
                     option[u] = c - 1
                     cap_t -= int(prep.item[u])
                     cap_m -= int(grid.item[u, c - 1])
-    return _finish(problem, costs, prep, mem, option, budget, t0)
+    return _finish(costs, prep, mem, option, budget, t0)
 
 
 def brute_force_with_memory(problem: PlanProblem, costs: MemoryCosts, budget_bytes: float,
@@ -343,4 +351,4 @@ def brute_force_with_memory(problem: PlanProblem, costs: MemoryCosts, budget_byt
         best = int(np.argmax(value))
         if value[best] > 0:
             option = digits[best].copy()
-    return _finish(problem, costs, prep, mem, option, budget, t0)
+    return _finish(costs, prep, mem, option, budget, t0)

@@ -50,3 +50,28 @@ def test_card_that_does_not_fit_the_checkpoint_is_refused(tiny, tmp_path):
 def test_cli_rejects_bad_epochs():
     with pytest.raises(SystemExit, match="--epochs must be >= 1, got 0"):
         main(["train-source", "--epochs", "0"])
+
+
+def test_cli_half_safetensors_at_96px(tmp_path):
+    """--half --safetensors: one float16 .safetensors file (no .pt left), named by the card,
+    loading into a float32 model whose accuracy is the card's (re-measured after rounding)."""
+    from safetensors.torch import load_file
+
+    from tta_core.data.preprocess import images_to_tensor
+    from tta_core.data.signs import make_signs
+    from tta_core.model.source import accuracy
+
+    out = tmp_path / "w16"
+    assert main(["train-source", "--arch", "resnet18_cifar_w16", "--image-size", "96",
+                 "--epochs", "1", "--train-samples", "44", "--val-samples", "22",
+                 "--batch-size", "22", "--seed", "5", "--half", "--safetensors",
+                 "--out", str(out), "--no-progress"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w16.json", "w16.safetensors"]
+    state = load_file(str(out.with_suffix(".safetensors")))
+    assert {v.dtype for v in state.values()} == {torch.float16, torch.int64}
+    model, card = load_source(out.with_suffix(".json"))
+    assert card.checkpoint == "w16.safetensors" and card.image_size == 96
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    val = make_signs(22, 96, seed=5 + 10_000)
+    x = images_to_tensor(val.images, card.mean, card.std)
+    assert accuracy(model, x, torch.from_numpy(val.labels)) == card.clean_accuracy

@@ -24,7 +24,8 @@ DEFAULT_CACHE_BW = 2e10  # bytes/s (paper: delta_m = 1/b_cache)
 _BYTES = 4
 
 _FAMILY = {
-    "small_resnet": "resnet", "resnet18": "resnet", "resnet34": "resnet",
+    "small_resnet": "resnet", "resnet18_cifar": "resnet", "resnet18_cifar_w32": "resnet",
+    "resnet18_cifar_w16": "resnet", "resnet18": "resnet", "resnet34": "resnet",
     "resnet50": "resnet", "resnet101": "resnet", "mobilenet_v2": "mobilenet",
     "vit_b_16": "vit", "vit_b_32": "vit", "vit_l_16": "vit",
 }

@@ -41,22 +41,34 @@ class BasicBlock(nn.Module):
 
 
 class SmallResNet(nn.Module):
-    """A small CIFAR-style ResNet (3 stages x `blocks` basic blocks) for 32/64 px inputs.
+    """A CIFAR-style ResNet (3x3 stem, no max-pool) for 32-96 px inputs.
 
-    Attribute names follow torchvision's ResNet (conv1, bn1, layerN, fc) so the same unit
+    `blocks` gives the basic blocks per stage (an int: three stages of that many); stage s
+    has `width * 2**s` channels and stride 2 from the second stage on. The defaults are
+    the shipped small net (16-32-64, one block each); `blocks=(2, 2, 2, 2)` is the CIFAR
+    ResNet-18 of He et al. 2016 / Kuang Liu's pytorch-cifar (width 64 there). Attribute
+    names follow torchvision's ResNet (conv1, bn1, layerN, fc) so the same unit
     decomposition and stage logic apply to both.
     """
 
-    def __init__(self, num_classes: int = 16, width: int = 16, blocks: int = 1) -> None:
+    def __init__(self, num_classes: int = 16, width: int = 16,
+                 blocks: int | tuple[int, ...] = 1) -> None:
         super().__init__()
+        per_stage = (blocks,) * 3 if isinstance(blocks, int) else tuple(blocks)
+        if not 1 <= len(per_stage) <= 4 or min(per_stage) < 1 or width < 1:
+            raise ValueError(f"need 1-4 stages of >= 1 block and width >= 1, got "
+                             f"blocks={blocks}, width={width}")
         self.conv1 = nn.Conv2d(3, width, 3, 1, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(width)
         self.relu = nn.ReLU(inplace=False)
-        self.layer1 = self._stage(width, width, blocks, 1)
-        self.layer2 = self._stage(width, 2 * width, blocks, 2)
-        self.layer3 = self._stage(2 * width, 4 * width, blocks, 2)
+        ch = width
+        for s, n in enumerate(per_stage):
+            out = width * 2 ** s
+            setattr(self, f"layer{s + 1}", self._stage(ch, out, n, 1 if s == 0 else 2))
+            ch = out
+        self.n_stages = len(per_stage)
         self.avgpool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(4 * width, num_classes)
+        self.fc = nn.Linear(ch, num_classes)
 
     @staticmethod
     def _stage(in_ch: int, out_ch: int, blocks: int, stride: int) -> nn.Sequential:
@@ -66,12 +78,22 @@ class SmallResNet(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.relu(self.bn1(self.conv1(x)))
-        x = self.layer3(self.layer2(self.layer1(x)))
+        for s in range(self.n_stages):
+            x = getattr(self, f"layer{s + 1}")(x)
         return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def resnet18_cifar(num_classes: int, width: int = 64) -> SmallResNet:
+    """CIFAR ResNet-18: 3x3 stem, no max-pool, 4 stages x 2 basic blocks, `width` base
+    channels (64 = the full net, 11.2 M parameters; 32 = a quarter of them, 2.8 M)."""
+    return SmallResNet(num_classes=num_classes, width=width, blocks=(2, 2, 2, 2))
 
 
 _BUILDERS: dict[str, Callable[[int], nn.Module]] = {
     "small_resnet": lambda n: SmallResNet(num_classes=n),
+    "resnet18_cifar": lambda n: resnet18_cifar(n, width=64),
+    "resnet18_cifar_w32": lambda n: resnet18_cifar(n, width=32),
+    "resnet18_cifar_w16": lambda n: resnet18_cifar(n, width=16),
     "resnet18": lambda n: tvm.resnet18(weights=None, num_classes=n),
     "resnet50": lambda n: tvm.resnet50(weights=None, num_classes=n),
     "mobilenet_v2": lambda n: tvm.mobilenet_v2(weights=None, num_classes=n),

@@ -50,6 +50,8 @@ class PlanningInfo:
     plan_phase_ms: float = 0.0  # learnt plan phase the budget leaves room for
     overhead_ms: float = 0.0  # learnt fixed cost of any update
     no_room: str = ""  # why no trainable unit fits the budget ("" when one does)
+    deadline_ms: float = NAN  # the batch's deadline (NaN: the sigma*T budget)
+    forward_misses: bool = False  # the forward alone took longer than the deadline
 
 
 @dataclass

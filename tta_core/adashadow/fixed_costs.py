@@ -17,7 +17,9 @@ preempted batch cannot empty the plans for long. The update's cost is only measu
 an update runs, so an estimate that leaves no plan within the budget could never be
 corrected (one slow start would freeze adaptation for good): every batch without an
 update forgets a share `forget` of it, so a plan is tried again after a while (about
-25 batches from 0.8 to 0.5 ms at the default 0.02) and measured afresh. alpha = 0 turns
+25 batches from 0.8 to 0.5 ms at the default 0.02) and measured afresh; likewise the plan
+phase on every batch that skipped it (`skip_plan`: a deadline the forward and plan phase
+already reach). alpha = 0 turns
 both off (the planner then sees exactly the per-unit model, and plans no longer depend on
 how fast a run is).
 """
@@ -94,6 +96,12 @@ class FixedCosts:
         """A batch ran without an update: forget a share of the update's cost."""
         if self.on:
             self.adapt_ms *= 1.0 - self.forget
+
+    def skip_plan(self) -> None:
+        """A batch skipped its plan phase (no plan could fit): forget a share of the plan
+        phase, so that an estimate that leaves no time for any plan is tried again."""
+        if self.on:
+            self.plan_ms *= 1.0 - self.forget
 
     def reset(self) -> None:
         """Forget what was learnt (a new machine or model)."""

@@ -18,13 +18,21 @@ Which feedback needs what (see also docs/api.md):
 - MAC-shaped times (no profile) are unitless and always scaled "uniform";
 - backward feedback / fixed costs: measured backward, reforward and plan-phase times of
   the plans this service made (`observe`).
+
+Deadline modes (`deadline`, issue #18): with `deadline_mode` other than "sigma" the budget
+of a batch is its deadline (deadline.batch_deadline_ms: fixed, from the camera rate or
+from the vehicle's speed, `set_speed`) instead of sigma*T, and it covers the whole batch:
+forward + plan phase + update (with its fixed cost) + reforward. When the forward and the
+plan phase alone leave no time (`no_time`), the batch is served without update and
+without planning (`empty_outcome`, the reason in `no_room`; `forward_misses` when the
+forward alone is over the deadline).
 """
 
 from __future__ import annotations
 
-__all__ = ["FEEDBACK_MODES", "TRAINABLE", "Measured", "Plan", "PlanOutcome", "PlanningConfig",
-           "PlanningService", "UnitLayout", "UnitProfile", "layout_from_card", "mac_profile",
-           "telemetry_pis"]
+__all__ = ["DEADLINE_MODES", "DEADLINE_PER", "FEEDBACK_MODES", "TRAINABLE", "DeadlineConfig",
+           "Measured", "Plan", "PlanOutcome", "PlanningConfig", "PlanningService", "UnitLayout",
+           "UnitProfile", "layout_from_card", "mac_profile", "telemetry_pis"]
 
 import math
 from dataclasses import dataclass
@@ -34,6 +42,14 @@ import numpy as np
 
 from tta_core.adashadow import planner, predictor
 from tta_core.adashadow.backward_feedback import BackwardFeedback
+from tta_core.adashadow.deadline import (
+    DEADLINE_MODES,
+    DEADLINE_PER,
+    DeadlineConfig,
+    batch_deadline_ms,
+    describe,
+    late_text,
+)
 from tta_core.adashadow.fixed_costs import FixedCosts
 from tta_core.adashadow.planner import Plan
 from tta_core.adashadow.predictor import FEEDBACK_MODES, UnitProfile
@@ -45,8 +61,9 @@ TRAINABLE = ("norm", "all")
 
 
 @dataclass
-class PlanningConfig:
-    """Settings of the planning loop (EngineConfig and the scheduler node extend it)."""
+class PlanningConfig(DeadlineConfig):
+    """Settings of the planning loop (EngineConfig and the scheduler node extend it); the
+    deadline_* fields (DeadlineConfig) choose between sigma*T and a deadline."""
 
     sigma: float = 0.33
     n_t: int = planner.DEFAULT_N_T
@@ -64,6 +81,7 @@ class PlanningConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad value."""
+        super().validate()
         if self.forward_feedback not in predictor.FEEDBACK_MODES:
             raise ValueError(f"forward_feedback {self.forward_feedback!r} not in "
                              f"{predictor.FEEDBACK_MODES}")
@@ -144,6 +162,9 @@ class PlanOutcome:
     forward_ms: float  # T_f the plan was made with (measured forward + plan phase)
     overhead_ms: float  # the fixed update cost the plan left room for
     no_room: str  # why no candidate unit fits the budget; "" when one does
+    deadline_ms: float = math.nan  # the batch's deadline (NaN: sigma*T mode)
+    forward_misses: bool = False  # the measured forward alone is over the deadline
+    skipped: bool = False  # no plan could fit: not solved, the plan phase was skipped
 
     @property
     def updates(self) -> bool:
@@ -160,6 +181,7 @@ class Measured:
     adapted: bool
     backward_ms: float = math.nan
     reforward_ms: float | None = 0.0
+    planned: bool = True  # False: the plan phase was skipped (no plan could fit)
 
 
 class PlanningService:
@@ -182,6 +204,39 @@ class PlanningService:
         self._pis: tuple[float, float] | None = None  # live telemetry (pi1, pi2)
         self._mac = mac_profile(layout, 1.0, 1)  # unitless shape, scaled per batch
         self._floor_cache: tuple = (None, 0)
+        self._speed: float | None = None  # vehicle speed, m/s ("speed" deadlines)
+        self._zeros = np.zeros(layout.n_units)
+
+    # ------------------------------------------------------------ deadline
+    def set_speed(self, speed_mps: float | None) -> None:
+        """The vehicle's speed for "speed" deadlines; None or NaN: unknown (the shortest
+        deadline, min_deadline_ms, applies)."""
+        if speed_mps is not None and not math.isnan(speed_mps) and math.isinf(speed_mps):
+            raise ValueError(f"speed {speed_mps!r} m/s is not finite")
+        self._speed = None if speed_mps is None or math.isnan(speed_mps) else float(speed_mps)
+
+    @property
+    def speed_mps(self) -> float | None:
+        """The speed the next "speed" deadline is made from (None: unknown)."""
+        return self._speed
+
+    def deadline_ms(self, batch_size: int = 1) -> float:
+        """The deadline of a batch of `batch_size` frames (NaN in sigma*T mode)."""
+        return batch_deadline_ms(self.config, batch_size, self._speed)
+
+    def describe_deadline(self) -> str:
+        """The deadline mode in words (deadline.describe)."""
+        return describe(self.config, self._speed)
+
+    def no_time(self, forward_ms: float, batch_size: int = 1) -> str:
+        """Deadline modes: why no plan can fit once the forward took `forward_ms`, when
+        it and the expected plan phase already reach the deadline (the batch is then served
+        at once, without planning); "" otherwise and in sigma*T mode."""
+        deadline = self.deadline_ms(batch_size)
+        if math.isnan(deadline) or forward_ms + self.fixed.plan_phase_ms < deadline:
+            return ""
+        return late_text(forward_ms, self.fixed.plan_phase_ms, deadline,
+                         self.describe_deadline())
 
     # ------------------------------------------------------------ expansion
     def set_expansion(self, pi1: float, pi2: float) -> None:
@@ -218,11 +273,12 @@ class PlanningService:
                                            self.backward_fb.factor)
         return w, x, (2.0 * r if self.reforward_twice else r)
 
-    def _problem(self, w, x, r, importance, forward_ms: float,
-                 overhead_ms: float) -> planner.PlanProblem:
+    def _problem(self, w, x, r, importance, forward_ms: float, overhead_ms: float,
+                 deadline_ms: float = math.nan) -> planner.PlanProblem:
         return planner.PlanProblem(w=w, x=x, r=r, stage_start=self.layout.stage_start,
                                    importance=importance, forward_ms=forward_ms,
-                                   sigma=float(self.config.sigma), overhead_ms=overhead_ms)
+                                   sigma=float(self.config.sigma), overhead_ms=overhead_ms,
+                                   budget_ms=None if math.isnan(deadline_ms) else deadline_ms)
 
     def _importance(self, importance, candidates, reachable_from: int) -> np.ndarray:
         a = np.asarray(importance, dtype=np.float64)
@@ -237,57 +293,89 @@ class PlanningService:
 
     # ------------------------------------------------------------ planning
     def plan(self, importance: np.ndarray, forward_ms: float, *, grad_from: int = 0,
-             candidates: np.ndarray | None = None) -> PlanOutcome:
-        """The optimal plan within sigma*T for this batch. `candidates`: units that may be
-        updated (None: those with importance > 0); units below `grad_from` cannot be
-        updated (no graph was recorded there)."""
+             candidates: np.ndarray | None = None, batch_size: int = 1) -> PlanOutcome:
+        """The optimal plan within the budget of this batch of `batch_size` frames: sigma*T,
+        or its deadline. `candidates`: units that may be updated (None: those with
+        importance > 0); units below `grad_from` cannot be updated (no graph was recorded
+        there)."""
         if not (math.isfinite(forward_ms) and forward_ms >= 0):
             raise ValueError(f"forward_ms={forward_ms} is not a valid time")
         a = self._importance(importance, candidates, 0 if self.reforward_twice else grad_from)
         w, x, r = self.unit_times(forward_ms, grad_from)
+        deadline = self.deadline_ms(batch_size)
         problem = self._problem(w, x, r, a, forward_ms + self.fixed.plan_phase_ms,
-                                self.fixed.overhead_ms)
+                                self.fixed.overhead_ms, deadline)
         plan = planner.solve(problem, n_t=int(self.config.n_t))
         bwd = planner.backward_cost(w, x, plan.update)
         refwd = (float(r[self.layout.stage_start[plan.first_updated]:].sum())
                  if plan.first_updated < self.layout.n_units else 0.0)
         cand = candidates if candidates is not None else (a > 0 if a.any() else None)
+        no_room = "" if plan.update.any() else self._no_room(problem, plan, cand, forward_ms)
         return PlanOutcome(plan, w + x, bwd, refwd, problem.forward_ms, problem.overhead_ms,
-                           "" if plan.update.any() else self._no_room(problem, plan, cand))
+                           no_room, deadline, forward_ms > deadline)
 
-    @staticmethod
-    def _no_room(problem: planner.PlanProblem, plan: planner.Plan,
-                 candidates: np.ndarray | None) -> str:
+    def empty_outcome(self, forward_ms: float, batch_size: int = 1, reason: str = "", *,
+                      grad_from: int | None = None) -> PlanOutcome:
+        """The empty plan of a batch that no plan can fit, not solved (the batch skipped
+        its plan phase): budget, full time and `reason` (default: why no unit fits, as
+        the graph floor predicted from the last forward). `grad_from`: where its forward
+        recorded the graph (None: nowhere)."""
+        if not (math.isfinite(forward_ms) and forward_ms >= 0):
+            raise ValueError(f"forward_ms={forward_ms} is not a valid time")
+        n = self.layout.n_units
+        w, x, r = self.unit_times(forward_ms, n if grad_from is None else grad_from)
+        deadline = self.deadline_ms(batch_size)
+        problem = self._problem(w, x, r, self._zeros, forward_ms + self.fixed.plan_phase_ms,
+                                self.fixed.overhead_ms, deadline)
+        plan = planner.empty_plan(problem)
+        reason = reason or no_room_text(problem, plan.budget_ms, forward_ms,
+                                        self.fixed.plan_phase_ms, self.describe_deadline())
+        return PlanOutcome(plan, w + x, 0.0, 0.0, problem.forward_ms, problem.overhead_ms,
+                           reason, deadline, forward_ms > deadline, skipped=True)
+
+    def _no_room(self, problem: planner.PlanProblem, plan: planner.Plan,
+                 candidates: np.ndarray | None, forward_ms: float) -> str:
         """Why no candidate unit fits the budget at all, or ""."""
         if planner.lowest_feasible_unit(problem, candidates, validated=True) < len(problem.w):
             return ""
-        return (f"no unit fits the budget sigma*T = {plan.budget_ms:.3g} ms after the forward "
-                f"and plan phase ({problem.forward_ms:.3g} ms) and the update's fixed cost "
-                f"({problem.overhead_ms:.3g} ms): plans stay empty, raise sigma to adapt")
+        return no_room_text(problem, plan.budget_ms, forward_ms, self.fixed.plan_phase_ms,
+                            self.describe_deadline())
 
-    def graph_floor(self, last_forward_ms: float, candidates: np.ndarray) -> int:
-        """Lowest unit that any plan within the budget can update (n_units: none), from
-        the last forward; the engine records the autograd graph from its stage on."""
+    def graph_floor(self, last_forward_ms: float, candidates: np.ndarray,
+                    batch_size: int = 1) -> int:
+        """Lowest unit that any plan within the budget of a batch of `batch_size` frames
+        can update (n_units: none), from the last forward (`last_forward_ms`, of a batch
+        that size); the engine records the autograd graph from its stage on."""
         c = self.config
         k = round(self.backward_fb.factor, 2)  # the floor moves little with it
         scaled = self.profile is None or c.forward_feedback != "off"
         last = last_forward_ms
+        known = math.isfinite(last) and last > 0
         # fixed costs in forwards (unitless, so a scaled floor does not depend on the
         # forward's speed), rounded down to 1/20: recomputed only when they move by 5 %
-        share = tuple(math.floor(20.0 * v / last) / 20.0 if math.isfinite(last) and last > 0
-                      else 0.0 for v in (self.fixed.plan_phase_ms, self.fixed.overhead_ms))
-        key = (self.expansion, c.sigma, id(self.profile), scaled or last, k, share)
+        share = tuple(math.floor(20.0 * v / last) / 20.0 if known else 0.0
+                      for v in (self.fixed.plan_phase_ms, self.fixed.overhead_ms))
+        deadline = self.deadline_ms(batch_size)
+        budget = None  # sigma*T; a deadline: in forwards (scaled) rounded up to 1/20, or ms
+        if not math.isnan(deadline):
+            if not known:
+                return 0  # no forward measured yet: record the whole graph
+            budget = math.ceil(20.0 * deadline / last) / 20.0 if scaled else deadline
+        elif not 0 < c.sigma <= 1:
+            return 0
+        key = (self.expansion, c.sigma, id(self.profile), scaled or last, k, share, budget)
         if self._floor_cache[0] != key:
             pi1, pi2, _ = self.expansion
             w, x, r = predictor.runtime_times(self.profile or self._mac, pi1, pi2)
             # scaled times: the budget is proportional to the forward, so the floor does
             # not depend on it; unscaled: a faster forward than the last only lowers it
             tf = float(r.sum()) if scaled else 0.8 * last
-            if not math.isfinite(tf) or not 0 < c.sigma <= 1:
+            if not math.isfinite(tf):
                 return 0
+            absolute = math.nan if budget is None else budget * (tf if scaled else 1.0)
             d = planner.lowest_feasible_unit(self._problem(
-                k * w, k * x, r, np.zeros_like(w), tf * (1.0 + share[0]), tf * share[1]),
-                candidates)
+                k * w, k * x, r, np.zeros_like(w), tf * (1.0 + share[0]), tf * share[1],
+                absolute), candidates)
             self._floor_cache = (key, d)
         return self._floor_cache[1]
 
@@ -295,8 +383,12 @@ class PlanningService:
     def observe(self, outcome: PlanOutcome | None, measured: Measured) -> None:
         """Learn from a batch: its plan phase always; when it followed `outcome` (a plan
         of this service) and updated, the backward correction and the update's fixed cost.
-        An external plan (outcome None) teaches only the plan phase."""
-        self.fixed.update_plan(measured.plan_ms, measured.forward_ms)
+        An external plan (outcome None) teaches only the plan phase; a batch that skipped
+        its plan phase (`measured.planned` False) forgets a share of it instead."""
+        if measured.planned:
+            self.fixed.update_plan(measured.plan_ms, measured.forward_ms)
+        else:
+            self.fixed.skip_plan()
         if not measured.adapted:
             self.fixed.idle()
             return
@@ -321,6 +413,21 @@ class PlanningService:
     @property
     def overhead_ms(self) -> float:
         return self.fixed.overhead_ms
+
+
+def no_room_text(problem: planner.PlanProblem, budget_ms: float, forward_ms: float,
+                 plan_phase_ms: float, deadline_what: str) -> str:
+    """Why no unit fits `problem`'s budget (sigma*T or a deadline described by
+    `deadline_what`), for a batch whose forward took `forward_ms`."""
+    if problem.budget_ms is not None and problem.forward_ms >= problem.budget_ms:
+        return late_text(forward_ms, plan_phase_ms, budget_ms, deadline_what)
+    fixed = (f"after the forward and plan phase ({problem.forward_ms:.3g} ms) and the "
+             f"update's fixed cost ({problem.overhead_ms:.3g} ms)")
+    if problem.budget_ms is not None:
+        return (f"no unit fits the deadline {budget_ms:.3g} ms ({deadline_what}) {fixed}: "
+                f"plans stay empty")
+    return (f"no unit fits the budget sigma*T = {budget_ms:.3g} ms {fixed}: plans stay "
+            f"empty, raise sigma to adapt")
 
 
 def telemetry_pis(compute_expansion: float, memory_expansion: float) -> tuple[float, float]:

@@ -170,6 +170,13 @@ class PlanOutcome:
     def updates(self) -> bool:
         return bool(np.asarray(self.plan.update).any())
 
+    @property
+    def budget_share(self) -> float:
+        """The budget as a share of the full update, budget_ms / T (sigma in sigma*T
+        mode; what a deadline amounts to otherwise); 0 when T is not > 0."""
+        full = self.plan.full_ms
+        return float(self.plan.budget_ms / full) if full > 0 and math.isfinite(full) else 0.0
+
 
 @dataclass
 class Measured:

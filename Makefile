@@ -25,8 +25,8 @@ $(VENV)/.deps: requirements/base.txt requirements/python.txt requirements/constr
 		-r requirements/base.txt -c requirements/constraints.txt
 	touch $@
 
-$(VENV)/.tta: $(VENV)/.deps setup.py setup.cfg package.xml
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
+$(VENV)/.tta: $(VENV)/.deps ros_package/setup.py ros_package/setup.cfg ros_package/package.xml
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e ros_package
 	touch $@
 
 $(BUILD)/.tta_msgs: $(VENV)/.deps msg/CMakeLists.txt msg/package.xml $(MSGS)
@@ -40,6 +40,7 @@ $(BUILD)/.tta_msgs: $(VENV)/.deps msg/CMakeLists.txt msg/package.xml $(MSGS)
 
 $(ENV): $(VENV)/.tta $(BUILD)/.tta_msgs scripts/write_env.py
 	$(PY) scripts/write_env.py --venv $(VENV) --prefix $(PREFIX) --out $@
+	touch $(BUILD)/COLCON_IGNORE  # a colcon workspace holding this checkout skips our build
 
 demo: $(ENV)
 	. ./$(ENV) && tta demo
@@ -51,4 +52,4 @@ lint: $(ENV)
 	. ./$(ENV) && ruff check . && lint-imports
 
 clean:
-	rm -rf $(BUILD) $(VENV) *.egg-info
+	rm -rf $(BUILD) $(VENV) *.egg-info ros_package/*.egg-info

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from rosbags.rosbag2 import StoragePlugin, Writer
+import yaml
+from rosbags.rosbag2 import Reader, StoragePlugin, Writer
 
 from tta_core.data.streams import domain_name
+from tta_core.io import bag
 from tta_core.io.bag import (
     DOMAIN_TOPIC,
+    DOMAIN_TYPE,
     GT_TOPIC,
     IMAGE_TOPIC,
+    LEGACY_DOMAIN_TYPE,
+    ROS_DISTRO,
     BagWriter,
     bag_info,
     read_bag,
@@ -45,8 +50,10 @@ def test_roundtrip_bit_identical(tmp_path, storage: str) -> None:
     assert [f.domain for f in back[3:5]] == ["clean", "fog/5"]
 
 
-def test_join_is_by_stamp_not_order(tmp_path) -> None:
-    """Ground truth written in reverse order, with log times unrelated to stamps."""
+@pytest.mark.parametrize("domain_type", [DOMAIN_TYPE, LEGACY_DOMAIN_TYPE])
+def test_join_is_by_stamp_not_order(tmp_path, domain_type: str) -> None:
+    """Ground truth written in reverse order, with log times unrelated to stamps; the domain
+    as a DomainLabel or (bags written before it existed) in a Header's frame_id."""
     store = tta_typestore()
     t = store.types
     rng = np.random.default_rng(1)
@@ -61,13 +68,15 @@ def test_join_is_by_stamp_not_order(tmp_path) -> None:
     with Writer(tmp_path / "j", version=9, storage_plugin=StoragePlugin.MCAP) as w:
         ci = w.add_connection(IMAGE_TOPIC, "sensor_msgs/msg/Image", typestore=store)
         cg = w.add_connection(GT_TOPIC, "tta_msgs/msg/ClassPrediction", typestore=store)
-        cd = w.add_connection(DOMAIN_TOPIC, "std_msgs/msg/Header", typestore=store)
+        cd = w.add_connection(DOMAIN_TOPIC, domain_type, typestore=store)
         for k in (2, 1, 0):
             gt = t["tta_msgs/msg/ClassPrediction"](header=header(stamps[k], "camera"),
                                                    batch_id=0, label=10 + k, confidence=1.0,
                                                    class_name="x", scores=np.zeros(0, np.float32))
             w.write(cg, 1000 + k, store.serialize_cdr(gt, cg.msgtype))
-            w.write(cd, 2000 + k, store.serialize_cdr(header(stamps[k], f"d{k}"), cd.msgtype))
+            label = (header(stamps[k], f"d{k}") if domain_type == LEGACY_DOMAIN_TYPE else
+                     t[DOMAIN_TYPE](header=header(stamps[k], "camera"), domain=f"d{k}"))
+            w.write(cd, 2000 + k, store.serialize_cdr(label, cd.msgtype))
         for k in range(3):
             img = t["sensor_msgs/msg/Image"](header=header(stamps[k], "camera"), height=4,
                                              width=4, encoding="rgb8", is_bigendian=0, step=12,
@@ -77,6 +86,40 @@ def test_join_is_by_stamp_not_order(tmp_path) -> None:
     assert [(f.label, f.domain, f.stamp_ns) for f in back] == [
         (10 + k, f"d{k}", stamps[k]) for k in range(3)]
     assert all(np.array_equal(f.image, imgs[k]) for k, f in enumerate(back))
+
+
+def test_metadata_is_what_ros2_bag_record_writes(tmp_path) -> None:
+    """Distro name, the domain label's own type, offered QoS a `ros2 bag play` can use."""
+    write_bag(tmp_path / "m", _frames(3), class_names=NAMES)
+    meta = yaml.safe_load((tmp_path / "m" / "metadata.yaml").read_text())
+    info = meta["rosbag2_bagfile_information"]
+    assert info["ros_distro"] == ROS_DISTRO == "kilted"
+    topics = {t["topic_metadata"]["name"]: t["topic_metadata"]
+              for t in info["topics_with_message_count"]}
+    assert topics[DOMAIN_TOPIC]["type"] == "tta_msgs/msg/DomainLabel"
+    qos = {name: t["offered_qos_profiles"] for name, t in topics.items()}
+    assert [q["reliability"] for q in qos[IMAGE_TOPIC]] == ["best_effort"]
+    assert [(q["reliability"], q["history"], q["depth"]) for q in qos[GT_TOPIC]] == [
+        ("reliable", "keep_last", 10)]
+    assert qos[DOMAIN_TOPIC] == qos[GT_TOPIC]
+    with Reader(tmp_path / "m") as r:  # what the reader makes of it, not just the YAML
+        assert r.ros_distro == "kilted"
+        (conn,) = [c for c in r.connections if c.topic == IMAGE_TOPIC]
+        assert conn.ext.offered_qos_profiles[0].depth == 5
+
+
+def test_message_definitions_found_in_an_installed_workspace(tmp_path, monkeypatch) -> None:
+    """Without a checkout's msg/ (a non-symlink install), the definitions tta_msgs installed
+    under an AMENT_PREFIX_PATH prefix are used; with neither, the error says what to do."""
+    installed = tmp_path / "prefix" / "share" / "tta_msgs" / "msg"
+    installed.mkdir(parents=True)
+    (installed / "DomainLabel.msg").write_text("string domain\n")
+    monkeypatch.setattr(bag, "CHECKOUT_MSG_DIR", tmp_path / "no_checkout")
+    monkeypatch.setenv("AMENT_PREFIX_PATH", f"{tmp_path / 'other'}:{tmp_path / 'prefix'}")
+    assert bag.msg_dir() == installed
+    monkeypatch.setenv("AMENT_PREFIX_PATH", str(tmp_path / "other"))
+    with pytest.raises(FileNotFoundError, match="source its workspace"):
+        bag.msg_dir()
 
 
 def test_missing_bag_and_missing_topic(tmp_path) -> None:

@@ -14,8 +14,8 @@ import pytest
 from tta_core import __version__
 from tta_core.cli import ENTRY_POINT_GROUP, build_parser, main
 
-CORE_COMMANDS = {"bench", "calibrate", "doctor", "make-bag", "predictor-bench", "profile",
-                 "train-source"}
+CORE_COMMANDS = {"bench", "calibrate", "doctor", "make-bag", "model-card", "predictor-bench",
+                 "profile", "train-source"}
 
 
 def test_version_flag(capsys):

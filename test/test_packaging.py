@@ -4,7 +4,9 @@ console scripts and the `tta.commands` entry points."""
 
 from __future__ import annotations
 
+import ast
 import configparser
+import os
 import re
 import shutil
 import subprocess
@@ -18,10 +20,10 @@ import pytest
 from catkin_pkg.package import parse_package
 
 ROOT = Path(__file__).resolve().parents[1]
-# What setup.py reads: copied, because building writes build/ and tta_ros.egg-info/ next to
-# setup.py, and an egg-info in the checkout would shadow the installed metadata.
-BUILD_INPUTS = ("setup.py", "setup.cfg", "package.xml", "resource", "tta_core", "tta_ros",
-                "kernels", "launch", "config", "checkpoints", "bags")
+PKG = ROOT / "ros_package"  # the ament_python package folder (links to the sources)
+# What setup.py reads: copied (links followed), because building writes build/ and
+# tta_ros.egg-info/ next to setup.py.
+NOT_BUILD_INPUTS = ("test", "msg", "pytest.ini", "build", "*.egg-info", "__pycache__", "*.pyc")
 CONSOLE_SCRIPTS = {
     "tta": "tta_core.cli:main",
     "perception_node": "tta_ros.nodes.perception:main",
@@ -38,7 +40,7 @@ def _deps(pkg) -> set[str]:
 
 
 def test_tta_ros_manifest_declares_runtime_dependencies():
-    pkg = parse_package(str(ROOT / "package.xml"))
+    pkg = parse_package(str(PKG / "package.xml"))
     pkg.validate()
     assert pkg.name == "tta_ros"
     assert pkg.get_build_type() == "ament_python"
@@ -49,6 +51,45 @@ def test_tta_ros_manifest_declares_runtime_dependencies():
     # `rosdep check` stopped at it: ament_python is a build type, not a rosdep key
     assert "ament_python" not in {d.name for d in pkg.buildtool_depends}
     assert all("@" in m.email and "." in m.email.split("@")[1] for m in pkg.maintainers)
+
+
+# module the code imports -> its rosdep key (keys checked against ros/rosdistro rosdep/*.yaml)
+ROSDEP_KEYS = {"torch": "python3-torch", "torchvision": "python3-torchvision",
+               "numpy": "python3-numpy", "scipy": "python3-scipy", "cv2": "python3-opencv",
+               "psutil": "python3-psutil", "yaml": "python3-yaml", "PIL": "python3-pil",
+               "matplotlib": "python3-matplotlib", "tqdm": "python3-tqdm",
+               "rich": "python3-rich", "rosbags": "python3-rosbags-pip"}
+ROS_PACKAGES = {"rclpy", "rcl_interfaces", "ament_index_python", "launch", "launch_ros",
+                "std_msgs", "sensor_msgs", "diagnostic_msgs", "visualization_msgs",
+                "geometry_msgs", "builtin_interfaces", "nav_msgs", "tta_msgs"}
+NO_KEY = {"imagecorruptions", "safetensors"}  # pip only (requirements/python.txt)
+OPTIONAL = {"pynvml", "jtop"}  # telemetry sources tried at run time on NVIDIA / Jetson
+FIRST_PARTY = {"tta_core", "tta_ros", "tta_kernels"}
+
+
+def _imported_modules() -> set[str]:
+    """Top-level names of every module the installed code imports (not stdlib, not ours)."""
+    found: set[str] = set()
+    for folder in ("tta_core", "tta_ros", "kernels", "launch"):
+        for path in (ROOT / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    found |= {a.name.split(".")[0] for a in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    found.add(node.module.split(".")[0])
+    return found - set(sys.stdlib_module_names) - FIRST_PARTY - {"__future__"}
+
+
+def test_every_runtime_import_has_its_rosdep_key_declared():
+    """rosdep installs what package.xml names: an import without a key fails on a robot."""
+    imported = _imported_modules()
+    unknown = imported - set(ROSDEP_KEYS) - ROS_PACKAGES - NO_KEY - OPTIONAL
+    assert not unknown, f"imports without a rosdep mapping here: {sorted(unknown)}"
+    declared = {d.name for d in parse_package(str(PKG / "package.xml")).exec_depends}
+    needed = {ROSDEP_KEYS.get(m, m) for m in imported - NO_KEY - OPTIONAL}
+    assert needed <= declared, sorted(needed - declared)
+    tests = {d.name for d in parse_package(str(PKG / "package.xml")).test_depends}
+    assert {"python3-pytest", "python3-pytest-timeout", "python3-hypothesis"} <= tests
 
 
 def test_tta_msgs_manifest_is_an_interface_package():
@@ -66,20 +107,24 @@ def test_cmake_generates_every_msg_file():
     listed = set(re.findall(r'"msg/(\w+)\.msg"', cmake))
     on_disk = {p.stem for p in (ROOT / "msg" / "msg").glob("*.msg")}
     assert listed == on_disk == {"LayerImportance", "LayerPlan", "ResourceTelemetry",
-                                 "AdaptationStatus", "ClassPrediction"}
+                                 "AdaptationStatus", "ClassPrediction", "DomainLabel"}
+
+
+def test_repository_root_is_no_package_so_colcon_finds_both() -> None:
+    """colcon's crawl stops at the first folder it identifies as a package: a manifest at
+    the root would hide msg/ (tta_msgs) from a plain `colcon build`."""
+    markers = ("package.xml", "setup.py", "setup.cfg", "pyproject.toml", "CMakeLists.txt",
+               "colcon.pkg", "COLCON_IGNORE")
+    assert not [m for m in markers if (ROOT / m).exists()]
+    for link in ("tta_core", "tta_ros", "kernels", "launch", "config", "checkpoints", "bags"):
+        assert (PKG / link).is_symlink() and (PKG / link).resolve() == ROOT / link, link
 
 
 @pytest.fixture(scope="module")
 def source_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The build inputs of setup.py in a scratch directory (see BUILD_INPUTS)."""
-    dst = tmp_path_factory.mktemp("source")
-    for name in BUILD_INPUTS:
-        src = ROOT / name
-        if src.is_dir():
-            shutil.copytree(src, dst / name,
-                            ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        else:
-            shutil.copy2(src, dst / name)
+    """The package folder with its links followed, in a scratch directory."""
+    dst = tmp_path_factory.mktemp("source") / "ros_package"
+    shutil.copytree(PKG, dst, ignore=shutil.ignore_patterns(*NOT_BUILD_INPUTS))
     return dst
 
 
@@ -131,12 +176,12 @@ def test_wheel_holds_all_three_python_packages(wheel: Wheel) -> None:
     for name in kernels:
         assert wheel.read(name) == (ROOT / "kernels" / name.split("/", 1)[1]).read_bytes(), name
     meta = wheel.read(f"{wheel.dist_info}/METADATA").decode()
-    version = parse_package(str(ROOT / "package.xml")).version
+    version = parse_package(str(PKG / "package.xml")).version
     assert "\nName: tta_ros\n" in meta and f"\nVersion: {version}\n" in meta
 
 
 def test_installed_metadata_matches_the_manifest() -> None:
-    assert metadata.version("tta_ros") == parse_package(str(ROOT / "package.xml")).version
+    assert metadata.version("tta_ros") == parse_package(str(PKG / "package.xml")).version
 
 
 def test_wheel_installs_the_ros_share_files(wheel: Wheel) -> None:
@@ -145,14 +190,16 @@ def test_wheel_installs_the_ros_share_files(wheel: Wheel) -> None:
     ament = {"ament_index/resource_index/packages/tta_ros", "tta_ros/package.xml"}
     in_tree = {f"tta_ros/{p.relative_to(ROOT).as_posix()}" for pattern in (
         "launch/*.launch.py", "config/*.yaml", "config/*.rviz", "checkpoints/*.pt",
-        "checkpoints/*.json", "bags/*/*") for p in ROOT.glob(pattern) if p.is_file()}
+        "checkpoints/*.safetensors", "checkpoints/*.json", "bags/*/*")
+        for p in ROOT.glob(pattern) if p.is_file()}
     assert shipped == ament | in_tree
     assert {"tta_ros/launch/vehicle.launch.py", "tta_ros/config/vehicle.yaml",
             "tta_ros/config/tta.rviz", "tta_ros/checkpoints/small_resnet_signs32.json",
             "tta_ros/checkpoints/small_resnet_signs32.pt",
             "tta_ros/bags/signs32_sample/metadata.yaml",
             "tta_ros/bags/signs32_sample/signs32_sample.mcap"} <= shipped
-    assert (ROOT / "resource" / "tta_ros").exists()
+    assert (PKG / "resource" / "tta_ros").exists()
+    assert not [n for n in wheel.names if "/data/bin/" in n]  # pip writes its own `tta`
 
 
 def _entry_points(wheel: Wheel) -> configparser.ConfigParser:
@@ -194,3 +241,6 @@ def test_colcon_style_install_layout(source_copy: Path, tmp_path: Path) -> None:
     assert (tmp_path / "share/ament_index/resource_index/packages/tta_ros").is_file()
     for exe in ("perception_node", "resource_monitor_node", "scheduler_node", "tta"):
         assert (tmp_path / "lib" / "tta_ros" / exe).is_file(), exe
+    on_path = tmp_path / "bin" / "tta"  # colcon puts <prefix>/bin on PATH
+    assert on_path.is_file() and os.access(on_path, os.X_OK)
+    assert "from tta_core.cli import main" in on_path.read_text()

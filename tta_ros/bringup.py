@@ -50,6 +50,7 @@ from tta_core.errors import one_line_errors
 from tta_core.runtime.malloc_tuning import keep_freed_memory
 from tta_ros import launch_params
 from tta_ros.launch_params import join_namespace, launch_overrides, node_parameters
+from tta_ros.paths import package_file
 from tta_ros.ros_params import resolve_paths
 
 CLASSES = {"resource_monitor": "tta_ros.nodes.resource_monitor:ResourceMonitorNode",
@@ -197,7 +198,9 @@ def ros_args_namespace(argv: Sequence[str]) -> str:
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m tta_ros.bringup", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default=str(ROOT / "config" / "vehicle.yaml"))
+    ap.add_argument("--config", default=str(package_file("config/vehicle.yaml")),
+                    help="node parameters (default: the shipped config/vehicle.yaml, in the "
+                    "checkout or the installed share folder)")
     ap.add_argument("--namespace", default="", help="namespace of the three nodes and "
                     "their topics (default: a `--ros-args -r __ns:=...`, else none)")
     ap.add_argument("--image-topic", default=None, help="remap the perception input")

@@ -34,6 +34,7 @@ from tta_msgs.msg import AdaptationStatus, ClassPrediction
 from tta_core.eval.report import FrameRecord, RunRecord, report_dict, write_json_atomic
 from tta_core.eval.report_files import ReportFiles, write_report
 from tta_core.io.bag import BagFrame, read_bag, stamp_ns
+from tta_ros.paths import package_file
 
 STATUS_PHASES = {"forward": "forward_ms", "plan": "plan_ms", "backward": "backward_ms",
                  "reforward": "reforward_ms", "total": "total_ms"}
@@ -44,7 +45,7 @@ class ReplayOptions:
     """What to replay and how; see the module docstring for pacing and flow control."""
 
     bag: Path
-    config: Path = Path("config/vehicle.yaml")
+    config: Path = field(default_factory=lambda: package_file("config/vehicle.yaml"))
     rate: str = "max"  # "real" | "max" | a rate in Hz
     method: str | None = None
     out: Path | None = None  # None: no files written

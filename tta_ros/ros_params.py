@@ -22,6 +22,8 @@ from rcl_interfaces.msg import (
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 
+from tta_ros.paths import REPO_ROOT, share_dir
+
 
 @dataclass(frozen=True)
 class ParamSpec:
@@ -101,21 +103,7 @@ def check_initial(specs: Sequence[ParamSpec], current: dict[str, Any]) -> None:
             raise ValueError(reason)
 
 
-PACKAGE = "tta_ros"
-REPO_ROOT = Path(__file__).resolve().parent.parent  # a source checkout; site-packages if not
 PATH_PARAMS = ("model_card", "profile")
-
-
-def share_dir(package: str = PACKAGE) -> Path | None:
-    """The package's ament share directory (colcon install), or None when not installed."""
-    try:
-        from ament_index_python.packages import PackageNotFoundError, get_package_share_directory
-    except ImportError:
-        return None
-    try:
-        return Path(get_package_share_directory(package))
-    except (PackageNotFoundError, ValueError):
-        return None
 
 
 def resolve_data_path(value: str, base: Path | None = None) -> str:

@@ -24,9 +24,15 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 
 
 def _load_npy(path: Path) -> np.ndarray:
+    """The array in `path`, memory-mapped (only the rows a stream takes are read: a
+    release file holds 150 MB); never unpickled."""
     if not path.is_file():
         raise FileNotFoundError(f"CIFAR-10-C file {str(path)!r} not found")
-    return np.load(path, allow_pickle=False)  # never unpickle downloaded files
+    try:
+        return np.load(path, mmap_mode="r", allow_pickle=False)  # never unpickle
+    except (ValueError, OSError) as exc:
+        raise ValueError(f"{str(path)!r} is not a .npy array file "
+                         f"({' '.join(str(exc).split())[:120]})") from None
 
 
 def load_cifar10c(root: str | Path, corruptions: Sequence[str] = CORRUPTIONS,
@@ -56,12 +62,23 @@ def load_cifar10c(root: str | Path, corruptions: Sequence[str] = CORRUPTIONS,
                   CIFAR10_CLASSES, "continual", 0)
 
 
-def load_image_folder(root: str | Path, domains: Sequence[str] | None = None,
-                      image_size: int = 64, shuffle_seed: int | None = 0) -> Stream:
-    """Continual stream over domain folders, images resized to `image_size` (RGB uint8);
-    within a domain the files are shuffled by `shuffle_seed` (None keeps sorted order)."""
+def _read_image(path: Path, image_size: int) -> np.ndarray:
     from PIL import Image
 
+    try:
+        with Image.open(path) as im:
+            rgb = im.convert("RGB").resize((image_size, image_size), Image.BILINEAR)
+    except OSError as exc:
+        raise ValueError(f"{str(path)!r} is not a readable image ({exc})") from None
+    return np.asarray(rgb, dtype=np.uint8)
+
+
+def load_image_folder(root: str | Path, domains: Sequence[str] | None = None,
+                      image_size: int = 64, shuffle_seed: int | None = 0,
+                      samples_per_domain: int | None = None) -> Stream:
+    """Continual stream over domain folders, images resized to `image_size` (RGB uint8);
+    within a domain the files are shuffled by `shuffle_seed` (None keeps sorted order) and
+    the first `samples_per_domain` (None: all) are read."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"image-folder root {str(root)!r} not found")
@@ -81,10 +98,8 @@ def load_image_folder(root: str | Path, domains: Sequence[str] | None = None,
         if shuffle_seed is not None:
             perm = np.random.default_rng([shuffle_seed, len(doms)]).permutation(len(files))
             files = [files[i] for i in perm]
-        for f in files:
-            with Image.open(f) as im:
-                rgb = im.convert("RGB").resize((image_size, image_size), Image.BILINEAR)
-            images.append(np.asarray(rgb, dtype=np.uint8))
+        for f in files[:samples_per_domain]:
+            images.append(_read_image(f, image_size))
             labels.append(classes.index(f.parent.name))
             doms.append(d)
     return Stream(np.stack(images), np.array(labels, dtype=np.int64), np.array(doms),

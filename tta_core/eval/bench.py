@@ -13,7 +13,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from tta_core.data.preprocess import images_to_tensor
+from tta_core.errors import InputError
 from tta_core.eval.live_telemetry import LiveExpansion
-from tta_core.eval.report import FrameRecord, RunRecord
+from tta_core.eval.report import FrameRecord, RunRecord, lr_markdown
 from tta_core.eval.report_files import ReportFiles, write_report
 from tta_core.eval.streaming import (
     NODE_BATCH_WAIT_MS,
@@ -36,6 +37,7 @@ from tta_core.eval.streaming import (
     timed_step,
 )
 from tta_core.methods import available_methods, build_method, method_class
+from tta_core.model.user_card import UserModel
 
 DEFAULT_METHODS: tuple[str, ...] = ("source", "bn_adapt", "tent", "eata", "sar", "cotta",
                                     "lame", "adashadow")
@@ -63,6 +65,11 @@ class BenchConfig:
     telemetry: str = ""
     # streaming accuracy at these frame rates (Hz) after the report (eval.streaming); () off
     stream_hz: tuple[float, ...] = ()
+    # the stream: "" the synthetic signs; else KIND:DIR of the user's data (data.sources)
+    data: str = ""
+    # the user's model (arch or factory, weights, input size, normalisation) instead of
+    # model_card (model.user_card); None: model_card
+    user_model: UserModel | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad value."""
@@ -88,6 +95,15 @@ class BenchConfig:
         for name, opts in self.method_options.items():
             if name in known:
                 check_option_types(name, opts)
+        if self.data:
+            from tta_core.data.sources import parse_data
+
+            parse_data(self.data)
+            if self.order != "continual":
+                raise ValueError(f"order {self.order!r}: --data streams are continual (the "
+                                 "other orders are the synthetic stream's)")
+        if self.user_model is not None:
+            self.user_model.check()
 
 
 def check_option_types(method: str, options: dict[str, Any]) -> None:
@@ -202,6 +218,7 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
         torch.cuda.reset_peak_memory_stats()
     frames: list[FrameRecord] = []
     busy = 0.0
+    rates: dict[int, float] = {}  # batch size -> SGD rate its steps ran with
     start_mb = psutil.Process().memory_info().rss / 2**20
     with PeakRSS() as mem:
         for b_id, b in enumerate(stream):
@@ -209,6 +226,7 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
                 live.feed(meth)
             t0 = time.perf_counter()
             res = meth.step(b.x)
+            _note_lr(meth, len(b.labels), rates)
             pred = res.logits.argmax(1)
             if cuda:
                 torch.cuda.synchronize()
@@ -226,7 +244,8 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
         meth.close()
     meta = {"options": {k: v for k, v in opts.items() if k != "input_shape"},
             "mode": cfg.mode, "batch_size": cfg.batch_size, "threads": torch.get_num_threads(),
-            "rss_peak_mb": mem.peak_mb, "rss_start_mb": start_mb}
+            "rss_peak_mb": mem.peak_mb, "rss_start_mb": start_mb,
+            "lr": _lr_meta(meth, rates)}
     if live is not None and live.fed:
         meta["telemetry"] = live.summary()
         live.fed.clear()
@@ -236,6 +255,24 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
     # RSS at the method's start (its models, optimizer state, activations); absolute in meta
     peak = meta.get("cuda_peak_mb", max(mem.peak_mb - start_mb, 0.0))
     return RunRecord(name, frames, busy, float(peak), 0, meta)
+
+
+def _note_lr(meth: Any, batch: int, rates: dict[int, float]) -> None:
+    """Record the SGD rate the optimizer ran the last step with (methods without one: no
+    entry)."""
+    opt = getattr(meth, "optimizer", None)
+    if opt is not None and batch not in rates:
+        rates[batch] = float(opt.param_groups[0]["lr"])
+
+
+def _lr_meta(meth: Any, rates: dict[int, float]) -> dict[str, Any] | None:
+    """The method's learning rate as configured (at batch lr_ref_batch) and as it ran,
+    per batch size; None when it has no optimizer (source, bn_adapt, lame)."""
+    if not rates:
+        return None
+    cfg = meth.config
+    return {"lr": cfg.lr, "ref_batch": cfg.lr_ref_batch,
+            "effective": {str(b): r for b, r in sorted(rates.items(), reverse=True)}}
 
 
 def batches_from_arrays(x: torch.Tensor, labels: np.ndarray, domains: Sequence[str],
@@ -257,20 +294,32 @@ def config_dict(cfg: BenchConfig) -> dict:
     """JSON-ready copy of the config."""
     d = asdict(cfg)
     d["model_card"] = str(cfg.model_card)
+    if cfg.user_model is not None:
+        d["user_model"]["weights"] = str(cfg.user_model.weights)
     return d
+
+
+def describe_inputs(cfg: BenchConfig) -> str:
+    """The model and data of a bench, for the report header."""
+    um = cfg.user_model
+    model = (f"model card: {cfg.model_card}" if um is None else
+             f"model: {um.model}, weights {um.weights}, {um.input_size} px")
+    return f"{model}; data: {cfg.data or 'synthetic signs'}"
 
 
 def write_bench(runs: list[RunRecord], out: Path, cfg: BenchConfig,
                 clean_accuracy: float) -> tuple[ReportFiles, str]:
-    """Write the report files; the markdown gets a header naming stream and model."""
+    """Write the report files; the markdown gets a header naming stream and model and a
+    table of the learning rate each method ran with."""
     title = (f"tta bench — {cfg.order} stream, severity {cfg.severity}, batch {cfg.batch_size},"
              f" {cfg.mode}, seed {cfg.seed}")
     files = write_report(runs, out, title=title)
     text = files.markdown.read_text()
-    head = (f"model card: {cfg.model_card}; clean accuracy {100 * clean_accuracy:.1f}%; "
+    clean = "–" if math.isnan(clean_accuracy) else f"{100 * clean_accuracy:.1f}%"
+    head = (f"{describe_inputs(cfg)}; clean accuracy {clean}; "
             f"{cfg.samples_per_domain} samples per domain; torch threads {cfg.threads or 'all'}"
             "\n\n")
-    text = text.replace("Accuracy in %", head + "Accuracy in %", 1)
+    text = text.replace("Accuracy in %", head + "Accuracy in %", 1) + lr_markdown(runs)
     files.markdown.write_text(text)
     return files, text
 
@@ -329,17 +378,55 @@ def run_methods(stream: Sequence[Batch], make_model: Callable[[], nn.Module],
     return runs
 
 
+def _card(cfg: BenchConfig, classes: Sequence[str]) -> tuple[Any, Path]:
+    """(model card, the folder its checkpoint is relative to): `cfg.model_card`, or one
+    made for `cfg.user_model` (classes: its own, else `classes`, the user data's)."""
+    from tta_core.model.source import load_card
+    from tta_core.model.user_card import make_card
+
+    um = cfg.user_model
+    if um is None:
+        return load_card(cfg.model_card), Path(cfg.model_card).parent
+    if not (um.class_names or um.num_classes) and classes:
+        um = replace(um, class_names=tuple(classes))
+    return make_card(um), Path(".")
+
+
+def bench_inputs(cfg: BenchConfig, progress: bool = False
+                 ) -> tuple[Any, Callable[[], nn.Module], list[Batch]]:
+    """(card, a maker of fresh source models, the stream's batches) of `cfg`: the card's
+    or the user's model, the synthetic stream or the user's data at the model's input
+    size; the weights are loaded and run once first, so a bad file fails before the stream."""
+    from tta_core.data.signs import CLASS_NAMES
+    from tta_core.data.sources import load_data, parse_data
+    from tta_core.model.source import load_card, load_model
+    from tta_core.model.user_card import check_card_model
+
+    size = (load_card(cfg.model_card).image_size if cfg.user_model is None
+            else cfg.user_model.input_size)
+    data = (load_data(parse_data(cfg.data), size, cfg.severity, cfg.samples_per_domain,
+                      cfg.seed) if cfg.data else None)
+    card, base = _card(cfg, data.class_names if data is not None else ())
+    check_card_model(card, base)
+    if data is None and card.num_classes > len(CLASS_NAMES):
+        raise InputError(f"the model has {card.num_classes} classes; the synthetic signs "
+                         f"stream has at most {len(CLASS_NAMES)}: give --data KIND:DIR")
+    if data is None:
+        stream = build_stream(cfg, card, progress)
+    elif card.num_classes != len(data.class_names):
+        raise InputError(f"the model has {card.num_classes} classes, --data {cfg.data} "
+                         f"has {len(data.class_names)} ({', '.join(data.class_names[:5])}"
+                         f"{', ...' if len(data.class_names) > 5 else ''})")
+    else:
+        stream = batches_from_arrays(images_to_input(data.images, card, cfg.device),
+                                     data.labels, data.domains.tolist(), cfg.batch_size)
+    return card, (lambda: load_model(card, base)), stream
+
+
 def run_bench(cfg: BenchConfig, out: str | Path | None, progress: bool = True) -> BenchResult:
     """Build the stream once, run every method from the checkpoint, write the report."""
-    from tta_core.model.source import load_source
-
     cfg.validate()
-    _, card = load_source(cfg.model_card)
-    stream = build_stream(cfg, card, progress)
-
-    def fresh() -> nn.Module:
-        return load_source(cfg.model_card)[0]
-
+    card, fresh, stream = bench_inputs(cfg, progress)
     runs = run_methods(stream, fresh, cfg, progress)
     clean = float(_card_get(card, "clean_accuracy", math.nan))
     for r in runs:
@@ -347,7 +434,8 @@ def run_bench(cfg: BenchConfig, out: str | Path | None, progress: bool = True) -
     if out is None:
         from tta_core.eval.report import markdown_table, summarize
 
-        return BenchResult(runs, None, markdown_table([summarize(r) for r in runs]), clean)
+        return BenchResult(runs, None, markdown_table([summarize(r) for r in runs])
+                           + lr_markdown(runs), clean)
     files, text = write_bench(runs, Path(out), cfg, clean)
     result = BenchResult(runs, files, text, clean)
     if cfg.stream_hz:

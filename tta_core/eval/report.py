@@ -211,6 +211,26 @@ def markdown_table(summaries: Sequence[RunSummary]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def lr_markdown(runs: Sequence[RunRecord]) -> str:
+    """Markdown table of the learning rate each run's method ran with (run.meta["lr"]:
+    the configured lr at its reference batch, the effective rate per batch size); '' when
+    no run records one (replays). Methods without an optimizer (lr None) show '–'."""
+    if not any("lr" in r.meta for r in runs):
+        return ""
+    lines = ["", "Learning rate (SGD): lr is the rate at batch `lr_ref_batch`; each step runs "
+             "with lr × batch / lr_ref_batch (lr itself when lr_ref_batch is 0).", "",
+             "| method | lr | lr_ref_batch | effective lr |", "|---|---|---|---|"]
+    for r in runs:
+        lr = r.meta.get("lr")
+        if not isinstance(lr, dict):
+            lines.append(f"| {r.method} | – | – | – (no optimizer) |")
+            continue
+        eff = "; ".join(f"{float(v):.3g} at batch {b}" for b, v in dict(lr["effective"]).items())
+        lines.append(f"| {r.method} | {float(lr['lr']):.3g} | {lr['ref_batch'] or 'off'} "
+                     f"| {eff} |")
+    return "\n".join(lines) + "\n"
+
+
 def _clean(obj: object) -> object:
     """JSON-safe copy: NaN/inf become null (strict JSON has no NaN)."""
     if isinstance(obj, float):

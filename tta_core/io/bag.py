@@ -6,15 +6,20 @@ Layout (written by `write_bag`, expected by `read_bag`):
   camera rate;
 - `/ground_truth`       tta_msgs/msg/ClassPrediction, one per image, header.stamp = the
   image's stamp, label + class_name, confidence 1;
-- `/ground_truth/domain` std_msgs/msg/Header, one per image, stamp = the image's stamp,
-  frame_id = "<corruption>/<severity>" or "clean".
+- `/ground_truth/domain` tta_msgs/msg/DomainLabel, one per image, header.stamp = the
+  image's stamp, domain = "<corruption>/<severity>" or "clean". (Bags written before
+  DomainLabel existed carry it in a std_msgs/msg/Header's frame_id: still read.)
 
 The side topics are joined to images by stamp, so a bag re-recorded by `ros2 bag record`
-(where log times differ from stamps) reads the same.
+(where log times differ from stamps) reads the same. The metadata is what `ros2 bag record`
+writes: the ROS distribution and each topic's offered QoS (the camera's sensor-data QoS, so
+`ros2 bag play` publishes best-effort images; reliable ground truth).
 """
 
 from __future__ import annotations
 
+import os
+import re
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -23,6 +28,14 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+from rosbags.interfaces import (
+    Qos,
+    QosDurability,
+    QosHistory,
+    QosLiveliness,
+    QosReliability,
+    QosTime,
+)
 from rosbags.rosbag2 import Reader, ReaderError, StoragePlugin, Writer
 from rosbags.serde import SerdeError
 from rosbags.typesys import Stores, get_types_from_msg, get_typestore
@@ -36,8 +49,21 @@ GT_TOPIC = "/ground_truth"
 DOMAIN_TOPIC = "/ground_truth/domain"
 IMAGE_TYPE = "sensor_msgs/msg/Image"
 GT_TYPE = "tta_msgs/msg/ClassPrediction"
-DOMAIN_TYPE = "std_msgs/msg/Header"
-MSG_DIR = Path(__file__).resolve().parents[2] / "msg" / "msg"
+DOMAIN_TYPE = "tta_msgs/msg/DomainLabel"
+LEGACY_DOMAIN_TYPE = "std_msgs/msg/Header"  # domain in frame_id (bags before DomainLabel)
+# the ROS 2 distribution of the rclpy wheels the project pins (rclpy 9.x): rosbags writes
+# its own name there, `ros2 bag info` shows the recording distro
+ROS_DISTRO = "kilted"
+CHECKOUT_MSG_DIR = Path(__file__).resolve().parents[2] / "msg" / "msg"
+_INFINITE = QosTime(sec=9223372036, nsec=854775807)  # rosbag2's RMW_DURATION_INFINITE
+_QOS = {reliability: Qos(QosHistory.KEEP_LAST, depth, reliability, QosDurability.VOLATILE,
+                         _INFINITE, _INFINITE, QosLiveliness.AUTOMATIC, _INFINITE, False)
+        for reliability, depth in ((QosReliability.BEST_EFFORT, 5),
+                                   (QosReliability.RELIABLE, 10))}
+#: offered QoS per topic: the camera's sensor-data profile, reliable ground truth
+OFFERED_QOS = {IMAGE_TOPIC: _QOS[QosReliability.BEST_EFFORT],
+               GT_TOPIC: _QOS[QosReliability.RELIABLE],
+               DOMAIN_TOPIC: _QOS[QosReliability.RELIABLE]}
 STORAGES = {"mcap": StoragePlugin.MCAP, "sqlite3": StoragePlugin.SQLITE3}
 
 
@@ -63,12 +89,23 @@ class BagInfo:
     has_ground_truth: bool
 
 
+def msg_dir() -> Path:
+    """The tta_msgs `.msg` definitions: the source checkout's msg/msg, else those the
+    tta_msgs package installed (share/tta_msgs/msg under an AMENT_PREFIX_PATH prefix)."""
+    if any(CHECKOUT_MSG_DIR.glob("*.msg")):
+        return CHECKOUT_MSG_DIR
+    for prefix in os.environ.get("AMENT_PREFIX_PATH", "").split(os.pathsep):
+        installed = Path(prefix) / "share" / "tta_msgs" / "msg"
+        if prefix and any(installed.glob("*.msg")):
+            return installed
+    raise FileNotFoundError(f"no tta_msgs definitions in {CHECKOUT_MSG_DIR} nor under "
+                            "AMENT_PREFIX_PATH (build tta_msgs and source its workspace)")
+
+
 @lru_cache(maxsize=1)
 def tta_typestore() -> Typestore:
-    """ROS 2 Kilted typestore with the tta_msgs types of `msg/msg/*.msg` registered."""
-    files = sorted(MSG_DIR.glob("*.msg"))
-    if not files:
-        raise FileNotFoundError(f"no tta_msgs definitions in {MSG_DIR}")
+    """ROS 2 Kilted typestore with the tta_msgs types of `msg/*.msg` registered."""
+    files = sorted(msg_dir().glob("*.msg"))
     store = get_typestore(Stores.ROS2_KILTED)
     types = {}
     for f in files:
@@ -106,13 +143,16 @@ class BagWriter:
     def __enter__(self) -> BagWriter:
         self._writer.open()
         w, s = self._writer, self.store
-        self._conns = {t: w.add_connection(t, m, typestore=s) for t, m in
-                       ((IMAGE_TOPIC, IMAGE_TYPE), (GT_TOPIC, GT_TYPE),
-                        (DOMAIN_TOPIC, DOMAIN_TYPE))}
+        self._conns = {t: w.add_connection(t, m, typestore=s,
+                                           offered_qos_profiles=[OFFERED_QOS[t]])
+                       for t, m in ((IMAGE_TOPIC, IMAGE_TYPE), (GT_TOPIC, GT_TYPE),
+                                    (DOMAIN_TOPIC, DOMAIN_TYPE))}
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._writer.close()
+        if exc[0] is None:
+            _set_ros_distro(self.path / "metadata.yaml", ROS_DISTRO)
 
     def _header(self, t_ns: int, frame_id: str) -> object:
         t = self.store.types
@@ -133,12 +173,22 @@ class BagWriter:
         gt = t[GT_TYPE](header=self._header(t_ns, "camera"), batch_id=self.count,
                         label=int(label), confidence=1.0, class_name=name,
                         scores=np.zeros(0, np.float32))
-        for topic, msg in ((IMAGE_TOPIC, img), (GT_TOPIC, gt),
-                           (DOMAIN_TOPIC, self._header(t_ns, domain))):
+        label_msg = t[DOMAIN_TYPE](header=self._header(t_ns, "camera"), domain=domain)
+        for topic, msg in ((IMAGE_TOPIC, img), (GT_TOPIC, gt), (DOMAIN_TOPIC, label_msg)):
             data = self.store.serialize_cdr(msg, self._conns[topic].msgtype)
             self._writer.write(self._conns[topic], t_ns, data)
         self.count += 1
         return t_ns
+
+
+def _set_ros_distro(metadata: Path, distro: str) -> None:
+    """Name the recording distro in metadata.yaml as `ros2 bag record` does (rosbags writes
+    `ros_distro: rosbags`); an atomic replace, the rest of the file byte-identical."""
+    text = metadata.read_text()
+    fixed = re.sub(r"(?m)^(\s*ros_distro:) rosbags$", rf"\1 {distro}", text)
+    tmp = metadata.with_suffix(".yaml.tmp")
+    tmp.write_text(fixed)
+    tmp.replace(metadata)
 
 
 def write_bag(path: str | Path, frames: Iterable[tuple[np.ndarray, int, str]],
@@ -208,8 +258,10 @@ def _ground_truth(reader: Reader, store: Typestore) -> tuple[dict, dict]:
         msg = store.deserialize_cdr(raw, conn.msgtype)
         if conn.topic == GT_TOPIC:
             labels[stamp_ns(msg.header)] = (int(msg.label), str(msg.class_name))
-        else:
+        elif conn.msgtype == LEGACY_DOMAIN_TYPE:
             domains[stamp_ns(msg)] = str(msg.frame_id)
+        else:
+            domains[stamp_ns(msg.header)] = str(msg.domain)
     return labels, domains
 
 
@@ -226,7 +278,9 @@ def read_bag(path: str | Path, require_ground_truth: bool = True) -> Iterator[Ba
         _check_topic(topics, IMAGE_TOPIC, IMAGE_TYPE, Path(path))
         if require_ground_truth:
             _check_topic(topics, GT_TOPIC, GT_TYPE, Path(path))
-            _check_topic(topics, DOMAIN_TOPIC, DOMAIN_TYPE, Path(path))
+            legacy = topics.get(DOMAIN_TOPIC) == LEGACY_DOMAIN_TYPE
+            _check_topic(topics, DOMAIN_TOPIC, LEGACY_DOMAIN_TYPE if legacy else DOMAIN_TYPE,
+                         Path(path))
         labels, domains = _ground_truth(reader, store)
         conns = [c for c in reader.connections if c.topic == IMAGE_TOPIC]
         for conn, _, raw in reader.messages(connections=conns):

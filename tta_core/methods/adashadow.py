@@ -55,6 +55,10 @@ class AdaShadow(TTAMethod):
                      if isinstance(m, nn.modules.batchnorm._BatchNorm)
                      and m.running_mean is not None and m.running_var is not None}
         super().configure_model()
+        if len(self.config.input_shape) != 3:
+            raise ValueError(f"adashadow needs input_shape, one sample (C, H, W) at the "
+                             f"model's input size (e.g. (3, 32, 32) for a 32 px model card), "
+                             f"got {tuple(self.config.input_shape)}")
         prof = self.config.profile
         if isinstance(prof, (str, Path)):
             prof = UnitProfile.load(prof)

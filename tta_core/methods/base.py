@@ -25,7 +25,14 @@ from tta_core.model.norms import NORM_NAMES, norm_affine_params, set_bn_mode
 
 @dataclass
 class MethodConfig:
-    """Settings shared by every method; methods extend it with their own fields."""
+    """Settings shared by every method; methods extend it with their own fields.
+
+    `lr` is the SGD learning rate at batch size `lr_ref_batch` (64), not the rate a step
+    runs with: each step uses lr * batch / lr_ref_batch (`effective_lr`), e.g. 5e-3 at
+    batch 64 is 3.125e-4 at batch 4; `lr_ref_batch=0` uses `lr` as given at every batch.
+    `input_shape` is one sample (C, H, W) at the model's input size (the model card's
+    image_size); methods that decompose the model (AdaShadow) require it.
+    """
 
     lr: float = 5e-3  # AdaShadow §4 (SGD), meant at batch size `lr_ref_batch`
     # linear learning-rate scaling for small batches, as the EATA/SAR reference code does
@@ -35,7 +42,8 @@ class MethodConfig:
     lr_ref_batch: int = 64
     momentum: float = 0.9
     bn_mode: str = "batch"  # "batch": BN uses test-batch statistics; "source": running stats
-    input_shape: tuple[int, ...] = (3, 224, 224)  # one sample, for model decomposition
+    # one sample (C, H, W), for model decomposition; () = not given (never assumed)
+    input_shape: tuple[int, ...] = ()
     arch: str | None = None
 
 
@@ -151,11 +159,18 @@ class TTAMethod:
         self.config.lr = float(lr)
         self._lr_batch = None
 
+    def effective_lr(self, batch: int) -> float | None:
+        """The SGD rate a step on `batch` samples runs with: lr * batch / lr_ref_batch (lr
+        itself when lr_ref_batch is 0); None when the method has no optimizer."""
+        if self.optimizer is None:
+            return None
+        ref = self.config.lr_ref_batch
+        return self.config.lr * batch / ref if ref else self.config.lr
+
     def _scale_lr(self, batch: int) -> None:
         if self.optimizer is None or batch == self._lr_batch:
             return
-        ref = self.config.lr_ref_batch
-        lr = self.config.lr * batch / ref if ref else self.config.lr
+        lr = self.effective_lr(batch)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self._lr_batch = batch

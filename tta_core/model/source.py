@@ -1,14 +1,16 @@
 """Train the source model on clean synthetic signs and describe it with a model card.
 
 The card (JSON next to the checkpoint) is what every consumer reads: architecture, classes,
-input size and normalisation, clean accuracy, seed. Checkpoints are plain state_dicts,
-always loaded with `torch.load(weights_only=True)`.
+input size and normalisation, clean accuracy, seed. The architecture is a tta arch, a
+torchvision model name or a user's factory `package.module:function` with its kwargs
+(tta_core.model.arch); `tta model-card` writes a card for a user's model and weights.
+Checkpoints are plain state_dicts, always loaded with `torch.load(weights_only=True)`, or
+`.safetensors` files (tta_core.model.weights).
 """
 
 from __future__ import annotations
 
 import json
-import pickle
 from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
@@ -20,8 +22,13 @@ from torch import nn
 
 from tta_core.data.preprocess import images_to_tensor
 from tta_core.data.signs import make_signs
-from tta_core.errors import InputError, one_line
-from tta_core.model.zoo import ARCHS, build_model
+from tta_core.errors import InputError
+from tta_core.model.arch import build_architecture, check_arch
+from tta_core.model.weights import load_into, load_state_dict
+from tta_core.model.zoo import build_model
+
+__all__ = ["CARD_SCHEMA", "ModelCard", "TrainConfig", "build_card_model", "load_card",
+           "load_model", "load_source", "load_state_dict", "save_card", "train_source"]
 
 CARD_SCHEMA = "tta.model_card/1"
 
@@ -36,7 +43,7 @@ class ModelCard:
     image_size: int
     mean: list[float]
     std: list[float]
-    checkpoint: str  # file name, relative to the card
+    checkpoint: str  # weights file: relative to the card's folder, or absolute
     clean_accuracy: float = float("nan")
     seed: int = 0
     epochs: int = 0
@@ -44,13 +51,16 @@ class ModelCard:
     torch_version: str = torch.__version__
     name: str = ""
     schema: str = CARD_SCHEMA
+    # '' (arch names a tta or torchvision model) or 'package.module:function' called with
+    # `kwargs` exactly; arch then only names the architecture
+    factory: str = ""
+    kwargs: dict = field(default_factory=dict)  # JSON keyword arguments of the builder
 
     def validate(self) -> None:
         """ValueError naming the first inconsistent field."""
         if self.schema != CARD_SCHEMA:
             raise ValueError(f"schema {self.schema!r}, expected {CARD_SCHEMA!r}")
-        if self.arch not in ARCHS:
-            raise ValueError(f"arch {self.arch!r} not in {ARCHS}")
+        check_arch(self.arch, self.factory, self.kwargs)
         if len(self.class_names) != self.num_classes:
             raise ValueError(f"class_names lists {len(self.class_names)} names for "
                              f"num_classes={self.num_classes}")
@@ -164,6 +174,7 @@ _JSON_TYPES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "str": ("a string", lambda v: isinstance(v, str)),
     "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
     "float": ("a number", lambda v: isinstance(v, int | float) and not isinstance(v, bool)),
+    "dict": ("a JSON object", lambda v: isinstance(v, dict)),
     "list[str]": ("a list of strings",
                   lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
     "list[float]": ("a list of numbers", lambda v: isinstance(v, list) and all(
@@ -180,7 +191,8 @@ def _card_fields(raw: Any) -> str:
     unknown = sorted(set(raw) - set(fields))
     if unknown:
         return f"unknown field(s) {unknown}"
-    missing = [n for n, f in fields.items() if n not in raw and f.default is MISSING]
+    missing = [n for n, f in fields.items() if n not in raw and f.default is MISSING
+               and f.default_factory is MISSING]
     if missing:
         return f"missing field(s) {missing}"
     for name, value in raw.items():
@@ -211,46 +223,29 @@ def load_card(path: str | Path) -> ModelCard:
     return card
 
 
-def _load_failure(exc: BaseException) -> str:
-    """Why torch.load refused a file, in a few words (never torch's advice to load it
-    unsafely: only weights_only loading is done here)."""
-    text = str(exc)
-    if isinstance(exc, pickle.UnpicklingError):
-        detail = text.partition("WeightsUnpickler error:")[2].partition("Check the doc")[0]
-        return "not a weights-only torch file" + (f": {one_line(detail)}" if detail.strip()
-                                                  else "")
-    if isinstance(exc, EOFError):
-        return "empty or truncated file"
-    return one_line(text.partition(". ")[0])
+def build_card_model(card: ModelCard) -> nn.Module:
+    """The card's architecture with random weights (its arch, or its factory and kwargs)."""
+    return build_architecture(card.arch, card.num_classes, card.factory, card.kwargs)
 
 
-def load_state_dict(ckpt: Path) -> dict[str, Any]:
-    """The state_dict in `ckpt` (CPU tensors, weights_only loading); InputError naming the
-    file when it is not one."""
-    try:
-        state = torch.load(ckpt, map_location="cpu", weights_only=True)
-    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as exc:
-        raise InputError(f"{ckpt} is not a valid checkpoint ({_load_failure(exc)})") from None
-    if not isinstance(state, dict):
-        raise InputError(f"{ckpt} is not a valid checkpoint (it holds a "
-                         f"{type(state).__name__}, not a state_dict)")
-    return state
+def load_model(card: ModelCard, base_dir: str | Path = ".",
+               device: str | torch.device = "cpu") -> nn.Module:
+    """The card's model in eval mode with its checkpoint's weights (a relative checkpoint
+    is found in `base_dir`, the card's folder); InputError naming the mismatching keys."""
+    ckpt = Path(base_dir) / card.checkpoint
+    if not ckpt.is_file():
+        raise FileNotFoundError(f"checkpoint {str(ckpt)!r} named by the card is missing")
+    model = build_card_model(card)
+    what = (f"checkpoint {str(ckpt)!r} does not fit arch {card.arch!r}"
+            + (f" (factory {card.factory})" if card.factory else "")
+            + f" with {card.num_classes} classes")
+    load_into(model, load_state_dict(ckpt), what)
+    return model.to(device).eval()
 
 
 def load_source(card_path: str | Path, device: str | torch.device = "cpu"
                 ) -> tuple[nn.Module, ModelCard]:
-    """(model in eval mode with the source weights, its card); weights_only loading."""
+    """(model in eval mode with the source weights, its card); weights_only loading. What
+    the bench, the perception node and the replay load a card with."""
     card = load_card(card_path)
-    ckpt = Path(card_path).parent / card.checkpoint
-    if not ckpt.is_file():
-        raise FileNotFoundError(f"checkpoint {str(ckpt)!r} named by the card is missing")
-    model = build_model(card.arch, card.num_classes)
-    state = load_state_dict(ckpt)
-    try:
-        model.load_state_dict(state)
-    except (RuntimeError, TypeError, AttributeError) as exc:
-        detail = one_line(" ".join(str(exc).splitlines()[:2]))
-        detail = detail if len(detail) <= 200 else detail[:200] + "..."
-        raise InputError(f"checkpoint {str(ckpt)!r} does not fit arch {card.arch!r} with "
-                         f"{card.num_classes} classes: {detail}") from None
-    return model.to(device).eval(), card
+    return load_model(card, Path(card_path).parent, device), card

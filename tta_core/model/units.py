@@ -309,9 +309,11 @@ def _stage_of(name: str, stage_names: list[tuple[str, nn.Module]]) -> int:
     return len(stage_names) - 1 if name.split(".")[0] in heads or name.startswith(heads) else 0
 
 
-def decompose(model: nn.Module, input_shape=(3, 224, 224), arch: str | None = None,
+def decompose(model: nn.Module, input_shape: tuple[int, ...], arch: str | None = None,
               flops: float = DEFAULT_FLOPS, cache_bw: float = DEFAULT_CACHE_BW) -> StagedModel:
-    """Split `model` into units (forward order) and stages; every parameter in one unit."""
+    """Split `model` into units (forward order) and stages; every parameter in one unit.
+    `input_shape` is one sample at the model's input size (no default: unit costs are
+    traced at it, and a 32 px model traced at 224 px would be costed 49x too high)."""
     family = _family(model, arch)
     # ViT class token and position embedding are owned by the patch-embedding unit
     special = [model.class_token, model.encoder.pos_embedding] if family == "vit" else []

@@ -10,17 +10,19 @@ import time
 from pathlib import Path
 
 from tta_ros.commands.replay import setup_error
+from tta_ros.paths import package_file
 
 NAME = "demo"
 HELP = "replay the sample bag through the ROS 2 nodes and print the accuracy/latency report"
-ROOT = Path(__file__).resolve().parents[2]
-SAMPLE_BAG = ROOT / "bags" / "signs32_sample"
-CONFIG = ROOT / "config" / "vehicle.yaml"
+SAMPLE_BAG = "bags/signs32_sample"  # in the checkout, or the installed share folder
+CONFIG = "config/vehicle.yaml"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--bag", type=Path, default=SAMPLE_BAG, help="bag to replay")
-    parser.add_argument("--config", type=Path, default=CONFIG, help="node parameters")
+    parser.add_argument("--bag", type=Path, default=package_file(SAMPLE_BAG),
+                        help="bag to replay (default: the shipped sample bag)")
+    parser.add_argument("--config", type=Path, default=package_file(CONFIG),
+                        help="node parameters (default: the shipped config/vehicle.yaml)")
     parser.add_argument("--methods", default="source,adashadow",
                         help="comma-separated perception methods, one replay each")
     parser.add_argument("--rate", default="max", help="real, max or a rate in Hz")
@@ -42,7 +44,7 @@ def check_setup(args: argparse.Namespace) -> str | None:
     from tta_ros.bringup import load_params
     from tta_ros.ros_params import resolve_paths
 
-    card = resolve_paths(load_params(args.config)["perception"], ROOT).get("model_card", "")
+    card = resolve_paths(load_params(args.config)["perception"]).get("model_card", "")
     if not card or not Path(card).exists():
         return (f"source model card {card or '(none)'} is missing: train it with "
                 "`tta train-source` or run `make setup`")
@@ -64,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if not methods:
         print(f"tta demo: --methods {args.methods!r} names no method", file=sys.stderr)
         return 2
-    out = args.out or ROOT / "runs" / time.strftime("demo-%Y%m%d-%H%M%S")
+    out = args.out or Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     runs = []
     for method in methods:
         print(f"replaying {args.bag.name} with {method} ...", file=sys.stderr, flush=True)

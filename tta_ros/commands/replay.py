@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tta_ros.paths import package_file
+
 if TYPE_CHECKING:
     from tta_ros.replay import ReplayResult
 
@@ -18,8 +20,8 @@ HELP = "replay a bag through the ROS 2 nodes and write the accuracy/latency repo
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("bag", type=Path, help="rosbag2 directory (or .mcap / .db3 file)")
-    parser.add_argument("--config", type=Path, default=Path("config/vehicle.yaml"),
-                        help="node parameters (default: config/vehicle.yaml)")
+    parser.add_argument("--config", type=Path, default=package_file("config/vehicle.yaml"),
+                        help="node parameters (default: the shipped config/vehicle.yaml)")
     parser.add_argument("--rate", default="max",
                         help="real (bag timing), max (flow-controlled) or a rate in Hz")
     parser.add_argument("--method", default=None, help="override the perception method")

@@ -7,6 +7,8 @@ import ast
 import time
 from pathlib import Path
 
+from tta_core.cli.model_args import add_model_arguments, user_model
+from tta_core.data.sources import LAYOUTS
 from tta_core.eval.bench import DEFAULT_CARD, DEFAULT_METHODS, MODES, BenchConfig, run_bench
 
 NAME = "bench"
@@ -64,7 +66,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--severity", type=int, default=d.severity, choices=range(1, 6))
     parser.add_argument("--batch-size", type=int, default=d.batch_size)
     parser.add_argument("--samples-per-domain", type=int, default=d.samples_per_domain)
-    parser.add_argument("--model-card", type=Path, default=DEFAULT_CARD)
+    parser.add_argument("--model-card", type=Path, default=None,
+                        help=f"the source model's card (default {DEFAULT_CARD}; `tta "
+                             "model-card` makes one for your model); or use --model below")
+    parser.add_argument("--data", default="", metavar="KIND:DIR",
+                        help="your data instead of the synthetic signs stream: "
+                             + "; ".join(f"{k}:DIR = {v}" for k, v in LAYOUTS.items())
+                             + ". Corruption data: the standard corruptions found, in the "
+                             "standard order, at --severity; --samples-per-domain per domain; "
+                             "images resized to the model's input size")
     parser.add_argument("--mode", choices=MODES, default=d.mode,
                         help="sequential: predict after the update; parallel: predict first")
     parser.add_argument("--seed", type=int, default=d.seed)
@@ -76,13 +86,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.add_argument("--set", type=_option, action="append", default=[], dest="options",
                         metavar="METHOD.KEY=VALUE",
-                        help="a method option, e.g. adashadow.sigma=0.5 (repeatable)")
+                        help="a method option, e.g. adashadow.sigma=0.5 (repeatable). "
+                             "METHOD.lr is the SGD rate at batch METHOD.lr_ref_batch (64): "
+                             "steps run with lr × batch / 64 (report.md lists the effective "
+                             "rate per method); METHOD.lr_ref_batch=0 turns scaling off")
     parser.add_argument("--telemetry", default="", metavar="live|CALIBRATION.json",
                         help="plan with live pi1/pi2 sampled from this machine (AdaShadow), "
                              "referenced to a `tta calibrate` file or the default ('live')")
     parser.add_argument("--stream-hz", type=_rates, default=(), metavar="HZ[,HZ...]",
                         help="also run every method in streaming mode at these frame rates "
                              "(streaming.md/.json/.png: strict and stale streaming accuracy)")
+    add_model_arguments(parser, "your model (instead of --model-card)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,11 +106,16 @@ def run(args: argparse.Namespace) -> int:
             raise SystemExit(f"--set {method}.{key}: {method!r} is not among --methods "
                              f"{','.join(args.methods)}")
         options.setdefault(method, {})[key] = value
+    um = user_model(args)
+    if um is not None and args.model_card is not None:
+        raise ValueError(f"--model-card {args.model_card} and --model {args.model} both "
+                         "given: give one")
     cfg = BenchConfig(methods=args.methods, order=args.order, severity=args.severity,
                       batch_size=args.batch_size, samples_per_domain=args.samples_per_domain,
-                      model_card=args.model_card, mode=args.mode, seed=args.seed,
-                      threads=args.threads, device=args.device, method_options=options,
-                      telemetry=args.telemetry, stream_hz=args.stream_hz)
+                      model_card=args.model_card or DEFAULT_CARD, mode=args.mode,
+                      seed=args.seed, threads=args.threads, device=args.device,
+                      method_options=options, telemetry=args.telemetry,
+                      stream_hz=args.stream_hz, data=args.data, user_model=um)
     out = args.out or Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
     result = run_bench(cfg, out, progress=not args.no_progress)
     print(result.markdown)

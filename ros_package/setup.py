@@ -1,14 +1,23 @@
 """Install tta_ros (ROS 2 ament_python package) together with tta_core and tta_kernels.
 
-Works both with `colcon build` in a ROS 2 workspace and with `pip install -e .` in a venv.
+This folder is the package colcon finds (the repository root is no package, so colcon's
+crawl also reaches msg/, the tta_msgs package); its tta_core, tta_ros, kernels, launch,
+config, checkpoints and bags entries are links to the repository's folders. Works with
+`colcon build` (plain or --symlink-install) and with `pip install -e ros_package` (make setup).
 """
 
 import os
+import sys
 from glob import glob
 
 from setuptools import find_packages, setup
 
 PACKAGE = "tta_ros"
+# `tta` on PATH in a sourced colcon workspace: setup.cfg sends the console scripts to
+# lib/tta_ros (where `ros2 run` looks) and colcon puts <prefix>/bin on PATH, so bin/tta is a
+# two-line wrapper. Not in wheels: pip writes its own `tta` console script into <venv>/bin.
+WHEEL_COMMANDS = {"bdist_wheel", "editable_wheel", "dist_info"}
+TTA_ON_PATH = [] if WHEEL_COMMANDS & set(sys.argv) else [("bin", ["bin/tta"])]
 
 setup(
     name=PACKAGE,
@@ -25,13 +34,17 @@ setup(
     data_files=[
         ("share/ament_index/resource_index/packages", [f"resource/{PACKAGE}"]),
         (f"share/{PACKAGE}", ["package.xml"]),
+        *TTA_ON_PATH,
         (f"share/{PACKAGE}/launch", glob("launch/*.launch.py")),
         (f"share/{PACKAGE}/config", glob("config/*.yaml") + glob("config/*.rviz")),
-        (f"share/{PACKAGE}/checkpoints", glob("checkpoints/*.pt") + glob("checkpoints/*.json")),
+        (f"share/{PACKAGE}/checkpoints",
+         [f for ext in ("pt", "safetensors", "json") for f in glob(f"checkpoints/*.{ext}")]),
         *[(f"share/{PACKAGE}/{d}", [f for f in glob(f"{d}/*") if os.path.isfile(f)])
           for d in sorted(glob("bags/*")) if os.path.isdir(d)],
     ],
     install_requires=["setuptools"],
+    # colcon test picks pytest (not unittest) from the test extra; ament_python convention
+    extras_require={"test": ["pytest", "pytest-timeout"]},
     zip_safe=False,
     entry_points={
         "console_scripts": [
@@ -47,6 +60,7 @@ setup(
             "calibrate = tta_core.cli.commands.calibrate",
             "doctor = tta_core.cli.commands.doctor",
             "make-bag = tta_core.cli.commands.make_bag",
+            "model-card = tta_core.cli.commands.model_card",
             "predictor-bench = tta_core.cli.commands.predictor_bench",
             "profile = tta_core.cli.commands.profile",
             "train-source = tta_core.cli.commands.train_source",

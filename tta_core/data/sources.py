@@ -1,0 +1,109 @@
+"""The user's data for `tta bench --data KIND:DIR`: the loaders of tta_core.data.loaders
+behind one spec, with one-line errors that say which layout was expected.
+
+Kinds and layouts (LAYOUTS, also in `tta bench --help` and the README):
+- cifar10c:DIR   — the CIFAR-10-C release: DIR/<corruption>.npy, (5*n, 32, 32, 3) uint8
+  with severities 1..5 stacked in blocks of n, and DIR/labels.npy (5*n labels);
+- imagenet-c:DIR — the ImageNet-C release: DIR/<corruption>/<severity>/<class>/*.JPEG;
+- folder:DIR     — any domains: DIR/<domain>/<class>/*.png|jpg|jpeg.
+Corruption streams take the 15 standard corruptions found in DIR, in the standard order,
+at one severity; labels are class indices (CIFAR-10 order; sorted class folder names).
+Images are resized to the model's input size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from tta_core.data.corruptions import CORRUPTIONS
+from tta_core.data.loaders import load_cifar10c, load_image_folder
+from tta_core.data.streams import Stream
+from tta_core.errors import InputError, one_line
+
+DATA_KINDS: tuple[str, ...] = ("cifar10c", "imagenet-c", "folder")
+LAYOUTS: dict[str, str] = {
+    "cifar10c": "DIR/<corruption>.npy arrays (5*n, 32, 32, 3) uint8 holding severities 1-5 "
+                "in blocks of n, and DIR/labels.npy with their 5*n labels (CIFAR-10-C)",
+    "imagenet-c": "DIR/<corruption>/<severity 1-5>/<class>/*.JPEG (ImageNet-C; every class "
+                  "folder, since labels are positions in sorted order)",
+    "folder": "DIR/<domain>/<class>/*.png|jpg|jpeg (domains in sorted order, labels are "
+              "positions of the sorted class folder names)",
+}
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Which loader reads which folder (`KIND:DIR`)."""
+
+    kind: str
+    root: Path
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.root}"
+
+
+def parse_data(text: str) -> DataSpec:
+    """'cifar10c:DIR' -> DataSpec; ValueError naming `text` and the accepted forms."""
+    kind, sep, root = text.partition(":")
+    if not sep or kind not in DATA_KINDS or not root:
+        raise ValueError(f"--data {text!r}: expected {', '.join(k + ':DIR' for k in DATA_KINDS)}")
+    return DataSpec(kind, Path(root).expanduser())  # the shell leaves ~ after ":" as is
+
+
+def _listing(root: Path, n: int = 6) -> str:
+    names = sorted(p.name for p in root.iterdir())
+    return ", ".join(names[:n]) + (", ..." if len(names) > n else "") if names else "nothing"
+
+
+def _present(spec: DataSpec) -> list[str]:
+    """The standard corruptions found in the folder, in the standard order."""
+    def found(c: str) -> bool:
+        p = spec.root / c
+        return p.with_suffix(".npy").is_file() if spec.kind == "cifar10c" else p.is_dir()
+
+    present = [c for c in CORRUPTIONS if found(c)]
+    if not present:
+        what = "file such as fog.npy" if spec.kind == "cifar10c" else "folder such as fog/"
+        raise InputError(f"--data {spec}: no corruption {what} (found "
+                         f"{_listing(spec.root)}); expected {LAYOUTS[spec.kind]}")
+    return present
+
+
+def resize_images(images: np.ndarray, size: int) -> np.ndarray:
+    """uint8 (N, H, W, 3) resized to (N, size, size, 3), bilinear (as the folder loader)."""
+    if images.shape[1:3] == (size, size):
+        return images
+    from PIL import Image
+
+    return np.stack([np.asarray(Image.fromarray(im).resize((size, size), Image.BILINEAR))
+                     for im in images])
+
+
+def _read(spec: DataSpec, image_size: int, severity: int, samples: int, seed: int) -> Stream:
+    if spec.kind == "cifar10c":
+        stream = load_cifar10c(spec.root, _present(spec), severity, samples)
+        stream.images = resize_images(stream.images, image_size)
+        return stream
+    if spec.kind == "imagenet-c":
+        domains = [f"{c}/{severity}" for c in _present(spec)]
+    else:
+        domains = None
+    return load_image_folder(spec.root, domains, image_size, seed, samples)
+
+
+def load_data(spec: DataSpec, image_size: int, severity: int = 5,
+              samples_per_domain: int | None = None, seed: int = 0) -> Stream:
+    """The continual stream in `spec`'s folder, images at `image_size` px; one-line errors
+    (FileNotFoundError for a missing folder, InputError naming the expected layout)."""
+    if not spec.root.is_dir():
+        raise FileNotFoundError(f"--data {spec}: folder {str(spec.root)!r} not found")
+    try:
+        return _read(spec, image_size, severity, samples_per_domain, seed)
+    except InputError:
+        raise
+    except (ValueError, FileNotFoundError) as exc:
+        raise InputError(f"--data {spec}: {one_line(exc)}; expected "
+                         f"{LAYOUTS[spec.kind]}") from None

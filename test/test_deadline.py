@@ -225,8 +225,7 @@ def test_planner_absolute_budget_replaces_sigma() -> None:
     plan = planner.solve(p)
     assert plan.budget_ms == 3.0 and int(plan.update.sum()) == 2
     assert planner.lowest_feasible_unit(p) == 0
-    empty = planner.empty_plan(p)
-    assert empty.budget_ms == 3.0 and empty.full_ms == 5.0 and not empty.update.any()
+    assert planner.full_ms(p.w, p.x, p.r, p.forward_ms, 0.0) == 5.0
     with pytest.raises(ValueError, match="budget_ms must be finite"):
         planner.solve(planner.PlanProblem(**{**p.__dict__, "budget_ms": -1.0}))
     with pytest.raises(ValueError, match="sigma"):

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -182,7 +183,9 @@ class AdaShadowEngine:
         self.clock = PhaseClock(self.params[0].device)
         self._stage_inputs: list = [None] * len(staged.stages)
         self._grad_stage = 0
-        self._last_forward_ms = profile.forward_ms if profile is not None else math.nan
+        # per-frame forward times of the last two batches (the profile's to start with)
+        self._frame_ms: deque[float] = deque(
+            [profile.forward_ms / profile.batch_size] if profile is not None else [], maxlen=2)
         self._last_batch = profile.batch_size if profile is not None else 1
         self._handles = stage_input_hooks(self.staged, self._cache_stage_input)
         self._job = _Background()
@@ -228,7 +231,7 @@ class AdaShadowEngine:
         stats = self._collector.collect(x.shape[0])
         inputs, self._stage_inputs = self._stage_inputs, [None] * len(self._stage_inputs)
         ms = self.clock.mark()
-        self._last_forward_ms, self._last_batch = ms, int(x.shape[0])
+        self._note_forward(ms, int(x.shape[0]))
         return _Forward(logits, stats, inputs, ms, grad_stage)
 
     def _grad_from(self, grad_stage: int) -> int:
@@ -236,10 +239,15 @@ class AdaShadowEngine:
         stages = self.staged.stages
         return stages[grad_stage].first_unit if grad_stage < len(stages) else len(self.staged.units)
 
+    def _note_forward(self, ms: float, batch_size: int) -> None:
+        self._frame_ms.append(ms / batch_size)
+        self._last_batch = batch_size
+
     def _floor(self, batch_size: int) -> int:
         """Lowest unit any inline plan for this batch can reach (len(units): none), from
-        the last forward scaled to this batch's size."""
-        last = self._last_forward_ms * batch_size / max(self._last_batch, 1)
+        the faster of the last two forwards (per frame, so one slow batch, e.g. the cold
+        first one, does not skip the next one's plan) scaled to this batch's size."""
+        last = min(self._frame_ms) * batch_size if self._frame_ms else math.nan
         return self.planning.graph_floor(last, self.candidates, batch_size)
 
     def _grad_stage_for(self, plan: planner.Plan | None, floor: int | None = None) -> int:
@@ -361,7 +369,7 @@ class AdaShadowEngine:
         with torch.no_grad():
             logits = self.staged.model(x)
         forward_ms = self.clock.mark()
-        self._last_forward_ms, self._last_batch = forward_ms, batch_size
+        self._note_forward(forward_ms, batch_size)
         outcome = self.planning.empty_outcome(forward_ms, batch_size)
         fwd = _Forward(logits, [], [], forward_ms, len(self.staged.stages))
         res = _result(self.planning, fwd, None, np.zeros(len(self.staged.units)), outcome,

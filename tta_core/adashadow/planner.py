@@ -148,7 +148,7 @@ def _fixed_cost_ms(x: np.ndarray, r: np.ndarray, ss: np.ndarray, oh: float) -> n
     return oh + x_after + r_from[ss]
 
 
-def _full_ms(w: np.ndarray, x: np.ndarray, r: np.ndarray, tf: float, oh: float) -> float:
+def full_ms(w: np.ndarray, x: np.ndarray, r: np.ndarray, tf: float, oh: float) -> float:
     """T: forward, every unit's weight gradient, the whole dx chain, full reforward."""
     return float(tf + oh + w.sum() + x[1:].sum() + r.sum())
 
@@ -163,7 +163,7 @@ def _prepare(problem: PlanProblem, n_t: int) -> _Prepared:
         raise ValueError(f"n_t must be a positive integer, got {n_t!r}")
     w, x, r, ss, a, tf, sigma, oh = _validate(problem)
     n = w.shape[0]
-    full = _full_ms(w, x, r, tf, oh)
+    full = full_ms(w, x, r, tf, oh)
     budget = _budget(problem, sigma, full)
     spare = budget - tf
     fixed_ms = _fixed_cost_ms(x, r, ss, oh)
@@ -215,23 +215,12 @@ def lowest_feasible_unit(problem: PlanProblem, candidates: np.ndarray | None = N
         tf, sigma, oh = problem.forward_ms, problem.sigma, problem.overhead_ms
     else:
         w, x, r, ss, _, tf, sigma, oh = _validate(problem)
-    budget = _budget(problem, sigma, _full_ms(w, x, r, tf, oh))
+    budget = _budget(problem, sigma, full_ms(w, x, r, tf, oh))
     ok = tf + w + _fixed_cost_ms(x, r, ss, oh) <= budget
     if candidates is not None:
         ok &= np.asarray(candidates, dtype=bool)
     fits = np.flatnonzero(ok)
     return int(fits[0]) if fits.size else int(w.shape[0])
-
-
-def empty_plan(problem: PlanProblem) -> Plan:
-    """The empty plan of `problem` (its budget and full time), neither solved nor
-    validated: the hot path of a batch that no plan can fit."""
-    w, x, r = (np.asarray(v, dtype=np.float64) for v in (problem.w, problem.x, problem.r))
-    tf = float(problem.forward_ms)
-    full = _full_ms(w, x, r, tf, float(problem.overhead_ms))
-    return Plan(update=np.zeros(len(w), dtype=bool), first_updated=len(w), objective=0.0,
-                predicted_total_ms=tf, budget_ms=_budget(problem, float(problem.sigma), full),
-                full_ms=full, solve_ms=0.0)
 
 
 def _finish(prep: _Prepared, update: np.ndarray, t0: float) -> Plan:

@@ -213,6 +213,8 @@ class PlanningService:
         self._floor_cache: tuple = (None, 0)
         self._speed: float | None = None  # vehicle speed, m/s ("speed" deadlines)
         self._zeros = np.zeros(layout.n_units)
+        self._rt_cache: tuple = (None, None, ())  # (profile, pis, Eq. 4 times)
+        self._ut_cache: tuple = (None, None, ())  # (profile, key, times per ms of forward)
 
     # ------------------------------------------------------------ deadline
     def set_speed(self, speed_mps: float | None) -> None:
@@ -274,11 +276,32 @@ class PlanningService:
     def unit_times(self, forward_ms: float, grad_from: int = 0) -> tuple[np.ndarray, ...]:
         """Predicted (w, x, r) in ms for a batch whose forward took `forward_ms` and
         recorded the autograd graph from unit `grad_from` on."""
+        per = self._per_forward_ms(forward_ms, grad_from)
+        if per is not None:
+            return tuple(forward_ms * t for t in per[:3])
         pi1, pi2, _ = self.expansion
         w, x, r = predictor.planning_times(self.profile or self._mac, pi1, pi2, forward_ms,
                                            self.feedback_mode(), grad_from,
                                            self.backward_fb.factor)
         return w, x, (2.0 * r if self.reforward_twice else r)
+
+    def _per_forward_ms(self, forward_ms: float, grad_from: int) -> tuple | None:
+        """"uniform" feedback scales every time by the forward: (w, x, r, w + x, T - T_f -
+        overhead) per ms of forward, cached (a profile is replaced, never changed in
+        place); None for the other modes or a forward that is not > 0."""
+        if not (self.feedback_mode() == "uniform" and math.isfinite(forward_ms)
+                and forward_ms > 0):
+            return None
+        pi1, pi2, _ = self.expansion
+        prof, k = self.profile or self._mac, self.backward_fb.factor
+        key = (pi1, pi2, grad_from, k)
+        cached = self._ut_cache
+        if cached[0] is not prof or cached[1] != key:
+            w, x, r = predictor.planning_times(prof, pi1, pi2, 1.0, "uniform", grad_from, k)
+            r = 2.0 * r if self.reforward_twice else r
+            cached = self._ut_cache = (prof, key, (w, x, r, w + x,
+                                                   planner.full_ms(w, x, r, 0.0, 0.0)))
+        return cached[2]
 
     def _problem(self, w, x, r, importance, forward_ms: float, overhead_ms: float,
                  deadline_ms: float = math.nan) -> planner.PlanProblem:
@@ -326,26 +349,36 @@ class PlanningService:
         """The empty plan of a batch that no plan can fit, not solved (the batch skipped
         its plan phase): budget, full time and `reason` (default: why no unit fits, as
         the graph floor predicted from the last forward). `grad_from`: where its forward
-        recorded the graph (None: nowhere)."""
+        recorded the graph (None: nowhere). Scalar work only under "uniform" feedback
+        (the hot path of a batch served without update)."""
         if not (math.isfinite(forward_ms) and forward_ms >= 0):
             raise ValueError(f"forward_ms={forward_ms} is not a valid time")
         n = self.layout.n_units
-        w, x, r = self.unit_times(forward_ms, n if grad_from is None else grad_from)
+        g = n if grad_from is None else grad_from
+        per = self._per_forward_ms(forward_ms, g)
+        if per is not None:
+            unit_ms, rest = forward_ms * per[3], forward_ms * per[4]
+        else:
+            w, x, r = self.unit_times(forward_ms, g)
+            unit_ms, rest = w + x, planner.full_ms(w, x, r, 0.0, 0.0)
+        tf, oh = forward_ms + self.fixed.plan_phase_ms, self.fixed.overhead_ms
+        full = tf + oh + rest
         deadline = self.deadline_ms(batch_size)
-        problem = self._problem(w, x, r, self._zeros, forward_ms + self.fixed.plan_phase_ms,
-                                self.fixed.overhead_ms, deadline)
-        plan = planner.empty_plan(problem)
-        reason = reason or no_room_text(problem, plan.budget_ms, forward_ms,
+        budget = float(self.config.sigma) * full if math.isnan(deadline) else deadline
+        plan = planner.Plan(update=np.zeros(n, dtype=bool), first_updated=n, objective=0.0,
+                            predicted_total_ms=tf, budget_ms=budget, full_ms=full, solve_ms=0.0)
+        reason = reason or no_room_text(tf, oh, budget, not math.isnan(deadline), forward_ms,
                                         self.fixed.plan_phase_ms, self.describe_deadline())
-        return PlanOutcome(plan, w + x, 0.0, 0.0, problem.forward_ms, problem.overhead_ms,
-                           reason, deadline, forward_ms > deadline, skipped=True)
+        return PlanOutcome(plan, unit_ms, 0.0, 0.0, tf, oh, reason, deadline,
+                           forward_ms > deadline, skipped=True)
 
     def _no_room(self, problem: planner.PlanProblem, plan: planner.Plan,
                  candidates: np.ndarray | None, forward_ms: float) -> str:
         """Why no candidate unit fits the budget at all, or ""."""
         if planner.lowest_feasible_unit(problem, candidates, validated=True) < len(problem.w):
             return ""
-        return no_room_text(problem, plan.budget_ms, forward_ms, self.fixed.plan_phase_ms,
+        return no_room_text(problem.forward_ms, problem.overhead_ms, plan.budget_ms,
+                            problem.budget_ms is not None, forward_ms, self.fixed.plan_phase_ms,
                             self.describe_deadline())
 
     def graph_floor(self, last_forward_ms: float, candidates: np.ndarray,
@@ -367,13 +400,14 @@ class PlanningService:
         if not math.isnan(deadline):
             if not known:
                 return 0  # no forward measured yet: record the whole graph
+            if last + self.fixed.plan_phase_ms >= deadline:
+                return self.layout.n_units  # the forward and plan phase alone reach it
             budget = math.ceil(20.0 * deadline / last) / 20.0 if scaled else deadline
         elif not 0 < c.sigma <= 1:
             return 0
         key = (self.expansion, c.sigma, id(self.profile), scaled or last, k, share, budget)
         if self._floor_cache[0] != key:
-            pi1, pi2, _ = self.expansion
-            w, x, r = predictor.runtime_times(self.profile or self._mac, pi1, pi2)
+            w, x, r = self._runtime_times()
             # scaled times: the budget is proportional to the forward, so the floor does
             # not depend on it; unscaled: a faster forward than the last only lowers it
             tf = float(r.sum()) if scaled else 0.8 * last
@@ -381,10 +415,18 @@ class PlanningService:
                 return 0
             absolute = math.nan if budget is None else budget * (tf if scaled else 1.0)
             d = planner.lowest_feasible_unit(self._problem(
-                k * w, k * x, r, np.zeros_like(w), tf * (1.0 + share[0]), tf * share[1],
-                absolute), candidates)
+                k * w, k * x, r, self._zeros, tf * (1.0 + share[0]), tf * share[1],
+                absolute), candidates, validated=True)
             self._floor_cache = (key, d)
         return self._floor_cache[1]
+
+    def _runtime_times(self) -> tuple[np.ndarray, ...]:
+        """Eq. 4 times of the profile (MAC shape) at the current expansion, cached."""
+        prof, pis = self.profile or self._mac, self.expansion[:2]
+        cached = self._rt_cache
+        if cached[0] is not prof or cached[1] != pis:
+            cached = self._rt_cache = (prof, pis, predictor.runtime_times(prof, *pis))
+        return cached[2]
 
     # ------------------------------------------------------------ feedback
     def observe(self, outcome: PlanOutcome | None, measured: Measured) -> None:
@@ -422,15 +464,16 @@ class PlanningService:
         return self.fixed.overhead_ms
 
 
-def no_room_text(problem: planner.PlanProblem, budget_ms: float, forward_ms: float,
-                 plan_phase_ms: float, deadline_what: str) -> str:
-    """Why no unit fits `problem`'s budget (sigma*T or a deadline described by
-    `deadline_what`), for a batch whose forward took `forward_ms`."""
-    if problem.budget_ms is not None and problem.forward_ms >= problem.budget_ms:
+def no_room_text(tf_ms: float, overhead_ms: float, budget_ms: float, deadline: bool,
+                 forward_ms: float, plan_phase_ms: float, deadline_what: str) -> str:
+    """Why no unit fits the budget `budget_ms` (sigma*T, or a deadline described by
+    `deadline_what`) of a batch whose forward took `forward_ms` (T_f with the plan phase:
+    `tf_ms`; `overhead_ms`: the update's fixed cost)."""
+    if deadline and tf_ms >= budget_ms:
         return late_text(forward_ms, plan_phase_ms, budget_ms, deadline_what)
-    fixed = (f"after the forward and plan phase ({problem.forward_ms:.3g} ms) and the "
-             f"update's fixed cost ({problem.overhead_ms:.3g} ms)")
-    if problem.budget_ms is not None:
+    fixed = (f"after the forward and plan phase ({tf_ms:.3g} ms) and the update's fixed "
+             f"cost ({overhead_ms:.3g} ms)")
+    if deadline:
         return (f"no unit fits the deadline {budget_ms:.3g} ms ({deadline_what}) {fixed}: "
                 f"plans stay empty")
     return (f"no unit fits the budget sigma*T = {budget_ms:.3g} ms {fixed}: plans stay "

@@ -121,6 +121,15 @@ class _Background:
             raise RuntimeError("background adaptation failed") from err
 
 
+def _loss(kind: str, fwd: _Forward, history) -> Tensor | None:
+    """The batch's adaptation loss (`kind`: EngineConfig.loss); None without a history."""
+    if kind == "entropy":
+        return losses.entropy_loss(fwd.logits)  # lazy: no graph, recomputed in _adapt
+    if history is None:
+        return None  # no history yet: nothing to align to on the first batch
+    return losses.multilayer_kl_loss(fwd.stats, history)
+
+
 def _check_trainable(staged: StagedModel, plan: planner.Plan, candidates: np.ndarray,
                      trainable: str) -> None:
     """ValueError naming the units `plan` updates that may not be updated."""
@@ -183,10 +192,10 @@ class AdaShadowEngine:
         self.clock = PhaseClock(self.params[0].device)
         self._stage_inputs: list = [None] * len(staged.stages)
         self._grad_stage = 0
-        # per-frame forward times of the last two batches (the profile's to start with)
-        self._frame_ms: deque[float] = deque(
-            [profile.forward_ms / profile.batch_size] if profile is not None else [], maxlen=2)
-        self._last_batch = profile.batch_size if profile is not None else 1
+        self._frame_ms: deque[float] = deque(maxlen=2)  # per frame, of the last 2 forwards
+        self._last_batch = 1
+        if profile is not None:
+            self._note_forward(profile.forward_ms, profile.batch_size)
         self._handles = stage_input_hooks(self.staged, self._cache_stage_input)
         self._job = _Background()
 
@@ -245,8 +254,8 @@ class AdaShadowEngine:
 
     def _floor(self, batch_size: int) -> int:
         """Lowest unit any inline plan for this batch can reach (len(units): none), from
-        the faster of the last two forwards (per frame, so one slow batch, e.g. the cold
-        first one, does not skip the next one's plan) scaled to this batch's size."""
+        the faster of the last two forwards per frame (one slow batch, e.g. a cold first
+        one, does not cost the next one its plan)."""
         last = min(self._frame_ms) * batch_size if self._frame_ms else math.nan
         return self.planning.graph_floor(last, self.candidates, batch_size)
 
@@ -263,13 +272,6 @@ class AdaShadowEngine:
             return int(self.staged.units[int(np.argmax(upd))].stage) if upd.any() else n_stages
         floor = self._floor(self._last_batch) if floor is None else floor
         return self.staged.units[floor].stage if floor < len(self.staged.units) else n_stages
-
-    def _loss(self, fwd: _Forward, history) -> Tensor | None:
-        if self.config.loss == "entropy":
-            return losses.entropy_loss(fwd.logits)  # lazy: no graph, recomputed in _adapt
-        if history is None:
-            return None  # no history yet: nothing to align to on the first batch
-        return losses.multilayer_kl_loss(fwd.stats, history)
 
     def _adapt(self, fwd: _Forward, loss: Tensor, update: np.ndarray) -> None:
         """Backward + step; in lazy mode first re-run the tail with autograd for the loss."""
@@ -310,7 +312,7 @@ class AdaShadowEngine:
         history = self.assessor.history
         if history is not None and self.config.loss == "multilayer_kl":
             history = [(m.clone(), v.clone()) for m, v in history]  # step() updates in place
-        loss = self._loss(fwd, history)
+        loss = _loss(self.config.loss, fwd, history)
         # units that may not be updated get importance 0: the planner never picks them
         importance = np.where(self.candidates, self.assessor.step(fwd.stats), 0.0)
         outcome = None

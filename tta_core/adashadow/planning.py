@@ -30,9 +30,10 @@ forward alone is over the deadline).
 
 from __future__ import annotations
 
-__all__ = ["DEADLINE_MODES", "DEADLINE_PER", "FEEDBACK_MODES", "TRAINABLE", "DeadlineConfig",
-           "Measured", "Plan", "PlanOutcome", "PlanningConfig", "PlanningService", "UnitLayout",
-           "UnitProfile", "layout_from_card", "mac_profile", "telemetry_pis"]
+__all__ = ["DEADLINE_MODES", "DEADLINE_PER", "FEEDBACK_MODES", "TRAINABLE", "DeadlineBudget",
+           "DeadlineConfig", "Measured", "Plan", "PlanOutcome", "PlanningConfig",
+           "PlanningService", "UnitLayout", "UnitProfile", "layout_from_card", "mac_profile",
+           "telemetry_pis"]
 
 import math
 from dataclasses import dataclass
@@ -191,32 +192,14 @@ class Measured:
     planned: bool = True  # False: the plan phase was skipped (no plan could fit)
 
 
-class PlanningService:
-    """Cost model + planner + fixed costs + feedback loops, shared by engine and node."""
+class DeadlineBudget:
+    """The deadline part of the planning service (a mixin of PlanningService): the
+    batch's deadline from the config's deadline_* fields and the vehicle's speed."""
 
-    def __init__(self, layout: UnitLayout, config: PlanningConfig | None = None,
-                 profile: predictor.UnitProfile | None = None,
-                 reforward_twice: bool = False) -> None:
-        """`reforward_twice`: the engine's lazy graph mode re-runs the tail once more for
-        the backward, so every unit's reforward time counts twice and the backward it
-        measures is not comparable with the prediction (no backward/fixed-cost learning)."""
-        self.layout, self.config = layout, config or PlanningConfig()
-        self.config.validate()
-        if profile is not None:
-            profile.check_units(layout.unit_names)
-        self.profile = profile
-        self.reforward_twice = reforward_twice
-        self.backward_fb = BackwardFeedback(alpha=self.config.backward_feedback)
-        self.fixed = FixedCosts(alpha=self.config.fixed_cost_feedback)
-        self._pis: tuple[float, float] | None = None  # live telemetry (pi1, pi2)
-        self._mac = mac_profile(layout, 1.0, 1)  # unitless shape, scaled per batch
-        self._floor_cache: tuple = (None, 0)
-        self._speed: float | None = None  # vehicle speed, m/s ("speed" deadlines)
-        self._zeros = np.zeros(layout.n_units)
-        self._rt_cache: tuple = (None, None, ())  # (profile, pis, Eq. 4 times)
-        self._ut_cache: tuple = (None, None, ())  # (profile, key, times per ms of forward)
+    config: PlanningConfig
+    fixed: FixedCosts
+    _speed: float | None = None  # vehicle speed, m/s ("speed" deadlines); None: unknown
 
-    # ------------------------------------------------------------ deadline
     def set_speed(self, speed_mps: float | None) -> None:
         """The vehicle's speed for "speed" deadlines; None or NaN: unknown (the shortest
         deadline, min_deadline_ms, applies)."""
@@ -246,6 +229,31 @@ class PlanningService:
             return ""
         return late_text(forward_ms, self.fixed.plan_phase_ms, deadline,
                          self.describe_deadline())
+
+
+class PlanningService(DeadlineBudget):
+    """Cost model + planner + fixed costs + feedback loops, shared by engine and node."""
+
+    def __init__(self, layout: UnitLayout, config: PlanningConfig | None = None,
+                 profile: predictor.UnitProfile | None = None,
+                 reforward_twice: bool = False) -> None:
+        """`reforward_twice`: the engine's lazy graph mode re-runs the tail once more for
+        the backward, so every unit's reforward time counts twice and the backward it
+        measures is not comparable with the prediction (no backward/fixed-cost learning)."""
+        self.layout, self.config = layout, config or PlanningConfig()
+        self.config.validate()
+        if profile is not None:
+            profile.check_units(layout.unit_names)
+        self.profile = profile
+        self.reforward_twice = reforward_twice
+        self.backward_fb = BackwardFeedback(alpha=self.config.backward_feedback)
+        self.fixed = FixedCosts(alpha=self.config.fixed_cost_feedback)
+        self._pis: tuple[float, float] | None = None  # live telemetry (pi1, pi2)
+        self._mac = mac_profile(layout, 1.0, 1)  # unitless shape, scaled per batch
+        self._floor_cache: tuple = (None, 0)
+        self._zeros = np.zeros(layout.n_units)
+        self._rt_cache: tuple = (None, None, ())  # (profile, pis, Eq. 4 times)
+        self._ut_cache: tuple = (None, None, ())  # (profile, key, times per ms of forward)
 
     # ------------------------------------------------------------ expansion
     def set_expansion(self, pi1: float, pi2: float) -> None:

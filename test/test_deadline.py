@@ -147,6 +147,34 @@ def test_the_deadline_leaves_room_for_the_plan_phase_and_the_update_overhead(
     assert out.plan.predicted_total_ms == pytest.approx(8.9)
 
 
+def test_deadline_plans_leave_a_margin_for_the_scatter_of_the_batch_time(
+        layout: UnitLayout) -> None:
+    """Batches that took 0.2, 0.4 and 0.0 ms longer than their plans predicted (EMA 0.5):
+    mean 0.15, variance 0.0275, margin 0.15 + 2.33 * 0.1658 = 0.536 ms. The 8.3 ms deadline
+    then leaves 2.76 ms after the 5 ms forward: {17} alone instead of {13, 15, 17}."""
+    svc = _service(layout, fixed=0.5, deadline_mode="fixed", deadline_ms=8.3)
+    assert list(np.flatnonzero(_plan(svc, layout, 5.0).plan.update)) == [13, 15, 17]
+    outcome = _plan(svc, layout, 5.0)
+    predicted = outcome.plan.predicted_total_ms
+    for i, extra in enumerate((0.2, 0.4, 0.0)):
+        assert svc.fixed.margin_ms == 0.0  # not before three batches
+        svc.observe(outcome, Measured(5.0, 0.0, True, 0.0, 0.0, total_ms=predicted + extra))
+        assert svc.fixed.total_updates == i + 1
+    assert svc.fixed.total_mean_ms == pytest.approx(0.15)
+    assert svc.fixed.total_var_ms2 == pytest.approx(0.0275)
+    margin = 0.15 + 2.33 * math.sqrt(0.0275)
+    assert svc.fixed.margin_ms == pytest.approx(margin)
+    out = _plan(svc, layout, 5.0)
+    assert list(np.flatnonzero(out.plan.update)) == [17]
+    assert out.margin_ms == pytest.approx(margin) and out.deadline_ms == 8.3
+    assert out.plan.budget_ms == pytest.approx(8.3 - margin)
+    # parallel mode (no reforward: the total is not the batch's) and sigma*T learn/use none
+    svc.observe(out, Measured(5.0, 0.0, True, 0.0, None, total_ms=50.0))
+    assert svc.fixed.total_updates == 3
+    svc.config.deadline_mode = "sigma"
+    assert _plan(svc, layout, 5.0).margin_ms == 0.0
+
+
 def test_per_frame_and_camera_deadlines_grow_with_the_batch(layout: UnitLayout) -> None:
     svc = _service(layout, deadline_mode="camera", camera_hz=100.0)
     assert _plan(svc, layout, 5.0, batch=4).plan.budget_ms == pytest.approx(40.0)

@@ -153,8 +153,9 @@ def _result(svc: PlanningService, fwd: _Forward, loss: Tensor | None, importance
         importance=importance, loss=float(loss.detach()) if loss is not None else math.nan,
         mean_entropy=mean_entropy(fwd.logits), adapted=adapt,
         units_updated=int(np.count_nonzero(plan.update)) if adapt else 0,
-        predicted_total_ms=float(plan.predicted_total_ms), budget_ms=float(plan.budget_ms),
-        planning=info)
+        predicted_total_ms=float(plan.predicted_total_ms),
+        budget_ms=float(outcome.deadline_ms if outcome and not math.isnan(outcome.deadline_ms)
+                        else plan.budget_ms), planning=info)
 
 
 class AdaShadowEngine:
@@ -348,19 +349,19 @@ class AdaShadowEngine:
         res.times.plan_ms = plan_ms
         measured = Measured(fwd.forward_ms, plan_ms, adapt,
                             planned=outcome is None or not outcome.skipped)
-        if not adapt:
-            self.planning.observe(outcome, measured)
-        elif self.config.mode == "parallel":
+        parallel = adapt and self.config.mode == "parallel"
+        if parallel:  # the job observes when the update is done
             self._start_job(res, fwd, loss, update, outcome, measured)
-        else:
+        elif adapt:
             self._adapt(fwd, loss, update)
             res.times.backward_ms = self.clock.mark()
             res.logits = self._reforward(x, fwd, int(np.flatnonzero(update)[0]))
             res.times.reforward_ms = self.clock.mark()
             measured.backward_ms, measured.reforward_ms = (res.times.backward_ms,
                                                            res.times.reforward_ms)
+        res.times.total_ms = measured.total_ms = (self.clock.now() - t0) * 1e3
+        if not parallel:
             self.planning.observe(outcome, measured)
-        res.times.total_ms = (self.clock.now() - t0) * 1e3
         return res
 
     def _serve_only(self, x: Tensor, t0: float, batch_size: int) -> StepResult:

@@ -166,6 +166,7 @@ class PlanOutcome:
     deadline_ms: float = math.nan  # the batch's deadline (NaN: sigma*T mode)
     forward_misses: bool = False  # the measured forward alone is over the deadline
     skipped: bool = False  # no plan could fit: not solved, the plan phase was skipped
+    margin_ms: float = 0.0  # deadline modes: room left for the batch time's scatter
 
     @property
     def updates(self) -> bool:
@@ -190,6 +191,7 @@ class Measured:
     backward_ms: float = math.nan
     reforward_ms: float | None = 0.0
     planned: bool = True  # False: the plan phase was skipped (no plan could fit)
+    total_ms: float = math.nan  # the whole batch (sequential mode): the deadline margin
 
 
 class DeadlineBudget:
@@ -341,8 +343,9 @@ class PlanningService(DeadlineBudget):
         a = self._importance(importance, candidates, 0 if self.reforward_twice else grad_from)
         w, x, r = self.unit_times(forward_ms, grad_from)
         deadline = self.deadline_ms(batch_size)
+        margin = 0.0 if math.isnan(deadline) else min(self.fixed.margin_ms, deadline)
         problem = self._problem(w, x, r, a, forward_ms + self.fixed.plan_phase_ms,
-                                self.fixed.overhead_ms, deadline)
+                                self.fixed.overhead_ms, deadline - margin)
         plan = planner.solve(problem, n_t=int(self.config.n_t))
         bwd = planner.backward_cost(w, x, plan.update)
         refwd = (float(r[self.layout.stage_start[plan.first_updated]:].sum())
@@ -350,7 +353,7 @@ class PlanningService(DeadlineBudget):
         cand = candidates if candidates is not None else (a > 0 if a.any() else None)
         no_room = "" if plan.update.any() else self._no_room(problem, plan, cand, forward_ms)
         return PlanOutcome(plan, w + x, bwd, refwd, problem.forward_ms, problem.overhead_ms,
-                           no_room, deadline, forward_ms > deadline)
+                           no_room, deadline, forward_ms > deadline, margin_ms=margin)
 
     def empty_outcome(self, forward_ms: float, batch_size: int = 1, reason: str = "", *,
                       grad_from: int | None = None) -> PlanOutcome:
@@ -441,11 +444,16 @@ class PlanningService(DeadlineBudget):
         """Learn from a batch: its plan phase always; when it followed `outcome` (a plan
         of this service) and updated, the backward correction and the update's fixed cost.
         An external plan (outcome None) teaches only the plan phase; a batch that skipped
-        its plan phase (`measured.planned` False) forgets a share of it instead."""
+        its plan phase (`measured.planned` False) forgets a share of it instead. A planned
+        sequential batch teaches the deadline margin (its total_ms against the plan's
+        predicted total)."""
         if measured.planned:
             self.fixed.update_plan(measured.plan_ms, measured.forward_ms)
         else:
             self.fixed.skip_plan()
+        if outcome is not None and not outcome.skipped and measured.reforward_ms is not None:
+            self.fixed.update_total(outcome.plan.predicted_total_ms, measured.total_ms,
+                                    measured.forward_ms)
         if not measured.adapted:
             self.fixed.idle()
             return

@@ -98,8 +98,8 @@ WHITE = ColorRGBA(r=1.0, g=1.0, b=1.0, a=1.0)
 def plan_markers(plan: LayerPlan, frame_id: str, spacing: float,
                  max_height: float, lifetime_s: float = 0.0, deadline: str = "") -> MarkerArray:
     """DELETEALL, then one CUBE bar per unit (height ∝ importance, green = updated), a label;
-    every marker lives `lifetime_s` (0: forever). `deadline`: what set the budget, when it
-    is a deadline (the label then says "deadline" instead of "budget")."""
+    every marker lives `lifetime_s` (0: forever). `deadline`: the deadline and what set it,
+    when the budget is one (the label then shows it instead of the budget)."""
     arr = MarkerArray()
     clear = Marker(action=Marker.DELETEALL)
     clear.header.frame_id = frame_id
@@ -118,7 +118,7 @@ def plan_markers(plan: LayerPlan, frame_id: str, spacing: float,
     label = Marker(ns="label", id=0, type=Marker.TEXT_VIEW_FACING, action=Marker.ADD,
                    color=WHITE, scale=Vector3(z=0.25),
                    text=f"plan {plan.plan_id}: {sum(plan.update)}/{len(plan.update)} units, "
-                        + (f"deadline {plan.budget_ms:.1f} ms ({deadline})" if deadline else
+                        + (f"deadline {deadline}" if deadline else
                            f"budget {plan.budget_ms:.1f} ms")
                         + f", predicted {plan.predicted_total_ms:.1f} ms")
     label.pose.position = Point(x=0.0, y=0.0, z=max_height + 0.5)
@@ -222,7 +222,8 @@ class SchedulerNode(Node):
         self.planning.observe(outcome, Measured(
             float(msg.forward_ms), float(msg.plan_ms), bool(msg.adapted),
             float(msg.backward_ms),
-            None if msg.mode == "parallel" else float(msg.reforward_ms)))
+            None if msg.mode == "parallel" else float(msg.reforward_ms),
+            total_ms=float(msg.total_ms)))
 
     def _now(self) -> float:
         return self.get_clock().now().nanoseconds * 1e-9
@@ -263,7 +264,8 @@ class SchedulerNode(Node):
         first = outcome.plan.first_updated
         self._grad_from = int(self.layout.stage_start[first]) if first < n else n
         cfg = self.planning.config
-        deadline = self.planning.describe_deadline() if cfg.has_deadline else ""
+        deadline = (f"{outcome.deadline_ms:.1f} ms ({self.planning.describe_deadline()})"
+                    if cfg.has_deadline else "")
         msg = plan_to_msg(outcome, imp, self.plans_published,
                           outcome.budget_share if deadline else cfg.sigma)
         self._outcomes[self.plans_published] = outcome

@@ -203,6 +203,25 @@ def test_when_the_forward_alone_misses_the_deadline_the_batch_is_not_updated(
     assert _service(layout).no_time(1e9) == ""  # sigma*T: decided by the planner
 
 
+def test_no_time_knows_before_the_plan_phase_when_no_unit_can_fit(layout: UnitLayout) -> None:
+    """After a 5 ms forward a 7.3 ms deadline leaves 2.3 ms: the cheapest plan {17} takes
+    2.4, so the plan phase is skipped, with the planner's own reason; 7.5 ms leave room.
+    Units below the recorded graph do not count; sigma*T works alike."""
+    bn = layout.trainable("norm")
+    svc = _service(layout, deadline_mode="fixed", deadline_ms=7.3)
+    assert svc.no_time(5.0) == ""  # without candidates: only the deadline itself
+    assert svc.no_time(5.0, candidates=bn) == _plan(svc, layout, 5.0).no_room != ""
+    svc.config.deadline_ms = 7.5
+    assert svc.no_time(5.0, candidates=bn) == ""
+    only_13 = np.arange(layout.n_units) == 13  # {13} alone takes 2.8 ms
+    assert svc.no_time(5.0, candidates=only_13) != ""
+    svc.config.deadline_ms = 7.9
+    assert svc.no_time(5.0, candidates=only_13) == ""
+    assert svc.no_time(5.0, candidates=only_13, grad_from=14) != ""  # 13 has no graph
+    tiny = _service(layout, sigma=0.01)
+    assert tiny.no_time(5.0, candidates=bn).startswith("no unit fits the budget sigma*T")
+
+
 def test_speed_deadline_follows_the_speed(layout: UnitLayout) -> None:
     """2 m per decision: 5 m/s gives 400 ms, 20 m/s 100 ms (4x); unknown: the minimum."""
     svc = _service(layout, deadline_mode="speed", distance_per_decision_m=2.0,
@@ -300,7 +319,7 @@ def test_engine_serves_without_planning_when_the_forward_misses_the_deadline(
     assert captures == [0]  # only the first batch ran the engine's forward (whole graph)
     assert calls == {"assessor": 0, "solve": 0} and eng.assessor.history is None
     for res in results:
-        assert not res.adapted and res.planning.forward_misses
+        assert not res.adapted and res.planning.forward_misses and res.planning.skipped
         assert res.planning.no_room.startswith("the forward alone (")
         assert "misses the deadline 0.001 ms (fixed 0.001 ms per batch)" in res.planning.no_room
         assert res.budget_ms == 1e-3 and res.planning.deadline_ms == 1e-3
@@ -319,7 +338,7 @@ def test_engine_with_a_tiny_sigma_skips_graph_assessor_and_planner(monkeypatch) 
     x = torch.randn(4, 3, 32, 32)
     res = eng.step(x)
     assert calls == {"assessor": 0, "solve": 0}
-    assert not res.adapted and not res.planning.forward_misses
+    assert not res.adapted and not res.planning.forward_misses and res.planning.skipped
     assert res.planning.no_room.startswith("no unit fits the budget sigma*T")
     assert math.isnan(res.planning.deadline_ms)
     assert res.budget_ms == pytest.approx(1e-4 * res.plan.full_ms)
@@ -335,6 +354,7 @@ def test_engine_adapts_within_a_generous_camera_deadline() -> None:
     res = eng.step(torch.randn(4, 3, 32, 32) * 2 + 1)
     assert res.adapted and res.budget_ms == pytest.approx(8000.0)
     assert res.planning.no_room == "" and not res.planning.forward_misses
+    assert not res.planning.skipped and res.importance.any()
 
 
 def test_adashadow_method_takes_deadline_settings_and_speed() -> None:

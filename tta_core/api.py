@@ -53,6 +53,7 @@ class PlanningInfo:
     no_room: str = ""  # why no trainable unit fits the budget ("" when one does)
     deadline_ms: float = NAN  # the batch's deadline (NaN: the sigma*T budget)
     forward_misses: bool = False  # the forward alone took longer than the deadline
+    skipped: bool = False  # no plan could fit: no assessor (importance zeros), no planner
 
 
 @dataclass

@@ -147,7 +147,7 @@ def _result(svc: PlanningService, fwd: _Forward, loss: Tensor | None, importance
                         svc.backward_factor, svc.plan_phase_ms, svc.overhead_ms,
                         outcome.no_room if outcome else "",
                         outcome.deadline_ms if outcome else math.nan,
-                        bool(outcome.forward_misses) if outcome else False)
+                        bool(outcome and outcome.forward_misses), bool(outcome and outcome.skipped))
     return StepResult(
         logits=fwd.logits.detach(), times=PhaseTimes(fwd.forward_ms), plan=plan,
         importance=importance, loss=float(loss.detach()) if loss is not None else math.nan,
@@ -303,12 +303,14 @@ class AdaShadowEngine:
     def _plan_phase(self, fwd: _Forward, plan: planner.Plan | None, batch_size: int
                     ) -> tuple[Tensor | None, np.ndarray, PlanOutcome | None, planner.Plan]:
         """Loss, importance and the plan (the service's, or the external one checked).
-        No loss, assessor or planner when the forward leaves no time for any plan
-        (deadline modes, PlanningService.no_time): importance zeros, the empty plan."""
-        late = self.planning.no_time(fwd.forward_ms, batch_size) if plan is None else ""
+        No loss, assessor or planner when the measured forward leaves no room for any plan
+        (PlanningService.no_time): importance zeros, the empty plan."""
+        grad_from = self._grad_from(fwd.grad_stage)
+        late = "" if plan is not None else self.planning.no_time(
+            fwd.forward_ms, batch_size, grad_from=grad_from, candidates=self.candidates)
         if late:
-            outcome = self.planning.empty_outcome(
-                fwd.forward_ms, batch_size, late, grad_from=self._grad_from(fwd.grad_stage))
+            outcome = self.planning.empty_outcome(fwd.forward_ms, batch_size, late,
+                                                  grad_from=grad_from)
             return None, np.zeros(len(self.staged.units)), outcome, outcome.plan
         history = self.assessor.history
         if history is not None and self.config.loss == "multilayer_kl":

@@ -194,6 +194,29 @@ class Measured:
     total_ms: float = math.nan  # the whole batch (sequential mode): the deadline margin
 
 
+class _TimesCache:
+    """Unit times of a profile, cached (a profile is replaced, never changed in place):
+    Eq. 4 times per expansion; "uniform" planning times per ms of forward."""
+
+    def __init__(self) -> None:
+        self._rt: tuple = (None, None, ())  # (profile, pis, (w, x, r))
+        self._ut: tuple = (None, None, ())  # (profile, key, (w, x, r, w + x, rest of T))
+
+    def runtime(self, prof: UnitProfile, pis: tuple[float, float]) -> tuple[np.ndarray, ...]:
+        if self._rt[0] is not prof or self._rt[1] != pis:
+            self._rt = (prof, pis, predictor.runtime_times(prof, *pis))
+        return self._rt[2]
+
+    def per_forward_ms(self, prof: UnitProfile, pis: tuple[float, float], grad_from: int,
+                       factor: float, reforward_twice: bool) -> tuple:
+        key = (pis, grad_from, factor, reforward_twice)
+        if self._ut[0] is not prof or self._ut[1] != key:
+            w, x, r = predictor.planning_times(prof, *pis, 1.0, "uniform", grad_from, factor)
+            r = 2.0 * r if reforward_twice else r
+            self._ut = (prof, key, (w, x, r, w + x, planner.full_ms(w, x, r, 0.0, 0.0)))
+        return self._ut[2]
+
+
 class DeadlineBudget:
     """The deadline part of the planning service (a mixin of PlanningService): the
     batch's deadline from the config's deadline_* fields and the vehicle's speed."""
@@ -221,16 +244,11 @@ class DeadlineBudget:
     def describe_deadline(self) -> str:
         """The deadline mode in words (deadline.describe)."""
         return describe(self.config, self._speed)
-
-    def no_time(self, forward_ms: float, batch_size: int = 1) -> str:
-        """Deadline modes: why no plan can fit once the forward took `forward_ms`, when
-        it and the expected plan phase already reach the deadline (the batch is then served
-        at once, without planning); "" otherwise and in sigma*T mode."""
+    def budget_ms(self, batch_size: int = 1) -> tuple[float, float]:
+        """(deadline, margin) of a batch: what the planner may plan into is deadline -
+        margin (FixedCosts.margin_ms, at most the deadline); (NaN, 0) in sigma*T mode."""
         deadline = self.deadline_ms(batch_size)
-        if math.isnan(deadline) or forward_ms + self.fixed.plan_phase_ms < deadline:
-            return ""
-        return late_text(forward_ms, self.fixed.plan_phase_ms, deadline,
-                         self.describe_deadline())
+        return deadline, (0.0 if math.isnan(deadline) else min(self.fixed.margin_ms, deadline))
 
 
 class PlanningService(DeadlineBudget):
@@ -254,8 +272,7 @@ class PlanningService(DeadlineBudget):
         self._mac = mac_profile(layout, 1.0, 1)  # unitless shape, scaled per batch
         self._floor_cache: tuple = (None, 0)
         self._zeros = np.zeros(layout.n_units)
-        self._rt_cache: tuple = (None, None, ())  # (profile, pis, Eq. 4 times)
-        self._ut_cache: tuple = (None, None, ())  # (profile, key, times per ms of forward)
+        self._times = _TimesCache()
 
     # ------------------------------------------------------------ expansion
     def set_expansion(self, pi1: float, pi2: float) -> None:
@@ -297,21 +314,14 @@ class PlanningService(DeadlineBudget):
 
     def _per_forward_ms(self, forward_ms: float, grad_from: int) -> tuple | None:
         """"uniform" feedback scales every time by the forward: (w, x, r, w + x, T - T_f -
-        overhead) per ms of forward, cached (a profile is replaced, never changed in
-        place); None for the other modes or a forward that is not > 0."""
+        overhead) per ms of forward (_TimesCache); None for the other modes or a forward
+        that is not > 0."""
         if not (self.feedback_mode() == "uniform" and math.isfinite(forward_ms)
                 and forward_ms > 0):
             return None
-        pi1, pi2, _ = self.expansion
-        prof, k = self.profile or self._mac, self.backward_fb.factor
-        key = (pi1, pi2, grad_from, k)
-        cached = self._ut_cache
-        if cached[0] is not prof or cached[1] != key:
-            w, x, r = predictor.planning_times(prof, pi1, pi2, 1.0, "uniform", grad_from, k)
-            r = 2.0 * r if self.reforward_twice else r
-            cached = self._ut_cache = (prof, key, (w, x, r, w + x,
-                                                   planner.full_ms(w, x, r, 0.0, 0.0)))
-        return cached[2]
+        return self._times.per_forward_ms(self.profile or self._mac, self.expansion[:2],
+                                          grad_from, self.backward_fb.factor,
+                                          self.reforward_twice)
 
     def _problem(self, w, x, r, importance, forward_ms: float, overhead_ms: float,
                  deadline_ms: float = math.nan) -> planner.PlanProblem:
@@ -342,8 +352,7 @@ class PlanningService(DeadlineBudget):
             raise ValueError(f"forward_ms={forward_ms} is not a valid time")
         a = self._importance(importance, candidates, 0 if self.reforward_twice else grad_from)
         w, x, r = self.unit_times(forward_ms, grad_from)
-        deadline = self.deadline_ms(batch_size)
-        margin = 0.0 if math.isnan(deadline) else min(self.fixed.margin_ms, deadline)
+        deadline, margin = self.budget_ms(batch_size)
         problem = self._problem(w, x, r, a, forward_ms + self.fixed.plan_phase_ms,
                                 self.fixed.overhead_ms, deadline - margin)
         plan = planner.solve(problem, n_t=int(self.config.n_t))
@@ -383,6 +392,28 @@ class PlanningService(DeadlineBudget):
         return PlanOutcome(plan, unit_ms, 0.0, 0.0, tf, oh, reason, deadline,
                            forward_ms > deadline, skipped=True)
 
+    def no_time(self, forward_ms: float, batch_size: int = 1, *, grad_from: int = 0,
+                candidates: np.ndarray | None = None) -> str:
+        """Why no plan can fit a batch whose forward took `forward_ms` ("" when one may),
+        known before its plan phase, which is then skipped: the forward and the expected
+        plan phase already reach the deadline, or (with `candidates`, the units a plan may
+        update) not even the cheapest one-unit plan fits the budget."""
+        deadline, margin = self.budget_ms(batch_size)
+        plan_ms = self.fixed.plan_phase_ms
+        if not math.isnan(deadline) and forward_ms + plan_ms >= deadline:
+            return late_text(forward_ms, plan_ms, deadline, self.describe_deadline())
+        if candidates is None:
+            return ""
+        w, x, r = self.unit_times(forward_ms, grad_from)
+        problem = self._problem(w, x, r, self._zeros, forward_ms + plan_ms,
+                                self.fixed.overhead_ms, deadline - margin)
+        reach = np.asarray(candidates, dtype=bool)
+        if grad_from > 0 and not self.reforward_twice:
+            reach = reach & (np.arange(len(reach)) >= grad_from)
+        if planner.lowest_feasible_unit(problem, reach, validated=True) < len(reach):
+            return ""
+        return self.empty_outcome(forward_ms, batch_size, grad_from=grad_from).no_room
+
     def _no_room(self, problem: planner.PlanProblem, plan: planner.Plan,
                  candidates: np.ndarray | None, forward_ms: float) -> str:
         """Why no candidate unit fits the budget at all, or ""."""
@@ -418,7 +449,7 @@ class PlanningService(DeadlineBudget):
             return 0
         key = (self.expansion, c.sigma, id(self.profile), scaled or last, k, share, budget)
         if self._floor_cache[0] != key:
-            w, x, r = self._runtime_times()
+            w, x, r = self._times.runtime(self.profile or self._mac, self.expansion[:2])
             # scaled times: the budget is proportional to the forward, so the floor does
             # not depend on it; unscaled: a faster forward than the last only lowers it
             tf = float(r.sum()) if scaled else 0.8 * last
@@ -430,14 +461,6 @@ class PlanningService(DeadlineBudget):
                 absolute), candidates, validated=True)
             self._floor_cache = (key, d)
         return self._floor_cache[1]
-
-    def _runtime_times(self) -> tuple[np.ndarray, ...]:
-        """Eq. 4 times of the profile (MAC shape) at the current expansion, cached."""
-        prof, pis = self.profile or self._mac, self.expansion[:2]
-        cached = self._rt_cache
-        if cached[0] is not prof or cached[1] != pis:
-            cached = self._rt_cache = (prof, pis, predictor.runtime_times(prof, *pis))
-        return cached[2]
 
     # ------------------------------------------------------------ feedback
     def observe(self, outcome: PlanOutcome | None, measured: Measured) -> None:

@@ -22,7 +22,8 @@ phase on every batch that skipped it (`skip_plan`: a deadline the forward and pl
 already reach). With a deadline, plans also leave room for the scatter of the whole
 batch's time around its prediction (`margin_ms`: EMA mean + 2.33 EMA standard deviations
 of measured minus predicted; a plan that fills the deadline to 99 % otherwise misses it
-on every other batch from timing noise alone). alpha = 0 turns
+on every other batch from timing noise alone), forgotten like the plan phase while
+batches skip it. alpha = 0 turns
 both off (the planner then sees exactly the per-unit model, and plans no longer depend on
 how fast a run is).
 """
@@ -135,9 +136,12 @@ class FixedCosts:
 
     def skip_plan(self) -> None:
         """A batch skipped its plan phase (no plan could fit): forget a share of the plan
-        phase, so that an estimate that leaves no time for any plan is tried again."""
+        phase and of the deadline margin, so that estimates that leave no time for any
+        plan are tried again."""
         if self.on:
             self.plan_ms *= 1.0 - self.forget
+            self.total_mean_ms *= 1.0 - self.forget
+            self.total_var_ms2 *= (1.0 - self.forget) ** 2
 
     def reset(self) -> None:
         """Forget what was learnt (a new machine or model)."""

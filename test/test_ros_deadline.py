@@ -281,6 +281,12 @@ def test_perception_plans_inline_against_its_deadline(ros_context) -> None:
         plan = next(s for s in perception_statuses(node) if s.name.endswith("planning"))
         assert plan.level == DiagnosticStatus.WARN
         assert "deadline_mode=fixed: the forward alone (" in plan.message
+        values = {kv.key: kv.value for kv in plan.values}
+        assert values["deadline_mode"] == "fixed"
+        assert values["speed"].startswith("no odometry on '/odom'")
+        node.speed.on_speed(7.5)
+        speed = next(s for s in perception_statuses(node) if s.name.endswith("planning"))
+        assert {kv.key: kv.value for kv in speed.values}["speed"] == "7.5 m/s"
         assert node.set_parameters([Parameter("deadline_mode", value="camera"),
                                     Parameter("camera_hz", value=0.5)])[0].successful
         n = len(statuses)
@@ -300,3 +306,15 @@ def _wait(cond: Callable[[], bool], timeout: float) -> bool:
             return True
         time.sleep(0.05)
     return cond()
+
+
+def test_inconsistent_deadline_settings_are_refused_at_start(ros_context) -> None:
+    from tta_ros.nodes.perception import PerceptionNode
+
+    bad = [Parameter("model_card", value=str(CARD)),
+           Parameter("min_deadline_ms", value=500.0), Parameter("max_deadline_ms", value=100.0)]
+    for cls in (PerceptionNode, SchedulerNode):
+        with pytest.raises(ValueError) as err:
+            cls(context=ros_context, parameter_overrides=bad)
+        assert "min_deadline_ms=500.0 is above max_deadline_ms=100.0" in str(err.value)
+        assert "\n" not in str(err.value)

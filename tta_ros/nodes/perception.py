@@ -202,6 +202,12 @@ def planning_message(node: PerceptionNode) -> str:
     return "plans from layer_plan"
 
 
+def speed_text(feed: SpeedFeed) -> str:
+    """The odometry speed for diagnostics, or why it is unknown."""
+    speed = feed.speed()
+    return f"{speed:.4g} m/s" if speed is not None else feed.describe()
+
+
 def perception_statuses(node: PerceptionNode) -> list[DiagnosticStatus]:
     """The node's input, planning and adaptation statuses for /diagnostics."""
     c, q, p = node.counters, node.queue, node.p
@@ -213,7 +219,8 @@ def perception_statuses(node: PerceptionNode) -> list[DiagnosticStatus]:
         status("planning", WARN if planning_warn else OK,
                planning_message(node), {
                    "plan_source": p["plan_source"],
-                   "topic_batches": c.topic_batches, "inline_batches": c.inline_batches}),
+                   "topic_batches": c.topic_batches, "inline_batches": c.inline_batches,
+                   "deadline_mode": p["deadline_mode"], "speed": speed_text(node.speed)}),
         status("adaptation", OK, f"{p['method']} ({p['mode']})",
                {"batches": c.batches, "resets": node.guard.resets,
                 "step_errors": c.step_errors, "last_error": c.last_error})]
@@ -273,6 +280,8 @@ class PerceptionNode(Node):
         declare_all(self, self.specs)
         self.p = values(self, self.specs)
         check_initial(self.specs, self.p)
+        if reason := check_deadline_change(self.p, []):  # e.g. min above max deadline
+            raise ValueError(reason)
         self.device = check_device(self.p["device"])
         if self.p["num_threads"] > 0:
             torch.set_num_threads(self.p["num_threads"])

@@ -1,0 +1,348 @@
+"""SURGEON: memory-efficient TTA by dynamic activation sparsity (seed 003; official code
+github.com/kadmkbl/SURGEON, methods/das.py).
+
+Per batch, each trainable layer gets a keep ratio for what it saves for ∂W (Eqs. 4-7,
+tta_core.memory.layer_importance); the adaptation forward runs under the activation codec
+(tta_core.memory.codec): conv/linear inputs magnitude-pruned to the layer's keep ratio and
+held as a 1-bit position bitmap + kept values, ReLU saves as exact 1-bit masks, BN inputs
+dense (exact ∂γ and ∂x; the official code prunes them for ∂γ but keeps a full copy for ∂x).
+
+mode "faithful" (Algorithm 1): an extra forward/backward of the entropy on k random samples
+of the batch (official: 10; all of a smaller batch) gives the gradients of Eq. 4; it runs
+under the codec too (ReLU masks, frozen inputs; scored inputs at `importance_keep`, 1.0 =
+exact gradients), so at batch <= k its saved bytes stay near the adaptation pass's.
+mode "robot": no extra pass; Eq. 4 uses the gradients of the previous update (lagged).
+They were computed under that update's pruning, which biases against pruned layers: on the
+shipped net (batch 16) uniform keep 0.05 shrinks conv gradient norms by 14-42 % and the
+fc's by 68 % (keep 0.5: <= 1 %, fc 18 %). The first step (and the first after set_units or
+a new input size) has no usable gradient yet: it is dense.
+
+Keep ratios are clamped to [keep_floor, 1] (default 0.05): Eq. 7 gives keep 0 to the least
+important layer, i.e. no ∂W at all. `units` restricts the update (and the keep ratios) to
+named units; the others are frozen. Eager PyTorch saves a conv/linear input even when the
+weight is frozen (no ∂W is computed, ∂x needs only the weight): frozen units' inputs are
+stored at FROZEN_KEEP (≈ the 1-bit bitmap alone), which changes no gradient.
+
+Loss: entropy (default); `css` adds certainty-based sample selection (entropy < 0.4 ln C,
+weights exp(0.4 ln C - H), as EATA/MECTA and the official code) and `cr` consistency
+regularisation, 0.01 · C · CE(softmax(logits), logits of an augmented copy) (official code;
+cheap_augment of CoTTA here). Adam, biases frozen (official). Default lr: the official
+CIFAR-10-C rates (batch 200) mapped onto tta's convention (rate at batch 64, scaled by
+batch/64): 1e-3 (BN only) -> 3.2e-4, 2.2e-5 (all layers) -> 7.04e-6; at batch 200 a step
+runs with exactly the official rate.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from tta_core.api import PhaseClock, PhaseTimes, StepResult, mean_entropy
+from tta_core.memory import DENSE, ActivationCodec, CodecPlan, SavedBytes
+from tta_core.memory.layer_importance import LayerImportance, gradient_importance, layer_keep
+from tta_core.memory.scope import unit_table
+from tta_core.methods import register
+from tta_core.methods.base import MethodConfig, TTAMethod
+from tta_core.methods.cotta import cheap_augment
+from tta_core.methods.eata import softmax_entropy
+from tta_core.model.norms import NORM_NAMES, NORM_TYPES, set_bn_mode
+
+MODES = ("faithful", "robot")
+TRAINABLE = ("all", "norm")
+OFFICIAL_LR = {"norm": 1e-3, "all": 2.2e-5}  # Adam, CIFAR-10-C, batch 200 (official cfgs)
+OFFICIAL_BATCH = 200
+_PRUNABLE = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)  # the codec prunes their inputs
+_NUMERIC = ("lr", "keep_floor", "importance_samples", "importance_keep", "css_margin",
+            "cr_weight", "max_shift")
+FROZEN_KEEP = 1e-6  # frozen conv/linear inputs: ~bitmap only (1/32 of float32), never read
+
+
+@dataclass
+class SurgeonConfig(MethodConfig):
+    """SURGEON settings; lr None = the official rate for `trainable` (see module doc)."""
+
+    lr: float | None = None  # type: ignore[assignment]
+    mode: str = "faithful"  # "faithful" (extra importance pass) | "robot" (lagged grads)
+    trainable: str = "all"  # "all": every weight (SURGEON); "norm": BN/LN/GN (SURGEON (BN))
+    keep_floor: float = 0.05
+    importance_samples: int = 10  # faithful mode: samples of the importance pass
+    # faithful: keep ratio of the scored layers' inputs in the importance pass (paper §4.2
+    # (ii): e.g. 0.1); 1.0 = exact gradients (ReLU masks and frozen inputs still compressed)
+    importance_keep: float = 1.0
+    css: bool = False  # certainty-based sample selection
+    css_margin: float = 0.4  # selected: entropy < css_margin * ln C
+    cr: bool = False  # consistency regularisation (one augmented forward more)
+    cr_weight: float = 0.01  # times the class count C, as the official code
+    units: tuple[str, ...] = ()  # update only these units (module names); () = all
+    biases: bool = False  # official code never updates biases
+    act_masks: bool = True  # ReLU saves as exact 1-bit masks
+    reforward: bool = True  # predict with the updated model (as tent here)
+    max_shift: int = 2  # CR augmentation shift (px)
+    seed: int = 0  # importance subset and CR augmentation
+
+    def check(self) -> None:
+        """Raise a one-line ValueError naming the first bad value (`units` given as a
+        string, as `tta bench --set surgeon.units=fc,layer3.0.conv1` does, is split at
+        commas)."""
+        if isinstance(self.units, str):
+            self.units = tuple(u.strip() for u in self.units.split(",") if u.strip())
+        for name in _NUMERIC:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real | None):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        checks = (
+            (self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}"),
+            (self.trainable in TRAINABLE,
+             f"trainable must be one of {TRAINABLE}, got {self.trainable!r}"),
+            (0 < self.keep_floor <= 1, f"keep_floor must be in (0, 1], got {self.keep_floor}"),
+            (self.importance_samples >= 1,
+             f"importance_samples must be >= 1, got {self.importance_samples}"),
+            (0 < self.importance_keep <= 1,
+             f"importance_keep must be in (0, 1], got {self.importance_keep}"),
+            (self.css_margin > 0, f"css_margin must be > 0, got {self.css_margin}"),
+            (self.cr_weight >= 0, f"cr_weight must be >= 0, got {self.cr_weight}"),
+            (self.lr is None or self.lr >= 0, f"lr must be >= 0, got {self.lr}"),
+            (self.max_shift >= 0, f"max_shift must be >= 0, got {self.max_shift}"),
+        )
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(message)
+
+
+def default_lr(trainable: str, ref_batch: int) -> float:
+    """The official Adam rate (batch 200) as a rate at `ref_batch` (0: unscaled)."""
+    lr = OFFICIAL_LR[trainable]
+    return lr * ref_batch / OFFICIAL_BATCH if ref_batch else lr
+
+
+def consistency(logits: Tensor, logits_aug: Tensor) -> Tensor:
+    """CE of the augmented prediction against the clean one (gradient through both)."""
+    return -(logits.softmax(1) * logits_aug.log_softmax(1)).sum(1).mean()
+
+
+def surgeon_loss(logits: Tensor, logits_aug: Tensor | None, cfg: SurgeonConfig
+                 ) -> tuple[Tensor, int]:
+    """(loss, samples used): entropy, CSS-weighted when cfg.css, + CR when logits_aug."""
+    ent = softmax_entropy(logits)
+    used = logits.shape[0]
+    if cfg.css:
+        margin = cfg.css_margin * math.log(logits.shape[1])
+        sel = ent.detach() < margin
+        used = int(sel.sum())
+        weight = torch.exp(margin - ent.detach())
+        loss = (ent * weight)[sel].mean() if used else ent.sum() * 0.0
+    else:
+        loss = ent.mean()
+    if logits_aug is not None:
+        loss = loss + cfg.cr_weight * logits.shape[1] * consistency(logits, logits_aug)
+    return loss, used
+
+
+def _candidates(mod: nn.Module, cfg: SurgeonConfig) -> list[nn.Parameter]:
+    """The parameters of unit `mod` that `trainable` and `biases` allow to update."""
+    if cfg.trainable == "norm" and not isinstance(mod, NORM_TYPES):
+        return []
+    return [p for pn, p in mod.named_parameters(recurse=False)
+            if cfg.biases or not pn.endswith("bias")]
+
+
+@register("surgeon")
+class Surgeon(TTAMethod):
+    """Dynamic activation sparsity: per-layer keep ratios from gradient x memory importance."""
+
+    config_cls = SurgeonConfig
+    config: SurgeonConfig
+
+    def __init__(self, model: nn.Module, config: SurgeonConfig | None = None) -> None:
+        super().__init__(model, config)
+        self.gen = torch.Generator().manual_seed(self.config.seed)
+        self._sizes: dict[tuple[int, ...], dict[str, int]] = {}  # per sample shape
+        self._lagged: dict[str, float] | None = None  # robot: G_i of the last update
+        self.last_keep: dict[str, float] = {}
+        self.last_importance: LayerImportance | None = None
+
+    # ------------------------------------------------------------ setup
+    def configure_model(self) -> None:
+        cfg = self.config
+        cfg.check()
+        if cfg.lr is None:
+            cfg.lr = default_lr(cfg.trainable, cfg.lr_ref_batch)
+        set_bn_mode(self.model, cfg.bn_mode)
+        self.model.requires_grad_(False)
+        rows = unit_table(self.model)[1]
+        self.unit_names = [name for name, _m, _k in rows]
+        self._unit_mods = {name: mod for name, mod, _k in rows}
+        self._cand = {n: ps for n, m, _k in rows if (ps := _candidates(m, cfg))}
+        if not self._cand:
+            lacks = (f"no {NORM_NAMES} layer with affine parameters" if cfg.trainable == "norm"
+                     else "no parameters")
+            raise self.nothing_to_adapt(lacks)
+        self.set_units(cfg.units)
+
+    def set_units(self, units: tuple[str, ...] | list[str]) -> None:
+        """Update (and give keep ratios to) only these units from the next step; () = all."""
+        unknown = sorted(set(units) - set(self._cand))
+        if unknown:
+            raise ValueError(f"surgeon: unit(s) {unknown[:5]} not in the model's units with "
+                             f"trainable parameters (trainable={self.config.trainable!r})")
+        self.config.units = tuple(units)
+        self.scored = [n for n in self._cand if not units or n in units]
+        for name, params in self._cand.items():
+            for p in params:
+                p.requires_grad_(name in self.scored)
+        self._lagged = None
+
+    def collect_params(self) -> list[nn.Parameter]:
+        """Every candidate parameter (set_units toggles requires_grad; Adam skips no-grad)."""
+        return [p for params in self._cand.values() for p in params]
+
+    def setup_optimizer(self) -> torch.optim.Optimizer:
+        """Adam, as the official configs (beta1 = config.momentum, 0.9)."""
+        return torch.optim.Adam(self.params, lr=self.config.lr,
+                                betas=(self.config.momentum, 0.999), weight_decay=0.0)
+
+    # ------------------------------------------------------------ importance
+    @contextmanager
+    def _size_hooks(self, x: Tensor) -> Iterator[None]:
+        """Record per-sample input element counts of every unit (Eq. 5's m_i) during the
+        forward in the context, once per sample shape."""
+        key = tuple(x.shape[1:])
+        if key in self._sizes:
+            yield
+            return
+        sizes = dict.fromkeys(self.unit_names, 0)
+
+        def hook(name: str) -> Callable[[nn.Module, tuple], None]:
+            def pre(_m: nn.Module, args: tuple) -> None:
+                if args and isinstance(args[0], Tensor) and args[0].shape[0]:
+                    sizes[name] += args[0].numel() // args[0].shape[0]
+            return pre
+
+        handles = [m.register_forward_pre_hook(hook(n)) for n, m in self._unit_mods.items()]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+        self._sizes[key] = sizes
+
+    def _gradient_importance(self, grads: dict[int, Tensor | None]) -> dict[str, float]:
+        """Eq. 4 per scored unit that ran; a parameter without gradient counts as zeros."""
+        out = {}
+        for name in self.scored:
+            gs = [grads.get(id(p)) for p in self._cand[name]]
+            gs = [g if g is not None else torch.zeros_like(p)
+                  for g, p in zip(gs, self._cand[name], strict=True)]
+            out[name] = gradient_importance(gs)
+        return out
+
+    def _keep(self, gradient: dict[str, float], x: Tensor) -> LayerImportance:
+        sizes = self._sizes[tuple(x.shape[1:])]
+        ran = {k: v for k, v in gradient.items() if sizes.get(k, 0) > 0}
+        return layer_keep(ran, sizes, self.config.keep_floor)
+
+    def _importance_pass(self, x: Tensor) -> tuple[LayerImportance, int, int]:
+        """Faithful mode: (Eqs. 4-7 on k random samples, k, bytes the pass saved)."""
+        k = min(self.config.importance_samples, int(x.shape[0]))
+        idx = torch.randperm(int(x.shape[0]), generator=self.gen)[:k].to(x.device)
+        sub = x[idx]
+        params = [p for n in self.scored for p in self._cand[n]]
+        keep = self.config.importance_keep
+        codec = ActivationCodec(self.model, self._plan({n: keep for n in self.scored}))
+        with torch.enable_grad(), self._size_hooks(sub), codec:
+            loss = softmax_entropy(self.model(sub)).mean()
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        by_param = {id(p): g for p, g in zip(params, grads, strict=True)}
+        imp = self._keep(self._gradient_importance(by_param), sub)
+        return imp, k, codec.result.total if codec.result else 0
+
+    def _plan(self, scored: dict[str, float] | None) -> CodecPlan:
+        """`scored` keep ratios for the prunable (conv/linear) scored units; frozen
+        conv/linear units FROZEN_KEEP (autograd saves their input although no ∂W is
+        computed: nothing reads it, ∂x needs only the weight); everything else dense."""
+        keep: dict[str, float | str] = {
+            n: FROZEN_KEEP for n, m in self._unit_mods.items()
+            if isinstance(m, _PRUNABLE) and n not in self.scored}
+        keep.update({n: v for n, v in (scored or {}).items()
+                     if isinstance(self._unit_mods[n], _PRUNABLE)})
+        return CodecPlan(keep, DENSE, act_masks=self.config.act_masks)
+
+    # ------------------------------------------------------------ step
+    def _adapt_forward(self, x: Tensor, plan: CodecPlan
+                       ) -> tuple[Tensor, Tensor, int, SavedBytes | None]:
+        """Forward (+ augmented forward for CR) and loss under the codec."""
+        codec = ActivationCodec(self.model, plan)
+        with torch.enable_grad(), self._size_hooks(x), codec:
+            logits = self.model(x)
+            aug = None
+            if self.config.cr:
+                aug = self.model(cheap_augment(x, self.gen, self.config.max_shift))
+            loss, used = surgeon_loss(logits, aug, self.config)
+        return logits, loss, used, codec.result
+
+    def forward_and_adapt(self, x: Tensor) -> StepResult:
+        clock = PhaseClock.for_tensor(x)
+        imp, k, imp_bytes = None, 0, 0
+        if self.config.mode == "faithful":
+            imp, k, imp_bytes = self._importance_pass(x)
+        elif self._lagged is not None and tuple(x.shape[1:]) in self._sizes:
+            imp = self._keep(self._lagged, x)
+        plan_ms = clock.mark()
+        logits, loss, used, saved = self._adapt_forward(
+            x, self._plan(imp.keep if imp is not None else None))
+        forward_ms = clock.mark()
+        adapted = used > 0 or self.config.cr
+        if adapted:
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if self.config.mode == "robot":
+                self._lagged = self._gradient_importance(
+                    {id(p): p.grad for n in self.scored for p in self._cand[n]})
+            self.optimizer.step()
+        backward_ms = clock.mark()
+        out = self.reforward(x, logits, self.config.reforward and adapted)
+        reforward_ms = clock.mark()
+        times = PhaseTimes(forward_ms, plan_ms, backward_ms, reforward_ms,
+                           forward_ms + plan_ms + backward_ms + reforward_ms)
+        self.last_importance = imp
+        self.last_keep = dict(imp.keep) if imp is not None else dict.fromkeys(self.scored, 1.0)
+        res = StepResult(logits=out.detach(), times=times, loss=float(loss.detach()),
+                         mean_entropy=mean_entropy(out), adapted=adapted,
+                         units_updated=len(self.scored) if adapted else 0,
+                         importance=self._importance_vector(imp))
+        res.stats.update(self._stats(saved, imp_bytes, k, used, imp is not None))
+        return res
+
+    def _importance_vector(self, imp: LayerImportance | None) -> np.ndarray:
+        """I_i per unit of `unit_names` (0 for frozen units); empty without importance."""
+        if imp is None:
+            return np.zeros(0)
+        return np.array([imp.importance.get(n, 0.0) for n in self.unit_names])
+
+    def _stats(self, saved: SavedBytes | None, imp_bytes: int, k: int, used: int,
+               pruned: bool) -> dict[str, float | int | bool]:
+        keep = list(self.last_keep.values()) or [1.0]
+        saved = saved if saved is not None else SavedBytes(0, {}, {}, 0, 0, 0, 0)
+        total = saved.total
+        return {
+            "saved_bytes": total, "saved_mib": total / 2**20,
+            "importance_saved_bytes": imp_bytes,
+            "peak_saved_bytes": max(total, imp_bytes),
+            "peak_saved_mib": max(total, imp_bytes) / 2**20,
+            "analytic_bytes": saved.analytic, "analytic_kept_bytes": saved.analytic_kept,
+            "keep_min": min(keep), "keep_mean": float(np.mean(keep)), "keep_max": max(keep),
+            "importance_samples": k, "n_used": used, "pruned": pruned,
+        }
+
+    def reset_state(self) -> None:
+        self.gen.manual_seed(self.config.seed)
+        self._lagged = None
+        self.last_keep = {}
+        self.last_importance = None

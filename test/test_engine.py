@@ -236,7 +236,7 @@ def test_graph_is_recorded_only_from_the_lowest_feasible_stage() -> None:
                 seen[s] = t.requires_grad
         stage_input_hooks(staged, record)
         if not floor:
-            eng._grad_stage_for = lambda plan: 0  # the paper's pipeline: graph everywhere
+            eng._grad_stage_for = lambda plan, floor: 0  # the paper's pipeline: graph everywhere
         torch.manual_seed(5)
         steps = [eng.step(torch.randn(4, 3, 64, 64) * (1 + 0.5 * i)) for i in range(3)]
         results[floor] = (steps, [p.detach().clone() for p in eng.params], seen, eng)

@@ -97,9 +97,12 @@ def test_engine_plans_with_the_learnt_costs_and_feeds_back_its_own_prediction() 
             results.append((res, plan_phase, overhead))
     finally:
         planner.solve = planner_solve
-    assert len(problems) == 4 and eng.planning.fixed.plan_updates == 4
+    # a batch whose forward leaves no room for any plan skips its plan phase (a loaded
+    # machine: the profile's times are absolute here); every other one was planned
+    planned = [r for r in results if not r[0].planning.skipped]
+    assert len(problems) == len(planned) == eng.planning.fixed.plan_updates
     adapted = 0
-    for prob, (res, plan_phase, overhead) in zip(problems, results, strict=True):
+    for prob, (res, plan_phase, overhead) in zip(problems, planned, strict=True):
         assert prob.forward_ms == pytest.approx(res.times.forward_ms + plan_phase)
         assert prob.overhead_ms == overhead
         if res.adapted:

@@ -5,7 +5,8 @@
 - `PhaseClock`: the one clock every method times its phases with (it synchronises CUDA
   before reading the time, so GPU timings are fair between methods);
 - capability protocols: what a method *can* do beyond `step`/`reset` (take an external
-  plan, change sigma at run time, take live telemetry, report a domain). Consumers test
+  plan, change sigma or the deadline at run time, take live telemetry, report a domain).
+  Consumers test
   `isinstance(method, Protocol)`; nothing sniffs attributes.
 """
 
@@ -50,6 +51,9 @@ class PlanningInfo:
     plan_phase_ms: float = 0.0  # learnt plan phase the budget leaves room for
     overhead_ms: float = 0.0  # learnt fixed cost of any update
     no_room: str = ""  # why no trainable unit fits the budget ("" when one does)
+    deadline_ms: float = NAN  # the batch's deadline (NaN: the sigma*T budget)
+    forward_misses: bool = False  # the forward alone took longer than the deadline
+    skipped: bool = False  # no plan could fit: no assessor (importance zeros), no planner
 
 
 @dataclass
@@ -144,6 +148,17 @@ class RuntimeTunable(Protocol):
     """Sigma can change between batches (the learning rate always can: `set_lr`)."""
 
     def set_sigma(self, sigma: float) -> None: ...
+
+
+@runtime_checkable
+class DeadlineTunable(Protocol):
+    """Plans against a batch deadline (tta_core.adashadow.deadline): its settings change
+    between batches (`set_deadline(deadline_mode=..., camera_hz=...)`, ValueError naming a
+    bad one) and "speed" deadlines follow the vehicle's speed (`set_speed`, None: unknown)."""
+
+    def set_deadline(self, **settings: object) -> None: ...
+
+    def set_speed(self, speed_mps: float | None) -> None: ...
 
 
 @runtime_checkable

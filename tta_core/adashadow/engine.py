@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,6 +94,70 @@ class _Forward:
     grad_stage: int  # first stage whose forward recorded the autograd graph
 
 
+class _Background:
+    """The parallel mode's background update: one thread at a time, its error kept for
+    `join` (which raises it as RuntimeError)."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def start(self, fn: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # surfaced by join()
+                self._error = exc
+        self._thread = threading.Thread(target=run, name="adashadow-backward", daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        thread.join()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError("background adaptation failed") from err
+
+
+def _loss(kind: str, fwd: _Forward, history) -> Tensor | None:
+    """The batch's adaptation loss (`kind`: EngineConfig.loss); None without a history."""
+    if kind == "entropy":
+        return losses.entropy_loss(fwd.logits)  # lazy: no graph, recomputed in _adapt
+    if history is None:
+        return None  # no history yet: nothing to align to on the first batch
+    return losses.multilayer_kl_loss(fwd.stats, history)
+
+
+def _check_trainable(staged: StagedModel, plan: planner.Plan, candidates: np.ndarray,
+                     trainable: str) -> None:
+    """ValueError naming the units `plan` updates that may not be updated."""
+    update = np.asarray(plan.update, dtype=bool)
+    if (update & ~candidates).any():
+        bad = [u.name for u in staged.units if update[u.index] and not candidates[u.index]]
+        raise ValueError(f"plan updates units that are not trainable "
+                         f"(trainable={trainable!r}): {bad[:5]}")
+
+
+def _result(svc: PlanningService, fwd: _Forward, loss: Tensor | None, importance: np.ndarray,
+            outcome: PlanOutcome | None, plan: planner.Plan, adapt: bool) -> StepResult:
+    """The StepResult of a batch (times other than the forward filled in by the caller)."""
+    info = PlanningInfo(outcome.predicted_backward_ms if outcome else math.nan,
+                        svc.backward_factor, svc.plan_phase_ms, svc.overhead_ms,
+                        outcome.no_room if outcome else "",
+                        outcome.deadline_ms if outcome else math.nan,
+                        bool(outcome and outcome.forward_misses), bool(outcome and outcome.skipped))
+    return StepResult(
+        logits=fwd.logits.detach(), times=PhaseTimes(fwd.forward_ms), plan=plan,
+        importance=importance, loss=float(loss.detach()) if loss is not None else math.nan,
+        mean_entropy=mean_entropy(fwd.logits), adapted=adapt,
+        units_updated=int(np.count_nonzero(plan.update)) if adapt else 0,
+        predicted_total_ms=float(plan.predicted_total_ms),
+        budget_ms=float(outcome.deadline_ms if outcome and not math.isnan(outcome.deadline_ms)
+                        else plan.budget_ms), planning=info)
+
+
 class AdaShadowEngine:
     """Runs AdaShadow on a StagedModel whose BN mode and requires_grad are already set;
     plans with a PlanningService (the one the ROS scheduler uses too)."""
@@ -127,10 +193,12 @@ class AdaShadowEngine:
         self.clock = PhaseClock(self.params[0].device)
         self._stage_inputs: list = [None] * len(staged.stages)
         self._grad_stage = 0
-        self._last_forward_ms = profile.forward_ms if profile is not None else math.nan
+        self._frame_ms: deque[float] = deque(maxlen=2)  # per frame, of the last 2 forwards
+        self._last_batch = 1
+        if profile is not None:
+            self._note_forward(profile.forward_ms, profile.batch_size)
         self._handles = stage_input_hooks(self.staged, self._cache_stage_input)
-        self._job: threading.Thread | None = None
-        self._job_error: BaseException | None = None
+        self._job = _Background()
 
     @property
     def profile(self) -> predictor.UnitProfile | None:
@@ -173,7 +241,7 @@ class AdaShadowEngine:
         stats = self._collector.collect(x.shape[0])
         inputs, self._stage_inputs = self._stage_inputs, [None] * len(self._stage_inputs)
         ms = self.clock.mark()
-        self._last_forward_ms = ms
+        self._note_forward(ms, int(x.shape[0]))
         return _Forward(logits, stats, inputs, ms, grad_stage)
 
     def _grad_from(self, grad_stage: int) -> int:
@@ -181,25 +249,30 @@ class AdaShadowEngine:
         stages = self.staged.stages
         return stages[grad_stage].first_unit if grad_stage < len(stages) else len(self.staged.units)
 
-    def _grad_stage_for(self, plan: planner.Plan | None) -> int:
+    def _note_forward(self, ms: float, batch_size: int) -> None:
+        self._frame_ms.append(ms / batch_size)
+        self._last_batch = batch_size
+
+    def _floor(self, batch_size: int) -> int:
+        """Lowest unit any inline plan for this batch can reach (len(units): none), from
+        the faster of the last two forwards per frame (one slow batch, e.g. a cold first
+        one, does not cost the next one its plan)."""
+        last = min(self._frame_ms) * batch_size if self._frame_ms else math.nan
+        return self.planning.graph_floor(last, self.candidates, batch_size)
+
+    def _grad_stage_for(self, plan: planner.Plan | None, floor: int | None = None) -> int:
         """First stage that may be updated on this batch; the forward records the graph
         from there on only (AdaShadow's budget rarely reaches the bottom of the network, and
-        recording costs up to ~30 % of a CPU forward, plus the activations it keeps)."""
+        recording costs up to ~30 % of a CPU forward, plus the activations it keeps).
+        `floor`: the service's graph floor (None: for a batch as large as the last)."""
         n_stages = len(self.staged.stages)
         if self.lazy:
             return n_stages  # the tail is re-run with autograd after planning
         if plan is not None:
             upd = np.asarray(plan.update, dtype=bool)
             return int(self.staged.units[int(np.argmax(upd))].stage) if upd.any() else n_stages
-        d = self.planning.graph_floor(self._last_forward_ms, self.candidates)
-        return self.staged.units[d].stage if d < len(self.staged.units) else n_stages
-
-    def _loss(self, fwd: _Forward, history) -> Tensor | None:
-        if self.config.loss == "entropy":
-            return losses.entropy_loss(fwd.logits)  # lazy: no graph, recomputed in _adapt
-        if history is None:
-            return None  # no history yet: nothing to align to on the first batch
-        return losses.multilayer_kl_loss(fwd.stats, history)
+        floor = self._floor(self._last_batch) if floor is None else floor
+        return self.staged.units[floor].stage if floor < len(self.staged.units) else n_stages
 
     def _adapt(self, fwd: _Forward, loss: Tensor, update: np.ndarray) -> None:
         """Backward + step; in lazy mode first re-run the tail with autograd for the loss."""
@@ -227,42 +300,32 @@ class AdaShadowEngine:
             return self.staged.model(x)
 
     # ------------------------------------------------------------ plan phase
-    def _plan_phase(self, fwd: _Forward, plan: planner.Plan | None
+    def _plan_phase(self, fwd: _Forward, plan: planner.Plan | None, batch_size: int
                     ) -> tuple[Tensor | None, np.ndarray, PlanOutcome | None, planner.Plan]:
-        """Loss, importance and the plan (the service's, or the external one checked)."""
+        """Loss, importance and the plan (the service's, or the external one checked).
+        No loss, assessor or planner when the measured forward leaves no room for any plan
+        (PlanningService.no_time): importance zeros, the empty plan."""
+        grad_from = self._grad_from(fwd.grad_stage)
+        late = "" if plan is not None else self.planning.no_time(
+            fwd.forward_ms, batch_size, grad_from=grad_from, candidates=self.candidates)
+        if late:
+            outcome = self.planning.empty_outcome(fwd.forward_ms, batch_size, late,
+                                                  grad_from=grad_from)
+            return None, np.zeros(len(self.staged.units)), outcome, outcome.plan
         history = self.assessor.history
         if history is not None and self.config.loss == "multilayer_kl":
             history = [(m.clone(), v.clone()) for m, v in history]  # step() updates in place
-        loss = self._loss(fwd, history)
+        loss = _loss(self.config.loss, fwd, history)
         # units that may not be updated get importance 0: the planner never picks them
         importance = np.where(self.candidates, self.assessor.step(fwd.stats), 0.0)
         outcome = None
         if plan is None:
             outcome = self.planning.plan(importance, fwd.forward_ms,
                                          grad_from=self._grad_from(fwd.grad_stage),
-                                         candidates=self.candidates)
+                                         candidates=self.candidates, batch_size=batch_size)
             plan = outcome.plan
-        update = np.asarray(plan.update, dtype=bool)
-        if (update & ~self.candidates).any():
-            bad = [u.name for u in self.staged.units if update[u.index] and not
-                   self.candidates[u.index]]
-            raise ValueError(f"plan updates units that are not trainable "
-                             f"(trainable={self.config.trainable!r}): {bad[:5]}")
+        _check_trainable(self.staged, plan, self.candidates, self.config.trainable)
         return loss, importance, outcome, plan
-
-    def _result(self, fwd: _Forward, loss: Tensor | None, importance: np.ndarray,
-                outcome: PlanOutcome | None, plan: planner.Plan, adapt: bool) -> StepResult:
-        svc = self.planning
-        info = PlanningInfo(outcome.predicted_backward_ms if outcome else math.nan,
-                            svc.backward_factor, svc.plan_phase_ms, svc.overhead_ms,
-                            outcome.no_room if outcome else "")
-        return StepResult(
-            logits=fwd.logits.detach(), times=PhaseTimes(fwd.forward_ms), plan=plan,
-            importance=importance, loss=float(loss.detach()) if loss is not None else math.nan,
-            mean_entropy=mean_entropy(fwd.logits), adapted=adapt,
-            units_updated=int(np.count_nonzero(plan.update)) if adapt else 0,
-            predicted_total_ms=float(plan.predicted_total_ms), budget_ms=float(plan.budget_ms),
-            planning=info)
 
     # ------------------------------------------------------------ public
     def step(self, x: Tensor, plan: planner.Plan | None = None) -> StepResult:
@@ -272,56 +335,70 @@ class AdaShadowEngine:
             raise ValueError(f"plan has {len(plan.update)} units, model has "
                              f"{len(self.staged.units)}")
         t0 = self.clock.now()
-        fwd = self._forward(x, self._grad_stage_for(plan))
-        loss, importance, outcome, plan = self._plan_phase(fwd, plan)
+        b = int(x.shape[0])
+        floor = self._floor(b) if plan is None else 0
+        if floor >= len(self.staged.units):
+            return self._serve_only(x, t0, b)
+        fwd = self._forward(x, self._grad_stage_for(plan, floor))
+        loss, importance, outcome, plan = self._plan_phase(fwd, plan, b)
         update = np.asarray(plan.update, dtype=bool)
         adapt = loss is not None and bool(update.any())
         if adapt:  # keep only the stage input the reforward needs (§4 reuse)
             keep = self.staged.units[int(np.flatnonzero(update)[0])].stage
             fwd.stage_inputs = [t if i == keep else None for i, t in enumerate(fwd.stage_inputs)]
         plan_ms = self.clock.mark()  # the plan phase ends here: the budget counts it
-        res = self._result(fwd, loss, importance, outcome, plan, adapt)
+        res = _result(self.planning, fwd, loss, importance, outcome, plan, adapt)
         res.times.plan_ms = plan_ms
-        measured = Measured(fwd.forward_ms, plan_ms, adapt)
-        if not adapt:
-            self.planning.observe(outcome, measured)
-        elif self.config.mode == "parallel":
+        measured = Measured(fwd.forward_ms, plan_ms, adapt,
+                            planned=outcome is None or not outcome.skipped)
+        parallel = adapt and self.config.mode == "parallel"
+        if parallel:  # the job observes when the update is done
             self._start_job(res, fwd, loss, update, outcome, measured)
-        else:
+        elif adapt:
             self._adapt(fwd, loss, update)
             res.times.backward_ms = self.clock.mark()
             res.logits = self._reforward(x, fwd, int(np.flatnonzero(update)[0]))
             res.times.reforward_ms = self.clock.mark()
             measured.backward_ms, measured.reforward_ms = (res.times.backward_ms,
                                                            res.times.reforward_ms)
+        res.times.total_ms = measured.total_ms = (self.clock.now() - t0) * 1e3
+        if not parallel:
             self.planning.observe(outcome, measured)
+        return res
+
+    def _serve_only(self, x: Tensor, t0: float, batch_size: int) -> StepResult:
+        """A batch that no inline plan can fit (graph floor: no unit): a plain forward
+        without graph or unit statistics, no loss, assessor or planner (importance zeros,
+        the assessor's history unchanged); the result says why nothing was updated."""
+        self.clock.mark()
+        with torch.no_grad():
+            logits = self.staged.model(x)
+        forward_ms = self.clock.mark()
+        self._note_forward(forward_ms, batch_size)
+        outcome = self.planning.empty_outcome(forward_ms, batch_size)
+        fwd = _Forward(logits, [], [], forward_ms, len(self.staged.stages))
+        res = _result(self.planning, fwd, None, np.zeros(len(self.staged.units)), outcome,
+                      outcome.plan, False)
+        res.times.plan_ms = self.clock.mark()
+        self.planning.observe(outcome, Measured(forward_ms, res.times.plan_ms, False,
+                                                planned=False))
         res.times.total_ms = (self.clock.now() - t0) * 1e3
         return res
 
     def _start_job(self, res: StepResult, fwd: _Forward, loss: Tensor, update: np.ndarray,
                    outcome: PlanOutcome | None, measured: Measured) -> None:
         def job() -> None:  # step() syncs before it plans again: no race on the feedback
-            try:
-                t = self.clock.now()
-                self._adapt(fwd, loss, update)
-                res.times.backward_ms = (self.clock.now() - t) * 1e3
-                measured.backward_ms, measured.reforward_ms = res.times.backward_ms, None
-                self.planning.observe(outcome, measured)
-            except BaseException as exc:  # surfaced by sync()
-                self._job_error = exc
-        self._job = threading.Thread(target=job, name="adashadow-backward", daemon=True)
-        self._job.start()
+            t = self.clock.now()
+            self._adapt(fwd, loss, update)
+            res.times.backward_ms = (self.clock.now() - t) * 1e3
+            measured.backward_ms, measured.reforward_ms = res.times.backward_ms, None
+            self.planning.observe(outcome, measured)
+        self._job.start(job)
 
     def sync(self) -> None:
         """Wait for the background update (parallel mode); its step's result then has
         backward_ms filled. Raises RuntimeError if the update failed."""
-        job, self._job = self._job, None
-        if job is None:
-            return
-        job.join()
-        if self._job_error is not None:
-            err, self._job_error = self._job_error, None
-            raise RuntimeError("background adaptation failed") from err
+        self._job.join()
 
     def reset(self) -> None:
         """Forget optimizer momentum and assessor history (weights: see the method's reset)."""

@@ -17,7 +17,13 @@ preempted batch cannot empty the plans for long. The update's cost is only measu
 an update runs, so an estimate that leaves no plan within the budget could never be
 corrected (one slow start would freeze adaptation for good): every batch without an
 update forgets a share `forget` of it, so a plan is tried again after a while (about
-25 batches from 0.8 to 0.5 ms at the default 0.02) and measured afresh. alpha = 0 turns
+25 batches from 0.8 to 0.5 ms at the default 0.02) and measured afresh; likewise the plan
+phase on every batch that skipped it (`skip_plan`: a deadline the forward and plan phase
+already reach). With a deadline, plans also leave room for the scatter of the whole
+batch's time around its prediction (`margin_ms`: EMA mean + 2.33 EMA standard deviations
+of measured minus predicted; a plan that fills the deadline to 99 % otherwise misses it
+on every other batch from timing noise alone), forgotten like the plan phase while
+batches skip it. alpha = 0 turns
 both off (the planner then sees exactly the per-unit model, and plans no longer depend on
 how fast a run is).
 """
@@ -26,6 +32,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+#: deadline margin: mean + MARGIN_Z standard deviations of the batch time's residual
+#: (about its 99th percentile were it normal), once MARGIN_WARMUP batches were measured
+MARGIN_Z = 2.33
+MARGIN_WARMUP = 3
 
 
 def _finite(*values: float) -> bool:
@@ -43,6 +54,10 @@ class FixedCosts:
     forget: float = 0.02  # share of the update's cost forgotten per batch without update
     plan_updates: int = 0  # measurements seen, warm-up included
     adapt_updates: int = 0
+    # the whole batch's time minus its prediction (deadline modes): EMA mean and variance
+    total_mean_ms: float = 0.0
+    total_var_ms2: float = 0.0
+    total_updates: int = 0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.alpha) and 0.0 <= self.alpha <= 1.0):
@@ -90,12 +105,45 @@ class FixedCosts:
         self.adapt_ms = self._ema(self.adapt_ms, sample, self.adapt_updates)
         self.adapt_updates += 1
 
+    @property
+    def margin_ms(self) -> float:
+        """Room a deadline plan leaves for the batch time's scatter around its prediction:
+        mean + MARGIN_Z standard deviations of the residual (>= 0; 0 when off or before
+        MARGIN_WARMUP batches were measured)."""
+        if not self.on or self.total_updates < MARGIN_WARMUP:
+            return 0.0
+        return max(self.total_mean_ms + MARGIN_Z * math.sqrt(self.total_var_ms2), 0.0)
+
+    def update_total(self, predicted_ms: float, measured_ms: float, scale_ms: float) -> None:
+        """Fold in one batch's whole time against what its plan predicted (clipped to the
+        batch's forward time `scale_ms`, like the other samples)."""
+        if not self.on or not _finite(predicted_ms, measured_ms, scale_ms) or measured_ms <= 0:
+            return
+        bound = abs(scale_ms)
+        diff = min(bound, max(-bound, measured_ms - predicted_ms)) - self.total_mean_ms
+        if self.total_updates == 0:
+            self.total_mean_ms, self.total_var_ms2 = self.total_mean_ms + diff, 0.0
+        else:
+            self.total_mean_ms += self.alpha * diff
+            self.total_var_ms2 = (1.0 - self.alpha) * (self.total_var_ms2
+                                                       + self.alpha * diff * diff)
+        self.total_updates += 1
+
     def idle(self) -> None:
         """A batch ran without an update: forget a share of the update's cost."""
         if self.on:
             self.adapt_ms *= 1.0 - self.forget
 
+    def skip_plan(self) -> None:
+        """A batch skipped its plan phase (no plan could fit): forget a share of the plan
+        phase and of the deadline margin, so that estimates that leave no time for any
+        plan are tried again."""
+        if self.on:
+            self.plan_ms *= 1.0 - self.forget
+            self.total_mean_ms *= 1.0 - self.forget
+            self.total_var_ms2 *= (1.0 - self.forget) ** 2
+
     def reset(self) -> None:
         """Forget what was learnt (a new machine or model)."""
-        self.plan_ms = self.adapt_ms = 0.0
-        self.plan_updates = self.adapt_updates = 0
+        self.plan_ms = self.adapt_ms = self.total_mean_ms = self.total_var_ms2 = 0.0
+        self.plan_updates = self.adapt_updates = self.total_updates = 0

@@ -9,7 +9,8 @@ with d = min(S):
     T        = T_f + sum w + sum_{l >= 1} x_l + sum r          (full update)
 
 and the problem is  max sum_{l in S} a_l  s.t.  T_f + T_b'(S) + T_re'(S) <= sigma * T.
-The empty plan costs T_f alone.
+The empty plan costs T_f alone. An absolute budget (`budget_ms`, a deadline:
+tta_core.adashadow.deadline) replaces sigma * T when given; sigma is then not used.
 
 Fixed cost (extension of the contract, 0 by default): `overhead_ms` is time that every
 non-empty plan pays whatever its units (launching the backward, the loss head's gradient,
@@ -55,6 +56,7 @@ class PlanProblem:
     forward_ms: float
     sigma: float
     overhead_ms: float = 0.0  # fixed cost of any non-empty plan (module docstring)
+    budget_ms: float | None = None  # absolute budget (a deadline); None: sigma * T
 
 
 @dataclass
@@ -65,7 +67,7 @@ class Plan:
     first_updated: int
     objective: float
     predicted_total_ms: float
-    budget_ms: float
+    budget_ms: float  # sigma * T, or the problem's absolute budget (deadline)
     full_ms: float
     solve_ms: float
 
@@ -128,7 +130,10 @@ def _validate(problem: PlanProblem) -> tuple[np.ndarray, ...]:
     if not np.isfinite(tf) or tf < 0:
         raise ValueError(f"forward_ms must be finite and >= 0, got {problem.forward_ms}")
     sigma = float(problem.sigma)
-    if not (0.0 < sigma <= 1.0):
+    if problem.budget_ms is not None:
+        if not (np.isfinite(problem.budget_ms) and problem.budget_ms >= 0):
+            raise ValueError(f"budget_ms must be finite and >= 0, got {problem.budget_ms}")
+    elif not (0.0 < sigma <= 1.0):
         raise ValueError(f"sigma must be in (0, 1], got {problem.sigma}")
     oh = float(problem.overhead_ms)
     if not np.isfinite(oh) or oh < 0:
@@ -143,9 +148,14 @@ def _fixed_cost_ms(x: np.ndarray, r: np.ndarray, ss: np.ndarray, oh: float) -> n
     return oh + x_after + r_from[ss]
 
 
-def _full_ms(w: np.ndarray, x: np.ndarray, r: np.ndarray, tf: float, oh: float) -> float:
+def full_ms(w: np.ndarray, x: np.ndarray, r: np.ndarray, tf: float, oh: float) -> float:
     """T: forward, every unit's weight gradient, the whole dx chain, full reforward."""
     return float(tf + oh + w.sum() + x[1:].sum() + r.sum())
+
+
+def _budget(problem: PlanProblem, sigma: float, full: float) -> float:
+    """The problem's absolute budget if it has one, else sigma * T."""
+    return float(problem.budget_ms) if problem.budget_ms is not None else sigma * full
 
 
 def _prepare(problem: PlanProblem, n_t: int) -> _Prepared:
@@ -153,8 +163,8 @@ def _prepare(problem: PlanProblem, n_t: int) -> _Prepared:
         raise ValueError(f"n_t must be a positive integer, got {n_t!r}")
     w, x, r, ss, a, tf, sigma, oh = _validate(problem)
     n = w.shape[0]
-    full = _full_ms(w, x, r, tf, oh)
-    budget = sigma * full
+    full = full_ms(w, x, r, tf, oh)
+    budget = _budget(problem, sigma, full)
     spare = budget - tf
     fixed_ms = _fixed_cost_ms(x, r, ss, oh)
     if spare <= 0:
@@ -205,7 +215,7 @@ def lowest_feasible_unit(problem: PlanProblem, candidates: np.ndarray | None = N
         tf, sigma, oh = problem.forward_ms, problem.sigma, problem.overhead_ms
     else:
         w, x, r, ss, _, tf, sigma, oh = _validate(problem)
-    budget = sigma * _full_ms(w, x, r, tf, oh)
+    budget = _budget(problem, sigma, full_ms(w, x, r, tf, oh))
     ok = tf + w + _fixed_cost_ms(x, r, ss, oh) <= budget
     if candidates is not None:
         ok &= np.asarray(candidates, dtype=bool)

@@ -18,11 +18,20 @@ Which feedback needs what (see also docs/api.md):
 - MAC-shaped times (no profile) are unitless and always scaled "uniform";
 - backward feedback / fixed costs: measured backward, reforward and plan-phase times of
   the plans this service made (`observe`).
+
+Deadline modes (`deadline`, issue #18): with `deadline_mode` other than "sigma" the budget
+of a batch is its deadline (deadline.batch_deadline_ms: fixed, from the camera rate or
+from the vehicle's speed, `set_speed`) instead of sigma*T, and it covers the whole batch:
+forward + plan phase + update (with its fixed cost) + reforward. When the forward and the
+plan phase alone leave no time (`no_time`), the batch is served without update and
+without planning (`empty_outcome`, the reason in `no_room`; `forward_misses` when the
+forward alone is over the deadline).
 """
 
 from __future__ import annotations
 
-__all__ = ["FEEDBACK_MODES", "TRAINABLE", "Measured", "Plan", "PlanOutcome", "PlanningConfig",
+__all__ = ["DEADLINE_MODES", "DEADLINE_PER", "FEEDBACK_MODES", "TRAINABLE", "DeadlineBudget",
+           "DeadlineConfig", "Measured", "Plan", "PlanOutcome", "PlanningConfig",
            "PlanningService", "UnitLayout", "UnitProfile", "layout_from_card", "mac_profile",
            "telemetry_pis"]
 
@@ -34,6 +43,14 @@ import numpy as np
 
 from tta_core.adashadow import planner, predictor
 from tta_core.adashadow.backward_feedback import BackwardFeedback
+from tta_core.adashadow.deadline import (
+    DEADLINE_MODES,
+    DEADLINE_PER,
+    DeadlineConfig,
+    batch_deadline_ms,
+    describe,
+    late_text,
+)
 from tta_core.adashadow.fixed_costs import FixedCosts
 from tta_core.adashadow.planner import Plan
 from tta_core.adashadow.predictor import FEEDBACK_MODES, UnitProfile
@@ -45,8 +62,9 @@ TRAINABLE = ("norm", "all")
 
 
 @dataclass
-class PlanningConfig:
-    """Settings of the planning loop (EngineConfig and the scheduler node extend it)."""
+class PlanningConfig(DeadlineConfig):
+    """Settings of the planning loop (EngineConfig and the scheduler node extend it); the
+    deadline_* fields (DeadlineConfig) choose between sigma*T and a deadline."""
 
     sigma: float = 0.33
     n_t: int = planner.DEFAULT_N_T
@@ -64,6 +82,7 @@ class PlanningConfig:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad value."""
+        super().validate()
         if self.forward_feedback not in predictor.FEEDBACK_MODES:
             raise ValueError(f"forward_feedback {self.forward_feedback!r} not in "
                              f"{predictor.FEEDBACK_MODES}")
@@ -144,10 +163,21 @@ class PlanOutcome:
     forward_ms: float  # T_f the plan was made with (measured forward + plan phase)
     overhead_ms: float  # the fixed update cost the plan left room for
     no_room: str  # why no candidate unit fits the budget; "" when one does
+    deadline_ms: float = math.nan  # the batch's deadline (NaN: sigma*T mode)
+    forward_misses: bool = False  # the measured forward alone is over the deadline
+    skipped: bool = False  # no plan could fit: not solved, the plan phase was skipped
+    margin_ms: float = 0.0  # deadline modes: room left for the batch time's scatter
 
     @property
     def updates(self) -> bool:
         return bool(np.asarray(self.plan.update).any())
+
+    @property
+    def budget_share(self) -> float:
+        """The budget as a share of the full update, budget_ms / T (sigma in sigma*T
+        mode; what a deadline amounts to otherwise); 0 when T is not > 0."""
+        full = self.plan.full_ms
+        return float(self.plan.budget_ms / full) if full > 0 and math.isfinite(full) else 0.0
 
 
 @dataclass
@@ -160,9 +190,68 @@ class Measured:
     adapted: bool
     backward_ms: float = math.nan
     reforward_ms: float | None = 0.0
+    planned: bool = True  # False: the plan phase was skipped (no plan could fit)
+    total_ms: float = math.nan  # the whole batch (sequential mode): the deadline margin
 
 
-class PlanningService:
+class _TimesCache:
+    """Unit times of a profile, cached (a profile is replaced, never changed in place):
+    Eq. 4 times per expansion; "uniform" planning times per ms of forward."""
+
+    def __init__(self) -> None:
+        self._rt: tuple = (None, None, ())  # (profile, pis, (w, x, r))
+        self._ut: tuple = (None, None, ())  # (profile, key, (w, x, r, w + x, rest of T))
+
+    def runtime(self, prof: UnitProfile, pis: tuple[float, float]) -> tuple[np.ndarray, ...]:
+        if self._rt[0] is not prof or self._rt[1] != pis:
+            self._rt = (prof, pis, predictor.runtime_times(prof, *pis))
+        return self._rt[2]
+
+    def per_forward_ms(self, prof: UnitProfile, pis: tuple[float, float], grad_from: int,
+                       factor: float, reforward_twice: bool) -> tuple:
+        key = (pis, grad_from, factor, reforward_twice)
+        if self._ut[0] is not prof or self._ut[1] != key:
+            w, x, r = predictor.planning_times(prof, *pis, 1.0, "uniform", grad_from, factor)
+            r = 2.0 * r if reforward_twice else r
+            self._ut = (prof, key, (w, x, r, w + x, planner.full_ms(w, x, r, 0.0, 0.0)))
+        return self._ut[2]
+
+
+class DeadlineBudget:
+    """The deadline part of the planning service (a mixin of PlanningService): the
+    batch's deadline from the config's deadline_* fields and the vehicle's speed."""
+
+    config: PlanningConfig
+    fixed: FixedCosts
+    _speed: float | None = None  # vehicle speed, m/s ("speed" deadlines); None: unknown
+
+    def set_speed(self, speed_mps: float | None) -> None:
+        """The vehicle's speed for "speed" deadlines; None or NaN: unknown (the shortest
+        deadline, min_deadline_ms, applies)."""
+        if speed_mps is not None and not math.isnan(speed_mps) and math.isinf(speed_mps):
+            raise ValueError(f"speed {speed_mps!r} m/s is not finite")
+        self._speed = None if speed_mps is None or math.isnan(speed_mps) else float(speed_mps)
+
+    @property
+    def speed_mps(self) -> float | None:
+        """The speed the next "speed" deadline is made from (None: unknown)."""
+        return self._speed
+
+    def deadline_ms(self, batch_size: int = 1) -> float:
+        """The deadline of a batch of `batch_size` frames (NaN in sigma*T mode)."""
+        return batch_deadline_ms(self.config, batch_size, self._speed)
+
+    def describe_deadline(self) -> str:
+        """The deadline mode in words (deadline.describe)."""
+        return describe(self.config, self._speed)
+    def budget_ms(self, batch_size: int = 1) -> tuple[float, float]:
+        """(deadline, margin) of a batch: what the planner may plan into is deadline -
+        margin (FixedCosts.margin_ms, at most the deadline); (NaN, 0) in sigma*T mode."""
+        deadline = self.deadline_ms(batch_size)
+        return deadline, (0.0 if math.isnan(deadline) else min(self.fixed.margin_ms, deadline))
+
+
+class PlanningService(DeadlineBudget):
     """Cost model + planner + fixed costs + feedback loops, shared by engine and node."""
 
     def __init__(self, layout: UnitLayout, config: PlanningConfig | None = None,
@@ -182,6 +271,8 @@ class PlanningService:
         self._pis: tuple[float, float] | None = None  # live telemetry (pi1, pi2)
         self._mac = mac_profile(layout, 1.0, 1)  # unitless shape, scaled per batch
         self._floor_cache: tuple = (None, 0)
+        self._zeros = np.zeros(layout.n_units)
+        self._times = _TimesCache()
 
     # ------------------------------------------------------------ expansion
     def set_expansion(self, pi1: float, pi2: float) -> None:
@@ -212,17 +303,32 @@ class PlanningService:
     def unit_times(self, forward_ms: float, grad_from: int = 0) -> tuple[np.ndarray, ...]:
         """Predicted (w, x, r) in ms for a batch whose forward took `forward_ms` and
         recorded the autograd graph from unit `grad_from` on."""
+        per = self._per_forward_ms(forward_ms, grad_from)
+        if per is not None:
+            return tuple(forward_ms * t for t in per[:3])
         pi1, pi2, _ = self.expansion
         w, x, r = predictor.planning_times(self.profile or self._mac, pi1, pi2, forward_ms,
                                            self.feedback_mode(), grad_from,
                                            self.backward_fb.factor)
         return w, x, (2.0 * r if self.reforward_twice else r)
 
-    def _problem(self, w, x, r, importance, forward_ms: float,
-                 overhead_ms: float) -> planner.PlanProblem:
+    def _per_forward_ms(self, forward_ms: float, grad_from: int) -> tuple | None:
+        """"uniform" feedback scales every time by the forward: (w, x, r, w + x, T - T_f -
+        overhead) per ms of forward (_TimesCache); None for the other modes or a forward
+        that is not > 0."""
+        if not (self.feedback_mode() == "uniform" and math.isfinite(forward_ms)
+                and forward_ms > 0):
+            return None
+        return self._times.per_forward_ms(self.profile or self._mac, self.expansion[:2],
+                                          grad_from, self.backward_fb.factor,
+                                          self.reforward_twice)
+
+    def _problem(self, w, x, r, importance, forward_ms: float, overhead_ms: float,
+                 deadline_ms: float = math.nan) -> planner.PlanProblem:
         return planner.PlanProblem(w=w, x=x, r=r, stage_start=self.layout.stage_start,
                                    importance=importance, forward_ms=forward_ms,
-                                   sigma=float(self.config.sigma), overhead_ms=overhead_ms)
+                                   sigma=float(self.config.sigma), overhead_ms=overhead_ms,
+                                   budget_ms=None if math.isnan(deadline_ms) else deadline_ms)
 
     def _importance(self, importance, candidates, reachable_from: int) -> np.ndarray:
         a = np.asarray(importance, dtype=np.float64)
@@ -237,57 +343,122 @@ class PlanningService:
 
     # ------------------------------------------------------------ planning
     def plan(self, importance: np.ndarray, forward_ms: float, *, grad_from: int = 0,
-             candidates: np.ndarray | None = None) -> PlanOutcome:
-        """The optimal plan within sigma*T for this batch. `candidates`: units that may be
-        updated (None: those with importance > 0); units below `grad_from` cannot be
-        updated (no graph was recorded there)."""
+             candidates: np.ndarray | None = None, batch_size: int = 1) -> PlanOutcome:
+        """The optimal plan within the budget of this batch of `batch_size` frames: sigma*T,
+        or its deadline. `candidates`: units that may be updated (None: those with
+        importance > 0); units below `grad_from` cannot be updated (no graph was recorded
+        there)."""
         if not (math.isfinite(forward_ms) and forward_ms >= 0):
             raise ValueError(f"forward_ms={forward_ms} is not a valid time")
         a = self._importance(importance, candidates, 0 if self.reforward_twice else grad_from)
         w, x, r = self.unit_times(forward_ms, grad_from)
+        deadline, margin = self.budget_ms(batch_size)
         problem = self._problem(w, x, r, a, forward_ms + self.fixed.plan_phase_ms,
-                                self.fixed.overhead_ms)
+                                self.fixed.overhead_ms, deadline - margin)
         plan = planner.solve(problem, n_t=int(self.config.n_t))
         bwd = planner.backward_cost(w, x, plan.update)
         refwd = (float(r[self.layout.stage_start[plan.first_updated]:].sum())
                  if plan.first_updated < self.layout.n_units else 0.0)
         cand = candidates if candidates is not None else (a > 0 if a.any() else None)
+        no_room = "" if plan.update.any() else self._no_room(problem, plan, cand, forward_ms)
         return PlanOutcome(plan, w + x, bwd, refwd, problem.forward_ms, problem.overhead_ms,
-                           "" if plan.update.any() else self._no_room(problem, plan, cand))
+                           no_room, deadline, forward_ms > deadline, margin_ms=margin)
 
-    @staticmethod
-    def _no_room(problem: planner.PlanProblem, plan: planner.Plan,
-                 candidates: np.ndarray | None) -> str:
+    def empty_outcome(self, forward_ms: float, batch_size: int = 1, reason: str = "", *,
+                      grad_from: int | None = None) -> PlanOutcome:
+        """The empty plan of a batch that no plan can fit, not solved (the batch skipped
+        its plan phase): budget, full time and `reason` (default: why no unit fits, as
+        the graph floor predicted from the last forward). `grad_from`: where its forward
+        recorded the graph (None: nowhere). Scalar work only under "uniform" feedback
+        (the hot path of a batch served without update)."""
+        if not (math.isfinite(forward_ms) and forward_ms >= 0):
+            raise ValueError(f"forward_ms={forward_ms} is not a valid time")
+        n = self.layout.n_units
+        g = n if grad_from is None else grad_from
+        per = self._per_forward_ms(forward_ms, g)
+        if per is not None:
+            unit_ms, rest = forward_ms * per[3], forward_ms * per[4]
+        else:
+            w, x, r = self.unit_times(forward_ms, g)
+            unit_ms, rest = w + x, planner.full_ms(w, x, r, 0.0, 0.0)
+        tf, oh = forward_ms + self.fixed.plan_phase_ms, self.fixed.overhead_ms
+        full = tf + oh + rest
+        deadline = self.deadline_ms(batch_size)
+        budget = float(self.config.sigma) * full if math.isnan(deadline) else deadline
+        plan = planner.Plan(update=np.zeros(n, dtype=bool), first_updated=n, objective=0.0,
+                            predicted_total_ms=tf, budget_ms=budget, full_ms=full, solve_ms=0.0)
+        reason = reason or no_room_text(tf, oh, budget, not math.isnan(deadline), forward_ms,
+                                        self.fixed.plan_phase_ms, self.describe_deadline())
+        return PlanOutcome(plan, unit_ms, 0.0, 0.0, tf, oh, reason, deadline,
+                           forward_ms > deadline, skipped=True)
+
+    def no_time(self, forward_ms: float, batch_size: int = 1, *, grad_from: int = 0,
+                candidates: np.ndarray | None = None) -> str:
+        """Why no plan can fit a batch whose forward took `forward_ms` ("" when one may),
+        known before its plan phase, which is then skipped: the forward and the expected
+        plan phase already reach the deadline, or (with `candidates`, the units a plan may
+        update) not even the cheapest one-unit plan fits the budget."""
+        deadline, margin = self.budget_ms(batch_size)
+        plan_ms = self.fixed.plan_phase_ms
+        if not math.isnan(deadline) and forward_ms + plan_ms >= deadline:
+            return late_text(forward_ms, plan_ms, deadline, self.describe_deadline())
+        if candidates is None:
+            return ""
+        w, x, r = self.unit_times(forward_ms, grad_from)
+        problem = self._problem(w, x, r, self._zeros, forward_ms + plan_ms,
+                                self.fixed.overhead_ms, deadline - margin)
+        reach = np.asarray(candidates, dtype=bool)
+        if grad_from > 0 and not self.reforward_twice:
+            reach = reach & (np.arange(len(reach)) >= grad_from)
+        if planner.lowest_feasible_unit(problem, reach, validated=True) < len(reach):
+            return ""
+        return self.empty_outcome(forward_ms, batch_size, grad_from=grad_from).no_room
+
+    def _no_room(self, problem: planner.PlanProblem, plan: planner.Plan,
+                 candidates: np.ndarray | None, forward_ms: float) -> str:
         """Why no candidate unit fits the budget at all, or ""."""
         if planner.lowest_feasible_unit(problem, candidates, validated=True) < len(problem.w):
             return ""
-        return (f"no unit fits the budget sigma*T = {plan.budget_ms:.3g} ms after the forward "
-                f"and plan phase ({problem.forward_ms:.3g} ms) and the update's fixed cost "
-                f"({problem.overhead_ms:.3g} ms): plans stay empty, raise sigma to adapt")
+        return no_room_text(problem.forward_ms, problem.overhead_ms, plan.budget_ms,
+                            problem.budget_ms is not None, forward_ms, self.fixed.plan_phase_ms,
+                            self.describe_deadline())
 
-    def graph_floor(self, last_forward_ms: float, candidates: np.ndarray) -> int:
-        """Lowest unit that any plan within the budget can update (n_units: none), from
-        the last forward; the engine records the autograd graph from its stage on."""
+    def graph_floor(self, last_forward_ms: float, candidates: np.ndarray,
+                    batch_size: int = 1) -> int:
+        """Lowest unit that any plan within the budget of a batch of `batch_size` frames
+        can update (n_units: none), from the last forward (`last_forward_ms`, of a batch
+        that size); the engine records the autograd graph from its stage on."""
         c = self.config
         k = round(self.backward_fb.factor, 2)  # the floor moves little with it
         scaled = self.profile is None or c.forward_feedback != "off"
         last = last_forward_ms
+        known = math.isfinite(last) and last > 0
         # fixed costs in forwards (unitless, so a scaled floor does not depend on the
         # forward's speed), rounded down to 1/20: recomputed only when they move by 5 %
-        share = tuple(math.floor(20.0 * v / last) / 20.0 if math.isfinite(last) and last > 0
-                      else 0.0 for v in (self.fixed.plan_phase_ms, self.fixed.overhead_ms))
-        key = (self.expansion, c.sigma, id(self.profile), scaled or last, k, share)
+        share = tuple(math.floor(20.0 * v / last) / 20.0 if known else 0.0
+                      for v in (self.fixed.plan_phase_ms, self.fixed.overhead_ms))
+        deadline = self.deadline_ms(batch_size)
+        budget = None  # sigma*T; a deadline: in forwards (scaled) rounded up to 1/20, or ms
+        if not math.isnan(deadline):
+            if not known:
+                return 0  # no forward measured yet: record the whole graph
+            if last + self.fixed.plan_phase_ms >= deadline:
+                return self.layout.n_units  # the forward and plan phase alone reach it
+            budget = math.ceil(20.0 * deadline / last) / 20.0 if scaled else deadline
+        elif not 0 < c.sigma <= 1:
+            return 0
+        key = (self.expansion, c.sigma, id(self.profile), scaled or last, k, share, budget)
         if self._floor_cache[0] != key:
-            pi1, pi2, _ = self.expansion
-            w, x, r = predictor.runtime_times(self.profile or self._mac, pi1, pi2)
+            w, x, r = self._times.runtime(self.profile or self._mac, self.expansion[:2])
             # scaled times: the budget is proportional to the forward, so the floor does
             # not depend on it; unscaled: a faster forward than the last only lowers it
             tf = float(r.sum()) if scaled else 0.8 * last
-            if not math.isfinite(tf) or not 0 < c.sigma <= 1:
+            if not math.isfinite(tf):
                 return 0
+            absolute = math.nan if budget is None else budget * (tf if scaled else 1.0)
             d = planner.lowest_feasible_unit(self._problem(
-                k * w, k * x, r, np.zeros_like(w), tf * (1.0 + share[0]), tf * share[1]),
-                candidates)
+                k * w, k * x, r, self._zeros, tf * (1.0 + share[0]), tf * share[1],
+                absolute), candidates, validated=True)
             self._floor_cache = (key, d)
         return self._floor_cache[1]
 
@@ -295,8 +466,17 @@ class PlanningService:
     def observe(self, outcome: PlanOutcome | None, measured: Measured) -> None:
         """Learn from a batch: its plan phase always; when it followed `outcome` (a plan
         of this service) and updated, the backward correction and the update's fixed cost.
-        An external plan (outcome None) teaches only the plan phase."""
-        self.fixed.update_plan(measured.plan_ms, measured.forward_ms)
+        An external plan (outcome None) teaches only the plan phase; a batch that skipped
+        its plan phase (`measured.planned` False) forgets a share of it instead. A planned
+        sequential batch teaches the deadline margin (its total_ms against the plan's
+        predicted total)."""
+        if measured.planned:
+            self.fixed.update_plan(measured.plan_ms, measured.forward_ms)
+        else:
+            self.fixed.skip_plan()
+        if outcome is not None and not outcome.skipped and measured.reforward_ms is not None:
+            self.fixed.update_total(outcome.plan.predicted_total_ms, measured.total_ms,
+                                    measured.forward_ms)
         if not measured.adapted:
             self.fixed.idle()
             return
@@ -321,6 +501,22 @@ class PlanningService:
     @property
     def overhead_ms(self) -> float:
         return self.fixed.overhead_ms
+
+
+def no_room_text(tf_ms: float, overhead_ms: float, budget_ms: float, deadline: bool,
+                 forward_ms: float, plan_phase_ms: float, deadline_what: str) -> str:
+    """Why no unit fits the budget `budget_ms` (sigma*T, or a deadline described by
+    `deadline_what`) of a batch whose forward took `forward_ms` (T_f with the plan phase:
+    `tf_ms`; `overhead_ms`: the update's fixed cost)."""
+    if deadline and tf_ms >= budget_ms:
+        return late_text(forward_ms, plan_phase_ms, budget_ms, deadline_what)
+    fixed = (f"after the forward and plan phase ({tf_ms:.3g} ms) and the update's fixed "
+             f"cost ({overhead_ms:.3g} ms)")
+    if deadline:
+        return (f"no unit fits the deadline {budget_ms:.3g} ms ({deadline_what}) {fixed}: "
+                f"plans stay empty")
+    return (f"no unit fits the budget sigma*T = {budget_ms:.3g} ms {fixed}: plans stay "
+            f"empty, raise sigma to adapt")
 
 
 def telemetry_pis(compute_expansion: float, memory_expansion: float) -> tuple[float, float]:

@@ -448,16 +448,30 @@ def run_bench(cfg: BenchConfig, out: str | Path | None, progress: bool = True) -
     return result
 
 
+def stream_options(name: str, cfg: BenchConfig, input_shape: tuple[int, ...],
+                   hz: float) -> dict:
+    """method_options for streaming at `hz`: a method with deadline modes (AdaShadow)
+    plans against the camera's deadline at the stream's rate (deadline_mode "camera",
+    camera_hz = hz) unless its deadline_mode is set by --set."""
+    opts = method_options(name, cfg, input_shape)
+    if "deadline_mode" in method_class(name).config_cls.__dataclass_fields__:
+        opts.setdefault("deadline_mode", "camera")
+        if opts["deadline_mode"] == "camera":
+            opts["camera_hz"] = float(hz)
+    return opts
+
+
 def stream_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchConfig,
                   hz: float) -> StreamResult:
     """Method `name` in streaming mode at `hz` (eval.streaming) with the perception node's
     queue (keep-latest, NODE_QUEUE_SIZE frames) and batching (batch_size frames or
-    NODE_BATCH_WAIT_MS after the first); its step time is its measured wall time."""
+    NODE_BATCH_WAIT_MS after the first); its step time is its measured wall time.
+    AdaShadow plans against each batch's deadline at `hz` (stream_options)."""
     torch.manual_seed(cfg.seed)
     x = torch.cat([b.x for b in stream])
     labels = np.concatenate([b.labels for b in stream]).tolist()
     domains = [b.domain for b in stream for _ in range(len(b.labels))]
-    meth = build_method(name, model, **method_options(name, cfg, tuple(x.shape[1:])))
+    meth = build_method(name, model, **stream_options(name, cfg, tuple(x.shape[1:]), hz))
     cuda = x.device.type == "cuda"
 
     def run(frames: Sequence[int]) -> list[int]:

@@ -15,7 +15,14 @@ Frame i is scored at its deadline, arrival + one period: "strict" counts it righ
 its own prediction was available by then and is right; "stale" uses its own prediction when
 available by then, else the newest prediction available by then for any earlier frame
 (AdaShadow's perception node keeps showing the last answer), wrong when there is none.
-stale >= strict always. The schedule is pure arithmetic on the step times: replaying
+stale >= strict always.
+
+A batch's deadline is the time its frames' successors take to arrive: len(frames) / hz
+(tta_core.adashadow.deadline "camera" mode, what AdaShadow budgets in `tta bench
+--stream-hz`): a method that meets it on every batch keeps up with the camera. The
+summary's `deadline_met` is the share of batches whose step time was within it.
+
+The schedule is pure arithmetic on the step times: replaying
 recorded step times (`replay_steps`) gives the same outcomes, and tests pass fake times.
 """
 
@@ -50,6 +57,10 @@ class StreamBatch:
     @property
     def step_ms(self) -> float:
         return self.end_ms - self.start_ms
+
+    def deadline_ms(self, period_ms: float) -> float:
+        """The batch's deadline: its frames' count of frame periods."""
+        return len(self.frames) * period_ms
 
 
 @dataclass(frozen=True)
@@ -96,6 +107,8 @@ class StreamSummary:
     answered: float  # own prediction by the deadline
     dropped: float  # never processed
     mean_latency_ms: float
+    deadline_met: float = math.nan  # batches with step time <= len(frames) / hz (NaN: none)
+    batches: int = 0
 
 
 @dataclass
@@ -192,14 +205,23 @@ def _outcomes(labels: Sequence[int], domains: Sequence[str], period: float,
     return out
 
 
-def _summary(hz: float, frames: Sequence[FrameOutcome]) -> StreamSummary:
+def deadline_met(batches: Sequence[StreamBatch], period_ms: float) -> float:
+    """Share of `batches` whose step time held their deadline (NaN when none ran)."""
+    if not batches:
+        return math.nan
+    return sum(b.step_ms <= b.deadline_ms(period_ms) for b in batches) / len(batches)
+
+
+def _summary(hz: float, frames: Sequence[FrameOutcome],
+             batches: Sequence[StreamBatch]) -> StreamSummary:
     n = max(len(frames), 1)
     lat = [f.answered_ms - f.arrival_ms for f in frames if not f.dropped]
     return StreamSummary(hz, len(frames), sum(f.strict_correct for f in frames) / n,
                          sum(f.stale_correct for f in frames) / n,
                          sum(f.in_time for f in frames) / n,
                          sum(f.dropped for f in frames) / n,
-                         sum(lat) / len(lat) if lat else math.nan)
+                         sum(lat) / len(lat) if lat else math.nan,
+                         deadline_met(batches, 1000.0 / hz), len(batches))
 
 
 def simulate_stream(labels: Sequence[int], hz: float, step: StepFn, batch_size: int = 1,
@@ -215,7 +237,7 @@ def simulate_stream(labels: Sequence[int], hz: float, step: StepFn, batch_size: 
     frames = _outcomes(labels, domains, period, batches)
     params = {"hz": hz, "batch_size": batch_size, "queue_size": queue_size,
               "batch_wait_ms": batch_wait_ms}
-    return StreamResult(frames, batches, _summary(hz, frames), params)
+    return StreamResult(frames, batches, _summary(hz, frames, batches), params)
 
 
 def recorded_step(predictions: Sequence[int], step_ms: float | Sequence[float]) -> StepFn:

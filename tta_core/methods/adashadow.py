@@ -8,6 +8,7 @@ itself lives in `tta_core.adashadow.engine`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import numpy as np
 from torch import Tensor, nn
 
+from tta_core.adashadow.deadline import DeadlineConfig
 from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig
 from tta_core.adashadow.planner import Plan
 from tta_core.adashadow.predictor import UnitProfile
@@ -36,7 +38,8 @@ class AdaShadowConfig(MethodConfig, EngineConfig):
 class AdaShadow(TTAMethod):
     """Selective-update TTA: the planner picks which units to update on every batch.
 
-    Capabilities (tta_core.api): TakesPlan, RuntimeTunable, TakesTelemetry, BackgroundUpdate.
+    Capabilities (tta_core.api): TakesPlan, RuntimeTunable, DeadlineTunable, TakesTelemetry,
+    BackgroundUpdate.
     """
 
     config_cls = AdaShadowConfig
@@ -92,6 +95,25 @@ class AdaShadow(TTAMethod):
             raise ValueError(f"sigma {sigma} outside [0, 10]")
         self.finish()
         self.config.sigma = float(sigma)
+
+    def set_deadline(self, **settings: object) -> None:
+        """New deadline settings (DeadlineConfig fields: deadline_mode, deadline_ms, ...)
+        from the next batch on; ValueError naming a bad one (nothing is changed then)."""
+        known = {f.name for f in dataclasses.fields(DeadlineConfig)}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise ValueError(f"unknown deadline setting(s) {unknown}; known: {sorted(known)}")
+        trial = DeadlineConfig(**{k: getattr(self.config, k) for k in known})
+        for key, value in settings.items():
+            setattr(trial, key, value)
+        trial.validate()
+        self.finish()
+        for key, value in settings.items():
+            setattr(self.config, key, value)
+
+    def set_speed(self, speed_mps: float | None) -> None:
+        """The vehicle's speed for "speed" deadlines (None: unknown, the shortest one)."""
+        self.engine.planning.set_speed(speed_mps)
 
     def set_expansion(self, pi1: float, pi2: float) -> None:
         """Live telemetry expansion factors for inline planning."""

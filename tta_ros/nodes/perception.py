@@ -42,7 +42,13 @@ from tta_msgs.msg import (
 )
 
 from tta_core.adashadow.planning import Plan, telemetry_pis
-from tta_core.api import RuntimeTunable, StepResult, TakesPlan, TTAMethodLike
+from tta_core.api import (
+    DeadlineTunable,
+    RuntimeTunable,
+    StepResult,
+    TakesPlan,
+    TTAMethodLike,
+)
 from tta_core.io.image_msg import FrameLimits, Preprocess, one_line, to_tensor
 from tta_core.methods import available_methods, build_method, method_class
 from tta_core.model.source import load_source
@@ -59,6 +65,15 @@ from tta_ros.convert import (
     status_msg,
 )
 from tta_ros.diagnostics import ERROR, HARDWARE_ID, OK, WARN, DiagnosticsPublisher, status
+from tta_ros.nodes.deadline_wiring import (
+    DEADLINE_KEYS,
+    DEADLINE_PARAMS,
+    SPEED_KEYS,
+    SpeedFeed,
+    check_deadline_change,
+    deadline_settings,
+    resolve_topic,
+)
 from tta_ros.nodes.intake import FrameIntake
 from tta_ros.nodes.perception_support import (
     DivergenceGuard,
@@ -70,7 +85,7 @@ from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, 
 
 RUNTIME = ("method", "mode", "sigma", "lr", "batch_size", "queue_size", "plan_source",
            "plan_timeout_s", "publish_scores", "batch_timeout_s", "reset_entropy_ratio",
-           "reset_patience")
+           "reset_patience", *DEADLINE_KEYS, *SPEED_KEYS)
 REBUILD = ("method", "mode")
 
 
@@ -121,6 +136,7 @@ def param_specs() -> tuple[ParamSpec, ...]:
                   choices=tuple(FRAME_INPUTS), read_only=True),
         ParamSpec("max_aspect", 20.0, "frames whose long side exceeds this times the short "
                   "side are rejected (before decoding)", 1.0, 1e6, read_only=True),
+        *DEADLINE_PARAMS,
         HARDWARE_ID,
     )
 
@@ -163,7 +179,7 @@ def method_options(p: dict[str, Any], image_size: int, arch: str) -> dict[str, A
     cfg = {"lr": p["lr"], "sigma": p["sigma"], "mode": p["mode"],
            "input_shape": (3, image_size, image_size), "arch": arch,
            "backward_feedback": p["backward_feedback"],
-           "fixed_cost_feedback": p["fixed_cost_feedback"]}
+           "fixed_cost_feedback": p["fixed_cost_feedback"], **deadline_settings(p)}
     if p["profile"]:
         cfg["profile"] = ros_params.resolve_data_path(p["profile"])
     return {k: v for k, v in cfg.items() if k in known}
@@ -175,13 +191,21 @@ def planning_message(node: PerceptionNode) -> str:
     if not node.accepts_plans:
         return f"method {p['method']} plans nothing"
     if node._no_room:
-        return f"sigma={p['sigma']:g}: {node._no_room} (adapting BN statistics only)"
+        budget = (f"sigma={p['sigma']:g}" if p["deadline_mode"] == "sigma"
+                  else f"deadline_mode={p['deadline_mode']}")
+        return f"{budget}: {node._no_room} (adapting BN statistics only)"
     if p["plan_source"] == "inline":
         return "planning inline (plan_source: inline)"
     if node._inline_fallback:
         return (f"no plan on layer_plan for {node.gate.silent_for():.1f} s "
                 f"(timeout {node.gate.timeout_s:g} s): planning inline")
     return "plans from layer_plan"
+
+
+def speed_text(feed: SpeedFeed) -> str:
+    """The odometry speed for diagnostics, or why it is unknown."""
+    speed = feed.speed()
+    return f"{speed:.4g} m/s" if speed is not None else feed.describe()
 
 
 def perception_statuses(node: PerceptionNode) -> list[DiagnosticStatus]:
@@ -195,10 +219,49 @@ def perception_statuses(node: PerceptionNode) -> list[DiagnosticStatus]:
         status("planning", WARN if planning_warn else OK,
                planning_message(node), {
                    "plan_source": p["plan_source"],
-                   "topic_batches": c.topic_batches, "inline_batches": c.inline_batches}),
+                   "topic_batches": c.topic_batches, "inline_batches": c.inline_batches,
+                   "deadline_mode": p["deadline_mode"], "speed": speed_text(node.speed)}),
         status("adaptation", OK, f"{p['method']} ({p['mode']})",
                {"batches": c.batches, "resets": node.guard.resets,
                 "step_errors": c.step_errors, "last_error": c.last_error})]
+
+
+def publish_batch(node: PerceptionNode, frames: list[Any], logits: torch.Tensor,
+                  res: StepResult, plan_id: int, reset: bool) -> None:
+    """Predictions now; status (after a background update finished) and importance."""
+    batch_id = node.counters.batches
+    probs = torch.softmax(logits, dim=1).cpu().numpy()  # numpy: cheap per-row access
+    for pred in prediction_msgs([f.header for f in frames], probs, batch_id,
+                                list(node.card.class_names), node.p["publish_scores"]):
+        node.pub_pred.publish(pred)
+    node.method.finish()  # parallel mode: the status carries this update's backward
+    header = frames[-1].header
+    node.pub_status.publish(status_msg(
+        header, batch_id, res, method=node.p["method"], mode=node.p["mode"],
+        plan_id=plan_id, reset=reset, frames_dropped=int(node.queue.dropped),
+        peak_mb=peak_memory_mb(node.device)))
+    imp = importance_msg(header, batch_id, node.model_name, node.unit_names, res,
+                         len(frames))
+    if imp is not None:
+        node.pub_imp.publish(imp)
+        if node.accepts_plans and node.p["plan_source"] == "topic":
+            node.gate.on_importance_sent()
+
+
+def check_change(node: PerceptionNode, params: Sequence[Parameter]) -> SetParametersResult:
+    """on_set_parameters: each value in range and changeable at run time, the deadline
+    settings consistent, a valid odometry topic."""
+    res = validate(node.specs, params, runtime=RUNTIME)
+    if res.successful:
+        res.reason = check_deadline_change(node.p, params)
+        topic = next((p.value for p in params if p.name == "odometry_topic"), None)
+        try:
+            if topic is not None:
+                resolve_topic(node, topic)
+        except ValueError as exc:
+            res.reason = str(exc)
+        res.successful = not res.reason
+    return res
 
 
 class PerceptionNode(Node):
@@ -217,6 +280,8 @@ class PerceptionNode(Node):
         declare_all(self, self.specs)
         self.p = values(self, self.specs)
         check_initial(self.specs, self.p)
+        if reason := check_deadline_change(self.p, []):  # e.g. min above max deadline
+            raise ValueError(reason)
         self.device = check_device(self.p["device"])
         if self.p["num_threads"] > 0:
             torch.set_num_threads(self.p["num_threads"])
@@ -240,6 +305,9 @@ class PerceptionNode(Node):
         self._inline_fallback = False
         self._no_room = ""  # inline planning: why no trainable unit fits sigma * T
         self.telemetry = TelemetryFeed(self.p["telemetry_timeout_s"])
+        self.speed = SpeedFeed(self, self.p["odometry_topic"], self.p["odometry_type"],
+                               self.p["odometry_timeout_s"],
+                               lambda: self.get_clock().now().nanoseconds * 1e-9)
         self.add_on_set_parameters_callback(self._on_set_parameters)
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
         self.pub_pred = self.create_publisher(ClassPrediction, "predictions", 100)
@@ -279,10 +347,11 @@ class PerceptionNode(Node):
 
     # ------------------------------------------------------------ parameters
     def _on_set_parameters(self, params: Sequence[Parameter]) -> SetParametersResult:
-        res = validate(self.specs, params, runtime=RUNTIME)
-        if res.successful:  # applied by the worker between batches
+        res = check_change(self, params)
+        if res.successful:  # applied by the worker between batches (odometry: here)
             with self._pending_lock:
                 self._pending.update({p.name: p.value for p in params if p.name in RUNTIME})
+            self.speed.on_params({p.name: p.value for p in params})
         return res
 
     def _apply_pending(self) -> None:
@@ -301,6 +370,8 @@ class PerceptionNode(Node):
             self.method.set_lr(float(self.p["lr"]))
         if "queue_size" in changes:
             self.queue.resize(self.p["queue_size"])
+        if any(k in changes for k in DEADLINE_KEYS) and isinstance(self.method, DeadlineTunable):
+            self.method.set_deadline(**deadline_settings(self.p))
         self.gate.timeout_s = float(self.p["plan_timeout_s"])
         self.guard.ratio = float(self.p["reset_entropy_ratio"])
         self.guard.patience = int(self.p["reset_patience"])
@@ -372,6 +443,8 @@ class PerceptionNode(Node):
     def _step(self, x: torch.Tensor, plan: Plan | None) -> StepResult:
         if plan is None:
             self.telemetry.apply(self.method)
+            if isinstance(self.method, DeadlineTunable):
+                self.method.set_speed(self.speed.speed())
             return self.method.step(x)
         return self.method.step(x, plan=plan)
 
@@ -396,7 +469,7 @@ class PerceptionNode(Node):
         self.counters.count_batch(from_topic=plan_id != 0)
         logits = res.logits.float()
         reason = self.guard.check(bool(torch.isfinite(logits).all()), float(res.mean_entropy))
-        self._publish_batch(good, logits, res, plan_id, bool(reason))
+        publish_batch(self, good, logits, res, plan_id, bool(reason))
         if reason:
             self.method.reset()
             self.get_logger().warning(f"divergence guard: {reason}; source weights restored")
@@ -410,27 +483,6 @@ class PerceptionNode(Node):
         self._no_room = no_room
 
     # ------------------------------------------------------------ publishing
-    def _publish_batch(self, frames: list[Any], logits: torch.Tensor, res: StepResult,
-                       plan_id: int, reset: bool) -> None:
-        """Predictions now; status (after a background update finished) and importance."""
-        batch_id = self.counters.batches
-        probs = torch.softmax(logits, dim=1).cpu().numpy()  # numpy: cheap per-row access
-        for pred in prediction_msgs([f.header for f in frames], probs, batch_id,
-                                    list(self.card.class_names), self.p["publish_scores"]):
-            self.pub_pred.publish(pred)
-        self.method.finish()  # parallel mode: the status carries this update's backward
-        header = frames[-1].header
-        self.pub_status.publish(status_msg(
-            header, batch_id, res, method=self.p["method"], mode=self.p["mode"],
-            plan_id=plan_id, reset=reset, frames_dropped=int(self.queue.dropped),
-            peak_mb=peak_memory_mb(self.device)))
-        imp = importance_msg(header, batch_id, self.model_name, self.unit_names, res,
-                             len(frames))
-        if imp is not None:
-            self.pub_imp.publish(imp)
-            if self.accepts_plans and self.p["plan_source"] == "topic":
-                self.gate.on_importance_sent()
-
     def _publish_diagnostics(self) -> None:
         self.diag.publish(perception_statuses(self))
 

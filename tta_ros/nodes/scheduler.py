@@ -9,6 +9,12 @@ and perception agree on units by construction; a LayerImportance whose unit_name
 is refused with a diagnostic. The AdaptationStatus perception publishes for each plan it
 followed (plan_id echoed) closes the loop (PlanningService.observe: backward correction,
 plan phase, the update's fixed cost).
+
+Deadline modes (`deadline_mode`, tta_core.adashadow.deadline): the budget of a batch is its
+deadline (fixed, from `camera_hz`, or from the speed on `odometry_topic`) instead of
+sigma*T; the LayerPlan's `sigma` is then the deadline's share of the full update
+(budget_ms / T), /diagnostics says when the forward alone misses the deadline and the RViz
+label shows it.
 """
 
 from __future__ import annotations
@@ -42,6 +48,14 @@ from tta_core.adashadow.planning import (
 from tta_ros import ros_params
 from tta_ros.convert import check_importance, plan_to_msg
 from tta_ros.diagnostics import HARDWARE_ID, OK, WARN, DiagnosticsPublisher, status
+from tta_ros.nodes.deadline_wiring import (
+    DEADLINE_KEYS,
+    DEADLINE_PARAMS,
+    SpeedFeed,
+    check_deadline_change,
+    deadline_settings,
+    resolve_topic,
+)
 from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
 
 PARAMS: tuple[ParamSpec, ...] = (
@@ -72,6 +86,7 @@ PARAMS: tuple[ParamSpec, ...] = (
               0.01, 100.0),
     ParamSpec("marker_lifetime_s", 2.0, "lifetime of the RViz markers: they vanish this long "
               "after the last plan [s] (0: forever)", 0.0, 3600.0),
+    *DEADLINE_PARAMS,
     HARDWARE_ID,
 )
 
@@ -81,9 +96,10 @@ WHITE = ColorRGBA(r=1.0, g=1.0, b=1.0, a=1.0)
 
 
 def plan_markers(plan: LayerPlan, frame_id: str, spacing: float,
-                 max_height: float, lifetime_s: float = 0.0) -> MarkerArray:
+                 max_height: float, lifetime_s: float = 0.0, deadline: str = "") -> MarkerArray:
     """DELETEALL, then one CUBE bar per unit (height ∝ importance, green = updated), a label;
-    every marker lives `lifetime_s` (0: forever)."""
+    every marker lives `lifetime_s` (0: forever). `deadline`: the deadline and what set it,
+    when the budget is one (the label then shows it instead of the budget)."""
     arr = MarkerArray()
     clear = Marker(action=Marker.DELETEALL)
     clear.header.frame_id = frame_id
@@ -102,8 +118,9 @@ def plan_markers(plan: LayerPlan, frame_id: str, spacing: float,
     label = Marker(ns="label", id=0, type=Marker.TEXT_VIEW_FACING, action=Marker.ADD,
                    color=WHITE, scale=Vector3(z=0.25),
                    text=f"plan {plan.plan_id}: {sum(plan.update)}/{len(plan.update)} units, "
-                        f"budget {plan.budget_ms:.1f} ms, predicted "
-                        f"{plan.predicted_total_ms:.1f} ms")
+                        + (f"deadline {deadline}" if deadline else
+                           f"budget {plan.budget_ms:.1f} ms")
+                        + f", predicted {plan.predicted_total_ms:.1f} ms")
     label.pose.position = Point(x=0.0, y=0.0, z=max_height + 0.5)
     label.pose.orientation.w = 1.0
     label.header.frame_id, label.header.stamp = frame_id, plan.header.stamp
@@ -112,6 +129,16 @@ def plan_markers(plan: LayerPlan, frame_id: str, spacing: float,
     for m in arr.markers:
         m.lifetime.sec, m.lifetime.nanosec = sec, nanosec
     return arr
+
+
+def deadline_values(node: SchedulerNode) -> dict[str, str | int]:
+    """The deadline part of the planning diagnostics."""
+    svc, last = node.planning, node.last_outcome
+    speed = node.speed.speed()
+    return {"deadline": svc.describe_deadline(),
+            "deadline_ms": f"{last.deadline_ms:.4g}" if last is not None else "nan",
+            "speed_mps": f"{speed:.4g}" if speed is not None else "unknown",
+            "forward_misses": node.forward_misses}
 
 
 class SchedulerNode(Node):
@@ -134,7 +161,10 @@ class SchedulerNode(Node):
         self.planning = PlanningService(layout, PlanningConfig(
             sigma=p["sigma"], n_t=p["n_t"], forward_feedback=p["forward_feedback"],
             backward_feedback=p["backward_feedback"],
-            fixed_cost_feedback=p["fixed_cost_feedback"]), profile)
+            fixed_cost_feedback=p["fixed_cost_feedback"], **deadline_settings(p)), profile)
+        self.speed = SpeedFeed(self, p["odometry_topic"], p["odometry_type"],
+                               p["odometry_timeout_s"], self._now)
+        self.forward_misses = 0  # batches whose forward alone missed the deadline
         self._trainable = layout.trainable(p["trainable"])
         self.telemetry: ResourceTelemetry | None = None
         self._tel_time = -math.inf
@@ -145,6 +175,7 @@ class SchedulerNode(Node):
         self._outcomes: dict[int, PlanOutcome] = {}  # plan_id -> outcome, last 64 plans
         self.last_error = ""
         self.no_room = ""  # why no update fits the budget (empty: some unit does)
+        self.last_outcome: PlanOutcome | None = None
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
         self.pub_plan = self.create_publisher(LayerPlan, "layer_plan", reliable)
         self.pub_markers = self.create_publisher(MarkerArray, "layer_markers", 10)
@@ -164,9 +195,19 @@ class SchedulerNode(Node):
     def _on_set_parameters(self, params: Sequence[Parameter]):
         res = validate(PARAMS, params)
         if res.successful:
+            res.reason = check_deadline_change(vars(self.planning.config), params)
+            new = {p.name: p.value for p in params}
+            try:
+                if "odometry_topic" in new:
+                    resolve_topic(self, new["odometry_topic"])
+            except ValueError as exc:
+                res.reason = str(exc)
+            res.successful = not res.reason
+        if res.successful:
             for prm in params:
-                if prm.name in ("sigma", "n_t", "forward_feedback"):
+                if prm.name in ("sigma", "n_t", "forward_feedback", *DEADLINE_KEYS):
                     setattr(self.planning.config, prm.name, prm.value)
+            self.speed.on_params(new)
         return res
 
     def _on_telemetry(self, msg: ResourceTelemetry) -> None:
@@ -181,7 +222,8 @@ class SchedulerNode(Node):
         self.planning.observe(outcome, Measured(
             float(msg.forward_ms), float(msg.plan_ms), bool(msg.adapted),
             float(msg.backward_ms),
-            None if msg.mode == "parallel" else float(msg.reforward_ms)))
+            None if msg.mode == "parallel" else float(msg.reforward_ms),
+            total_ms=float(msg.total_ms)))
 
     def _now(self) -> float:
         return self.get_clock().now().nanoseconds * 1e-9
@@ -201,8 +243,9 @@ class SchedulerNode(Node):
         lay = self.layout
         importance = check_importance(imp, lay.model_name, lay.unit_names)
         self._apply_telemetry()
+        self.planning.set_speed(self.speed.speed())
         return self.planning.plan(importance, float(imp.forward_ms), grad_from=self._grad_from,
-                                  candidates=self._trainable)
+                                  candidates=self._trainable, batch_size=int(imp.batch_size))
 
     def _on_importance(self, imp: LayerImportance) -> None:
         try:
@@ -214,11 +257,17 @@ class SchedulerNode(Node):
             self._publish_diagnostics()
             return
         self.last_error, self.no_room = "", outcome.no_room
+        self.last_outcome = outcome
+        self.forward_misses += bool(outcome.forward_misses)
         self.plans_published += 1
         n = self.layout.n_units
         first = outcome.plan.first_updated
         self._grad_from = int(self.layout.stage_start[first]) if first < n else n
-        msg = plan_to_msg(outcome, imp, self.plans_published, self.planning.config.sigma)
+        cfg = self.planning.config
+        deadline = (f"{outcome.deadline_ms:.1f} ms ({self.planning.describe_deadline()})"
+                    if cfg.has_deadline else "")
+        msg = plan_to_msg(outcome, imp, self.plans_published,
+                          outcome.budget_share if deadline else cfg.sigma)
         self._outcomes[self.plans_published] = outcome
         while len(self._outcomes) > 64:  # plans perception never followed
             del self._outcomes[next(iter(self._outcomes))]
@@ -226,11 +275,12 @@ class SchedulerNode(Node):
         self.pub_markers.publish(plan_markers(
             msg, self.get_parameter("marker_frame_id").value,
             self.get_parameter("bar_spacing").value, self.get_parameter("bar_max_height").value,
-            self.get_parameter("marker_lifetime_s").value))
+            self.get_parameter("marker_lifetime_s").value, deadline))
 
     def _planning_status(self) -> DiagnosticStatus:
-        warn = self.last_error or self.no_room
         svc = self.planning
+        speed = self.speed.describe() if svc.config.deadline_mode == "speed" else ""
+        warn = self.last_error or self.no_room or speed
         pi1, pi2, live = svc.expansion
         return status("planning", WARN if warn else OK,
                       warn or f"{self.plans_published} plans", {
@@ -240,7 +290,8 @@ class SchedulerNode(Node):
                           "telemetry": "live" if live else "offline",
                           "backward_factor": f"{svc.backward_factor:.4g}",
                           "plan_phase_ms": f"{svc.plan_phase_ms:.4g}",
-                          "update_overhead_ms": f"{svc.overhead_ms:.4g}"})
+                          "update_overhead_ms": f"{svc.overhead_ms:.4g}",
+                          **deadline_values(self)})
 
     def _publish_diagnostics(self) -> None:
         self.diag.publish([self._planning_status()])

@@ -1,0 +1,159 @@
+"""ROS wiring of deadline budgets, shared by the scheduler and perception nodes.
+
+The deadline arithmetic lives in tta_core (adashadow.deadline, reached through the planning
+service); here: the nodes' deadline parameters (the DeadlineConfig fields under the same
+names, plus where the speed comes from), the check of a parameter change against the
+other deadline settings (min <= max), and `SpeedFeed`, the vehicle's planar speed from an
+odometry topic (nav_msgs/Odometry, or geometry_msgs/TwistStamped), unknown (None) when the
+last message is older than `odometry_timeout_s`, when none came yet, or when the message
+package is not installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from rclpy.node import Node
+from rclpy.qos import QoSProfile, ReliabilityPolicy
+
+from tta_core.adashadow.planning import DEADLINE_MODES, DEADLINE_PER, DeadlineConfig
+from tta_ros.ros_params import ParamSpec
+
+#: odometry_type -> (module, message class, path of the linear velocity in the message)
+SPEED_MSGS: dict[str, tuple[str, str, tuple[str, ...]]] = {
+    "nav_msgs/Odometry": ("nav_msgs.msg", "Odometry", ("twist", "twist", "linear")),
+    "geometry_msgs/TwistStamped": ("geometry_msgs.msg", "TwistStamped", ("twist", "linear")),
+}
+DEADLINE_KEYS = tuple(f.name for f in dataclasses.fields(DeadlineConfig))
+SPEED_KEYS = ("odometry_topic", "odometry_type", "odometry_timeout_s")
+
+DEADLINE_PARAMS: tuple[ParamSpec, ...] = (
+    ParamSpec("deadline_mode", "sigma", "what a batch's budget is: sigma = sigma*T (paper), "
+              "fixed = deadline_ms, camera = the frames of the batch at camera_hz, speed = "
+              "distance_per_decision_m at the odometry's speed; deadlines cover the whole "
+              "batch (forward, plan, update, reforward)", choices=DEADLINE_MODES),
+    ParamSpec("deadline_ms", 100.0, "fixed deadline [ms] per batch or per frame "
+              "(deadline_per)", 0.001, 3.6e6),
+    ParamSpec("deadline_per", "batch", "fixed deadline: per batch or per frame (a batch "
+              "of b frames then has b * deadline_ms)", choices=DEADLINE_PER),
+    ParamSpec("camera_hz", 30.0, "camera deadline: frame rate; a batch of b frames must be "
+              "done within b / camera_hz (before the next b frames have arrived)",
+              0.001, 1e5),
+    ParamSpec("distance_per_decision_m", 1.0, "speed deadline: metres the vehicle may "
+              "travel while a batch is processed", 0.001, 1e5),
+    ParamSpec("min_deadline_ms", 20.0, "speed deadline: lower clamp [ms], also the "
+              "deadline while the speed is unknown", 0.001, 3.6e6),
+    ParamSpec("max_deadline_ms", 1000.0, "speed deadline: upper clamp [ms], the deadline "
+              "when standing still", 0.001, 3.6e6),
+    ParamSpec("odometry_topic", "odom", "speed deadline: odometry topic (relative: in the "
+              "node's namespace)"),
+    ParamSpec("odometry_type", "nav_msgs/Odometry", "message type on odometry_topic (planar "
+              "speed of its linear velocity)", choices=tuple(SPEED_MSGS)),
+    ParamSpec("odometry_timeout_s", 1.0, "older odometry counts as unknown speed "
+              "(min_deadline_ms)", 0.01, 3600.0),
+)
+
+
+def deadline_settings(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The DeadlineConfig fields among a node's parameter values."""
+    return {k: values[k] for k in DEADLINE_KEYS if k in values}
+
+
+def check_deadline_change(current: Mapping[str, Any], changes: Iterable[Any]) -> str:
+    """'' when the deadline settings stay consistent after `changes` (rclpy Parameters),
+    else the reason naming the value (e.g. min_deadline_ms above max_deadline_ms)."""
+    new = {**deadline_settings(current),
+           **{p.name: p.value for p in changes if p.name in DEADLINE_KEYS}}
+    try:
+        DeadlineConfig(**new).validate()
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
+def planar_speed(msg: Any, path: tuple[str, ...]) -> float:
+    """|(vx, vy)| of the linear velocity at `path` in `msg` (NaN when not finite)."""
+    v = msg
+    for name in path:
+        v = getattr(v, name)
+    speed = math.hypot(float(v.x), float(v.y))
+    return speed if math.isfinite(speed) else math.nan
+
+
+def resolve_topic(node: Node, topic: str) -> str:
+    """`topic` resolved by `node` (namespace, remaps), or a ValueError naming it."""
+    try:
+        return node.resolve_topic_name(topic)
+    except Exception as exc:  # rclpy raises RCLError
+        why = str(exc).splitlines()[0].removeprefix("failed to resolve name: ").split(", at ")[0]
+        raise ValueError(f"odometry_topic {topic!r} is not a valid topic name: {why}") from None
+
+
+class SpeedFeed:
+    """The vehicle's latest planar speed from `topic`, for "speed" deadlines."""
+
+    def __init__(self, node: Node, topic: str, type_name: str, timeout_s: float,
+                 now: Callable[[], float]) -> None:
+        self.node, self.timeout_s, self._now = node, float(timeout_s), now
+        self._sub: Any = None
+        self._latest: tuple[float, float] | None = None  # (time, speed)
+        self.error = ""  # why no speed can come in ("" when subscribed)
+        self.topic = ""
+        self.subscribe(topic, type_name)
+
+    def subscribe(self, topic: str, type_name: str) -> None:
+        """(Re)subscribe to `topic` with message type `type_name` (SPEED_MSGS key);
+        ValueError naming the topic when it is not a valid name (nothing changed then)."""
+        self.topic = resolve_topic(self.node, topic)
+        if self._sub is not None:
+            self.node.destroy_subscription(self._sub)
+            self._sub = None
+        self._latest = None
+        module, cls, path = SPEED_MSGS[type_name]
+        try:
+            msg_type = getattr(importlib.import_module(module), cls)
+        except ImportError:
+            self.error = (f"{type_name} is not installed ({module.split('.')[0]}): no speed "
+                          f"from {self.topic}; odometry_type geometry_msgs/TwistStamped "
+                          f"works without it")
+            return
+        self.error = ""
+        qos = QoSProfile(depth=10, reliability=ReliabilityPolicy.BEST_EFFORT)  # any publisher
+        self._sub = self.node.create_subscription(
+            msg_type, topic, lambda msg: self.on_speed(planar_speed(msg, path)), qos)
+
+    def on_params(self, new: Mapping[str, Any]) -> None:
+        """Apply accepted parameter changes (on_set_parameters, before they are set): a
+        new timeout, or a new topic/type (resubscribe)."""
+        if "odometry_timeout_s" in new:
+            self.timeout_s = float(new["odometry_timeout_s"])
+        if "odometry_topic" in new or "odometry_type" in new:
+            def value(name: str) -> Any:
+                return new[name] if name in new else self.node.get_parameter(name).value
+            self.subscribe(value("odometry_topic"), value("odometry_type"))
+
+    def on_speed(self, speed_mps: float, now: float | None = None) -> None:
+        """A speed reading (NaN is ignored)."""
+        if math.isfinite(speed_mps):
+            self._latest = (self._now() if now is None else now, float(speed_mps))
+
+    def speed(self, now: float | None = None) -> float | None:
+        """The latest speed while fresh, else None (unknown)."""
+        latest = self._latest
+        now = self._now() if now is None else now
+        if latest is None or now - latest[0] > self.timeout_s:
+            return None
+        return latest[1]
+
+    def describe(self, now: float | None = None) -> str:
+        """'' when the speed is known, else why not (for diagnostics)."""
+        if self.error:
+            return self.error
+        if self.speed(now) is None:
+            return (f"no odometry on {self.topic!r} within {self.timeout_s:g} s: speed "
+                    f"unknown, the shortest deadline applies")
+        return ""

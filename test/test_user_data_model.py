@@ -287,3 +287,20 @@ def test_mismatch_hints_at_training_checkpoints_and_dataparallel() -> None:
     assert "under 'state_dict'" in wrapped and "save model.state_dict() itself" in wrapped
     prefixed = state_dict_mismatch(model, {f"module.{k}": v for k, v in state.items()})
     assert "(+" in prefixed and "strip that prefix" in prefixed and "\n" not in prefixed
+
+
+def test_scheduler_layout_builds_a_factory_card(tmp_path) -> None:
+    """The scheduler node plans from layout_from_card: a factory card (not a zoo arch)
+    gives the factory's units, as perception decomposes them."""
+    from tta_core.adashadow.planning import layout_from_card
+    from tta_core.model.units import decompose
+
+    card = {"arch": "narrow_small_resnet", "num_classes": 4, "class_names": list("abcd"),
+            "image_size": 32, "mean": [0.5] * 3, "std": [0.25] * 3, "checkpoint": "w.pt",
+            "factory": "tta_core.model.zoo:SmallResNet",
+            "kwargs": {"num_classes": 4, "width": 8, "blocks": 2}}
+    (tmp_path / "card.json").write_text(json.dumps(card))
+    layout = layout_from_card(tmp_path / "card.json")
+    expected = decompose(SmallResNet(num_classes=4, width=8, blocks=2), (3, 32, 32))
+    assert layout.unit_names == [u.name for u in expected.units]
+    assert layout.macs_fwd.tolist() == [float(u.macs_fwd) for u in expected.units]

@@ -54,9 +54,8 @@ from tta_core.adashadow.deadline import (
 from tta_core.adashadow.fixed_costs import FixedCosts
 from tta_core.adashadow.planner import Plan
 from tta_core.adashadow.predictor import FEEDBACK_MODES, UnitProfile
-from tta_core.model.source import load_card
+from tta_core.model.source import build_card_model, load_card
 from tta_core.model.units import StagedModel, decompose
-from tta_core.model.zoo import build_model
 
 TRAINABLE = ("norm", "all")
 
@@ -531,6 +530,5 @@ def layout_from_card(card_path: str | Path) -> UnitLayout:
     is used), named as perception names it (card name, else arch)."""
     card = load_card(card_path)
     size = card.image_size
-    staged = decompose(build_model(card.arch, card.num_classes), (3, size, size),
-                       arch=card.arch)
+    staged = decompose(build_card_model(card), (3, size, size), arch=card.arch)
     return UnitLayout.from_staged(staged, card.name or card.arch)

@@ -19,7 +19,8 @@ Known domains and the distance d_j of a batch to each are in `tta_core.domain.ta
   The median, not a high quantile: only accepted batches are recorded, so a high
   quantile is truncated by the threshold itself and ratchets it down (measured: 1.5 ->
   1.13 within two passes, then in-domain batches split off as spurious domains);
-- the first `warmup` batches all belong to the first domain;
+- the first `warmup` batches all belong to the first domain (`warmup_pooled` without
+  within-batch spreads: the spread is then learnt from those batches only);
 - at most `max_domains`: creating one more evicts the least recently active (LRU).
 
 Measured on the shipped 32 px net, batch 16, 15 corruptions x 30 batches (defaults):
@@ -65,6 +66,7 @@ class DetectorConfig:
     prior_weight: float = 2.0  # pseudo-count of the prior spread in a domain's spread
     within_scale: float = 1.0  # prior spread = this x the mean within-batch spread
     warmup: int = 2  # first batches: all the first domain
+    warmup_pooled: int = 8  # the same without within-batch spreads (the spread is learnt)
     max_domains: int = 32
     var_floor: float = 1e-8
 
@@ -81,6 +83,7 @@ class DetectorConfig:
                   ("calib_after", self.calib_after >= 1),
                   ("prior_weight", self.prior_weight >= 0),
                   ("within_scale", self.within_scale > 0), ("warmup", self.warmup >= 1),
+                  ("warmup_pooled", self.warmup_pooled >= 1),
                   ("max_domains", self.max_domains >= 2), ("var_floor", self.var_floor > 0)]
         for name, ok in checks:
             if not ok:
@@ -211,7 +214,7 @@ class DomainDetector:
                         thr, near < 0 or near_d > thr)
         if self.current < 0:
             return self._switch(NEW, [(e, w)], det)
-        if self.batches <= self.config.warmup:
+        if self.batches <= (self.config.warmup if w is not None else self.config.warmup_pooled):
             self._absorb(self.current, [(e, w)])
             return det
         cand = NEW if det.novel else near

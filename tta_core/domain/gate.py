@@ -2,9 +2,10 @@
 
 Per domain the gate knows whether it is *stable* and the mean prediction entropy it
 settled at. After a switch into a new (or never stabilised) domain it adapts; it
-declares the domain stable when the mean entropy of the last `window` adapted batches
-differs from that of the `window` before by at most `tol` (relative), after at least
-`min_batches`, or after `max_batches` at the latest. A stable domain is served
+declares the domain stable when the mean entropy of the last `window` batches differs
+from that of the `window` before by at most `tol` (relative), after at least `min_batches`
+adapted batches, or after `max_batches` at the latest (counted across visits: a domain
+left before it settled continues its budget when it comes back). A stable domain is served
 forward-only; if its windowed mean entropy later rises above the settled level by more
 than `drift_tol` (relative), adaptation resumes (a drift inside the domain, or a
 recognised domain that no longer fits). Revisiting a stable domain costs no backward pass.
@@ -12,6 +13,7 @@ recognised domain that no longer fits). Revisiting a stable domain costs no back
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -20,9 +22,9 @@ class GateConfig:
     """When to adapt (see the module docstring)."""
 
     min_batches: int = 6
-    max_batches: int = 24
+    max_batches: int = 16
     window: int = 3
-    tol: float = 0.05
+    tol: float = 0.1
     drift_tol: float = 0.25
 
     def validate(self) -> None:
@@ -39,18 +41,22 @@ class DomainGate:
     """One domain's adaptation record (persisted with the bank)."""
 
     stable: bool = False
-    level: float = float("nan")  # mean entropy when it became stable
+    level: float = math.nan  # mean entropy when it became stable
     adapted: int = 0  # backward passes spent on it in total
+    run: int = 0  # backward passes since it last became unstable (across visits)
     entropies: list[float] = field(default_factory=list)  # since the last switch
 
     def to_json(self) -> dict:
         """JSON-able record (entropy history is transient)."""
-        return {"stable": self.stable, "level": self.level, "adapted": self.adapted}
+        level = None if math.isnan(self.level) else self.level  # JSON has no NaN
+        return {"stable": self.stable, "level": level, "adapted": self.adapted,
+                "run": self.run}
 
     @classmethod
     def from_json(cls, raw: dict) -> DomainGate:
         """Inverse of to_json."""
-        return cls(bool(raw["stable"]), float(raw["level"]), int(raw["adapted"]))
+        level = math.nan if raw["level"] is None else float(raw["level"])
+        return cls(bool(raw["stable"]), level, int(raw["adapted"]), int(raw["run"]))
 
 
 def _mean(xs: list[float]) -> float:
@@ -65,14 +71,12 @@ class AdaptGate:
         self.config.validate()
         self.domains: dict[str, DomainGate] = {}
         self.active = ""
-        self._run = 0  # batches adapted since the last switch or resume
 
     def switch(self, name: str) -> None:
         """The active domain changed (or was created)."""
         self.active = name
         g = self.domains.setdefault(name, DomainGate())
         g.entropies = []
-        self._run = 0
 
     def forget(self, name: str) -> None:
         """Drop a domain's record (evicted from the bank)."""
@@ -93,12 +97,12 @@ class AdaptGate:
         if not adapted:
             if g.stable and len(g.entropies) >= c.window and \
                     _mean(g.entropies[-c.window:]) > g.level * (1.0 + c.drift_tol):
-                g.stable, self._run = False, 0  # drifted: adapt again
+                g.stable, g.run = False, 0  # drifted: adapt again
             return
         g.adapted += 1
-        self._run += 1
+        g.run += 1
         full = len(g.entropies) >= 2 * c.window
-        if self._run >= c.max_batches or (self._run >= c.min_batches and full and self._settled(g)):
+        if g.run >= c.max_batches or (g.run >= c.min_batches and full and self._settled(g)):
             g.stable = True
             g.level = _mean(g.entropies[-c.window:])
 

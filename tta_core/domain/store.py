@@ -49,7 +49,8 @@ def save_bank(path: str | Path, tensors: Mapping[str, Tensor], meta: Mapping[str
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    header = {"format": FORMAT, "version": str(VERSION), "meta": json.dumps(meta)}
+    header = {"format": FORMAT, "version": str(VERSION),
+              "meta": json.dumps(meta, allow_nan=False)}
     flat = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
     try:
         save_file(flat, str(tmp), metadata=header)

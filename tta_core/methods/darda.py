@@ -53,12 +53,12 @@ class DardaConfig(MethodConfig):
     embed_layers: int = 3  # BN inputs in the embedding (and frozen trunk)
     per_sample: bool = True
     hysteresis: int = 2
-    novelty_quantile: float = 0.99
-    novelty_margin: float = 1.0
+    novelty_quantile: float = 0.5
+    novelty_margin: float = 1.5
     max_domains: int = 32
     min_adapt: int = 6
-    max_adapt: int = 24
-    stable_tol: float = 0.05
+    max_adapt: int = 16
+    stable_tol: float = 0.1
     drift_tol: float = 0.25
     adapt_fc: bool = False  # the classifier is banked either way
     init_from: str = "nearest"  # state of a new domain: "nearest" known one, or "source"

@@ -196,7 +196,10 @@ class DomainDetector:
             raise ValueError(f"embeddings must be [n, {self.dim}], got {tuple(embeddings.shape)}")
         j = self.names.index(name) if name in self.names else self.add_domain(name)[0]
         ws = [None] * len(embeddings) if within is None else list(within.to(F64))
-        self._absorb(j, [(e.to(F64), w) for e, w in zip(embeddings, ws, strict=True)])
+        for e, w in zip(embeddings, ws, strict=True):  # calibrates as online batches would
+            if self._mature(j):
+                self._record(float(self.table.distances(e.to(F64))[j]))
+            self._absorb(j, [(e.to(F64), w)])
 
     # ------------------------------------------------------------------ the decision
     def observe(self, e: Tensor, within: Tensor | None = None) -> Detection:
@@ -212,8 +215,8 @@ class DomainDetector:
         cur_d = float(d[self.current]) if self.current >= 0 else math.nan
         det = Detection(prev, prev, cur_d, self.names[near] if near >= 0 else "", near_d,
                         thr, near < 0 or near_d > thr)
-        if self.current < 0:
-            return self._switch(NEW, [(e, w)], det)
+        if self.current < 0:  # first batch: a known (enrolled or loaded) domain, else new
+            return self._switch(NEW if det.novel else near, [(e, w)], det)
         if self.batches <= (self.config.warmup if w is not None else self.config.warmup_pooled):
             self._absorb(self.current, [(e, w)])
             return det

@@ -162,7 +162,7 @@ class Darda(TTAMethod):
                 self.memory.clear()
             self._since_refresh = 0
         self._det = det
-        self._detect_ms += (time.perf_counter() - t0) * 1e3
+        self._detect_ms += (time.perf_counter() - t0) * 1e3 + self.embedder.take_ms()
 
     @contextmanager
     def _quiet(self) -> Iterator[None]:
@@ -186,6 +186,7 @@ class Darda(TTAMethod):
         clock = PhaseClock.for_tensor(x)
         grad = self.optimizer is not None and self.gate.wants_backward()
         self._det, self._detect_ms = None, 0.0
+        self.embedder.take_ms()
         with torch.set_grad_enabled(grad):
             logits = self.model(x)
         det = self._det
@@ -212,7 +213,8 @@ class Darda(TTAMethod):
         res.stats = {"backward": adapt, "switched": det.switched, "novel": det.novel,
                      "created": det.created, "distance": det.distance,
                      "nearest_distance": det.nearest_distance, "threshold": det.threshold,
-                     "detect_ms": self._detect_ms, "domains": len(self.detector.names),
+                     "detect_ms": self._detect_ms,  # moments + detection + swap
+                     "domains": len(self.detector.names),
                      "stable": not self.gate.wants_backward()}
         return res
 

@@ -13,7 +13,7 @@ Prints JSON and writes it with a confusion-matrix PNG under --out:
   backward-pass share, detection + swap time share;
 - detection + swap share of batch time on a torchvision ResNet-18 (random weights).
 
-    python benchmarks/bench_domain.py [--quick] [--out benchmarks/out/domain]
+    python benchmarks/bench_domain.py [--quick] [--out runs/bench_domain]
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--methods", default="darda,darda:bn_mode=batch,tent,bn_adapt",
                     help="comma list, options as name:key=value;key=value")
     ap.add_argument("--resnet-size", type=int, default=0, help="ResNet-18 input px (224/112)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "domain"))
+    ap.add_argument("--out", default=str(ROOT / "runs" / "bench_domain"))
     return ap.parse_args()
 
 

@@ -237,6 +237,7 @@ class Darda(TTAMethod):
 
     def close(self) -> None:
         """Remove the embedding and robust-BN hooks."""
+        super().close()
         self.embedder.close()
         if self._rbn is not None:
             self._rbn.close()
@@ -288,3 +289,7 @@ class Darda(TTAMethod):
         if det.current_name:
             self.bank.activate(det.current_name)
             self.gate.switch(det.current_name)
+        else:  # nothing active yet: the live tensors go back to the source state
+            with torch.no_grad():
+                for k, t in self._live.items():
+                    t.copy_(self._source[k])

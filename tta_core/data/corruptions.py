@@ -5,7 +5,8 @@ draws from numpy's *global* RNG (two corruptions take their own seed), so every 
 corrupted under its own seed, set just before the call: the same (seed, index) always
 gives the same bytes. Its parameters are
 tuned for 224 px ImageNet images and are used unchanged, so at 32/64 px the blurs are
-relatively stronger than CIFAR-10-C's; severity still orders the strength.
+relatively stronger than CIFAR-10-C's; severity still orders the strength. The four
+held-out corruptions (`HELD_OUT`) are accepted too, for novelty tests.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ CORRUPTIONS: tuple[str, ...] = (
     "motion_blur", "zoom_blur", "snow", "frost", "fog", "brightness", "contrast",
     "elastic_transform", "pixelate", "jpeg_compression",
 )
+# imagecorruptions' "validation" set: never seen while learning domains (DARDA's unseen four)
+HELD_OUT: tuple[str, ...] = ("speckle_noise", "gaussian_blur", "spatter", "saturate")
+ALL_CORRUPTIONS: tuple[str, ...] = CORRUPTIONS + HELD_OUT
 SEVERITIES: tuple[int, ...] = (1, 2, 3, 4, 5)
 _MIN_SIDE = 32  # frost crops a 32 px+ patch from its texture; smaller inputs are upscaled
 _RNG_LOCK = threading.Lock()  # the library uses numpy's global RNG
@@ -29,8 +33,8 @@ _OWN_SEED = ("impulse_noise", "glass_blur")  # these take a seed (skimage / numb
 
 def check(name: str, severity: int) -> None:
     """ValueError naming an unknown corruption or a severity outside 1..5."""
-    if name not in CORRUPTIONS:
-        raise ValueError(f"unknown corruption {name!r}; choose from {', '.join(CORRUPTIONS)}")
+    if name not in ALL_CORRUPTIONS:
+        raise ValueError(f"unknown corruption {name!r}; choose from {', '.join(ALL_CORRUPTIONS)}")
     if severity not in SEVERITIES:
         raise ValueError(f"severity must be 1..5, got {severity!r}")
 
@@ -65,7 +69,7 @@ def corrupt_batch(images: np.ndarray, name: str, severity: int, seed: int = 0) -
     if images.ndim != 4:
         raise ValueError(f"expected (N, H, W, 3) images, got shape {images.shape}")
     check(name, severity)
-    base = np.random.SeedSequence([seed, CORRUPTIONS.index(name), severity])
+    base = np.random.SeedSequence([seed, ALL_CORRUPTIONS.index(name), severity])
     seeds = base.generate_state(len(images))
     out = np.empty_like(images)
     for i, img in enumerate(images):

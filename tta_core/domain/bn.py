@@ -1,0 +1,105 @@
+"""BatchNorm set-up for domain-bank adaptation: a frozen trunk and banked upper layers.
+
+- trunk: the BN layers the batch embedding reads (tta_core.domain.embedding) normalise
+  with batch statistics and keep their source affine, so the embedding depends on the
+  batch and frozen weights only, never on the adapted or swapped state;
+- upper BN layers, `bn_mode`:
+  "batch": normalise with batch statistics (as Tent); the banked state is their affine;
+  "bank": normalise with running statistics that belong to the domain's state (eval mode),
+  each forward first moves them toward the batch's (RoTTA's robust BN, momentum
+  `momentum`), and they can be refreshed from a memory bank (DARDA Eq. 15, `refresh`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+BANK_BN_MODES = ("batch", "bank")
+
+
+def batch_norm_layers(model: nn.Module) -> dict[str, _BatchNorm]:
+    """BatchNorm modules by name."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, _BatchNorm)}
+
+
+def use_batch_stats(bn: _BatchNorm) -> None:
+    """Normalise with batch statistics only (no running stats), as set_bn_mode('batch')."""
+    bn.train()
+    bn.track_running_stats = False
+    bn.running_mean = None
+    bn.running_var = None
+
+
+def use_running_stats(bn: _BatchNorm) -> None:
+    """Normalise with the running statistics (eval mode); they must exist."""
+    if bn.running_mean is None or bn.running_var is None:
+        raise ValueError(f"bn_mode 'bank' needs BN running statistics; {bn} has none")
+    bn.eval()
+    bn.track_running_stats = True
+
+
+def configure(model: nn.Module, trunk: Sequence[str], bn_mode: str) -> list[str]:
+    """Set trunk and upper BN modes; returns the upper BN names (adapted and banked)."""
+    if bn_mode not in BANK_BN_MODES:
+        raise ValueError(f"bn_mode {bn_mode!r} not in {BANK_BN_MODES}")
+    model.eval()
+    model.requires_grad_(False)
+    upper = []
+    for name, bn in batch_norm_layers(model).items():
+        if name in trunk:
+            use_batch_stats(bn)
+            continue
+        upper.append(name)
+        if bn_mode == "batch":
+            use_batch_stats(bn)
+        else:
+            use_running_stats(bn)
+    return upper
+
+
+class RobustBN:
+    """Forward pre-hooks: move an eval-mode BN's running stats toward the batch's before
+    it normalises (RoTTA RBN: mu <- (1 - m) mu + m mu_batch, same for the variance)."""
+
+    def __init__(self, layers: Sequence[_BatchNorm], momentum: float) -> None:
+        if not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"bn momentum must be in [0, 1], got {momentum}")
+        self.momentum, self.enabled = float(momentum), True
+        self._handles = [bn.register_forward_pre_hook(self._hook) for bn in layers]
+
+    def _hook(self, bn: nn.Module, args: tuple) -> None:
+        if not self.enabled or self.momentum == 0.0 or bn.training:
+            return
+        x = args[0].detach()
+        dims = [d for d in range(x.ndim) if d != 1]
+        with torch.no_grad():
+            var, mean = torch.var_mean(x.float(), dim=dims, correction=0)
+            bn.running_mean.mul_(1 - self.momentum).add_(mean, alpha=self.momentum)
+            bn.running_var.mul_(1 - self.momentum).add_(var, alpha=self.momentum)
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+@contextmanager
+def refreshing(layers: Sequence[_BatchNorm], momentum: float) -> Iterator[None]:
+    """Within the block, a forward updates the layers' running stats by
+    mu <- (1 - m) mu + m mu_batch (DARDA Eq. 15, PyTorch's train-mode BN update)."""
+    saved = [(bn.training, bn.momentum) for bn in layers]
+    try:
+        for bn in layers:
+            bn.train()
+            bn.momentum = momentum
+        yield
+    finally:
+        for bn, (training, mom) in zip(layers, saved, strict=True):
+            bn.train(training)
+            bn.momentum = mom

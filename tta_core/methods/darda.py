@@ -1,0 +1,295 @@
+"""DARDA: domain-aware adaptation with a bank of per-domain states (issue #21).
+
+After "DARDA: Domain-Aware Real-Time Dynamic Neural Network Adaptation" (seed 004), the
+online part, without its learnt corruption encoder: the batch embedding is the channel
+moments of the first BatchNorm inputs (tta_core.domain.embedding), read inside the
+forward. In the pre-hook of the last embedded layer (before any adapted layer runs) the
+detector assigns the batch to a known domain or a new one (hysteresis, novelty), and on a
+switch the bank copies that domain's state (upper BN affine [+ running stats], final
+linear layer) into the live tensors: the batch is already predicted by the right state,
+with no extra pass. A new domain starts from the nearest known domain's state.
+
+Adaptation (Tent's entropy, SGD on the upper BN affine [+ the classifier with
+`adapt_fc`]) runs only until the domain is stable (tta_core.domain.gate); then batches are
+served forward-only. SGD momentum is reset on every switch (not banked: see
+tta_core.domain.bank). With bn_mode "bank" the upper BN layers normalise with the domain's
+running statistics (robust BN) and are refreshed from a label-balanced memory of recent
+samples (DARDA Eq. 15). The bank is saved and loaded with `save_bank` / `load_bank`
+(safetensors, tta_core.domain.store).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from tta_core.api import PhaseClock, StepResult, mean_entropy
+from tta_core.domain.bank import SOURCE, StateBank, adapted_tensors, last_linear
+from tta_core.domain.bn import BANK_BN_MODES, RobustBN, batch_norm_layers, configure, refreshing
+from tta_core.domain.detector import Detection, DetectorConfig, DomainDetector
+from tta_core.domain.embedding import DomainEmbedder, EmbeddingConfig
+from tta_core.domain.gate import AdaptGate, DomainGate, GateConfig
+from tta_core.domain.memory import BalancedMemory
+from tta_core.domain.store import load_bank, model_fingerprint, save_bank
+from tta_core.errors import InputError, one_line
+from tta_core.methods import register
+from tta_core.methods.base import MethodConfig, TTAMethod
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DardaConfig(MethodConfig):
+    """DARDA settings; detector and gate defaults measured in benchmarks/bench_domain.py."""
+
+    embed_layers: int = 3  # BN inputs in the embedding (and frozen trunk)
+    per_sample: bool = True
+    hysteresis: int = 2
+    novelty_quantile: float = 0.5
+    novelty_margin: float = 1.5
+    max_domains: int = 32
+    min_adapt: int = 6
+    max_adapt: int = 16
+    stable_tol: float = 0.1
+    drift_tol: float = 0.25
+    adapt_fc: bool = False  # the classifier is banked either way
+    init_from: str = "nearest"  # state of a new domain: "nearest" known one, or "source"
+    bn_mode: str = "bank"  # upper BN: domain running stats ("bank") or batch stats ("batch")
+    bn_momentum: float = 0.05  # robust BN (bn_mode "bank")
+    refresh: bool = True  # Eq. 15 from the memory bank (bn_mode "bank")
+    refresh_momentum: float = 0.5
+    refresh_every: int = 4
+    memory_capacity: int = 64
+    reforward: bool = True
+    bank_path: str = ""  # loaded at start when it exists (a bad file: warning, fresh start)
+
+    def validate(self) -> None:
+        """ValueError naming a bad field."""
+        if self.bn_mode not in BANK_BN_MODES:
+            raise ValueError(f"darda bn_mode {self.bn_mode!r} not in {BANK_BN_MODES}")
+        if self.init_from not in ("nearest", SOURCE):
+            raise ValueError(f"darda init_from {self.init_from!r} not in ('nearest', 'source')")
+        if self.embed_layers < 1 or self.memory_capacity < 1 or self.refresh_every < 1:
+            raise ValueError(f"darda embed_layers {self.embed_layers}, memory_capacity "
+                             f"{self.memory_capacity}, refresh_every {self.refresh_every} "
+                             "must be >= 1")
+
+
+@register("darda")
+class Darda(TTAMethod):
+    """Domain bank TTA: detect, swap, adapt until stable. Capabilities: ReportsDomain."""
+
+    config_cls = DardaConfig
+    config: DardaConfig
+
+    def __init__(self, model: nn.Module, config: DardaConfig | None = None) -> None:
+        super().__init__(model, config)
+        self.bank_error = ""
+        if self.config.bank_path and Path(self.config.bank_path).is_file():
+            try:
+                self.load_bank(self.config.bank_path)
+            except InputError as exc:
+                self.bank_error = str(exc)
+                log.warning("%s; starting with an empty domain bank", exc)
+
+    def configure_model(self) -> None:
+        c = self.config
+        c.validate()
+        if len(c.input_shape) != 3:
+            raise ValueError(f"darda needs input_shape, one sample (C, H, W), got "
+                             f"{tuple(c.input_shape)}")
+        self.embedder = DomainEmbedder(self.model, c.input_shape,
+                                       EmbeddingConfig(c.embed_layers, True, c.per_sample),
+                                       on_ready=self._on_embedding)
+        upper = configure(self.model, self.embedder.layer_names, c.bn_mode)
+        bns = batch_norm_layers(self.model)
+        self._upper = [bns[n] for n in upper]
+        for bn in self._upper:
+            for p in (bn.weight, bn.bias):
+                if p is not None:
+                    p.requires_grad_(True)
+        fc = last_linear(self.model)
+        if c.adapt_fc and fc:
+            self.model.get_submodule(fc).requires_grad_(True)
+        self.num_classes = int(self.model.get_submodule(fc).out_features) if fc else 0
+        if not any(p.requires_grad for p in self.model.parameters()):
+            raise self.nothing_to_adapt("no BatchNorm affine after the embedding layers")
+        self._rbn = RobustBN(self._upper, c.bn_momentum) if c.bn_mode == "bank" else None
+        keep = set(upper)
+        self._live = adapted_tensors(self.model, skip=lambda n: n not in keep)
+        self._source = {k: v.detach().clone() for k, v in self._live.items()}
+        self.fingerprint = model_fingerprint(self.model, self._live)
+        self._fresh()
+
+    def _fresh(self) -> None:
+        c = self.config
+        self.detector = DomainDetector(self.embedder.dim, DetectorConfig(
+            hysteresis=c.hysteresis, novelty_quantile=c.novelty_quantile,
+            novelty_margin=c.novelty_margin, max_domains=c.max_domains))
+        self.bank = StateBank(self._live, c.max_domains, source=self._source)
+        self.gate = AdaptGate(GateConfig(c.min_adapt, c.max_adapt, tol=c.stable_tol,
+                                         drift_tol=c.drift_tol))
+        use_memory = c.bn_mode == "bank" and c.refresh and self.num_classes >= 2
+        self.memory = BalancedMemory(c.memory_capacity, self.num_classes) if use_memory else None
+        self.backward_passes, self._since_refresh = 0, 0
+        self._det: Detection | None = None
+        self._detect_ms = 0.0
+
+    # ------------------------------------------------------------------ detection
+    def _on_embedding(self, vec: Tensor, within: Tensor | None) -> None:
+        """Inside the forward, before the adapted layers: detect, swap on a switch."""
+        t0 = time.perf_counter()
+        det = self.detector.observe(vec, within)
+        if det.evicted:
+            if det.evicted in self.bank.states:
+                self.bank.drop(det.evicted)
+            self.gate.forget(det.evicted)
+        if det.switched:
+            near = det.nearest if self.config.init_from == "nearest" else ""
+            self.bank.activate(det.domain, near if near in self.bank.states else SOURCE)
+            if self.optimizer is not None:
+                self.optimizer.state.clear()  # momentum reset, not banked
+            self.gate.switch(det.domain)
+            if self.memory is not None:
+                self.memory.clear()
+            self._since_refresh = 0
+        self._det = det
+        self._detect_ms += (time.perf_counter() - t0) * 1e3 + self.embedder.take_ms()
+
+    @contextmanager
+    def _quiet(self) -> Iterator[None]:
+        """Forwards that are not the batch's own: no detection, no robust-BN update."""
+        self.embedder.enabled = False
+        if self._rbn is not None:
+            self._rbn.enabled = False
+        try:
+            yield
+        finally:
+            self.embedder.enabled = True
+            if self._rbn is not None:
+                self._rbn.enabled = True
+
+    def current_domain(self) -> str:
+        """The active domain's name ('' before the first batch)."""
+        return self.detector.current_name
+
+    # ------------------------------------------------------------------ one batch
+    def forward_and_adapt(self, x: Tensor) -> StepResult:
+        clock = PhaseClock.for_tensor(x)
+        grad = self.optimizer is not None and self.gate.wants_backward()
+        self._det, self._detect_ms = None, 0.0
+        self.embedder.take_ms()
+        with torch.set_grad_enabled(grad):
+            logits = self.model(x)
+        det = self._det
+        if det is None:
+            raise RuntimeError("darda: the embedding layers did not run in the forward")
+        adapt = grad and self.gate.wants_backward()  # a switch may have made it stable
+        forward_ms, loss = clock.mark(), math.nan
+        if adapt:
+            assert self.optimizer is not None
+            objective = self.loss(logits)
+            self.optimizer.zero_grad(set_to_none=True)
+            objective.backward()
+            self.optimizer.step()
+            loss, self.backward_passes = float(objective.detach()), self.backward_passes + 1
+        backward_ms = clock.mark()
+        self.gate.record(mean_entropy(logits), adapt)
+        self._remember(x, logits, adapt)
+        post_ms = clock.mark()
+        with self._quiet():
+            out = self.reforward(x, logits, self.config.reforward and adapt)
+        res = self.result(out, forward_ms, backward_ms, clock.mark(), loss=loss, adapted=adapt,
+                          units_updated=len(self.params) // 2 if adapt else 0, post_ms=post_ms)
+        res.domain = self.detector.current_name
+        res.stats = {"backward": adapt, "switched": det.switched, "novel": det.novel,
+                     "created": det.created, "distance": det.distance,
+                     "nearest_distance": det.nearest_distance, "threshold": det.threshold,
+                     "detect_ms": self._detect_ms,  # moments + detection + swap
+                     "domains": len(self.detector.names),
+                     "stable": not self.gate.wants_backward()}
+        return res
+
+    def _remember(self, x: Tensor, logits: Tensor, adapted: bool) -> None:
+        """Memory bank admission and the Eq. 15 refresh (bn_mode 'bank')."""
+        if self.memory is None:
+            return
+        self.memory.add(x.detach(), logits)
+        self._since_refresh += 1
+        if not adapted or len(self.memory) < self.memory.capacity // 2 \
+                or self._since_refresh < self.config.refresh_every:
+            return
+        xs = self.memory.samples()
+        with self._quiet(), torch.no_grad(), refreshing(self._upper, self.config.refresh_momentum):
+            self.model(xs)
+        self._since_refresh = 0
+
+    def reset_state(self) -> None:
+        self._fresh()
+
+    def close(self) -> None:
+        """Remove the embedding and robust-BN hooks."""
+        super().close()
+        self.embedder.close()
+        if self._rbn is not None:
+            self._rbn.close()
+
+    # ------------------------------------------------------------------ persistence
+    def _expect(self) -> dict:
+        """Metadata a bank file must match to be loaded into this model."""
+        return {"fingerprint": self.fingerprint,
+                "adapted": {k: list(v.shape) for k, v in self._live.items()},
+                "embedding": {"keys": self.embedder.keys, "dim": self.embedder.dim,
+                              "per_sample": self.config.per_sample},
+                "bn_mode": self.config.bn_mode}
+
+    def save_bank(self, path: str | Path) -> None:
+        """Write detector statistics, every domain's state and the gate records."""
+        self.finish()
+        self.bank.store_active()
+        det_t, det_m = self.detector.state()
+        tensors = {f"detector/{k}": v for k, v in det_t.items()}
+        for name in self.bank.names:
+            for k, v in self.bank.get(name).items():
+                tensors[f"state/{name}/{k}"] = v
+        meta = {**self._expect(), "detector": det_m, "domains": self.bank.names,
+                "gates": {n: g.to_json() for n, g in self.gate.domains.items()},
+                "arch": type(self.model).__name__, "backward_passes": self.backward_passes}
+        save_bank(path, tensors, meta)
+
+    def load_bank(self, path: str | Path) -> None:
+        """Replace the bank by a file's; InputError (one line) when it does not fit. The
+        saved active domain becomes live."""
+        tensors, meta = load_bank(path, self._expect())
+        try:
+            det = DomainDetector(self.embedder.dim, self.detector.config)
+            det.load_state({k[9:]: v for k, v in tensors.items() if k.startswith("detector/")},
+                           meta["detector"])
+            if sorted(meta["domains"]) != sorted(det.names):
+                raise ValueError(f"banked states {meta['domains']} do not match the "
+                                 f"detector's domains {det.names}")
+            bank = StateBank(self._live, self.config.max_domains, source=self._source)
+            for name in meta["domains"]:
+                bank.load(name, {k: tensors[f"state/{name}/{k}"] for k in self._live})
+            gates = {n: DomainGate.from_json(g) for n, g in meta["gates"].items()}
+        except KeyError as exc:
+            raise InputError(f"domain bank {path}: missing entry {exc}") from None
+        except (ValueError, TypeError) as exc:
+            raise InputError(f"domain bank {path}: {one_line(exc)}") from None
+        self._fresh()
+        self.detector, self.bank, self.gate.domains = det, bank, gates
+        if det.current_name:
+            self.bank.activate(det.current_name)
+            self.gate.switch(det.current_name)
+        else:  # nothing active yet: the live tensors go back to the source state
+            with torch.no_grad():
+                for k, t in self._live.items():
+                    t.copy_(self._source[k])

@@ -130,3 +130,34 @@ def test_live_telemetry_reaches_inline_planning() -> None:
     assert "telemetry" not in tent.meta and not live.fed
     with pytest.raises(ValueError, match="neither 'live' nor a calibration file"):
         BenchConfig(telemetry="/nonexistent.json").validate()
+
+
+def test_measure_activations_reports_saved_mib(tmp_path) -> None:
+    """--measure-activations: tent saves > 0 MiB per batch, source 0, surgeon (its codec's
+    compressed bytes) less than tent; a variant (surgeon@robot) gets its own options and
+    row; report.json and report.md carry the figures."""
+    cfg = BenchConfig(methods=("source", "tent", "surgeon", "surgeon@robot"), batch_size=4,
+                      samples_per_domain=12, threads=1, measure_activations=True,
+                      method_options={"surgeon@robot": {"mode": "robot"}})
+    runs = {r.method: r for r in run_methods(tiny_stream(), make_model, cfg, progress=False)}
+    saved = {m: r.meta["saved_activations"] for m, r in runs.items()}
+    assert saved["source"]["saved_mib_max"] == 0.0
+    assert saved["tent"]["saved_mib_mean"] > 0.5 and saved["tent"]["reported_mib_mean"] == 0
+    assert 0 < saved["surgeon"]["saved_mib_mean"] < saved["tent"]["saved_mib_mean"]
+    assert saved["surgeon"]["measured_mib_mean"] == 0  # all under its codec, none twice
+    assert saved["surgeon"]["batches"] == len(tiny_stream())
+    assert runs["surgeon@robot"].meta["options"]["mode"] == "robot"
+    assert runs["surgeon"].meta["options"].get("mode", "faithful") == "faithful"
+    files, text = write_bench(list(runs.values()), tmp_path, cfg, clean_accuracy=0.9)
+    assert "saved MiB (mean/max)" in text and "measured bytes" in text
+    tent = saved["tent"]
+    assert f"| {tent['saved_mib_mean']:.2f} / {tent['saved_mib_max']:.2f} |" in text
+    data = json.loads(files.json.read_text())
+    assert data["summaries"][1]["saved_mib_mean"] == pytest.approx(tent["saved_mib_mean"])
+    plain = BenchConfig(methods=("tent",), samples_per_domain=12, threads=1)
+    run = run_methods(tiny_stream(), make_model, plain, progress=False)[0]
+    assert "saved_activations" not in run.meta
+    _, text = write_bench([run], tmp_path / "plain", plain, clean_accuracy=0.9)
+    assert "saved MiB" not in text
+    with pytest.raises(ValueError, match="name one twice"):
+        BenchConfig(methods=("tent", "tent")).validate()

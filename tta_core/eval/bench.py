@@ -27,6 +27,7 @@ from tta_core.errors import InputError
 from tta_core.eval.live_telemetry import LiveExpansion
 from tta_core.eval.report import FrameRecord, RunRecord, lr_markdown
 from tta_core.eval.report_files import ReportFiles, write_report
+from tta_core.eval.saved_memory import ActivationMeter, saved_note
 from tta_core.eval.streaming import (
     NODE_BATCH_WAIT_MS,
     NODE_QUEUE_SIZE,
@@ -70,11 +71,13 @@ class BenchConfig:
     # the user's model (arch or factory, weights, input size, normalisation) instead of
     # model_card (model.user_card); None: model_card
     user_model: UserModel | None = None
+    # count saved activations per step (eval.saved_memory); off: hooks cost time
+    measure_activations: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad value."""
         known = set(available_methods())
-        bad = [m for m in self.methods if m not in known]
+        bad = [m for m in self.methods if method_base(m) not in known]
         if bad or not self.methods:
             raise ValueError(f"unknown method(s) {bad or self.methods}; "
                              f"available: {sorted(known)}")
@@ -92,8 +95,11 @@ class BenchConfig:
                              f"calibration file")
         for hz in self.stream_hz:
             check_stream_params(hz, self.batch_size, self.batch_size)
+        if len(set(self.methods)) < len(self.methods):
+            raise ValueError(f"methods {self.methods} name one twice: give a variant its "
+                             "own name, e.g. surgeon,surgeon@robot")
         for name, opts in self.method_options.items():
-            if name in known:
+            if method_base(name) in known:
                 check_option_types(name, opts)
         if self.data:
             from tta_core.data.sources import parse_data
@@ -106,10 +112,16 @@ class BenchConfig:
             self.user_model.check()
 
 
+def method_base(name: str) -> str:
+    """The registered method of a bench name: "surgeon@robot" -> "surgeon" (a variant:
+    its own options via --set surgeon@robot.KEY=VALUE, its own row in the report)."""
+    return name.partition("@")[0]
+
+
 def check_option_types(method: str, options: dict[str, Any]) -> None:
     """ValueError naming an option whose value is not of its config field's kind (a
     number, a bool, a string: what the default is), before the method compares it."""
-    spec = {f.name: f.default for f in fields(method_class(method).config_cls)}
+    spec = {f.name: f.default for f in fields(method_class(method_base(method)).config_cls)}
     for key, value in options.items():
         default = spec.get(key, MISSING)
         if isinstance(default, bool):
@@ -182,11 +194,11 @@ def method_options(name: str, cfg: BenchConfig, input_shape: tuple[int, ...]) ->
     Parallel mode: AdaShadow adapts in a background thread; methods with a reforward
     predict with the pre-update model instead (the two-stage mode of AdaShadow §5.4).
     """
-    cls_fields = set(method_class(name).config_cls.__dataclass_fields__)
+    cls_fields = set(method_class(method_base(name)).config_cls.__dataclass_fields__)
     opts: dict = {}
     if "input_shape" in cls_fields:
         opts["input_shape"] = tuple(input_shape)
-    if name == "adashadow":
+    if method_base(name) == "adashadow":
         opts["mode"] = cfg.mode
     elif "reforward" in cls_fields and cfg.mode == "parallel":
         opts["reforward"] = False
@@ -209,10 +221,12 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
                progress: Callable[[int], None] | None = None,
                live: LiveExpansion | None = None) -> RunRecord:
     """Run method `name` online over `stream` and return its per-frame records; `live`
-    feeds telemetry pi1/pi2 to a method that plans with them, before each batch."""
+    feeds telemetry pi1/pi2 to a method that plans with them, before each batch;
+    cfg.measure_activations counts each step's saved activations (eval.saved_memory)."""
     torch.manual_seed(cfg.seed)
     opts = method_options(name, cfg, tuple(stream[0].x.shape[1:]))
-    meth = build_method(name, model, **opts)
+    meth = build_method(method_base(name), model, **opts)
+    meter = ActivationMeter(model, cfg.measure_activations)
     cuda = stream[0].x.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -225,19 +239,16 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
             if live is not None:
                 live.feed(meth)
             t0 = time.perf_counter()
-            res = meth.step(b.x)
+            with meter.step():
+                res = meth.step(b.x)
             _note_lr(meth, len(b.labels), rates)
             pred = res.logits.argmax(1)
             if cuda:
                 torch.cuda.synchronize()
             wall_ms = (time.perf_counter() - t0) * 1e3
             busy += wall_ms / 1e3
-            phases = {**_phases(res), "total": wall_ms}
-            conf = res.logits.float().softmax(1).max(1).values.tolist()
-            for label, p, c in zip(b.labels.tolist(), pred.tolist(), conf, strict=True):
-                frames.append(FrameRecord(b.domain, int(label), int(p), b_id, phases,
-                                          confidence=float(c), budget_ms=res.budget_ms,
-                                          adapted=bool(res.adapted)))
+            meter.note(res.stats)
+            frames += _frames(b, b_id, res, pred, {**_phases(res), "total": wall_ms})
             if progress is not None:
                 progress(len(b.labels))
         meth.finish()
@@ -246,6 +257,8 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
             "mode": cfg.mode, "batch_size": cfg.batch_size, "threads": torch.get_num_threads(),
             "rss_peak_mb": mem.peak_mb, "rss_start_mb": start_mb,
             "lr": _lr_meta(meth, rates)}
+    if meter.meta() is not None:
+        meta["saved_activations"] = meter.meta()
     if live is not None and live.fed:
         meta["telemetry"] = live.summary()
         live.fed.clear()
@@ -255,6 +268,15 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
     # RSS at the method's start (its models, optimizer state, activations); absolute in meta
     peak = meta.get("cuda_peak_mb", max(mem.peak_mb - start_mb, 0.0))
     return RunRecord(name, frames, busy, float(peak), 0, meta)
+
+
+def _frames(b: Batch, b_id: int, res: Any, pred: torch.Tensor,
+            phases: dict[str, float]) -> list[FrameRecord]:
+    """The frame records of batch `b` (number `b_id`) stepped into `res`."""
+    conf = res.logits.float().softmax(1).max(1).values.tolist()
+    return [FrameRecord(b.domain, int(label), int(p), b_id, phases, confidence=float(c),
+                        budget_ms=res.budget_ms, adapted=bool(res.adapted))
+            for label, p, c in zip(b.labels.tolist(), pred.tolist(), conf, strict=True)]
 
 
 def _note_lr(meth: Any, batch: int, rates: dict[int, float]) -> None:
@@ -319,7 +341,8 @@ def write_bench(runs: list[RunRecord], out: Path, cfg: BenchConfig,
     head = (f"{describe_inputs(cfg)}; clean accuracy {clean}; "
             f"{cfg.samples_per_domain} samples per domain; torch threads {cfg.threads or 'all'}"
             "\n\n")
-    text = text.replace("Accuracy in %", head + "Accuracy in %", 1) + lr_markdown(runs)
+    text = (text.replace("Accuracy in %", head + "Accuracy in %", 1)
+            + saved_note(cfg.measure_activations) + lr_markdown(runs))
     files.markdown.write_text(text)
     return files, text
 
@@ -435,7 +458,7 @@ def run_bench(cfg: BenchConfig, out: str | Path | None, progress: bool = True) -
         from tta_core.eval.report import markdown_table, summarize
 
         return BenchResult(runs, None, markdown_table([summarize(r) for r in runs])
-                           + lr_markdown(runs), clean)
+                           + saved_note(cfg.measure_activations) + lr_markdown(runs), clean)
     files, text = write_bench(runs, Path(out), cfg, clean)
     result = BenchResult(runs, files, text, clean)
     if cfg.stream_hz:
@@ -454,7 +477,7 @@ def stream_options(name: str, cfg: BenchConfig, input_shape: tuple[int, ...],
     plans against the camera's deadline at the stream's rate (deadline_mode "camera",
     camera_hz = hz) unless its deadline_mode is set by --set."""
     opts = method_options(name, cfg, input_shape)
-    if "deadline_mode" in method_class(name).config_cls.__dataclass_fields__:
+    if "deadline_mode" in method_class(method_base(name)).config_cls.__dataclass_fields__:
         opts.setdefault("deadline_mode", "camera")
         if opts["deadline_mode"] == "camera":
             opts["camera_hz"] = float(hz)
@@ -471,7 +494,8 @@ def stream_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: Ben
     x = torch.cat([b.x for b in stream])
     labels = np.concatenate([b.labels for b in stream]).tolist()
     domains = [b.domain for b in stream for _ in range(len(b.labels))]
-    meth = build_method(name, model, **stream_options(name, cfg, tuple(x.shape[1:]), hz))
+    meth = build_method(method_base(name), model,
+                        **stream_options(name, cfg, tuple(x.shape[1:]), hz))
     cuda = x.device.type == "cuda"
 
     def run(frames: Sequence[int]) -> list[int]:

@@ -92,6 +92,9 @@ class RunSummary:
     within_budget: float = math.nan
     # fraction of the batches that updated the model (NaN: not reported)
     adapted: float = math.nan
+    # saved activations per batch, MiB (NaN: not measured; bench --measure-activations)
+    saved_mib_mean: float = math.nan
+    saved_mib_max: float = math.nan
 
 
 # ----------------------------------------------------------------------------- summary
@@ -165,6 +168,8 @@ def summarize(run: RunRecord) -> RunSummary:
     names += sorted({k for b in batches for k in b} - set(names))
     phases = {p: latency_stats(b.get(p, math.nan) for b in batches) for p in names}
     wall = run.wall_s
+    saved = run.meta.get("saved_activations")
+    saved = saved if isinstance(saved, dict) else {}
     return RunSummary(
         method=run.method,
         n_frames=len(frames),
@@ -180,7 +185,14 @@ def summarize(run: RunRecord) -> RunSummary:
         segments=domain_segments(frames),
         within_budget=within_budget(firsts),
         adapted=_share(f.adapted for f in firsts),
+        saved_mib_mean=_num(saved.get("saved_mib_mean")),
+        saved_mib_max=_num(saved.get("saved_mib_max")),
     )
+
+
+def _num(v: object) -> float:
+    """A JSON number, NaN for None (a missing or non-finite figure)."""
+    return math.nan if v is None else float(v)  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------- files
@@ -191,12 +203,14 @@ def _fmt(v: float, spec: str = ".1f") -> str:
 
 
 def markdown_table(summaries: Sequence[RunSummary]) -> str:
-    """Markdown table: one row per method, accuracy (%) per domain, mean, latency, memory."""
+    """Markdown table: one row per method, accuracy (%) per domain, mean, latency, memory;
+    the column "saved MiB (mean/max)" only when some run measured saved activations."""
     domains: list[str] = []
     for s in summaries:
         domains += [d for d in s.accuracy if d not in domains]
+    saved = any(math.isfinite(s.saved_mib_mean) for s in summaries)
     head = ["method", *domains, "mean", "fps", "total ms p50", "in budget %", "adapted %",
-            "e2e ms p50", "e2e ms p90", "peak MB"]
+            "e2e ms p50", "e2e ms p90", "peak MB", *(["saved MiB (mean/max)"] if saved else [])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summaries:
         total = s.phases.get("total")
@@ -207,6 +221,8 @@ def markdown_table(summaries: Sequence[RunSummary]) -> str:
                 _fmt(100 * s.adapted, ".0f"),
                 _fmt(s.e2e.p50 if s.e2e else math.nan, ".2f"),
                 _fmt(s.e2e.p90 if s.e2e else math.nan, ".2f"), _fmt(s.peak_memory_mb, ".0f")]
+        if saved:
+            row.append(f"{_fmt(s.saved_mib_mean, '.2f')} / {_fmt(s.saved_mib_max, '.2f')}")
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 

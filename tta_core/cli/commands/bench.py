@@ -96,6 +96,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-hz", type=_rates, default=(), metavar="HZ[,HZ...]",
                         help="also run every method in streaming mode at these frame rates "
                              "(streaming.md/.json/.png: strict and stale streaming accuracy)")
+    parser.add_argument("--measure-activations", action="store_true",
+                        help="count the activations each step saves for backward (saved-"
+                             "tensor hooks; costs time): report.md column 'saved MiB "
+                             "(mean/max)'. A method twice: --methods surgeon,surgeon@robot "
+                             "--set surgeon@robot.mode=robot")
     add_model_arguments(parser, "your model (instead of --model-card)")
 
 
@@ -115,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
                       model_card=args.model_card or DEFAULT_CARD, mode=args.mode,
                       seed=args.seed, threads=args.threads, device=args.device,
                       method_options=options, telemetry=args.telemetry,
-                      stream_hz=args.stream_hz, data=args.data, user_model=um)
+                      stream_hz=args.stream_hz, data=args.data, user_model=um,
+                      measure_activations=args.measure_activations)
     out = args.out or Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
     result = run_bench(cfg, out, progress=not args.no_progress)
     print(result.markdown)

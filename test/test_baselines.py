@@ -20,7 +20,7 @@ SHAPE = (3, 32, 32)
 
 
 def _opts(name: str) -> dict:
-    return {"input_shape": SHAPE} if name == "adashadow" else {}
+    return {"input_shape": SHAPE} if name in ("adashadow", "darda") else {}
 
 
 def confident_resnet(seed: int = 0, gain: float = 30.0) -> SmallResNet:

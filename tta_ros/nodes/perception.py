@@ -74,6 +74,7 @@ from tta_ros.nodes.deadline_wiring import (
     deadline_settings,
     resolve_topic,
 )
+from tta_ros.nodes.domain_wiring import DOMAIN_PARAMS, DomainWiring, bank_option
 from tta_ros.nodes.intake import FrameIntake
 from tta_ros.nodes.perception_support import (
     DivergenceGuard,
@@ -136,7 +137,7 @@ def param_specs() -> tuple[ParamSpec, ...]:
                   choices=tuple(FRAME_INPUTS), read_only=True),
         ParamSpec("max_aspect", 20.0, "frames whose long side exceeds this times the short "
                   "side are rejected (before decoding)", 1.0, 1e6, read_only=True),
-        *DEADLINE_PARAMS,
+        *DEADLINE_PARAMS, *DOMAIN_PARAMS,
         HARDWARE_ID,
     )
 
@@ -179,7 +180,8 @@ def method_options(p: dict[str, Any], image_size: int, arch: str) -> dict[str, A
     cfg = {"lr": p["lr"], "sigma": p["sigma"], "mode": p["mode"],
            "input_shape": (3, image_size, image_size), "arch": arch,
            "backward_feedback": p["backward_feedback"],
-           "fixed_cost_feedback": p["fixed_cost_feedback"], **deadline_settings(p)}
+           "fixed_cost_feedback": p["fixed_cost_feedback"], **deadline_settings(p),
+           **bank_option(p)}
     if p["profile"]:
         cfg["profile"] = ros_params.resolve_data_path(p["profile"])
     return {k: v for k, v in cfg.items() if k in known}
@@ -223,7 +225,8 @@ def perception_statuses(node: PerceptionNode) -> list[DiagnosticStatus]:
                    "deadline_mode": p["deadline_mode"], "speed": speed_text(node.speed)}),
         status("adaptation", OK, f"{p['method']} ({p['mode']})",
                {"batches": c.batches, "resets": node.guard.resets,
-                "step_errors": c.step_errors, "last_error": c.last_error})]
+                "step_errors": c.step_errors, "last_error": c.last_error}),
+        *node.domain.statuses()]
 
 
 def publish_batch(node: PerceptionNode, frames: list[Any], logits: torch.Tensor,
@@ -296,6 +299,7 @@ class PerceptionNode(Node):
         self.model_name = self.card.name or self.card.arch
         self._pending: dict[str, Any] = {}
         self._pending_lock = threading.Lock()
+        self.domain = DomainWiring(self, self.p)  # domain reports, bank saves (issue #21)
         self._build_method()
         self.queue = FrameQueue(self.p["queue_size"])
         self.gate = PlanGate(self.p["plan_timeout_s"])
@@ -331,14 +335,17 @@ class PerceptionNode(Node):
         """Build the configured method on a fresh copy of the source model."""
         model = copy.deepcopy(self.source_model).to(self.device)
         if self.method is not None:
+            self.domain.save("method rebuilt")  # the rebuilt method loads it
             self.method.close()
         self.method = build_method(self.p["method"], model,
                                    **method_options(self.p, self.pre.image_size, self.card.arch))
+        self.domain.attach(self.method)
         if isinstance(self.method, TakesPlan):
             self.unit_names = list(self.method.unit_names)
         else:
-            s = self.pre.image_size
-            self.unit_names = [u.name for u in decompose(model, (3, s, s), self.card.arch).units]
+            s = self.pre.image_size  # the source model: no forward through the method's hooks
+            self.unit_names = [u.name for u in decompose(self.source_model, (3, s, s),
+                                                         self.card.arch).units]
 
     @property
     def accepts_plans(self) -> bool:
@@ -404,6 +411,7 @@ class PerceptionNode(Node):
         while not self._stop.is_set():
             try:
                 self._apply_pending()
+                self.domain.between_batches()  # a requested bank save, never during a step
                 frames = self.queue.take(int(self.p["batch_size"]),
                                          float(self.p["batch_timeout_s"]))
                 if frames:
@@ -470,6 +478,7 @@ class PerceptionNode(Node):
         logits = res.logits.float()
         reason = self.guard.check(bool(torch.isfinite(logits).all()), float(res.mean_entropy))
         publish_batch(self, good, logits, res, plan_id, bool(reason))
+        self.domain.on_batch(res)
         if reason:
             self.method.reset()
             self.get_logger().warning(f"divergence guard: {reason}; source weights restored")
@@ -501,6 +510,7 @@ class PerceptionNode(Node):
             self.queue.close()
             self._worker.join(timeout=30.0)
         if self.method is not None:
+            self.domain.close(self._worker)  # the bank's last save, after the worker stopped
             self.method.close()
         super().destroy_node()
 

@@ -1,0 +1,182 @@
+"""The perception node with darda over real rclpy: domain reports, the domain bank kept
+across a restart (domain_bank_path), a corrupt bank file reported in one line (issue #21).
+
+Stream: the shipped small_resnet 32 px card on synthetic signs, gaussian_noise/5 then
+fog/5 (tta_core.data.streams), sent one batch at a time (8 frames, each waiting for its
+8 predictions), so every run sees the same batches."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+rclpy = pytest.importorskip("rclpy")
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus  # noqa: E402
+from rclpy.executors import SingleThreadedExecutor  # noqa: E402
+from rclpy.parameter import Parameter  # noqa: E402
+from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data  # noqa: E402
+from sensor_msgs.msg import Image  # noqa: E402
+from tta_msgs.msg import AdaptationStatus, ClassPrediction  # noqa: E402
+
+from tta_core.data.streams import StreamSpec, build_stream  # noqa: E402
+from tta_core.io.image_msg import array_to_image_fields  # noqa: E402
+from tta_ros.nodes.perception import PerceptionNode  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+CARD = ROOT / "checkpoints" / "small_resnet_signs32.json"
+BATCH = 8
+PER_DOMAIN = 64  # 8 batches per corruption
+
+
+@pytest.fixture(scope="module")
+def stream():
+    return build_stream(StreamSpec(order="continual", corruptions=("gaussian_noise", "fog"),
+                                   samples_per_domain=PER_DOMAIN, seed=3))
+
+
+def _image(img: np.ndarray, i: int) -> Image:
+    msg = Image(**array_to_image_fields(img.astype(np.float32) / 255.0, "rgb8"))
+    msg.header.stamp.sec = i  # the sample's index: predictions are matched by stamp
+    msg.header.frame_id = "camera_front"
+    return msg
+
+
+class Run:
+    """One darda perception node + a probe recording predictions, statuses, diagnostics."""
+
+    def __init__(self, ctx, bank: Path, save_s: float = 0.0) -> None:
+        self.node = PerceptionNode(context=ctx, parameter_overrides=[
+            Parameter("model_card", value=str(CARD)), Parameter("method", value="darda"),
+            Parameter("batch_size", value=BATCH), Parameter("batch_timeout_s", value=1.0),
+            Parameter("queue_size", value=64), Parameter("num_threads", value=1),
+            Parameter("reset_patience", value=100000),
+            Parameter("domain_bank_path", value=str(bank)),
+            Parameter("domain_bank_save_s", value=save_s)])
+        self.probe = rclpy.create_node("probe", context=ctx)
+        self.preds: dict[int, int] = {}
+        self.status: list[AdaptationStatus] = []
+        self.diag: list[DiagnosticStatus] = []
+        rel = QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE)
+        self.probe.create_subscription(ClassPrediction, "predictions", self._on_pred, rel)
+        self.probe.create_subscription(AdaptationStatus, "adaptation_status",
+                                       self.status.append, rel)
+        self.probe.create_subscription(DiagnosticArray, "/diagnostics",
+                                       lambda a: self.diag.extend(a.status), rel)
+        self.pub = self.probe.create_publisher(Image, "image", qos_profile_sensor_data)
+        self.ex = SingleThreadedExecutor(context=ctx)
+        for n in (self.node, self.probe):
+            self.ex.add_node(n)
+        self.thread = threading.Thread(target=self.ex.spin, daemon=True)
+        self.thread.start()
+        assert wait_for(lambda: self.pub.get_subscription_count() > 0, 5.0)
+
+    def _on_pred(self, msg: ClassPrediction) -> None:
+        self.preds[msg.header.stamp.sec] = msg.label
+
+    def feed(self, images: np.ndarray, first: int) -> list[str]:
+        """Send `images` batch by batch (stamps first, first+1, ...); each batch's domain."""
+        domains = []
+        for b in range(0, len(images), BATCH):
+            want = len(self.status) + 1
+            for k in range(b, min(b + BATCH, len(images))):
+                self.pub.publish(_image(images[k], first + k))
+                time.sleep(0.01)  # the camera QoS keeps 5 frames: no burst
+            assert wait_for(lambda w=want: len(self.status) >= w, 20.0), "no status"
+            domains.append(self.status[-1].domain)
+        assert all(first + k in self.preds for k in range(len(images))), "frames lost"
+        return domains
+
+    def accuracy(self, labels: np.ndarray, first: int) -> float:
+        hits = [self.preds.get(first + k) == int(y) for k, y in enumerate(labels)]
+        return 100.0 * float(np.mean(hits))
+
+    def domain_statuses(self) -> list[DiagnosticStatus]:
+        return [s for s in self.diag if s.name.endswith(": domain")]
+
+    def stop(self) -> None:
+        self.ex.shutdown(timeout_sec=2.0)
+        self.thread.join(timeout=2.0)
+        self.node.destroy_node()
+        self.probe.destroy_node()
+
+
+def wait_for(cond: Callable[[], bool], timeout: float) -> bool:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def _values(st: DiagnosticStatus) -> dict[str, str]:
+    return {kv.key: kv.value for kv in st.values}
+
+
+def test_domains_reported_and_bank_kept_across_a_restart(ros_context, stream,
+                                                         tmp_path) -> None:
+    bank = tmp_path / "banks" / "perception.safetensors"
+    gauss, fog = slice(0, PER_DOMAIN), slice(PER_DOMAIN, 2 * PER_DOMAIN)
+    run = Run(ros_context, bank)
+    try:
+        d_gauss = run.feed(stream.images[gauss], 0)
+        d_fog = run.feed(stream.images[fog], PER_DOMAIN)
+        before = run.accuracy(stream.labels[gauss][:4 * BATCH], 0)  # the same images
+        before_all = run.accuracy(stream.labels[gauss], 0)
+        assert all(d_gauss) and all(d_fog), (d_gauss, d_fog)
+        assert d_gauss[-1] != d_fog[-1], (d_gauss, d_fog)  # the corruption changed
+        assert wait_for(lambda: any(_values(s)["domain"] == d_fog[-1]
+                                    for s in run.domain_statuses()), 3.0)
+        st = run.domain_statuses()[-1]
+        assert int(_values(st)["domains"]) >= 2 and _values(st)["bank_path"] == str(bank)
+        assert 0.0 < float(_values(st)["backward_share"]) <= 1.0
+        assert not bank.exists()  # domain_bank_save_s 0: saved at shutdown only
+    finally:
+        run.stop()
+    assert bank.is_file()
+    known = set(d_gauss) | set(d_fog)
+
+    run = Run(ros_context, bank)
+    try:
+        assert not run.node.domain.bank_error
+        again = run.feed(stream.images[gauss][:4 * BATCH], 10_000)
+        after = run.accuracy(stream.labels[gauss][:4 * BATCH], 10_000)
+        print(f"gaussian_noise/5, first 4 batches: {before:.1f} % before the restart "
+              f"(whole segment {before_all:.1f} %), {after:.1f} % after; domains {again}")
+        assert after >= before - 2.0, (before, after)
+        assert again[-1] == d_gauss[-1] and set(again) <= known, (again, d_gauss, known)
+        assert wait_for(lambda: bool(run.domain_statuses()), 3.0)
+        assert _values(run.domain_statuses()[-1])["created"] == "False"
+    finally:
+        run.stop()
+
+
+def test_corrupt_bank_file_is_reported_in_one_line_and_the_node_serves(
+        ros_context, stream, tmp_path) -> None:
+    bank = tmp_path / "bank.safetensors"
+    bank.write_bytes(b"not a safetensors file\nsecond line")
+    run = Run(ros_context, bank, save_s=0.2)
+    try:
+        assert run.node.domain.bank_error and "\n" not in run.node.domain.bank_error
+        domains = run.feed(stream.images[:2 * BATCH], 0)
+        assert len(run.preds) == 2 * BATCH and all(domains)
+        assert wait_for(lambda: any("domain bank not loaded" in s.message
+                                    for s in run.domain_statuses()), 3.0)
+        st = next(s for s in run.domain_statuses() if "not loaded" in s.message)
+        assert st.level == DiagnosticStatus.WARN and "\n" not in st.message
+        # the periodic save keeps the bad file aside and writes a good bank
+        assert wait_for(lambda: Path(str(bank) + ".bad").is_file(), 5.0)
+        assert wait_for(lambda: run.node.domain.saves >= 1, 5.0)
+    finally:
+        run.stop()
+    assert Path(str(bank) + ".bad").read_bytes().startswith(b"not a safetensors")
+    fresh = Run(ros_context, bank)
+    try:
+        assert not fresh.node.domain.bank_error  # the saved bank loads
+    finally:
+        fresh.stop()

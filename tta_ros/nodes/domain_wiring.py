@@ -1,0 +1,147 @@
+"""The perception node's domain side (issue #21): bank persistence and domain reporting.
+
+With a method that recognises domains (tta_core.api.ReportsDomain, e.g. darda) the node
+reports the ongoing domain on /diagnostics (`<node>: domain`) and logs each switch once
+(INFO). `domain_bank_path` is passed to the method as its `bank_path` (loaded at start;
+a bad file is reported once, WARN, and the method starts with an empty bank) and the bank
+is saved there atomically every `domain_bank_save_s` and when the node is destroyed.
+
+Threading: the save timer only raises a flag; the perception worker saves between two
+batches (`between_batches`), so a save never runs while a batch is stepped. At shutdown the
+node saves after its worker has been joined, and before a method rebuild it saves the old
+method's bank (the rebuilt one loads it). A relative `domain_bank_path` is taken relative to
+the node's working directory (it is written, so never looked up in the repository or an
+install's share directory, unlike model_card).
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from diagnostic_msgs.msg import DiagnosticStatus
+from rclpy.node import Node
+
+from tta_core.api import ReportsDomain, StepResult
+from tta_core.io.image_msg import one_line
+from tta_ros.diagnostics import OK, WARN, status
+from tta_ros.ros_params import ParamSpec
+
+DOMAIN_PARAMS = (
+    ParamSpec("domain_bank_path", "", "domain bank file of a domain-aware method (darda): "
+              "loaded at start, saved periodically and at shutdown ('': not kept; relative "
+              "to the working directory)", read_only=True),
+    ParamSpec("domain_bank_save_s", 60.0, "save the domain bank every this many seconds "
+              "(0: only at shutdown)", 0.0, 86400.0, read_only=True),
+)
+
+
+def bank_path(value: str) -> str:
+    """The domain_bank_path parameter as an absolute path ('' stays '')."""
+    return str((Path.cwd() / Path(value).expanduser()).resolve()) if value else ""
+
+
+def bank_option(p: dict[str, Any]) -> dict[str, str]:
+    """The method option for the bank (method_options keeps it for darda only)."""
+    return {"bank_path": bank_path(p["domain_bank_path"])} if p["domain_bank_path"] else {}
+
+
+class DomainWiring:
+    """Domain reporting and bank saving of one perception node (see the module docstring)."""
+
+    def __init__(self, node: Node, p: dict[str, Any]) -> None:
+        self.node = node
+        self.path = bank_path(p["domain_bank_path"])
+        self._save_requested = threading.Event()
+        self._dirty = False  # batches since the last save
+        self.method: Any = None
+        self.domain, self.switches, self.batches, self.backwards = "", 0, 0, 0
+        self.last: dict[str, Any] = {}
+        self.bank_error = self.save_error = ""
+        self.saves, self._bad_file = 0, False
+        if self.path and p["domain_bank_save_s"] > 0:
+            node.create_timer(float(p["domain_bank_save_s"]), self._save_requested.set)
+
+    @property
+    def active(self) -> bool:
+        """Whether the current method reports domains."""
+        return isinstance(self.method, ReportsDomain)
+
+    @property
+    def banks(self) -> bool:
+        return bool(self.path) and hasattr(self.method, "save_bank")
+
+    # ---------------------------------------------------------------- method lifecycle
+    def attach(self, method: Any) -> None:
+        """A (re)built method: report a bank that could not be loaded, once."""
+        self.method = method
+        self.domain, self._dirty = "", False
+        self.bank_error = one_line(getattr(method, "bank_error", "") or "")
+        self._bad_file = bool(self.bank_error)
+        if self.bank_error:
+            self.node.get_logger().warning(f"domain bank not loaded, starting empty: "
+                                           f"{self.bank_error}")
+
+    def save(self, why: str) -> None:
+        """Save the bank now (worker thread between batches, or the worker stopped)."""
+        if not self.banks or not self._dirty:
+            return
+        try:
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            if self._bad_file and Path(self.path).is_file():  # keep the bad file aside
+                Path(self.path).replace(self.path + ".bad")
+            self._bad_file = False
+            self.method.save_bank(self.path)
+        except (OSError, RuntimeError, ValueError) as exc:
+            self.save_error = one_line(f"{type(exc).__name__}: {exc}")
+            self.node.get_logger().warning(f"domain bank not saved ({why}): {self.save_error}")
+            return
+        self._dirty, self.save_error, self.saves = False, "", self.saves + 1
+        self.node.get_logger().debug(f"domain bank saved to {self.path} ({why})")
+
+    def between_batches(self) -> None:
+        """Worker thread: save when the timer asked for it."""
+        if self._save_requested.is_set():
+            self._save_requested.clear()
+            self.save("periodic")
+
+    def close(self, worker: threading.Thread | None) -> None:
+        """Node destroyed: save unless the worker is still running a batch."""
+        if worker is not None and worker.is_alive():
+            self.node.get_logger().warning("domain bank not saved: the worker did not stop")
+            return
+        self.save("shutdown")
+
+    # ---------------------------------------------------------------- reporting
+    def on_batch(self, res: StepResult) -> None:
+        """Count the batch; log a domain change once (INFO)."""
+        if not self.active:
+            return
+        self._dirty = True
+        self.batches += 1
+        self.last = dict(res.stats or {})
+        self.backwards += bool(self.last.get("backward", res.adapted))
+        if res.domain and res.domain != self.domain:
+            if self.domain:
+                self.switches += 1
+            how = "new" if self.last.get("created") else "known"
+            self.node.get_logger().info(f"domain: {self.domain or '-'} -> {res.domain} "
+                                        f"({how}, {self.last.get('domains', '?')} known)")
+            self.domain = res.domain
+
+    def statuses(self) -> list[DiagnosticStatus]:
+        """The `domain` status ([] when the method does not report domains)."""
+        if not self.active and not self.bank_error:
+            return []
+        s = self.last
+        share = self.backwards / self.batches if self.batches else 0.0
+        problem = (f"domain bank not saved: {self.save_error}" if self.save_error else
+                   f"domain bank not loaded: {self.bank_error}" if self.bank_error else "")
+        message = problem or (f"domain {self.domain} ({s.get('domains', 0)} known)"
+                              if self.domain else "no batch yet")
+        return [status("domain", WARN if problem else OK, message, {
+            "domain": self.domain, "domains": s.get("domains", 0),
+            "switched": bool(s.get("switched", False)), "created": bool(s.get("created", False)),
+            "novel": bool(s.get("novel", False)), "backward_share": float(share),
+            "switches": self.switches, "bank_path": self.path or "-", "saves": self.saves})]

@@ -223,3 +223,19 @@ def test_tracked_stream_with_jittered_times_replays_exactly() -> None:
     assert runs[0].frames == runs[1].frames == again.frames
     assert runs[0].summary == runs[1].summary == again.summary
     assert 0.0 < runs[0].summary.strict <= runs[0].summary.streaming < 1.0
+
+
+def test_tracked_stream_shares_labels_per_track_and_keeps_domains() -> None:
+    from tta_core.data.streams import StreamSpec, build_stream, track_starts
+
+    base = {"samples_per_domain": 10, "corruptions": ("fog", "contrast")}
+    iid = build_stream(StreamSpec(**base))
+    s = build_stream(StreamSpec(**base, track_length=4))
+    assert (s.domains == iid.domains).all()  # same domain order and sizes
+    starts = track_starts(StreamSpec(**base, track_length=4))
+    assert starts.tolist() == [0] * 4 + [4] * 4 + [8] * 2 + [10] * 4 + [14] * 4 + [18] * 2
+    assert all(s.labels[i] == s.labels[starts[i]] for i in range(len(s)))
+    assert len(set(s.labels.tolist())) == 6  # 6 objects, classes rotated across domains
+    assert not (s.images[1] == s.images[2]).all()  # jittered views, not copies
+    with pytest.raises(ValueError, match="track_length"):
+        StreamSpec(order="mixed", track_length=2).validate()

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
-from tta_core.eval.streaming import recorded_step, replay_steps, simulate_stream
+from tta_core.eval.streaming import (
+    default_latency_ms,
+    recorded_step,
+    replay_steps,
+    simulate_stream,
+)
 
 
 def _labels(n: int) -> list[int]:
@@ -16,18 +22,20 @@ def _labels(n: int) -> list[int]:
 def test_fast_method_answers_every_frame_and_strict_is_offline_accuracy() -> None:
     labels = _labels(20)
     preds = [lab if i % 4 else (lab + 1) % 3 for i, lab in enumerate(labels)]  # 75% right
-    r = simulate_stream(labels, 10, recorded_step(preds, 40.0), batch_size=4, queue_size=8)
+    r = simulate_stream(labels, 10, recorded_step(preds, 40.0), batch_size=4, queue_size=8,
+                        latency_ms=100.0)
     offline = sum(p == lab for p, lab in zip(preds, labels, strict=True)) / len(labels)
     s = r.summary
     assert s.answered == 1.0 and s.dropped == 0.0
-    assert s.strict == s.stale == offline == 0.75
+    assert s.strict == s.streaming == offline == 0.75
     assert s.mean_latency_ms == 40.0
     assert [f.answered_ms for f in r.frames] == [i * 100 + 40.0 for i in range(20)]
 
 
 def test_three_times_slower_with_queue_one_follows_the_hand_computed_schedule() -> None:
     # 10 Hz (period 100 ms), step 300 ms, queue 1, batch 1; prediction of frame f is f
-    r = simulate_stream(list(range(10)), 10, recorded_step(list(range(10)), 300.0))
+    r = simulate_stream(list(range(10)), 10, recorded_step(list(range(10)), 300.0),
+                        latency_ms=100.0)  # L = one period: the default for batch 1
     assert [b.frames for b in r.batches] == [(0,), (3,), (6,), (9,)]
     assert [(b.start_ms, b.end_ms) for b in r.batches] == [(0, 300), (300, 600), (600, 900),
                                                          (900, 1200)]
@@ -36,21 +44,21 @@ def test_three_times_slower_with_queue_one_follows_the_hand_computed_schedule() 
     assert all(math.isnan(f.answered_ms) for f in r.frames if f.dropped)
     # each answer comes 2 periods after the deadline: strict never has one
     assert [f.strict_prediction for f in r.frames] == [-1] * 10
-    # stale: the newest earlier frame's prediction available at the deadline (i + 1) * 100
-    assert [f.stale_prediction for f in r.frames] == [-1, -1, 0, 0, 0, 3, 3, 3, 6, 6]
+    # streaming: the newest prediction of a frame <= i available at its deadline (i + 1) * 100
+    assert [f.streaming_prediction for f in r.frames] == [-1, -1, 0, 0, 0, 3, 3, 3, 6, 6]
     assert r.summary.dropped == 0.6 and r.summary.answered == 0.0
     assert r.summary.mean_latency_ms == 300.0
 
 
-def test_stale_is_never_below_strict() -> None:
+def test_streaming_is_never_below_strict() -> None:
     labels = [0] * 30
     for step_ms in (10.0, 90.0, 100.0, 150.0, 250.0, 1000.0):
         for batch, queue in ((1, 1), (2, 4), (4, 2)):
             s = simulate_stream(labels, 10, recorded_step(labels, step_ms), batch, queue).summary
-            assert s.stale >= s.strict
-    # stale rescues the frames a slow method skips (constant right prediction)
+            assert s.streaming >= s.strict
+    # streaming rescues the frames a slow method skips (constant right prediction)
     s = simulate_stream(labels, 10, recorded_step(labels, 250.0)).summary
-    assert s.strict == 0.0 and s.stale > 0.8
+    assert s.strict == 0.0 and s.streaming > 0.8
 
 
 def test_keep_latest_queue_drops_the_oldest_and_steps_take_the_oldest_kept() -> None:
@@ -85,7 +93,8 @@ def test_two_runs_and_a_replay_give_the_same_result() -> None:
 @pytest.mark.parametrize("kwargs, word", [
     ({"hz": 0}, "frame rate"), ({"hz": -5.0}, "frame rate"), ({"hz": math.nan}, "frame rate"),
     ({"batch_size": 0}, "batch_size"), ({"queue_size": 0}, "queue_size"),
-    ({"batch_wait_ms": -1.0}, "batch_wait_ms")])
+    ({"batch_wait_ms": -1.0}, "batch_wait_ms"), ({"latency_ms": -1.0}, "latency_ms"),
+    ({"latency_ms": math.inf}, "latency_ms")])
 def test_bad_parameters_raise_one_line_value_errors(kwargs, word) -> None:
     args = {"hz": 10, "batch_size": 1, "queue_size": 1, "batch_wait_ms": 0.0, **kwargs}
     with pytest.raises(ValueError, match=word) as err:
@@ -111,9 +120,11 @@ def test_cli_bench_stream_hz_writes_table_and_plot(tmp_path, capsys) -> None:
     assert sorted((r["method"], r["hz"]) for r in runs) == [
         ("source", 30.0), ("source", 1000.0), ("tent", 30.0), ("tent", 1000.0)]
     for r in runs:
-        for key in ("strict", "stale", "answered", "dropped"):
+        for key in ("strict", "streaming", "answered", "dropped"):
             assert 0.0 <= 100 * r[key] <= 100.0
-        assert r["stale"] >= r["strict"]
+        assert r["streaming"] >= r["strict"]
+        assert r["latency_ms"] == pytest.approx(7000.0 / r["hz"])  # (2 * 4 - 1) periods
+    assert json.loads((out / "streaming.json").read_text())["track_length"] == 8
     assert "Streaming accuracy" in capsys.readouterr().out
 
 
@@ -123,3 +134,108 @@ def test_cli_bench_refuses_bad_stream_hz(capsys) -> None:
     with pytest.raises(SystemExit):
         cli_main(["bench", "--stream-hz", "30,0", "--no-progress"])
     assert "--stream-hz" in capsys.readouterr().err
+
+
+# ---- temporally coherent streams (tracks) and the batch-deadline allowance L
+
+
+def _tracks(n: int, k: int, classes: int = 5, seed: int = 0) -> list[int]:
+    """n frames, each object (a seeded random label) seen over k consecutive frames."""
+    objects = np.random.default_rng(seed).integers(0, classes, n // k + 1)
+    return [int(objects[i // k]) for i in range(n)]
+
+
+def _offline(labels: list[int], seed: int = 1) -> list[int]:
+    """Predictions wrong on a seeded random quarter of the frames."""
+    wrong = np.random.default_rng(seed).random(len(labels)) < 0.25
+    return [(lab + 1) % 5 if w else lab for lab, w in zip(labels, wrong, strict=True)]
+
+
+def _acc(preds: list[int], labels: list[int]) -> float:
+    return sum(p == lab for p, lab in zip(preds, labels, strict=True)) / len(labels)
+
+
+NODE = {"batch_size": 4, "queue_size": 32, "batch_wait_ms": 50.0}
+
+
+def test_default_latency_is_batch_deadline_plus_fill_wait() -> None:
+    assert default_latency_ms(100, 4) == pytest.approx(70.0)
+    assert default_latency_ms(1000, 1) == pytest.approx(1.0)
+    r = simulate_stream([0] * 8, 100, recorded_step([0] * 8, 1.0), **NODE)
+    assert r.summary.latency_ms == pytest.approx(70.0)
+    assert [f.deadline_ms for f in r.frames] == pytest.approx([10.0 * i + 70 for i in range(8)])
+
+
+@pytest.mark.parametrize("hz", [100.0, 250.0, 1000.0, 4000.0])
+def test_step_within_the_batch_deadline_answers_every_frame(hz: float) -> None:
+    # (a) step time = len(batch) / hz (the camera deadline; rates where 3 periods fit in the
+    # node's 50 ms batch wait, so batches fill), node queue and batching: every
+    # frame is answered by arrival + L, so strict = streaming = the offline accuracy
+    labels = _tracks(400, 8)
+    preds = _offline(labels)
+
+    def step(frames):
+        return [preds[f] for f in frames], 0.999 * len(frames) * 1000.0 / hz
+
+    s = simulate_stream(labels, hz, step, **NODE).summary
+    assert s.answered == 1.0 and s.dropped == 0.0 and s.deadline_met == 1.0
+    assert s.strict == s.streaming == _acc(preds, labels) > 0.7
+
+
+def test_step_3x_too_slow_drops_frames_strict_falls_streaming_holds_on_long_tracks() -> None:
+    # (b) step = 3 b / hz: the keep-latest queue (32) drops frames and answers come ~40
+    # frames late, so strict falls to 0; streaming shows the newest earlier answer: on long
+    # tracks mostly the same sign (close to offline), on short tracks another one (chance)
+    hz, n = 500.0, 4000
+    for k, low, high in ((1, 0.15, 0.25), (2, 0.15, 0.25), (400, 0.68, 0.75)):
+        labels = _tracks(n, k)
+        preds = _offline(labels)
+        s = simulate_stream(labels, hz, recorded_step(preds, 3 * 4000.0 / hz), **NODE).summary
+        assert s.dropped > 0.5 and s.strict == 0.0 and s.deadline_met == 0.0
+        assert low < s.streaming < high, (k, s.streaming)
+        assert _acc(preds, labels) == pytest.approx(0.75, abs=0.01)
+
+
+def test_equal_offline_accuracy_faster_method_streams_at_least_as_well() -> None:
+    # (c) the same predictions (equal offline accuracy); only the step time differs
+    hz = 500.0
+    labels = _tracks(4000, 64)
+    preds = _offline(labels)
+    budget = 4000.0 / hz
+    scores = [simulate_stream(labels, hz, recorded_step(preds, f * budget), **NODE).summary
+              for f in (0.25, 1.0, 1.5, 2.0, 3.0, 6.0)]
+    streaming = [s.streaming for s in scores]
+    strict = [s.strict for s in scores]
+    assert streaming == sorted(streaming, reverse=True)
+    assert strict == sorted(strict, reverse=True)
+    assert streaming[0] == strict[0] == _acc(preds, labels)
+    assert streaming[-1] < streaming[1] - 0.3
+
+
+def test_tracked_stream_with_jittered_times_replays_exactly() -> None:
+    # (d) determinism: fake jittered step times around the deadline; two runs and a replay
+    labels = _tracks(600, 8)
+    preds = _offline(labels, 3)
+    times = [2.0 + (7 * k % 11) * 0.9 for k in range(200)]  # 2 .. 11 ms, period 2.5 ms
+    runs = [simulate_stream(labels, 400, recorded_step(preds, times), **NODE)
+            for _ in range(2)]
+    again = simulate_stream(labels, 400, replay_steps(runs[0]), **NODE)
+    assert runs[0].frames == runs[1].frames == again.frames
+    assert runs[0].summary == runs[1].summary == again.summary
+    assert 0.0 < runs[0].summary.strict <= runs[0].summary.streaming < 1.0
+
+
+def test_tracked_stream_shares_labels_per_track_and_keeps_domains() -> None:
+    from tta_core.data.streams import StreamSpec, build_stream, track_starts
+
+    base = {"samples_per_domain": 10, "corruptions": ("fog", "contrast")}
+    iid = build_stream(StreamSpec(**base))
+    s = build_stream(StreamSpec(**base, track_length=4))
+    assert (s.domains == iid.domains).all()  # same domain order and sizes
+    starts = track_starts(StreamSpec(**base, track_length=4))
+    assert starts.tolist() == [0] * 4 + [4] * 4 + [8] * 2 + [10] * 4 + [14] * 4 + [18] * 2
+    assert all(s.labels[i] == s.labels[starts[i]] for i in range(len(s)))
+    assert len(set(s.labels.tolist())) == 6  # 6 objects, classes rotated across domains
+    assert not (s.images[1] == s.images[2]).all()  # jittered views, not copies
+    with pytest.raises(ValueError, match="track_length"):
+        StreamSpec(order="mixed", track_length=2).validate()

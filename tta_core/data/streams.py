@@ -8,6 +8,16 @@ Orders
 - dirichlet: continual domains, labels temporally correlated by a Dirichlet split of each
              class over time slots (RoTTA / NOTE's non-i.i.d. protocol);
 - recurring: the continual sequence repeated `recurrences` times with fresh images.
+
+Tracks (`track_length` k > 1, for the streaming benchmark): each object is seen over k
+consecutive frames, like a sign a vehicle approaches: a domain's samples are ceil(n / k)
+objects (labels drawn per object by the order's rule, the classes rotated from domain
+to domain so that all classes appear even when a domain has few objects), each rendered
+once and then shown k times, zooming in by up to TRACK_ZOOM over the track with a random
+shift of at most TRACK_SHIFT_PX per frame (an image-level affine re-crop of the rendered
+frame, not a re-render with new geometry); every frame gets
+its own corruption noise seed. The last track of a domain is cut at the domain's end, so
+the domain sizes and order are those of k = 1; k = 1 gives the i.i.d. stream unchanged.
 """
 
 from __future__ import annotations
@@ -16,6 +26,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+from PIL import Image
 
 from tta_core.data.corruptions import CORRUPTIONS, check, corrupt_image
 from tta_core.data.signs import CLASS_NAMES, balanced_labels, render_sign
@@ -23,6 +34,8 @@ from tta_core.data.signs import CLASS_NAMES, balanced_labels, render_sign
 ORDERS: tuple[str, ...] = ("continual", "gradual", "mixed", "dirichlet", "recurring")
 CLEAN = "clean"
 GRADUAL_LEVELS: tuple[int, ...] = (1, 2, 3, 4, 5, 4, 3, 2, 1)
+TRACK_ZOOM = 0.25  # a track's last frame shows its object 1.25x larger than its first
+TRACK_SHIFT_PX = 1.0  # per-frame random shift of a track's view, at most this many pixels
 
 
 def domain_name(corruption: str | None, severity: int) -> str:
@@ -86,6 +99,7 @@ class StreamSpec:
     recurrences: int = 2
     dirichlet_alpha: float = 0.1
     dirichlet_slots: int = 10
+    track_length: int = 1  # frames per object (module doc "Tracks"); 1: i.i.d. frames
 
     def validate(self) -> None:
         """ValueError naming the first bad field."""
@@ -100,6 +114,10 @@ class StreamSpec:
         if not 2 <= self.num_classes <= len(CLASS_NAMES):
             raise ValueError(f"num_classes must be in 2..{len(CLASS_NAMES)}, got "
                              f"{self.num_classes}")
+        if not isinstance(self.track_length, int) or self.track_length < 1:
+            raise ValueError(f"track_length must be an integer >= 1, got {self.track_length!r}")
+        if self.track_length > 1 and self.order == "mixed":
+            raise ValueError("track_length > 1 needs an ordered stream, not 'mixed'")
         if self.recurrences < 1 or self.dirichlet_alpha <= 0 or self.dirichlet_slots < 1:
             raise ValueError(f"bad recurrences/dirichlet settings: {self.recurrences}, "
                              f"{self.dirichlet_alpha}, {self.dirichlet_slots}")
@@ -134,18 +152,45 @@ def dirichlet_labels(n: int, num_classes: int, alpha: float, slots: int,
 def _plan_samples(spec: StreamSpec) -> tuple[np.ndarray, list[str | None], np.ndarray]:
     """Labels, corruption and severity of every sample, in stream order."""
     labels, corr, sevs = [], [], []
+    t = spec.track_length
     for k, (c, s, n) in enumerate(_segments(spec)):
+        m = -(-n // t)  # objects in the segment
         if spec.order == "dirichlet":
             rng = np.random.default_rng([spec.seed, k, 0xD1])
-            lab = dirichlet_labels(n, spec.num_classes, spec.dirichlet_alpha,
+            lab = dirichlet_labels(m, spec.num_classes, spec.dirichlet_alpha,
                                    spec.dirichlet_slots, rng)
         else:
-            lab = balanced_labels(n, spec.num_classes, spec.seed * 1000 + k)
-        labels.append(lab)
+            lab = balanced_labels(m, spec.num_classes, spec.seed * 1000 + k)
+        if t > 1:  # few objects per domain: rotate the classes so all of them appear
+            lab = (lab + sum(-(-sn // t) for _, _, sn in _segments(spec)[:k])) % spec.num_classes
+        labels.append(np.repeat(lab, t)[:n])
         corr += [c] * n
         sevs.append(np.full(n, s))
     lab_all, sev_all = np.concatenate(labels), np.concatenate(sevs)
     return lab_all, corr, sev_all
+
+
+def track_starts(spec: StreamSpec) -> np.ndarray:
+    """Per frame, the index of its track's first frame (tracks restart at every domain)."""
+    out = []
+    for _, _, n in _segments(spec):
+        base = len(out)
+        out += [base + (j // spec.track_length) * spec.track_length for j in range(n)]
+    return np.asarray(out, dtype=np.int64)
+
+
+def track_view(img: np.ndarray, j: int, k: int, seed: int, i: int) -> np.ndarray:
+    """Frame j of a k-frame track of rendered `img`: zoomed in by 1 + TRACK_ZOOM * j / (k - 1)
+    about the centre, shifted by up to TRACK_SHIFT_PX (seeded by frame index i)."""
+    n = img.shape[0]
+    zoom = 1.0 + TRACK_ZOOM * j / max(k - 1, 1)
+    dx, dy = np.random.default_rng([seed, 0x7C, i]).uniform(-TRACK_SHIFT_PX, TRACK_SHIFT_PX, 2)
+    c = (n - 1) / 2
+    # output (x, y) samples input (x / zoom + c(1 - 1/zoom) + dx, ...): PIL AFFINE coefficients
+    coeffs = (1 / zoom, 0.0, c * (1 - 1 / zoom) + dx, 0.0, 1 / zoom, c * (1 - 1 / zoom) + dy)
+    out = Image.fromarray(img).transform((n, n), Image.Transform.AFFINE, coeffs,
+                                         Image.Resampling.BILINEAR)
+    return np.asarray(out, dtype=np.uint8)
 
 
 def build_stream(spec: StreamSpec, progress: bool = False) -> Stream:
@@ -160,8 +205,14 @@ def build_stream(spec: StreamSpec, progress: bool = False) -> Stream:
         from tqdm import tqdm
 
         it = tqdm(it, desc=f"{spec.order} stream", unit="img", leave=False)
+    starts = track_starts(spec)
+    base = np.empty((size, size, 3), np.uint8)
     for i in it:
-        img = render_sign(int(labels[i]), np.random.default_rng([spec.seed, 0x5E, i]), size)
+        if starts[i] == i:
+            base = render_sign(int(labels[i]), np.random.default_rng([spec.seed, 0x5E, i]),
+                               size)
+        img = base if starts[i] == i else track_view(base, i - int(starts[i]),
+                                                     spec.track_length, spec.seed, i)
         c = corr[i]
         images[i] = img if c is None else corrupt_image(img, c, int(sevs[i]), int(seeds[i]))
     domains = np.array([domain_name(c, int(s)) for c, s in zip(corr, sevs, strict=True)])

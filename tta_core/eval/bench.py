@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,10 @@ class BenchConfig:
     telemetry: str = ""
     # streaming accuracy at these frame rates (Hz) after the report (eval.streaming); () off
     stream_hz: tuple[float, ...] = ()
+    # streaming: frames per object track (data.streams "Tracks"; 1: i.i.d. frames) and the
+    # latency allowance L in ms (None: (2 * batch_size - 1) / rate, eval.streaming)
+    stream_track: int = 8
+    stream_latency_ms: float | None = None
     # the stream: "" the synthetic signs; else KIND:DIR of the user's data (data.sources)
     data: str = ""
     # the user's model (arch or factory, weights, input size, normalisation) instead of
@@ -94,7 +99,10 @@ class BenchConfig:
             raise ValueError(f"telemetry {self.telemetry!r} is neither 'live' nor a "
                              f"calibration file")
         for hz in self.stream_hz:
-            check_stream_params(hz, self.batch_size, self.batch_size)
+            check_stream_params(hz, self.batch_size, self.batch_size, 0.0,
+                                self.stream_latency_ms)
+        if not isinstance(self.stream_track, int) or self.stream_track < 1:
+            raise ValueError(f"stream_track must be an integer >= 1, got {self.stream_track!r}")
         if len(set(self.methods)) < len(self.methods):
             raise ValueError(f"methods {self.methods} name one twice: give a variant its "
                              "own name, e.g. surgeon,surgeon@robot")
@@ -361,14 +369,17 @@ def images_to_input(images: np.ndarray, card: object, device: str = "cpu") -> to
     return images_to_tensor(images, tuple(mean), tuple(std)).to(device)
 
 
-def build_stream(cfg: BenchConfig, card: object, progress: bool = False) -> list[Batch]:
-    """The shift stream of `cfg` as model-ready batches (tta_core.data.streams)."""
+def build_stream(cfg: BenchConfig, card: object, progress: bool = False,
+                 track_length: int = 1) -> list[Batch]:
+    """The shift stream of `cfg` as model-ready batches (tta_core.data.streams), each
+    object seen over `track_length` frames."""
     from tta_core.data import streams
 
     spec = streams.StreamSpec(order=cfg.order, severity=cfg.severity,
                               samples_per_domain=cfg.samples_per_domain,
                               image_size=int(_card_get(card, "image_size", 32)), seed=cfg.seed,
-                              num_classes=int(_card_get(card, "num_classes", 16)))
+                              num_classes=int(_card_get(card, "num_classes", 16)),
+                              track_length=track_length)
     stream = streams.build_stream(spec, progress=progress)
     x = images_to_input(stream.images, card, cfg.device)
     return batches_from_arrays(x, stream.labels, stream.domains.tolist(), cfg.batch_size)
@@ -464,11 +475,30 @@ def run_bench(cfg: BenchConfig, out: str | Path | None, progress: bool = True) -
     if cfg.stream_hz:
         from tta_core.eval.streaming_report import write_streaming
 
-        rows = run_streaming(stream, fresh, cfg)
+        rows = run_streaming(streaming_stream(cfg, card, stream), fresh, cfg)
         result.stream_files, table = write_streaming(rows, Path(out), cfg.batch_size,
-                                                     NODE_QUEUE_SIZE)
+                                                     NODE_QUEUE_SIZE, cfg.stream_track)
         result.markdown += "\n" + table
     return result
+
+
+def streaming_stream(cfg: BenchConfig, card: object, stream: list[Batch]) -> list[Batch]:
+    """The stream of the streaming benchmark: the synthetic signs with tracks of
+    cfg.stream_track frames (re-rendered views); a --data stream gets each image repeated
+    stream_track times (no jitter), cut at its domain's length so domains keep their size."""
+    k = cfg.stream_track
+    if k == 1:
+        return stream
+    if not cfg.data:
+        return build_stream(cfg, card, False, k)
+    x = torch.cat([b.x for b in stream])
+    labels = np.concatenate([b.labels for b in stream])
+    domains = [b.domain for b in stream for _ in range(len(b.labels))]
+    idx, start = [], 0
+    for n in (len(list(g)) for _, g in groupby(domains)):  # each domain's run
+        idx += [start + (j // k) * k for j in range(n)]
+        start += n
+    return batches_from_arrays(x[idx], labels[idx], [domains[i] for i in idx], cfg.batch_size)
 
 
 def stream_options(name: str, cfg: BenchConfig, input_shape: tuple[int, ...],
@@ -506,7 +536,7 @@ def stream_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: Ben
 
     try:
         return simulate_stream(labels, hz, timed_step(run), cfg.batch_size, NODE_QUEUE_SIZE,
-                               domains, NODE_BATCH_WAIT_MS)
+                               domains, NODE_BATCH_WAIT_MS, cfg.stream_latency_ms)
     finally:
         meth.finish()
         meth.close()

@@ -11,15 +11,27 @@ step took. The schedule, like the perception node's worker:
   arriving exactly when the method gets free is queued before the take;
 - the step's predictions for its frames become available when it ends (start + step ms).
 
-Frame i is scored at its deadline, arrival + one period: "strict" counts it right only when
-its own prediction was available by then and is right; "stale" uses its own prediction when
-available by then, else the newest prediction available by then for any earlier frame
-(AdaShadow's perception node keeps showing the last answer), wrong when there is none.
-stale >= strict always.
+Scoring. Frame i's deadline is arrival + L, L the latency allowance (`latency_ms`). By
+default L = (2b - 1) / hz for batch size b: the camera deadline (tta_core.adashadow.deadline
+"camera" mode, what AdaShadow plans against), b / hz per batch, plus the (b - 1) / hz the
+first frame of a batch waits for the batch to fill. A method whose steps all take <= b / hz
+therefore answers every frame by its deadline (L = b / hz alone would leave the first frame
+of a full batch 1 / hz for the step: strict capped near 1 / b as soon as batches fill).
+
+- "strict": right when frame i's own prediction was available by its deadline and equals
+  its label;
+- "streaming" (Li et al.: the display shows the last answer): at frame i's deadline, the
+  newest prediction available for any frame j <= i of the stream (the one with the largest
+  j answered by then: its own when in time, else the latest earlier one), right when it
+  equals frame i's label; wrong when none is available. streaming >= strict always.
+  Frames after i are not used even if answered by then: they are later views.
+
+"streaming" only means something on temporally coherent streams, where consecutive frames
+show the same object (tta_core.data.streams StreamSpec.track_length: a sign seen over k
+frames); on i.i.d. frames an earlier frame's prediction is a guess at another image.
 
 A batch's deadline is the time its frames' successors take to arrive: len(frames) / hz
-(tta_core.adashadow.deadline "camera" mode, what AdaShadow budgets in `tta bench
---stream-hz`): a method that meets it on every batch keeps up with the camera. The
+(the camera mode): a method that meets it on every batch keeps up with the camera. The
 summary's `deadline_met` is the share of batches whose step time was within it.
 
 The schedule is pure arithmetic on the step times: replaying
@@ -30,7 +42,7 @@ from __future__ import annotations
 
 import math
 import time
-from bisect import bisect_left
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -66,7 +78,7 @@ class StreamBatch:
 @dataclass(frozen=True)
 class FrameOutcome:
     """One frame: arrival, deadline, its own answer (batch -1 / nan / -1 when dropped), and
-    the prediction it is scored with in the strict and the stale rule (-1: none)."""
+    the prediction it is scored with in the strict and the streaming rule (-1: none)."""
 
     index: int
     label: int
@@ -77,7 +89,7 @@ class FrameOutcome:
     answered_ms: float = math.nan
     prediction: int = -1
     strict_prediction: int = -1
-    stale_prediction: int = -1
+    streaming_prediction: int = -1
 
     @property
     def dropped(self) -> bool:
@@ -92,8 +104,8 @@ class FrameOutcome:
         return self.strict_prediction == self.label
 
     @property
-    def stale_correct(self) -> bool:
-        return self.stale_prediction == self.label
+    def streaming_correct(self) -> bool:
+        return self.streaming_prediction == self.label
 
 
 @dataclass(frozen=True)
@@ -103,12 +115,13 @@ class StreamSummary:
     hz: float
     frames: int
     strict: float
-    stale: float
+    streaming: float
     answered: float  # own prediction by the deadline
     dropped: float  # never processed
     mean_latency_ms: float
     deadline_met: float = math.nan  # batches with step time <= len(frames) / hz (NaN: none)
     batches: int = 0
+    latency_ms: float = math.nan  # the allowance L: a frame's deadline is arrival + L
 
 
 @dataclass
@@ -122,7 +135,7 @@ class StreamResult:
 
 
 def check_stream_params(hz: float, batch_size: int, queue_size: int,
-                        batch_wait_ms: float = 0.0) -> None:
+                        batch_wait_ms: float = 0.0, latency_ms: float | None = None) -> None:
     """One-line ValueError naming the first bad value."""
     if not (isinstance(hz, int | float) and math.isfinite(hz) and hz > 0):
         raise ValueError(f"frame rate must be a finite number > 0 Hz, got {hz!r}")
@@ -132,6 +145,8 @@ def check_stream_params(hz: float, batch_size: int, queue_size: int,
         raise ValueError(f"queue_size must be an integer >= 1, got {queue_size!r}")
     if not (math.isfinite(batch_wait_ms) and batch_wait_ms >= 0):
         raise ValueError(f"batch_wait_ms must be >= 0, got {batch_wait_ms!r}")
+    if latency_ms is not None and not (math.isfinite(latency_ms) and latency_ms >= 0):
+        raise ValueError(f"latency_ms must be a finite number >= 0, got {latency_ms!r}")
 
 
 def _start_time(t0: float, queued: int, arrived: int, n: int, period: float,
@@ -179,9 +194,14 @@ def _schedule(n: int, period: float, batch_size: int, queue_size: int, wait_ms: 
     return batches
 
 
+def default_latency_ms(hz: float, batch_size: int) -> float:
+    """The default allowance L: (2 * batch_size - 1) frame periods at `hz` (module doc)."""
+    return (2 * batch_size - 1) * 1000.0 / hz
+
+
 def _outcomes(labels: Sequence[int], domains: Sequence[str], period: float,
-              batches: Sequence[StreamBatch]) -> list[FrameOutcome]:
-    """Score every frame at its deadline with the strict and the stale rule."""
+              latency_ms: float, batches: Sequence[StreamBatch]) -> list[FrameOutcome]:
+    """Score every frame at arrival + `latency_ms` with the strict and the streaming rule."""
     own: dict[int, tuple[int, float, int]] = {}
     for b in batches:
         for f, p in zip(b.frames, b.predictions, strict=True):
@@ -192,16 +212,17 @@ def _outcomes(labels: Sequence[int], domains: Sequence[str], period: float,
     out: list[FrameOutcome] = []
     k, avail = 0, []  # avail: (frame, prediction) answered by the current deadline
     for i, label in enumerate(labels):
-        arrival, deadline = i * period, (i + 1) * period
+        arrival = i * period
+        deadline = arrival + latency_ms
         while k < len(answers) and answers[k][0] <= deadline:
             avail.append((answers[k][1], answers[k][2]))
             k += 1
         b, end, pred = own.get(i, (-1, math.nan, -1))
         strict = pred if end <= deadline else -1
-        before = bisect_left(avail, (i, -math.inf))  # answers for frames < i
-        stale = strict if strict >= 0 or before == 0 else avail[before - 1][1]
+        upto = bisect_right(avail, (i, math.inf))  # answers for frames <= i
+        newest = avail[upto - 1][1] if upto else -1
         out.append(FrameOutcome(i, int(label), str(domains[i]), arrival, deadline, b, end,
-                                pred, strict, stale))
+                                pred, strict, newest))
     return out
 
 
@@ -212,32 +233,36 @@ def deadline_met(batches: Sequence[StreamBatch], period_ms: float) -> float:
     return sum(b.step_ms <= b.deadline_ms(period_ms) for b in batches) / len(batches)
 
 
-def _summary(hz: float, frames: Sequence[FrameOutcome],
-             batches: Sequence[StreamBatch]) -> StreamSummary:
+def _summary(hz: float, frames: Sequence[FrameOutcome], batches: Sequence[StreamBatch],
+             latency_ms: float) -> StreamSummary:
     n = max(len(frames), 1)
     lat = [f.answered_ms - f.arrival_ms for f in frames if not f.dropped]
     return StreamSummary(hz, len(frames), sum(f.strict_correct for f in frames) / n,
-                         sum(f.stale_correct for f in frames) / n,
+                         sum(f.streaming_correct for f in frames) / n,
                          sum(f.in_time for f in frames) / n,
                          sum(f.dropped for f in frames) / n,
                          sum(lat) / len(lat) if lat else math.nan,
-                         deadline_met(batches, 1000.0 / hz), len(batches))
+                         deadline_met(batches, 1000.0 / hz), len(batches), latency_ms)
 
 
 def simulate_stream(labels: Sequence[int], hz: float, step: StepFn, batch_size: int = 1,
                     queue_size: int = 1, domains: Sequence[str] | None = None,
-                    batch_wait_ms: float = 0.0) -> StreamResult:
-    """Stream `labels` at `hz` through `step`; see the module doc for the rules."""
-    check_stream_params(hz, batch_size, queue_size, batch_wait_ms)
+                    batch_wait_ms: float = 0.0,
+                    latency_ms: float | None = None) -> StreamResult:
+    """Stream `labels` at `hz` through `step`; see the module doc for the rules
+    (`latency_ms` None: default_latency_ms)."""
+    check_stream_params(hz, batch_size, queue_size, batch_wait_ms, latency_ms)
+    if latency_ms is None:
+        latency_ms = default_latency_ms(hz, batch_size)
     domains = list(domains) if domains is not None else [""] * len(labels)
     if len(domains) != len(labels):
         raise ValueError(f"lengths differ: labels {len(labels)}, domains {len(domains)}")
     period = 1000.0 / hz
     batches = _schedule(len(labels), period, batch_size, queue_size, batch_wait_ms, step)
-    frames = _outcomes(labels, domains, period, batches)
+    frames = _outcomes(labels, domains, period, latency_ms, batches)
     params = {"hz": hz, "batch_size": batch_size, "queue_size": queue_size,
-              "batch_wait_ms": batch_wait_ms}
-    return StreamResult(frames, batches, _summary(hz, frames, batches), params)
+              "batch_wait_ms": batch_wait_ms, "latency_ms": latency_ms}
+    return StreamResult(frames, batches, _summary(hz, frames, batches, latency_ms), params)
 
 
 def recorded_step(predictions: Sequence[int], step_ms: float | Sequence[float]) -> StepFn:

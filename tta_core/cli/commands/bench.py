@@ -95,12 +95,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "referenced to a `tta calibrate` file or the default ('live')")
     parser.add_argument("--stream-hz", type=_rates, default=(), metavar="HZ[,HZ...]",
                         help="also run every method in streaming mode at these frame rates "
-                             "(streaming.md/.json/.png: strict and stale streaming accuracy)")
+                             "(streaming.md/.json/.png: strict and streaming accuracy)")
     parser.add_argument("--measure-activations", action="store_true",
                         help="count the activations each step saves for backward (saved-"
                              "tensor hooks; costs time): report.md column 'saved MiB "
                              "(mean/max)'. A method twice: --methods surgeon,surgeon@robot "
                              "--set surgeon@robot.mode=robot")
+    parser.add_argument("--stream-track", type=int, default=d.stream_track, metavar="K",
+                        help="streaming mode: each sign is seen over K consecutive frames "
+                             f"(a vehicle approaching it; default {d.stream_track}; 1: i.i.d.)")
+    parser.add_argument("--stream-latency-ms", type=float, default=None, metavar="MS",
+                        help="streaming mode: a frame's deadline is its arrival + MS "
+                             "(default (2 x batch size - 1) / rate: the batch deadline plus "
+                             "the wait for the batch to fill)")
     add_model_arguments(parser, "your model (instead of --model-card)")
 
 
@@ -120,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
                       model_card=args.model_card or DEFAULT_CARD, mode=args.mode,
                       seed=args.seed, threads=args.threads, device=args.device,
                       method_options=options, telemetry=args.telemetry,
-                      stream_hz=args.stream_hz, data=args.data, user_model=um,
+                      stream_hz=args.stream_hz, stream_track=args.stream_track,
+                      stream_latency_ms=args.stream_latency_ms, data=args.data, user_model=um,
                       measure_activations=args.measure_activations)
     out = args.out or Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
     result = run_bench(cfg, out, progress=not args.no_progress)

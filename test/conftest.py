@@ -19,3 +19,15 @@ def ros_context():
         yield ctx
     finally:
         ctx.try_shutdown()
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op torch thread for the test: on a shared 2-core machine OpenMP spinning
+    costs 10-100x (memory and SURGEON tests)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -17,14 +17,7 @@ from tta_core.memory import SavedActivationCounter, memory_peaks, peak_rss_bytes
 from tta_core.memory.scope import ACT, BEFORE_UNITS, OTHER, WGRAD
 from tta_core.model.units import decompose
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on a shared 2-core machine OpenMP spinning costs 10-100x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _resnet18(px: int = 64) -> tuple[nn.Module, torch.Tensor]:

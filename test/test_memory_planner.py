@@ -34,13 +34,7 @@ from tta_core.model.zoo import SmallResNet
 PLAIN = {"keeps": (1.0,), "fidelity": (1.0,), "frozen_keep": 1.0, "act_masks": False}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on a shared 2-core machine OpenMP spinning costs 10-100x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------ random instances

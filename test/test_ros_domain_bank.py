@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +20,7 @@ from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
+from test_ros_nodes import wait_for  # noqa: E402
 from tta_msgs.msg import AdaptationStatus, ClassPrediction  # noqa: E402
 
 from tta_core.data.streams import StreamSpec, build_stream  # noqa: E402
@@ -105,13 +105,6 @@ class Run:
         self.probe.destroy_node()
 
 
-def wait_for(cond: Callable[[], bool], timeout: float) -> bool:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def _values(st: DiagnosticStatus) -> dict[str, str]:

@@ -24,13 +24,7 @@ from tta_core.model.zoo import SmallResNet
 CARD = "checkpoints/small_resnet_signs32.json"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One intra-op thread: on a shared 2-core machine OpenMP spinning costs 10-100x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def shipped() -> nn.Module:

@@ -73,7 +73,13 @@ class Run:
             self.ex.add_node(n)
         self.thread = threading.Thread(target=self.ex.spin, daemon=True)
         self.thread.start()
-        assert wait_for(lambda: self.pub.get_subscription_count() > 0, 5.0)
+        # both ends matched before the first frame: a best-effort frame sent while only
+        # the writer knows the reader is dropped, and the batch would close short
+        assert wait_for(lambda: self.pub.get_subscription_count() > 0
+                        and self.node.count_publishers("/image") > 0
+                        and self.node.pub_pred.get_subscription_count() > 0
+                        and self.node.pub_status.get_subscription_count() > 0, 10.0)
+        time.sleep(0.2)
 
     def _on_pred(self, msg: ClassPrediction) -> None:
         self.preds[msg.header.stamp.sec] = msg.label
@@ -103,8 +109,6 @@ class Run:
         self.thread.join(timeout=2.0)
         self.node.destroy_node()
         self.probe.destroy_node()
-
-
 
 
 def _values(st: DiagnosticStatus) -> dict[str, str]:

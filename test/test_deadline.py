@@ -135,6 +135,27 @@ def test_a_fixed_deadline_is_the_budget_of_the_whole_batch(layout: UnitLayout,
         assert not out.forward_misses
 
 
+def test_a_late_batch_plans_into_what_is_left_of_its_deadline(layout: UnitLayout) -> None:
+    """Deadline 8.3 ms, forward 5: on time {13, 15, 17} (3.2 ms after the forward); 0.8 ms
+    late leaves 7.5 ms: {17} only; 3.4 ms late leaves 4.9 < the forward: served without
+    update. Lateness 0 again restores the full plan; sigma*T ignores lateness."""
+    svc = _service(layout, deadline_mode="fixed", deadline_ms=8.3)
+    for late, units, misses in ((0.0, [13, 15, 17], False), (0.8, [17], False),
+                                (3.4, [], True), (0.0, [13, 15, 17], False)):
+        svc.set_lateness(late)
+        out = _plan(svc, layout, 5.0)
+        assert list(np.flatnonzero(out.plan.update)) == units, late
+        assert out.deadline_ms == pytest.approx(8.3 - late) and out.forward_misses == misses
+    svc.set_lateness(100.0)
+    assert svc.deadline_ms() == 0.0  # never below 0
+    for bad in (-1.0, math.nan, math.inf):
+        with pytest.raises(ValueError, match=f"lateness.*{bad}"):
+            svc.set_lateness(bad)
+    sigma = _service(layout, sigma=0.5)
+    sigma.set_lateness(50.0)
+    assert math.isnan(sigma.deadline_ms()) and _plan(sigma, layout, 5.0).plan.update.any()
+
+
 def test_the_deadline_leaves_room_for_the_plan_phase_and_the_update_overhead(
         layout: UnitLayout) -> None:
     """Deadline 9 ms, forward 5, learnt plan phase 1 and fixed update cost 0.5: 2.5 ms are

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import pytest
 
@@ -26,6 +27,19 @@ def test_queue_take_waits_for_a_full_batch() -> None:
     assert q.take(3, batch_timeout_s=2.0) == [0, 1, 2]
     q.push(3)
     assert q.take(3, batch_timeout_s=0.05) == [3]  # partial batch after the timeout
+
+
+def test_queue_says_how_long_ago_the_newest_frame_of_a_batch_arrived() -> None:
+    q = FrameQueue(8)
+    assert q.late_ms() == 0.0  # no batch yet
+    for i in range(3):
+        q.push(i)
+    time.sleep(0.05)
+    q.push(3)
+    assert q.take(2, 0.0) == [0, 1]
+    assert q.late_ms() >= 50.0  # frames 0 and 1 have waited
+    assert q.take(2, 0.0) == [2, 3]
+    assert q.late_ms() < 50.0  # frame 3 just came
 
 
 def test_queue_resize_keeps_newest() -> None:

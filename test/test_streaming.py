@@ -115,7 +115,7 @@ def test_cli_bench_stream_hz_writes_table_and_plot(tmp_path, capsys) -> None:
     for name in ("report.md", "report.json", "streaming.md", "streaming.json", "streaming.png"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0
     table = (out / "streaming.md").read_text()
-    assert "| method | 30 Hz | 1000 Hz |" in table and "| tent |" in table
+    assert "| method | offline | 30 Hz | 1000 Hz |" in table and "| tent |" in table
     runs = json.loads((out / "streaming.json").read_text())["runs"]
     assert sorted((r["method"], r["hz"]) for r in runs) == [
         ("source", 30.0), ("source", 1000.0), ("tent", 30.0), ("tent", 1000.0)]
@@ -124,7 +124,14 @@ def test_cli_bench_stream_hz_writes_table_and_plot(tmp_path, capsys) -> None:
             assert 0.0 <= 100 * r[key] <= 100.0
         assert r["streaming"] >= r["strict"]
         assert r["latency_ms"] == pytest.approx(7000.0 / r["hz"])  # (2 * 4 - 1) periods
-    assert json.loads((out / "streaming.json").read_text())["track_length"] == 8
+    meta = json.loads((out / "streaming.json").read_text())
+    assert meta["track_length"] == 1  # the shipped i.i.d. stream by default
+    at30 = {r["method"]: r for r in runs if r["hz"] == 30.0}
+    for method in ("source", "tent"):
+        # at 30 Hz every batch fills (fill-time wait) and every step fits: the streaming run
+        # is the offline run, frame for frame
+        assert at30[method]["answered"] == 1.0
+        assert at30[method]["strict"] == pytest.approx(meta["offline"][method])
     assert "Streaming accuracy" in capsys.readouterr().out
 
 
@@ -174,12 +181,28 @@ def test_step_within_the_batch_deadline_answers_every_frame(hz: float) -> None:
     labels = _tracks(400, 8)
     preds = _offline(labels)
 
-    def step(frames):
+    def step(frames, late_ms=0.0):
         return [preds[f] for f in frames], 0.999 * len(frames) * 1000.0 / hz
 
     s = simulate_stream(labels, hz, step, **NODE).summary
     assert s.answered == 1.0 and s.dropped == 0.0 and s.deadline_met == 1.0
     assert s.strict == s.streaming == _acc(preds, labels) > 0.7
+
+
+def test_the_schedule_tells_each_step_how_late_it_starts() -> None:
+    """10 Hz (100 ms period), batches of 2, full-batch wait: batch (0, 1) starts when
+    frame 1 arrives (100 ms): on time. Its 250 ms step ends at 350: frames 2 and 3 arrived
+    at 200 and 300, so batch (2, 3) starts 50 ms after its newest frame; a 100 ms step
+    ends at 450, after frame 4 (400): (4, 5) waits for frame 5 (500) and is on time."""
+    seen = []
+
+    def step(frames, late_ms):
+        seen.append((tuple(frames), late_ms))
+        return [0] * len(frames), {0: 250.0, 2: 100.0}.get(frames[0], 10.0)
+
+    simulate_stream([0] * 6, 10.0, step, batch_size=2, queue_size=8, batch_wait_ms=1000.0)
+    assert [f for f, _ in seen] == [(0, 1), (2, 3), (4, 5)]
+    assert [late for _, late in seen] == pytest.approx([0.0, 50.0, 0.0])
 
 
 def test_step_3x_too_slow_drops_frames_strict_falls_streaming_holds_on_long_tracks() -> None:

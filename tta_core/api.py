@@ -154,11 +154,15 @@ class RuntimeTunable(Protocol):
 class DeadlineTunable(Protocol):
     """Plans against a batch deadline (tta_core.adashadow.deadline): its settings change
     between batches (`set_deadline(deadline_mode=..., camera_hz=...)`, ValueError naming a
-    bad one) and "speed" deadlines follow the vehicle's speed (`set_speed`, None: unknown)."""
+    bad one), "speed" deadlines follow the vehicle's speed (`set_speed`, None: unknown),
+    and a batch that starts late (a backlog) has that much less of its deadline left
+    (`set_lateness`, ms since its newest frame arrived)."""
 
     def set_deadline(self, **settings: object) -> None: ...
 
     def set_speed(self, speed_mps: float | None) -> None: ...
+
+    def set_lateness(self, late_ms: float) -> None: ...
 
 
 @runtime_checkable

@@ -223,6 +223,7 @@ class DeadlineBudget:
     config: PlanningConfig
     fixed: FixedCosts
     _speed: float | None = None  # vehicle speed, m/s ("speed" deadlines); None: unknown
+    _late_ms: float = 0.0  # how late the next batch starts (set_lateness)
 
     def set_speed(self, speed_mps: float | None) -> None:
         """The vehicle's speed for "speed" deadlines; None or NaN: unknown (the shortest
@@ -231,14 +232,26 @@ class DeadlineBudget:
             raise ValueError(f"speed {speed_mps!r} m/s is not finite")
         self._speed = None if speed_mps is None or math.isnan(speed_mps) else float(speed_mps)
 
+    def set_lateness(self, late_ms: float) -> None:
+        """How late the next batches start against their deadline, ms: the time since the
+        newest of their frames arrived (a backlog behind a slow batch). A deadline counts
+        from that arrival, so this much of it is already spent: the planner plans into the
+        rest (none left: served without update), and the backlog is caught up instead of
+        carried along. Stays until set again; 0 (the default) in sigma*T mode or on time."""
+        if not (math.isfinite(late_ms) and late_ms >= 0):
+            raise ValueError(f"lateness must be a finite number >= 0 ms, got {late_ms!r}")
+        self._late_ms = float(late_ms)
+
     @property
     def speed_mps(self) -> float | None:
         """The speed the next "speed" deadline is made from (None: unknown)."""
         return self._speed
 
     def deadline_ms(self, batch_size: int = 1) -> float:
-        """The deadline of a batch of `batch_size` frames (NaN in sigma*T mode)."""
-        return batch_deadline_ms(self.config, batch_size, self._speed)
+        """What is left of the deadline of a batch of `batch_size` frames: its deadline
+        less the lateness (set_lateness), >= 0 (NaN in sigma*T mode)."""
+        deadline = batch_deadline_ms(self.config, batch_size, self._speed)
+        return deadline if math.isnan(deadline) else max(deadline - self._late_ms, 0.0)
 
     def describe_deadline(self) -> str:
         """The deadline mode in words (deadline.describe)."""

@@ -23,10 +23,11 @@ import psutil
 import torch
 from torch import nn
 
+from tta_core.api import DeadlineTunable
 from tta_core.data.preprocess import images_to_tensor
 from tta_core.errors import InputError
 from tta_core.eval.live_telemetry import LiveExpansion
-from tta_core.eval.report import FrameRecord, RunRecord, lr_markdown
+from tta_core.eval.report import FrameRecord, RunRecord, lr_markdown, summarize
 from tta_core.eval.report_files import ReportFiles, write_report
 from tta_core.eval.saved_memory import ActivationMeter, saved_note
 from tta_core.eval.streaming import (
@@ -69,7 +70,7 @@ class BenchConfig:
     stream_hz: tuple[float, ...] = ()
     # streaming: frames per object track (data.streams "Tracks"; 1: i.i.d. frames) and the
     # latency allowance L in ms (None: (2 * batch_size - 1) / rate, eval.streaming)
-    stream_track: int = 8
+    stream_track: int = 1
     stream_latency_ms: float | None = None
     # the stream: "" the synthetic signs; else KIND:DIR of the user's data (data.sources)
     data: str = ""
@@ -466,7 +467,7 @@ def run_bench(cfg: BenchConfig, out: str | Path | None, progress: bool = True) -
     for r in runs:
         r.meta["config"] = config_dict(cfg)
     if out is None:
-        from tta_core.eval.report import markdown_table, summarize
+        from tta_core.eval.report import markdown_table
 
         return BenchResult(runs, None, markdown_table([summarize(r) for r in runs])
                            + saved_note(cfg.measure_activations) + lr_markdown(runs), clean)
@@ -476,8 +477,10 @@ def run_bench(cfg: BenchConfig, out: str | Path | None, progress: bool = True) -
         from tta_core.eval.streaming_report import write_streaming
 
         rows = run_streaming(streaming_stream(cfg, card, stream), fresh, cfg)
+        offline = {r.method: summarize(r).overall_accuracy for r in runs}
         result.stream_files, table = write_streaming(rows, Path(out), cfg.batch_size,
-                                                     NODE_QUEUE_SIZE, cfg.stream_track)
+                                                     NODE_QUEUE_SIZE, cfg.stream_track,
+                                                     offline if cfg.stream_track == 1 else None)
         result.markdown += "\n" + table
     return result
 
@@ -514,12 +517,21 @@ def stream_options(name: str, cfg: BenchConfig, input_shape: tuple[int, ...],
     return opts
 
 
+def stream_batch_wait_ms(hz: float, batch_size: int) -> float:
+    """How long the streaming benchmark's node waits for a batch to fill: the camera's fill
+    time, (batch_size - 1/2) frame periods, at least the node's default NODE_BATCH_WAIT_MS.
+    A user sets the node's batch_timeout_s so at a slow camera (30 Hz, batch 4: 117 ms);
+    with the default 50 ms there, batches close at 2 frames and batch statistics of 2
+    images are what every BN-based method would be judged on."""
+    return max(NODE_BATCH_WAIT_MS, (batch_size - 0.5) * 1000.0 / hz)
+
+
 def stream_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchConfig,
                   hz: float) -> StreamResult:
     """Method `name` in streaming mode at `hz` (eval.streaming) with the perception node's
-    queue (keep-latest, NODE_QUEUE_SIZE frames) and batching (batch_size frames or
-    NODE_BATCH_WAIT_MS after the first); its step time is its measured wall time.
-    AdaShadow plans against each batch's deadline at `hz` (stream_options)."""
+    queue (keep-latest, NODE_QUEUE_SIZE frames) and batching (batch_size frames, waiting
+    at most stream_batch_wait_ms after the first); its step time is its measured wall
+    time. AdaShadow plans against each batch's deadline at `hz` (stream_options)."""
     torch.manual_seed(cfg.seed)
     x = torch.cat([b.x for b in stream])
     labels = np.concatenate([b.labels for b in stream]).tolist()
@@ -527,8 +539,11 @@ def stream_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: Ben
     meth = build_method(method_base(name), model,
                         **stream_options(name, cfg, tuple(x.shape[1:]), hz))
     cuda = x.device.type == "cuda"
+    late_aware = isinstance(meth, DeadlineTunable)
 
-    def run(frames: Sequence[int]) -> list[int]:
+    def run(frames: Sequence[int], late_ms: float) -> list[int]:
+        if late_aware:
+            meth.set_lateness(late_ms)  # as the node does: a backlog shortens the deadline
         pred = meth.step(x[list(frames)]).logits.argmax(1)
         if cuda:
             torch.cuda.synchronize()
@@ -536,7 +551,8 @@ def stream_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: Ben
 
     try:
         return simulate_stream(labels, hz, timed_step(run), cfg.batch_size, NODE_QUEUE_SIZE,
-                               domains, NODE_BATCH_WAIT_MS, cfg.stream_latency_ms)
+                               domains, stream_batch_wait_ms(hz, cfg.batch_size),
+                               cfg.stream_latency_ms)
     finally:
         meth.finish()
         meth.close()

@@ -52,8 +52,10 @@ from dataclasses import dataclass, field
 NODE_QUEUE_SIZE = 32
 NODE_BATCH_WAIT_MS = 50.0
 
-# step(frame indices of the batch) -> (one prediction per frame, step time in ms)
-StepFn = Callable[[Sequence[int]], tuple[Sequence[int], float]]
+# step(frame indices of the batch, lateness in ms) -> (one prediction per frame, step time
+# in ms); lateness: how long after the batch's newest frame arrived the step starts (a
+# backlog: a deadline-aware method has that much less of its deadline left)
+StepFn = Callable[[Sequence[int], float], tuple[Sequence[int], float]]
 
 
 @dataclass(frozen=True)
@@ -183,7 +185,7 @@ def _schedule(n: int, period: float, batch_size: int, queue_size: int, wait_ms: 
         start = _start_time(t0, len(queue), arrived, n, period, batch_size, wait_ms)
         admit(start)
         frames = tuple(queue.popleft() for _ in range(min(batch_size, len(queue))))
-        preds, step_ms = step(frames)
+        preds, step_ms = step(frames, max(0.0, start - frames[-1] * period))
         preds = tuple(int(p) for p in preds)
         if len(preds) != len(frames):
             raise ValueError(f"step returned {len(preds)} predictions for {len(frames)} frames")
@@ -273,7 +275,7 @@ def recorded_step(predictions: Sequence[int], step_ms: float | Sequence[float]) 
         raise ValueError("step_ms is empty")
     calls = [0]
 
-    def step(frames: Sequence[int]) -> tuple[list[int], float]:
+    def step(frames: Sequence[int], late_ms: float = 0.0) -> tuple[list[int], float]:
         k = calls[0]
         calls[0] += 1
         return [int(predictions[f]) for f in frames], times[min(k, len(times) - 1)]
@@ -286,7 +288,7 @@ def replay_steps(result: StreamResult) -> StepFn:
     outcomes again, with no method and no clock; ValueError if the schedule diverges."""
     calls = [0]
 
-    def step(frames: Sequence[int]) -> tuple[tuple[int, ...], float]:
+    def step(frames: Sequence[int], late_ms: float = 0.0) -> tuple[tuple[int, ...], float]:
         b = result.batches[calls[0]]
         calls[0] += 1
         if tuple(frames) != b.frames:
@@ -297,14 +299,15 @@ def replay_steps(result: StreamResult) -> StepFn:
     return step
 
 
-def timed_step(run: Callable[[Sequence[int]], Sequence[int]],
+def timed_step(run: Callable[[Sequence[int], float], Sequence[int]],
                clock: Callable[[], float] = time.perf_counter) -> StepFn:
-    """Run a real method on the frames the schedule gives it; the step time is the
-    measured wall time of `run` in ms (`run` must finish its device work before return)."""
+    """Run a real method on the frames the schedule gives it (`run(frames, late_ms)`); the
+    step time is the measured wall time of `run` in ms (`run` must finish its device work
+    before return)."""
 
-    def step(frames: Sequence[int]) -> tuple[Sequence[int], float]:
+    def step(frames: Sequence[int], late_ms: float = 0.0) -> tuple[Sequence[int], float]:
         t0 = clock()
-        preds = run(frames)
+        preds = run(frames, late_ms)
         return preds, (clock() - t0) * 1e3
 
     return step

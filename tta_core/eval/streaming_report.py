@@ -5,7 +5,7 @@ solid, streaming dashed). Metric definitions: tta_core.eval.streaming."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -39,16 +39,23 @@ def _head(rows: Sequence[StreamRow], batch_size: int, queue_size: int, track: in
 
 
 def streaming_table(rows: Sequence[StreamRow], batch_size: int, queue_size: int,
-                    track: int = 1) -> str:
-    """Markdown: one row per method, per rate the cells strict / streaming / answered in %."""
+                    track: int = 1, offline: Mapping[str, float] | None = None) -> str:
+    """Markdown: one row per method, per rate the cells strict / streaming / answered in %;
+    `offline` (method -> share right when every batch is waited for, the offline report's
+    accuracy over all frames) adds a reference column."""
     rates = _rates(rows)
     by = {(m, s.hz): s for m, s in rows}
+    offline = dict(offline or {})
     head = _head(rows, batch_size, queue_size, track)
+    if offline:
+        head += ("offline: the same method on the same frames, every batch waited for "
+                 "(report.md's accuracy over all frames).\n\n")
     head += ("Deadline met in %: batches whose step time was within their deadline, "
              "len(frames) / rate (the batch is done before as many new frames have arrived; "
              "AdaShadow plans against it: deadline_mode camera at the stream's rate).\n\n")
-    lines = ["| method | " + " | ".join(_hz(r) for r in rates) + " |",
-             "|---|" + "---|" * len(rates)]
+    ref = " offline |" if offline else ""
+    lines = ["| method |" + ref + " " + " | ".join(_hz(r) for r in rates) + " |",
+             "|---|" + "---|" * (len(rates) + bool(offline))]
     met = ["", "| method | " + " | ".join(_hz(r) for r in rates) + " |",
            "|---|" + "---|" * len(rates)]
     for m in _methods(rows):
@@ -59,6 +66,9 @@ def streaming_table(rows: Sequence[StreamRow], batch_size: int, queue_size: int,
                          f"{100 * s.strict:.1f} / {100 * s.streaming:.1f} / "
                          f"{100 * s.answered:.1f}")
             met_cells.append("–" if s is None else f"{100 * s.deadline_met:.1f}")
+        if offline:
+            acc = offline.get(m)
+            cells.insert(0, "–" if acc is None else f"{100 * acc:.1f}")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
         met.append(f"| {m} | " + " | ".join(met_cells) + " |")
     return head + "\n".join(lines) + "\n\nDeadline met in %:\n" + "\n".join(met) + "\n"
@@ -88,15 +98,16 @@ def _plot(rows: Sequence[StreamRow], path: Path) -> Path:
 
 
 def write_streaming(rows: Sequence[StreamRow], out_dir: str | Path, batch_size: int,
-                    queue_size: int, track: int = 1) -> tuple[list[Path], str]:
+                    queue_size: int, track: int = 1,
+                    offline: Mapping[str, float] | None = None) -> tuple[list[Path], str]:
     """Write streaming.md, streaming.json and streaming.png; returns paths and markdown."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    text = streaming_table(rows, batch_size, queue_size, track)
+    text = streaming_table(rows, batch_size, queue_size, track, offline)
     md = out / "streaming.md"
     md.write_text("# tta bench — streaming accuracy\n\n" + text)
     js = out / "streaming.json"
     write_json_atomic(js, {"batch_size": batch_size, "queue_size": queue_size,
-                           "track_length": track,
+                           "track_length": track, "offline": dict(offline or {}),
                            "runs": [{"method": m, **asdict(s)} for m, s in rows]})
     return [md, js, _plot(rows, out / "streaming.png")], text

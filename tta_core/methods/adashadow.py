@@ -115,6 +115,11 @@ class AdaShadow(TTAMethod):
         """The vehicle's speed for "speed" deadlines (None: unknown, the shortest one)."""
         self.engine.planning.set_speed(speed_mps)
 
+    def set_lateness(self, late_ms: float) -> None:
+        """The next batches start `late_ms` after their newest frame arrived
+        (PlanningService.set_lateness): the deadline left is shorter by that."""
+        self.engine.planning.set_lateness(late_ms)
+
     def set_expansion(self, pi1: float, pi2: float) -> None:
         """Live telemetry expansion factors for inline planning."""
         self.engine.planning.set_expansion(pi1, pi2)

@@ -453,6 +453,7 @@ class PerceptionNode(Node):
             self.telemetry.apply(self.method)
             if isinstance(self.method, DeadlineTunable):
                 self.method.set_speed(self.speed.speed())
+                self.method.set_lateness(self.queue.late_ms())
             return self.method.step(x)
         return self.method.step(x, plan=plan)
 

@@ -23,7 +23,9 @@ from tta_core.api import TakesTelemetry
 
 
 class FrameQueue:
-    """deque(maxlen) + condition; push never blocks, take waits for a batch."""
+    """deque(maxlen) + condition; push never blocks, take waits for a batch. Each frame's
+    arrival (monotonic clock) is kept: `late_ms` says how long ago the newest frame of
+    the last batch taken arrived (what a deadline-aware method has already lost)."""
 
     def __init__(self, maxlen: int) -> None:
         if maxlen < 1:
@@ -33,6 +35,7 @@ class FrameQueue:
         self.dropped = 0
         self.received = 0
         self.closed = False
+        self._newest_taken = math.nan  # arrival of the newest frame of the last batch
 
     def push(self, item: Any) -> bool:
         """Append `item`; returns True when the oldest frame was dropped to make room."""
@@ -40,7 +43,7 @@ class FrameQueue:
             full = len(self._q) == self._q.maxlen
             if full:
                 self.dropped += 1
-            self._q.append(item)
+            self._q.append((time.monotonic(), item))
             self.received += 1
             self._cv.notify()
         return full
@@ -70,7 +73,15 @@ class FrameQueue:
                 self._cv.wait(timeout=left)
             out = [self._q.popleft() for _ in range(min(n, len(self._q)))]
             self._cv.notify_all()  # room again: an intake waiting in wait_below goes on
-            return out
+            if out:
+                self._newest_taken = out[-1][0]
+            return [item for _, item in out]
+
+    def late_ms(self) -> float:
+        """Milliseconds since the newest frame of the last batch taken arrived (0 before
+        any batch): a batch that starts late has this much less of its deadline left."""
+        t = self._newest_taken
+        return 0.0 if math.isnan(t) else max(0.0, (time.monotonic() - t) * 1e3)
 
     def wait_below(self, n: int, timeout: float) -> bool:
         """Wait until fewer than n frames are queued (or closed, or timeout); True when

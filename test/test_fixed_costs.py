@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from tta_core.adashadow import fixed_costs as fc_mod
 from tta_core.adashadow import planner
 from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig
 from tta_core.adashadow.fixed_costs import FixedCosts
@@ -43,6 +44,28 @@ def test_samples_are_clipped_to_the_forward_and_bad_pairs_ignored() -> None:
     assert fc.adapt_updates == n and fc.plan_updates == 0
     fc.reset()
     assert (fc.adapt_ms, fc.plan_ms, fc.adapt_updates) == (0.0, 0.0, 0)
+
+
+def test_the_deadline_margin_keeps_a_rare_tail_the_ema_forgets() -> None:
+    """Residuals 0 ms except a 3 ms one every 50 batches (a preempted thread): 40 batches
+    after a spike the EMA (alpha 0.2) has forgotten it (margin < 0.05 ms) but the window's
+    99th percentile still holds about 3 ms; 128 batches on, it has left the window."""
+    fc = FixedCosts()
+    for i in range(300):
+        fc.update_total(5.0, 5.0 + (3.0 if i % 50 == 0 else 0.0), 10.0)
+    ema = fc.total_mean_ms + fc_mod.MARGIN_Z * np.sqrt(fc.total_var_ms2)
+    assert ema < 0.05  # 299 - 250 = 49 batches after the last spike
+    # window of the last 128: spikes at 200 and 250 -> sorted [0] * 126 + [3, 3]
+    want = np.quantile([0.0] * 126 + [3.0, 3.0], fc_mod.MARGIN_QUANTILE)
+    assert fc.margin_ms == pytest.approx(want) and want > 2.0
+    for _ in range(128):
+        fc.update_total(5.0, 5.0, 10.0)
+    assert fc.margin_ms < 0.01
+    fc.update_total(5.0, 8.0, 10.0)
+    fc.skip_plan()  # forgotten like the rest while no plan is tried
+    assert max(fc.recent_ms) == pytest.approx(3.0 * (1 - fc.forget))
+    fc.reset()
+    assert fc.margin_ms == 0.0 and not fc.recent_ms
 
 
 def test_alpha_zero_is_off_and_bad_settings_are_refused() -> None:

@@ -68,6 +68,26 @@ def test_the_deadline_margin_keeps_a_rare_tail_the_ema_forgets() -> None:
     assert fc.margin_ms == 0.0 and not fc.recent_ms
 
 
+def test_updates_that_keep_missing_their_deadline_are_retried_ever_more_rarely() -> None:
+    """Each update in a row that missed its deadline halves the share forgotten per
+    skipped batch (at most 2**MAX_BACKOFF-fold); an update in time restores it."""
+    fc = FixedCosts(forget=0.04)
+    for k in range(1, 9):
+        fc.update_deadline(True)
+        assert fc.forget_now == pytest.approx(0.04 / 2 ** min(k, fc_mod.MAX_BACKOFF))
+    fc.recent_ms.extend([1.0, 2.0])
+    fc.adapt_ms = 1.0
+    fc.skip_plan()
+    fc.idle()
+    keep = 1 - 0.04 / 2 ** fc_mod.MAX_BACKOFF
+    assert list(fc.recent_ms) == pytest.approx([keep, 2 * keep]) and fc.adapt_ms == keep
+    fc.update_deadline(False)
+    assert fc.forget_now == 0.04 and fc.backoff == 0
+    fc.update_deadline(True)
+    fc.reset()
+    assert fc.backoff == 0
+
+
 def test_alpha_zero_is_off_and_bad_settings_are_refused() -> None:
     fc = FixedCosts(alpha=0.0)
     fc.update_plan(3.0, 10.0)

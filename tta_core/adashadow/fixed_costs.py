@@ -44,6 +44,8 @@ MARGIN_Z = 2.33
 MARGIN_WARMUP = 3
 MARGIN_QUANTILE = 0.99
 MARGIN_WINDOW = 128
+#: retries of an update that keeps missing its deadline slow down at most 2**6-fold
+MAX_BACKOFF = 6
 
 
 def _finite(*values: float) -> bool:
@@ -66,6 +68,7 @@ class FixedCosts:
     total_var_ms2: float = 0.0
     total_updates: int = 0
     recent_ms: deque = field(default_factory=lambda: deque(maxlen=MARGIN_WINDOW))
+    backoff: int = 0  # updates in a row that missed their deadline (at most MAX_BACKOFF)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.alpha) and 0.0 <= self.alpha <= 1.0):
@@ -141,26 +144,37 @@ class FixedCosts:
                                                        + self.alpha * diff * diff)
         self.total_updates += 1
 
+    @property
+    def forget_now(self) -> float:
+        """The share forgotten per batch now: `forget`, halved for every update in a row
+        that missed its deadline (a retry every ~35 batches that always misses would
+        alone cost ~3 % of the batches at a rate where only the forward fits)."""
+        return self.forget / (1 << self.backoff)
+
+    def update_deadline(self, missed: bool) -> None:
+        """An update ran against a deadline: `missed` it or not (deadline modes)."""
+        self.backoff = min(self.backoff + 1, MAX_BACKOFF) if missed else 0
+
     def idle(self) -> None:
         """A batch ran without an update: forget a share of the update's cost."""
         if self.on:
-            self.adapt_ms *= 1.0 - self.forget
+            self.adapt_ms *= 1.0 - self.forget_now
 
     def skip_plan(self) -> None:
         """A batch skipped its plan phase (no plan could fit): forget a share of the plan
         phase and of the deadline margin, so that estimates that leave no time for any
         plan are tried again."""
         if self.on:
-            self.plan_ms *= 1.0 - self.forget
-            self.total_mean_ms *= 1.0 - self.forget
-            self.total_var_ms2 *= (1.0 - self.forget) ** 2
-            keep = 1.0 - self.forget
+            keep = 1.0 - self.forget_now
+            self.plan_ms *= keep
+            self.total_mean_ms *= keep
+            self.total_var_ms2 *= keep ** 2
             self.recent_ms = deque((v * keep for v in self.recent_ms), maxlen=MARGIN_WINDOW)
 
     def reset(self) -> None:
         """Forget what was learnt (a new machine or model)."""
         self.plan_ms = self.adapt_ms = self.total_mean_ms = self.total_var_ms2 = 0.0
-        self.plan_updates = self.adapt_updates = self.total_updates = 0
+        self.plan_updates = self.adapt_updates = self.total_updates = self.backoff = 0
         self.recent_ms.clear()
 
 

@@ -489,6 +489,8 @@ class PlanningService(DeadlineBudget):
         if outcome is not None and not outcome.skipped and measured.reforward_ms is not None:
             self.fixed.update_total(outcome.plan.predicted_total_ms, measured.total_ms,
                                     measured.forward_ms)
+            if measured.adapted and math.isfinite(outcome.deadline_ms):
+                self.fixed.update_deadline(measured.total_ms > outcome.deadline_ms)
         if not measured.adapted:
             self.fixed.idle()
             return

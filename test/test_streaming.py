@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 import pytest
+import torch
 
 from tta_core.eval.streaming import (
     default_latency_ms,
@@ -262,3 +263,15 @@ def test_tracked_stream_shares_labels_per_track_and_keeps_domains() -> None:
     assert not (s.images[1] == s.images[2]).all()  # jittered views, not copies
     with pytest.raises(ValueError, match="track_length"):
         StreamSpec(order="mixed", track_length=2).validate()
+
+
+def test_warm_up_leaves_the_model_untouched() -> None:
+    from tta_core.eval.bench import warm_up
+    from tta_core.model.zoo import build_model
+
+    model = build_model("small_resnet", num_classes=16).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    warm_up(model, torch.randn(4, 3, 32, 32) * 3 + 1)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # BN statistics included
+    assert all(p.grad is None for p in model.parameters())

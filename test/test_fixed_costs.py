@@ -73,7 +73,7 @@ def test_updates_that_keep_missing_their_deadline_are_retried_ever_more_rarely()
     skipped batch (at most 2**MAX_BACKOFF-fold); an update in time restores it."""
     fc = FixedCosts(forget=0.04)
     for k in range(1, 9):
-        fc.update_deadline(True)
+        fc.update_deadline(True, 5.0, 4.0)
         assert fc.forget_now == pytest.approx(0.04 / 2 ** min(k, fc_mod.MAX_BACKOFF))
     fc.recent_ms.extend([1.0, 2.0])
     fc.adapt_ms = 1.0
@@ -81,9 +81,12 @@ def test_updates_that_keep_missing_their_deadline_are_retried_ever_more_rarely()
     fc.idle()
     keep = 1 - 0.04 / 2 ** fc_mod.MAX_BACKOFF
     assert list(fc.recent_ms) == pytest.approx([keep, 2 * keep]) and fc.adapt_ms == keep
-    fc.update_deadline(False)
+    fc.update_deadline(False, 5.0, 4.0)  # no update: nothing learnt
+    fc.update_deadline(True, 5.0, float('nan'))  # sigma*T: no deadline
+    assert fc.backoff == fc_mod.MAX_BACKOFF
+    fc.update_deadline(True, 3.0, 4.0)
     assert fc.forget_now == 0.04 and fc.backoff == 0
-    fc.update_deadline(True)
+    fc.update_deadline(True, 5.0, 4.0)
     fc.reset()
     assert fc.backoff == 0
 

@@ -277,7 +277,8 @@ def test_perception_plans_inline_against_its_deadline(ros_context) -> None:
             time.sleep(0.02)
         assert _wait(lambda: fed(lambda: len(statuses) >= 3), 15.0)
         assert not any(s.adapted for s in statuses)
-        assert all(s.budget_ms == pytest.approx(0.01) for s in statuses)  # per batch
+        # per batch (per frame would be 0.02), less the time the frames waited (lateness)
+        assert all(0.0 <= s.budget_ms <= 0.01 for s in statuses)
         plan = next(s for s in perception_statuses(node) if s.name.endswith("planning"))
         assert plan.level == DiagnosticStatus.WARN
         assert "deadline_mode=fixed: the forward alone (" in plan.message
@@ -291,7 +292,8 @@ def test_perception_plans_inline_against_its_deadline(ros_context) -> None:
                                     Parameter("camera_hz", value=0.5)])[0].successful
         n = len(statuses)
         assert _wait(lambda: fed(lambda: any(s.adapted for s in statuses[n:])), 15.0)
-        assert round(statuses[-1].budget_ms) in (2000, 4000)  # 1 or 2 frames at 0.5 Hz
+        # 1 or 2 frames at 0.5 Hz, less the few ms the batch waited
+        assert any(abs(statuses[-1].budget_ms - b) < 100.0 for b in (2000.0, 4000.0))
     finally:
         ex.shutdown(timeout_sec=2.0)
         thread.join(timeout=2.0)

@@ -151,9 +151,13 @@ class FixedCosts:
         alone cost ~3 % of the batches at a rate where only the forward fits)."""
         return self.forget / (1 << self.backoff)
 
-    def update_deadline(self, missed: bool) -> None:
-        """An update ran against a deadline: `missed` it or not (deadline modes)."""
-        self.backoff = min(self.backoff + 1, MAX_BACKOFF) if missed else 0
+    def update_deadline(self, adapted: bool, total_ms: float, deadline_ms: float) -> None:
+        """A batch took `total_ms` against `deadline_ms` (NaN: sigma*T, ignored); only a
+        batch that `adapted` counts: an update in time ends the backoff, a late one
+        lengthens it."""
+        if adapted and math.isfinite(deadline_ms) and math.isfinite(total_ms):
+            late = total_ms > deadline_ms
+            self.backoff = min(self.backoff + 1, MAX_BACKOFF) if late else 0
 
     def idle(self) -> None:
         """A batch ran without an update: forget a share of the update's cost."""

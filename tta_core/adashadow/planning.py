@@ -480,8 +480,7 @@ class PlanningService(DeadlineBudget):
         of this service) and updated, the backward correction and the update's fixed cost.
         An external plan (outcome None) teaches only the plan phase; a batch that skipped
         its plan phase (`measured.planned` False) forgets a share of it instead. A planned
-        sequential batch teaches the deadline margin (its total_ms against the plan's
-        predicted total)."""
+        sequential batch teaches the deadline margin and the retry backoff (total_ms)."""
         if measured.planned:
             self.fixed.update_plan(measured.plan_ms, measured.forward_ms)
         else:
@@ -489,8 +488,7 @@ class PlanningService(DeadlineBudget):
         if outcome is not None and not outcome.skipped and measured.reforward_ms is not None:
             self.fixed.update_total(outcome.plan.predicted_total_ms, measured.total_ms,
                                     measured.forward_ms)
-            if measured.adapted and math.isfinite(outcome.deadline_ms):
-                self.fixed.update_deadline(measured.total_ms > outcome.deadline_ms)
+            self.fixed.update_deadline(measured.adapted, measured.total_ms, outcome.deadline_ms)
         if not measured.adapted:
             self.fixed.idle()
             return

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from tta_core import losses
 from tta_core.adashadow.planner import Plan
 from tta_core.api import PhaseClock, PhaseTimes, StepResult, mean_entropy
-from tta_core.model.norms import NORM_NAMES, norm_affine_params, set_bn_mode
+from tta_core.model.norms import NORM_NAMES, ROBUST_BN_METHODS, norm_affine_params, set_bn_mode
 
 
 @dataclass
@@ -77,6 +77,9 @@ class TTAMethod:
     # ------------------------------------------------------------ override points
     def configure_model(self) -> None:
         """Set train/eval modes and requires_grad. Default: BN mode from config, no grad."""
+        if self.config.bn_mode == "robust" and self.name not in ROBUST_BN_METHODS:
+            raise ValueError(f"bn_mode 'robust' is not supported by {self.name} (only by "
+                             f"{', '.join(ROBUST_BN_METHODS)})")
         set_bn_mode(self.model, self.config.bn_mode)
         self.model.requires_grad_(False)
 

@@ -7,7 +7,9 @@ from collections.abc import Callable
 
 from torch import nn
 
-BN_MODES = ("batch", "source")
+BN_MODES = ("batch", "source", "robust")
+#: methods that keep BN running statistics moving with the test stream (bn_mode "robust")
+ROBUST_BN_METHODS = ("adashadow",)
 #: layers whose affine weight/bias norm-based methods adapt (the peers' choice)
 NORM_TYPES: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm,
                                             nn.GroupNorm)
@@ -17,7 +19,10 @@ AFFINE = ("weight", "bias")
 
 
 def set_bn_mode(model: nn.Module, bn_mode: str) -> None:
-    """eval() everywhere; with "batch", BN layers normalise by batch statistics only."""
+    """eval() everywhere; with "batch", BN layers normalise by batch statistics only.
+    "robust" is eval mode too: the method moves the running statistics toward each
+    batch's before BN normalises (RoTTA's robust BN, tta_core.domain.bn.RobustBN); only
+    ROBUST_BN_METHODS do, so the others refuse it (TTAMethod.configure_model)."""
     if bn_mode not in BN_MODES:
         raise ValueError(f"bn_mode {bn_mode!r} not in {BN_MODES}")
     model.eval()

@@ -1,0 +1,89 @@
+"""AdaShadow's bn_mode "robust" (tta_core.adashadow.engine.robust_bn): the bottom BN layers
+normalise with batch statistics and keep the source affine; the others with running
+statistics that each batch's own forward -- never a reforward or the lazy re-run of the
+tail -- moves toward its batch statistics by RoTTA's rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from tta_core.methods import build_method
+from tta_core.model.zoo import build_model
+
+CFG = {"input_shape": (3, 32, 32), "sigma": 1.0, "fixed_cost_feedback": 0.0}
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = build_model("small_resnet", 10)
+    for m in model.modules():  # source statistics that differ from the test batches'
+        if isinstance(m, _BatchNorm):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 2.0)
+    return model
+
+
+def _bns(model: nn.Module) -> list[_BatchNorm]:
+    return [m for m in model.modules() if isinstance(m, _BatchNorm)]
+
+
+@pytest.mark.parametrize("graph", ["full", "lazy"])
+def test_each_batch_moves_the_running_statistics_once(graph: str) -> None:
+    model = _model()
+    meth = build_method("adashadow", model, bn_mode="robust", bn_momentum=0.1,
+                        bn_batch_layers=3, graph=graph, **CFG)
+    bns = _bns(model)
+    assert all(bn.training for bn in bns[:3])  # batch statistics
+    assert all(not bn.training and bn.running_mean is not None for bn in bns[3:])
+    seen: list[list[torch.Tensor]] = [[] for _ in bns]
+    hooks = [bn.register_forward_pre_hook(lambda m, a, k=k: seen[k].append(a[0].detach()))
+             for k, bn in enumerate(bns)]
+    g = torch.Generator().manual_seed(1)
+    try:
+        for _ in range(3):
+            before = [(bn.running_mean.clone(), bn.running_var.clone()) for bn in bns[3:]]
+            for s in seen:
+                s.clear()
+            res = meth.step(torch.randn(4, 3, 32, 32, generator=g) * 2 + 0.5)
+            assert res.adapted  # sigma 1: backward and reforward (or re-run tail) ran
+            assert any(len(s) > 1 for s in seen)  # some layer saw a second pass
+            for bn, (mu, var), inputs in zip(bns[3:], before, seen[3:], strict=True):
+                v, m = torch.var_mean(inputs[0], dim=(0, 2, 3), correction=0)
+                torch.testing.assert_close(bn.running_mean, 0.9 * mu + 0.1 * m)
+                torch.testing.assert_close(bn.running_var, 0.9 * var + 0.1 * v)
+    finally:
+        for h in hooks:
+            h.remove()
+        meth.close()
+
+
+def test_batch_statistics_layers_are_not_candidates_and_reset_restores_the_source() -> None:
+    model = _model()
+    source = [bn.running_mean.clone() for bn in _bns(model)]
+    meth = build_method("adashadow", model, bn_batch_layers=2, **CFG)  # robust: the default
+    units = meth.staged.units
+    bn_units = [u.index for u in units if isinstance(u.module, _BatchNorm)]
+    assert not meth.trainable[bn_units[:2]].any() and meth.trainable[bn_units[2:]].all()
+    meth.step(torch.randn(4, 3, 32, 32) * 3)
+    assert not torch.equal(_bns(model)[2].running_mean, source[2])
+    meth.reset()
+    for bn, mu in zip(_bns(model)[2:], source[2:], strict=True):
+        assert torch.equal(bn.running_mean, mu)
+    meth.close()
+
+
+def test_batch_mode_stays_available_and_other_methods_refuse_robust() -> None:
+    meth = build_method("adashadow", _model(), bn_mode="batch", **CFG)
+    assert all(bn.training for bn in _bns(meth.model))  # batch statistics everywhere
+    assert np.asarray(meth.trainable).sum() == len(_bns(meth.model))
+    meth.close()
+    with pytest.raises(ValueError, match="bn_mode 'robust' is not supported by tent"):
+        build_method("tent", _model(), bn_mode="robust", input_shape=(3, 32, 32))
+    for bad in ({"bn_momentum": 0.0}, {"bn_momentum": 1.5}, {"bn_batch_layers": -1},
+                {"bn_batch_layers": 1.5}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            build_method("adashadow", _model(), **bad, **CFG)

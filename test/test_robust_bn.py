@@ -52,7 +52,7 @@ def test_each_batch_moves_the_running_statistics_once(graph: str) -> None:
             assert res.adapted  # sigma 1: backward and reforward (or re-run tail) ran
             assert any(len(s) > 1 for s in seen)  # some layer saw a second pass
             for bn, (mu, var), inputs in zip(bns[3:], before, seen[3:], strict=True):
-                v, m = torch.var_mean(inputs[0], dim=(0, 2, 3), correction=0)
+                v, m = torch.var_mean(inputs[0], dim=(0, 2, 3), correction=1)
                 torch.testing.assert_close(bn.running_mean, 0.9 * mu + 0.1 * m)
                 torch.testing.assert_close(bn.running_var, 0.9 * var + 0.1 * v)
     finally:

@@ -87,3 +87,20 @@ def test_batch_mode_stays_available_and_other_methods_refuse_robust() -> None:
                 {"bn_batch_layers": 1.5}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             build_method("adashadow", _model(), **bad, **CFG)
+
+
+def test_batches_served_without_update_still_move_the_statistics() -> None:
+    """A deadline no forward can meet: after the first batch every batch is served
+    without plan (a plain forward); robust BN still follows the stream."""
+    model = _model()
+    meth = build_method("adashadow", model, deadline_mode="fixed", deadline_ms=1e-3,
+                        **CFG)
+    bn = _bns(model)[-1]
+    g = torch.Generator().manual_seed(2)
+    for i in range(4):
+        before = bn.running_mean.clone()
+        res = meth.step(torch.randn(4, 3, 32, 32, generator=g) * 2 + 1)
+        assert not res.adapted and not torch.equal(bn.running_mean, before)
+        if i:
+            assert res.planning.skipped and not res.importance.any()  # no plan phase
+    meth.close()

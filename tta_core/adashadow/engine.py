@@ -118,20 +118,22 @@ def robust_bn(model: nn.Module, config: EngineConfig) -> RobustBN | None:
     return rbn
 
 
-def batch_stat_units(staged: StagedModel) -> np.ndarray:
-    """Per unit: a BN layer normalising with batch statistics. In robust mode these are
-    the bottom layers whose batch statistics carry the corruption; their output statistics
-    are normalised, so the assessor gives them no importance, and they keep the source
-    affine (as darda's trunk)."""
-    return np.array([isinstance(u.module, _BatchNorm) and u.module.training
-                     for u in staged.units], dtype=bool)
+def batch_stat_units(staged: StagedModel, rbn: RobustBN | None) -> np.ndarray:
+    """Per unit: in robust mode (`rbn` given), a BN layer normalising with batch
+    statistics -- the bottom layers whose batch statistics carry the corruption; their
+    output statistics are normalised, so the assessor gives them no importance, and they
+    keep the source affine (as darda's trunk). All False in the other modes."""
+    return np.array([rbn is not None and isinstance(u.module, _BatchNorm)
+                     and u.module.training for u in staged.units], dtype=bool)
 
 
 @contextmanager
-def _own_forward(collector: UnitStatsCollector, rbn: RobustBN | None) -> Iterator[None]:
-    """The batch's own forward: unit statistics captured and robust-BN statistics moved
-    (never in a reforward or the lazy re-run of the tail, which see the batch again)."""
-    collector.capture = True
+def _own_forward(collector: UnitStatsCollector, rbn: RobustBN | None,
+                 capture: bool = True) -> Iterator[None]:
+    """The batch's own forward: unit statistics captured (unless not `capture`) and
+    robust-BN statistics moved (never in a reforward or the lazy re-run of the tail,
+    which see the batch again)."""
+    collector.capture = capture
     if rbn is not None:
         rbn.enabled = True
     try:
@@ -236,8 +238,7 @@ class AdaShadowEngine:
                                         reforward_twice=self.lazy)
         self._rbn = robust_bn(staged.model, self.config)
         self.candidates = self.planning.layout.trainable(self.config.trainable)
-        if self._rbn is not None:  # batch-statistics BN layers of robust mode: source affine
-            self.candidates &= ~batch_stat_units(staged)
+        self.candidates &= ~batch_stat_units(staged, self._rbn)  # robust: source affine
         if not self.candidates.any():
             raise ValueError(f"trainable={self.config.trainable!r} leaves no unit to update "
                              f"in {staged.arch}")
@@ -287,7 +288,7 @@ class AdaShadowEngine:
             h.remove()
         self._handles = []
         self._collector.close()
-        if self._rbn is not None:
+        if self._rbn is not None:  # hooks of robust BN
             self._rbn.close()
 
     # ------------------------------------------------------------ phases
@@ -428,14 +429,15 @@ class AdaShadowEngine:
         return res
 
     def _serve_only(self, x: Tensor, t0: float, batch_size: int) -> StepResult:
-        """A batch that no inline plan can fit (graph floor: no unit): a plain forward
-        without graph or unit statistics, no loss, assessor or planner (importance zeros,
-        the assessor's history unchanged); the result says why nothing was updated."""
+        """A batch no inline plan can fit (graph floor: no unit): a plain forward (robust
+        BN statistics still move), no unit statistics, loss, assessor or planner; the
+        result says why. Its forward time is not noted for the floor: a planned batch's
+        forward also collects unit statistics (+30 % on the 32 px net), and the cheaper
+        plain one would alternate served and over-deadline planned batches."""
         self.clock.mark()
-        with torch.no_grad():
+        with _own_forward(self._collector, self._rbn, capture=False), torch.no_grad():
             logits = self.staged.model(x)
         forward_ms = self.clock.mark()
-        self._note_forward(forward_ms, batch_size)
         outcome = self.planning.empty_outcome(forward_ms, batch_size)
         fwd = _Forward(logits, [], [], forward_ms, len(self.staged.stages))
         res = _result(self.planning, fwd, None, np.zeros(len(self.staged.units)), outcome,

@@ -52,7 +52,9 @@ class DardaConfig(MethodConfig):
 
     embed_layers: int = 3  # BN inputs in the embedding (and frozen trunk)
     per_sample: bool = True
+    residual: bool = True  # + the corruption residual features (tta_core.domain.embedding)
     hysteresis: int = 2
+    confident: float = 0.8  # switch at once when this close (x threshold): see detector
     novelty_quantile: float = 0.5
     novelty_margin: float = 1.5
     max_domains: int = 32
@@ -107,7 +109,8 @@ class Darda(TTAMethod):
             raise ValueError(f"darda needs input_shape, one sample (C, H, W), got "
                              f"{tuple(c.input_shape)}")
         self.embedder = DomainEmbedder(self.model, c.input_shape,
-                                       EmbeddingConfig(c.embed_layers, True, c.per_sample),
+                                       EmbeddingConfig(c.embed_layers, True, c.per_sample,
+                                                       c.residual),
                                        on_ready=self._on_embedding)
         upper = configure(self.model, self.embedder.layer_names, c.bn_mode)
         bns = batch_norm_layers(self.model)
@@ -132,7 +135,7 @@ class Darda(TTAMethod):
     def _fresh(self) -> None:
         c = self.config
         self.detector = DomainDetector(self.embedder.dim, DetectorConfig(
-            hysteresis=c.hysteresis, novelty_quantile=c.novelty_quantile,
+            hysteresis=c.hysteresis, confident=c.confident, novelty_quantile=c.novelty_quantile,
             novelty_margin=c.novelty_margin, max_domains=c.max_domains))
         self.bank = StateBank(self._live, c.max_domains, source=self._source)
         self.gate = AdaptGate(GateConfig(c.min_adapt, c.max_adapt, tol=c.stable_tol,

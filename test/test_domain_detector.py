@@ -16,8 +16,13 @@ from tta_core.adashadow.assessor import channel_stats
 from tta_core.data.preprocess import images_to_tensor
 from tta_core.data.streams import StreamSpec, build_stream
 from tta_core.domain.detector import DetectorConfig, DomainDetector
-from tta_core.domain.embedding import (LOG_EPS, DomainEmbedder, EmbeddingConfig,
-                                        corruption_residual, embedding_from_stats)
+from tta_core.domain.embedding import (
+    LOG_EPS,
+    DomainEmbedder,
+    EmbeddingConfig,
+    corruption_residual,
+    embedding_from_stats,
+)
 from tta_core.model.norms import set_bn_mode
 from tta_core.model.source import load_source
 

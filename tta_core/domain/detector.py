@@ -7,9 +7,10 @@ Known domains and the distance d_j of a batch to each are in `tta_core.domain.ta
 - hysteresis: the active domain changes only after `hysteresis` consecutive batches away
   from it (or at once when the nearest known domain is within `confident` x the
   threshold and the active one beyond the threshold: a recurring domain is recognised
-  on its first batch) (a single outlier batch never switches, and is not absorbed); the target is the
-  known domain nearest to those batches' mean, if within the threshold, else NEW after
-  `novel_hysteresis` such batches (a spurious domain costs more than a late new one); the
+  on its first batch; a single outlier batch of a novel or a less close domain never
+  switches, and is not absorbed); the target is the known domain nearest to those
+  batches' mean, if within the threshold, else NEW after `novel_hysteresis` such
+  batches (a spurious domain costs more than a late new one); the
   away batches must agree with each other (`DomainTable.pair_distance`), so an outlier
   followed by the next domain's first batch does not found a mixed domain;
 - a persisting NEW candidate becomes a domain (centroid and spreads from those batches),
@@ -258,8 +259,8 @@ class DomainDetector:
 
     def _sure(self, cand: int, det: Detection) -> bool:
         """A known domain with >= `calib_after` batches so close (<= `confident` x
-        threshold) while the active one is beyond the threshold that one batch decides: the switch batch itself is then
-        served by the recognised state, not the previous domain's."""
+        threshold) while the active one is beyond the threshold that one batch decides:
+        the switch batch itself is then served by the recognised state."""
         c = self.config
         return cand != NEW and self._mature(cand) and det.distance > det.threshold \
             and det.nearest_distance <= c.confident * det.threshold

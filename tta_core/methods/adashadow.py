@@ -100,10 +100,6 @@ class AdaShadow(TTAMethod):
             return gated_step(self.domains, self.model, x, lambda: self.engine.step(x, plan))
         return self.engine.step(x, plan=plan)
 
-    def current_domain(self) -> str:
-        """The recognised domain with `domain_bank` ('' without, or before a batch)."""
-        return self.domains.current if self.domains is not None else ""
-
     def step(self, x: Tensor, plan: Plan | None = None) -> StepResult:
         """Adapt on x; `plan` (e.g. from the ROS `layer_plan` topic) replaces the planner's."""
         return self._step(x, plan)

@@ -14,7 +14,8 @@ Prints JSON and writes it with a confusion-matrix PNG under --out:
   backward-pass share, detection + swap time share;
 - detection + swap share of batch time on a torchvision ResNet-18 (random weights).
 
-    python benchmarks/bench_domain.py [--quick] [--moments-only] [--out runs/bench_domain]
+    python benchmarks/bench_domain.py [--quick] [--moments-only] [--encoder ENC.safetensors]
+                                      [--methods ''] [--resnet-size -1] [--out DIR]
 """
 
 from __future__ import annotations
@@ -52,19 +53,22 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--methods", default="darda,darda:bn_mode=batch,tent,bn_adapt,adashadow,"
                                          "adashadow:domain_bank=true",
                     help="comma list, options as name:key=value;key=value")
-    ap.add_argument("--resnet-size", type=int, default=0, help="ResNet-18 input px (224/112)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench_domain"))
     ap.add_argument("--moments-only", action="store_true",
                     help="embedding without the corruption residual (the old one)")
+    ap.add_argument("--encoder", default="", help="also recognition with this learnt "
+                    "corruption encoder (tta train-corruption-encoder), alone and added")
+    ap.add_argument("--resnet-size", type=int, default=0,
+                    help="ResNet-18 input px (224/112; -1: skip)")
     return ap.parse_args()
 
 
-def embed_stream(spec: StreamSpec, residual: bool = True
+def embed_stream(spec: StreamSpec, config: EmbeddingConfig
                  ) -> list[tuple[torch.Tensor, torch.Tensor | None, str]]:
     """(embedding, within, true corruption) per batch, as darda's trunk computes them."""
     model, card = load_source(CARD)
     set_bn_mode(model, "batch")
-    emb = DomainEmbedder(model, (3, 32, 32), EmbeddingConfig(residual=residual))
+    emb = DomainEmbedder(model, (3, 32, 32), config)
     out = []
     for b in build_stream(spec).batches(BATCH):
         with torch.no_grad():
@@ -124,6 +128,24 @@ def novelty(det: DomainDetector, held) -> dict:
     rates = [v["flagged"] for v in out.values()]
     return {"per_corruption": out, "mean_flagged": float(np.mean(rates)),
             "mean_served_novel": float(np.mean([v["served_novel"] for v in out.values()]))}
+
+
+def recognition_report(config: EmbeddingConfig, corr: tuple[str, ...], n: int, seed: int,
+                       out: Path, tag: str) -> dict:
+    """Online / enrolled recognition (confusion plots confusion_<mode><tag>.png) and the
+    novelty of the held-out corruptions, with one embedding."""
+    passes = embed_stream(StreamSpec(order="recurring", corruptions=corr, samples_per_domain=n,
+                                     recurrences=2, seed=seed), config)
+    held = embed_stream(StreamSpec(order="continual", corruptions=HELD_OUT,
+                                   samples_per_domain=n, seed=seed + 1), config)
+    report = {"dim": int(passes[0][0].numel())}
+    for mode in ("online", "enrolled"):
+        det, rec = recognise(passes, enrolled=mode == "enrolled")
+        plot_confusion(rec, out / f"confusion_{mode}{tag}.png", f"recognition ({mode}{tag})")
+        report[f"recognition_{mode}"] = rec
+        if mode == "enrolled":
+            report["novelty"] = novelty(det, held)
+    return report
 
 
 def plot_confusion(result: dict, path: Path, title: str) -> None:
@@ -247,20 +269,16 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     residual = not args.moments_only
-    passes = embed_stream(StreamSpec(order="recurring", corruptions=corr, samples_per_domain=n,
-                                     recurrences=2, seed=args.seed), residual)
-    held = embed_stream(StreamSpec(order="continual", corruptions=HELD_OUT,
-                                   samples_per_domain=n, seed=args.seed + 1), residual)
     report: dict = {"batch": BATCH, "samples_per_domain": n, "corruptions": list(corr),
                     "embedding": "moments + residual" if residual else "moments only",
                     "threads": 1, "note": "CPU, 2 cores shared with other jobs: timings "
                                           "are contended"}
-    for mode in ("online", "enrolled"):
-        det, rec = recognise(passes, enrolled=mode == "enrolled")
-        plot_confusion(rec, out / f"confusion_{mode}.png", f"recognition ({mode})")
-        report[f"recognition_{mode}"] = rec
-        if mode == "enrolled":
-            report["novelty"] = novelty(det, held)
+    report.update(recognition_report(EmbeddingConfig(residual=residual), corr, n, args.seed,
+                                     out, ""))
+    if args.encoder:  # DARDA's learnt encoder alone, and added to moments + residual
+        for tag, cfg in (("learnt", EmbeddingConfig(0, False, True, False, args.encoder)),
+                         ("moments_residual_learnt", EmbeddingConfig(encoder=args.encoder))):
+            report[tag] = recognition_report(cfg, corr, n, args.seed, out, f"_{tag}")
     report["embed_s"] = time.perf_counter() - t0
     _, card = load_source(CARD)
     stream = build_stream(StreamSpec(order="recurring", corruptions=corr, samples_per_domain=n,
@@ -268,9 +286,11 @@ def main() -> None:
     batches = [(images_to_tensor(b.images, tuple(card.mean), tuple(card.std)),
                 torch.from_numpy(b.labels), b.domain) for b in stream.batches(BATCH)]
     report["recurring"] = [run_recurring(s, batches, len(corr))
-                           for s in args.methods.split(",")]
-    plot_visits(report["recurring"], out / "recurring_visits.png")
-    report["resnet18"] = resnet18_overhead(args.resnet_size or (112 if args.quick else 224))
+                           for s in args.methods.split(",") if s]
+    if report["recurring"]:
+        plot_visits(report["recurring"], out / "recurring_visits.png")
+    if args.resnet_size >= 0:
+        report["resnet18"] = resnet18_overhead(args.resnet_size or (112 if args.quick else 224))
     report["total_s"] = time.perf_counter() - t0
     (out / "bench_domain.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))

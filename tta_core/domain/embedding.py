@@ -45,6 +45,7 @@ from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from tta_core.adashadow.assessor import channel_stats
+from tta_core.domain.encoder import diagonal_halves, load_encoder
 
 LOG_EPS = 1e-5  # added to variances before the log
 
@@ -57,12 +58,16 @@ class EmbeddingConfig:
     include_input: bool = True  # also the moments of the model input itself
     per_sample: bool = True  # mean of per-sample log-var (else log of the pooled var)
     residual: bool = True  # + DARDA's fixed-kernel corruption residual of the input
+    encoder: str = ""  # + DARDA's learnt corruption encoder (safetensors from
+    #                    `tta train-corruption-encoder`; tta_core.domain.encoder); '' none
 
     def validate(self) -> None:
         """ValueError naming a bad field."""
-        if self.layers < 0 or (self.layers == 0 and not (self.include_input or self.residual)):
+        if self.layers < 0 or (self.layers == 0 and not (self.include_input or self.residual
+                                                          or self.encoder)):
             raise ValueError(f"embedding needs at least one layer, got layers={self.layers} "
-                             f"include_input={self.include_input} residual={self.residual}")
+                             f"include_input={self.include_input} residual={self.residual} "
+                             f"encoder={self.encoder!r}")
 
 
 def bn_layers_in_forward_order(model: nn.Module, probe: Tensor) -> list[str]:
@@ -128,9 +133,7 @@ def corruption_residual(x: Tensor) -> Tensor:
     for s in range(RESIDUAL_SCALES):
         if s:
             y = F.avg_pool2d(y, 2)
-        h, w = y.shape[-2] // 2 * 2, y.shape[-1] // 2 * 2
-        g1 = (y[..., 0:h:2, 1:w:2] + y[..., 1:h:2, 0:w:2]) / 2
-        g2 = (y[..., 0:h:2, 0:w:2] + y[..., 1:h:2, 1:w:2]) / 2
+        g1, g2 = diagonal_halves(y)
         r = (g1 - g2).flatten(2)
         m2 = (r * r).mean(-1)
         m4 = (r * r * r * r).mean(-1)
@@ -140,7 +143,11 @@ def corruption_residual(x: Tensor) -> Tensor:
 
 def residual_moments(x: Tensor, per_sample: bool) -> tuple[Tensor, Tensor | None]:
     """(batch mean of `corruption_residual`, its spread / B or None), on the CPU."""
-    f = corruption_residual(x)
+    return sample_moments(corruption_residual(x), per_sample)
+
+
+def sample_moments(f: Tensor, per_sample: bool) -> tuple[Tensor, Tensor | None]:
+    """(batch mean of per-sample features [B, F], their spread / B or None), on the CPU."""
     n = f.shape[0]
     spread = f.var(0, correction=0) / n if per_sample and n > 1 else None
     return f.mean(0).cpu(), None if spread is None else spread.cpu()
@@ -180,7 +187,9 @@ class DomainEmbedder:
         self._handles = [modules[n].register_forward_pre_hook(self._hook(n))
                          for n in self.layer_names]
         front = (["input"] if self.config.include_input else []) + \
-            (["residual"] if self.config.residual else [])
+            (["residual"] if self.config.residual else []) + \
+            (["encoder"] if self.config.encoder else [])
+        self.encoder = load_encoder(self.config.encoder) if self.config.encoder else None
         self._handles[:0] = [model.register_forward_pre_hook(self._hook(k)) for k in front]
         self.keys = front + self.layer_names
         self.enabled = True
@@ -188,18 +197,28 @@ class DomainEmbedder:
         channels = sum(modules[n].num_features for n in self.layer_names)
         c_in = int(input_shape[0])
         self.dim = 2 * (channels + (c_in if self.config.include_input else 0)) + \
-            (RESIDUAL_SCALES * RESIDUAL_FEATURES * c_in if self.config.residual else 0)
+            (RESIDUAL_SCALES * RESIDUAL_FEATURES * c_in if self.config.residual else 0) + \
+            (self.encoder.config.dim if self.encoder is not None else 0)
 
     def _hook(self, key: str):
         def hook(_m: nn.Module, args: tuple) -> None:
             if self.enabled and args and isinstance(args[0], Tensor):
                 t0 = time.perf_counter()
-                stat = residual_moments if key == "residual" else moments
-                self._parts[key] = stat(args[0], self.config.per_sample)
+                self._parts[key] = self._stat(key, args[0])
                 self._ms += (time.perf_counter() - t0) * 1e3
                 if key == self.keys[-1] and self.on_ready is not None:
                     self.on_ready(*self.embedding())
         return hook
+
+    def _stat(self, key: str, x: Tensor) -> tuple[Tensor, Tensor | None]:
+        if key == "residual":
+            return residual_moments(x, self.config.per_sample)
+        if key == "encoder":
+            assert self.encoder is not None
+            with torch.no_grad():
+                z = self.encoder(x.detach().float().cpu()).double()
+            return sample_moments(z, self.config.per_sample)
+        return moments(x, self.config.per_sample)
 
     def take_ms(self) -> float:
         """Milliseconds spent computing moments since the last call (then reset)."""

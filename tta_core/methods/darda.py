@@ -53,6 +53,7 @@ class DardaConfig(MethodConfig):
     embed_layers: int = 3  # BN inputs in the embedding (and frozen trunk)
     per_sample: bool = True
     residual: bool = True  # + the corruption residual features (tta_core.domain.embedding)
+    encoder_path: str = ""  # + a learnt corruption encoder (tta train-corruption-encoder)
     hysteresis: int = 2
     confident: float = 0.8  # switch at once when this close (x threshold): see detector
     novelty_quantile: float = 0.5
@@ -110,7 +111,7 @@ class Darda(TTAMethod):
                              f"{tuple(c.input_shape)}")
         self.embedder = embedder_for(self.model, c.input_shape,
                                      EmbeddingConfig(c.embed_layers, True, c.per_sample,
-                                                     c.residual))
+                                                     c.residual, c.encoder_path))
         upper = configure(self.model, self.embedder.layer_names, c.bn_mode)
         bns = batch_norm_layers(self.model)
         self._upper = [bns[n] for n in upper]

@@ -49,11 +49,11 @@ class EncoderConfig:
     """Architecture and training settings (stored with the weights)."""
 
     channels: int = 3
-    width: int = 32
+    width: int = 16
     dim: int = 32  # projection size
     tau: float = 0.1  # SupCon temperature
     lambda_e: float = 1.0  # weight of L_N (Eq. 8)
-    steps: int = 300
+    steps: int = 200
     per_class: int = 8  # images per corruption in a batch (N = 15 x 8, 2N with the copies)
     lr: float = 2e-3
     samples: int = 256  # training images per corruption

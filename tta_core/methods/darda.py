@@ -1,13 +1,16 @@
 """DARDA: domain-aware adaptation with a bank of per-domain states (issue #21).
 
 After "DARDA: Domain-Aware Real-Time Dynamic Neural Network Adaptation" (seed 004), the
-online part, without its learnt corruption encoder: the batch embedding is the channel
-moments of the first BatchNorm inputs (tta_core.domain.embedding), read inside the
-forward. In the pre-hook of the last embedded layer (before any adapted layer runs) the
-detector assigns the batch to a known domain or a new one (hysteresis, novelty), and on a
-switch the bank copies that domain's state (upper BN affine [+ running stats], final
-linear layer) into the live tensors: the batch is already predicted by the right state,
-with no extra pass. A new domain starts from the nearest known domain's state.
+online part: the batch embedding is the channel moments of the first BatchNorm inputs plus
+the fixed-kernel corruption residual of the input (DARDA §4.1's two downsamplings), and
+optionally DARDA's learnt corruption encoder (`encoder_path`; tta_core.domain.embedding,
+tta_core.domain.encoder), read inside the forward. In the pre-hook of the last embedded
+layer (before any adapted layer runs) the detector assigns the batch to a known domain or
+a new one (hysteresis, novelty, a confident first-batch switch), and on a switch the bank
+copies that domain's state (upper BN affine [+ running stats], final linear layer) into
+the live tensors: the batch is already predicted by the right state, with no extra pass.
+A new domain starts from the nearest known domain's state. The detection, bank and gate
+are tta_core.domain.switch's DomainSwitch (shared with adashadow's `domain_bank`).
 
 Adaptation (Tent's entropy, SGD on the upper BN affine [+ the classifier with
 `adapt_fc`]) runs only until the domain is stable (tta_core.domain.gate); then batches are

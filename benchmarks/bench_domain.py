@@ -8,12 +8,14 @@ Prints JSON and writes it with a confusion-matrix PNG under --out:
 - novelty of the 4 held-out corruptions against the 15 enrolled domains: share of batches
   flagged novel (farther than the threshold from every domain) and share served as novel
   (flagged, or by a domain created during the held-out segment);
-- the recurring stream (15 corruptions x 3 visits) for darda vs tent vs bn_adapt: mean
+- the recurring stream (15 corruptions x 3 visits) for darda vs tent vs bn_adapt vs
+  adashadow with and without its `domain_bank` (per-visit plot recurring_visits.png): mean
   online accuracy, per visit, visits 2-3 first-5-batch vs visit-1 last-5 accuracy,
   backward-pass share, detection + swap time share;
 - detection + swap share of batch time on a torchvision ResNet-18 (random weights).
 
-    python benchmarks/bench_domain.py [--quick] [--out runs/bench_domain]
+    python benchmarks/bench_domain.py [--quick] [--moments-only] [--encoder ENC.safetensors]
+                                      [--methods ''] [--resnet-size -1] [--out DIR]
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from tta_core.data.corruptions import CORRUPTIONS, HELD_OUT
 from tta_core.data.preprocess import images_to_tensor
 from tta_core.data.streams import StreamSpec, build_stream
 from tta_core.domain.detector import DomainDetector
-from tta_core.domain.embedding import DomainEmbedder
+from tta_core.domain.embedding import DomainEmbedder, EmbeddingConfig
 from tta_core.methods import build_method
 from tta_core.model.norms import set_bn_mode
 from tta_core.model.source import load_source
@@ -48,18 +50,25 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="5 corruptions, fewer samples")
     ap.add_argument("--samples", type=int, default=0, help="per domain (default 480 / 160)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--methods", default="darda,darda:bn_mode=batch,tent,bn_adapt",
+    ap.add_argument("--methods", default="darda,darda:bn_mode=batch,tent,bn_adapt,adashadow,"
+                                         "adashadow:domain_bank=true",
                     help="comma list, options as name:key=value;key=value")
-    ap.add_argument("--resnet-size", type=int, default=0, help="ResNet-18 input px (224/112)")
     ap.add_argument("--out", default=str(ROOT / "runs" / "bench_domain"))
+    ap.add_argument("--moments-only", action="store_true",
+                    help="embedding without the corruption residual (the old one)")
+    ap.add_argument("--encoder", default="", help="also recognition with this learnt "
+                    "corruption encoder (tta train-corruption-encoder), alone and added")
+    ap.add_argument("--resnet-size", type=int, default=0,
+                    help="ResNet-18 input px (224/112; -1: skip)")
     return ap.parse_args()
 
 
-def embed_stream(spec: StreamSpec) -> list[tuple[torch.Tensor, torch.Tensor | None, str]]:
+def embed_stream(spec: StreamSpec, config: EmbeddingConfig
+                 ) -> list[tuple[torch.Tensor, torch.Tensor | None, str]]:
     """(embedding, within, true corruption) per batch, as darda's trunk computes them."""
     model, card = load_source(CARD)
     set_bn_mode(model, "batch")
-    emb = DomainEmbedder(model, (3, 32, 32))
+    emb = DomainEmbedder(model, (3, 32, 32), config)
     out = []
     for b in build_stream(spec).batches(BATCH):
         with torch.no_grad():
@@ -121,6 +130,24 @@ def novelty(det: DomainDetector, held) -> dict:
             "mean_served_novel": float(np.mean([v["served_novel"] for v in out.values()]))}
 
 
+def recognition_report(config: EmbeddingConfig, corr: tuple[str, ...], n: int, seed: int,
+                       out: Path, tag: str) -> dict:
+    """Online / enrolled recognition (confusion plots confusion_<mode><tag>.png) and the
+    novelty of the held-out corruptions, with one embedding."""
+    passes = embed_stream(StreamSpec(order="recurring", corruptions=corr, samples_per_domain=n,
+                                     recurrences=2, seed=seed), config)
+    held = embed_stream(StreamSpec(order="continual", corruptions=HELD_OUT,
+                                   samples_per_domain=n, seed=seed + 1), config)
+    report = {"dim": int(passes[0][0].numel())}
+    for mode in ("online", "enrolled"):
+        det, rec = recognise(passes, enrolled=mode == "enrolled")
+        plot_confusion(rec, out / f"confusion_{mode}{tag}.png", f"recognition ({mode}{tag})")
+        report[f"recognition_{mode}"] = rec
+        if mode == "enrolled":
+            report["novelty"] = novelty(det, held)
+    return report
+
+
 def plot_confusion(result: dict, path: Path, title: str) -> None:
     import matplotlib
 
@@ -137,6 +164,27 @@ def plot_confusion(result: dict, path: Path, title: str) -> None:
     ax.set_xlabel("recognised as")
     ax.set_ylabel("true corruption")
     ax.set_title(f"{title}: {result['accuracy']:.1%} of batches")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_visits(rows: list[dict], path: Path) -> None:
+    """Mean online accuracy per visit of the recurring stream, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in rows:
+        ax.plot(range(1, len(r["per_visit"]) + 1), [100 * a for a in r["per_visit"]],
+                marker="o", label=r["method"])
+    ax.set_xlabel("visit")
+    ax.set_ylabel("online accuracy (%)")
+    ax.set_xticks(range(1, len(rows[0]["per_visit"]) + 1))
+    ax.set_title("recurring stream (15 corruptions x 3 visits, batch 16)")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -159,6 +207,7 @@ def run_recurring(spec_str: str, batches, n_corr: int) -> dict:
     model, _ = load_source(CARD)
     m = build_method(name, model, input_shape=(3, 32, 32), **opts)
     accs, visits, backward, detect, total, seg, prev = [], [], 0, 0.0, 0.0, -1, None
+    domains = 0
     t0 = time.perf_counter()
     for x, y, d in batches:
         seg += d != prev
@@ -167,13 +216,15 @@ def run_recurring(spec_str: str, batches, n_corr: int) -> dict:
         accs.append(float((r.logits.argmax(1) == y).float().mean()))
         visits.append((seg // n_corr, d))
         backward += bool(r.stats.get("backward", r.adapted))
+        domains = int(r.stats.get("domains", 0))
         detect += float(r.stats.get("detect_ms", 0.0))
         total += r.times.total_ms
     wall = time.perf_counter() - t0
     m.close()
     return {"method": spec_str, **_visit_stats(accs, visits),
             "backward_share": backward / len(accs),
-            "detect_share": detect / total if total else 0.0, "wall_s": wall}
+            "detect_share": detect / total if total else 0.0, "domains": domains,
+            "wall_s": wall}
 
 
 def _visit_stats(accs: list[float], visits: list[tuple[int, str]]) -> dict:
@@ -217,19 +268,17 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    passes = embed_stream(StreamSpec(order="recurring", corruptions=corr, samples_per_domain=n,
-                                     recurrences=2, seed=args.seed))
-    held = embed_stream(StreamSpec(order="continual", corruptions=HELD_OUT,
-                                   samples_per_domain=n, seed=args.seed + 1))
+    residual = not args.moments_only
     report: dict = {"batch": BATCH, "samples_per_domain": n, "corruptions": list(corr),
+                    "embedding": "moments + residual" if residual else "moments only",
                     "threads": 1, "note": "CPU, 2 cores shared with other jobs: timings "
                                           "are contended"}
-    for mode in ("online", "enrolled"):
-        det, rec = recognise(passes, enrolled=mode == "enrolled")
-        plot_confusion(rec, out / f"confusion_{mode}.png", f"recognition ({mode})")
-        report[f"recognition_{mode}"] = rec
-        if mode == "enrolled":
-            report["novelty"] = novelty(det, held)
+    report.update(recognition_report(EmbeddingConfig(residual=residual), corr, n, args.seed,
+                                     out, ""))
+    if args.encoder:  # DARDA's learnt encoder alone, and added to moments + residual
+        for tag, cfg in (("learnt", EmbeddingConfig(0, False, True, False, args.encoder)),
+                         ("moments_residual_learnt", EmbeddingConfig(encoder=args.encoder))):
+            report[tag] = recognition_report(cfg, corr, n, args.seed, out, f"_{tag}")
     report["embed_s"] = time.perf_counter() - t0
     _, card = load_source(CARD)
     stream = build_stream(StreamSpec(order="recurring", corruptions=corr, samples_per_domain=n,
@@ -237,8 +286,11 @@ def main() -> None:
     batches = [(images_to_tensor(b.images, tuple(card.mean), tuple(card.std)),
                 torch.from_numpy(b.labels), b.domain) for b in stream.batches(BATCH)]
     report["recurring"] = [run_recurring(s, batches, len(corr))
-                           for s in args.methods.split(",")]
-    report["resnet18"] = resnet18_overhead(args.resnet_size or (112 if args.quick else 224))
+                           for s in args.methods.split(",") if s]
+    if report["recurring"]:
+        plot_visits(report["recurring"], out / "recurring_visits.png")
+    if args.resnet_size >= 0:
+        report["resnet18"] = resnet18_overhead(args.resnet_size or (112 if args.quick else 224))
     report["total_s"] = time.perf_counter() - t0
     (out / "bench_domain.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))

@@ -63,6 +63,7 @@ setup(
             "model-card = tta_core.cli.commands.model_card",
             "predictor-bench = tta_core.cli.commands.predictor_bench",
             "profile = tta_core.cli.commands.profile",
+            "train-corruption-encoder = tta_core.cli.commands.train_corruption_encoder",
             "train-source = tta_core.cli.commands.train_source",
             "demo = tta_ros.commands.demo",
             "replay = tta_ros.commands.replay",

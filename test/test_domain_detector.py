@@ -4,6 +4,7 @@ embedding hooks and detector state round trip. Shipped 32 px net, batch 16, 1 th
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -15,7 +16,13 @@ from tta_core.adashadow.assessor import channel_stats
 from tta_core.data.preprocess import images_to_tensor
 from tta_core.data.streams import StreamSpec, build_stream
 from tta_core.domain.detector import DetectorConfig, DomainDetector
-from tta_core.domain.embedding import DomainEmbedder, EmbeddingConfig, embedding_from_stats
+from tta_core.domain.embedding import (
+    LOG_EPS,
+    DomainEmbedder,
+    EmbeddingConfig,
+    corruption_residual,
+    embedding_from_stats,
+)
 from tta_core.model.norms import set_bn_mode
 from tta_core.model.source import load_source
 
@@ -78,9 +85,13 @@ def test_held_out_corruptions_are_flagged_novel(embedded) -> None:
     assert any(created) and det.current_name not in known
 
 
-def test_single_outlier_batch_does_not_switch(embedded) -> None:
+@pytest.mark.parametrize("confident", [0.0, 0.8])
+def test_single_outlier_batch_does_not_switch(embedded, confident: float) -> None:
+    """Hysteresis: one batch of a known domain (with `confident` 0) or of a novel one
+    never switches and is not absorbed."""
     passes = embedded[0]
     det, _ = _learn_and_recognise(passes)
+    det.config.confident = confident
     fog = [(e, w) for e, w, d in passes if d.startswith("fog")]
     noise = next((e, w) for e, w, d in passes if d.startswith("gaussian"))
     novel = embedded[1][0][:2]
@@ -88,7 +99,7 @@ def test_single_outlier_batch_does_not_switch(embedded) -> None:
         det.observe(e, w)
     active = det.current_name
     count = float(det.table.counts[det.current])
-    for outlier in (noise, novel):
+    for outlier in (noise, novel) if confident == 0 else (novel,):
         res = det.observe(*outlier)
         assert res.domain == active and not res.switched
         assert float(det.table.counts[det.current]) == count  # the outlier is not absorbed
@@ -156,7 +167,8 @@ def test_embedding_hooks_leave_outputs_alone_and_match_assessor_stats() -> None:
     x = torch.randn(4, 3, 32, 32)
     with torch.no_grad():
         ref = model(x)
-    emb = DomainEmbedder(model, (3, 32, 32), EmbeddingConfig(layers=1, per_sample=False))
+    emb = DomainEmbedder(model, (3, 32, 32), EmbeddingConfig(layers=1, per_sample=False,
+                                                             residual=False))
     with torch.no_grad():
         out = model(x)
         conv = model.conv1(x)
@@ -165,3 +177,39 @@ def test_embedding_hooks_leave_outputs_alone_and_match_assessor_stats() -> None:
     pooled = embedding_from_stats([channel_stats(x), channel_stats(conv)])
     assert torch.allclose(vec, pooled, atol=1e-5)
     emb.close()
+
+
+def test_a_confidently_close_known_domain_switches_on_its_first_batch(embedded) -> None:
+    """`confident`: the first batch of a recurring, well-known domain is served by it (no
+    hysteresis delay), and only when the active domain is beyond the threshold."""
+    passes = embedded[0]
+    det, _ = _learn_and_recognise(passes)
+    fog = [(e, w) for e, w, d in passes if d.startswith("fog")]
+    noise = [(e, w) for e, w, d in passes if d.startswith("gaussian")]
+    for e, w in fog[:3]:
+        det.observe(e, w)
+    first = det.observe(*noise[0])
+    assert first.distance > first.threshold
+    assert first.nearest_distance <= det.config.confident * first.threshold
+    assert first.switched and first.domain == first.nearest != "" and not first.created
+    strict = DomainDetector(det.dim, DetectorConfig(confident=0.0))
+    strict.load_state(*det.state())
+    for e, w in fog[:3]:
+        strict.observe(e, w)
+    assert [strict.observe(*b).switched for b in noise[:2]] == [False, True]
+
+
+def test_corruption_residual_matches_the_fixed_kernels_by_hand() -> None:
+    """G1(x) - G2(x) energies and kurtosis (DARDA Eqs. 3-4 fixed kernels), brute force."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 8, 8, generator=g, dtype=torch.float64)
+    feats = corruption_residual(x)
+    assert feats.shape == (2, 3 * 4)
+    y = x[1, 2]
+    r = torch.tensor([(y[i, j + 1] + y[i + 1, j]) / 2 - (y[i, j] + y[i + 1, j + 1]) / 2
+                      for i in range(0, 8, 2) for j in range(0, 8, 2)], dtype=torch.float64)
+    m2, m4 = (r ** 2).mean(), (r ** 4).mean()
+    assert torch.allclose(feats[1, 2], torch.log(m2 + LOG_EPS), atol=1e-6)  # energy, scale 1
+    assert torch.allclose(feats[1, 3 + 2], torch.log(m4 / (m2 ** 2 + LOG_EPS) + LOG_EPS))
+    flat = corruption_residual(torch.ones(1, 3, 8, 8))
+    assert torch.allclose(flat[0, :3], torch.full((3,), math.log(LOG_EPS), dtype=torch.float64))

@@ -45,7 +45,7 @@ def test_tta_ros_manifest_declares_runtime_dependencies():
     assert pkg.name == "tta_ros"
     assert pkg.get_build_type() == "ament_python"
     needed = {"rclpy", "sensor_msgs", "diagnostic_msgs", "visualization_msgs", "std_msgs",
-              "tta_msgs", "python3-torch", "python3-torchvision", "python3-numpy",
+              "std_srvs", "tta_msgs", "python3-torch", "python3-torchvision", "python3-numpy",
               "python3-psutil", "launch", "launch_ros"}
     assert needed <= _deps(pkg), needed - _deps(pkg)
     # `rosdep check` stopped at it: ament_python is a build type, not a rosdep key
@@ -61,7 +61,7 @@ ROSDEP_KEYS = {"torch": "python3-torch", "torchvision": "python3-torchvision",
                "rich": "python3-rich", "rosbags": "python3-rosbags-pip"}
 ROS_PACKAGES = {"rclpy", "rcl_interfaces", "ament_index_python", "launch", "launch_ros",
                 "std_msgs", "sensor_msgs", "diagnostic_msgs", "visualization_msgs",
-                "geometry_msgs", "builtin_interfaces", "nav_msgs", "tta_msgs"}
+                "geometry_msgs", "builtin_interfaces", "nav_msgs", "std_srvs", "tta_msgs"}
 NO_KEY = {"imagecorruptions", "safetensors"}  # pip only (requirements/python.txt)
 OPTIONAL = {"pynvml", "jtop"}  # telemetry sources tried at run time on NVIDIA / Jetson
 FIRST_PARTY = {"tta_core", "tta_ros", "tta_kernels"}

@@ -1,5 +1,6 @@
 """The perception node with darda over real rclpy: domain reports, the domain bank kept
-across a restart (domain_bank_path), a corrupt bank file reported in one line (issue #21).
+across a restart (domain_bank_path), a corrupt bank file reported in one line, the
+save/clear Trigger services, and the domain in the scheduler's marker label (issue #21).
 
 Stream: the shipped small_resnet 32 px card on synthetic signs, gaussian_noise/5 then
 fog/5 (tta_core.data.streams), sent one batch at a time (8 frames, each waiting for its
@@ -19,9 +20,12 @@ from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus  # noqa: E402
 from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data  # noqa: E402
+from safetensors import safe_open  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
+from std_srvs.srv import Trigger  # noqa: E402
 from test_ros_nodes import wait_for  # noqa: E402
-from tta_msgs.msg import AdaptationStatus, ClassPrediction  # noqa: E402
+from tta_msgs.msg import AdaptationStatus, ClassPrediction, LayerImportance  # noqa: E402
+from visualization_msgs.msg import MarkerArray  # noqa: E402
 
 from tta_core.data.streams import StreamSpec, build_stream  # noqa: E402
 from tta_core.io.image_msg import array_to_image_fields  # noqa: E402
@@ -49,9 +53,9 @@ def _image(img: np.ndarray, i: int) -> Image:
 class Run:
     """One darda perception node + a probe recording predictions, statuses, diagnostics."""
 
-    def __init__(self, ctx, bank: Path, save_s: float = 0.0) -> None:
+    def __init__(self, ctx, bank: Path, save_s: float = 0.0, method: str = "darda") -> None:
         self.node = PerceptionNode(context=ctx, parameter_overrides=[
-            Parameter("model_card", value=str(CARD)), Parameter("method", value="darda"),
+            Parameter("model_card", value=str(CARD)), Parameter("method", value=method),
             Parameter("batch_size", value=BATCH), Parameter("batch_timeout_s", value=1.0),
             Parameter("queue_size", value=64), Parameter("num_threads", value=1),
             Parameter("reset_patience", value=100000),
@@ -100,6 +104,17 @@ class Run:
     def accuracy(self, labels: np.ndarray, first: int) -> float:
         hits = [self.preds.get(first + k) == int(y) for k, y in enumerate(labels)]
         return 100.0 * float(np.mean(hits))
+
+    def trigger(self, service: str) -> Trigger.Response:
+        """Call the perception node's `service` (std_srvs/Trigger) from the probe node."""
+        cli = self.probe.create_client(Trigger, f"/perception/{service}")
+        try:
+            assert cli.wait_for_service(timeout_sec=10.0), service
+            future = cli.call_async(Trigger.Request())
+            assert wait_for(future.done, 20.0), f"{service}: no answer"
+            return future.result()
+        finally:
+            self.probe.destroy_client(cli)
 
     def domain_statuses(self) -> list[DiagnosticStatus]:
         return [s for s in self.diag if s.name.endswith(": domain")]
@@ -177,3 +192,87 @@ def test_corrupt_bank_file_is_reported_in_one_line_and_the_node_serves(
         assert not fresh.node.domain.bank_error  # the saved bank loads
     finally:
         fresh.stop()
+
+
+def test_save_and_clear_services_run_between_batches(ros_context, stream, tmp_path) -> None:
+    """~/save_domain_bank writes the file now (not before); ~/clear_domain_bank empties
+    the bank (the next batch founds d0 again) and the cleared bank is what gets saved."""
+    bank = tmp_path / "bank.safetensors"
+    run = Run(ros_context, bank)
+    try:
+        first = run.feed(stream.images[:3 * BATCH], 0)
+        assert first[-1] == "d0" and not bank.exists()
+        resp = run.trigger("save_domain_bank")
+        assert resp.success and str(bank) in resp.message and bank.is_file()
+        with safe_open(str(bank), "pt") as f:
+            assert any(k.startswith("state/d0/") for k in f.keys())
+        assert run.node.method.detector.names == ["d0"]
+        resp = run.trigger("clear_domain_bank")
+        assert resp.success and resp.message == "domain bank cleared"
+        method = run.node.method
+        assert method.detector.names == [] and method.bank.names == []
+        assert method.current_domain() == ""
+        again = run.feed(stream.images[PER_DOMAIN:PER_DOMAIN + BATCH], PER_DOMAIN)
+        assert again == ["d0"] and method.detector.names == ["d0"]  # founded anew
+        assert run.trigger("clear_domain_bank").success
+        assert run.trigger("save_domain_bank").success  # the cleared bank is saved
+        with safe_open(str(bank), "pt") as f:
+            assert not any(k.startswith("state/") for k in f.keys())
+    finally:
+        run.stop()
+
+
+def test_services_refuse_a_method_without_a_bank(ros_context, tmp_path) -> None:
+    run = Run(ros_context, tmp_path / "bank.safetensors", method="tent")
+    try:
+        for service, words in (("save_domain_bank", "no domain bank to save"),
+                               ("clear_domain_bank", "Tent has no domain bank to clear")):
+            resp = run.trigger(service)
+            assert not resp.success and words in resp.message and "\n" not in resp.message
+        assert not (tmp_path / "bank.safetensors").exists()
+    finally:
+        run.stop()
+
+
+def test_scheduler_marker_label_shows_the_recognised_domain(ros_context) -> None:
+    """An AdaptationStatus with a domain, over DDS, reaches the RViz label of the next
+    plan's markers; before any status the label has no domain."""
+    from test_ros_nodes import _send_until
+
+    from tta_ros.nodes.scheduler import SchedulerNode
+
+    node = SchedulerNode(context=ros_context, parameter_overrides=[
+        Parameter("model_card", value=str(CARD))])
+    probe = rclpy.create_node("rviz_probe", context=ros_context)
+    got: list[MarkerArray] = []
+    probe.create_subscription(MarkerArray, "layer_markers", got.append, 10)
+    ex = SingleThreadedExecutor(context=ros_context)
+    n = len(node.layout.unit_names)
+    imp = LayerImportance(unit_names=node.layout.unit_names, importance=[1.0] * n,
+                          model_name=node.layout.model_name, batch_size=8,
+                          forward_ms=0.3 * n)
+
+    def label() -> str:
+        got.clear()
+        assert wait_for(lambda: probe.count_publishers("layer_markers") > 0, 5.0)
+        node._on_importance(imp)
+        for _ in range(200):
+            ex.spin_once(timeout_sec=0.02)
+            if got:
+                break
+        assert got, "no markers"
+        return next(m.text for m in got[-1].markers if m.ns == "label")
+
+    try:
+        for nd in (node, probe):
+            ex.add_node(nd)
+        assert "domain" not in label()
+        ex.remove_node(node)
+        _send_until(ros_context, node, lambda: node.domain == "d3",
+                    [AdaptationStatus(plan_id=999, domain="d3")])
+        ex.add_node(node)
+        assert label().endswith(", domain d3"), label()
+    finally:
+        ex.shutdown()
+        probe.destroy_node()
+        node.destroy_node()

@@ -5,9 +5,12 @@ Known domains and the distance d_j of a batch to each are in `tta_core.domain.ta
 
 - candidate = the nearest domain, or NEW when every d_j exceeds the novelty threshold;
 - hysteresis: the active domain changes only after `hysteresis` consecutive batches away
-  from it (a single outlier batch never switches, and is not absorbed); the target is the
-  known domain nearest to those batches' mean, if within the threshold, else NEW after
-  `novel_hysteresis` such batches (a spurious domain costs more than a late new one); the
+  from it (or at once when the nearest known domain is within `confident` x the
+  threshold and the active one beyond the threshold: a recurring domain is recognised
+  on its first batch; a single outlier batch of a novel or a less close domain never
+  switches, and is not absorbed); the target is the known domain nearest to those
+  batches' mean, if within the threshold, else NEW after `novel_hysteresis` such
+  batches (a spurious domain costs more than a late new one); the
   away batches must agree with each other (`DomainTable.pair_distance`), so an outlier
   followed by the next domain's first batch does not found a mixed domain;
 - a persisting NEW candidate becomes a domain (centroid and spreads from those batches),
@@ -57,6 +60,7 @@ class DetectorConfig:
 
     hysteresis: int = 2  # consecutive batches away from the active domain before a switch
     novel_hysteresis: int = 2  # ... before a switch to a new domain
+    confident: float = 0.8  # no hysteresis when nearest <= this x threshold (0: never)
     novelty_quantile: float = 0.5  # of in-domain distances, for the novelty threshold
     novelty_margin: float = 1.5  # threshold = margin * that quantile
     novelty_default: float = 1.5  # threshold until calib_min in-domain distances exist
@@ -75,6 +79,7 @@ class DetectorConfig:
         """ValueError naming the first bad field."""
         checks = [("hysteresis", self.hysteresis >= 1),
                   ("novel_hysteresis", self.novel_hysteresis >= self.hysteresis),
+                  ("confident", 0 <= self.confident < 1),
                   ("alpha", 0 < self.alpha <= 1),
                   ("novelty_quantile", 0 < self.novelty_quantile <= 1),
                   ("novelty_margin", self.novelty_margin > 0),
@@ -240,7 +245,7 @@ class DomainDetector:
                 self._streak, self._buffer = 0, []
         self._streak += 1
         self._buffer.append(batch)
-        if self._streak < self.config.hysteresis:
+        if self._streak < self.config.hysteresis and not self._sure(cand, det):
             return det
         mean = torch.stack([e for e, _ in self._buffer]).mean(0)
         d = self.table.distances(mean)
@@ -251,6 +256,14 @@ class DomainDetector:
         if self._streak < self.config.novel_hysteresis:
             return det
         return self._switch(NEW, self._buffer, det)
+
+    def _sure(self, cand: int, det: Detection) -> bool:
+        """A known domain with >= `calib_after` batches so close (<= `confident` x
+        threshold) while the active one is beyond the threshold that one batch decides:
+        the switch batch itself is then served by the recognised state."""
+        c = self.config
+        return cand != NEW and self._mature(cand) and det.distance > det.threshold \
+            and det.nearest_distance <= c.confident * det.threshold
 
     def _switch(self, target: int, batches: list[Batch], det: Detection) -> Detection:
         """Make `target` (a row, or NEW) active and give it `batches`."""

@@ -21,6 +21,7 @@ from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig
 from tta_core.adashadow.planner import Plan
 from tta_core.adashadow.predictor import UnitProfile
 from tta_core.api import StepResult
+from tta_core.domain.switch import DomainSwitch, bank_switch, gated_step
 from tta_core.methods import register
 from tta_core.methods.base import MethodConfig, TTAMethod
 from tta_core.model.units import StagedModel, decompose
@@ -35,6 +36,9 @@ class AdaShadowConfig(MethodConfig, EngineConfig):
     # tta's default, not the paper's ("batch", Tent-style): at the few frames per batch a
     # camera node runs, robust BN gains 7-15 points (EngineConfig.bn_mode; measured there)
     bn_mode: str = "robust"
+    # issue #21: recognise the domain, restore its banked BN + classifier state, adapt only
+    # until the domain is stable (tta_core.domain.switch; trainable="norm" only)
+    domain_bank: bool = False
 
 
 @register("adashadow")
@@ -68,6 +72,15 @@ class AdaShadow(TTAMethod):
         self.staged = decompose(self.model, self.config.input_shape, self.config.arch)
         self.engine = AdaShadowEngine(self.staged, self.config, profile=prof,
                                       source_bn=source_bn)
+        self.domains: DomainSwitch | None = None
+        if self.config.domain_bank:
+            if self.config.trainable != "norm":
+                raise ValueError(f"adashadow domain_bank banks BN + classifier state only: "
+                                 f"needs trainable='norm', got {self.config.trainable!r}")
+            self.domains = bank_switch(self.model, self.config.input_shape,
+                                       self.engine.optimizer)
+            frozen = np.isin(self.unit_names, self.domains.embedder.layer_names)
+            self.engine.candidates &= ~frozen  # the embedding's BN layers: as darda's trunk
 
     @property
     def trainable(self) -> np.ndarray:
@@ -86,6 +99,8 @@ class AdaShadow(TTAMethod):
         return self.engine.optimizer
 
     def forward_and_adapt(self, x: Tensor, plan: Plan | None = None) -> StepResult:
+        if self.domains is not None:
+            return gated_step(self.domains, self.model, x, lambda: self.engine.step(x, plan))
         return self.engine.step(x, plan=plan)
 
     def step(self, x: Tensor, plan: Plan | None = None) -> StepResult:
@@ -141,8 +156,12 @@ class AdaShadow(TTAMethod):
         self.engine.sync()
 
     def close(self) -> None:
-        """Wait for the background update and remove the engine's hooks."""
+        """Wait for the background update and remove the engine's (and the bank's) hooks."""
         self.engine.close()
+        if self.domains is not None:
+            self.domains.close()
 
     def reset_state(self) -> None:
         self.engine.reset()
+        if self.domains is not None:
+            self.domains.fresh()

@@ -1,13 +1,16 @@
 """DARDA: domain-aware adaptation with a bank of per-domain states (issue #21).
 
 After "DARDA: Domain-Aware Real-Time Dynamic Neural Network Adaptation" (seed 004), the
-online part, without its learnt corruption encoder: the batch embedding is the channel
-moments of the first BatchNorm inputs (tta_core.domain.embedding), read inside the
-forward. In the pre-hook of the last embedded layer (before any adapted layer runs) the
-detector assigns the batch to a known domain or a new one (hysteresis, novelty), and on a
-switch the bank copies that domain's state (upper BN affine [+ running stats], final
-linear layer) into the live tensors: the batch is already predicted by the right state,
-with no extra pass. A new domain starts from the nearest known domain's state.
+online part: the batch embedding is the channel moments of the first BatchNorm inputs plus
+the fixed-kernel corruption residual of the input (DARDA §4.1's two downsamplings), and
+optionally DARDA's learnt corruption encoder (`encoder_path`; tta_core.domain.embedding,
+tta_core.domain.encoder), read inside the forward. In the pre-hook of the last embedded
+layer (before any adapted layer runs) the detector assigns the batch to a known domain or
+a new one (hysteresis, novelty, a confident first-batch switch), and on a switch the bank
+copies that domain's state (upper BN affine [+ running stats], final linear layer) into
+the live tensors: the batch is already predicted by the right state, with no extra pass.
+A new domain starts from the nearest known domain's state. The detection, bank and gate
+are tta_core.domain.switch's DomainSwitch (shared with adashadow's `domain_bank`).
 
 Adaptation (Tent's entropy, SGD on the upper BN affine [+ the classifier with
 `adapt_fc`]) runs only until the domain is stable (tta_core.domain.gate); then batches are
@@ -22,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,10 +37,11 @@ from tta_core.api import PhaseClock, StepResult, mean_entropy
 from tta_core.domain.bank import SOURCE, StateBank, adapted_tensors, last_linear
 from tta_core.domain.bn import BANK_BN_MODES, RobustBN, batch_norm_layers, configure, refreshing
 from tta_core.domain.detector import Detection, DetectorConfig, DomainDetector
-from tta_core.domain.embedding import DomainEmbedder, EmbeddingConfig
+from tta_core.domain.embedding import EmbeddingConfig
 from tta_core.domain.gate import AdaptGate, DomainGate, GateConfig
 from tta_core.domain.memory import BalancedMemory
 from tta_core.domain.store import load_bank, model_fingerprint, save_bank
+from tta_core.domain.switch import DomainSwitch, SwitchConfig, embedder_for
 from tta_core.errors import InputError, one_line
 from tta_core.methods import register
 from tta_core.methods.base import MethodConfig, TTAMethod
@@ -52,7 +55,10 @@ class DardaConfig(MethodConfig):
 
     embed_layers: int = 3  # BN inputs in the embedding (and frozen trunk)
     per_sample: bool = True
+    residual: bool = True  # + the corruption residual features (tta_core.domain.embedding)
+    encoder_path: str = ""  # + a learnt corruption encoder (tta train-corruption-encoder)
     hysteresis: int = 2
+    confident: float = 0.8  # switch at once when this close (x threshold): see detector
     novelty_quantile: float = 0.5
     novelty_margin: float = 1.5
     max_domains: int = 32
@@ -106,9 +112,9 @@ class Darda(TTAMethod):
         if len(c.input_shape) != 3:
             raise ValueError(f"darda needs input_shape, one sample (C, H, W), got "
                              f"{tuple(c.input_shape)}")
-        self.embedder = DomainEmbedder(self.model, c.input_shape,
-                                       EmbeddingConfig(c.embed_layers, True, c.per_sample),
-                                       on_ready=self._on_embedding)
+        self.embedder = embedder_for(self.model, c.input_shape,
+                                     EmbeddingConfig(c.embed_layers, True, c.per_sample,
+                                                     c.residual, c.encoder_path))
         upper = configure(self.model, self.embedder.layer_names, c.bn_mode)
         bns = batch_norm_layers(self.model)
         self._upper = [bns[n] for n in upper]
@@ -127,42 +133,43 @@ class Darda(TTAMethod):
         self._live = adapted_tensors(self.model, skip=lambda n: n not in keep)
         self._source = {k: v.detach().clone() for k, v in self._live.items()}
         self.fingerprint = model_fingerprint(self.model, self._live)
+        self.switch = DomainSwitch(self.embedder, self._live, SwitchConfig(
+            DetectorConfig(hysteresis=c.hysteresis, confident=c.confident,
+                           novelty_quantile=c.novelty_quantile,
+                           novelty_margin=c.novelty_margin, max_domains=c.max_domains),
+            GateConfig(c.min_adapt, c.max_adapt, tol=c.stable_tol, drift_tol=c.drift_tol),
+            c.init_from), source=self._source, on_switch=self._on_switch)
         self._fresh()
 
     def _fresh(self) -> None:
         c = self.config
-        self.detector = DomainDetector(self.embedder.dim, DetectorConfig(
-            hysteresis=c.hysteresis, novelty_quantile=c.novelty_quantile,
-            novelty_margin=c.novelty_margin, max_domains=c.max_domains))
-        self.bank = StateBank(self._live, c.max_domains, source=self._source)
-        self.gate = AdaptGate(GateConfig(c.min_adapt, c.max_adapt, tol=c.stable_tol,
-                                         drift_tol=c.drift_tol))
+        self.switch.fresh()
         use_memory = c.bn_mode == "bank" and c.refresh and self.num_classes >= 2
         self.memory = BalancedMemory(c.memory_capacity, self.num_classes) if use_memory else None
         self.backward_passes, self._since_refresh = 0, 0
-        self._det: Detection | None = None
-        self._detect_ms = 0.0
 
-    # ------------------------------------------------------------------ detection
-    def _on_embedding(self, vec: Tensor, within: Tensor | None) -> None:
-        """Inside the forward, before the adapted layers: detect, swap on a switch."""
-        t0 = time.perf_counter()
-        det = self.detector.observe(vec, within)
-        if det.evicted:
-            if det.evicted in self.bank.states:
-                self.bank.drop(det.evicted)
-            self.gate.forget(det.evicted)
-        if det.switched:
-            near = det.nearest if self.config.init_from == "nearest" else ""
-            self.bank.activate(det.domain, near if near in self.bank.states else SOURCE)
-            if self.optimizer is not None:
-                self.optimizer.state.clear()  # momentum reset, not banked
-            self.gate.switch(det.domain)
-            if self.memory is not None:
-                self.memory.clear()
-            self._since_refresh = 0
-        self._det = det
-        self._detect_ms += (time.perf_counter() - t0) * 1e3 + self.embedder.take_ms()
+    @property
+    def detector(self) -> DomainDetector:
+        """The domain detector (tta_core.domain.switch)."""
+        return self.switch.detector
+
+    @property
+    def bank(self) -> StateBank:
+        """Per-domain states."""
+        return self.switch.bank
+
+    @property
+    def gate(self) -> AdaptGate:
+        """When to adapt."""
+        return self.switch.gate
+
+    def _on_switch(self, _det: Detection) -> None:
+        """Inside the forward, after the swap: reset what is not banked."""
+        if self.optimizer is not None:
+            self.optimizer.state.clear()  # momentum reset, not banked
+        if self.memory is not None:
+            self.memory.clear()
+        self._since_refresh = 0
 
     @contextmanager
     def _quiet(self) -> Iterator[None]:
@@ -185,13 +192,10 @@ class Darda(TTAMethod):
     def forward_and_adapt(self, x: Tensor) -> StepResult:
         clock = PhaseClock.for_tensor(x)
         grad = self.optimizer is not None and self.gate.wants_backward()
-        self._det, self._detect_ms = None, 0.0
-        self.embedder.take_ms()
+        self.switch.begin()
         with torch.set_grad_enabled(grad):
             logits = self.model(x)
-        det = self._det
-        if det is None:
-            raise RuntimeError("darda: the embedding layers did not run in the forward")
+        self.switch.take()  # RuntimeError if the embedding layers did not run
         adapt = grad and self.gate.wants_backward()  # a switch may have made it stable
         forward_ms, loss = clock.mark(), math.nan
         if adapt:
@@ -210,12 +214,7 @@ class Darda(TTAMethod):
         res = self.result(out, forward_ms, backward_ms, clock.mark(), loss=loss, adapted=adapt,
                           units_updated=len(self.params) // 2 if adapt else 0, post_ms=post_ms)
         res.domain = self.detector.current_name
-        res.stats = {"backward": adapt, "switched": det.switched, "novel": det.novel,
-                     "created": det.created, "distance": det.distance,
-                     "nearest_distance": det.nearest_distance, "threshold": det.threshold,
-                     "detect_ms": self._detect_ms,  # moments + detection + swap
-                     "domains": len(self.detector.names),
-                     "stable": not self.gate.wants_backward()}
+        res.stats = self.switch.stats(adapt)
         return res
 
     def _remember(self, x: Tensor, logits: Tensor, adapted: bool) -> None:
@@ -238,7 +237,7 @@ class Darda(TTAMethod):
     def close(self) -> None:
         """Remove the embedding and robust-BN hooks."""
         super().close()
-        self.embedder.close()
+        self.switch.close()
         if self._rbn is not None:
             self._rbn.close()
 
@@ -285,7 +284,7 @@ class Darda(TTAMethod):
         except (ValueError, TypeError) as exc:
             raise InputError(f"domain bank {path}: {one_line(exc)}") from None
         self._fresh()
-        self.detector, self.bank, self.gate.domains = det, bank, gates
+        self.switch.detector, self.switch.bank, self.gate.domains = det, bank, gates
         if det.current_name:
             self.bank.activate(det.current_name)
             self.gate.switch(det.current_name)

@@ -95,11 +95,12 @@ FROZEN = ColorRGBA(r=0.55, g=0.55, b=0.55, a=0.6)
 WHITE = ColorRGBA(r=1.0, g=1.0, b=1.0, a=1.0)
 
 
-def plan_markers(plan: LayerPlan, frame_id: str, spacing: float,
-                 max_height: float, lifetime_s: float = 0.0, deadline: str = "") -> MarkerArray:
+def plan_markers(plan: LayerPlan, frame_id: str, spacing: float, max_height: float,
+                 lifetime_s: float = 0.0, deadline: str = "", domain: str = "") -> MarkerArray:
     """DELETEALL, then one CUBE bar per unit (height ∝ importance, green = updated), a label;
     every marker lives `lifetime_s` (0: forever). `deadline`: the deadline and what set it,
-    when the budget is one (the label then shows it instead of the budget)."""
+    when the budget is one (the label then shows it instead of the budget). `domain`: the
+    domain perception last recognised (AdaptationStatus.domain; issue #21), when any."""
     arr = MarkerArray()
     clear = Marker(action=Marker.DELETEALL)
     clear.header.frame_id = frame_id
@@ -120,7 +121,8 @@ def plan_markers(plan: LayerPlan, frame_id: str, spacing: float,
                    text=f"plan {plan.plan_id}: {sum(plan.update)}/{len(plan.update)} units, "
                         + (f"deadline {deadline}" if deadline else
                            f"budget {plan.budget_ms:.1f} ms")
-                        + f", predicted {plan.predicted_total_ms:.1f} ms")
+                        + f", predicted {plan.predicted_total_ms:.1f} ms"
+                        + (f", domain {domain}" if domain else ""))
     label.pose.position = Point(x=0.0, y=0.0, z=max_height + 0.5)
     label.pose.orientation.w = 1.0
     label.header.frame_id, label.header.stamp = frame_id, plan.header.stamp
@@ -176,6 +178,7 @@ class SchedulerNode(Node):
         self.last_error = ""
         self.no_room = ""  # why no update fits the budget (empty: some unit does)
         self.last_outcome: PlanOutcome | None = None
+        self.domain = ""  # perception's recognised domain (AdaptationStatus.domain)
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
         self.pub_plan = self.create_publisher(LayerPlan, "layer_plan", reliable)
         self.pub_markers = self.create_publisher(MarkerArray, "layer_markers", 10)
@@ -215,7 +218,9 @@ class SchedulerNode(Node):
 
     def _on_status(self, msg: AdaptationStatus) -> None:
         """Perception followed one of our plans: the service learns from what it measured.
-        In parallel mode no reforward runs (its time is not part of the check)."""
+        In parallel mode no reforward runs (its time is not part of the check). Every
+        status also carries the recognised domain, for the marker label."""
+        self.domain = msg.domain  # the marker label shows it
         outcome = self._outcomes.pop(int(msg.plan_id), None)
         if outcome is None:
             return
@@ -275,7 +280,7 @@ class SchedulerNode(Node):
         self.pub_markers.publish(plan_markers(
             msg, self.get_parameter("marker_frame_id").value,
             self.get_parameter("bar_spacing").value, self.get_parameter("bar_max_height").value,
-            self.get_parameter("marker_lifetime_s").value, deadline))
+            self.get_parameter("marker_lifetime_s").value, deadline, self.domain))
 
     def _planning_status(self) -> DiagnosticStatus:
         svc = self.planning

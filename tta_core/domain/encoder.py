@@ -1,0 +1,191 @@
+"""DARDA's learnt corruption extractor and contrastive corruption encoder (§4.1-4.2).
+
+Extractor g (Eqs. 3-5, Noise2Noise-style): the input's two diagonal 2x2 stride-2
+downsamplings G1(x), G2(x) (`embedding.diagonal_halves`) should be predictable from each
+other once the corruption is removed: G~2 = G1 - g(G1), G~1 = G2 - g(G2), loss L_N = the
+mean squared error of both. Encoder h: a small conv net on [G1(x), g(G1(x))] (the image
+half and its extracted corruption; the image half carries the low-frequency corruptions
+such as fog and contrast that a residual does not), channel mean and std pooled over
+space, an MLP to an L2-normalised projection. Trained (Eq. 8) on L = L_D + lambda_e L_N
+with L_D the supervised contrastive loss of Eq. 7 read as standard SupCon (positives: other
+samples of the same corruption; the printed indicator D^i != D^j is read as a typo) over
+each batch and a flipped / rotated copy of it (DARDA's "soft augmentation", 2N samples).
+
+The batch embedding is the batch mean of the per-sample projections (and their spread),
+read in the model's input pre-hook (`EmbeddingConfig.encoder`). Weights: safetensors,
+with the architecture and the training settings in its metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import safetensors.torch
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tta_core.data.corruptions import CORRUPTIONS
+from tta_core.data.preprocess import images_to_tensor
+from tta_core.data.streams import StreamSpec, build_stream
+
+FORMAT = "tta-corruption-encoder"
+
+
+def diagonal_halves(x: Tensor) -> tuple[Tensor, Tensor]:
+    """G1(x) = [[0, .5], [.5, 0]] and G2(x) = [[.5, 0], [0, .5]], stride 2 (DARDA §4.1)."""
+    h, w = x.shape[-2] // 2 * 2, x.shape[-1] // 2 * 2
+    g1 = (x[..., 0:h:2, 1:w:2] + x[..., 1:h:2, 0:w:2]) / 2
+    g2 = (x[..., 0:h:2, 0:w:2] + x[..., 1:h:2, 1:w:2]) / 2
+    return g1, g2
+
+
+@dataclass
+class EncoderConfig:
+    """Architecture and training settings (stored with the weights)."""
+
+    channels: int = 3
+    width: int = 16
+    dim: int = 32  # projection size
+    tau: float = 0.1  # SupCon temperature
+    lambda_e: float = 1.0  # weight of L_N (Eq. 8)
+    steps: int = 200
+    per_class: int = 8  # images per corruption in a batch (N = 15 x 8, 2N with the copies)
+    lr: float = 2e-3
+    samples: int = 256  # training images per corruption
+    severity: int = 5
+    seed: int = 11  # not the benchmark's seeds (0-3)
+    threads: int = 2
+
+    def validate(self) -> None:
+        """ValueError naming the first bad field."""
+        for name in ("channels", "width", "dim", "steps", "per_class", "samples", "threads"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"encoder {name}={getattr(self, name)} must be >= 1")
+        if self.per_class < 2 or self.tau <= 0 or self.lr <= 0 or self.lambda_e < 0:
+            raise ValueError(f"encoder per_class {self.per_class} (>= 2), tau {self.tau}, lr "
+                             f"{self.lr} (> 0), lambda_e {self.lambda_e} (>= 0) out of range")
+
+
+class CorruptionEncoder(nn.Module):
+    """g (extractor) and h (encoder); `forward(x)` gives unit projections [B, dim]."""
+
+    def __init__(self, config: EncoderConfig | None = None) -> None:
+        super().__init__()
+        self.config = c = config if config is not None else EncoderConfig()
+        c.validate()
+        self.extractor = nn.Sequential(nn.Conv2d(c.channels, c.width, 3, padding=1), nn.ReLU(),
+                                       nn.Conv2d(c.width, c.channels, 3, padding=1))
+        self.trunk = nn.Sequential(nn.Conv2d(2 * c.channels, c.width, 3, padding=1), nn.ReLU(),
+                                   nn.Conv2d(c.width, c.width, 3, stride=2, padding=1),
+                                   nn.ReLU())
+        self.head = nn.Sequential(nn.Linear(2 * c.width, 2 * c.width), nn.ReLU(),
+                                  nn.Linear(2 * c.width, c.dim))
+
+    def noise_loss(self, x: Tensor) -> Tensor:
+        """L_N (Eq. 5), per element."""
+        g1, g2 = diagonal_halves(x)
+        return 0.5 * (F.mse_loss(g1 - self.extractor(g1), g2)
+                      + F.mse_loss(g2 - self.extractor(g2), g1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        g1, _ = diagonal_halves(x)
+        f = self.trunk(torch.cat([g1, self.extractor(g1)], dim=1)).flatten(2)
+        pooled = torch.cat([f.mean(-1), torch.sqrt(f.var(-1, correction=0) + 1e-6)], dim=1)
+        return F.normalize(self.head(pooled), dim=1)
+
+
+def supcon_loss(z: Tensor, labels: Tensor, tau: float) -> Tensor:
+    """Eq. 7 as standard SupCon: for each anchor, the mean log-probability of its positives
+    (same label, not itself) among all other samples; averaged over anchors."""
+    sim = z @ z.T / tau
+    eye = torch.eye(len(z), dtype=torch.bool, device=z.device)
+    sim = sim.masked_fill(eye, float("-inf"))
+    log_prob = sim - torch.logsumexp(sim, dim=1, keepdim=True)
+    pos = (labels[:, None] == labels[None, :]) & ~eye
+    return -(log_prob.masked_fill(~pos, 0.0).sum(1) / pos.sum(1).clamp_min(1)).mean()
+
+
+def _augment(x: Tensor, g: torch.Generator) -> Tensor:
+    """A flipped and rotated copy (random per sample; 90 degree steps keep the pixels)."""
+    k = torch.randint(0, 4, (len(x),), generator=g)
+    flip = torch.rand(len(x), generator=g) < 0.5
+    out = [torch.rot90(torch.flip(s, (-1,)) if f else s, int(r), (-2, -1))
+           for s, f, r in zip(x, flip, k, strict=True)]
+    return torch.stack(out)
+
+
+def training_data(c: EncoderConfig, mean: tuple[float, ...], std: tuple[float, ...],
+                  corruptions: tuple[str, ...] = CORRUPTIONS) -> tuple[Tensor, Tensor]:
+    """Normalised images [n, C, H, W] of the synthetic signs under each corruption, labels."""
+    stream = build_stream(StreamSpec(order="continual", corruptions=corruptions,
+                                     samples_per_domain=c.samples, severity=c.severity,
+                                     seed=c.seed))
+    names = [d.split("/")[0] for d in stream.domains.tolist()]
+    labels = torch.tensor([corruptions.index(n) for n in names])
+    return images_to_tensor(stream.images, mean, std), labels
+
+
+def train_encoder(c: EncoderConfig, mean: tuple[float, ...], std: tuple[float, ...],
+                  log_every: int = 0) -> tuple[CorruptionEncoder, dict]:
+    """Train g and h (Eq. 8) on the 15 corruptions; returns the encoder (eval mode) and a
+    report (losses, seconds)."""
+    torch.manual_seed(c.seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(c.threads)
+    t0 = time.perf_counter()
+    try:
+        x, y = training_data(c, mean, std)
+        enc = CorruptionEncoder(c)
+        opt = torch.optim.Adam(enc.parameters(), lr=c.lr)
+        g = torch.Generator().manual_seed(c.seed)
+        classes = int(y.max()) + 1
+        by_class = [torch.nonzero(y == k).flatten() for k in range(classes)]
+        history = []
+        for step in range(c.steps):
+            idx = torch.cat([b[torch.randperm(len(b), generator=g)[:c.per_class]]
+                             for b in by_class])
+            xb = torch.cat([x[idx], _augment(x[idx], g)])
+            yb = torch.cat([y[idx], y[idx]])
+            l_d = supcon_loss(enc(xb), yb, c.tau)
+            l_n = enc.noise_loss(xb)
+            loss = l_d + c.lambda_e * l_n
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            history.append((float(l_d.detach()), float(l_n.detach())))
+            if log_every and (step + 1) % log_every == 0:
+                print(f"step {step + 1}/{c.steps}: L_D {l_d:.3f} L_N {l_n:.4f}", flush=True)
+    finally:
+        torch.set_num_threads(threads)
+    enc.eval()
+    tail = np.asarray(history[-20:])
+    return enc, {"seconds": time.perf_counter() - t0, "supcon": float(tail[:, 0].mean()),
+                 "noise": float(tail[:, 1].mean()), "first_supcon": history[0][0]}
+
+
+def save_encoder(enc: CorruptionEncoder, path: str | Path) -> None:
+    """Weights + config as safetensors (float32)."""
+    state = {k: v.detach().contiguous() for k, v in enc.state_dict().items()}
+    safetensors.torch.save_file(state, str(path), metadata={
+        "format": FORMAT, "config": json.dumps(asdict(enc.config))})
+
+
+def load_encoder(path: str | Path) -> CorruptionEncoder:
+    """An encoder saved by `save_encoder`, in eval mode; ValueError naming the file when
+    it is not one."""
+    try:
+        with safetensors.safe_open(str(path), "pt") as f:
+            meta = f.metadata() or {}
+            state = {k: f.get_tensor(k) for k in f.keys()}
+    except (OSError, safetensors.SafetensorError) as exc:
+        raise ValueError(f"corruption encoder {path}: {exc}") from None
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"corruption encoder {path}: not a {FORMAT} file")
+    enc = CorruptionEncoder(EncoderConfig(**json.loads(meta["config"])))
+    enc.load_state_dict(state)
+    return enc.eval()

@@ -94,12 +94,23 @@ class Run:
         for b in range(0, len(images), BATCH):
             want = len(self.status) + 1
             for k in range(b, min(b + BATCH, len(images))):
-                self.pub.publish(_image(images[k], first + k))
-                time.sleep(0.01)  # the camera QoS keeps 5 frames: no burst
+                self._send(images[k], first + k)
             assert wait_for(lambda w=want: len(self.status) >= w, 20.0), "no status"
             domains.append(self.status[-1].domain)
-        assert all(first + k in self.preds for k in range(len(images))), "frames lost"
+        assert wait_for(lambda: all(first + k in self.preds for k in range(len(images))),
+                        10.0), "frames lost"
         return domains
+
+    def _send(self, img: np.ndarray, stamp: int) -> None:
+        """One frame, sent again if the node did not receive it: the camera QoS is best
+        effort, and under load its 5-frame reader history can overflow before the
+        executor runs (the test is about the bank, not about the transport)."""
+        want = self.node.queue.received + 1
+        for _ in range(3):
+            self.pub.publish(_image(img, stamp))
+            if wait_for(lambda: self.node.queue.received >= want, 2.0):
+                return
+        raise AssertionError(f"frame {stamp} never reached the node")
 
     def accuracy(self, labels: np.ndarray, first: int) -> float:
         hits = [self.preds.get(first + k) == int(y) for k, y in enumerate(labels)]

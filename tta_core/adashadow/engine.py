@@ -23,6 +23,8 @@ from torch import Tensor
 from tta_core import losses
 from tta_core.adashadow import assessor as assessor_mod
 from tta_core.adashadow import planner, predictor
+from tta_core.adashadow.memory_budget import TailRecorder
+from tta_core.adashadow.memory_planner import MemoryPlan
 from tta_core.adashadow.planning import (
     TRAINABLE,
     Measured,
@@ -67,7 +69,8 @@ class EngineConfig(PlanningConfig):
     # (memory) but runs the tail once more, which the planner is told (each unit's
     # reforward time counts twice). Measured on this CPU: full is faster on ResNet-50
     # (0.41x vs 0.51x Tent's latency, batch 4, 224 px), the two are within noise on the
-    # 32 px small net.
+    # 32 px small net. A memory budget (memory_budget_mib) needs "lazy": the full graph is
+    # recorded before the plan exists, so what it saves cannot follow the plan's keeps.
     graph: str = "full"
 
     def validate(self) -> None:
@@ -81,6 +84,10 @@ class EngineConfig(PlanningConfig):
                 raise ValueError(f"{name} {value!r} not in {allowed}")
         if self.lr < 0 or not 0 <= self.momentum < 1:
             raise ValueError(f"bad optimizer settings lr={self.lr} momentum={self.momentum}")
+        if self.memory_budget_mib is not None and (self.graph, self.loss) != ("lazy", "entropy"):
+            raise ValueError(f"memory_budget_mib={self.memory_budget_mib} needs graph='lazy' "
+                             f"and loss='entropy' (got graph={self.graph!r}, loss="
+                             f"{self.loss!r}): the full graph is recorded before the plan")
 
 
 @dataclass
@@ -92,6 +99,7 @@ class _Forward:
     stage_inputs: list
     forward_ms: float
     grad_stage: int  # first stage whose forward recorded the autograd graph
+    memory: MemoryPlan | None = None  # the plan's keeps and predicted bytes (memory budget)
 
 
 class _Background:
@@ -128,6 +136,17 @@ def _loss(kind: str, fwd: _Forward, history) -> Tensor | None:
     if history is None:
         return None  # no history yet: nothing to align to on the first batch
     return losses.multilayer_kl_loss(fwd.stats, history)
+
+
+def _reforward(staged: StagedModel, x: Tensor, fwd: _Forward, first_updated: int,
+               reuse: bool) -> Tensor:
+    """The prediction after the update: from the first updated unit's stage input
+    (`reuse`, §4) or a full forward."""
+    stage = staged.units[first_updated].stage
+    with torch.no_grad():
+        if reuse:
+            return staged.forward_from(stage, fwd.stage_inputs[stage].detach())
+        return staged.model(x)
 
 
 def _check_trainable(staged: StagedModel, plan: planner.Plan, candidates: np.ndarray,
@@ -199,6 +218,7 @@ class AdaShadowEngine:
             self._note_forward(profile.forward_ms, profile.batch_size)
         self._handles = stage_input_hooks(self.staged, self._cache_stage_input)
         self._job = _Background()
+        self.tail = TailRecorder(staged, self.config.memory_budget_mib)
 
     @property
     def profile(self) -> predictor.UnitProfile | None:
@@ -276,11 +296,9 @@ class AdaShadowEngine:
 
     def _adapt(self, fwd: _Forward, loss: Tensor, update: np.ndarray) -> None:
         """Backward + step; in lazy mode first re-run the tail with autograd for the loss."""
-        if self.lazy:
+        if self.lazy:  # under the codec with a memory budget (memory_budget.TailRecorder)
             stage = self.staged.units[int(np.flatnonzero(update)[0])].stage
-            with torch.enable_grad():
-                loss = losses.entropy_loss(
-                    self.staged.forward_from(stage, fwd.stage_inputs[stage]))
+            loss = self.tail.loss(stage, fwd.stage_inputs[stage], update, fwd.memory)
         self._backward(loss, update)
 
     def _backward(self, loss: Tensor, update: np.ndarray) -> None:
@@ -291,13 +309,6 @@ class AdaShadowEngine:
         for p, g in zip(sel, grads, strict=True):
             p.grad = g
         self.optimizer.step()
-
-    def _reforward(self, x: Tensor, fwd: _Forward, first_updated: int) -> Tensor:
-        stage = self.staged.units[first_updated].stage
-        with torch.no_grad():
-            if self.config.reuse:
-                return self.staged.forward_from(stage, fwd.stage_inputs[stage].detach())
-            return self.staged.model(x)
 
     # ------------------------------------------------------------ plan phase
     def _plan_phase(self, fwd: _Forward, plan: planner.Plan | None, batch_size: int
@@ -322,8 +333,9 @@ class AdaShadowEngine:
         if plan is None:
             outcome = self.planning.plan(importance, fwd.forward_ms,
                                          grad_from=self._grad_from(fwd.grad_stage),
-                                         candidates=self.candidates, batch_size=batch_size)
-            plan = outcome.plan
+                                         candidates=self.candidates, batch_size=batch_size,
+                                         memory=self.tail.current)
+            plan, fwd.memory = outcome.plan, outcome.memory
         _check_trainable(self.staged, plan, self.candidates, self.config.trainable)
         return loss, importance, outcome, plan
 
@@ -334,6 +346,7 @@ class AdaShadowEngine:
         if plan is not None and len(plan.update) != len(self.staged.units):
             raise ValueError(f"plan has {len(plan.update)} units, model has "
                              f"{len(self.staged.units)}")
+        self.tail.prepare(x)  # memory budget: one profiling forward per new input shape
         t0 = self.clock.now()
         b = int(x.shape[0])
         floor = self._floor(b) if plan is None else 0
@@ -357,13 +370,15 @@ class AdaShadowEngine:
         elif adapt:
             self._adapt(fwd, loss, update)
             res.times.backward_ms = self.clock.mark()
-            res.logits = self._reforward(x, fwd, int(np.flatnonzero(update)[0]))
+            res.logits = _reforward(self.staged, x, fwd, int(np.flatnonzero(update)[0]),
+                                    self.config.reuse)
             res.times.reforward_ms = self.clock.mark()
             measured.backward_ms, measured.reforward_ms = (res.times.backward_ms,
                                                            res.times.reforward_ms)
         res.times.total_ms = measured.total_ms = (self.clock.now() - t0) * 1e3
         if not parallel:
             self.planning.observe(outcome, measured)
+            res.stats.update(self.tail.stats())
         return res
 
     def _serve_only(self, x: Tensor, t0: float, batch_size: int) -> StepResult:
@@ -392,6 +407,7 @@ class AdaShadowEngine:
             self._adapt(fwd, loss, update)
             res.times.backward_ms = (self.clock.now() - t) * 1e3
             measured.backward_ms, measured.reforward_ms = res.times.backward_ms, None
+            res.stats.update(self.tail.stats())
             self.planning.observe(outcome, measured)
         self._job.start(job)
 

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from tta_core.adashadow.deadline import DeadlineConfig
 from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig
+from tta_core.adashadow.memory_budget import check_budget_mib
 from tta_core.adashadow.planner import Plan
 from tta_core.adashadow.predictor import UnitProfile
 from tta_core.api import StepResult
@@ -32,6 +33,15 @@ class AdaShadowConfig(MethodConfig, EngineConfig):
     defaults; sigma is the acceleration factor), the shared method settings, the profile."""
 
     profile: UnitProfile | str | Path | None = None  # offline profile or its JSON path
+    # saved-activation budget, MiB (2**20 bytes, the unit of every saved-activation figure;
+    # `tta bench --memory-budget-mb`); None: off. Sets memory_budget_mib; needs graph="lazy"
+    memory_budget_mb: float | None = None
+
+    def validate(self) -> None:
+        """EngineConfig.validate after copying memory_budget_mb (checked by that name)."""
+        if self.memory_budget_mb is not None:
+            self.memory_budget_mib = check_budget_mib("memory_budget_mb", self.memory_budget_mb)
+        super().validate()
 
 
 @register("adashadow")

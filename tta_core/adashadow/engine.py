@@ -69,8 +69,9 @@ class EngineConfig(PlanningConfig):
     # (memory) but runs the tail once more, which the planner is told (each unit's
     # reforward time counts twice). Measured on this CPU: full is faster on ResNet-50
     # (0.41x vs 0.51x Tent's latency, batch 4, 224 px), the two are within noise on the
-    # 32 px small net. A memory budget (memory_budget_mib) needs "lazy": the full graph is
-    # recorded before the plan exists, so what it saves cannot follow the plan's keeps.
+    # 32 px small net. With a memory budget (memory_budget_mib, memory_budget): "lazy" plans
+    # units and keep ratios on both budgets; "full" raises the graph floor to the lowest
+    # stage whose recording fits (candidates' inputs dense: exact gradients).
     graph: str = "full"
 
     def validate(self) -> None:
@@ -84,10 +85,6 @@ class EngineConfig(PlanningConfig):
                 raise ValueError(f"{name} {value!r} not in {allowed}")
         if self.lr < 0 or not 0 <= self.momentum < 1:
             raise ValueError(f"bad optimizer settings lr={self.lr} momentum={self.momentum}")
-        if self.memory_budget_mib is not None and (self.graph, self.loss) != ("lazy", "entropy"):
-            raise ValueError(f"memory_budget_mib={self.memory_budget_mib} needs graph='lazy' "
-                             f"and loss='entropy' (got graph={self.graph!r}, loss="
-                             f"{self.loss!r}): the full graph is recorded before the plan")
 
 
 @dataclass
@@ -218,7 +215,8 @@ class AdaShadowEngine:
             self._note_forward(profile.forward_ms, profile.batch_size)
         self._handles = stage_input_hooks(self.staged, self._cache_stage_input)
         self._job = _Background()
-        self.tail = TailRecorder(staged, self.config.memory_budget_mib)
+        self.tail = TailRecorder(staged, self.config.memory_budget_mib, self.candidates,
+                                 self.lazy)
 
     @property
     def profile(self) -> predictor.UnitProfile | None:
@@ -254,7 +252,8 @@ class AdaShadowEngine:
         self._stage_inputs[0] = x
         self._grad_stage = grad_stage
         try:
-            with torch.set_grad_enabled(grad_stage == 0):  # restores the mode on exit
+            with torch.set_grad_enabled(grad_stage == 0), \
+                    self.tail.recording(self._grad_from(grad_stage)):  # memory budget: codec
                 logits = self.staged.model(x)
         finally:
             self._collector.capture = False
@@ -278,7 +277,8 @@ class AdaShadowEngine:
         the faster of the last two forwards per frame (one slow batch, e.g. a cold first
         one, does not cost the next one its plan)."""
         last = min(self._frame_ms) * batch_size if self._frame_ms else math.nan
-        return self.planning.graph_floor(last, self.candidates, batch_size)
+        return max(self.planning.graph_floor(last, self.candidates, batch_size),
+                   self.tail.floor_unit())  # full graph, memory budget: where it fits
 
     def _grad_stage_for(self, plan: planner.Plan | None, floor: int | None = None) -> int:
         """First stage that may be updated on this batch; the forward records the graph
@@ -334,7 +334,7 @@ class AdaShadowEngine:
             outcome = self.planning.plan(importance, fwd.forward_ms,
                                          grad_from=self._grad_from(fwd.grad_stage),
                                          candidates=self.candidates, batch_size=batch_size,
-                                         memory=self.tail.current)
+                                         memory=self.tail.plan_costs(grad_from))
             plan, fwd.memory = outcome.plan, outcome.memory
         _check_trainable(self.staged, plan, self.candidates, self.config.trainable)
         return loss, importance, outcome, plan
@@ -395,6 +395,7 @@ class AdaShadowEngine:
         res = _result(self.planning, fwd, None, np.zeros(len(self.staged.units)), outcome,
                       outcome.plan, False)
         res.times.plan_ms = self.clock.mark()
+        res.stats.update(self.tail.stats())  # memory budget: nothing recorded
         self.planning.observe(outcome, Measured(forward_ms, res.times.plan_ms, False,
                                                 planned=False))
         res.times.total_ms = (self.clock.now() - t0) * 1e3

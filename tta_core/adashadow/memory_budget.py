@@ -30,6 +30,8 @@ the first real batch of each shape.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import numbers
 from collections.abc import Sequence
@@ -140,24 +142,75 @@ def memory_no_room(costs: MemoryCosts, candidates: np.ndarray | None,
 
 
 class TailRecorder:
-    """Lazy mode's autograd-recorded tail: forward + entropy, under the codec when the
-    engine has a memory budget; `stats` says what it held (module docstring)."""
+    """What the engine records under a memory budget (module docstring), both graph modes:
+    lazy: the tail re-run from the first updated unit's stage (`loss`), under the codec
+    with the plan's keeps; full: the forward from the graph floor on (`recording`), under
+    the codec with every candidate's conv/linear input dense (exact gradients) and the
+    rest frozen, the floor raised to the lowest stage whose recording fits (`floor_unit`).
+    `stats` says what the codec held. Without a budget every method is a no-op."""
 
-    def __init__(self, staged: StagedModel, budget_mib: float | None,
-                 frozen_keep: float = DEFAULT_FROZEN_KEEP) -> None:
-        self.staged, self.budget_mib = staged, budget_mib
+    def __init__(self, staged: StagedModel, budget_mib: float | None, candidates: np.ndarray,
+                 lazy: bool, frozen_keep: float = DEFAULT_FROZEN_KEEP) -> None:
+        self.staged, self.budget_mib, self.lazy = staged, budget_mib, lazy
         self.frozen_keep = frozen_keep
+        self.candidates = np.asarray(candidates, dtype=bool)
+        self.names = [u.name for u in staged.units]
         self.costs = SaveCosts(staged, frozen_keep) if budget_mib is not None else None
         self.saved: SavedBytes | None = None
         self.keep: dict[str, float] = {}
-        self._predicted = math.nan
         self.current: MemoryCosts | None = None
+        self._predicted = math.nan
 
     def prepare(self, x: Tensor) -> MemoryCosts | None:
-        """The planning costs of batch x, kept as `current` (None without a budget);
-        the first batch of a shape runs the profiling forward."""
-        self.current = None if self.costs is None else self.costs.costs(x)
+        """The memory costs of batch x as the engine records it, kept as `current` (None
+        without a budget); the first batch of a shape runs the profiling forward. Full
+        graph: every recorded candidate's input counts dense whether updated or not."""
+        if self.costs is None:
+            return None
+        base = self.costs.costs(x)
+        if self.lazy:
+            self.current = base
+        else:
+            dense = int(np.argmax(base.keeps))
+            mx = base.x_bytes + np.where(self.candidates, base.w_bytes[:, dense], 0.0)
+            self.current = MemoryCosts(mx, np.zeros((len(mx), 1)), np.ones(1), np.ones(1),
+                                       None, base.entry_bytes)
         return self.current
+
+    def plan_costs(self, grad_from: int) -> MemoryCosts | None:
+        """The costs to plan a batch with: full graph, recorded from unit `grad_from` on
+        whatever the plan (g(d) = grad_from for d >= grad_from)."""
+        if self.current is None or self.lazy:
+            return self.current
+        start = np.minimum(np.arange(len(self.names)), grad_from)
+        return dataclasses.replace(self.current, record_start=start)
+
+    def _recorded_bytes(self) -> np.ndarray:
+        """Full graph: bytes held when recording from each unit on (e[g] + suffix mx)."""
+        c = self.current
+        assert c is not None and c.entry_bytes is not None
+        return c.entry_bytes + np.cumsum(c.x_bytes[::-1])[::-1]
+
+    def floor_unit(self) -> int:
+        """Full graph: first unit of the lowest stage whose recording fits the budget
+        (len(units): none fits); 0 in lazy mode or without a budget."""
+        if self.lazy or self.current is None or self.budget_mib is None:
+            return 0
+        starts = np.unique(self.staged.stage_start())
+        fits = starts[self._recorded_bytes()[starts] <= self.budget_mib * MIB]
+        return int(fits[0]) if fits.size else len(self.names)
+
+    def recording(self, grad_from: int) -> contextlib.AbstractContextManager:
+        """Full graph: the codec over a forward recorded from unit `grad_from` on (a null
+        context in lazy mode, without a budget or when nothing is recorded)."""
+        if self.lazy or self.current is None or grad_from >= len(self.names):
+            return contextlib.nullcontext()
+        self._predicted = float(self._recorded_bytes()[grad_from])
+        keep = np.where(self.candidates, 1.0, np.nan)
+        self.keep = {self.names[i]: 1.0 for i in np.flatnonzero(self.candidates)
+                     if i >= grad_from}
+        return _Recorded(self, ActivationCodec(self.staged, codec_plan(
+            self.candidates, keep, self.names, self.frozen_keep)))
 
     def loss(self, stage: int, x_stage: Tensor, update: np.ndarray,
              memory: MemoryPlan | None) -> Tensor:
@@ -169,19 +222,20 @@ class TailRecorder:
                 return losses.entropy_loss(self.staged.forward_from(stage, x_stage))
         upd = np.asarray(update, dtype=bool)
         keep = memory.keep if memory is not None else np.where(upd, 1.0, np.nan)
-        names = [u.name for u in self.staged.units]
-        codec = ActivationCodec(self.staged, codec_plan(upd, keep, names, self.frozen_keep))
+        codec = ActivationCodec(self.staged, codec_plan(upd, keep, self.names,
+                                                        self.frozen_keep))
         with torch.enable_grad(), codec:
             loss = losses.entropy_loss(self.staged.forward_from(stage, x_stage))
         self.saved = codec.result
-        self.keep = {names[i]: float(keep[i]) for i in np.flatnonzero(upd)}
+        self.keep = {self.names[i]: float(keep[i]) for i in np.flatnonzero(upd)}
         self._predicted = memory.predicted_bytes if memory is not None else math.nan
         return loss
 
     def stats(self) -> dict[str, float | int | bool]:
-        """StepResult stats of the last tail run since the last call ({} without a
-        budget; 0 bytes when no tail ran): measured and predicted saved bytes/MiB, the
-        budget, whether it held, the keep ratio of every updated unit ("keep:<unit>")."""
+        """StepResult stats of the last recording since the last call ({} without a
+        budget; 0 bytes when nothing was recorded): measured and predicted saved bytes and
+        MiB, the budget, whether it held, the keep ratio of every unit whose dW input was
+        kept ("keep:<unit>": lazy, the updated units; full, the recorded candidates)."""
         if self.costs is None:
             return {}
         total = self.saved.total if self.saved is not None else 0
@@ -195,3 +249,17 @@ class TailRecorder:
             out.update({f"keep:{u}": k for u, k in self.keep.items()})
         self.saved, self.keep, self._predicted = None, {}, math.nan
         return out
+
+
+class _Recorded(contextlib.AbstractContextManager):
+    """The codec over one full-graph forward; its SavedBytes go to the recorder at exit."""
+
+    def __init__(self, recorder: TailRecorder, codec: ActivationCodec) -> None:
+        self.recorder, self.codec = recorder, codec
+
+    def __enter__(self) -> ActivationCodec:
+        return self.codec.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.codec.__exit__(*exc)  # type: ignore[arg-type]
+        self.recorder.saved = self.codec.result

@@ -79,8 +79,8 @@ class BenchConfig:
     user_model: UserModel | None = None
     # count saved activations per step (eval.saved_memory); off: hooks cost time
     measure_activations: bool = False
-    # saved-activation budget, MiB, for the methods that take one (memory_budget_mb: adashadow,
-    # then run graph="lazy"); turns measure_activations on (eval.saved_memory); None: off
+    # saved-activation budget, MiB, for the methods that take one (memory_budget_mb:
+    # adashadow); turns measure_activations on (eval.saved_memory); None: off
     memory_budget_mb: float | None = None
 
     def validate(self) -> None:
@@ -225,8 +225,6 @@ def method_options(name: str, cfg: BenchConfig, input_shape: tuple[int, ...]) ->
         opts["seed"] = cfg.seed
     if cfg.memory_budget_mb is not None and "memory_budget_mb" in cls_fields:
         opts["memory_budget_mb"] = cfg.memory_budget_mb
-        if "graph" in cls_fields:
-            opts["graph"] = "lazy"  # the graph mode that can hold a budget (engine)
     opts.update(cfg.method_options.get(name, {}))
     return opts
 

@@ -106,7 +106,7 @@ SAVED_NOTE = (
     "mode) are not counted. `peak MB` is process RSS growth, a different quantity. "
     "`in mem budget %` (with --memory-budget-mb): the share of batches whose saved MiB "
     "(measured + reported) were within the budget, for every method, whether it takes "
-    "the budget (adashadow, which then runs graph=lazy) or not.\n")
+    "the budget (adashadow) or not.\n")
 
 
 def saved_note(measured: bool) -> str:

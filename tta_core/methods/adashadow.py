@@ -34,7 +34,7 @@ class AdaShadowConfig(MethodConfig, EngineConfig):
 
     profile: UnitProfile | str | Path | None = None  # offline profile or its JSON path
     # saved-activation budget, MiB (2**20 bytes, the unit of every saved-activation figure;
-    # `tta bench --memory-budget-mb`); None: off. Sets memory_budget_mib; needs graph="lazy"
+    # `tta bench --memory-budget-mb`); None: off. Sets memory_budget_mib (EngineConfig.graph)
     memory_budget_mb: float | None = None
 
     def validate(self) -> None:

@@ -103,7 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "--set surgeon@robot.mode=robot")
     parser.add_argument("--memory-budget-mb", type=float, default=None, metavar="MIB",
                         help="saved-activation budget in MiB for the methods that take one "
-                             "(adashadow: planned with latency at once, runs graph=lazy); "
+                             "(adashadow: planned with latency at once; see adashadow.graph); "
                              "measures activations: report.md column 'in mem budget %%'")
     parser.add_argument("--stream-track", type=int, default=d.stream_track, metavar="K",
                         help="streaming mode: each sign is seen over K consecutive frames "

@@ -6,8 +6,12 @@ Per model (torchvision ResNet-50 224 px batch 4, ResNet-18 224 px batch 8; rando
   surgeon           faithful mode (importance pass, Eqs. 4-7, codec)
   surgeon_robot     robot mode (lagged gradient importance)
   adashadow         defaults (graph "full", sigma 0.33)
-  adashadow_lazy    graph "lazy", no budget
-  adashadow_budget  graph "lazy", memory_budget_mb = --budget-share x tent's measured MiB
+  adashadow_budget  + memory_budget_mb = --budget-share x tent's measured MiB (full graph:
+                    the graph floor is raised to the lowest stage whose recording fits)
+  adashadow_lazy_budget  the same budget in graph "lazy" (units and keep ratios planned
+                    on both budgets, the tail re-run under the codec)
+  adashadow_s1*     the same three at sigma 1 (a latency budget of a full update: the
+                    memory budget is what binds)
 Figures, from one run:
   saved_mib   what autograd held for backward during one step (after warm-up steps):
               a SavedActivationCounter around the step (storages deduplicated, parameters
@@ -47,14 +51,18 @@ WARMUP = 3  # steps before measuring: AdaShadow learns its forward time, robot i
 
 def _configs(px: int, arch: str, budget_mib: float) -> dict[str, tuple[str, dict]]:
     ada = {"input_shape": (3, px, px), "arch": arch}
+    lazy, budget = {"graph": "lazy"}, {"memory_budget_mb": budget_mib}
+    s1 = {**ada, "sigma": 1.0}
     return {
         "tent": ("tent", {}),
         "surgeon": ("surgeon", {}),
         "surgeon_robot": ("surgeon", {"mode": "robot"}),
         "adashadow": ("adashadow", ada),
-        "adashadow_lazy": ("adashadow", {**ada, "graph": "lazy"}),
-        "adashadow_budget": ("adashadow", {**ada, "graph": "lazy",
-                                           "memory_budget_mb": budget_mib}),
+        "adashadow_budget": ("adashadow", {**ada, **budget}),
+        "adashadow_lazy_budget": ("adashadow", {**ada, **lazy, **budget}),
+        "adashadow_s1": ("adashadow", s1),
+        "adashadow_s1_budget": ("adashadow", {**s1, **budget}),
+        "adashadow_s1_lazy_budget": ("adashadow", {**s1, **lazy, **budget}),
     }
 
 

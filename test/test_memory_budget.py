@@ -206,3 +206,44 @@ def test_bench_memory_budget_end_to_end(tmp_path: Path) -> None:
 def test_bench_rejects_a_bad_budget() -> None:
     with pytest.raises(ValueError, match="memory_budget_mb must be"):
         BenchConfig(memory_budget_mb=-2).validate()
+
+
+# ------------------------------------------------------------------ ROS
+def test_perception_passes_memory_budget_mb_to_the_method() -> None:
+    from tta_ros.nodes.perception import method_options, param_specs
+
+    p = {s.name: s.default for s in param_specs()}
+    assert method_options(p, 32, "small_resnet")["memory_budget_mb"] is None  # 0: none
+    p["memory_budget_mb"] = 2.5
+    assert method_options(p, 32, "small_resnet")["memory_budget_mb"] == 2.5
+    assert "memory_budget_mb" not in method_options({**p, "method": "tent"}, 32, "small_resnet")
+
+
+def test_scheduler_plans_within_its_memory_budget_mb(ros_context) -> None:
+    """The scheduler's memory_budget_mb: plans on both budgets (keep 1: a LayerPlan has no
+    keeps), within it; a tiny one says why plans stay empty; 0 turns it off at run time."""
+    from rclpy.parameter import Parameter
+    from tta_msgs.msg import LayerImportance
+
+    from tta_ros.nodes.scheduler import SchedulerNode
+
+    node = SchedulerNode(context=ros_context, parameter_overrides=[
+        Parameter("model_card", value=str(CARD)), Parameter("sigma", value=1.0),
+        Parameter("memory_budget_mb", value=0.5)])
+    try:
+        lay = node.layout
+        imp = LayerImportance(unit_names=lay.unit_names, model_name=lay.model_name,
+                              importance=[1.0] * lay.n_units, batch_size=8, forward_ms=5.0)
+        out = node.plan_for(imp)
+        assert out.memory is not None and out.updates
+        assert out.memory.predicted_bytes <= 0.5 * MIB
+        assert set(out.memory.keep[out.plan.update]) == {1.0}
+        node.set_parameters([Parameter("memory_budget_mb", value=0.0)])
+        unbounded = node.plan_for(imp)
+        assert unbounded.memory is None
+        assert unbounded.plan.update.sum() > out.plan.update.sum()
+        node.set_parameters([Parameter("memory_budget_mb", value=1e-5)])
+        tiny = node.plan_for(imp)
+        assert not tiny.updates and "memory budget" in tiny.no_room
+    finally:
+        node.destroy_node()

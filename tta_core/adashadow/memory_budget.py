@@ -35,6 +35,7 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -51,7 +52,9 @@ from tta_core.adashadow.memory_planner import (
     solve_with_memory,
 )
 from tta_core.memory import ActivationCodec, SavedActivationCounter, SavedBytes, SaveProfile
-from tta_core.model.units import StagedModel
+from tta_core.model.norms import set_bn_mode
+from tta_core.model.source import build_card_model, load_card
+from tta_core.model.units import StagedModel, decompose
 
 MIB = 2**20
 
@@ -263,3 +266,28 @@ class _Recorded(contextlib.AbstractContextManager):
     def __exit__(self, *exc: object) -> None:
         self.codec.__exit__(*exc)  # type: ignore[arg-type]
         self.recorder.saved = self.codec.result
+
+
+class CardSaveCosts:
+    """Memory costs for a planner away from the perception model (the scheduler node):
+    the card's architecture with random weights in adaptation modes (BN batch statistics,
+    the `trainable` units' parameters requiring grad: "norm" or "all"), profiled on a
+    random batch per batch size (cached). Keep 1 only: a LayerPlan carries no keep ratio,
+    so perception runs a topic plan's units at keep 1 (TailRecorder.loss)."""
+
+    def __init__(self, card_path: str | Path, trainable: str) -> None:
+        card = load_card(card_path)
+        model = build_card_model(card)
+        set_bn_mode(model, "batch")
+        model.requires_grad_(False)
+        self.shape = (3, card.image_size, card.image_size)
+        staged = decompose(model, self.shape, arch=card.arch)
+        for u in staged.units:
+            if trainable == "all" or u.kind in ("bn", "ln"):
+                u.module.requires_grad_(True)
+        self.costs = SaveCosts(staged, keeps=(1.0,), fidelity=(1.0,))
+
+    def __call__(self, batch_size: int) -> MemoryCosts:
+        """The costs of a batch of `batch_size` frames."""
+        g = torch.Generator().manual_seed(0)
+        return self.costs.costs(torch.randn((int(batch_size), *self.shape), generator=g))

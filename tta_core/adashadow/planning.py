@@ -30,10 +30,10 @@ forward alone is over the deadline).
 
 from __future__ import annotations
 
-__all__ = ["DEADLINE_MODES", "DEADLINE_PER", "FEEDBACK_MODES", "TRAINABLE", "DeadlineBudget",
-           "DeadlineConfig", "Measured", "Plan", "PlanOutcome", "PlanningConfig",
-           "PlanningService", "UnitLayout", "UnitProfile", "layout_from_card", "mac_profile",
-           "telemetry_pis"]
+__all__ = ["DEADLINE_MODES", "DEADLINE_PER", "FEEDBACK_MODES", "TRAINABLE", "CardSaveCosts",
+           "DeadlineBudget", "DeadlineConfig", "Measured", "MemoryCosts", "Plan", "PlanOutcome",
+           "PlanningConfig", "PlanningService", "UnitLayout", "UnitProfile", "layout_from_card",
+           "mac_profile", "telemetry_pis"]
 
 import math
 from dataclasses import dataclass
@@ -52,7 +52,12 @@ from tta_core.adashadow.deadline import (
     late_text,
 )
 from tta_core.adashadow.fixed_costs import FixedCosts
-from tta_core.adashadow.memory_budget import check_budget_mib, memory_no_room, solve_plan
+from tta_core.adashadow.memory_budget import (
+    CardSaveCosts,
+    check_budget_mib,
+    memory_no_room,
+    solve_plan,
+)
 from tta_core.adashadow.memory_planner import MemoryCosts, MemoryPlan
 from tta_core.adashadow.planner import Plan
 from tta_core.adashadow.predictor import FEEDBACK_MODES, UnitProfile

@@ -12,6 +12,8 @@ Per model (torchvision ResNet-50 224 px batch 4, ResNet-18 224 px batch 8; rando
                     on both budgets, the tail re-run under the codec)
   adashadow_s1*     the same three at sigma 1 (a latency budget of a full update: the
                     memory budget is what binds)
+  adashadow_s1_all_lazy_budget  sigma 1, lazy, budget, every unit trainable (conv and fc
+                    weights too: the DP picks keep ratios of their dW inputs; keep_min)
 Figures, from one run:
   saved_mib   what autograd held for backward during one step (after warm-up steps):
               a SavedActivationCounter around the step (storages deduplicated, parameters
@@ -63,6 +65,8 @@ def _configs(px: int, arch: str, budget_mib: float) -> dict[str, tuple[str, dict
         "adashadow_s1": ("adashadow", s1),
         "adashadow_s1_budget": ("adashadow", {**s1, **budget}),
         "adashadow_s1_lazy_budget": ("adashadow", {**s1, **lazy, **budget}),
+        "adashadow_s1_all_lazy_budget": ("adashadow", {**s1, **lazy, **budget,
+                                                       "trainable": "all"}),
     }
 
 
@@ -90,6 +94,9 @@ def _measure(meth, x: torch.Tensor) -> dict:
     if "predicted_saved_mib" in stats:
         row["predicted_saved_mib"] = round(float(stats["predicted_saved_mib"]), 2)
         row["budget_mib"] = round(float(stats["memory_budget_mib"]), 2)
+        keeps = [v for k, v in stats.items() if k.startswith("keep:")]
+        if keeps:
+            row["keep_min"], row["keep_mean"] = min(keeps), round(statistics.mean(keeps), 3)
     return row
 
 

@@ -25,6 +25,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from tta_core import losses
 from tta_core.adashadow import assessor as assessor_mod
 from tta_core.adashadow import planner, predictor
+from tta_core.adashadow.memory_budget import TailRecorder
+from tta_core.adashadow.memory_planner import MemoryPlan
 from tta_core.adashadow.planning import (
     TRAINABLE,
     Measured,
@@ -80,7 +82,9 @@ class EngineConfig(PlanningConfig):
     # (memory) but runs the tail once more, which the planner is told (each unit's
     # reforward time counts twice). Measured on this CPU: full is faster on ResNet-50
     # (0.41x vs 0.51x Tent's latency, batch 4, 224 px), the two are within noise on the
-    # 32 px small net.
+    # 32 px small net. With a memory budget (memory_budget_mib, memory_budget): "lazy" plans
+    # units and keep ratios on both budgets; "full" raises the graph floor to the lowest
+    # stage whose recording fits (candidates' inputs dense: exact gradients).
     graph: str = "full"
 
     def validate(self) -> None:
@@ -102,12 +106,12 @@ class EngineConfig(PlanningConfig):
             raise ValueError(f"bad optimizer settings lr={self.lr} momentum={self.momentum}")
 
 
-def robust_bn(model: nn.Module, config: EngineConfig) -> RobustBN | None:
+def robust_bn(model: nn.Module, config: EngineConfig) -> RobustBN:
     """bn_mode "robust": the first bn_batch_layers BN layers switched to batch statistics,
     RoTTA robust-BN hooks on the others, disabled until a batch's own forward enables them
-    (None in the other modes)."""
+    (no layer, no hook in the other modes)."""
     if config.bn_mode != "robust":
-        return None
+        return RobustBN([], config.bn_momentum)
     layers = [m for m in model.modules() if isinstance(m, _BatchNorm)]
     if any(m.running_mean is None or m.running_var is None for m in layers):
         raise ValueError("bn_mode 'robust' needs BatchNorm layers with running statistics")
@@ -118,30 +122,26 @@ def robust_bn(model: nn.Module, config: EngineConfig) -> RobustBN | None:
     return rbn
 
 
-def batch_stat_units(staged: StagedModel, rbn: RobustBN | None) -> np.ndarray:
-    """Per unit: in robust mode (`rbn` given), a BN layer normalising with batch
+def batch_stat_units(staged: StagedModel, config: EngineConfig) -> np.ndarray:
+    """Per unit: in robust mode, a BN layer normalising with batch
     statistics -- the bottom layers whose batch statistics carry the corruption; their
     output statistics are normalised, so the assessor gives them no importance, and they
     keep the source affine (as darda's trunk). All False in the other modes."""
-    return np.array([rbn is not None and isinstance(u.module, _BatchNorm)
+    return np.array([config.bn_mode == "robust" and isinstance(u.module, _BatchNorm)
                      and u.module.training for u in staged.units], dtype=bool)
 
 
 @contextmanager
-def _own_forward(collector: UnitStatsCollector, rbn: RobustBN | None,
+def _own_forward(collector: UnitStatsCollector, rbn: RobustBN,
                  capture: bool = True) -> Iterator[None]:
     """The batch's own forward: unit statistics captured (unless not `capture`) and
     robust-BN statistics moved (never in a reforward or the lazy re-run of the tail,
     which see the batch again)."""
-    collector.capture = capture
-    if rbn is not None:
-        rbn.enabled = True
+    collector.capture, rbn.enabled = capture, True
     try:
         yield
     finally:
-        collector.capture = False
-        if rbn is not None:
-            rbn.enabled = False
+        collector.capture, rbn.enabled = False, False
 
 
 @dataclass
@@ -153,6 +153,7 @@ class _Forward:
     stage_inputs: list
     forward_ms: float
     grad_stage: int  # first stage whose forward recorded the autograd graph
+    memory: MemoryPlan | None = None  # the plan's keeps and predicted bytes (memory budget)
 
 
 class _Background:
@@ -189,6 +190,17 @@ def _loss(kind: str, fwd: _Forward, history) -> Tensor | None:
     if history is None:
         return None  # no history yet: nothing to align to on the first batch
     return losses.multilayer_kl_loss(fwd.stats, history)
+
+
+def _reforward(staged: StagedModel, x: Tensor, fwd: _Forward, first_updated: int,
+               reuse: bool) -> Tensor:
+    """The prediction after the update: from the first updated unit's stage input
+    (`reuse`, §4) or a full forward."""
+    stage = staged.units[first_updated].stage
+    with torch.no_grad():
+        if reuse:
+            return staged.forward_from(stage, fwd.stage_inputs[stage].detach())
+        return staged.model(x)
 
 
 def _check_trainable(staged: StagedModel, plan: planner.Plan, candidates: np.ndarray,
@@ -238,7 +250,7 @@ class AdaShadowEngine:
                                         reforward_twice=self.lazy)
         self._rbn = robust_bn(staged.model, self.config)
         self.candidates = self.planning.layout.trainable(self.config.trainable)
-        self.candidates &= ~batch_stat_units(staged, self._rbn)  # robust: source affine
+        self.candidates &= ~batch_stat_units(staged, self.config)  # robust: source affine
         if not self.candidates.any():
             raise ValueError(f"trainable={self.config.trainable!r} leaves no unit to update "
                              f"in {staged.arch}")
@@ -262,6 +274,8 @@ class AdaShadowEngine:
             self._note_forward(profile.forward_ms, profile.batch_size)
         self._handles = stage_input_hooks(self.staged, self._cache_stage_input)
         self._job = _Background()
+        self.tail = TailRecorder(staged, self.config.memory_budget_mib, self.candidates,
+                                 self.lazy)
 
     @property
     def profile(self) -> predictor.UnitProfile | None:
@@ -288,8 +302,7 @@ class AdaShadowEngine:
             h.remove()
         self._handles = []
         self._collector.close()
-        if self._rbn is not None:  # hooks of robust BN
-            self._rbn.close()
+        self._rbn.close()
 
     # ------------------------------------------------------------ phases
     def _forward(self, x: Tensor, grad_stage: int) -> _Forward:
@@ -298,7 +311,8 @@ class AdaShadowEngine:
         self._stage_inputs[0] = x
         self._grad_stage = grad_stage
         # restores the grad mode on exit (the stage hooks switch it on mid-forward)
-        with _own_forward(self._collector, self._rbn), torch.set_grad_enabled(grad_stage == 0):
+        with _own_forward(self._collector, self._rbn), torch.set_grad_enabled(grad_stage == 0), \
+                self.tail.recording(self._grad_from(grad_stage)):  # memory budget: codec
             logits = self.staged.model(x)
         stats = self._collector.collect(x.shape[0])
         inputs, self._stage_inputs = self._stage_inputs, [None] * len(self._stage_inputs)
@@ -320,7 +334,8 @@ class AdaShadowEngine:
         the faster of the last two forwards per frame (one slow batch, e.g. a cold first
         one, does not cost the next one its plan)."""
         last = min(self._frame_ms) * batch_size if self._frame_ms else math.nan
-        return self.planning.graph_floor(last, self.candidates, batch_size)
+        return max(self.planning.graph_floor(last, self.candidates, batch_size),
+                   self.tail.floor_unit())  # full graph, memory budget: where it fits
 
     def _grad_stage_for(self, plan: planner.Plan | None, floor: int | None = None) -> int:
         """First stage that may be updated on this batch; the forward records the graph
@@ -338,11 +353,9 @@ class AdaShadowEngine:
 
     def _adapt(self, fwd: _Forward, loss: Tensor, update: np.ndarray) -> None:
         """Backward + step; in lazy mode first re-run the tail with autograd for the loss."""
-        if self.lazy:
+        if self.lazy:  # under the codec with a memory budget (memory_budget.TailRecorder)
             stage = self.staged.units[int(np.flatnonzero(update)[0])].stage
-            with torch.enable_grad():
-                loss = losses.entropy_loss(
-                    self.staged.forward_from(stage, fwd.stage_inputs[stage]))
+            loss = self.tail.loss(stage, fwd.stage_inputs[stage], update, fwd.memory)
         self._backward(loss, update)
 
     def _backward(self, loss: Tensor, update: np.ndarray) -> None:
@@ -353,13 +366,6 @@ class AdaShadowEngine:
         for p, g in zip(sel, grads, strict=True):
             p.grad = g
         self.optimizer.step()
-
-    def _reforward(self, x: Tensor, fwd: _Forward, first_updated: int) -> Tensor:
-        stage = self.staged.units[first_updated].stage
-        with torch.no_grad():
-            if self.config.reuse:
-                return self.staged.forward_from(stage, fwd.stage_inputs[stage].detach())
-            return self.staged.model(x)
 
     # ------------------------------------------------------------ plan phase
     def _plan_phase(self, fwd: _Forward, plan: planner.Plan | None, batch_size: int
@@ -384,8 +390,9 @@ class AdaShadowEngine:
         if plan is None:
             outcome = self.planning.plan(importance, fwd.forward_ms,
                                          grad_from=self._grad_from(fwd.grad_stage),
-                                         candidates=self.candidates, batch_size=batch_size)
-            plan = outcome.plan
+                                         candidates=self.candidates, batch_size=batch_size,
+                                         memory=self.tail.plan_costs(grad_from))
+            plan, fwd.memory = outcome.plan, outcome.memory
         _check_trainable(self.staged, plan, self.candidates, self.config.trainable)
         return loss, importance, outcome, plan
 
@@ -396,6 +403,7 @@ class AdaShadowEngine:
         if plan is not None and len(plan.update) != len(self.staged.units):
             raise ValueError(f"plan has {len(plan.update)} units, model has "
                              f"{len(self.staged.units)}")
+        self.tail.prepare(x)  # memory budget: one profiling forward per new input shape
         t0 = self.clock.now()
         b = int(x.shape[0])
         floor = self._floor(b) if plan is None else 0
@@ -419,13 +427,15 @@ class AdaShadowEngine:
         elif adapt:
             self._adapt(fwd, loss, update)
             res.times.backward_ms = self.clock.mark()
-            res.logits = self._reforward(x, fwd, int(np.flatnonzero(update)[0]))
+            res.logits = _reforward(self.staged, x, fwd, int(np.flatnonzero(update)[0]),
+                                    self.config.reuse)
             res.times.reforward_ms = self.clock.mark()
             measured.backward_ms, measured.reforward_ms = (res.times.backward_ms,
                                                            res.times.reforward_ms)
         res.times.total_ms = measured.total_ms = (self.clock.now() - t0) * 1e3
         if not parallel:
             self.planning.observe(outcome, measured)
+            res.stats.update(self.tail.stats())
         return res
 
     def _serve_only(self, x: Tensor, t0: float, batch_size: int) -> StepResult:
@@ -443,6 +453,7 @@ class AdaShadowEngine:
         res = _result(self.planning, fwd, None, np.zeros(len(self.staged.units)), outcome,
                       outcome.plan, False)
         res.times.plan_ms = self.clock.mark()
+        res.stats.update(self.tail.stats())  # memory budget: nothing recorded
         self.planning.observe(outcome, Measured(forward_ms, res.times.plan_ms, False,
                                                 planned=False))
         res.times.total_ms = (self.clock.now() - t0) * 1e3
@@ -455,6 +466,7 @@ class AdaShadowEngine:
             self._adapt(fwd, loss, update)
             res.times.backward_ms = (self.clock.now() - t) * 1e3
             measured.backward_ms, measured.reforward_ms = res.times.backward_ms, None
+            res.stats.update(self.tail.stats())
             self.planning.observe(outcome, measured)
         self._job.start(job)
 

@@ -30,10 +30,10 @@ forward alone is over the deadline).
 
 from __future__ import annotations
 
-__all__ = ["DEADLINE_MODES", "DEADLINE_PER", "FEEDBACK_MODES", "TRAINABLE", "DeadlineBudget",
-           "DeadlineConfig", "Measured", "Plan", "PlanOutcome", "PlanningConfig",
-           "PlanningService", "UnitLayout", "UnitProfile", "layout_from_card", "mac_profile",
-           "telemetry_pis"]
+__all__ = ["DEADLINE_MODES", "DEADLINE_PER", "FEEDBACK_MODES", "TRAINABLE", "CardSaveCosts",
+           "DeadlineBudget", "DeadlineConfig", "Measured", "MemoryCosts", "Plan", "PlanOutcome",
+           "PlanningConfig", "PlanningService", "UnitLayout", "UnitProfile", "layout_from_card",
+           "mac_profile", "telemetry_pis"]
 
 import math
 from dataclasses import dataclass
@@ -52,6 +52,13 @@ from tta_core.adashadow.deadline import (
     late_text,
 )
 from tta_core.adashadow.fixed_costs import FixedCosts
+from tta_core.adashadow.memory_budget import (
+    CardSaveCosts,
+    check_budget_mib,
+    memory_no_room,
+    solve_plan,
+)
+from tta_core.adashadow.memory_planner import MemoryCosts, MemoryPlan
 from tta_core.adashadow.planner import Plan
 from tta_core.adashadow.predictor import FEEDBACK_MODES, UnitProfile
 from tta_core.model.source import build_card_model, load_card
@@ -78,6 +85,9 @@ class PlanningConfig(DeadlineConfig):
     fixed_cost_feedback: float = 0.2
     pi1: float = 1.0  # offline compute expansion, used until live telemetry arrives
     pi2: float = 1.0  # offline memory expansion
+    # saved-activation budget in MiB (None: off): plans meet sigma*T (or the deadline) and
+    # this at once (memory_budget; the engine needs graph "lazy" to hold it)
+    memory_budget_mib: float | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad value."""
@@ -91,6 +101,7 @@ class PlanningConfig(DeadlineConfig):
             raise ValueError(f"n_t must be a positive integer, got {self.n_t!r}")
         if not (self.pi1 > 0 and self.pi2 > 0):
             raise ValueError(f"expansion coefficients must be > 0, got {self.pi1}, {self.pi2}")
+        check_budget_mib("memory_budget_mib", self.memory_budget_mib)
         BackwardFeedback(alpha=self.backward_feedback)  # raises on a bad alpha
         FixedCosts(alpha=self.fixed_cost_feedback)
 
@@ -166,6 +177,7 @@ class PlanOutcome:
     forward_misses: bool = False  # the measured forward alone is over the deadline
     skipped: bool = False  # no plan could fit: not solved, the plan phase was skipped
     margin_ms: float = 0.0  # deadline modes: room left for the batch time's scatter
+    memory: MemoryPlan | None = None  # with a memory budget: keeps, predicted saved bytes
 
     @property
     def updates(self) -> bool:
@@ -263,7 +275,26 @@ class DeadlineBudget:
         return deadline, (0.0 if math.isnan(deadline) else min(self.fixed.margin_ms, deadline))
 
 
-class PlanningService(DeadlineBudget):
+class FeedbackFigures:
+    """What the feedback loops learnt (a mixin of PlanningService)."""
+
+    backward_fb: BackwardFeedback
+    fixed: FixedCosts
+
+    @property
+    def backward_factor(self) -> float:
+        return self.backward_fb.factor
+
+    @property
+    def plan_phase_ms(self) -> float:
+        return self.fixed.plan_phase_ms
+
+    @property
+    def overhead_ms(self) -> float:
+        return self.fixed.overhead_ms
+
+
+class PlanningService(FeedbackFigures, DeadlineBudget):
     """Cost model + planner + fixed costs + feedback loops, shared by engine and node."""
 
     def __init__(self, layout: UnitLayout, config: PlanningConfig | None = None,
@@ -355,11 +386,12 @@ class PlanningService(DeadlineBudget):
 
     # ------------------------------------------------------------ planning
     def plan(self, importance: np.ndarray, forward_ms: float, *, grad_from: int = 0,
-             candidates: np.ndarray | None = None, batch_size: int = 1) -> PlanOutcome:
+             candidates: np.ndarray | None = None, batch_size: int = 1,
+             memory: MemoryCosts | None = None) -> PlanOutcome:
         """The optimal plan within the budget of this batch of `batch_size` frames: sigma*T,
-        or its deadline. `candidates`: units that may be updated (None: those with
-        importance > 0); units below `grad_from` cannot be updated (no graph was recorded
-        there)."""
+        or its deadline, and the memory budget (on `memory`, the batch's costs) if set.
+        `candidates`: units that may be updated (None: those with importance > 0); units
+        below `grad_from` cannot be updated (no graph was recorded there)."""
         if not (math.isfinite(forward_ms) and forward_ms >= 0):
             raise ValueError(f"forward_ms={forward_ms} is not a valid time")
         a = self._importance(importance, candidates, 0 if self.reforward_twice else grad_from)
@@ -367,14 +399,18 @@ class PlanningService(DeadlineBudget):
         deadline, margin = self.budget_ms(batch_size)
         problem = self._problem(w, x, r, a, forward_ms + self.fixed.plan_phase_ms,
                                 self.fixed.overhead_ms, deadline - margin)
-        plan = planner.solve(problem, n_t=int(self.config.n_t))
+        mib = self.config.memory_budget_mib
+        plan, mem = solve_plan(problem, int(self.config.n_t), mib, memory)
         bwd = planner.backward_cost(w, x, plan.update)
         refwd = (float(r[self.layout.stage_start[plan.first_updated]:].sum())
                  if plan.first_updated < self.layout.n_units else 0.0)
         cand = candidates if candidates is not None else (a > 0 if a.any() else None)
         no_room = "" if plan.update.any() else self._no_room(problem, plan, cand, forward_ms)
+        if not (no_room or plan.update.any()) and memory is not None and mib is not None:
+            no_room = memory_no_room(memory, cand, mib)
         return PlanOutcome(plan, w + x, bwd, refwd, problem.forward_ms, problem.overhead_ms,
-                           no_room, deadline, forward_ms > deadline, margin_ms=margin)
+                           no_room, deadline, forward_ms > deadline, margin_ms=margin,
+                           memory=mem)
 
     def empty_outcome(self, forward_ms: float, batch_size: int = 1, reason: str = "", *,
                       grad_from: int | None = None) -> PlanOutcome:
@@ -501,18 +537,6 @@ class PlanningService(DeadlineBudget):
             predicted += outcome.predicted_reforward_ms
             spent += measured.reforward_ms
         self.fixed.update_adapt(predicted, spent, measured.forward_ms)
-
-    @property
-    def backward_factor(self) -> float:
-        return self.backward_fb.factor
-
-    @property
-    def plan_phase_ms(self) -> float:
-        return self.fixed.plan_phase_ms
-
-    @property
-    def overhead_ms(self) -> float:
-        return self.fixed.overhead_ms
 
 
 def no_room_text(tf_ms: float, overhead_ms: float, budget_ms: float, deadline: bool,

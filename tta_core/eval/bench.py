@@ -24,6 +24,7 @@ import psutil
 import torch
 from torch import nn
 
+from tta_core.adashadow.memory_budget import check_budget_mib
 from tta_core.api import DeadlineTunable
 from tta_core.data.preprocess import images_to_tensor
 from tta_core.errors import InputError
@@ -80,6 +81,9 @@ class BenchConfig:
     user_model: UserModel | None = None
     # count saved activations per step (eval.saved_memory); off: hooks cost time
     measure_activations: bool = False
+    # saved-activation budget, MiB, for the methods that take one (memory_budget_mb:
+    # adashadow); turns measure_activations on (eval.saved_memory); None: off
+    memory_budget_mb: float | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad value."""
@@ -97,6 +101,7 @@ class BenchConfig:
                              f"{self.samples_per_domain} must be >= 1")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
+        check_budget_mib("memory_budget_mb", self.memory_budget_mb)
         if self.telemetry not in ("", "live") and not Path(self.telemetry).is_file():
             raise ValueError(f"telemetry {self.telemetry!r} is neither 'live' nor a "
                              f"calibration file")
@@ -120,6 +125,12 @@ class BenchConfig:
                                  "other orders are the synthetic stream's)")
         if self.user_model is not None:
             self.user_model.check()
+
+
+    @property
+    def measures_activations(self) -> bool:
+        """Whether steps are metered (measure_activations, or a memory budget to check)."""
+        return self.measure_activations or self.memory_budget_mb is not None
 
 
 def method_base(name: str) -> str:
@@ -214,6 +225,8 @@ def method_options(name: str, cfg: BenchConfig, input_shape: tuple[int, ...]) ->
         opts["reforward"] = False
     if "seed" in cls_fields:
         opts["seed"] = cfg.seed
+    if cfg.memory_budget_mb is not None and "memory_budget_mb" in cls_fields:
+        opts["memory_budget_mb"] = cfg.memory_budget_mb
     opts.update(cfg.method_options.get(name, {}))
     return opts
 
@@ -236,7 +249,7 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
     torch.manual_seed(cfg.seed)
     opts = method_options(name, cfg, tuple(stream[0].x.shape[1:]))
     meth = build_method(method_base(name), model, **opts)
-    meter = ActivationMeter(model, cfg.measure_activations)
+    meter = ActivationMeter(model, cfg.measures_activations, cfg.memory_budget_mb)
     cuda = stream[0].x.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -352,7 +365,7 @@ def write_bench(runs: list[RunRecord], out: Path, cfg: BenchConfig,
             f"{cfg.samples_per_domain} samples per domain; torch threads {cfg.threads or 'all'}"
             "\n\n")
     text = (text.replace("Accuracy in %", head + "Accuracy in %", 1)
-            + saved_note(cfg.measure_activations) + lr_markdown(runs))
+            + saved_note(cfg.measures_activations) + lr_markdown(runs))
     files.markdown.write_text(text)
     return files, text
 
@@ -471,7 +484,7 @@ def run_bench(cfg: BenchConfig, out: str | Path | None, progress: bool = True) -
         from tta_core.eval.report import markdown_table
 
         return BenchResult(runs, None, markdown_table([summarize(r) for r in runs])
-                           + saved_note(cfg.measure_activations) + lr_markdown(runs), clean)
+                           + saved_note(cfg.measures_activations) + lr_markdown(runs), clean)
     files, text = write_bench(runs, Path(out), cfg, clean)
     result = BenchResult(runs, files, text, clean)
     if cfg.stream_hz:

@@ -95,6 +95,8 @@ class RunSummary:
     # saved activations per batch, MiB (NaN: not measured; bench --measure-activations)
     saved_mib_mean: float = math.nan
     saved_mib_max: float = math.nan
+    # share of batches whose saved activations held `tta bench --memory-budget-mb` (NaN: none)
+    saved_within_budget: float = math.nan
 
 
 # ----------------------------------------------------------------------------- summary
@@ -187,6 +189,7 @@ def summarize(run: RunRecord) -> RunSummary:
         adapted=_share(f.adapted for f in firsts),
         saved_mib_mean=_num(saved.get("saved_mib_mean")),
         saved_mib_max=_num(saved.get("saved_mib_max")),
+        saved_within_budget=_num(saved.get("within_budget_share")),
     )
 
 
@@ -209,8 +212,10 @@ def markdown_table(summaries: Sequence[RunSummary]) -> str:
     for s in summaries:
         domains += [d for d in s.accuracy if d not in domains]
     saved = any(math.isfinite(s.saved_mib_mean) for s in summaries)
+    mem = any(math.isfinite(s.saved_within_budget) for s in summaries)
     head = ["method", *domains, "mean", "fps", "total ms p50", "in budget %", "adapted %",
-            "e2e ms p50", "e2e ms p90", "peak MB", *(["saved MiB (mean/max)"] if saved else [])]
+            "e2e ms p50", "e2e ms p90", "peak MB", *(["saved MiB (mean/max)"] if saved else []),
+            *(["in mem budget %"] if mem else [])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summaries:
         total = s.phases.get("total")
@@ -223,6 +228,8 @@ def markdown_table(summaries: Sequence[RunSummary]) -> str:
                 _fmt(s.e2e.p90 if s.e2e else math.nan, ".2f"), _fmt(s.peak_memory_mb, ".0f")]
         if saved:
             row.append(f"{_fmt(s.saved_mib_mean, '.2f')} / {_fmt(s.saved_mib_max, '.2f')}")
+        if mem:
+            row.append(_fmt(100 * s.saved_within_budget, ".0f"))
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 

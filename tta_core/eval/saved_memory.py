@@ -33,6 +33,7 @@ class SavedMemory:
     reported: list[float] = field(default_factory=list)  # the method's own codec (0: none)
     analytic: list[float] = field(default_factory=list)  # dense ∂W inputs, from shapes
     method_peak: list[float] = field(default_factory=list)  # stats["peak_saved_mib"]
+    budget_mib: float | None = None  # `tta bench --memory-budget-mb`: share of batches in it
 
     def totals(self) -> list[float]:
         """Saved MiB per batch: measured + method-reported."""
@@ -49,6 +50,10 @@ class SavedMemory:
             "saved_mib": tot}
         if self.method_peak:
             out["method_peak_saved_mib_max"] = max(self.method_peak)
+        if self.budget_mib is not None:
+            out["budget_mib"] = self.budget_mib
+            out["within_budget_share"] = (sum(t <= self.budget_mib for t in tot) / len(tot)
+                                          if tot else math.nan)
         return out
 
 
@@ -59,9 +64,11 @@ def _mean(values: list[float]) -> float:
 class ActivationMeter:
     """Wraps method steps in a SavedActivationCounter over `model`; off: does nothing."""
 
-    def __init__(self, model: nn.Module, enabled: bool) -> None:
+    def __init__(self, model: nn.Module, enabled: bool, budget_mib: float | None = None
+                 ) -> None:
+        """`budget_mib`: the bench's memory budget (the summary's share of batches in it)."""
         self.counter = SavedActivationCounter(model) if enabled else None
-        self.memory = SavedMemory()
+        self.memory = SavedMemory(budget_mib=budget_mib)
 
     @contextmanager
     def step(self) -> Iterator[None]:
@@ -96,7 +103,10 @@ SAVED_NOTE = (
     "report.json); the bench's hooks cannot see those (the innermost hooks win), so they "
     "are added. Analytic figures (dense inputs of ∂W layers, from shapes, as papers count) "
     "are `analytic_mib_mean` in report.json. Saves in another thread (AdaShadow parallel "
-    "mode) are not counted. `peak MB` is process RSS growth, a different quantity.\n")
+    "mode) are not counted. `peak MB` is process RSS growth, a different quantity. "
+    "`in mem budget %` (with --memory-budget-mb): the share of batches whose saved MiB "
+    "(measured + reported) were within the budget, for every method, whether it takes "
+    "the budget (adashadow) or not.\n")
 
 
 def saved_note(measured: bool) -> str:

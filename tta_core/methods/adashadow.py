@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from tta_core.adashadow.deadline import DeadlineConfig
 from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig
+from tta_core.adashadow.memory_budget import check_budget_mib
 from tta_core.adashadow.planner import Plan
 from tta_core.adashadow.predictor import UnitProfile
 from tta_core.api import StepResult
@@ -39,6 +40,15 @@ class AdaShadowConfig(MethodConfig, EngineConfig):
     # issue #21: recognise the domain, restore its banked BN + classifier state, adapt only
     # until the domain is stable (tta_core.domain.switch; trainable="norm" only)
     domain_bank: bool = False
+    # saved-activation budget, MiB (2**20 bytes, the unit of every saved-activation figure;
+    # `tta bench --memory-budget-mb`); None: off. Sets memory_budget_mib (EngineConfig.graph)
+    memory_budget_mb: float | None = None
+
+    def validate(self) -> None:
+        """EngineConfig.validate after copying memory_budget_mb (checked by that name)."""
+        if self.memory_budget_mb is not None:
+            self.memory_budget_mib = check_budget_mib("memory_budget_mb", self.memory_budget_mb)
+        super().validate()
 
 
 @register("adashadow")

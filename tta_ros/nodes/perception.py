@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import sys
 import threading
 from collections.abc import Sequence
@@ -86,8 +87,8 @@ from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, 
 
 RUNTIME = ("method", "mode", "sigma", "lr", "batch_size", "queue_size", "plan_source",
            "plan_timeout_s", "publish_scores", "batch_timeout_s", "reset_entropy_ratio",
-           "reset_patience", *DEADLINE_KEYS, *SPEED_KEYS)
-REBUILD = ("method", "mode")
+           "reset_patience", "memory_budget_mb", *DEADLINE_KEYS, *SPEED_KEYS)
+REBUILD = ("method", "mode", "memory_budget_mb")
 
 
 def param_specs() -> tuple[ParamSpec, ...]:
@@ -98,6 +99,9 @@ def param_specs() -> tuple[ParamSpec, ...]:
         ParamSpec("mode", "sequential", "predict on the reforward (sequential) or adapt in "
                   "the background (parallel)", choices=("sequential", "parallel")),
         ParamSpec("sigma", 0.33, "latency budget as a fraction of a full update", 0.0, 1.0),
+        ParamSpec("memory_budget_mb", 0.0, "saved-activation budget of an update, MiB (0: "
+                  "none; methods that take one: adashadow); a change rebuilds the method",
+                  0.0, 1e6),
         ParamSpec("lr", 5e-3, "SGD learning rate at batch 64 (scaled linearly with the batch "
                   "size, as the EATA/SAR code does)", 0.0, 1.0),
         ParamSpec("batch_size", 8, "frames per adaptation batch", 1, 256),
@@ -153,6 +157,7 @@ class Counters:
     last_error: str = ""
     inline_batches: int = 0
     topic_batches: int = 0
+    saved_mib: float = math.nan  # saved activations of the last batch (memory budget)
 
     def count_batch(self, from_topic: bool) -> None:
         self.batches += 1
@@ -181,6 +186,7 @@ def method_options(p: dict[str, Any], image_size: int, arch: str) -> dict[str, A
            "input_shape": (3, image_size, image_size), "arch": arch,
            "backward_feedback": p["backward_feedback"],
            "fixed_cost_feedback": p["fixed_cost_feedback"], **deadline_settings(p),
+           "memory_budget_mb": p["memory_budget_mb"] or None,
            **bank_option(p)}
     if p["profile"]:
         cfg["profile"] = ros_params.resolve_data_path(p["profile"])
@@ -225,7 +231,9 @@ def perception_statuses(node: PerceptionNode) -> list[DiagnosticStatus]:
                    "deadline_mode": p["deadline_mode"], "speed": speed_text(node.speed)}),
         status("adaptation", OK, f"{p['method']} ({p['mode']})",
                {"batches": c.batches, "resets": node.guard.resets,
-                "step_errors": c.step_errors, "last_error": c.last_error}),
+                "step_errors": c.step_errors, "last_error": c.last_error,
+                "saved_activation_mib": f"{c.saved_mib:.4g}",
+                "memory_budget_mb": f"{p['memory_budget_mb']:g}"}),
         *node.domain.statuses()]
 
 
@@ -238,6 +246,7 @@ def publish_batch(node: PerceptionNode, frames: list[Any], logits: torch.Tensor,
                                 list(node.card.class_names), node.p["publish_scores"]):
         node.pub_pred.publish(pred)
     node.method.finish()  # parallel mode: the status carries this update's backward
+    node.counters.saved_mib = float(res.stats.get("saved_mib", math.nan))
     header = frames[-1].header
     node.pub_status.publish(status_msg(
         header, batch_id, res, method=node.p["method"], mode=node.p["mode"],

@@ -37,7 +37,9 @@ from visualization_msgs.msg import Marker, MarkerArray
 from tta_core.adashadow.planning import (
     FEEDBACK_MODES,
     TRAINABLE,
+    CardSaveCosts,
     Measured,
+    MemoryCosts,
     PlanningConfig,
     PlanningService,
     PlanOutcome,
@@ -68,6 +70,8 @@ PARAMS: tuple[ParamSpec, ...] = (
               "setting): norm = BN/LayerNorm affine parameters, all = every unit",
               choices=TRAINABLE, read_only=True),
     ParamSpec("n_t", 500, "planner budget discretisation steps", 10, 100000),
+    ParamSpec("memory_budget_mb", 0.0, "saved-activation budget of perception's update, MiB "
+              "(0: none); plans assume perception's adashadow with this budget", 0.0, 1e6),
     ParamSpec("forward_feedback", "uniform", "correct the telemetry-scaled times by the "
               "forward measured on the batch (predictor.feedback_pis): memory = keep the "
               "telemetry's pi1 and solve pi2 from the forward (uniform while telemetry is "
@@ -163,7 +167,9 @@ class SchedulerNode(Node):
         self.planning = PlanningService(layout, PlanningConfig(
             sigma=p["sigma"], n_t=p["n_t"], forward_feedback=p["forward_feedback"],
             backward_feedback=p["backward_feedback"],
-            fixed_cost_feedback=p["fixed_cost_feedback"], **deadline_settings(p)), profile)
+            fixed_cost_feedback=p["fixed_cost_feedback"], **deadline_settings(p),
+            memory_budget_mib=p["memory_budget_mb"] or None), profile)
+        self._card, self._save_costs = p["model_card"], None  # memory costs: on first use
         self.speed = SpeedFeed(self, p["odometry_topic"], p["odometry_type"],
                                p["odometry_timeout_s"], self._now)
         self.forward_misses = 0  # batches whose forward alone missed the deadline
@@ -210,6 +216,8 @@ class SchedulerNode(Node):
             for prm in params:
                 if prm.name in ("sigma", "n_t", "forward_feedback", *DEADLINE_KEYS):
                     setattr(self.planning.config, prm.name, prm.value)
+                if prm.name == "memory_budget_mb":
+                    self.planning.config.memory_budget_mib = prm.value or None
             self.speed.on_params(new)
         return res
 
@@ -250,7 +258,18 @@ class SchedulerNode(Node):
         self._apply_telemetry()
         self.planning.set_speed(self.speed.speed())
         return self.planning.plan(importance, float(imp.forward_ms), grad_from=self._grad_from,
-                                  candidates=self._trainable, batch_size=int(imp.batch_size))
+                                  candidates=self._trainable, batch_size=int(imp.batch_size),
+                                  memory=self._memory_costs(int(imp.batch_size)))
+
+    def _memory_costs(self, batch_size: int) -> MemoryCosts | None:
+        """Memory costs of a batch when a memory budget is set (the card's model, profiled
+        once per batch size: memory_budget.CardSaveCosts), else None."""
+        if self.planning.config.memory_budget_mib is None:
+            return None
+        if self._save_costs is None:
+            self._save_costs = CardSaveCosts(ros_params.resolve_data_path(self._card),
+                                             self.get_parameter("trainable").value)
+        return self._save_costs(batch_size)
 
     def _on_importance(self, imp: LayerImportance) -> None:
         try:

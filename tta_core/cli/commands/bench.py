@@ -101,6 +101,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "tensor hooks; costs time): report.md column 'saved MiB "
                              "(mean/max)'. A method twice: --methods surgeon,surgeon@robot "
                              "--set surgeon@robot.mode=robot")
+    parser.add_argument("--memory-budget-mb", type=float, default=None, metavar="MIB",
+                        help="saved-activation budget in MiB for the methods that take one "
+                             "(adashadow: planned with latency at once; see adashadow.graph); "
+                             "measures activations: report.md column 'in mem budget %%'")
     parser.add_argument("--stream-track", type=int, default=d.stream_track, metavar="K",
                         help="streaming mode: each sign is seen over K consecutive frames "
                              f"(a vehicle approaching it; default {d.stream_track}; 1: i.i.d.)")
@@ -129,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
                       method_options=options, telemetry=args.telemetry,
                       stream_hz=args.stream_hz, stream_track=args.stream_track,
                       stream_latency_ms=args.stream_latency_ms, data=args.data, user_model=um,
-                      measure_activations=args.measure_activations)
+                      measure_activations=args.measure_activations,
+                      memory_budget_mb=args.memory_budget_mb)
     out = args.out or Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
     result = run_bench(cfg, out, progress=not args.no_progress)
     print(result.markdown)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import numpy as np
@@ -251,3 +252,64 @@ def test_scheduler_plans_within_its_memory_budget_mb(ros_context) -> None:
         assert not tiny.updates and "memory budget" in tiny.no_room
     finally:
         node.destroy_node()
+
+
+def test_budget_from_free_memory() -> None:
+    from tta_core.adashadow.memory_budget import budget_from_free
+
+    assert budget_from_free(None, 0.0, 500.0) is None  # share 0: off
+    assert budget_from_free(2.0, 0.0, 500.0) == 2.0
+    assert budget_from_free(None, 0.5, 500.0) == 250.0
+    assert budget_from_free(100.0, 0.5, 500.0) == 100.0  # the tighter of the two
+    assert budget_from_free(100.0, 0.5, math.nan) == 100.0  # no (fresh) telemetry
+    assert budget_from_free(None, 0.5, -20.0) == 1e-3  # nothing free: nothing fits
+    with pytest.raises(ValueError, match="free share must be in"):
+        budget_from_free(None, 1.5, 500.0)
+
+
+def test_scheduler_plans_within_a_share_of_the_free_memory_telemetry_reports(
+        ros_context) -> None:
+    """memory_budget_free_share 0.5: telemetry saying 1.2 MiB free gives a 0.6 MiB budget,
+    99.99 % used none that fits; stale telemetry leaves no budget (none fixed)."""
+    import rclpy
+    from rclpy.executors import SingleThreadedExecutor
+    from rclpy.parameter import Parameter
+    from tta_msgs.msg import LayerImportance, ResourceTelemetry
+
+    from tta_ros.nodes.scheduler import SchedulerNode
+
+    node = SchedulerNode(context=ros_context, parameter_overrides=[
+        Parameter("model_card", value=str(CARD)), Parameter("sigma", value=1.0),
+        Parameter("memory_budget_free_share", value=0.5)])
+    probe = rclpy.create_node("monitor_probe", context=ros_context)
+    pub = probe.create_publisher(ResourceTelemetry, "telemetry", 10)
+    ex = SingleThreadedExecutor(context=ros_context)
+    ex.add_node(node)
+    lay = node.layout
+    imp = LayerImportance(unit_names=lay.unit_names, model_name=lay.model_name,
+                          importance=[1.0] * lay.n_units, batch_size=8, forward_ms=5.0)
+
+    def telemetry(total: float, used: float) -> None:
+        msg = ResourceTelemetry(mem_total_mb=total, mem_used_mb=used)
+        node.telemetry = None
+        end = time.monotonic() + 5.0
+        while node.telemetry is None and time.monotonic() < end:
+            pub.publish(msg)
+            ex.spin_once(timeout_sec=0.05)
+        assert node.telemetry is not None, "telemetry never received"
+
+    try:
+        assert node.plan_for(imp).memory is None  # no telemetry yet: no budget
+        telemetry(1000.0, 998.8)
+        out = node.plan_for(imp)
+        assert node.planning.config.memory_budget_mib == pytest.approx(0.6, rel=1e-3)
+        assert out.updates and out.memory.predicted_bytes <= 0.6 * MIB
+        telemetry(1000.0, 999.9999)
+        assert not node.plan_for(imp).updates
+        node.set_parameters([Parameter("telemetry_timeout_s", value=0.1)])
+        time.sleep(0.2)  # stale
+        assert node.plan_for(imp).memory is None
+    finally:
+        ex.shutdown()
+        node.destroy_node()
+        probe.destroy_node()

@@ -71,6 +71,20 @@ def check_budget_mib(name: str, value: object) -> float | None:
     return float(value)
 
 
+def budget_from_free(fixed_mib: float | None, share: float, free_mib: float) -> float | None:
+    """The memory budget of the next plan, MiB: `fixed_mib` (None: none), and with `share`
+    in (0, 1] at most that share of the memory the resource monitor reports free
+    (`free_mib` = mem_total_mb - mem_used_mb; NaN, stale telemetry: the fixed budget
+    alone). A machine with less free memory than its fixed budget plans within what it
+    has; never below 0.001 MiB (nothing fits, rather than no budget)."""
+    if not (math.isfinite(share) and 0.0 <= share <= 1.0):
+        raise ValueError(f"memory budget free share must be in [0, 1], got {share!r}")
+    if share == 0.0 or not math.isfinite(free_mib):
+        return fixed_mib
+    live = max(share * free_mib, 1e-3)
+    return live if fixed_mib is None else min(fixed_mib, live)
+
+
 def profile_stages(staged: StagedModel, x: Tensor) -> SaveProfile:
     """Every save of a recorded forward of x (+ entropy loss), stage by stage (module
     docstring): the model's train/eval modes and requires_grad as they are."""

@@ -32,8 +32,8 @@ from __future__ import annotations
 
 __all__ = ["DEADLINE_MODES", "DEADLINE_PER", "FEEDBACK_MODES", "TRAINABLE", "CardSaveCosts",
            "DeadlineBudget", "DeadlineConfig", "Measured", "MemoryCosts", "Plan", "PlanOutcome",
-           "PlanningConfig", "PlanningService", "UnitLayout", "UnitProfile", "layout_from_card",
-           "mac_profile", "telemetry_pis"]
+           "PlanningConfig", "PlanningService", "UnitLayout", "UnitProfile", "budget_from_free",
+           "layout_from_card", "mac_profile", "telemetry_pis"]
 
 import math
 from dataclasses import dataclass
@@ -54,6 +54,7 @@ from tta_core.adashadow.deadline import (
 from tta_core.adashadow.fixed_costs import FixedCosts
 from tta_core.adashadow.memory_budget import (
     CardSaveCosts,
+    budget_from_free,
     check_budget_mib,
     memory_no_room,
     solve_plan,

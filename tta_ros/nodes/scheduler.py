@@ -44,6 +44,7 @@ from tta_core.adashadow.planning import (
     PlanningService,
     PlanOutcome,
     UnitProfile,
+    budget_from_free,
     layout_from_card,
     telemetry_pis,
 )
@@ -72,6 +73,9 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("n_t", 500, "planner budget discretisation steps", 10, 100000),
     ParamSpec("memory_budget_mb", 0.0, "saved-activation budget of perception's update, MiB "
               "(0: none); plans assume perception's adashadow with this budget", 0.0, 1e6),
+    ParamSpec("memory_budget_free_share", 0.0, "with fresh telemetry, plan within this share "
+              "of the free memory it reports (total - used), MiB, and within "
+              "memory_budget_mb if set too (0: off)", 0.0, 1.0),
     ParamSpec("forward_feedback", "uniform", "correct the telemetry-scaled times by the "
               "forward measured on the batch (predictor.feedback_pis): memory = keep the "
               "telemetry's pi1 and solve pi2 from the forward (uniform while telemetry is "
@@ -244,11 +248,16 @@ class SchedulerNode(Node):
     def _apply_telemetry(self) -> None:
         """Fresh telemetry -> live pi1/pi2 in the service; stale -> offline factors."""
         fresh = self._now() - self._tel_time <= self.get_parameter("telemetry_timeout_s").value
-        if fresh and self.telemetry is not None:
-            self.planning.set_expansion(*telemetry_pis(self.telemetry.compute_expansion,
-                                                       self.telemetry.memory_expansion))
+        tel = self.telemetry if fresh else None
+        if tel is not None:
+            self.planning.set_expansion(*telemetry_pis(tel.compute_expansion,
+                                                       tel.memory_expansion))
         else:
             self.planning.clear_expansion()
+        free = tel.mem_total_mb - tel.mem_used_mb if tel is not None else math.nan
+        self.planning.config.memory_budget_mib = budget_from_free(
+            self.get_parameter("memory_budget_mb").value or None,
+            self.get_parameter("memory_budget_free_share").value, free)
 
     def plan_for(self, imp: LayerImportance) -> PlanOutcome:
         """The service's plan for `imp` with the current telemetry (nothing published);

@@ -161,3 +161,15 @@ def test_measure_activations_reports_saved_mib(tmp_path) -> None:
     assert "saved MiB" not in text
     with pytest.raises(ValueError, match="name one twice"):
         BenchConfig(methods=("tent", "tent")).validate()
+
+
+def test_stream_batches_own_their_memory() -> None:
+    """A batch that shared the stream's storage would be charged the whole stream by the
+    saved-activation accounting (by storage) of any method that saves its input."""
+    x = torch.randn(40, 32, 32, 3).permute(0, 3, 1, 2)  # NHWC images viewed as NCHW
+    batches = batches_from_arrays(x, np.zeros(40), ["a"] * 20 + ["b"] * 20, 8)
+    assert [len(b.labels) for b in batches] == [8, 8, 4, 8, 8, 4]
+    for b in batches:
+        assert b.x.is_contiguous()
+        assert b.x.untyped_storage().nbytes() == b.x.numel() * b.x.element_size()
+    assert torch.equal(torch.cat([b.x for b in batches]), x)

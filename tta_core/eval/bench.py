@@ -322,7 +322,11 @@ def _lr_meta(meth: Any, rates: dict[int, float]) -> dict[str, Any] | None:
 
 def batches_from_arrays(x: torch.Tensor, labels: np.ndarray, domains: Sequence[str],
                         batch_size: int) -> list[Batch]:
-    """Cut a stream into batches that never straddle a domain change."""
+    """Cut a stream into batches that never straddle a domain change. Each batch owns its
+    memory (contiguous copy), as a camera batch does: a slice would share the whole
+    stream's storage, and saved-activation accounting (by storage) would charge a method
+    that saves its input (surgeon's first conv) for the entire stream (measured: 18.4 MB
+    instead of 48 KB at 100 frames per domain)."""
     if not len(x) == len(labels) == len(domains):
         raise ValueError(f"lengths differ: x {len(x)}, labels {len(labels)}, "
                          f"domains {len(domains)}")
@@ -330,7 +334,8 @@ def batches_from_arrays(x: torch.Tensor, labels: np.ndarray, domains: Sequence[s
     start = 0
     for i in range(1, len(x) + 1):
         if i == len(x) or domains[i] != domains[start] or i - start == batch_size:
-            out.append(Batch(x[start:i], np.asarray(labels[start:i]), str(domains[start])))
+            out.append(Batch(x[start:i].clone(memory_format=torch.contiguous_format),
+                             np.asarray(labels[start:i]), str(domains[start])))
             start = i
     return out
 

@@ -1,0 +1,114 @@
+"""Fast CPU paths of the DAF kernels: vectorised eager PyTorch and a torch.compile variant.
+
+Both produce exactly the reference's bytes (tta_kernels.reference documents the format):
+
+- ``vectorised``: amin and amax passes, in-place arithmetic, int16 codes packed by reading
+  2 (4) of them as one int32 (int64) word and OR-ing shifted copies (the codes never
+  overlap), unpacked by widening each byte to an int16 (int32) word and shifting its codes
+  apart. The clamp of the reference is left
+  out: x - min >= 0 exactly and (max - min) * (L / (max - min)) <= L * (1 + 2**-22) < L + 0.5,
+  so the rounded value is already inside [0, L].
+- ``compiled``: the reference's arithmetic under torch.compile (inductor C++/OpenMP); one
+  kernel per call after fusion. Needs a C++ compiler at run time: when compiling fails the
+  caller falls back to ``vectorised`` (tta_kernels.dispatch).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from .reference import Quantized, check_args, padded_groups, scales
+
+# packing: the 8/bits int16 codes of one output byte, read as one word
+_PACK_WORD = {2: torch.int64, 4: torch.int32}
+# unpacking: one packed byte widened to a word that holds its 8/bits codes, one per byte
+_UNPACK_WORD = {2: torch.int32, 4: torch.int16}
+
+
+def _pack(q: Tensor, bits: int) -> Tensor:
+    """int16 codes -> packed bytes: word w holds code j at bit 16 j; OR-ing w >> 14 j
+    (2 bits) or w >> 12 j (4 bits) moves code j to bit bits * j of the low byte, and codes
+    never overlap there (each is < 2**bits)."""
+    if bits == 8:
+        return q.to(torch.uint8)
+    w = q.view(_PACK_WORD[bits])
+    out = w.clone()
+    for j in range(1, 8 // bits):
+        out |= w >> (j * (16 - bits))
+    return out.to(torch.uint8)
+
+
+def unpack_codes(codes: Tensor, bits: int) -> Tensor:
+    """Packed bytes -> one uint8 code per element: widen each byte to a word and move
+    code j from bit bits * j to bit 8 j (its own byte, little-endian)."""
+    if bits == 8:
+        return codes
+    w = codes.to(_UNPACK_WORD[bits])
+    mask = 2**bits - 1
+    out = w & mask
+    for j in range(1, 8 // bits):
+        out |= (w & (mask << (bits * j))) << (j * (8 - bits))
+    return out.view(torch.uint8)
+
+
+def quantize_pack(x: Tensor, bits: int, group: int) -> Quantized:
+    """Vectorised quantize + pack (reference format)."""
+    check_args(bits, group)
+    g = padded_groups(x, group)
+    mn, mx = g.amin(1), g.amax(1)  # two passes: 20x faster than aminmax(dim=1) on CPU
+    scale, inv = scales(mn, mx, bits)
+    t = g - mn[:, None]
+    t.mul_(inv[:, None]).round_()
+    return Quantized(_pack(t.to(torch.int16).view(-1), bits), mn, scale)
+
+
+def unpack_dequantize(qt: Quantized, bits: int, group: int, n: int,
+                      dtype: torch.dtype = torch.float32) -> Tensor:
+    """Vectorised unpack + dequantize: the first n values (flat)."""
+    check_args(bits, group)
+    t = unpack_codes(qt.codes, bits).view(-1, group).float()
+    t.mul_(qt.scale[:, None]).add_(qt.mn[:, None])
+    t = t.view(-1)[:n]
+    return t if dtype == torch.float32 else t.to(dtype)
+
+
+def _quantize_body(g: Tensor, bits: int) -> tuple[Tensor, Tensor, Tensor]:
+    mn, mx = torch.aminmax(g, dim=1)
+    scale, inv = scales(mn, mx, bits)
+    q = torch.round((g - mn[:, None]) * inv[:, None]).to(torch.int32)
+    per = 8 // bits
+    lanes = q.view(-1, per)
+    out = lanes[:, 0]
+    for j in range(1, per):
+        out = out | (lanes[:, j] << (bits * j))
+    return out.to(torch.uint8), mn, scale
+
+
+def _dequantize_body(q: Tensor, scale: Tensor, mn: Tensor) -> Tensor:
+    prod = q.view(scale.shape[0], -1).float() * scale[:, None]
+    return prod + mn[:, None]
+
+
+@functools.lru_cache(maxsize=1)
+def compiled_bodies() -> tuple:
+    """(quantize, dequantize) compiled once with dynamic shapes (lazy: compiling is slow)."""
+    opts = {"dynamic": True, "fullgraph": True}
+    return torch.compile(_quantize_body, **opts), torch.compile(_dequantize_body, **opts)
+
+
+def quantize_pack_compiled(x: Tensor, bits: int, group: int) -> Quantized:
+    """torch.compile'd quantize + pack (reference format)."""
+    check_args(bits, group)
+    codes, mn, scale = compiled_bodies()[0](padded_groups(x, group), bits)
+    return Quantized(codes, mn, scale)
+
+
+def unpack_dequantize_compiled(qt: Quantized, bits: int, group: int, n: int,
+                               dtype: torch.dtype = torch.float32) -> Tensor:
+    """Table unpack + torch.compile'd dequantize: the first n values (flat)."""
+    check_args(bits, group)
+    t = compiled_bodies()[1](unpack_codes(qt.codes, bits), qt.scale, qt.mn).view(-1)[:n]
+    return t if dtype == torch.float32 else t.to(dtype)

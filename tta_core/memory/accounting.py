@@ -153,7 +153,8 @@ class SavedActivationCounter(SavedTensorContext):
                 nz = int(torch.count_nonzero(t)) / t.numel()
             view = (index, t.storage_offset(), tuple(t.shape), t.stride(), t._version)
             self.events.append(SaveEvent(index, t.untyped_storage().nbytes(), view, t.numel(),
-                                         t.element_size(), site.role, site.unit, nz))
+                                         t.element_size(), site.role, site.unit, nz,
+                                         t.is_floating_point()))
         return t
 
 

@@ -56,6 +56,7 @@ class SaveEvent:
     role: str
     unit: str
     nonzero: float  # fraction of nonzero entries (wgrad saves only; 1.0 otherwise)
+    floating: bool = True  # a floating-point tensor (DAF quantizes only those)
 
 
 @dataclass

@@ -81,6 +81,7 @@ def test_gradient_cosine_at_8_and_4_bits_with_masks(name: str) -> None:
     CodecPlan(default_bits=4),
     CodecPlan(default_bits=4, norm_bits=8),
     CodecPlan(default_bits=2, norm_bits=2, group=64, act_masks=False),
+    CodecPlan(default_bits=4, norm_bits=4, narrow_ints=True),
     CodecPlan({"layer1.0.conv1": 0.3}, default="dense", bits={"fc": 8, "layer4.1.conv2": 2},
               norm_bits=4),
 ])
@@ -111,6 +112,18 @@ def test_quantized_bytes_are_codes_plus_group_metadata() -> None:
         back = p.decode()
         assert back.shape == t.shape and back.stride() == t.stride()
         assert float((back - t).abs().max()) <= float(t.max() - t.min()) / (2**bits - 1)
+
+
+def test_narrow_ints_hold_max_pool_indices_losslessly() -> None:
+    """ResNet's max-pool indices (int64, < H*W) as int16: 4x fewer bytes, same gradients."""
+    model, x = resnet18_64px()
+    exact = _grads(model, x)
+    masks = ActivationCodec(model, CodecPlan())
+    assert torch.equal(_grads(model, x, masks), exact)
+    narrow = ActivationCodec(model, CodecPlan(narrow_ints=True))
+    assert torch.equal(_grads(model, x, narrow), exact)
+    indices = 8 * 64 * 16 * 16 * 8  # batch x channels x 16 x 16 pooled, int64
+    assert masks.result.total - narrow.result.total == indices - indices // 4
 
 
 def _freeze_convs(model: nn.Module) -> list[str]:

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from tta_core.memory.ledger import Ledger, SavedBytes, SaveEvent
+from tta_core.memory.quant import narrow_dtype
 from tta_core.memory.scope import WGRAD, SaveSite, UnitScope
 from tta_core.model.units import StagedModel
 
@@ -154,8 +155,14 @@ class SavedActivationCounter(SavedTensorContext):
             view = (index, t.storage_offset(), tuple(t.shape), t.stride(), t._version)
             self.events.append(SaveEvent(index, t.untyped_storage().nbytes(), view, t.numel(),
                                          t.element_size(), site.role, site.unit, nz,
-                                         t.is_floating_point()))
+                                         t.is_floating_point(), _narrow_elem(t)))
         return t
+
+
+def _narrow_elem(t: Tensor) -> int:
+    """Bytes per entry of an integer save in its narrowest dtype (0: float or no gain)."""
+    dtype = None if t.is_floating_point() else narrow_dtype(t)
+    return 0 if dtype is None else torch.iinfo(dtype).bits // 8
 
 
 @dataclass

@@ -43,7 +43,7 @@ outside checkpointed regions. Put the codec around the forward only.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from torch import Tensor, nn
@@ -53,13 +53,16 @@ from tta_core.memory.accounting import SavedTensorContext
 from tta_core.memory.packed import PackedMask, PackedPruned
 from tta_core.memory.quant import (
     MIN_QUANT_NUMEL,
+    NARROW,
     NORM_KINDS,
     STORED_BITS,
     Dropped,
+    PackedInt,
     PackedQuant,
     Quant,
     check_bits,
     encode_quant,
+    narrow_dtype,
 )
 from tta_core.memory.scope import ACT, WGRAD, SaveSite
 from tta_core.model.units import StagedModel
@@ -91,7 +94,9 @@ class CodecPlan:
     conv/linear unit's input quantized instead of pruned (bits win over keep); 0 = not
     stored (the unit must be frozen). ``norm_bits`` (BN/LN units not in ``bits``; None =
     dense) quantizes their float saves of at least MIN_QUANT_NUMEL entries; ``group``:
-    entries per min/max group (a multiple of 8).
+    entries per min/max group (a multiple of 8). ``narrow_ints``: integer saves of at least
+    MIN_QUANT_NUMEL entries (max-pool indices) are held losslessly in the narrowest integer
+    dtype that fits their values.
     """
 
     keep: Mapping[str, float | str] = field(default_factory=dict)
@@ -102,6 +107,7 @@ class CodecPlan:
     default_bits: int | None = None
     norm_bits: int | None = None
     group: int = 128
+    narrow_ints: bool = False
 
     def __post_init__(self) -> None:
         _check_keep("<default>", self.default)
@@ -146,6 +152,8 @@ class CodecPlan:
                 return Quant(bits, self.group)
             keep = self.keep_of(unit)
             return DENSE if keep >= 1.0 - 1.0 / (8 * elem) else keep
+        if numel >= MIN_QUANT_NUMEL and not floating and self.narrow_ints:
+            return NARROW
         if kind in NORM_KINDS and floating and numel >= MIN_QUANT_NUMEL:
             bits = self.bits_of(unit, kind)
             if bits:
@@ -188,21 +196,27 @@ class ActivationCodec(SavedTensorContext):
         enc = self.plan.encoding(site.role, site.unit, t.element_size(),
                                  self._kinds.get(site.unit, ""), t.numel(),
                                  t.is_floating_point())
-        if enc == DENSE:
+        if enc == NARROW and (narrow := narrow_dtype(t)) is not None:
+            return self._store(t, enc, site, lambda: PackedInt(t.detach().to(narrow), t.dtype))
+        if enc in (DENSE, NARROW):
             self.ledger.storage_index(t, site)
             return t
+        if enc == MASK:
+            return self._store(t, enc, site, lambda: PackedMask.encode(t, site.band))
+        if isinstance(enc, Quant):
+            return self._store(t, enc, site, lambda: encode_quant(t, enc))
+        return self._store(t, enc, site,
+                           lambda: PackedPruned.encode(t, float(enc), self.plan.sample))
+
+    def _store(self, t: Tensor, enc: Encoding, site: SaveSite, encode: Callable[[], object]
+               ) -> object:
+        """The encoding of t made earlier in this forward, or a new one (counted)."""
         hit = self._lookup(t, enc)
         if hit is not None:
             return hit
-        if enc == MASK:
-            packed: PackedMask | PackedPruned | PackedQuant | Dropped = \
-                PackedMask.encode(t, site.band)
-        elif isinstance(enc, Quant):
-            packed = encode_quant(t, enc)
-        else:
-            packed = PackedPruned.encode(t, float(enc), self.plan.sample)
+        packed = encode()
         self._cache[self._key(t, enc)] = (StorageWeakRef(t.untyped_storage()), packed)
-        self.ledger.add(packed.nbytes, site)
+        self.ledger.add(packed.nbytes, site)  # type: ignore[attr-defined]
         return packed
 
     @staticmethod
@@ -217,7 +231,7 @@ class ActivationCodec(SavedTensorContext):
         return hit[1]
 
     def _unpack(self, packed: object) -> Tensor:
-        if isinstance(packed, PackedMask | PackedPruned | PackedQuant | Dropped):
+        if isinstance(packed, PackedMask | PackedPruned | PackedQuant | Dropped | PackedInt):
             return packed.decode()
         return packed  # type: ignore[return-value]
 

@@ -2,7 +2,8 @@
 
 daf_plan: the plan of `tent.activation_bits` / `surgeon.activation_bits`: conv/linear units
 whose parameters are all frozen store nothing (0 bits: backward never reads their input),
-trainable ones store their input at `bits`, BN/LN inputs at `bits`, ReLU masks exact.
+trainable ones store their input at `bits`, BN/LN inputs at `bits`, ReLU masks exact,
+max-pool indices in the narrowest integer dtype (lossless).
 
 budget_plan: DAF's budgeted widths (bit_alloc.greedy_bits) for the trainable conv/linear
 units from one profiled forward (predict.SaveProfile): each unit's bytes per width are
@@ -52,14 +53,16 @@ def daf_plan(target: StagedModel | nn.Module, bits: int, group: int = 128,
     keep = dict(keep or {})
     widths = {n: bits for n in trainable if n not in keep}
     widths.update(dict.fromkeys(frozen, 0))
-    return CodecPlan(keep, "dense", act_masks, bits=widths, norm_bits=bits, group=group)
+    return CodecPlan(keep, "dense", act_masks, bits=widths, norm_bits=bits, group=group,
+                     narrow_ints=True)
 
 
 def unit_choices(profile: SaveProfile, importance: Mapping[str, float],
                  widths: tuple[int, ...] = (0, 2, 4, 8), ms_per_elem: float = 0.0,
                  norm_bits: int | None = 8, group: int = 128) -> list[UnitChoice]:
-    """Bytes and ms per width of each unit in `importance` (predicted, profile replay)."""
-    base = CodecPlan(default_bits=8, norm_bits=norm_bits, group=group)
+    """Extra bytes (over its lowest width) and ms per width of each unit in `importance`
+    (predicted by replaying the profile)."""
+    base = CodecPlan(default_bits=8, norm_bits=norm_bits, group=group, narrow_ints=True)
     numel = {u: 0 for u in importance}
     for e in profile.events:
         if e.unit in numel and e.role == "wgrad":
@@ -69,8 +72,10 @@ def unit_choices(profile: SaveProfile, importance: Mapping[str, float],
         mem = {}
         for b in widths:
             plan = CodecPlan(bits={**base.bits, unit: b}, default_bits=8,
-                             norm_bits=norm_bits, group=group)
+                             norm_bits=norm_bits, group=group, narrow_ints=True)
             mem[b] = predicted_bytes(profile, plan).per_unit.get(unit, 0)
+        low = mem[min(widths)]  # bytes the unit holds whatever its width (other saves)
+        mem = {b: m - low for b, m in mem.items()}
         time = {b: ms_per_elem * numel[unit] if b else 0.0 for b in widths}
         out.append(UnitChoice(unit, float(imp), mem, time))
     return out
@@ -83,10 +88,11 @@ def budget_plan(profile: SaveProfile, importance: Mapping[str, float], mem_budge
     """Greedy DAF widths for the units in `importance` under both budgets (bytes: the whole
     forward's saved bytes, the other saves included at their fixed encodings)."""
     chosen = unit_choices(profile, importance, ms_per_elem=ms_per_elem, norm_bits=norm_bits,
-                          group=group)
+                          group=group, narrow_ints=True)
     all_low = CodecPlan(bits=dict.fromkeys(importance, 0), default_bits=8,
-                        norm_bits=norm_bits, group=group)
+                        norm_bits=norm_bits, group=group, narrow_ints=True)
     fixed = predicted_bytes(profile, all_low).total  # what the units' widths do not change
     alloc = greedy_bits(chosen, mem_budget - fixed, time_budget, fidelity)
-    plan = CodecPlan(bits=alloc.bits, default_bits=8, norm_bits=norm_bits, group=group)
+    plan = CodecPlan(bits=alloc.bits, default_bits=8, norm_bits=norm_bits, group=group,
+                     narrow_ints=True)
     return plan, alloc

@@ -21,7 +21,7 @@ from tta_core.memory.accounting import SavedActivationCounter
 from tta_core.memory.codec import DENSE, MASK, CodecPlan
 from tta_core.memory.ledger import SaveEvent
 from tta_core.memory.packed import mask_nbytes, pruned_nbytes
-from tta_core.memory.quant import Quant, quant_nbytes
+from tta_core.memory.quant import NARROW, Quant, quant_nbytes
 from tta_core.model.units import StagedModel
 
 
@@ -65,6 +65,8 @@ def _encoded_nbytes(e: SaveEvent, enc: str | float | Quant) -> int:
         return mask_nbytes(e.numel)
     if isinstance(enc, Quant):
         return quant_nbytes(e.numel, enc.bits, enc.group)
+    if enc == NARROW:
+        return e.numel * e.narrow_elem
     kept = round(min(float(enc), e.nonzero) * e.numel)
     return pruned_nbytes(e.numel, kept, e.elem)
 
@@ -80,6 +82,8 @@ def predicted_bytes(profile: SaveProfile, plan: CodecPlan) -> PredictedBytes:
     for e in profile.events:
         enc = plan.encoding(e.role, e.unit, e.elem, profile.unit_kinds.get(e.unit, ""),
                             e.numel, e.floating)
+        if enc == NARROW and not e.narrow_elem:
+            enc = DENSE  # no narrower dtype holds it: the codec keeps it by reference
         if enc == DENSE:
             if e.storage not in dense:
                 dense.add(e.storage)

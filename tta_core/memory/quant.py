@@ -26,6 +26,8 @@ STORED_BITS = (2, 4, 8)
 # mean / invstd (one value per channel) stay exact and so does anything small
 MIN_QUANT_NUMEL = 4096
 NORM_KINDS = ("bn", "ln")
+NARROW = "narrow"  # codec encoding: an integer save in the narrowest integer dtype that fits
+_NARROW_DTYPES = (torch.int8, torch.int16, torch.int32)
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,36 @@ class Dropped:
         """Zeros with the saved tensor's shape and strides."""
         return torch.empty_strided(self.shape, self.stride, dtype=self.dtype,
                                    device=self.device).zero_()
+
+
+def narrow_dtype(t: Tensor) -> torch.dtype | None:
+    """The smallest signed integer dtype holding every value of integer tensor t, if it is
+    narrower than t's own (max-pool indices < H*W fit int16: 4x smaller than int64)."""
+    if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool or not t.numel():
+        return None
+    lo, hi = (int(v) for v in torch.aminmax(t.detach()))
+    for dtype in _NARROW_DTYPES:
+        info = torch.iinfo(dtype)
+        if info.min <= lo and hi <= info.max:
+            return dtype if info.bits < 8 * t.element_size() else None
+    return None
+
+
+@dataclass(eq=False)
+class PackedInt:
+    """An integer save (max-pool indices) held losslessly in a narrower integer dtype."""
+
+    values: Tensor
+    dtype: torch.dtype
+
+    def decode(self) -> Tensor:
+        """The original values in the original dtype and strides."""
+        return self.values.to(self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return self.values.untyped_storage().nbytes()
 
 
 def encode_quant(t: Tensor, enc: Quant) -> PackedQuant | Dropped:

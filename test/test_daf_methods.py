@@ -8,11 +8,17 @@ import copy
 
 import pytest
 import torch
-from test_memory_quant import MODELS
+from test_memory_quant import MODELS, _entropy
 from torch import nn
 
-from tta_core.memory import SavedActivationCounter
-from tta_core.memory.daf import daf_plan, trainable_units
+from tta_core.memory import (
+    ActivationCodec,
+    CodecPlan,
+    SavedActivationCounter,
+    predicted_bytes,
+    profile_saves,
+)
+from tta_core.memory.daf import budget_plan, daf_plan, trainable_units
 from tta_core.methods import build_method
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -54,6 +60,31 @@ def test_surgeon_activation_bits_quantizes_what_it_keeps_dense() -> None:
     g, stats = _step_grads("surgeon", model, x, mode="robot", activation_bits=8)
     assert _cos(dense, g) >= 0.999
     assert stats["saved_bytes"] < 0.5 * dense_stats["saved_bytes"]
+
+
+@pytest.mark.parametrize("frac", (0.25, 0.5, 0.9))
+def test_budget_plan_stays_within_its_memory_budget(frac: float) -> None:
+    """Greedy widths between 'all convs dropped' and 'all at 8 bits': the measured saved
+    bytes of the forward (units given 0 bits frozen) never exceed the budget."""
+    model, x = MODELS["resnet18"]()
+    units, _ = trainable_units(model)
+    profile = profile_saves(model, x, _entropy)
+    low = predicted_bytes(profile, CodecPlan(bits=dict.fromkeys(units, 0), norm_bits=8,
+                                             narrow_ints=True)).total
+    high = predicted_bytes(profile, CodecPlan(default_bits=8, norm_bits=8,
+                                              narrow_ints=True)).total
+    budget = low + frac * (high - low)
+    importance = {u: 1.0 + i % 3 for i, u in enumerate(units)}
+    plan, alloc = budget_plan(profile, importance, budget)
+    for u, b in alloc.bits.items():
+        if b == 0:
+            dict(model.named_modules())[u].requires_grad_(False)
+    codec = ActivationCodec(model, plan)
+    with codec, torch.enable_grad():
+        _entropy(model(x)).backward()
+    assert codec.result.total <= budget
+    assert codec.result.total >= budget - 0.2 * (high - low)  # the budget is used
+    assert len(set(alloc.bits.values())) > 1
 
 
 def test_daf_plan_drops_exactly_the_frozen_layers() -> None:

@@ -60,22 +60,23 @@ def daf_plan(target: StagedModel | nn.Module, bits: int, group: int = 128,
 def unit_choices(profile: SaveProfile, importance: Mapping[str, float],
                  widths: tuple[int, ...] = (0, 2, 4, 8), ms_per_elem: float = 0.0,
                  norm_bits: int | None = 8, group: int = 128) -> list[UnitChoice]:
-    """Extra bytes (over its lowest width) and ms per width of each unit in `importance`
-    (predicted by replaying the profile)."""
-    base = CodecPlan(default_bits=8, norm_bits=norm_bits, group=group, narrow_ints=True)
-    numel = {u: 0 for u in importance}
+    """Extra bytes and ms per width of each unit in `importance`, each measured alone (the
+    others at 0 bits) by replaying the profile: two units storing one tensor at the same
+    width share it, so the sum over units over-counts (never under-counts) the bytes."""
+    low = dict.fromkeys(importance, 0)
+
+    def total(bits: dict[str, int]) -> int:
+        return predicted_bytes(profile, CodecPlan(bits=bits, default_bits=8, norm_bits=norm_bits,
+                                                  group=group, narrow_ints=True)).total
+
+    base = total(low)
+    numel = dict.fromkeys(importance, 0)
     for e in profile.events:
         if e.unit in numel and e.role == "wgrad":
             numel[e.unit] += e.numel
     out = []
     for unit, imp in importance.items():
-        mem = {}
-        for b in widths:
-            plan = CodecPlan(bits={**base.bits, unit: b}, default_bits=8,
-                             norm_bits=norm_bits, group=group, narrow_ints=True)
-            mem[b] = predicted_bytes(profile, plan).per_unit.get(unit, 0)
-        low = mem[min(widths)]  # bytes the unit holds whatever its width (other saves)
-        mem = {b: m - low for b, m in mem.items()}
+        mem = {b: total({**low, unit: b}) - base for b in widths}
         time = {b: ms_per_elem * numel[unit] if b else 0.0 for b in widths}
         out.append(UnitChoice(unit, float(imp), mem, time))
     return out
@@ -88,7 +89,7 @@ def budget_plan(profile: SaveProfile, importance: Mapping[str, float], mem_budge
     """Greedy DAF widths for the units in `importance` under both budgets (bytes: the whole
     forward's saved bytes, the other saves included at their fixed encodings)."""
     chosen = unit_choices(profile, importance, ms_per_elem=ms_per_elem, norm_bits=norm_bits,
-                          group=group, narrow_ints=True)
+                          group=group)
     all_low = CodecPlan(bits=dict.fromkeys(importance, 0), default_bits=8,
                         norm_bits=norm_bits, group=group, narrow_ints=True)
     fixed = predicted_bytes(profile, all_low).total  # what the units' widths do not change

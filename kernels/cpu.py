@@ -2,7 +2,11 @@
 
 Both produce exactly the reference's bytes (tta_kernels.reference documents the format):
 
-- ``vectorised``: amin and amax passes, in-place arithmetic, int16 codes packed by reading
+- ``vectorised``: amin and amax passes, in-place arithmetic, rounding by DAF's 2**23 trick
+  (§3.3.1: for 0 <= v < 2**22, the float add v + 2**23 rounds v half to even, as
+  torch.round, and the sum's int32 bits are 0x4B000000 + the integer, so an integer cast
+  to int16 / uint8 keeps just the code: no round pass, no float-to-int conversion), int16
+  codes packed by reading
   2 (4) of them as one int32 (int64) word and OR-ing shifted copies (the codes never
   overlap), unpacked by widening each byte to an int16 (int32) word and shifting its codes
   apart. The clamp of the reference is left
@@ -24,6 +28,7 @@ from .reference import Quantized, check_args, padded_groups, scales
 
 # packing: the 8/bits int16 codes of one output byte, read as one word
 _PACK_WORD = {2: torch.int64, 4: torch.int32}
+MAGIC = 8388608.0  # 2**23
 # unpacking: one packed byte widened to a word that holds its 8/bits codes, one per byte
 _UNPACK_WORD = {2: torch.int32, 4: torch.int16}
 
@@ -35,8 +40,9 @@ def _pack(q: Tensor, bits: int) -> Tensor:
     if bits == 8:
         return q.to(torch.uint8)
     w = q.view(_PACK_WORD[bits])
-    out = w.clone()
-    for j in range(1, 8 // bits):
+    out = w >> (16 - bits)
+    out |= w
+    for j in range(2, 8 // bits):
         out |= w >> (j * (16 - bits))
     return out.to(torch.uint8)
 
@@ -50,7 +56,9 @@ def unpack_codes(codes: Tensor, bits: int) -> Tensor:
     mask = 2**bits - 1
     out = w & mask
     for j in range(1, 8 // bits):
-        out |= (w & (mask << (bits * j))) << (j * (8 - bits))
+        lane = w & (mask << (bits * j))
+        lane <<= j * (8 - bits)
+        out |= lane
     return out.view(torch.uint8)
 
 
@@ -61,8 +69,10 @@ def quantize_pack(x: Tensor, bits: int, group: int) -> Quantized:
     mn, mx = g.amin(1), g.amax(1)  # two passes: 20x faster than aminmax(dim=1) on CPU
     scale, inv = scales(mn, mx, bits)
     t = g - mn[:, None]
-    t.mul_(inv[:, None]).round_()
-    return Quantized(_pack(t.to(torch.int16).view(-1), bits), mn, scale)
+    t.mul_(inv[:, None]).add_(MAGIC)  # rounds half to even into the low mantissa bits
+    w = t.view(-1).view(torch.int32)  # 0x4B000000 + code: the low byte(s) are the code
+    return Quantized(w.to(torch.uint8) if bits == 8 else _pack(w.to(torch.int16), bits),
+                     mn, scale)
 
 
 def unpack_dequantize(qt: Quantized, bits: int, group: int, n: int,

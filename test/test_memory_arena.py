@@ -126,3 +126,51 @@ def test_shrinking_with_pinned_entries_downgrades_without_a_crash() -> None:
     arena.resize(64 * PAGE)  # grows back in steps
     assert arena.capacity == 64 * PAGE and arena.over_budget == 0
     _check_invariants(arena)
+
+
+def _r18_grads(ctx) -> torch.Tensor:
+    from test_memory_quant import _grads, resnet18_64px
+
+    model, x = resnet18_64px()
+    return _grads(model, x, ctx(model))
+
+
+def test_arena_codec_with_room_gives_the_plain_codecs_gradients() -> None:
+    """Same quantization, stored in pages and read back through views: bit-identical."""
+    from tta_core.memory import ActivationCodec, CodecPlan
+    from tta_core.memory.arena_codec import ArenaCodec
+
+    plan = CodecPlan(default_bits=4, norm_bits=8)
+    arena = PagedArena(64 * 2**20, page_size=4096)
+    plain = _r18_grads(lambda m: ActivationCodec(m, plan))
+    paged = _r18_grads(lambda m: ArenaCodec(m, plan, arena))
+    assert torch.equal(plain, paged)
+    assert 0 < arena.used_bytes <= arena.capacity and not arena.changes
+
+
+def test_arena_codec_under_a_tight_budget_downgrades_the_least_important() -> None:
+    from test_memory_quant import _cos, _grads, resnet18_64px
+
+    from tta_core.memory import ActivationCodec, CodecPlan
+    from tta_core.memory.arena_codec import ArenaCodec
+
+    model, x = resnet18_64px()
+    plan = CodecPlan(default_bits=8, norm_bits=8)
+    roomy = ActivationCodec(model, plan)
+    exact = _grads(model, x, roomy)
+    importance = {n: (10.0 if n.startswith("layer4") else 1.0)
+                  for n, _m in model.named_modules() if n}
+    arena = PagedArena(roomy.result.total // 2, page_size=4096)
+    codec = ArenaCodec(model, plan, arena, importance)
+    got = _grads(model, x, codec)
+    widths = {b.bits for b in arena.table.values()}
+    assert arena.used_bytes <= arena.capacity and codec.overflow_bytes == 0
+    assert min(widths) >= 2 and len(widths) > 1
+    units = codec.scope.unit_names
+    assert all(arena.bits_of(k) == 8 for k, b in arena.table.items()
+               if b.importance == 10.0), "important entries were downgraded"
+    assert _cos(exact, got) >= 0.95 and len(units) > 0
+    tiny = PagedArena(64 * 4096, page_size=4096)  # far too small even at 2 bits
+    squeezed = ArenaCodec(model, plan, tiny, importance)
+    _grads(model, x, squeezed)  # no crash: the excess is stored outside and reported
+    assert squeezed.overflow_bytes > 0 and tiny.used_bytes <= tiny.capacity

@@ -30,6 +30,7 @@ from tta_core.memory.scope import WGRAD, SaveSite, UnitScope
 from tta_core.model.units import StagedModel
 
 _COMPILED_RUNTIME = ("torch/_functorch/_aot_autograd", "torch/_dynamo", "torch/_inductor")
+_RUNTIME_FILES: dict[str, bool] = {}  # source file -> part of the compiled runtime
 
 
 def refuse_compile() -> None:
@@ -50,8 +51,12 @@ def _saved_by_compiled_graph(depth: int = 48) -> bool:
     for _ in range(depth):
         if frame is None:
             return False
-        name = frame.f_code.co_filename.replace("\\", "/")
-        if any(part in name for part in _COMPILED_RUNTIME):
+        name = frame.f_code.co_filename
+        hit = _RUNTIME_FILES.get(name)
+        if hit is None:  # first time this file is seen: the substring test, then cached
+            norm = name.replace("\\", "/")
+            hit = _RUNTIME_FILES[name] = any(part in norm for part in _COMPILED_RUNTIME)
+        if hit:
             return True
         frame = frame.f_back
     return False

@@ -48,11 +48,12 @@ class Tent(TTAMethod):
         bits = self.config.activation_bits
         if bits is not None:
             check_activation_bits(bits)
-        self._codec_plan = daf_plan(self.model, bits) if bits is not None else None
+        self._codec = (ActivationCodec(self.model, daf_plan(self.model, bits))
+                       if bits is not None else None)
 
     def forward_and_adapt(self, x: Tensor) -> StepResult:
         clock = PhaseClock.for_tensor(x)
-        codec = ActivationCodec(self.model, self._codec_plan) if self._codec_plan else None
+        codec = self._codec
         with torch.enable_grad():
             if codec is None:
                 logits = self.model(x)

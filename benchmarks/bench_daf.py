@@ -5,6 +5,7 @@ measured saved bytes and forward+backward time, one interleaved run, for
   dense       no codec (SavedActivationCounter)
   daf8 / daf4 every conv/linear input and BN input at 8 / 4 bits, ReLU masks exact
   daf4_ref    daf4 with the pure-PyTorch reference kernels (TTA_KERNELS_CPU=reference)
+  daf4_compiled  daf4 with the torch.compile kernels (TTA_KERNELS_CPU=compiled)
   budgeted    greedy widths (tta_core.memory.daf.budget_plan) of the conv/linear inputs
               under a memory budget of --budget-frac x dense bytes, BN inputs at 4 bits;
               importance = RMS of each unit's gradient from one dense step; units given
@@ -64,6 +65,8 @@ def _configs(model: nn.Module, x: torch.Tensor, frac: float) -> tuple[dict[str, 
         "daf8": (lambda: ActivationCodec(model, q[8]), {}, []),
         "daf4": (lambda: ActivationCodec(model, q[4]), {}, []),
         "daf4_ref": (lambda: ActivationCodec(model, q[4]), {"TTA_KERNELS_CPU": "reference"}, []),
+        "daf4_compiled": (lambda: ActivationCodec(model, q[4]), {"TTA_KERNELS_CPU": "compiled"},
+                          []),
         "budgeted": (lambda: ActivationCodec(model, plan), {}, zero)}
     info = {"budget_mib": frac * dense.result.total / MIB, "value": alloc.value,
             "widths": dict(Counter(alloc.bits.values())), "units": len(units)}
@@ -105,11 +108,13 @@ def bench_model(arch: str, px: int, batch: int, repeats: int, frac: float) -> di
     for _ in range(repeats):
         for name, cfg in configs.items():
             times[name].append(_run(model, x, cfg)[0])
-    dense_b, dense_s = rows["dense"]["saved_mib"], statistics.median(times["dense"])
-    for name, row in rows.items():
+    dense_b = rows["dense"]["saved_mib"]
+    for name, row in rows.items():  # ratios per round (drift cancels), then the median
+        ratios = [t / d for t, d in zip(times[name], times["dense"], strict=True)]
         row["bytes_vs_dense"] = row["saved_mib"] / dense_b
         row["fwd_bwd_ms"] = 1e3 * statistics.median(times[name])
-        row["time_vs_dense"] = statistics.median(times[name]) / dense_s
+        row["time_vs_dense"] = statistics.median(ratios)
+        row["time_vs_dense_rounds"] = [round(r, 3) for r in ratios]
     return {"arch": arch, "input": [batch, 3, px, px], "budgeted": info, "configs": rows}
 
 

@@ -1,13 +1,19 @@
-"""Backend choice of the DAF kernels: Triton on CUDA, the measured-fastest CPU path on CPU.
+"""Backend choice of the DAF kernels: Triton on CUDA, a fast PyTorch path on CPU.
 
-CPU: ``vectorised`` (eager PyTorch, tta_kernels.cpu) is the default: on the 2-core
-development VM (1 thread, 3.2 M floats, group 128) it quantized + packed in 2.2-3.6 ms and
-unpacked + dequantized in 0.5-1.6 ms (8/4/2 bits), 3-8x faster than the reference, while
-torch.compile'd (inductor, dynamic shapes) took 30-100 ms to quantize (plus 15 s to compile);
-benchmarks/bench_daf.py --kernels re-measures all three. ``TTA_KERNELS_CPU=compiled`` (or
-``reference``) selects another. CUDA: the Triton kernels, imported on first CUDA use; if
-triton cannot be imported (or a compile fails), one warning and the vectorised path (plain
-torch ops also run on CUDA). Importing this package never needs a GPU or a compiler.
+CPU paths, measured on the 2-core development VM (1 thread; tta_kernels.cpu):
+- on 40 M floats (out of cache) at 8 / 4 / 2 bits, quantize + pack took 49 / 149 / 242 ms
+  ``compiled`` (the reference arithmetic under torch.compile: group count dynamic, group
+  size static; ~3 s to compile per function, width and group size, once per process)
+  against 201 / 392 / 646 ms ``vectorised`` (eager) and ~130 ms for a plain copy; unpack +
+  dequantize 126 / 209 / 185 vs 115 / 250 / 424 ms. On cache-resident 3.2 M floats both
+  ran at 2-4 ms, 4-8x faster than the ``reference``;
+- inside a ResNet-18/50 step the two were not distinguishable on the (loaded) VM: per-round
+  step-time ratios ranged 0.99-3.17 (benchmarks/bench_daf.py runs both).
+So ``vectorised`` is the default (no compile stall on the first batch, no compiler needed);
+``TTA_KERNELS_CPU=compiled`` (or ``reference``) selects another. A compile failure warns
+once and falls back to ``vectorised``. CUDA: the Triton kernels, imported on first CUDA
+use; if triton cannot be imported (or a launch fails), one warning and the vectorised path
+(plain torch ops run on CUDA too). Importing this package never needs a GPU or a compiler.
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ def triton_module() -> ModuleType | None:
 
 
 def cpu_path() -> str:
-    """The CPU path in use (TTA_KERNELS_CPU, default vectorised)."""
+    """The CPU path asked for (TTA_KERNELS_CPU, default vectorised)."""
     path = os.environ.get("TTA_KERNELS_CPU", "vectorised")
     if path not in CPU_PATHS:
         raise ValueError(f"TTA_KERNELS_CPU must be one of {CPU_PATHS}, got {path!r}")

@@ -5,13 +5,12 @@ Both produce exactly the reference's bytes (tta_kernels.reference documents the 
 - ``vectorised``: amin and amax passes, in-place arithmetic, rounding by DAF's 2**23 trick
   (§3.3.1: for 0 <= v < 2**22, the float add v + 2**23 rounds v half to even, as
   torch.round, and the sum's int32 bits are 0x4B000000 + the integer, so an integer cast
-  to int16 / uint8 keeps just the code: no round pass, no float-to-int conversion), int16
-  codes packed by reading
-  2 (4) of them as one int32 (int64) word and OR-ing shifted copies (the codes never
-  overlap), unpacked by widening each byte to an int16 (int32) word and shifting its codes
-  apart. The clamp of the reference is left
-  out: x - min >= 0 exactly and (max - min) * (L / (max - min)) <= L * (1 + 2**-22) < L + 0.5,
-  so the rounded value is already inside [0, L].
+  to uint8 keeps just the code: no round pass, no float-to-int conversion); one-byte codes
+  packed by reading 2 (4) of them as one int16 (int32) word and OR-ing shifted copies (the
+  codes never overlap); unpacked by widening each byte to an int16 (int32) word and
+  shifting its codes apart. The clamp of the reference is left out: x - min >= 0 exactly
+  and (max - min) * (L / (max - min)) <= L * (1 + 2**-22) < L + 0.5, so the rounded value
+  is already inside [0, L].
 - ``compiled``: the same arithmetic under torch.compile (inductor C++/OpenMP), fused into
   a reduction and one pass; rows of one group, the group count marked dynamic and the group
   size static (one compile serves every tensor size). Needs a C++ compiler at run time:
@@ -27,24 +26,24 @@ from torch import Tensor
 
 from .reference import Quantized, check_args, padded_groups, scales
 
-# packing: the 8/bits int16 codes of one output byte, read as one word
-_PACK_WORD = {2: torch.int64, 4: torch.int32}
+# packing: the 8/bits one-byte codes of one output byte, read as one word
+_PACK_WORD = {2: torch.int32, 4: torch.int16}
 MAGIC = 8388608.0  # 2**23
 # unpacking: one packed byte widened to a word that holds its 8/bits codes, one per byte
 _UNPACK_WORD = {2: torch.int32, 4: torch.int16}
 
 
 def _pack(q: Tensor, bits: int) -> Tensor:
-    """int16 codes -> packed bytes: word w holds code j at bit 16 j; OR-ing w >> 14 j
-    (2 bits) or w >> 12 j (4 bits) moves code j to bit bits * j of the low byte, and codes
-    never overlap there (each is < 2**bits)."""
+    """uint8 codes (one per byte) -> packed bytes: word w holds code j at bit 8 j; OR-ing
+    w >> (8 - bits) j moves code j to bit bits * j of the low byte, and codes never overlap
+    there (each is < 2**bits); the cast to uint8 keeps the low byte."""
     if bits == 8:
-        return q.to(torch.uint8)
+        return q
     w = q.view(_PACK_WORD[bits])
-    out = w >> (16 - bits)
+    out = w >> (8 - bits)
     out |= w
     for j in range(2, 8 // bits):
-        out |= w >> (j * (16 - bits))
+        out |= w >> (j * (8 - bits))
     return out.to(torch.uint8)
 
 
@@ -71,9 +70,8 @@ def quantize_pack(x: Tensor, bits: int, group: int) -> Quantized:
     scale, inv = scales(mn, mx, bits)
     t = g - mn[:, None]
     t.mul_(inv[:, None]).add_(MAGIC)  # rounds half to even into the low mantissa bits
-    w = t.view(-1).view(torch.int32)  # 0x4B000000 + code: the low byte(s) are the code
-    return Quantized(w.to(torch.uint8) if bits == 8 else _pack(w.to(torch.int16), bits),
-                     mn, scale)
+    w = t.view(-1).view(torch.int32)  # 0x4B000000 + code: the low byte is the code
+    return Quantized(_pack(w.to(torch.uint8), bits), mn, scale)
 
 
 def unpack_dequantize(qt: Quantized, bits: int, group: int, n: int,

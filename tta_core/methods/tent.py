@@ -45,7 +45,7 @@ class Tent(TTAMethod):
     def configure_model(self) -> None:
         super().configure_model()
         self.train_norm_affine()
-        bits = self.config.activation_bits
+        bits = getattr(self.config, "activation_bits", None)  # subclasses' configs may lack it
         if bits is not None:
             check_activation_bits(bits)
         self._codec = (ActivationCodec(self.model, daf_plan(self.model, bits))

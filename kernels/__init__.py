@@ -1,5 +1,17 @@
-"""tta_kernels: Triton kernels with PyTorch fallbacks (installed from the kernels/ folder).
+"""tta_kernels: DAF kernels (quantize + bit-pack, unpack + dequantize, group min/max) with
+PyTorch fallbacks (installed from the kernels/ folder).
 
-Kernels are added with the memory-side methods (DAF packed activations, SURGEON pruning);
-every kernel ships with a PyTorch fallback so CPU-only machines run the same code.
+    qt = quantize_pack(flat, bits=4, group=128)         # Quantized(codes, mn, scale)
+    x_hat = unpack_dequantize(qt, 4, 128, flat.numel(), flat.dtype)
+
+reference: the pure-PyTorch oracle and the format's definition; cpu: the vectorised (and a
+torch.compile) CPU path; triton_kernels: CUDA kernels, imported only on first CUDA use;
+dispatch: the choice, with one-warning fallbacks. Importing this package needs neither a
+GPU nor triton nor a C++ compiler.
 """
+
+from .dispatch import backend, group_minmax, quantize_pack, unpack_dequantize
+from .reference import BITS, Quantized, n_groups, packed_nbytes
+
+__all__ = ["BITS", "Quantized", "backend", "group_minmax", "n_groups", "packed_nbytes",
+           "quantize_pack", "unpack_dequantize"]

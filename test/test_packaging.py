@@ -63,7 +63,9 @@ ROS_PACKAGES = {"rclpy", "rcl_interfaces", "ament_index_python", "launch", "laun
                 "std_msgs", "sensor_msgs", "diagnostic_msgs", "visualization_msgs",
                 "geometry_msgs", "builtin_interfaces", "nav_msgs", "std_srvs", "tta_msgs"}
 NO_KEY = {"imagecorruptions", "safetensors"}  # pip only (requirements/python.txt)
-OPTIONAL = {"pynvml", "jtop"}  # telemetry sources tried at run time on NVIDIA / Jetson
+# telemetry sources tried at run time on NVIDIA / Jetson; triton: tta_kernels' CUDA kernels,
+# imported on first CUDA use with a fallback (tta_kernels.dispatch)
+OPTIONAL = {"pynvml", "jtop", "triton"}
 FIRST_PARTY = {"tta_core", "tta_ros", "tta_kernels"}
 
 

@@ -25,10 +25,12 @@ import torch
 from torch import Tensor, nn
 
 from tta_core.memory.ledger import Ledger, SavedBytes, SaveEvent
+from tta_core.memory.quant import narrow_dtype
 from tta_core.memory.scope import WGRAD, SaveSite, UnitScope
 from tta_core.model.units import StagedModel
 
 _COMPILED_RUNTIME = ("torch/_functorch/_aot_autograd", "torch/_dynamo", "torch/_inductor")
+_RUNTIME_FILES: dict[str, bool] = {}  # source file -> part of the compiled runtime
 
 
 def refuse_compile() -> None:
@@ -49,8 +51,12 @@ def _saved_by_compiled_graph(depth: int = 48) -> bool:
     for _ in range(depth):
         if frame is None:
             return False
-        name = frame.f_code.co_filename.replace("\\", "/")
-        if any(part in name for part in _COMPILED_RUNTIME):
+        name = frame.f_code.co_filename
+        hit = _RUNTIME_FILES.get(name)
+        if hit is None:  # first time this file is seen: the substring test, then cached
+            norm = name.replace("\\", "/")
+            hit = _RUNTIME_FILES[name] = any(part in norm for part in _COMPILED_RUNTIME)
+        if hit:
             return True
         frame = frame.f_back
     return False
@@ -153,8 +159,15 @@ class SavedActivationCounter(SavedTensorContext):
                 nz = int(torch.count_nonzero(t)) / t.numel()
             view = (index, t.storage_offset(), tuple(t.shape), t.stride(), t._version)
             self.events.append(SaveEvent(index, t.untyped_storage().nbytes(), view, t.numel(),
-                                         t.element_size(), site.role, site.unit, nz))
+                                         t.element_size(), site.role, site.unit, nz,
+                                         t.is_floating_point(), _narrow_elem(t)))
         return t
+
+
+def _narrow_elem(t: Tensor) -> int:
+    """Bytes per entry of an integer save in its narrowest dtype (0: float or no gain)."""
+    dtype = None if t.is_floating_point() else narrow_dtype(t)
+    return 0 if dtype is None else torch.iinfo(dtype).bits // 8
 
 
 @dataclass

@@ -15,6 +15,12 @@ What autograd saves, and what the codec does with it (sites: tta_core.memory.sco
 - everything else (BN inputs: ∂γ and ∂x need them exactly; pooling indices, ...) is held
   by reference, as without the codec. Pruning BN inputs or the masks ruins the gradients.
 
+DAF (tta_core.memory.quant): with ``CodecPlan.bits`` / ``default_bits`` a conv/linear
+unit's input is stored per-group min-max quantized at 8/4/2 bits and bit-packed instead of
+pruned (0 bits: not stored, the unit must be frozen); ``norm_bits`` also quantizes the
+float saves of BN/LN units (their inputs, and a max-pool input they own) — 8 bits keeps
+their gradients at cosine ~1 and is what gets below the dense-BN floor.
+
 Dedup: one encoding per (data pointer, shape, stride, _version, encoding), reused only while
 the source storage is alive (a weak reference to it): after a storage is freed, the
 allocator may hand its address to a new tensor of the same shape within the same forward,
@@ -37,7 +43,7 @@ outside checkpointed regions. Put the codec around the forward only.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from torch import Tensor, nn
@@ -45,12 +51,25 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from tta_core.memory.accounting import SavedTensorContext
 from tta_core.memory.packed import PackedMask, PackedPruned
+from tta_core.memory.quant import (
+    MIN_QUANT_NUMEL,
+    NARROW,
+    NORM_KINDS,
+    STORED_BITS,
+    Dropped,
+    PackedInt,
+    PackedQuant,
+    Quant,
+    check_bits,
+    encode_quant,
+    narrow_dtype,
+)
 from tta_core.memory.scope import ACT, WGRAD, SaveSite
 from tta_core.model.units import StagedModel
 
 DENSE = "dense"
 MASK = "mask"
-Encoding = str | float  # DENSE, MASK or a keep ratio in (0, 1)
+Encoding = str | float | Quant  # DENSE, MASK, a keep ratio in (0, 1) or a DAF bit width
 
 
 def _check_keep(unit: str, value: object) -> None:
@@ -69,12 +88,26 @@ class CodecPlan:
     values would not be smaller than the dense tensor (>= 1 - 1/(8 * element size)) is
     stored dense. ``act_masks`` stores activation saves as exact 1-bit masks.
     ``sample``: at most this many entries are sampled for each pruning threshold.
+
+    DAF quantization (tta_core.memory.quant): ``bits`` (per unit, 0/2/4/8) and
+    ``default_bits`` (conv/linear units not in ``bits``; None = use the keep ratios) store a
+    conv/linear unit's input quantized instead of pruned (bits win over keep); 0 = not
+    stored (the unit must be frozen). ``norm_bits`` (BN/LN units not in ``bits``; None =
+    dense) quantizes their float saves of at least MIN_QUANT_NUMEL entries; ``group``:
+    entries per min/max group (a multiple of 8). ``narrow_ints``: integer saves of at least
+    MIN_QUANT_NUMEL entries (max-pool indices) are held losslessly in the narrowest integer
+    dtype that fits their values.
     """
 
     keep: Mapping[str, float | str] = field(default_factory=dict)
     default: float | str = DENSE
     act_masks: bool = True
     sample: int = 65536
+    bits: Mapping[str, int] = field(default_factory=dict)
+    default_bits: int | None = None
+    norm_bits: int | None = None
+    group: int = 128
+    narrow_ints: bool = False
 
     def __post_init__(self) -> None:
         _check_keep("<default>", self.default)
@@ -82,6 +115,15 @@ class CodecPlan:
             _check_keep(unit, value)
         if self.sample < 1:
             raise ValueError(f"sample must be >= 1, got {self.sample}")
+        for unit, b in self.bits.items():
+            check_bits(unit, b)
+        if self.default_bits is not None:
+            check_bits("<default_bits>", self.default_bits)
+        if self.norm_bits is not None:
+            check_bits("<norm_bits>", self.norm_bits, STORED_BITS)
+        if isinstance(self.group, bool) or not isinstance(self.group, int) \
+                or self.group < 8 or self.group % 8:
+            raise ValueError(f"group must be a positive multiple of 8, got {self.group!r}")
 
     @classmethod
     def uniform(cls, keep: float | str, act_masks: bool = True) -> CodecPlan:
@@ -93,13 +135,29 @@ class CodecPlan:
         value = self.keep.get(unit, self.default)
         return 1.0 if value == DENSE else float(value)
 
-    def encoding(self, role: str, unit: str, elem: int) -> Encoding:
-        """How a save of this role, unit and element size is stored."""
+    def bits_of(self, unit: str, kind: str = "") -> int | None:
+        """The unit's DAF bit width (None: not quantized); norm units use norm_bits."""
+        default = self.norm_bits if kind in NORM_KINDS else self.default_bits
+        return self.bits.get(unit, default)
+
+    def encoding(self, role: str, unit: str, elem: int, kind: str = "", numel: int = 0,
+                 floating: bool = True) -> Encoding:
+        """How a save of this role, unit and element size is stored (kind: the unit's kind,
+        numel / floating: the save's, for DAF quantization of norm units' saves)."""
         if role == ACT:
             return MASK if self.act_masks else DENSE
         if role == WGRAD:
+            bits = self.bits_of(unit, kind)
+            if bits is not None:
+                return Quant(bits, self.group)
             keep = self.keep_of(unit)
             return DENSE if keep >= 1.0 - 1.0 / (8 * elem) else keep
+        if numel >= MIN_QUANT_NUMEL and not floating and self.narrow_ints:
+            return NARROW
+        if kind in NORM_KINDS and floating and numel >= MIN_QUANT_NUMEL:
+            bits = self.bits_of(unit, kind)
+            if bits:
+                return Quant(bits, self.group)
         return DENSE
 
 
@@ -108,26 +166,57 @@ class ActivationCodec(SavedTensorContext):
 
     def __init__(self, target: StagedModel | nn.Module, plan: CodecPlan) -> None:
         super().__init__(target)
-        unknown = sorted(set(plan.keep) - set(self.scope.unit_names))
+        unknown = sorted((set(plan.keep) | set(plan.bits)) - set(self.scope.unit_names))
         if unknown:
             raise ValueError(f"plan names units the model does not have: {unknown[:5]}")
         self.plan = plan
         self._cache: dict[tuple, tuple[StorageWeakRef, object]] = {}
+        self._kinds = {name: kind for name, _m, kind in self.scope.units}
+        self._modules = {name: mod for name, mod, _k in self.scope.units}
+
+    def __enter__(self) -> ActivationCodec:
+        self._check_dropped()
+        super().__enter__()
+        return self
+
+    def _check_dropped(self) -> None:
+        """0 bits (not stored) is only sound for a frozen conv/linear unit: checked here,
+        before the forward, since autograd cannot drop a save once it is taken."""
+        for unit, mod in self._modules.items():
+            if self.plan.bits_of(unit, self._kinds[unit]) != 0:
+                continue
+            if self._kinds[unit] not in ("conv", "linear"):
+                raise ValueError(f"unit {unit!r} ({self._kinds[unit]}) cannot have 0 bits: "
+                                 "only conv/linear inputs can be left unstored")
+            if any(p.requires_grad for p in mod.parameters(recurse=False)):
+                raise ValueError(f"unit {unit!r} has 0 bits but its parameters require "
+                                 "grad: freeze it before the forward")
 
     def _pack(self, t: Tensor, site: SaveSite) -> object:
-        enc = self.plan.encoding(site.role, site.unit, t.element_size())
-        if enc == DENSE:
+        enc = self.plan.encoding(site.role, site.unit, t.element_size(),
+                                 self._kinds.get(site.unit, ""), t.numel(),
+                                 t.is_floating_point())
+        if enc == NARROW and (narrow := narrow_dtype(t)) is not None:
+            return self._store(t, enc, site, lambda: PackedInt(t.detach().to(narrow), t.dtype))
+        if enc in (DENSE, NARROW):
             self.ledger.storage_index(t, site)
             return t
+        if enc == MASK:
+            return self._store(t, enc, site, lambda: PackedMask.encode(t, site.band))
+        if isinstance(enc, Quant):
+            return self._store(t, enc, site, lambda: encode_quant(t, enc))
+        return self._store(t, enc, site,
+                           lambda: PackedPruned.encode(t, float(enc), self.plan.sample))
+
+    def _store(self, t: Tensor, enc: Encoding, site: SaveSite, encode: Callable[[], object]
+               ) -> object:
+        """The encoding of t made earlier in this forward, or a new one (counted)."""
         hit = self._lookup(t, enc)
         if hit is not None:
             return hit
-        if enc == MASK:
-            packed: PackedMask | PackedPruned = PackedMask.encode(t, site.band)
-        else:
-            packed = PackedPruned.encode(t, float(enc), self.plan.sample)
+        packed = encode()
         self._cache[self._key(t, enc)] = (StorageWeakRef(t.untyped_storage()), packed)
-        self.ledger.add(packed.nbytes, site)
+        self.ledger.add(packed.nbytes, site)  # type: ignore[attr-defined]
         return packed
 
     @staticmethod
@@ -142,12 +231,17 @@ class ActivationCodec(SavedTensorContext):
         return hit[1]
 
     def _unpack(self, packed: object) -> Tensor:
-        if isinstance(packed, PackedMask | PackedPruned):
+        if isinstance(packed, PackedMask | PackedPruned | PackedQuant | Dropped | PackedInt):
             return packed.decode()
         return packed  # type: ignore[return-value]
 
     def _keep_ratios(self) -> dict[str, float]:
-        return {u: self.plan.keep_of(u) for u in self.scope.unit_names}
+        """Per unit: the keep ratio, or bits / 32 for a DAF-quantized unit (analytic_kept)."""
+        out = {}
+        for u in self.scope.unit_names:
+            bits = self.plan.bits_of(u, self._kinds[u])
+            out[u] = self.plan.keep_of(u) if bits is None else bits / 32
+        return out
 
     def _clear_batch(self) -> None:
         self._cache.clear()

@@ -56,6 +56,8 @@ class SaveEvent:
     role: str
     unit: str
     nonzero: float  # fraction of nonzero entries (wgrad saves only; 1.0 otherwise)
+    floating: bool = True  # a floating-point tensor (DAF quantizes only those)
+    narrow_elem: int = 0  # integer saves: bytes per entry in the narrowest dtype (0: none)
 
 
 @dataclass

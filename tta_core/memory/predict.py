@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
@@ -21,6 +21,7 @@ from tta_core.memory.accounting import SavedActivationCounter
 from tta_core.memory.codec import DENSE, MASK, CodecPlan
 from tta_core.memory.ledger import SaveEvent
 from tta_core.memory.packed import mask_nbytes, pruned_nbytes
+from tta_core.memory.quant import NARROW, Quant, quant_nbytes
 from tta_core.model.units import StagedModel
 
 
@@ -31,6 +32,7 @@ class SaveProfile:
     events: list[SaveEvent]
     unit_names: list[str]
     input_shape: tuple[int, ...]  # the whole batch
+    unit_kinds: dict[str, str] = field(default_factory=dict)  # for DAF norm-unit widths
 
 
 @dataclass
@@ -54,26 +56,34 @@ def profile_saves(target: StagedModel | nn.Module, x: Tensor,
         if loss_fn is not None:
             out = loss_fn(out)
     del out
-    return SaveProfile(counter.events, list(counter.scope.unit_names), tuple(x.shape))
+    kinds = {name: kind for name, _m, kind in counter.scope.units}
+    return SaveProfile(counter.events, list(counter.scope.unit_names), tuple(x.shape), kinds)
 
 
-def _encoded_nbytes(e: SaveEvent, enc: str | float) -> int:
+def _encoded_nbytes(e: SaveEvent, enc: str | float | Quant) -> int:
     if enc == MASK:
         return mask_nbytes(e.numel)
+    if isinstance(enc, Quant):
+        return quant_nbytes(e.numel, enc.bits, enc.group)
+    if enc == NARROW:
+        return e.numel * e.narrow_elem
     kept = round(min(float(enc), e.nonzero) * e.numel)
     return pruned_nbytes(e.numel, kept, e.elem)
 
 
 def predicted_bytes(profile: SaveProfile, plan: CodecPlan) -> PredictedBytes:
     """Bytes the codec would hold for this plan (dense storages once, each encoding once)."""
-    unknown = sorted(set(plan.keep) - set(profile.unit_names))
+    unknown = sorted((set(plan.keep) | set(plan.bits)) - set(profile.unit_names))
     if unknown:
         raise ValueError(f"plan names units the profile does not have: {unknown[:5]}")
     per_unit: dict[str, int] = defaultdict(int)
     dense: set[int] = set()
     encoded: set[tuple] = set()
     for e in profile.events:
-        enc = plan.encoding(e.role, e.unit, e.elem)
+        enc = plan.encoding(e.role, e.unit, e.elem, profile.unit_kinds.get(e.unit, ""),
+                            e.numel, e.floating)
+        if enc == NARROW and not e.narrow_elem:
+            enc = DENSE  # no narrower dtype holds it: the codec keeps it by reference
         if enc == DENSE:
             if e.storage not in dense:
                 dense.add(e.storage)

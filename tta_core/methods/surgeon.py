@@ -23,6 +23,11 @@ named units; the others are frozen. Eager PyTorch saves a conv/linear input even
 weight is frozen (no ∂W is computed, ∂x needs only the weight): frozen units' inputs are
 stored at FROZEN_KEEP (≈ the 1-bit bitmap alone), which changes no gradient.
 
+`activation_bits` (8/4/2; DAF, tta_core.memory.daf): what SURGEON leaves dense is quantized
+too: BN inputs and the inputs of scored layers kept whole (keep 1) are stored per-group
+min-max quantized at that width, frozen layers' inputs are not stored at all (0 bits);
+pruned layers keep their bitmap + values.
+
 Loss: entropy (default); `css` adds certainty-based sample selection (entropy < 0.4 ln C,
 weights exp(0.4 ln C - H), as EATA/MECTA and the official code) and `cr` consistency
 regularisation, 0.01 · C · CE(softmax(logits), logits of an augmented copy) (official code;
@@ -46,6 +51,7 @@ from torch import Tensor, nn
 
 from tta_core.api import PhaseClock, PhaseTimes, StepResult, mean_entropy
 from tta_core.memory import DENSE, ActivationCodec, CodecPlan, SavedBytes
+from tta_core.memory.daf import check_activation_bits, daf_plan
 from tta_core.memory.layer_importance import LayerImportance, gradient_importance, layer_keep
 from tta_core.memory.scope import unit_table
 from tta_core.methods import register
@@ -86,6 +92,7 @@ class SurgeonConfig(MethodConfig):
     reforward: bool = True  # predict with the updated model (as tent here)
     max_shift: int = 2  # CR augmentation shift (px)
     seed: int = 0  # importance subset and CR augmentation
+    activation_bits: int | None = None  # DAF widths for what is not pruned (module doc)
 
     def check(self) -> None:
         """Raise a one-line ValueError naming the first bad value (`units` given as a
@@ -114,6 +121,8 @@ class SurgeonConfig(MethodConfig):
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.activation_bits is not None:
+            check_activation_bits(self.activation_bits)
 
 
 def default_lr(trainable: str, ref_batch: int) -> float:
@@ -272,6 +281,10 @@ class Surgeon(TTAMethod):
             if isinstance(m, _PRUNABLE) and n not in self.scored}
         keep.update({n: v for n, v in (scored or {}).items()
                      if isinstance(self._unit_mods[n], _PRUNABLE)})
+        bits = self.config.activation_bits
+        if bits is not None:  # DAF: frozen inputs dropped, unpruned inputs and BN quantized
+            pruned = {n: v for n, v in keep.items() if n in self.scored and v < 1.0}
+            return daf_plan(self.model, bits, keep=pruned, act_masks=self.config.act_masks)
         return CodecPlan(keep, DENSE, act_masks=self.config.act_masks)
 
     # ------------------------------------------------------------ step

@@ -6,6 +6,12 @@ does (DequanWang/tent, mariodoebler/test-time-adaptation), so LayerNorm-only mod
 (ViT) adapt too. Sequential mode (AdaShadow §2.2): forward, backward, SGD step, then a
 reforward of the same batch with the updated model, whose logits are the prediction
 (configurable).
+
+`activation_bits` (8/4/2; DAF, tta_core.memory.daf): the adaptation forward runs under the
+activation codec: the frozen conv/linear layers' inputs are not stored at all (nothing
+reads them: tent updates norm affine parameters only), BN inputs are stored per-group
+min-max quantized at that width and bit-packed, ReLU outputs as exact 1-bit masks.
+Measured saved bytes go to StepResult.stats["saved_bytes"].
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import torch
 from torch import Tensor
 
 from tta_core.api import PhaseClock, StepResult
+from tta_core.memory import ActivationCodec
+from tta_core.memory.daf import check_activation_bits, daf_plan
 from tta_core.methods import register
 from tta_core.methods.base import MethodConfig, TTAMethod
 
@@ -25,6 +33,7 @@ class TentConfig(MethodConfig):
     """Tent settings; `reforward=False` returns the pre-update logits (original Tent)."""
 
     reforward: bool = True
+    activation_bits: int | None = None  # DAF: store saved activations at 8/4/2 bits
 
 
 @register("tent")
@@ -36,11 +45,21 @@ class Tent(TTAMethod):
     def configure_model(self) -> None:
         super().configure_model()
         self.train_norm_affine()
+        bits = getattr(self.config, "activation_bits", None)  # subclasses' configs may lack it
+        if bits is not None:
+            check_activation_bits(bits)
+        self._codec = (ActivationCodec(self.model, daf_plan(self.model, bits))
+                       if bits is not None else None)
 
     def forward_and_adapt(self, x: Tensor) -> StepResult:
         clock = PhaseClock.for_tensor(x)
+        codec = self._codec
         with torch.enable_grad():
-            logits = self.model(x)
+            if codec is None:
+                logits = self.model(x)
+            else:
+                with codec:
+                    logits = self.model(x)
             loss = self.loss(logits)
         forward_ms = clock.mark()
         self.optimizer.zero_grad(set_to_none=True)
@@ -48,6 +67,9 @@ class Tent(TTAMethod):
         self.optimizer.step()
         backward_ms = clock.mark()
         out = self.reforward(x, logits, self.config.reforward)
-        return self.result(out, forward_ms, backward_ms, clock.mark(),
-                           loss=float(loss.detach()), adapted=True,
-                           units_updated=len(self.params) // 2)
+        res = self.result(out, forward_ms, backward_ms, clock.mark(),
+                          loss=float(loss.detach()), adapted=True,
+                          units_updated=len(self.params) // 2)
+        if codec is not None and codec.result is not None:
+            res.stats["saved_bytes"] = codec.result.total
+        return res

@@ -1,0 +1,169 @@
+"""tta_kernels (DAF quantize + pack): exact integer round trips at 2/4/8 bits, every fast
+path equal to the pure-PyTorch reference bit for bit, Triton kernels checked in Triton's
+interpreter (and on CUDA when a GPU is present), import and fallback without GPU/compiler."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import tta_kernels
+from tta_kernels import cpu, dispatch, reference
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = (1, 7, 128, 1000, 4096 + 5)
+GROUPS = (8, 64, 128)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _inputs(n: int, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g)
+    const = torch.full((n,), 3.25)
+    mixed = x.clone()
+    mixed[: n // 2] = -7.0  # constant groups next to varied ones
+    relu = torch.relu(x) * 1e3  # many zeros, large values
+    return [x, const, mixed, relu]
+
+
+@pytest.mark.parametrize("bits", (2, 4, 8))
+def test_pack_unpack_round_trip_is_exact_for_integer_codes(bits: int) -> None:
+    g = torch.Generator().manual_seed(bits)
+    q = torch.randint(0, 2**bits, (8 * 1000,), generator=g, dtype=torch.uint8)
+    packed = reference.pack_codes(q, bits)
+    assert packed.numel() == q.numel() * bits // 8
+    assert torch.equal(reference.unpack_codes(packed, bits), q)
+    assert torch.equal(cpu._pack(q, bits), packed)
+    assert torch.equal(cpu.unpack_codes(packed, bits), q)
+    # layout: code k in byte k // (8 / bits) at bit bits * (k % (8 / bits))
+    per = 8 // bits
+    k = 5 * per + per - 1
+    assert (int(packed[5]) >> (bits * (per - 1))) & (2**bits - 1) == int(q[k])
+
+
+@pytest.mark.parametrize("bits", (2, 4, 8))
+def test_integer_valued_groups_decode_exactly(bits: int) -> None:
+    """Values already on the grid (integers 0..L, each group spanning 0 and L) come back."""
+    levels = 2**bits - 1
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(0, levels + 1, (64, 128), generator=g).float()
+    q[:, 0], q[:, 1] = 0, levels
+    for impl in (reference, cpu, tta_kernels):
+        qt = impl.quantize_pack(q.reshape(-1), bits, 128)
+        back = impl.unpack_dequantize(qt, bits, 128, q.numel(), torch.float32)
+        assert torch.equal(back, q.reshape(-1)), impl.__name__
+
+
+@pytest.mark.parametrize("bits", (2, 4, 8))
+@pytest.mark.parametrize("n", SHAPES)
+def test_vectorised_path_equals_reference_bit_for_bit(bits: int, n: int) -> None:
+    for x in _inputs(n, n):
+        for group in GROUPS:
+            ref = reference.quantize_pack(x, bits, group)
+            fast = cpu.quantize_pack(x, bits, group)
+            for a, b in zip(ref, fast, strict=True):
+                assert a.dtype == b.dtype and torch.equal(a, b), (n, group)
+            dense = reference.unpack_dequantize(ref, bits, group, n, x.dtype)
+            assert torch.equal(cpu.unpack_dequantize(ref, bits, group, n, x.dtype), dense)
+            err = (dense - x).abs().view(-1)
+            span = (x.max() - x.min()).item()
+            assert float(err.max()) <= span / (2**bits - 1) / 2 + 1e-5 * (1 + span)
+
+
+def test_half_precision_inputs_decode_to_their_dtype() -> None:
+    x = torch.randn(1000)
+    for dtype in (torch.float16, torch.bfloat16):
+        xh = x.to(dtype)
+        ref = reference.quantize_pack(xh, 8, 64)
+        fast = cpu.quantize_pack(xh, 8, 64)
+        assert all(torch.equal(a, b) for a, b in zip(ref, fast, strict=True))
+        out = cpu.unpack_dequantize(fast, 8, 64, 1000, dtype)
+        assert out.dtype == dtype
+        assert torch.equal(out, reference.unpack_dequantize(ref, 8, 64, 1000, dtype))
+
+
+def test_compiled_path_equals_reference_or_falls_back(monkeypatch) -> None:
+    """The torch.compile path (or, without a working compiler, its fallback) gives the
+    reference's bytes; the dispatcher names the path it took."""
+    monkeypatch.setenv("TTA_KERNELS_CPU", "compiled")
+    x = torch.randn(3000)
+    got = tta_kernels.quantize_pack(x, 4, 64)
+    ref = reference.quantize_pack(x, 4, 64)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True))
+    back = tta_kernels.unpack_dequantize(got, 4, 64, 3000, torch.float32)
+    assert torch.equal(back, reference.unpack_dequantize(ref, 4, 64, 3000))
+    assert tta_kernels.backend(x) in ("compiled", "vectorised")
+
+
+def test_dispatch_rejects_bad_arguments_in_one_line(monkeypatch) -> None:
+    with pytest.raises(ValueError, match="bits must be one of"):
+        tta_kernels.quantize_pack(torch.randn(16), 3, 8)
+    with pytest.raises(ValueError, match="group must be a positive multiple of 8"):
+        tta_kernels.quantize_pack(torch.randn(16), 4, 12)
+    monkeypatch.setenv("TTA_KERNELS_CPU", "fastest")
+    with pytest.raises(ValueError, match="TTA_KERNELS_CPU must be one of"):
+        tta_kernels.quantize_pack(torch.randn(16), 4, 8)
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    paths = [str(ROOT), *sys.path]
+    full = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), **env}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=240, env=full, cwd=ROOT)
+
+
+def test_triton_kernels_equal_reference_in_the_interpreter() -> None:
+    """The Triton kernels' arithmetic, run by Triton's CPU interpreter (no GPU needed)."""
+    code = """
+        import torch
+        from tta_kernels import reference as R, triton_kernels as T
+        for n in (1000, 4101):
+            for x in (torch.randn(n), torch.relu(torch.randn(n)) * 1e3, torch.full((n,), 2.0)):
+                for bits in (2, 4, 8):
+                    for group in (8, 128):
+                        r, t = R.quantize_pack(x, bits, group), T.quantize_pack(x, bits, group)
+                        assert all(torch.equal(a, b) for a, b in zip(r, t)), (n, bits, group)
+                        d = T.unpack_dequantize(r, bits, group, n, torch.float32)
+                        assert torch.equal(d, R.unpack_dequantize(r, bits, group, n))
+        print("ok")
+    """
+    proc = _python(code, TRITON_INTERPRET="1")
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_import_needs_no_gpu_and_missing_triton_falls_back_with_one_notice() -> None:
+    code = """
+        import sys, warnings
+        sys.modules["triton"] = None  # as on a machine without triton
+        import torch, tta_kernels
+        from tta_kernels import dispatch
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert dispatch.triton_module() is None
+            assert dispatch.triton_module() is None
+        assert len(seen) == 1 and "triton unavailable" in str(seen[0].message), seen
+        x = torch.randn(100)
+        assert tta_kernels.backend(x) == "vectorised"
+        print("ok")
+    """
+    proc = _python(code, CUDA_VISIBLE_DEVICES="")
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_kernels_equal_reference_bit_for_bit() -> None:
+    assert dispatch.backend(torch.zeros(1, device="cuda")) == "triton"
+    for n in SHAPES:
+        for x in _inputs(n, n):
+            for bits in (2, 4, 8):
+                ref = reference.quantize_pack(x, bits, 128)
+                got = tta_kernels.quantize_pack(x.cuda(), bits, 128)
+                assert all(torch.equal(a, b.cpu()) for a, b in zip(ref, got, strict=True))
+                back = tta_kernels.unpack_dequantize(got, bits, 128, n, torch.float32)
+                assert torch.equal(back.cpu(), reference.unpack_dequantize(ref, bits, 128, n))

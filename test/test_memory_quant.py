@@ -1,0 +1,188 @@
+"""DAF quantized saves in the activation codec (tta_core.memory.quant): gradient fidelity at
+8/4/2 bits with exact ReLU masks on the shipped net and ResNet-18, measured bytes equal to
+the predictor's, 0 bits exact for frozen units and refused for trainable ones, plan checks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torchvision.models import resnet18
+
+from tta_core.memory import (
+    ActivationCodec,
+    CodecPlan,
+    SavedActivationCounter,
+    predicted_bytes,
+    profile_saves,
+)
+from tta_core.memory.quant import PackedQuant, quant_nbytes
+from tta_core.model.norms import NORM_TYPES
+from tta_core.model.source import load_source
+
+CARD = Path(__file__).resolve().parents[1] / "checkpoints" / "small_resnet_signs32.json"
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _entropy(logits: torch.Tensor) -> torch.Tensor:
+    p = logits.softmax(1)
+    return -(p * p.clamp_min(1e-12).log()).sum(1).mean()
+
+
+def _grads(model: nn.Module, x: torch.Tensor, ctx=None) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    if ctx is None:
+        loss = _entropy(model(x))
+    else:
+        with ctx:
+            loss = _entropy(model(x))
+    loss.backward()
+    return torch.cat([p.grad.double().flatten() for p in model.parameters()
+                      if p.grad is not None])
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+def shipped_net() -> tuple[nn.Module, torch.Tensor]:
+    """The shipped small ResNet (trained weights), train-mode BN, 16 images of 32 px."""
+    model, card = load_source(CARD)
+    g = torch.Generator().manual_seed(0)
+    return model.train(), torch.rand(16, 3, card.image_size, card.image_size, generator=g)
+
+
+def resnet18_64px() -> tuple[nn.Module, torch.Tensor]:
+    """torchvision ResNet-18 (seeded random weights), 8 images of 64 px."""
+    torch.manual_seed(0)
+    return resnet18(num_classes=10).train(), torch.randn(8, 3, 64, 64)
+
+
+MODELS = {"shipped": shipped_net, "resnet18": resnet18_64px}
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_gradient_cosine_at_8_and_4_bits_with_masks(name: str) -> None:
+    """Every conv/linear input and every BN input quantized (masks exact): all gradients."""
+    model, x = MODELS[name]()
+    exact = _grads(model, x)
+    cos = {}
+    for bits in (8, 4, 2):
+        codec = ActivationCodec(model, CodecPlan(default_bits=bits, norm_bits=bits))
+        cos[bits] = _cos(exact, _grads(model, x, codec))
+    assert cos[8] >= 0.999 and cos[4] >= 0.99, cos
+    assert cos[8] > cos[4] > cos[2], cos
+
+
+@pytest.mark.parametrize("plan", [
+    CodecPlan(default_bits=4),
+    CodecPlan(default_bits=4, norm_bits=8),
+    CodecPlan(default_bits=2, norm_bits=2, group=64, act_masks=False),
+    CodecPlan(default_bits=4, norm_bits=4, narrow_ints=True),
+    CodecPlan({"layer1.0.conv1": 0.3}, default="dense", bits={"fc": 8, "layer4.1.conv2": 2},
+              norm_bits=4),
+])
+def test_measured_bytes_equal_prediction(plan: CodecPlan) -> None:
+    model, x = resnet18_64px()
+    profile = profile_saves(model, x, _entropy)
+    codec = ActivationCodec(model, plan)
+    with codec:
+        _entropy(model(x))
+    predicted = predicted_bytes(profile, plan)
+    if plan.keep:  # a pruned input's kept count is estimated (sampled threshold)
+        assert abs(codec.result.total - predicted.total) <= 0.01 * predicted.total
+    else:  # quantized sizes are exact
+        assert codec.result.total == predicted.total
+        assert codec.result.per_unit == predicted.per_unit
+    counter = SavedActivationCounter(model)
+    with counter:
+        _entropy(model(x))
+    assert codec.result.total < 0.8 * counter.result.total
+
+
+def test_quantized_bytes_are_codes_plus_group_metadata() -> None:
+    t = torch.randn(4, 16, 9, 9).to(memory_format=torch.channels_last)
+    for bits in (2, 4, 8):
+        p = PackedQuant.encode(t, bits, 128)
+        assert p.nbytes == quant_nbytes(t.numel(), bits, 128)
+        assert p.nbytes <= t.numel() * bits / 8 + 8 * (t.numel() / 128 + 1) + 128
+        back = p.decode()
+        assert back.shape == t.shape and back.stride() == t.stride()
+        assert float((back - t).abs().max()) <= float(t.max() - t.min()) / (2**bits - 1)
+
+
+def test_narrow_ints_hold_max_pool_indices_losslessly() -> None:
+    """ResNet's max-pool indices (int64, < H*W) as int16: 4x fewer bytes, same gradients."""
+    model, x = resnet18_64px()
+    exact = _grads(model, x)
+    masks = ActivationCodec(model, CodecPlan())
+    assert torch.equal(_grads(model, x, masks), exact)
+    narrow = ActivationCodec(model, CodecPlan(narrow_ints=True))
+    assert torch.equal(_grads(model, x, narrow), exact)
+    indices = 8 * 64 * 16 * 16 * 8  # batch x channels x 16 x 16 pooled, int64
+    assert masks.result.total - narrow.result.total == indices - indices // 4
+
+
+def _freeze_convs(model: nn.Module) -> list[str]:
+    names = []
+    for n, m in model.named_modules():
+        if isinstance(m, nn.Conv2d | nn.Linear):
+            m.requires_grad_(False)
+            names.append(n)
+    return names
+
+
+def test_zero_bits_on_frozen_units_keeps_gradients_bit_identical() -> None:
+    model, x = resnet18_64px()
+    convs = _freeze_convs(model)
+    exact = _grads(model, x)
+    codec = ActivationCodec(model, CodecPlan(bits=dict.fromkeys(convs, 0)))
+    got = _grads(model, x, codec)
+    assert torch.equal(exact, got)
+    masks_only = ActivationCodec(model, CodecPlan())
+    _grads(model, x, masks_only)
+    assert codec.result.by_role["wgrad"] == 0
+    assert codec.result.total < masks_only.result.total
+
+
+def test_zero_bits_refused_for_trainable_or_norm_units() -> None:
+    model, x = resnet18_64px()
+    with pytest.raises(ValueError, match=r"'layer1\.0\.conv1' has 0 bits but its parameters"):
+        with ActivationCodec(model, CodecPlan(bits={"layer1.0.conv1": 0})):
+            model(x)
+    with pytest.raises(ValueError, match=r"'bn1' \(bn\) cannot have 0 bits"):
+        with ActivationCodec(model, CodecPlan(bits={"bn1": 0})):
+            model(x)
+
+
+def test_norm_bits_8_keeps_bn_affine_gradients() -> None:
+    """Tent's case: convs frozen (inputs dropped), BN inputs at 8 bits."""
+    model, x = shipped_net()
+    convs = _freeze_convs(model)
+    assert any(isinstance(m, NORM_TYPES) for m in model.modules())
+    exact = _grads(model, x)
+    codec = ActivationCodec(model, CodecPlan(bits=dict.fromkeys(convs, 0), norm_bits=8))
+    assert _cos(exact, _grads(model, x, codec)) >= 0.9999
+    counter = SavedActivationCounter(model)
+    _grads(model, x, counter)
+    assert codec.result.total < 0.4 * counter.result.total
+
+
+@pytest.mark.parametrize(("kwargs", "bad"), [
+    ({"bits": {"fc": 3}}, "bit width for unit 'fc' must be one of"),
+    ({"default_bits": 16}, "bit width for unit '<default_bits>'"),
+    ({"norm_bits": 0}, "bit width for unit '<norm_bits>' must be one of (2, 4, 8)"),
+    ({"group": 12}, "group must be a positive multiple of 8"),
+])
+def test_plan_rejects_bad_widths(kwargs: dict, bad: str) -> None:
+    with pytest.raises(ValueError, match=bad.replace("(", r"\(").replace(")", r"\)")):
+        CodecPlan(**kwargs)
+
+
+def test_codec_rejects_bits_for_unknown_units() -> None:
+    model, _ = resnet18_64px()
+    with pytest.raises(ValueError, match="plan names units the model does not have"):
+        ActivationCodec(model, CodecPlan(bits={"nope": 4}))

@@ -269,14 +269,15 @@ def test_budget_from_free_memory() -> None:
 
 def test_scheduler_plans_within_a_share_of_the_free_memory_telemetry_reports(
         ros_context) -> None:
-    """memory_budget_free_share 0.5: telemetry saying 1.2 MiB free gives a 0.6 MiB budget,
+    """memory_budget_free_share 0.5: telemetry saying 1.2 MiB free gives a 0.6 MiB budget
+    (the RViz label shows the plan's predicted saved MiB against it),
     99.99 % used none that fits; stale telemetry leaves no budget (none fixed)."""
     import rclpy
     from rclpy.executors import SingleThreadedExecutor
     from rclpy.parameter import Parameter
-    from tta_msgs.msg import LayerImportance, ResourceTelemetry
+    from tta_msgs.msg import LayerImportance, LayerPlan, ResourceTelemetry
 
-    from tta_ros.nodes.scheduler import SchedulerNode
+    from tta_ros.nodes.scheduler import SchedulerNode, memory_text, plan_markers
 
     node = SchedulerNode(context=ros_context, parameter_overrides=[
         Parameter("model_card", value=str(CARD)), Parameter("sigma", value=1.0),
@@ -304,6 +305,11 @@ def test_scheduler_plans_within_a_share_of_the_free_memory_telemetry_reports(
         out = node.plan_for(imp)
         assert node.planning.config.memory_budget_mib == pytest.approx(0.6, rel=1e-3)
         assert out.updates and out.memory.predicted_bytes <= 0.6 * MIB
+        text = memory_text(out, node.planning.config.memory_budget_mib)
+        assert text == f"saved {out.memory.predicted_bytes / MIB:.2f} / 0.60 MiB"
+        plan = LayerPlan(importance=[1.0] * lay.n_units, update=list(out.plan.update))
+        label = plan_markers(plan, "tta", 0.3, 2.0, memory=text).markers[-1].text
+        assert label.endswith(", " + text) and memory_text(out, None) == ""
         telemetry(1000.0, 999.9999)
         assert not node.plan_for(imp).updates
         node.set_parameters([Parameter("telemetry_timeout_s", value=0.1)])

@@ -104,11 +104,14 @@ WHITE = ColorRGBA(r=1.0, g=1.0, b=1.0, a=1.0)
 
 
 def plan_markers(plan: LayerPlan, frame_id: str, spacing: float, max_height: float,
-                 lifetime_s: float = 0.0, deadline: str = "", domain: str = "") -> MarkerArray:
+                 lifetime_s: float = 0.0, deadline: str = "", domain: str = "",
+                 memory: str = "") -> MarkerArray:
     """DELETEALL, then one CUBE bar per unit (height ∝ importance, green = updated), a label;
     every marker lives `lifetime_s` (0: forever). `deadline`: the deadline and what set it,
     when the budget is one (the label then shows it instead of the budget). `domain`: the
-    domain perception last recognised (AdaptationStatus.domain; issue #21), when any."""
+    domain perception last recognised (AdaptationStatus.domain; issue #21), when any.
+    `memory`: the plan's predicted saved activations against the memory budget, when one
+    is set (issue #19)."""
     arr = MarkerArray()
     clear = Marker(action=Marker.DELETEALL)
     clear.header.frame_id = frame_id
@@ -130,7 +133,8 @@ def plan_markers(plan: LayerPlan, frame_id: str, spacing: float, max_height: flo
                         + (f"deadline {deadline}" if deadline else
                            f"budget {plan.budget_ms:.1f} ms")
                         + f", predicted {plan.predicted_total_ms:.1f} ms"
-                        + (f", domain {domain}" if domain else ""))
+                        + (f", domain {domain}" if domain else "")
+                        + (f", {memory}" if memory else ""))
     label.pose.position = Point(x=0.0, y=0.0, z=max_height + 0.5)
     label.pose.orientation.w = 1.0
     label.header.frame_id, label.header.stamp = frame_id, plan.header.stamp
@@ -149,6 +153,14 @@ def deadline_values(node: SchedulerNode) -> dict[str, str | int]:
             "deadline_ms": f"{last.deadline_ms:.4g}" if last is not None else "nan",
             "speed_mps": f"{speed:.4g}" if speed is not None else "unknown",
             "forward_misses": node.forward_misses}
+
+
+def memory_text(outcome: PlanOutcome, budget_mib: float | None) -> str:
+    """'saved 0.41 / 0.60 MiB' (the plan's predicted saved activations / the budget) when
+    a memory budget is set, else ''."""
+    if budget_mib is None or outcome.memory is None:
+        return ""
+    return f"saved {outcome.memory.predicted_bytes / 2**20:.2f} / {budget_mib:.2f} MiB"
 
 
 class SchedulerNode(Node):
@@ -308,7 +320,8 @@ class SchedulerNode(Node):
         self.pub_markers.publish(plan_markers(
             msg, self.get_parameter("marker_frame_id").value,
             self.get_parameter("bar_spacing").value, self.get_parameter("bar_max_height").value,
-            self.get_parameter("marker_lifetime_s").value, deadline, self.domain))
+            self.get_parameter("marker_lifetime_s").value, deadline, self.domain,
+            memory_text(outcome, cfg.memory_budget_mib)))
 
     def _planning_status(self) -> DiagnosticStatus:
         svc = self.planning

@@ -5,6 +5,8 @@ tail -- moves toward its batch statistics by RoTTA's rule."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -104,3 +106,24 @@ def test_batches_served_without_update_still_move_the_statistics() -> None:
         if i:
             assert res.planning.skipped and not res.importance.any()  # no plan phase
     meth.close()
+
+
+def test_forward_times_scale_plain_forwards_and_forget_a_cold_start() -> None:
+    """The graph floor's forward estimate (engine.ForwardTimes): a cold first batch
+    (5.2 ms for 4 frames) is forgotten once served batches come in; a plain forward
+    counts at the planned / plain ratio last measured on adjacent batches."""
+    from tta_core.adashadow.engine import ForwardTimes
+
+    ft = ForwardTimes()
+    assert math.isnan(ft.estimate_ms(4))
+    ft.note(5.2, 4)  # cold, planned
+    assert ft.estimate_ms(4) == pytest.approx(5.2)
+    ft.note_plain(1.2, 4)  # served: no ratio known yet
+    assert ft.estimate_ms(4) == pytest.approx(1.2) and ft.estimate_ms(8) == pytest.approx(2.4)
+    ft.note(1.5, 4)  # planned right after a plain one: ratio 1.25
+    assert ft.ratio == pytest.approx(1.25)
+    ft.note_plain(1.2, 4)
+    ft.note_plain(1.2, 4)
+    assert ft.estimate_ms(4) == pytest.approx(1.5)  # plain 1.2 counts as a planned 1.5
+    ft.note(1.0, 4)  # a planned forward faster than the plain one before it
+    assert ft.ratio == 1.0  # never below 1

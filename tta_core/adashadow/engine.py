@@ -131,6 +131,41 @@ def batch_stat_units(staged: StagedModel, config: EngineConfig) -> np.ndarray:
                      and u.module.training for u in staged.units], dtype=bool)
 
 
+class ForwardTimes:
+    """Forward time per frame that the graph floor compares with the budget: the faster
+    of the last two forwards (one slow batch, e.g. a cold first one, does not cost the
+    next one its plan). A batch served without plan runs a plain forward, without the unit
+    statistics a planned batch collects (+30 % on the 32 px net): its time is scaled by
+    the last measured planned / plain ratio. Taken as it is, it alternated served and
+    over-deadline planned batches at 2000 Hz; left out, a cold first batch over the
+    deadline froze every later plan."""
+
+    def __init__(self) -> None:
+        self.frame_ms: deque[float] = deque(maxlen=2)
+        self.last_batch = 1
+        self.ratio = 1.0  # planned / plain forward per frame
+        self._plain = math.nan  # the last plain forward per frame
+
+    def note(self, ms: float, batch_size: int) -> None:
+        """A planned batch's forward (with unit statistics)."""
+        per = ms / batch_size
+        if math.isfinite(self._plain) and self._plain > 0:
+            self.ratio = max(1.0, per / self._plain)
+            self._plain = math.nan  # a ratio from adjacent batches only
+        self.frame_ms.append(per)
+        self.last_batch = batch_size
+
+    def note_plain(self, ms: float, batch_size: int) -> None:
+        """A served batch's plain forward."""
+        self._plain = ms / batch_size
+        self.frame_ms.append(self._plain * self.ratio)
+        self.last_batch = batch_size
+
+    def estimate_ms(self, batch_size: int) -> float:
+        """A planned forward of `batch_size` frames (NaN before any forward)."""
+        return min(self.frame_ms) * batch_size if self.frame_ms else math.nan
+
+
 @contextmanager
 def _own_forward(collector: UnitStatsCollector, rbn: RobustBN,
                  capture: bool = True) -> Iterator[None]:
@@ -268,10 +303,9 @@ class AdaShadowEngine:
         self.clock = PhaseClock(self.params[0].device)
         self._stage_inputs: list = [None] * len(staged.stages)
         self._grad_stage = 0
-        self._frame_ms: deque[float] = deque(maxlen=2)  # per frame, of the last 2 forwards
-        self._last_batch = 1
+        self._fwd = ForwardTimes()
         if profile is not None:
-            self._note_forward(profile.forward_ms, profile.batch_size)
+            self._fwd.note(profile.forward_ms, profile.batch_size)
         self._handles = stage_input_hooks(self.staged, self._cache_stage_input)
         self._job = _Background()
         self.tail = TailRecorder(staged, self.config.memory_budget_mib, self.candidates,
@@ -317,7 +351,7 @@ class AdaShadowEngine:
         stats = self._collector.collect(x.shape[0])
         inputs, self._stage_inputs = self._stage_inputs, [None] * len(self._stage_inputs)
         ms = self.clock.mark()
-        self._note_forward(ms, int(x.shape[0]))
+        self._fwd.note(ms, int(x.shape[0]))
         return _Forward(logits, stats, inputs, ms, grad_stage)
 
     def _grad_from(self, grad_stage: int) -> int:
@@ -325,15 +359,10 @@ class AdaShadowEngine:
         stages = self.staged.stages
         return stages[grad_stage].first_unit if grad_stage < len(stages) else len(self.staged.units)
 
-    def _note_forward(self, ms: float, batch_size: int) -> None:
-        self._frame_ms.append(ms / batch_size)
-        self._last_batch = batch_size
-
     def _floor(self, batch_size: int) -> int:
         """Lowest unit any inline plan for this batch can reach (len(units): none), from
-        the faster of the last two forwards per frame (one slow batch, e.g. a cold first
-        one, does not cost the next one its plan)."""
-        last = min(self._frame_ms) * batch_size if self._frame_ms else math.nan
+        the forward a planned batch would take (ForwardTimes.estimate_ms)."""
+        last = self._fwd.estimate_ms(batch_size)
         return max(self.planning.graph_floor(last, self.candidates, batch_size),
                    self.tail.floor_unit())  # full graph, memory budget: where it fits
 
@@ -348,7 +377,7 @@ class AdaShadowEngine:
         if plan is not None:
             upd = np.asarray(plan.update, dtype=bool)
             return int(self.staged.units[int(np.argmax(upd))].stage) if upd.any() else n_stages
-        floor = self._floor(self._last_batch) if floor is None else floor
+        floor = self._floor(self._fwd.last_batch) if floor is None else floor
         return self.staged.units[floor].stage if floor < len(self.staged.units) else n_stages
 
     def _adapt(self, fwd: _Forward, loss: Tensor, update: np.ndarray) -> None:
@@ -441,13 +470,13 @@ class AdaShadowEngine:
     def _serve_only(self, x: Tensor, t0: float, batch_size: int) -> StepResult:
         """A batch no inline plan can fit (graph floor: no unit): a plain forward (robust
         BN statistics still move), no unit statistics, loss, assessor or planner; the
-        result says why. Its forward time is not noted for the floor: a planned batch's
-        forward also collects unit statistics (+30 % on the 32 px net), and the cheaper
-        plain one would alternate served and over-deadline planned batches."""
+        result says why. Its forward time counts for the floor scaled to a planned
+        batch's (ForwardTimes.note_plain)."""
         self.clock.mark()
         with _own_forward(self._collector, self._rbn, capture=False), torch.no_grad():
             logits = self.staged.model(x)
         forward_ms = self.clock.mark()
+        self._fwd.note_plain(forward_ms, batch_size)
         outcome = self.planning.empty_outcome(forward_ms, batch_size)
         fwd = _Forward(logits, [], [], forward_ms, len(self.staged.stages))
         res = _result(self.planning, fwd, None, np.zeros(len(self.staged.units)), outcome,

@@ -127,3 +127,21 @@ def test_forward_times_scale_plain_forwards_and_forget_a_cold_start() -> None:
     assert ft.estimate_ms(4) == pytest.approx(1.5)  # plain 1.2 counts as a planned 1.5
     ft.note(1.0, 4)  # a planned forward faster than the plain one before it
     assert ft.ratio == 1.0  # never below 1
+
+
+def test_plan_phases_that_find_no_room_are_held_back_ever_longer() -> None:
+    """After n plan phases in a row without an update, 2**(n-1) - 1 batches are served
+    without one (at most 63); an update ends the hold."""
+    from tta_core.adashadow.engine import ForwardTimes
+
+    ft = ForwardTimes()
+    held = []
+    for _ in range(9):
+        ft.planned(False)
+        n = 0
+        while ft.holding():
+            n += 1
+        held.append(n)
+    assert held == [0, 1, 3, 7, 15, 31, 63, 63, 63]
+    ft.planned(True)
+    assert not ft.holding()

@@ -145,6 +145,8 @@ class ForwardTimes:
         self.last_batch = 1
         self.ratio = 1.0  # planned / plain forward per frame
         self._plain = math.nan  # the last plain forward per frame
+        self._misses = 0  # plan phases in a row that found no unit to update
+        self._hold = 0  # batches still to serve without a plan phase
 
     def note(self, ms: float, batch_size: int) -> None:
         """A planned batch's forward (with unit statistics)."""
@@ -160,6 +162,21 @@ class ForwardTimes:
         self._plain = ms / batch_size
         self.frame_ms.append(self._plain * self.ratio)
         self.last_batch = batch_size
+
+    def planned(self, updated: bool) -> None:
+        """A plan phase ran: after n in a row that found no unit to update (its unit
+        statistics and planning were spent for nothing: at 2000 Hz on the 32 px net they
+        brought the batch to the deadline), serve the next 2**(n-1) - 1 batches (<= 63)
+        without one; an update ends the hold."""
+        self._misses = 0 if updated else min(self._misses + 1, 7)
+        self._hold = (1 << (self._misses - 1)) - 1 if self._misses else 0
+
+    def holding(self) -> bool:
+        """True (and one batch less to hold) while plan phases are held back."""
+        if self._hold <= 0:
+            return False
+        self._hold -= 1
+        return True
 
     def estimate_ms(self, batch_size: int) -> float:
         """A planned forward of `batch_size` frames (NaN before any forward)."""
@@ -362,6 +379,8 @@ class AdaShadowEngine:
     def _floor(self, batch_size: int) -> int:
         """Lowest unit any inline plan for this batch can reach (len(units): none), from
         the forward a planned batch would take (ForwardTimes.estimate_ms)."""
+        if self._fwd.holding():  # plan phases that found no room: served meanwhile
+            return len(self.staged.units)
         last = self._fwd.estimate_ms(batch_size)
         return max(self.planning.graph_floor(last, self.candidates, batch_size),
                    self.tail.floor_unit())  # full graph, memory budget: where it fits
@@ -442,6 +461,7 @@ class AdaShadowEngine:
         loss, importance, outcome, plan = self._plan_phase(fwd, plan, b)
         update = np.asarray(plan.update, dtype=bool)
         adapt = loss is not None and bool(update.any())
+        self._fwd.planned(adapt or outcome is None)  # an external plan is never held back
         if adapt:  # keep only the stage input the reforward needs (§4 reuse)
             keep = self.staged.units[int(np.flatnonzero(update)[0])].stage
             fwd.stage_inputs = [t if i == keep else None for i, t in enumerate(fwd.stage_inputs)]

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def _entropy(logits: torch.Tensor) -> torch.Tensor:
     p = logits.softmax(1)
-    return -(p * p.log()).sum(1).mean()
+    return -(p * p.clamp_min(1e-12).log()).sum(1).mean()
 
 
 def _grads(model: nn.Module, x: torch.Tensor, ctx=None) -> dict[str, torch.Tensor]:

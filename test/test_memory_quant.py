@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_memory_codec import _entropy
+from test_memory_codec import _grads as _grads_by_name
 from torch import nn
 from torchvision.models import resnet18
 
@@ -27,21 +29,9 @@ CARD = Path(__file__).resolve().parents[1] / "checkpoints" / "small_resnet_signs
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _entropy(logits: torch.Tensor) -> torch.Tensor:
-    p = logits.softmax(1)
-    return -(p * p.clamp_min(1e-12).log()).sum(1).mean()
-
-
 def _grads(model: nn.Module, x: torch.Tensor, ctx=None) -> torch.Tensor:
-    model.zero_grad(set_to_none=True)
-    if ctx is None:
-        loss = _entropy(model(x))
-    else:
-        with ctx:
-            loss = _entropy(model(x))
-    loss.backward()
-    return torch.cat([p.grad.double().flatten() for p in model.parameters()
-                      if p.grad is not None])
+    """Every parameter's entropy gradient (test_memory_codec._grads), flattened."""
+    return torch.cat([g.double().flatten() for g in _grads_by_name(model, x, ctx).values()])
 
 
 def _cos(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -17,6 +17,7 @@ import pytest
 
 rclpy = pytest.importorskip("rclpy")
 from rclpy.executors import SingleThreadedExecutor  # noqa: E402
+from diagnostic_msgs.msg import DiagnosticArray  # noqa: E402
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
 from tta_msgs.msg import (  # noqa: E402
@@ -73,6 +74,9 @@ def fleet(ros_context):
             got[ns, key] = []
             probe.create_subscription(typ, f"{ns}/{topic}",
                                       lambda m, k=(ns, key): got[k].append(m), rel)
+    got["", "diag"] = []
+    probe.create_subscription(DiagnosticArray, "/diagnostics",
+                              lambda m: got["", "diag"].extend(m.status), rel)
     pubs = {ns: probe.create_publisher(Image, f"{ns}/image", qos_profile_sensor_data)
             for ns in CARS}
     ex = SingleThreadedExecutor(context=ros_context)
@@ -105,6 +109,7 @@ def test_two_vehicles_answer_only_in_their_own_namespace(fleet) -> None:
         assert got[ns, "status"] and got[ns, "imp"]
     for key, _, _ in OUTPUTS:
         assert got["", key] == [], f"/{key} outside the namespaces"
+    _assert_diagnostics_namespaced(got["", "diag"])
     for ns, (monitor, scheduler, perception) in nodes.items():
         assert {n.get_namespace() for n in (monitor, scheduler, perception)} == {ns}
         assert perception.intake.node.get_namespace() == ns
@@ -118,3 +123,14 @@ def test_two_vehicles_answer_only_in_their_own_namespace(fleet) -> None:
                   for t in [p.topic_name for p in n.publishers]}
         assert {f"{ns}/predictions", f"{ns}/layer_plan", f"{ns}/telemetry",
                 f"{ns}/adaptation_status", f"{ns}/layer_importance"} <= topics
+
+
+def _assert_diagnostics_namespaced(statuses: list) -> None:
+    """Both vehicles' nodes on the one /diagnostics: every status names its node under its
+    namespace and carries a hardware_id, so the two never collide."""
+    assert _wait(lambda: {s.name.split(":")[0] for s in statuses} >= {
+        f"{ns}/{node}" for ns in CARS for node in ("perception", "scheduler",
+                                                   "resource_monitor")}, 15.0), \
+        sorted({s.name for s in statuses})
+    assert all(s.name.startswith(CARS) for s in statuses), sorted({s.name for s in statuses})
+    assert all(s.hardware_id for s in statuses)

@@ -194,14 +194,28 @@ def test_planner_overhead_is_a_fixed_cost_of_non_empty_plans() -> None:
 
 
 def test_an_estimate_that_blocks_every_update_is_forgotten_slowly() -> None:
-    """Batches without an update cannot re-measure the update's cost: it decays by
-    `forget` per batch, so the engine tries a plan again instead of freezing."""
+    """Batches without an update cannot re-measure the update's cost: its excess over the
+    least cost measured lately decays by `forget` per batch, and that floor FLOOR_AGING
+    times slower, so the engine tries a plan again instead of freezing, but does not
+    retry a plan predicted below every cost it has seen."""
     fc = FixedCosts(alpha=0.5, warmup=0, forget=0.1)
     fc.update_adapt(0.0, 0.8, 10.0)
+    fc.update_adapt(0.0, 0.2, 10.0)  # EMA 0.5, floor 0.2
     for _ in range(5):
         fc.idle()
-    assert fc.overhead_ms == pytest.approx(0.8 * 0.9**5)
+    aged = 1 - 0.1 / fc_mod.FLOOR_AGING
+    assert 0.2 * aged**5 < fc.overhead_ms < 0.2 + 0.3 * 0.9**5
+    assert fc.overhead_ms > 0.5 * 0.9**5  # plain forgetting toward 0 would be below
     assert fc.plan_phase_ms == 0.0  # the plan phase is measured every batch: not decayed
+    for _ in range(3000):
+        fc.idle()
+    assert fc.overhead_ms < 0.01  # the floor ages too: never frozen
+    fc.update_plan(0.3, 10.0)
+    fc.update_plan(0.9, 10.0)
+    fc.skip_plan()
+    assert 0.3 < fc.plan_phase_ms < 0.6  # EMA 0.6, forgotten toward 0.3
+    fc.reset()
+    assert not fc.adapt_seen and not fc.plan_seen
     with pytest.raises(ValueError, match="forget"):
         FixedCosts(forget=1.5)
     eng = _engine(0.2)

@@ -23,7 +23,12 @@ already reach). With a deadline, plans also leave room for the scatter of the wh
 batch's time around its prediction (`margin_ms`: EMA mean + 2.33 EMA standard deviations
 of measured minus predicted, at least its 99th percentile over the last 128 batches; a
 plan that fills the deadline to 99 % otherwise misses it on every other batch from timing
-noise alone), forgotten like the plan phase while batches skip it. alpha = 0 turns
+noise alone), forgotten like the plan phase while batches skip it. Forgetting moves the
+update's cost and the plan phase toward the least of their last FLOOR_WINDOW measurements
+(warm-up excluded), not toward 0: a retry predicted below every cost yet seen missed its
+deadline by construction (small net, 1000 Hz: every retry was ~1 ms over, 4 of 375
+batches); the floor itself ages FLOOR_AGING times slower, so a slow first measurement
+cannot freeze adaptation for good. alpha = 0 turns
 both off (the planner then sees exactly the per-unit model, and plans no longer depend on
 how fast a run is).
 """
@@ -44,6 +49,10 @@ MARGIN_Z = 2.33
 MARGIN_WARMUP = 3
 MARGIN_QUANTILE = 0.99
 MARGIN_WINDOW = 128
+#: forgetting stops at the least of the last FLOOR_WINDOW measurements, which age
+#: FLOOR_AGING times slower than the estimate
+FLOOR_WINDOW = 16
+FLOOR_AGING = 8
 #: retries of an update that keeps missing its deadline slow down at most 2**6-fold
 MAX_BACKOFF = 6
 
@@ -69,6 +78,9 @@ class FixedCosts:
     total_updates: int = 0
     recent_ms: deque = field(default_factory=lambda: deque(maxlen=MARGIN_WINDOW))
     backoff: int = 0  # updates in a row that missed their deadline (at most MAX_BACKOFF)
+    # the last measurements after warm-up: where forgetting stops (_toward_floor)
+    adapt_seen: deque = field(default_factory=lambda: deque(maxlen=FLOOR_WINDOW))
+    plan_seen: deque = field(default_factory=lambda: deque(maxlen=FLOOR_WINDOW))
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.alpha) and 0.0 <= self.alpha <= 1.0):
@@ -104,6 +116,8 @@ class FixedCosts:
             return
         sample = min(measured_ms, abs(scale_ms))
         self.plan_ms = self._ema(self.plan_ms, sample, self.plan_updates)
+        if self.plan_updates >= self.warmup:
+            self.plan_seen.append(sample)
         self.plan_updates += 1
 
     def update_adapt(self, predicted_ms: float, measured_ms: float, scale_ms: float) -> None:
@@ -114,6 +128,8 @@ class FixedCosts:
         bound = abs(scale_ms)
         sample = min(bound, max(-bound, measured_ms - predicted_ms))
         self.adapt_ms = self._ema(self.adapt_ms, sample, self.adapt_updates)
+        if self.adapt_updates >= self.warmup:
+            self.adapt_seen.append(sample)
         self.adapt_updates += 1
 
     @property
@@ -159,18 +175,29 @@ class FixedCosts:
             late = total_ms > deadline_ms
             self.backoff = min(self.backoff + 1, MAX_BACKOFF) if late else 0
 
+    def _toward_floor(self, value: float, seen: deque) -> tuple[float, deque]:
+        """`value` less a share forget_now of its excess over the least of `seen` (0
+        when empty), and `seen` aged FLOOR_AGING times slower."""
+        keep = 1.0 - self.forget_now
+        floor = min(min(seen, default=0.0), value)
+        aged = 1.0 - self.forget_now / FLOOR_AGING
+        return floor + (value - floor) * keep, deque((v * aged for v in seen),
+                                                     maxlen=FLOOR_WINDOW)
+
     def idle(self) -> None:
-        """A batch ran without an update: forget a share of the update's cost."""
+        """A batch ran without an update: forget a share of the update's cost (down to
+        the least cost measured lately, which ages slower)."""
         if self.on:
-            self.adapt_ms *= 1.0 - self.forget_now
+            self.adapt_ms, self.adapt_seen = self._toward_floor(self.adapt_ms,
+                                                                self.adapt_seen)
 
     def skip_plan(self) -> None:
         """A batch skipped its plan phase (no plan could fit): forget a share of the plan
-        phase and of the deadline margin, so that estimates that leave no time for any
-        plan are tried again."""
+        phase (down to the least measured lately) and of the deadline margin, so that
+        estimates that leave no time for any plan are tried again."""
         if self.on:
             keep = 1.0 - self.forget_now
-            self.plan_ms *= keep
+            self.plan_ms, self.plan_seen = self._toward_floor(self.plan_ms, self.plan_seen)
             self.total_mean_ms *= keep
             self.total_var_ms2 *= keep ** 2
             self.recent_ms = deque((v * keep for v in self.recent_ms), maxlen=MARGIN_WINDOW)
@@ -179,7 +206,8 @@ class FixedCosts:
         """Forget what was learnt (a new machine or model)."""
         self.plan_ms = self.adapt_ms = self.total_mean_ms = self.total_var_ms2 = 0.0
         self.plan_updates = self.adapt_updates = self.total_updates = self.backoff = 0
-        self.recent_ms.clear()
+        for seen in (self.recent_ms, self.adapt_seen, self.plan_seen):
+            seen.clear()
 
 
 def _quantile(values: deque, q: float) -> float:

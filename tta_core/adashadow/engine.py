@@ -37,6 +37,7 @@ from tta_core.adashadow.planning import (
 )
 from tta_core.api import PhaseClock, PhaseTimes, PlanningInfo, StepResult, mean_entropy
 from tta_core.domain.bn import RobustBN, use_batch_stats
+from tta_core.memory.daf import check_activation_bits
 from tta_core.model.norms import BN_MODES
 from tta_core.model.unit_stats import UnitStatsCollector, source_seeds
 from tta_core.model.units import StagedModel, stage_input_hooks
@@ -86,10 +87,21 @@ class EngineConfig(PlanningConfig):
     # units and keep ratios on both budgets; "full" raises the graph floor to the lowest
     # stage whose recording fits (candidates' inputs dense: exact gradients).
     graph: str = "full"
+    # DAF (issue #20): what the recorded graph saves is stored at 8/4/2 bits (norm-layer
+    # inputs, trainable conv/linear inputs; frozen conv inputs not at all, ReLU outputs as
+    # exact 1-bit masks: tta_core.memory.daf.daf_plan). None: dense. Not with a memory
+    # budget, which chooses its own encodings (keep ratios).
+    activation_bits: int | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad value."""
         super().validate()
+        if self.activation_bits is not None:
+            check_activation_bits(self.activation_bits)
+            if self.memory_budget_mib is not None:
+                raise ValueError(f"activation_bits={self.activation_bits} and a memory budget "
+                                 f"({self.memory_budget_mib:g} MiB) exclude each other: the "
+                                 f"budget chooses its own encodings")
         for name, value, allowed in (("mode", self.mode, MODES), ("loss", self.loss, LOSSES),
                                      ("bn_mode", self.bn_mode, BN_MODES),
                                      ("trainable", self.trainable, TRAINABLE),
@@ -326,7 +338,7 @@ class AdaShadowEngine:
         self._handles = stage_input_hooks(self.staged, self._cache_stage_input)
         self._job = _Background()
         self.tail = TailRecorder(staged, self.config.memory_budget_mib, self.candidates,
-                                 self.lazy)
+                                 self.lazy, bits=self.config.activation_bits)
 
     @property
     def profile(self) -> predictor.UnitProfile | None:

@@ -52,6 +52,7 @@ from tta_core.adashadow.memory_planner import (
     solve_with_memory,
 )
 from tta_core.memory import ActivationCodec, SavedActivationCounter, SavedBytes, SaveProfile
+from tta_core.memory.daf import daf_plan
 from tta_core.model.norms import set_bn_mode
 from tta_core.model.source import build_card_model, load_card
 from tta_core.model.units import StagedModel, decompose
@@ -164,11 +165,14 @@ class TailRecorder:
     with the plan's keeps; full: the forward from the graph floor on (`recording`), under
     the codec with every candidate's conv/linear input dense (exact gradients) and the
     rest frozen, the floor raised to the lowest stage whose recording fits (`floor_unit`).
-    `stats` says what the codec held. Without a budget every method is a no-op."""
+    `stats` says what the codec held. Without a budget every method is a no-op, unless
+    `bits` (DAF, EngineConfig.activation_bits): then both modes record under the codec
+    with daf_plan's uniform widths (the units' requires_grad decides what is stored)."""
 
     def __init__(self, staged: StagedModel, budget_mib: float | None, candidates: np.ndarray,
-                 lazy: bool, frozen_keep: float = DEFAULT_FROZEN_KEEP) -> None:
-        self.staged, self.budget_mib, self.lazy = staged, budget_mib, lazy
+                 lazy: bool, frozen_keep: float = DEFAULT_FROZEN_KEEP,
+                 bits: int | None = None) -> None:
+        self.staged, self.budget_mib, self.lazy, self.bits = staged, budget_mib, lazy, bits
         self.frozen_keep = frozen_keep
         self.candidates = np.asarray(candidates, dtype=bool)
         self.names = [u.name for u in staged.units]
@@ -219,9 +223,13 @@ class TailRecorder:
 
     def recording(self, grad_from: int) -> contextlib.AbstractContextManager:
         """Full graph: the codec over a forward recorded from unit `grad_from` on (a null
-        context in lazy mode, without a budget or when nothing is recorded)."""
-        if self.lazy or self.current is None or grad_from >= len(self.names):
+        context in lazy mode, without a budget or `bits`, or when nothing is recorded)."""
+        if self.lazy or grad_from >= len(self.names):
             return contextlib.nullcontext()
+        if self.current is None:
+            return (_Recorded(self, ActivationCodec(self.staged, daf_plan(self.staged,
+                                                                          self.bits)))
+                    if self.bits is not None else contextlib.nullcontext())
         self._predicted = float(self._recorded_bytes()[grad_from])
         keep = np.where(self.candidates, 1.0, np.nan)
         self.keep = {self.names[i]: 1.0 for i in np.flatnonzero(self.candidates)
@@ -235,8 +243,12 @@ class TailRecorder:
         there is a budget (keeps of `memory`, or 1 for the updated units of a plan made
         elsewhere: exact gradients, frozen inputs and masks still compressed)."""
         if self.costs is None:
-            with torch.enable_grad():
-                return losses.entropy_loss(self.staged.forward_from(stage, x_stage))
+            daf = (ActivationCodec(self.staged, daf_plan(self.staged, self.bits))
+                   if self.bits is not None else contextlib.nullcontext())
+            with torch.enable_grad(), daf:
+                loss = losses.entropy_loss(self.staged.forward_from(stage, x_stage))
+            self.saved = getattr(daf, "result", None)
+            return loss
         upd = np.asarray(update, dtype=bool)
         keep = memory.keep if memory is not None else np.where(upd, 1.0, np.nan)
         codec = ActivationCodec(self.staged, codec_plan(upd, keep, self.names,
@@ -254,7 +266,7 @@ class TailRecorder:
         MiB, the budget, whether it held, the keep ratio of every unit whose dW input was
         kept ("keep:<unit>": lazy, the updated units; full, the recorded candidates)."""
         if self.costs is None:
-            return {}
+            return self._daf_stats()
         total = self.saved.total if self.saved is not None else 0
         out: dict[str, float | int | bool] = {
             "saved_bytes": total, "saved_mib": total / MIB,
@@ -266,6 +278,16 @@ class TailRecorder:
             out.update({f"keep:{u}": k for u, k in self.keep.items()})
         self.saved, self.keep, self._predicted = None, {}, math.nan
         return out
+
+
+    def _daf_stats(self) -> dict[str, float | int | bool]:
+        """Without a budget: what the DAF codec held ({} without `bits`)."""
+        if self.bits is None:
+            return {}
+        total = self.saved.total if self.saved is not None else 0
+        self.saved = None
+        return {"saved_bytes": total, "saved_mib": total / MIB,
+                "activation_bits": int(self.bits)}
 
 
 class _Recorded(contextlib.AbstractContextManager):

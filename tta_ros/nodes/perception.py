@@ -51,6 +51,7 @@ from tta_core.api import (
     TTAMethodLike,
 )
 from tta_core.io.image_msg import FrameLimits, Preprocess, one_line, to_tensor
+from tta_core.memory.quant import STORED_BITS
 from tta_core.methods import available_methods, build_method, method_class
 from tta_core.model.source import load_source
 from tta_core.model.units import decompose
@@ -87,8 +88,9 @@ from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, 
 
 RUNTIME = ("method", "mode", "sigma", "lr", "batch_size", "queue_size", "plan_source",
            "plan_timeout_s", "publish_scores", "batch_timeout_s", "reset_entropy_ratio",
-           "reset_patience", "memory_budget_mb", *DEADLINE_KEYS, *SPEED_KEYS)
-REBUILD = ("method", "mode", "memory_budget_mb")
+           "reset_patience", "memory_budget_mb", "activation_bits", *DEADLINE_KEYS,
+           *SPEED_KEYS)
+REBUILD = ("method", "mode", "memory_budget_mb", "activation_bits")
 
 
 def param_specs() -> tuple[ParamSpec, ...]:
@@ -102,6 +104,9 @@ def param_specs() -> tuple[ParamSpec, ...]:
         ParamSpec("memory_budget_mb", 0.0, "saved-activation budget of an update, MiB (0: "
                   "none; methods that take one: adashadow); a change rebuilds the method",
                   0.0, 1e6),
+        ParamSpec("activation_bits", 0, "DAF: store what an update saves for backward at 8, "
+                  "4 or 2 bits (0: dense; methods that take it: adashadow, tent, surgeon; "
+                  "not with memory_budget_mb); a change rebuilds the method", 0, 8),
         ParamSpec("lr", 5e-3, "SGD learning rate at batch 64 (scaled linearly with the batch "
                   "size, as the EATA/SAR code does)", 0.0, 1.0),
         ParamSpec("batch_size", 8, "frames per adaptation batch", 1, 256),
@@ -187,7 +192,7 @@ def method_options(p: dict[str, Any], image_size: int, arch: str) -> dict[str, A
            "backward_feedback": p["backward_feedback"],
            "fixed_cost_feedback": p["fixed_cost_feedback"], **deadline_settings(p),
            "memory_budget_mb": p["memory_budget_mb"] or None,
-           **bank_option(p)}
+           "activation_bits": p["activation_bits"] or None, **bank_option(p)}
     if p["profile"]:
         cfg["profile"] = ros_params.resolve_data_path(p["profile"])
     return {k: v for k, v in cfg.items() if k in known}
@@ -233,7 +238,8 @@ def perception_statuses(node: PerceptionNode) -> list[DiagnosticStatus]:
                {"batches": c.batches, "resets": node.guard.resets,
                 "step_errors": c.step_errors, "last_error": c.last_error,
                 "saved_activation_mib": f"{c.saved_mib:.4g}",
-                "memory_budget_mb": f"{p['memory_budget_mb']:g}"}),
+                "memory_budget_mb": f"{p['memory_budget_mb']:g}",
+                "activation_bits": str(p["activation_bits"] or "dense")}),
         *node.domain.statuses()]
 
 
@@ -246,7 +252,8 @@ def publish_batch(node: PerceptionNode, frames: list[Any], logits: torch.Tensor,
                                 list(node.card.class_names), node.p["publish_scores"]):
         node.pub_pred.publish(pred)
     node.method.finish()  # parallel mode: the status carries this update's backward
-    node.counters.saved_mib = float(res.stats.get("saved_mib", math.nan))
+    node.counters.saved_mib = float(res.stats.get(
+        "saved_mib", res.stats.get("saved_bytes", math.nan) / 2**20))  # tent: bytes only
     header = frames[-1].header
     node.pub_status.publish(status_msg(
         header, batch_id, res, method=node.p["method"], mode=node.p["mode"],
@@ -260,12 +267,25 @@ def publish_batch(node: PerceptionNode, frames: list[Any], logits: torch.Tensor,
             node.gate.on_importance_sent()
 
 
+def check_encoding(p: dict[str, Any]) -> str:
+    """'' when activation_bits is a width the codec has and is not combined with a memory
+    budget (adashadow refuses that at build time: the node would stop adapting), else why."""
+    bits = p["activation_bits"]
+    if bits not in (0, *STORED_BITS):
+        return f"activation_bits={bits!r} not one of 0 (dense), 2, 4, 8"
+    if bits and p["memory_budget_mb"]:
+        return (f"activation_bits={bits} and memory_budget_mb={p['memory_budget_mb']:g} "
+                f"exclude each other: the budget chooses its own encodings")
+    return ""
+
+
 def check_change(node: PerceptionNode, params: Sequence[Parameter]) -> SetParametersResult:
     """on_set_parameters: each value in range and changeable at run time, the deadline
     settings consistent, a valid odometry topic."""
     res = validate(node.specs, params, runtime=RUNTIME)
     if res.successful:
-        res.reason = check_deadline_change(node.p, params)
+        res.reason = (check_deadline_change(node.p, params)
+                      or check_encoding({**node.p, **{p.name: p.value for p in params}}))
         topic = next((p.value for p in params if p.name == "odometry_topic"), None)
         try:
             if topic is not None:

@@ -40,6 +40,7 @@ $(BUILD)/.tta_msgs: $(VENV)/.deps msg/CMakeLists.txt msg/package.xml $(MSGS)
 
 $(ENV): $(VENV)/.tta $(BUILD)/.tta_msgs scripts/write_env.py
 	$(PY) scripts/write_env.py --venv $(VENV) --prefix $(PREFIX) --out $@
+	$(PY) -c "from tta_kernels import native; native.main()"  # DAF's C kernels (cached)
 	touch $(BUILD)/COLCON_IGNORE  # a colcon workspace holding this checkout skips our build
 
 demo: $(ENV)

@@ -4,6 +4,8 @@ measured saved bytes and forward+backward time, one interleaved run, for
 
   dense       no codec (SavedActivationCounter)
   daf8 / daf4 every conv/linear input and BN input at 8 / 4 bits, ReLU masks exact
+              (the default kernels: tta_kernels.native, the C passes)
+  daf4_vec    daf4 with the vectorised PyTorch kernels (TTA_KERNELS_CPU=vectorised)
   daf4_ref    daf4 with the pure-PyTorch reference kernels (TTA_KERNELS_CPU=reference)
   daf4_compiled  daf4 with the torch.compile kernels (TTA_KERNELS_CPU=compiled)
   budgeted    greedy widths (tta_core.memory.daf.budget_plan) of the conv/linear inputs
@@ -33,7 +35,7 @@ import torch
 from bench_activation_memory import _entropy, _set_trainable, _step
 from torch import nn
 from torchvision.models import resnet18, resnet50
-from tta_kernels import cpu, reference
+from tta_kernels import cpu, native, reference
 
 from tta_core.memory import ActivationCodec, CodecPlan, SavedActivationCounter, profile_saves
 from tta_core.memory.daf import budget_plan, trainable_units
@@ -64,6 +66,8 @@ def _configs(model: nn.Module, x: torch.Tensor, frac: float) -> tuple[dict[str, 
         "dense": (lambda: SavedActivationCounter(model), {}, []),
         "daf8": (lambda: ActivationCodec(model, q[8]), {}, []),
         "daf4": (lambda: ActivationCodec(model, q[4]), {}, []),
+        "daf4_vec": (lambda: ActivationCodec(model, q[4]), {"TTA_KERNELS_CPU": "vectorised"},
+                     []),
         "daf4_ref": (lambda: ActivationCodec(model, q[4]), {"TTA_KERNELS_CPU": "reference"}, []),
         "daf4_compiled": (lambda: ActivationCodec(model, q[4]), {"TTA_KERNELS_CPU": "compiled"},
                           []),
@@ -132,7 +136,8 @@ def bench_kernels(compiled: bool) -> dict:
     """ms per path for quantize+pack and unpack+dequantize of 4x256x56x56 floats."""
     x = torch.randn(4 * 256 * 56 * 56)
     paths = {"reference": (reference.quantize_pack, reference.unpack_dequantize),
-             "vectorised": (cpu.quantize_pack, cpu.unpack_dequantize)}
+             "vectorised": (cpu.quantize_pack, cpu.unpack_dequantize),
+             "native": (native.quantize_pack, native.unpack_dequantize)}
     if compiled:
         paths["compiled"] = (cpu.quantize_pack_compiled, cpu.unpack_dequantize_compiled)
     out: dict = {"copy_ms": _ms(lambda: x.clone())}

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import tta_kernels
-from tta_kernels import cpu, dispatch, reference
+from tta_kernels import cpu, dispatch, native, reference
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = (1, 7, 128, 1000, 4096 + 5)
@@ -74,6 +74,48 @@ def test_vectorised_path_equals_reference_bit_for_bit(bits: int, n: int) -> None
             err = (dense - x).abs().view(-1)
             span = (x.max() - x.min()).item()
             assert float(err.max()) <= span / (2**bits - 1) / 2 + 1e-5 * (1 + span)
+
+
+@pytest.mark.parametrize("bits", (2, 4, 8))
+@pytest.mark.parametrize("n", SHAPES)
+def test_native_path_equals_reference_bit_for_bit(bits: int, n: int) -> None:
+    """The C passes (tta_kernels.native, built with this machine's compiler) give the
+    reference's codes, minima, scales and decoded values exactly."""
+    for x in _inputs(n, n + 1):
+        for group in GROUPS:
+            ref = reference.quantize_pack(x, bits, group)
+            fast = native.quantize_pack(x, bits, group)
+            for a, b in zip(ref, fast, strict=True):
+                assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+            dense = reference.unpack_dequantize(ref, bits, group, n, x.dtype)
+            assert torch.equal(native.unpack_dequantize(ref, bits, group, n, x.dtype), dense)
+
+
+def test_native_is_the_default_where_a_compiler_is_and_falls_back_without(tmp_path) -> None:
+    """With a C compiler the CPU default is the native path (its library cached under
+    TTA_KERNELS_CACHE, keyed by source, flags, compiler and CPU); without one (CC names
+    nothing) the first call warns once and the vectorised path answers with the same bytes."""
+    code = """
+        import warnings, torch, tta_kernels
+        from tta_kernels import native, reference
+        x = torch.randn(5000)
+        ref = reference.quantize_pack(x, 4, 64)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            got = [tta_kernels.quantize_pack(x, 4, 64) for _ in range(2)]
+        assert all(torch.equal(a, b) for g in got for a, b in zip(ref, g))
+        print(tta_kernels.backend(x), len(seen), seen[0].message if seen else "")
+    """
+    cache = tmp_path / "cache"
+    ok = _python(code, TTA_KERNELS_CACHE=str(cache))
+    assert ok.returncode == 0 and ok.stdout.split()[:2] == ["native", "0"], ok.stderr[-2000:]
+    assert len(list(cache.glob("libdaf_cpu-*.so"))) == 1
+    bad = _python(code, TTA_KERNELS_CACHE=str(cache / "none"), CC="no-such-cc")
+    assert bad.returncode == 0, bad.stderr[-2000:]
+    assert bad.stdout.split()[:2] == ["vectorised", "1"] and "no-such-cc" in bad.stdout
+    with pytest.raises(ValueError, match="CPU tensors"):
+        native.unpack_dequantize(reference.quantize_pack(torch.randn(8), 4, 8)._replace(
+            mn=torch.zeros(1, device="meta")), 4, 8, 8)
 
 
 def test_half_precision_inputs_decode_to_their_dtype() -> None:
@@ -156,7 +198,7 @@ def test_import_needs_no_gpu_and_missing_triton_falls_back_with_one_notice() -> 
         assert tta_kernels.backend(x) == "vectorised"
         print("ok")
     """
-    proc = _python(code, CUDA_VISIBLE_DEVICES="")
+    proc = _python(code, CUDA_VISIBLE_DEVICES="", TTA_KERNELS_CPU="vectorised")
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 

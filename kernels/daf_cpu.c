@@ -1,0 +1,77 @@
+/* DAF's per-element passes on the CPU (tta_kernels.native): quantize + bit-pack and
+ * unpack + dequantize, in the format tta_kernels.reference defines. The per-group min/max
+ * and scales come from PyTorch (so NaN handling and the reciprocal's rounding are PyTorch's);
+ * these loops do the two float32 operations of each direction exactly as PyTorch's separate
+ * kernels round them: compile with -ffp-contract=off and without -ffast-math. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAGIC 8388608.0f /* 2**23: v + 2**23 rounds v (0 <= v < 2**22) half to even */
+
+/* x: G rows of `group` floats; mn, inv: per row; codes: G * group * bits / 8 bytes.
+ * Returns 0, or -1 when the scratch row cannot be allocated. */
+int daf_quantize_pack(const float *x, int64_t G, int64_t group, int bits, const float *mn,
+                      const float *inv, uint8_t *codes) {
+    const int64_t per = 8 / bits, nbytes = group / per;
+    uint8_t *q = malloc((size_t)group);
+    if (q == NULL) return -1;
+    for (int64_t g = 0; g < G; ++g) {
+        const float *row = x + g * group;
+        const float m = mn[g], s = inv[g];
+        for (int64_t i = 0; i < group; ++i) {
+            float t = (row[i] - m) * s;
+            t = t + MAGIC;
+            uint32_t u;
+            memcpy(&u, &t, 4);
+            q[i] = (uint8_t)u; /* the low mantissa byte holds the code */
+        }
+        uint8_t *out = codes + g * nbytes;
+        if (per == 1) {
+            memcpy(out, q, (size_t)group);
+        } else if (per == 2) {
+            for (int64_t b = 0; b < nbytes; ++b)
+                out[b] = (uint8_t)(q[2 * b] | (q[2 * b + 1] << 4));
+        } else {
+            for (int64_t b = 0; b < nbytes; ++b)
+                out[b] = (uint8_t)(q[4 * b] | (q[4 * b + 1] << 2) | (q[4 * b + 2] << 4) |
+                                   (q[4 * b + 3] << 6));
+        }
+    }
+    free(q);
+    return 0;
+}
+
+/* codes as above -> out: G * group floats, q * scale + mn (product, then sum). */
+int daf_unpack_dequantize(const uint8_t *codes, const float *mn, const float *scale,
+                          int64_t G, int64_t group, int bits, float *out) {
+    const int64_t per = 8 / bits, nbytes = group / per;
+    uint8_t *q = malloc((size_t)group);
+    if (q == NULL) return -1;
+    for (int64_t g = 0; g < G; ++g) {
+        const uint8_t *in = codes + g * nbytes;
+        if (per == 1) {
+            memcpy(q, in, (size_t)group);
+        } else if (per == 2) {
+            for (int64_t b = 0; b < nbytes; ++b) {
+                q[2 * b] = in[b] & 15;
+                q[2 * b + 1] = in[b] >> 4;
+            }
+        } else {
+            for (int64_t b = 0; b < nbytes; ++b) {
+                q[4 * b] = in[b] & 3;
+                q[4 * b + 1] = (in[b] >> 2) & 3;
+                q[4 * b + 2] = (in[b] >> 4) & 3;
+                q[4 * b + 3] = in[b] >> 6;
+            }
+        }
+        float *o = out + g * group;
+        const float s = scale[g], m = mn[g];
+        for (int64_t i = 0; i < group; ++i) {
+            float p = (float)q[i] * s;
+            o[i] = p + m;
+        }
+    }
+    free(q);
+    return 0;
+}

@@ -10,8 +10,8 @@ dispatch: the choice, with one-warning fallbacks. Importing this package needs n
 GPU nor triton nor a C++ compiler.
 """
 
-from .dispatch import backend, group_minmax, quantize_pack, unpack_dequantize
+from .dispatch import backend, group_minmax, native_masks, quantize_pack, unpack_dequantize
 from .reference import BITS, Quantized, n_groups, packed_nbytes
 
-__all__ = ["BITS", "Quantized", "backend", "group_minmax", "n_groups", "packed_nbytes",
-           "quantize_pack", "unpack_dequantize"]
+__all__ = ["BITS", "Quantized", "backend", "group_minmax", "n_groups", "native_masks",
+           "packed_nbytes", "quantize_pack", "unpack_dequantize"]

@@ -75,3 +75,30 @@ int daf_unpack_dequantize(const uint8_t *codes, const float *mn, const float *sc
     free(q);
     return 0;
 }
+
+/* Exact 1-bit activation masks (tta_core.memory.packed.PackedMask): bit j of byte k is
+ * lo < x[8k + j] < hi (hi = +inf: x > lo; NaN: 0), the tail byte zero-padded. */
+void daf_mask_pack(const float *x, int64_t n, float lo, float hi, uint8_t *out) {
+    const int64_t full = n / 8;
+    for (int64_t k = 0; k < full; ++k) {
+        const float *v = x + 8 * k;
+        uint32_t byte = 0;
+        for (int j = 0; j < 8; ++j) byte |= (uint32_t)((v[j] > lo) & (v[j] < hi)) << j;
+        out[k] = (uint8_t)byte;
+    }
+    if (n % 8) {
+        uint32_t byte = 0;
+        for (int64_t i = 8 * full; i < n; ++i)
+            byte |= (uint32_t)((x[i] > lo) & (x[i] < hi)) << (i - 8 * full);
+        out[full] = (uint8_t)byte;
+    }
+}
+
+/* Inverse: out[i] = bit * d + l (product, then sum, as the PyTorch decode rounds it). */
+void daf_mask_unpack(const uint8_t *bits, int64_t n, float d, float l, float *out) {
+    for (int64_t i = 0; i < n; ++i) {
+        float b = (float)((bits[i >> 3] >> (i & 7)) & 1);
+        float p = b * d;
+        out[i] = p + l;
+    }
+}

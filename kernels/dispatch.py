@@ -14,9 +14,11 @@ CPU paths, measured on the 2-core development VM (1 thread; tta_kernels.cpu):
   faster than ``vectorised`` at 4 bits (1 thread, 3.2 M floats).
 So ``native`` is the default, ``vectorised`` its fallback where no C compiler is found (no
 compile stall, nothing to build); ``TTA_KERNELS_CPU=vectorised|compiled|reference`` selects
-another. A build or compile failure warns once and falls back to ``vectorised``. CUDA: the Triton kernels, imported on first CUDA
-use; if triton cannot be imported (or a launch fails), one warning and the vectorised path
-(plain torch ops run on CUDA too). Importing this package never needs a GPU or a compiler.
+another. A build or compile failure warns once and falls back to ``vectorised``. 1-bit
+activation masks (tta_core.memory.packed) take the native path too (`native_masks`).
+CUDA: the Triton kernels, imported on first CUDA use; if triton cannot be imported (or a
+launch fails), one warning and the vectorised path (plain torch ops run on CUDA too).
+Importing this package never needs a GPU or a compiler.
 """
 
 from __future__ import annotations
@@ -104,6 +106,21 @@ def _run(which: int, x: Tensor, args: tuple) -> object:
             _notice(path, exc)
             path = "vectorised"
     return _impls(path)[which](*args)
+
+
+def native_masks(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the native C path packs and unpacks 1-bit masks of float32 CPU tensors here
+    (the native path chosen and its library built; a build failure: one warning, False)."""
+    if dtype != torch.float32 or device.type != "cpu" or cpu_path() != "native" \
+            or "native" in _DISABLED:
+        return False
+    try:
+        native.library()
+    except Exception as exc:  # no compiler, no cache: the PyTorch packing serves
+        _DISABLED.add("native")
+        _notice("native", exc)
+        return False
+    return True
 
 
 def quantize_pack(x: Tensor, bits: int, group: int) -> Quantized:

@@ -106,6 +106,9 @@ def library() -> ctypes.CDLL:
     lib.daf_quantize_pack.argtypes = [_P, _I, _I, ctypes.c_int, _P, _P, _P]
     lib.daf_unpack_dequantize.argtypes = [_P, _P, _P, _I, _I, ctypes.c_int, _P]
     lib.daf_quantize_pack.restype = lib.daf_unpack_dequantize.restype = ctypes.c_int
+    lib.daf_mask_pack.argtypes = [_P, _I, ctypes.c_float, ctypes.c_float, _P]
+    lib.daf_mask_unpack.argtypes = [_P, _I, ctypes.c_float, ctypes.c_float, _P]
+    lib.daf_mask_pack.restype = lib.daf_mask_unpack.restype = None
     return lib
 
 
@@ -147,6 +150,34 @@ def unpack_dequantize(qt: Quantized, bits: int, group: int, n: int,
         raise MemoryError("daf_unpack_dequantize could not allocate its scratch row")
     t = out[:n]
     return t if dtype == torch.float32 else t.to(dtype)
+
+
+def mask_pack(flat: Tensor, lo: float, hi: float) -> Tensor:
+    """Packed bits of lo < flat < hi (flat float32, contiguous, CPU), tta_core.memory.bits'
+    layout: element 8k + j at bit j of byte k."""
+    if flat.dtype != torch.float32 or flat.dim() != 1 or not flat.is_contiguous():
+        raise ValueError(f"mask_pack needs a flat contiguous float32 tensor, got {flat.dtype} "
+                         f"{tuple(flat.shape)}")
+    _check_cpu(flat)
+    n = flat.numel()
+    out = torch.empty((n + 7) // 8, dtype=torch.uint8)
+    library().daf_mask_pack(flat.data_ptr(), n, lo, hi, out.data_ptr())
+    return out
+
+
+def mask_unpack(bits: Tensor, n: int, lo: float, inside: float) -> Tensor:
+    """float32 stand-in of a packed mask: `inside` where set, `lo` elsewhere, each as
+    bit * (inside - lo) + lo in float32 (the PyTorch decode's two roundings)."""
+    if bits.dtype != torch.uint8 or bits.dim() != 1 or not 0 <= n <= 8 * bits.numel():
+        raise ValueError(f"mask_unpack needs 1-D uint8 bits covering n={n}, got {bits.dtype} "
+                         f"{tuple(bits.shape)}")
+    _check_cpu(bits)
+    bits = bits.contiguous()
+    out = torch.empty(n, dtype=torch.float32)
+    d = float(torch.tensor(inside - lo, dtype=torch.float32))  # as a tensor op casts it
+    library().daf_mask_unpack(bits.data_ptr(), n, d, float(torch.tensor(lo, dtype=torch.float32)),
+                              out.data_ptr())
+    return out
 
 
 def main() -> int:

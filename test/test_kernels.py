@@ -91,6 +91,30 @@ def test_native_path_equals_reference_bit_for_bit(bits: int, n: int) -> None:
             assert torch.equal(native.unpack_dequantize(ref, bits, group, n, x.dtype), dense)
 
 
+@pytest.mark.parametrize("band", ((0.0, float("inf")), (-1.0, 1.0), (0.0, 6.0)))
+def test_native_masks_equal_the_pytorch_packing(band: tuple[float, float]) -> None:
+    """The C mask passes pack lo < x < hi (NaN: 0) in tta_core.memory.bits' layout and decode
+    to the same floats as the PyTorch decode (bit * (inside - lo) + lo)."""
+    from tta_core.memory.bits import pack_bits, unpack_bits
+    from tta_core.memory.packed import PackedMask
+
+    lo, hi = band
+    for n in (1, 7, 8, 1001, 4096 + 3):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3
+        x[::7] = float("nan")
+        x[1::11] = lo  # on the edge: outside
+        want = pack_bits((x > lo) & (x < hi))
+        got = native.mask_pack(x, lo, hi)
+        assert torch.equal(got, want), n
+        inside = PackedMask.encode(x, band).inside
+        ref = unpack_bits(want, n).float()
+        if (lo, inside) != (0.0, 1.0):
+            ref = ref * (inside - lo) + lo
+        assert torch.equal(native.mask_unpack(got, n, lo, inside), ref), n
+    assert dispatch.native_masks(torch.float32, torch.device("cpu"))
+    assert not dispatch.native_masks(torch.float16, torch.device("cpu"))
+
+
 def test_native_is_the_default_where_a_compiler_is_and_falls_back_without(tmp_path) -> None:
     """With a C compiler the CPU default is the native path (its library cached under
     TTA_KERNELS_CACHE, keyed by source, flags, compiler and CPU); without one (CC names
@@ -98,12 +122,15 @@ def test_native_is_the_default_where_a_compiler_is_and_falls_back_without(tmp_pa
     code = """
         import warnings, torch, tta_kernels
         from tta_kernels import native, reference
+        from tta_core.memory.packed import PackedMask
         x = torch.randn(5000)
         ref = reference.quantize_pack(x, 4, 64)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             got = [tta_kernels.quantize_pack(x, 4, 64) for _ in range(2)]
+            mask = PackedMask.encode(x, (0.0, float("inf"))).decode()
         assert all(torch.equal(a, b) for g in got for a, b in zip(ref, g))
+        assert torch.equal(mask, (x > 0).float())
         print(tta_kernels.backend(x), len(seen), seen[0].message if seen else "")
     """
     cache = tmp_path / "cache"

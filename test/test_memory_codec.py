@@ -213,9 +213,11 @@ class _PointerKeyCodec(ActivationCodec):
 
 
 def _collisions(net: _TwoBranch, x: torch.Tensor, codec_type: type, ref: dict) -> list[bool]:
-    """Per try: did the two ReLU outputs share an address, and were gradients exact?"""
-    out = []
-    for _ in range(30):
+    """Per try: did the two ReLU outputs share an address, and were gradients exact? Tries
+    until 5 shared an address (the allocator's reuse varies with what else allocates) or
+    400 tries."""
+    out: list[tuple[bool, bool]] = []
+    while len(out) < 400 and sum(same for same, _ in out) < 5:
         net.seen.clear()
         got = _grads(net, x, codec_type(net, CodecPlan.uniform(1.0)))
         exact = all(torch.equal(got[n], ref[n]) for n in ref)
@@ -223,7 +225,12 @@ def _collisions(net: _TwoBranch, x: torch.Tensor, codec_type: type, ref: dict) -
     return out
 
 
-def test_dedup_never_mixes_two_tensors_at_one_address() -> None:
+def test_dedup_never_mixes_two_tensors_at_one_address(monkeypatch) -> None:
+    # the evidence needs the allocator to reuse the first ReLU output's address for the
+    # second; the PyTorch mask packing's temporaries leave that pattern (the native C
+    # packing allocates differently and the reuse may never happen): a dedup test, not a
+    # kernel test
+    monkeypatch.setenv("TTA_KERNELS_CPU", "vectorised")
     torch.manual_seed(0)
     net, x = _TwoBranch(), torch.randn(32, 64)
     net.l2.bias.data += 0.5  # the two masks differ

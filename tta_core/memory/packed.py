@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+from tta_kernels import native, native_masks
 
 from tta_core.memory.bits import pack_bits, packed_size, unpack_bits
 
@@ -49,13 +50,19 @@ class PackedMask:
         """Encode t's band membership (1 bit per element)."""
         lo, hi = band
         flat, perm = memory_order(t)
-        mask = flat > lo if hi == float("inf") else (flat > lo) & (flat < hi)
         inside = lo + 1.0 if hi - lo > 2.0 else (lo + hi) / 2
+        if native_masks(flat.dtype, flat.device):  # one C pass (tta_kernels.native)
+            return cls(native.mask_pack(flat.contiguous(), lo, hi), t.shape, perm, t.dtype,
+                       lo, inside)
+        mask = flat > lo if hi == float("inf") else (flat > lo) & (flat < hi)
         return cls(pack_bits(mask), t.shape, perm, t.dtype, lo, inside)
 
     def decode(self) -> Tensor:
         """The stand-in tensor for the backward."""
         n = self.shape.numel()
+        if native_masks(self.dtype, self.bits.device):
+            return _restore(native.mask_unpack(self.bits, n, self.lo, self.inside),
+                            self.shape, self.perm)
         vals = unpack_bits(self.bits, n).to(self.dtype)
         if (self.lo, self.inside) != (0.0, 1.0):
             vals = vals * (self.inside - self.lo) + self.lo

@@ -12,6 +12,11 @@ measured saved bytes and forward+backward time, one interleaved run, for
               under a memory budget of --budget-frac x dense bytes, BN inputs at 4 bits;
               importance = RMS of each unit's gradient from one dense step; units given
               0 bits are frozen for the step
+  importance_ablation  the budgeted widths from gradient statistics of the previous batch,
+              uniform importance and the inverse ranking: gradient cosine with dense
+
+Importance is gradient statistics (SURGEON Eq. 4), not AdaShadow's backprop-free KL: the
+KL needs source statistics of trained weights, and these models are random.
 
 Bytes include masks and per-group metadata (what the codec holds). As the runtime does,
 freed memory stays in the heap (tta_core.runtime.malloc_tuning; --default-malloc: not), so
@@ -119,7 +124,47 @@ def bench_model(arch: str, px: int, batch: int, repeats: int, frac: float) -> di
         row["fwd_bwd_ms"] = 1e3 * statistics.median(times[name])
         row["time_vs_dense"] = statistics.median(ratios)
         row["time_vs_dense_rounds"] = [round(r, 3) for r in ratios]
-    return {"arch": arch, "input": [batch, 3, px, px], "budgeted": info, "configs": rows}
+    return {"arch": arch, "input": [batch, 3, px, px], "budgeted": info, "configs": rows,
+            "importance_ablation": importance_ablation(model, x, frac)}
+
+
+def _grad_vector(model: nn.Module) -> torch.Tensor:
+    """Every parameter's gradient, zeros where a frozen unit has none."""
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten()
+                      for p in model.parameters()]).double()
+
+
+def importance_ablation(model: nn.Module, x: torch.Tensor, frac: float) -> dict:
+    """Budgeted widths (budget_plan, frac x dense bytes) from three importance sources:
+    gradient statistics (RMS per unit, SURGEON Eq. 4) of the *previous* batch (a second
+    random batch: what a running node has), uniform, and the inverse of the gradient RMS
+    (a wrong ranking); per source: the cosine of the step's gradient (units at 0 bits frozen,
+    their gradient 0) with the dense gradient, the share of units kept, the saved MiB."""
+    units, _ = trainable_units(model)
+    mods = dict(model.named_modules())
+    _set_trainable(model, False)
+    dense = SavedActivationCounter(model)
+    _step(model, x, dense)
+    g_dense = _grad_vector(model)
+    _step(model, torch.randn_like(x), SavedActivationCounter(model))  # the previous batch
+    grad_imp = _importance(model, units)
+    profile = profile_saves(model, x, _entropy)
+    sources = {"gradient": grad_imp, "uniform": dict.fromkeys(units, 1.0),
+               "inverse_gradient": {u: 1.0 / max(v, 1e-30) for u, v in grad_imp.items()}}
+    out = {}
+    for name, imp in sources.items():
+        plan, alloc = budget_plan(profile, imp, frac * dense.result.total, norm_bits=4)
+        _set_trainable(model, False)
+        for u, b in alloc.bits.items():
+            if b == 0:
+                mods[u].requires_grad_(False)
+        _, res = _step(model, x, ActivationCodec(model, plan))
+        g = _grad_vector(model)
+        out[name] = {"grad_cosine": round(float(g @ g_dense / (g.norm() * g_dense.norm())), 4),
+                     "units_kept": round(sum(b > 0 for b in alloc.bits.values()) / len(units), 3),
+                     "saved_mib": round(res.total / MIB, 2)}
+    _set_trainable(model, False)
+    return out
 
 
 def _ms(fn: Callable[[], object], reps: int = 5) -> float:

@@ -194,3 +194,42 @@ def test_perception_node_adapts_with_activation_bits_over_rclpy(ros_context) -> 
         assert node.method.config.activation_bits == 8
     finally:
         rig.close()
+
+
+def test_tent_activation_budget_keeps_saves_in_the_paged_arena() -> None:
+    """activation_budget_mb: the quantized saves live in DAF's paged arena, which never
+    holds more than its budget; a budget under the 8-bit bytes downgrades the least worth
+    per byte (importance = last step's gradient RMS per unit) and the gradient stays close
+    to dense; a budget too small for 2 bits overflows (reported), never crashes."""
+    model, x = MODELS["shipped"]()
+    dense, _ = _step_grads("tent", model, x)
+    _, full = _step_grads("tent", model, x, activation_bits=8)
+    budget_mb = 0.6 * full["saved_bytes"] / 2**20
+    meth = build_method("tent", copy.deepcopy(model), lr=0.0, lr_ref_batch=0, reforward=False,
+                        activation_bits=8, activation_budget_mb=budget_mb)
+    for _ in range(2):
+        meth.optimizer.zero_grad(set_to_none=True)
+        res = meth.forward_and_adapt(x)
+        assert res.stats["arena_bytes"] <= res.stats["arena_budget_bytes"]
+        assert res.stats["within_arena_budget"] and res.stats["arena_overflow_bytes"] == 0
+    assert res.stats["arena_min_bits"] < 8  # something was downgraded
+    imp = meth._codec.importance
+    assert imp and all(v > 0 for v in imp.values())
+    assert set(imp) <= {n for n, m in meth.model.named_modules()
+                        if isinstance(m, nn.BatchNorm2d)}
+    g = torch.cat([p.grad.double().flatten() for p in meth.params])
+    assert _cos(dense, g) >= 0.98
+    tiny = build_method("tent", copy.deepcopy(model), activation_bits=8,
+                        activation_budget_mb=0.01)
+    stats = tiny.step(x).stats
+    assert stats["arena_overflow_bytes"] > 0 and not stats["within_arena_budget"]
+
+
+@pytest.mark.parametrize(("cfg", "match"), (
+    ({"activation_budget_mb": 1.0}, "needs activation_bits"),
+    ({"activation_bits": 4, "activation_budget_mb": -1.0}, "activation_budget_mb must be"),
+))
+def test_activation_budget_is_checked(cfg: dict, match: str) -> None:
+    model, _ = MODELS["shipped"]()
+    with pytest.raises(ValueError, match=match):
+        build_method("tent", model, **cfg)

@@ -93,7 +93,8 @@ def test_batch_mode_stays_available_and_other_methods_refuse_robust() -> None:
 
 def test_batches_served_without_update_still_move_the_statistics() -> None:
     """A deadline no forward can meet: after the first batch every batch is served
-    without plan (a plain forward); robust BN still follows the stream."""
+    without plan (a plain forward); robust BN still follows the stream, except on batches
+    that start late (a backlog), which skip the statistics' update to catch up."""
     model = _model()
     meth = build_method("adashadow", model, deadline_mode="fixed", deadline_ms=1e-3,
                         **CFG)
@@ -105,6 +106,16 @@ def test_batches_served_without_update_still_move_the_statistics() -> None:
         assert not res.adapted and not torch.equal(bn.running_mean, before)
         if i:
             assert res.planning.skipped and not res.importance.any()  # no plan phase
+    # a backlog (the batch starts late): catch up first, the statistics stay
+    meth.set_lateness(5.0)
+    for _ in range(2):
+        before = bn.running_mean.clone()
+        res = meth.step(torch.randn(4, 3, 32, 32, generator=g) * 2 + 1)
+        assert res.planning.skipped and torch.equal(bn.running_mean, before)
+    meth.set_lateness(0.0)  # on time again: they move
+    before = bn.running_mean.clone()
+    meth.step(torch.randn(4, 3, 32, 32, generator=g) * 2 + 1)
+    assert not torch.equal(bn.running_mean, before)
     meth.close()
 
 

@@ -256,6 +256,11 @@ class DeadlineBudget:
         self._late_ms = float(late_ms)
 
     @property
+    def late_ms(self) -> float:
+        """How late the next batch starts (set_lateness; 0: on time)."""
+        return self._late_ms
+
+    @property
     def speed_mps(self) -> float | None:
         """The speed the next "speed" deadline is made from (None: unknown)."""
         return self._speed

@@ -411,3 +411,31 @@ def test_stream_options_put_adashadow_on_the_camera_deadline() -> None:
     assert "deadline_mode" not in stream_options("tent", cfg, (3, 32, 32), 25.0)
     cfg.method_options = {"adashadow": {"deadline_mode": "sigma"}}
     assert stream_options("adashadow", cfg, (3, 32, 32), 25.0)["deadline_mode"] == "sigma"
+
+
+def test_warm_up_learns_fixed_costs_and_leaves_the_state_as_it_was() -> None:
+    """AdaShadow.warm_up: planned updates at sigma 1 on a sample batch teach the planning
+    its fixed costs (the first deadline batch then plans with them), while weights, BN
+    statistics, optimizer, deadline settings and lateness come back unchanged."""
+    import copy
+
+    from tta_core.api import WarmsUp
+    from tta_core.methods import build_method
+    from tta_core.model.zoo import build_model
+
+    torch.manual_seed(0)
+    meth = build_method("adashadow", build_model("small_resnet", 10), input_shape=(3, 32, 32),
+                        deadline_mode="camera", camera_hz=500.0)
+    assert isinstance(meth, WarmsUp)
+    meth.set_lateness(1.5)
+    before = copy.deepcopy(meth.model.state_dict())
+    fixed = meth.engine.planning.fixed
+    assert fixed.adapt_updates == 0 and fixed.overhead_ms == 0.0
+    meth.warm_up(torch.randn(4, 3, 32, 32))
+    after = meth.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert fixed.adapt_updates >= 2 and fixed.total_updates >= 2 and fixed.plan_phase_ms > 0
+    assert meth.config.deadline_mode == "camera" and meth.config.sigma == 0.33
+    assert meth.engine.planning.late_ms == 1.5
+    assert not meth.engine.optimizer.state  # momentum forgotten
+    meth.close()

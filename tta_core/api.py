@@ -180,3 +180,12 @@ class ReportsDomain(Protocol):
     """Recognises the ongoing domain (StepResult.domain is filled)."""
 
     def current_domain(self) -> str: ...
+
+
+@runtime_checkable
+class WarmsUp(Protocol):
+    """Learns its run-time costs on a sample batch before the first real one (a camera
+    node at start, a benchmark before its stream), leaving its weights and state as they
+    were: `warm_up(x)`."""
+
+    def warm_up(self, x: Tensor) -> None: ...

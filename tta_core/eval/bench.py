@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from tta_core.adashadow.memory_budget import check_budget_mib
-from tta_core.api import DeadlineTunable
+from tta_core.api import DeadlineTunable, WarmsUp
 from tta_core.data.preprocess import images_to_tensor
 from tta_core.errors import InputError
 from tta_core.eval.live_telemetry import LiveExpansion
@@ -570,6 +570,8 @@ def stream_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: Ben
     warm_up(model, x[:cfg.batch_size])
     meth = build_method(method_base(name), model,
                         **stream_options(name, cfg, tuple(x.shape[1:]), hz))
+    if isinstance(meth, WarmsUp):  # its fixed costs learnt (on noise), as a node at start
+        meth.warm_up(torch.randn_like(x[:cfg.batch_size]))
     cuda = x.device.type == "cuda"
     late_aware = isinstance(meth, DeadlineTunable)
 

@@ -1,0 +1,1 @@
+"""ElasticDNN (issue #22): gated master, surrogates, filter-grained updates, fleet planning."""

@@ -157,3 +157,11 @@ def test_size_proxy_interpolates_unseen_sizes() -> None:
     proxy.observe(0.3, 0.5)
     proxy.observe(0.3, 0.7)  # EMA: 0.6
     assert proxy.accuracy() == pytest.approx({1.0: 0.9, 0.5: 0.6 + 0.3 * 0.2 / 0.7, 0.3: 0.6})
+
+
+def test_size_proxy_shifts_unseen_sizes_by_the_source_gap() -> None:
+    proxy = SizeProxy((1.0, 0.5, 0.3), prior={1.0: 0.95, 0.5: 0.9, 0.3: 0.8})
+    proxy.observe(1.0, 0.7)
+    assert proxy.accuracy() == pytest.approx({1.0: 0.7, 0.5: 0.65, 0.3: 0.55})
+    proxy.observe(0.3, 0.6)  # observed sizes keep their own estimate; 0.5: nearest is 0.3
+    assert proxy.accuracy() == pytest.approx({1.0: 0.7, 0.5: 0.7, 0.3: 0.6})

@@ -26,7 +26,9 @@ as the mean max-softmax confidence of recent frames at that size, mapped to accu
 monotone `ConfidenceCalibration` fitted offline on labelled source data (clean and
 corrupted batches: (mean confidence, accuracy) pairs, isotonic regression). `SizeProxy`
 keeps the per-size estimate online (EMA of batch confidences per size); a size not seen
-yet takes the estimate of the observed sizes interpolated over `keep`.
+yet takes the nearest observed size's estimate shifted by the source accuracy gap between
+the two sizes (a prior measured offline), or, without a prior, the observed estimates
+interpolated over `keep`.
 """
 
 from __future__ import annotations
@@ -292,16 +294,20 @@ class ConfidenceCalibration:
 class SizeProxy:
     """Per-size accuracy estimate of one pipeline from the confidences of its batches:
     EMA (weight `alpha`) of the mean confidence per size, mapped by the calibration.
-    Sizes not observed yet: interpolated over keep between observed ones (constant
-    beyond); nothing observed yet: NaN."""
+
+    A size not observed yet: with a `prior` (source accuracy per size, measured offline),
+    the estimate of the nearest observed size shifted by the prior's gap between the two
+    sizes (the domain moves every size alike); without one, the observed estimates
+    interpolated over keep (constant beyond). Nothing observed yet: NaN."""
 
     def __init__(self, sizes: Sequence[float], calibration: ConfidenceCalibration | None = None,
-                 alpha: float = 0.2) -> None:
+                 alpha: float = 0.2, prior: Mapping[float, float] | None = None) -> None:
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
         self.sizes = tuple(sorted(float(s) for s in sizes))
         self.calibration = calibration or ConfidenceCalibration.identity()
         self.alpha = float(alpha)
+        self.prior = {float(k): float(v) for k, v in (prior or {}).items()}
         self.confidence: dict[float, float] = {}
 
     def observe(self, keep: float, confidence: float) -> None:
@@ -313,10 +319,17 @@ class SizeProxy:
         self.confidence[k] = confidence if old is None else \
             (1 - self.alpha) * old + self.alpha * confidence
 
+    def _unseen(self, size: float, est: Mapping[float, float]) -> float:
+        with_prior = [k for k in est if k in self.prior]
+        if size in self.prior and with_prior:
+            k = min(with_prior, key=lambda k: (abs(k - size), -k))
+            return float(np.clip(est[k] + self.prior[size] - self.prior[k], 0.0, 1.0))
+        seen = sorted(est)
+        return float(np.interp(size, seen, [est[k] for k in seen]))
+
     def accuracy(self) -> dict[float, float]:
         """keep -> estimated accuracy, for every size."""
-        seen = sorted(self.confidence)
-        if not seen:
+        est = {k: self.calibration(c) for k, c in self.confidence.items()}
+        if not est:
             return {s: math.nan for s in self.sizes}
-        est = [self.calibration(self.confidence[k]) for k in seen]
-        return {s: float(np.interp(s, seen, est)) for s in self.sizes}
+        return {s: est[s] if s in est else self._unseen(s, est) for s in self.sizes}

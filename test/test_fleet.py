@@ -25,10 +25,12 @@ from tta_core.elastic.fleet import (
 
 def brute_force(apps: list[App], capacity: float) -> tuple[float, list[tuple[AppOption, ...]]]:
     """Best objective and every feasible combination, by plain enumeration."""
-    feasible = [combo for combo in itertools.product(*(a.options for a in apps))
-                if all(o.forward_ms <= a.deadline_ms for a, o in zip(apps, combo))
-                and sum(a.hz / a.batch_size * o.forward_ms / 1000 for a, o in zip(apps, combo))
-                <= capacity]
+    feasible = []
+    for combo in itertools.product(*(a.options for a in apps)):
+        pairs = list(zip(apps, combo, strict=True))
+        if all(o.forward_ms <= a.deadline_ms for a, o in pairs) and \
+                sum(a.hz / a.batch_size * o.forward_ms / 1000 for a, o in pairs) <= capacity:
+            feasible.append(combo)
     best = max((sum(o.accuracy for o in c) for c in feasible), default=-math.inf)
     return best, feasible
 
@@ -75,7 +77,7 @@ def test_plan_equals_brute_force_and_respects_every_limit(inst) -> None:
         opt = next(o for o in a.options if o.keep == plan[a.name])
         assert opt.forward_ms <= a.deadline_ms
     # among the best, the least loaded
-    least = min(sum(a.load(o) for a, o in zip(apps, c)) for c in feasible
+    least = min(sum(a.load(o) for a, o in zip(apps, c, strict=True)) for c in feasible
                 if sum(o.accuracy for o in c) >= best - 1e-9)
     assert plan.load == pytest.approx(least, abs=1e-9)
 

@@ -76,6 +76,7 @@ from tta_ros.nodes.deadline_wiring import (
     resolve_topic,
 )
 from tta_ros.nodes.domain_wiring import DOMAIN_PARAMS, DomainWiring, bank_option
+from tta_ros.nodes.fleet_wiring import PERCEPTION_FLEET_PARAMS, PerceptionFleet
 from tta_ros.nodes.intake import FrameIntake
 from tta_ros.nodes.perception_support import (
     DivergenceGuard,
@@ -87,7 +88,7 @@ from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, 
 
 RUNTIME = ("method", "mode", "sigma", "lr", "batch_size", "queue_size", "plan_source",
            "plan_timeout_s", "publish_scores", "batch_timeout_s", "reset_entropy_ratio",
-           "reset_patience", "memory_budget_mb", *DEADLINE_KEYS, *SPEED_KEYS)
+           "reset_patience", "memory_budget_mb", "elastic_keep", *DEADLINE_KEYS, *SPEED_KEYS)
 REBUILD = ("method", "mode", "memory_budget_mb")
 
 
@@ -141,7 +142,7 @@ def param_specs() -> tuple[ParamSpec, ...]:
                   choices=tuple(FRAME_INPUTS), read_only=True),
         ParamSpec("max_aspect", 20.0, "frames whose long side exceeds this times the short "
                   "side are rejected (before decoding)", 1.0, 1e6, read_only=True),
-        *DEADLINE_PARAMS, *DOMAIN_PARAMS,
+        *DEADLINE_PARAMS, *DOMAIN_PARAMS, *PERCEPTION_FLEET_PARAMS,
         HARDWARE_ID,
     )
 
@@ -234,7 +235,7 @@ def perception_statuses(node: PerceptionNode) -> list[DiagnosticStatus]:
                 "step_errors": c.step_errors, "last_error": c.last_error,
                 "saved_activation_mib": f"{c.saved_mib:.4g}",
                 "memory_budget_mb": f"{p['memory_budget_mb']:g}"}),
-        *node.domain.statuses()]
+        *node.domain.statuses(), *node.fleet.statuses()]
 
 
 def publish_batch(node: PerceptionNode, frames: list[Any], logits: torch.Tensor,
@@ -246,6 +247,7 @@ def publish_batch(node: PerceptionNode, frames: list[Any], logits: torch.Tensor,
                                 list(node.card.class_names), node.p["publish_scores"]):
         node.pub_pred.publish(pred)
     node.method.finish()  # parallel mode: the status carries this update's backward
+    node.fleet.on_batch(res.stats, logits)  # the size's confidence (fleet accuracy proxy)
     node.counters.saved_mib = float(res.stats.get("saved_mib", math.nan))
     header = frames[-1].header
     node.pub_status.publish(status_msg(
@@ -310,6 +312,7 @@ class PerceptionNode(Node):
         self._pending_lock = threading.Lock()
         self.domain = DomainWiring(self, self.p)  # domain reports, bank saves (issue #21)
         self._build_method()
+        self.fleet = PerceptionFleet(self, self.p)  # elastic_keep, fleet report (#22)
         self.queue = FrameQueue(self.p["queue_size"])
         self.gate = PlanGate(self.p["plan_timeout_s"])
         self.guard = DivergenceGuard(self.card.num_classes, self.p["reset_entropy_ratio"],
@@ -382,6 +385,7 @@ class PerceptionNode(Node):
             self.get_logger().info(f"method rebuilt: {self.p['method']} ({self.p['mode']})")
         if "sigma" in changes and isinstance(self.method, RuntimeTunable):
             self.method.set_sigma(float(self.p["sigma"]))
+        self.fleet.apply(changes, self.method)  # elastic_keep; a rebuilt method gets it too
         if "lr" in changes:
             self.method.set_lr(float(self.p["lr"]))
         if "queue_size" in changes:

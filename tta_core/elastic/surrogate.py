@@ -99,10 +99,11 @@ def _slice(model: nn.Module, site: GateSite, idx: Tensor, scale: Tensor) -> None
 
 
 def _origin(model: nn.Module, sites: tuple[GateSite, ...]) -> dict[str, Tensor]:
-    """Copies of the sliced tensors (conv/next-conv weights and biases, BN params and
-    running statistics), by their names in `model`."""
-    names = {f"{m}.{t}" for s in sites for m in (s.conv, s.bn, s.next_conv)
+    """Copies of the sliced tensors (gated conv weight and bias, BN params and running
+    statistics, next conv weight), by their names in `model`."""
+    names = {f"{m}.{t}" for s in sites for m in (s.conv, s.bn)
              for t in ("weight", "bias", "running_mean", "running_var")}
+    names |= {f"{s.next_conv}.weight" for s in sites}
     tensors = dict(model.named_parameters()) | dict(model.named_buffers())
     return {n: tensors[n].detach().clone() for n in sorted(names) if n in tensors}
 

@@ -13,7 +13,7 @@ the whole processor) and an accuracy estimate. A plan picks one size per app so 
 its version (Eq. 8-11) by evolutionary search; the space is tiny (8 sizes ^ 4 apps = 4,096)
 so `plan_fleet` enumerates every combination (C^N <= MAX_COMBINATIONS, vectorised) and is
 exact. Ties: the larger accuracy, then the smaller load, then the first in product order.
-When nothing fits, every app gets its smallest size (the least load) and the plan says
+When nothing fits, every app gets its smallest size (least keep) and the plan says
 why (`feasible` False, `reason`), instead of raising.
 
 `equal_split` is the baseline (the paper's "Uniform"): each app owns capacity / N and takes
@@ -136,8 +136,8 @@ def check_fleet(apps: Sequence[App], capacity: float) -> int:
 
 
 def _smallest(app: App) -> AppOption:
-    """The option with the least forward time (the smallest size; ties: smaller keep)."""
-    return min(app.options, key=lambda o: (o.forward_ms, o.keep))
+    """The smallest size (least keep; ties: the shorter forward)."""
+    return min(app.options, key=lambda o: (o.keep, o.forward_ms))
 
 
 def _plan(apps: Sequence[App], chosen: Sequence[AppOption], capacity: float, feasible: bool,

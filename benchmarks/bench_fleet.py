@@ -123,17 +123,21 @@ def forward_times(models: dict[tuple[str, float], nn.Module], x: torch.Tensor,
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def calibrate(master: GatedModel, card, sizes, batch: int, n: int) -> ConfidenceCalibration:
-    """Fit the confidence -> accuracy map on labelled calibration domains (pooled sizes)."""
-    conf, acc = [], []
+def calibrate(master: GatedModel, card, sizes, batch: int, n: int
+              ) -> tuple[ConfidenceCalibration, dict[float, float]]:
+    """Fit the confidence -> accuracy map on labelled calibration domains (pooled sizes),
+    and the prior: each size's accuracy on the mildest one (the first)."""
+    conf, acc, prior = [], [], {}
     for j, (c, s) in enumerate(CALIBRATION):
         x, y = frames(card, c, s, n, 1, seed=1000 + j)
-        for model in surrogates(master, x[:batch * 4], sizes).values():
+        for k, model in surrogates(master, x[:batch * 4], sizes).items():
             preds, cs = predict(model, x, batch)
             conf += cs
             acc += [float((preds[i:i + batch] == y[i:i + batch]).mean())
                     for i in range(0, len(x), batch)]
-    return ConfidenceCalibration.fit(conf, acc)
+            if j == 0:
+                prior[k] = float((preds == y).mean())
+    return ConfidenceCalibration.fit(conf, acc), prior
 
 
 @dataclass
@@ -247,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="")
+    ap.add_argument("--calibration-out", default="", help="write the calibration (and the "
+                    "prior) as a fleet_calibration file for the perception node")
     args = ap.parse_args(argv)
     args.sizes = tuple(sorted((float(s) for s in args.sizes.split(",")), reverse=True))
     torch.set_num_threads(args.threads)
@@ -257,10 +263,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         source, card = load_source(args.model_card)
         master, gates = make_gated(source).eval(), "untrained (make_gated on the source)"
-    cal = calibrate(master, card, args.sizes, args.batch, args.calibration_frames)
+    cal, prior = calibrate(master, card, args.sizes, args.batch, args.calibration_frames)
+    if args.calibration_out:  # the perception node's fleet_calibration file
+        Path(args.calibration_out).write_text(json.dumps(
+            {**cal.to_dict(), "prior": {str(k): v for k, v in prior.items()}}, indent=1))
     out = {"gates": gates, "model": card.name or card.arch, "threads": args.threads,
            "args": {k: v for k, v in vars(args).items() if k != "out"},
-           "calibration": cal.to_dict(),
+           "calibration": {**cal.to_dict(), "prior": prior},
            "scenarios": {n: scenario(master, card, int(n), cal, args)
                          for n in args.cameras.split(",")}}
     text = json.dumps(out, indent=1, default=float)

@@ -64,7 +64,7 @@ class SizedSource(Source):
         res = super().forward_and_adapt(x)
         served = self.keep or 1.0
         res.logits = res.logits * served
-        res.stats["keep"] = served
+        res.stats["size"] = served
         return res
 
 

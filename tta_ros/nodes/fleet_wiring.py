@@ -2,10 +2,12 @@
 
 Perception side (`PerceptionFleet`): parameter `elastic_keep` (0: the method's own choice)
 pins the served size through tta_core.api.Resizable.set_size, also after a method rebuild; a
-method that is not Resizable ignores it (one WARN log line). Every batch's mean max-softmax
-confidence is recorded for the size it was served at (`SizeProxy`, the label-free accuracy
-proxy; `fleet_calibration`: a JSON file with the confidence -> accuracy knots and, optional,
-the source accuracy per size, `prior`). Once per second /diagnostics carries the status
+method that is not Resizable ignores it (one WARN log line). The label-free accuracy proxy
+(`SizeProxy`): every batch's mean max-softmax confidence, recorded for the size it was
+served at (StepResult.stats['size']; a method that probes other sizes on the batch may add
+stats['confidence@<keep>']), mapped to accuracy by `fleet_calibration` (a JSON file with
+the confidence -> accuracy knots and, optional, the source accuracy per size, `prior`, which
+moves the estimate to sizes not seen yet). Once per second /diagnostics carries the status
 `<ns>/perception: fleet` with what a fleet scheduler needs, as key/values: `sizes`,
 `forward_ms` (Resizable.size_forward_ms, per batch), `accuracy` (the proxy per size),
 comma-separated in the same order, and `hz` (camera_hz), `deadline_ms` (of one batch),
@@ -49,6 +51,7 @@ from tta_ros.diagnostics import OK, WARN, status
 from tta_ros.ros_params import ParamSpec
 
 FLEET_STATUS = "fleet"
+PROBE_PREFIX = "confidence@"  # StepResult.stats key of a probed size's mean confidence
 PERCEPTION_FLEET_PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("elastic_keep", 0.0, "serve this size (share of filters kept) with a Resizable "
               "method (elastic); 0: the method's own choice. Set by a fleet scheduler",
@@ -137,11 +140,15 @@ class PerceptionFleet:
 
     def on_batch(self, stats: Mapping[str, Any], logits: Any) -> None:
         """Record the batch's mean confidence for the size it was served at (the method's
-        stats['keep'] when it reports one, else the pinned size, else the full model)."""
+        stats['size'] when it reports one, else the pinned size, else the full model),
+        and any per-size confidences the method probed (stats['confidence@<keep>'])."""
         if self.proxy is None:
             return
-        keep = float(stats.get("keep", self.keep or max(self.proxy.sizes)))
-        self.proxy.observe(keep, mean_confidence(logits))
+        served = stats.get("size", stats.get("keep", self.keep or max(self.proxy.sizes)))
+        self.proxy.observe(float(served), mean_confidence(logits))
+        for key, value in stats.items():
+            if key.startswith(PROBE_PREFIX):
+                self.proxy.observe(float(key[len(PROBE_PREFIX):]), float(value))
 
     def statuses(self) -> list[DiagnosticStatus]:
         """The fleet status ([] when the method is not Resizable)."""

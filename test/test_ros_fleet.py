@@ -189,3 +189,30 @@ def test_app_from_status_refuses_incomplete_reports() -> None:
         app_from_status("/x", status("fleet", 0, "", {**full, "accuracy": "nan,nan"}))
     with pytest.raises(ValueError, match="unreadable"):
         app_from_status("/x", status("fleet", 0, "", {"sizes": "1"}))
+
+
+def test_perception_fleet_records_served_and_probed_sizes(sized_method) -> None:
+    import logging
+    from types import SimpleNamespace
+
+    import torch
+
+    from tta_core.methods import build_method
+    from tta_core.model.source import load_source
+    from tta_ros.nodes.fleet_wiring import PerceptionFleet
+
+    method = build_method(sized_method, load_source(CARD)[0])
+    node = SimpleNamespace(method=method, get_logger=lambda: logging.getLogger("t"))
+    p = {"elastic_keep": 0.5, "fleet_calibration": "", "camera_hz": 20.0, "batch_size": 4}
+    fleet = PerceptionFleet(node, p)
+    assert method.keep == 0.5  # pinned at start
+    logits = torch.log(torch.tensor([[0.8, 0.2], [0.6, 0.4]]))  # mean confidence 0.7
+    fleet.on_batch({"size": 0.5, "confidence@0.25": 0.4}, logits)
+    assert fleet.proxy.accuracy() == pytest.approx({0.25: 0.4, 0.5: 0.7, 1.0: 0.7})
+    st = fleet.statuses()[0]
+    kv = {k.key: k.value for k in st.values}
+    assert kv["sizes"] == "1,0.5,0.25" and kv["accuracy"] == "0.7,0.7,0.4"
+    assert kv["forward_ms"] == "20,9,4" and kv["deadline_ms"] == "200"
+    p["elastic_keep"] = 0.0
+    fleet.apply({"elastic_keep": 0.0}, method)
+    assert method.keep is None  # back to the method's own choice

@@ -92,9 +92,12 @@ def frames(card, corruption: str, severity: int, n: int, track: int, seed: int):
 
 
 def surrogates(master: GatedModel, x: torch.Tensor, sizes) -> dict[float, nn.Module]:
-    """The surrogate per size for the domain of x (cut from x's highest-entropy frame)."""
+    """The surrogate per size for the domain of x (cut from x's highest-entropy frame);
+    size 1.0 is the master itself (its gates computed per frame), as the elastic method
+    serves it."""
     sample = highest_entropy_sample(master, x)
-    return {k: extract_surrogate(master, sample, k).model.eval() for k in sizes}
+    return {k: master.eval() if k >= 1.0 else extract_surrogate(master, sample, k).model.eval()
+            for k in sizes}
 
 
 @torch.no_grad()

@@ -3,7 +3,7 @@
 N camera pipelines share one processor. Each serves a surrogate of the gated master
 (tta_core.elastic.surrogate, cut for its domain from the highest-entropy frame of its first
 `--prefix` frames) at one of `--sizes`. Per pipeline and size the script measures the batch
-forward time (interleaved over all pipelines and sizes, median) and the label-free accuracy
+forward time (interleaved over all pipelines and sizes, the fastest of `--reps`) and the label-free accuracy
 proxy (mean max-softmax confidence of the prefix frames at that size, mapped to accuracy by
 a ConfidenceCalibration fitted on a separate labelled calibration stream: the "source data"
 calibration; tta_core.elastic.fleet). From those, `plan_fleet` and `equal_split` choose the
@@ -30,6 +30,7 @@ says so.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import statistics
@@ -91,13 +92,25 @@ def frames(card, corruption: str, severity: int, n: int, track: int, seed: int):
     return images_to_input(s.images, card), s.labels
 
 
-def surrogates(master: GatedModel, x: torch.Tensor, sizes) -> dict[float, nn.Module]:
+def batch_norm_stats(model: nn.Module) -> nn.Module:
+    """`model` in eval mode, its BatchNorms normalising with each batch's statistics
+    (momentum 0: the running statistics stay as they are)."""
+    model.eval()
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.train()
+            m.momentum = 0.0
+    return model
+
+
+def surrogates(master: GatedModel, x: torch.Tensor, sizes, bn: str) -> dict[float, nn.Module]:
     """The surrogate per size for the domain of x (cut from x's highest-entropy frame);
-    size 1.0 is the master itself (its gates computed per frame), as the elastic method
-    serves it."""
-    sample = highest_entropy_sample(master, x)
-    return {k: master.eval() if k >= 1.0 else extract_surrogate(master, sample, k).model.eval()
-            for k in sizes}
+    size 1.0 is (a copy of) the master itself, its gates computed per frame, as the elastic
+    method serves it. bn "batch": BatchNorms use the batch's statistics."""
+    sample = highest_entropy_sample(master.eval(), x)
+    out = {k: copy.deepcopy(master) if k >= 1.0 else extract_surrogate(master, sample, k).model
+           for k in sizes}
+    return {k: batch_norm_stats(m) if bn == "batch" else m.eval() for k, m in out.items()}
 
 
 @torch.no_grad()
@@ -114,7 +127,9 @@ def predict(model: nn.Module, x: torch.Tensor, batch: int) -> tuple[np.ndarray, 
 @torch.no_grad()
 def forward_times(models: dict[tuple[str, float], nn.Module], x: torch.Tensor,
                   reps: int) -> dict[tuple[str, float], float]:
-    """Median batch forward (ms) of every model, interleaved over `reps` rounds."""
+    """Fastest batch forward (ms) of every model over `reps` interleaved rounds (the
+    fastest, as the elastic method's warm-up times sizes: on a shared machine the median
+    carries other processes' preemptions, which made a smaller size look slower)."""
     times: dict[tuple[str, float], list[float]] = {k: [] for k in models}
     for m in models.values():
         m(x)  # warm-up
@@ -123,17 +138,17 @@ def forward_times(models: dict[tuple[str, float], nn.Module], x: torch.Tensor,
             t0 = time.perf_counter()
             m(x)
             times[k].append((time.perf_counter() - t0) * 1e3)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return {k: min(v) for k, v in times.items()}
 
 
-def calibrate(master: GatedModel, card, sizes, batch: int, n: int
+def calibrate(master: GatedModel, card, sizes, batch: int, n: int, bn: str
               ) -> tuple[ConfidenceCalibration, dict[float, float]]:
     """Fit the confidence -> accuracy map on labelled calibration domains (pooled sizes),
     and the prior: each size's accuracy on the mildest one (the first)."""
     conf, acc, prior = [], [], {}
     for j, (c, s) in enumerate(CALIBRATION):
         x, y = frames(card, c, s, n, 1, seed=1000 + j)
-        for k, model in surrogates(master, x[:batch * 4], sizes).items():
+        for k, model in surrogates(master, x[:batch * 4], sizes, bn).items():
             preds, cs = predict(model, x, batch)
             conf += cs
             acc += [float((preds[i:i + batch] == y[i:i + batch]).mean())
@@ -165,7 +180,7 @@ def measure(master: GatedModel, card, cams, sizes, cal: ConfidenceCalibration,
                       args.track, seed=args.seed + i)
         head, tail = x[:args.prefix], x[args.prefix:]
         labels[cam.name] = y[args.prefix:]
-        for k, model in surrogates(master, head, sizes).items():
+        for k, model in surrogates(master, head, sizes, args.bn).items():
             models[cam.name, k] = model
             proxy[cam.name, k] = cal(float(np.mean(predict(model, head, args.batch)[1])))
             preds[cam.name, k] = predict(model, tail, args.batch)[0]
@@ -252,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calibration-frames", type=int, default=128)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--bn", choices=("batch", "running"), default="batch",
+                    help="BatchNorm statistics the served models use (batch: the batch's own, "
+                    "as the elastic method serves surrogates; the sandwich-trained master's "
+                    "running statistics do not fit its sparse sub-networks)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="")
     ap.add_argument("--calibration-out", default="", help="write the calibration (and the "
@@ -266,11 +285,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         source, card = load_source(args.model_card)
         master, gates = make_gated(source).eval(), "untrained (make_gated on the source)"
-    cal, prior = calibrate(master, card, args.sizes, args.batch, args.calibration_frames)
+    cal, prior = calibrate(master, card, args.sizes, args.batch, args.calibration_frames,
+                           args.bn)
     if args.calibration_out:  # the perception node's fleet_calibration file
         Path(args.calibration_out).write_text(json.dumps(
             {**cal.to_dict(), "prior": {str(k): v for k, v in prior.items()}}, indent=1))
     out = {"gates": gates, "model": card.name or card.arch, "threads": args.threads,
+           "bn": args.bn,
            "args": {k: v for k, v in vars(args).items() if k != "out"},
            "calibration": {**cal.to_dict(), "prior": prior},
            "scenarios": {n: scenario(master, card, int(n), cal, args)

@@ -144,8 +144,10 @@ def test_mean_confidence_and_calibration() -> None:
     logits = np.log(np.array([[0.7, 0.2, 0.1], [0.25, 0.25, 0.5]]))
     assert mean_confidence(logits) == pytest.approx(0.6)
     cal = ConfidenceCalibration.fit([0.9, 0.5, 0.7, 0.95], [0.8, 0.3, 0.6, 0.7])
-    assert cal.accuracy == pytest.approx((0.3, 0.6, 0.75, 0.75))  # pooled 0.8/0.7
+    assert cal.accuracy == pytest.approx((0.3, 0.6, 0.75))  # 0.8 / 0.7 pooled
+    assert cal.confidence == pytest.approx((0.5, 0.7, 0.925))  # at the block's mean
     assert cal(0.6) == pytest.approx(0.45) and cal(0.1) == 0.3 and cal(1.0) == 0.75
+    assert cal(0.8) == pytest.approx(0.6 + 0.15 * 0.1 / 0.225)  # rises between blocks
     assert ConfidenceCalibration.from_dict(cal.to_dict()) == cal
     with pytest.raises(ValueError, match="non-decreasing"):
         ConfidenceCalibration((0.0, 1.0), (1.0, 0.0))
@@ -167,3 +169,18 @@ def test_size_proxy_shifts_unseen_sizes_by_the_source_gap() -> None:
     assert proxy.accuracy() == pytest.approx({1.0: 0.7, 0.5: 0.65, 0.3: 0.55})
     proxy.observe(0.3, 0.6)  # observed sizes keep their own estimate; 0.5: nearest is 0.3
     assert proxy.accuracy() == pytest.approx({1.0: 0.7, 0.5: 0.7, 0.3: 0.6})
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 1), st.floats(0, 1)), min_size=1, max_size=30))
+def test_calibration_fit_equals_scipy_isotonic_regression(pairs) -> None:
+    from scipy.optimize import isotonic_regression
+
+    pairs = sorted(pairs, key=lambda p: p[0])
+    c, a = (np.array(v) for v in zip(*pairs, strict=True))
+    cal = ConfidenceCalibration.fit(c, a)
+    assert all(np.diff(cal.accuracy) >= 0) and all(np.diff(cal.confidence) >= 0)
+    ref = isotonic_regression(a).x  # least squares, non-decreasing, in confidence order
+    # each pooled block's value at its knot; the points of a block share its value
+    assert sorted(set(np.round(ref, 9))) == sorted(set(np.round(cal.accuracy, 9)))
+    assert np.mean(a) == pytest.approx(np.mean(ref))

@@ -225,18 +225,17 @@ def mean_confidence(logits: Any) -> float:
     return float((p.max(axis=1) / p.sum(axis=1)).mean())
 
 
-def _isotonic(y: np.ndarray, w: np.ndarray) -> np.ndarray:
-    """Weighted least-squares non-decreasing fit of y (pool adjacent violators)."""
-    vals, wts, counts = [], [], []
-    for yi, wi in zip(y, w, strict=True):
-        vals.append(float(yi))
-        wts.append(float(wi))
-        counts.append(1)
-        while len(vals) > 1 and vals[-2] > vals[-1]:
-            wsum = wts[-2] + wts[-1]
-            merged = (vals[-2] * wts[-2] + vals[-1] * wts[-1]) / wsum
-            vals[-2:], wts[-2:], counts[-2:] = [merged], [wsum], [counts[-2] + counts[-1]]
-    return np.repeat(vals, counts)
+def _isotonic(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Weighted least-squares non-decreasing fit of y over sorted x (pool adjacent
+    violators), as one knot per pooled block: (weighted mean x, fitted y)."""
+    blocks: list[list[float]] = []  # [sum w*x, sum w*y, sum w]
+    for xi, yi, wi in zip(x, y, w, strict=True):
+        blocks.append([float(wi * xi), float(wi * yi), float(wi)])
+        while len(blocks) > 1 and blocks[-2][1] / blocks[-2][2] > blocks[-1][1] / blocks[-1][2]:
+            last = blocks.pop()
+            blocks[-1] = [a + b for a, b in zip(blocks[-1], last, strict=True)]
+    b = np.array(blocks)
+    return b[:, 0] / b[:, 2], b[:, 1] / b[:, 2]
 
 
 @dataclass(frozen=True)
@@ -268,16 +267,20 @@ class ConfidenceCalibration:
     def fit(cls, confidences: Sequence[float], accuracies: Sequence[float],
             weights: Sequence[float] | None = None) -> ConfidenceCalibration:
         """Isotonic regression of accuracy on confidence over labelled batches (one pair
-        per batch, e.g. the source set clean and corrupted)."""
+        per batch, e.g. the source set clean and corrupted); one knot per pooled block at
+        its mean confidence, so the map rises between blocks instead of in steps (fewer
+        artificial ties between sizes)."""
         c = np.asarray(confidences, float)
         a = np.asarray(accuracies, float)
         w = np.ones_like(c) if weights is None else np.asarray(weights, float)
         if c.size == 0 or c.shape != a.shape or c.shape != w.shape:
             raise ValueError(f"fit needs equally many confidences ({c.size}), accuracies "
                              f"({a.size}) and weights ({w.size}), at least one")
+        if np.any(w <= 0) or not (np.isfinite(c).all() and np.isfinite(a).all()):
+            raise ValueError("fit needs finite confidences and accuracies, weights > 0")
         order = np.argsort(c, kind="stable")
-        fitted = _isotonic(a[order], w[order])
-        return cls(tuple(float(v) for v in c[order]), tuple(float(v) for v in fitted))
+        knots, fitted = _isotonic(c[order], a[order], w[order])
+        return cls(tuple(float(v) for v in knots), tuple(float(v) for v in fitted))
 
     def to_dict(self) -> dict[str, list[float]]:
         return {"confidence": list(self.confidence), "accuracy": list(self.accuracy)}

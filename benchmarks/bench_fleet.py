@@ -3,10 +3,10 @@
 N camera pipelines share one processor. Each serves a surrogate of the gated master
 (tta_core.elastic.surrogate, cut for its domain from the highest-entropy frame of its first
 `--prefix` frames) at one of `--sizes`. Per pipeline and size the script measures the batch
-forward time (interleaved over all pipelines and sizes, the fastest of `--reps`) and the label-free accuracy
-proxy (mean max-softmax confidence of the prefix frames at that size, mapped to accuracy by
-a ConfidenceCalibration fitted on a separate labelled calibration stream: the "source data"
-calibration; tta_core.elastic.fleet). From those, `plan_fleet` and `equal_split` choose the
+forward time (interleaved over all pipelines and sizes, the fastest of `--reps`) and the
+label-free accuracy proxy (mean max-softmax confidence of the prefix frames at that size,
+mapped to accuracy by a ConfidenceCalibration fitted on a separate labelled calibration
+stream: the "source data" calibration; tta_core.elastic.fleet). From those, `plan_fleet` and `equal_split` choose the
 sizes within `capacity` = `--capacity` x the least capacity at which the equal split is
 feasible (N x the largest load of one pipeline at its smallest size): the baseline keeps up.
 
@@ -20,7 +20,9 @@ simulated (the DDS part, sizes reaching namespaced perception nodes, is
 test/test_ros_fleet.py). Also printed: the oracle allocation (plan_fleet on the measured
 accuracies, which need labels) and each size's proxy vs measured accuracy.
 
-    nice -n 19 python benchmarks/bench_fleet.py [--gated-card CARD] [--cameras 2,4]
+    nice -n 19 python benchmarks/bench_fleet.py --gated-card CARD [--seed 0] [--capacity 1.1]
+
+(README "Several cameras on one computer": CARD from `tta train-elastic` with its defaults.)
 
 Without --gated-card the master is `make_gated` on the source model with untrained gates
 (identity at sparsity 0; filters ranked by the untrained gates' saliency), and the JSON
@@ -257,15 +259,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gated-card", default="", help="gated master (tta train-elastic)")
     ap.add_argument("--cameras", default="2,4")
     ap.add_argument("--sizes", default="1,0.7,0.5,0.3")
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--prefix", type=int, default=64, help="frames the proxy sees")
     ap.add_argument("--frames", type=int, default=512, help="scored frames per camera")
-    ap.add_argument("--track", type=int, default=8, help="frames per object")
+    ap.add_argument("--track", type=int, default=1, help="frames per object (> 1: "
+                    "batch BN statistics then see few objects per batch)")
     ap.add_argument("--capacity", type=float, default=1.1,
                     help="capacity as a multiple of the least one at which the equal split "
                     "is feasible (N x the largest load of a camera at its smallest size)")
     ap.add_argument("--calibration-frames", type=int, default=128)
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--bn", choices=("batch", "running"), default="batch",
                     help="BatchNorm statistics the served models use (batch: the batch's own, "

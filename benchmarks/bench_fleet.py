@@ -7,8 +7,9 @@ forward time (interleaved over all pipelines and sizes, the fastest of `--reps`)
 label-free accuracy proxy (mean max-softmax confidence of the prefix frames at that size,
 mapped to accuracy by a ConfidenceCalibration fitted on a separate labelled calibration
 stream: the "source data" calibration; tta_core.elastic.fleet). From those, `plan_fleet`
-and `equal_split` choose the sizes within `capacity` = `--capacity` x the least capacity at which the equal split is
-feasible (N x the largest load of one pipeline at its smallest size): the baseline keeps up.
+and `equal_split` choose the sizes within `capacity` = `--capacity` x the least capacity
+at which the equal split is feasible (N x the largest load of one pipeline at its smallest
+size): the baseline keeps up.
 
 Both allocations are then scored in the same run on the frames after the prefix with the
 streaming rule (tta_core.eval.streaming: keep-latest queue, latest available answer, tracks

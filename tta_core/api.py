@@ -5,7 +5,8 @@
 - `PhaseClock`: the one clock every method times its phases with (it synchronises CUDA
   before reading the time, so GPU timings are fair between methods);
 - capability protocols: what a method *can* do beyond `step`/`reset` (take an external
-  plan, change sigma or the deadline at run time, take live telemetry, report a domain).
+  plan, change sigma or the deadline at run time, serve at a chosen size, take live
+  telemetry, report a domain).
   Consumers test
   `isinstance(method, Protocol)`; nothing sniffs attributes.
 """
@@ -163,6 +164,22 @@ class DeadlineTunable(Protocol):
     def set_speed(self, speed_mps: float | None) -> None: ...
 
     def set_lateness(self, late_ms: float) -> None: ...
+
+
+@runtime_checkable
+class Resizable(Protocol):
+    """Serves a surrogate of its model at a chosen size, the share of filters kept per gated
+    conv (ElasticDNN, tta_core.methods.elastic): `sizes` lists the sizes it can serve
+    (largest first, 1.0 the full master), `set_size(keep)` pins one of them from the next
+    batch on (a fleet scheduler's choice; ValueError naming a size it lacks), None returns
+    to the method's own choice (the largest whose predicted forward fits the deadline);
+    `size_forward_ms` predicts a batch's forward per size (ms, at the last batch size)."""
+
+    def sizes(self) -> tuple[float, ...]: ...
+
+    def set_size(self, keep: float | None) -> None: ...
+
+    def size_forward_ms(self) -> dict[float, float]: ...
 
 
 @runtime_checkable

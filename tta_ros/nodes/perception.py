@@ -49,6 +49,7 @@ from tta_core.api import (
     StepResult,
     TakesPlan,
     TTAMethodLike,
+    WarmsUp,
 )
 from tta_core.io.image_msg import FrameLimits, Preprocess, one_line, to_tensor
 from tta_core.memory.quant import STORED_BITS
@@ -77,6 +78,7 @@ from tta_ros.nodes.deadline_wiring import (
     resolve_topic,
 )
 from tta_ros.nodes.domain_wiring import DOMAIN_PARAMS, DomainWiring, bank_option
+from tta_ros.nodes.fleet_wiring import PERCEPTION_FLEET_PARAMS, PerceptionFleet
 from tta_ros.nodes.intake import FrameIntake
 from tta_ros.nodes.perception_support import (
     DivergenceGuard,
@@ -88,8 +90,8 @@ from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, 
 
 RUNTIME = ("method", "mode", "sigma", "lr", "batch_size", "queue_size", "plan_source",
            "plan_timeout_s", "publish_scores", "batch_timeout_s", "reset_entropy_ratio",
-           "reset_patience", "memory_budget_mb", "activation_bits", *DEADLINE_KEYS,
-           *SPEED_KEYS)
+           "reset_patience", "memory_budget_mb", "activation_bits", "elastic_keep",
+           *DEADLINE_KEYS, *SPEED_KEYS)
 REBUILD = ("method", "mode", "memory_budget_mb", "activation_bits")
 
 
@@ -146,7 +148,7 @@ def param_specs() -> tuple[ParamSpec, ...]:
                   choices=tuple(FRAME_INPUTS), read_only=True),
         ParamSpec("max_aspect", 20.0, "frames whose long side exceeds this times the short "
                   "side are rejected (before decoding)", 1.0, 1e6, read_only=True),
-        *DEADLINE_PARAMS, *DOMAIN_PARAMS,
+        *DEADLINE_PARAMS, *DOMAIN_PARAMS, *PERCEPTION_FLEET_PARAMS,
         HARDWARE_ID,
     )
 
@@ -198,6 +200,18 @@ def method_options(p: dict[str, Any], image_size: int, arch: str) -> dict[str, A
     return {k: v for k, v in cfg.items() if k in known}
 
 
+def build_warm(p: dict[str, Any], model: torch.nn.Module, image_size: int,
+               arch: str) -> TTAMethodLike:
+    """Method p["method"] with the node's options, warmed up (api.WarmsUp) on noise at
+    the batch size: its run-time costs learnt before the first frame, its state untouched
+    (a deadline's first updates otherwise plan blind and miss)."""
+    meth = build_method(p["method"], model, **method_options(p, image_size, arch))
+    if isinstance(meth, WarmsUp):
+        dev = next(model.parameters()).device
+        meth.warm_up(torch.randn(p["batch_size"], 3, image_size, image_size, device=dev))
+    return meth
+
+
 def planning_message(node: PerceptionNode) -> str:
     """What the planning status says: topic, inline (and why), or why nothing fits."""
     p = node.p
@@ -240,7 +254,7 @@ def perception_statuses(node: PerceptionNode) -> list[DiagnosticStatus]:
                 "saved_activation_mib": f"{c.saved_mib:.4g}",
                 "memory_budget_mb": f"{p['memory_budget_mb']:g}",
                 "activation_bits": str(p["activation_bits"] or "dense")}),
-        *node.domain.statuses()]
+        *node.domain.statuses(), *node.fleet.statuses()]
 
 
 def publish_batch(node: PerceptionNode, frames: list[Any], logits: torch.Tensor,
@@ -252,6 +266,7 @@ def publish_batch(node: PerceptionNode, frames: list[Any], logits: torch.Tensor,
                                 list(node.card.class_names), node.p["publish_scores"]):
         node.pub_pred.publish(pred)
     node.method.finish()  # parallel mode: the status carries this update's backward
+    node.fleet.on_batch(res.stats, logits)  # the size's confidence (fleet accuracy proxy)
     node.counters.saved_mib = float(res.stats.get(
         "saved_mib", res.stats.get("saved_bytes", math.nan) / 2**20))  # tent: bytes only
     header = frames[-1].header
@@ -330,6 +345,7 @@ class PerceptionNode(Node):
         self._pending_lock = threading.Lock()
         self.domain = DomainWiring(self, self.p)  # domain reports, bank saves (issue #21)
         self._build_method()
+        self.fleet = PerceptionFleet(self, self.p)  # elastic_keep, fleet report (#22)
         self.queue = FrameQueue(self.p["queue_size"])
         self.gate = PlanGate(self.p["plan_timeout_s"])
         self.guard = DivergenceGuard(self.card.num_classes, self.p["reset_entropy_ratio"],
@@ -366,8 +382,7 @@ class PerceptionNode(Node):
         if self.method is not None:
             self.domain.save("method rebuilt")  # the rebuilt method loads it
             self.method.close()
-        self.method = build_method(self.p["method"], model,
-                                   **method_options(self.p, self.pre.image_size, self.card.arch))
+        self.method = build_warm(self.p, model, self.pre.image_size, self.card.arch)
         self.domain.attach(self.method)
         if isinstance(self.method, TakesPlan):
             self.unit_names = list(self.method.unit_names)
@@ -402,6 +417,7 @@ class PerceptionNode(Node):
             self.get_logger().info(f"method rebuilt: {self.p['method']} ({self.p['mode']})")
         if "sigma" in changes and isinstance(self.method, RuntimeTunable):
             self.method.set_sigma(float(self.p["sigma"]))
+        self.fleet.apply(changes, self.method)  # elastic_keep; a rebuilt method gets it too
         if "lr" in changes:
             self.method.set_lr(float(self.p["lr"]))
         if "queue_size" in changes:

@@ -15,6 +15,11 @@ deadline (fixed, from `camera_hz`, or from the speed on `odometry_topic`) instea
 sigma*T; the LayerPlan's `sigma` is then the deadline's share of the full update
 (budget_ms / T), /diagnostics says when the forward alone misses the deadline and the RViz
 label shows it.
+
+Fleet mode (issue #22, tta_ros.nodes.fleet_wiring): with `fleet_namespaces` set, the node
+also chooses the surrogate size of every perception pipeline in those namespaces (the
+pipelines share this computer: tta_core.elastic.fleet) and sets it on each through the
+standard SetParameters service (`elastic_keep`).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ from tta_ros.nodes.deadline_wiring import (
     deadline_settings,
     resolve_topic,
 )
+from tta_ros.nodes.fleet_wiring import SCHEDULER_FLEET_PARAMS, FleetScheduler
 from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
 
 PARAMS: tuple[ParamSpec, ...] = (
@@ -95,6 +101,7 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("marker_lifetime_s", 2.0, "lifetime of the RViz markers: they vanish this long "
               "after the last plan [s] (0: forever)", 0.0, 3600.0),
     *DEADLINE_PARAMS,
+    *SCHEDULER_FLEET_PARAMS,
     HARDWARE_ID,
 )
 
@@ -210,6 +217,7 @@ class SchedulerNode(Node):
         self.create_subscription(ResourceTelemetry, "telemetry", self._on_telemetry, 10)
         self.create_subscription(AdaptationStatus, "adaptation_status", self._on_status,
                                  reliable)
+        self.fleet = FleetScheduler(self)  # fleet mode: sizes of several pipelines (#22)
         self.create_timer(1.0, self._publish_diagnostics)
 
     @property
@@ -340,7 +348,7 @@ class SchedulerNode(Node):
                           **deadline_values(self)})
 
     def _publish_diagnostics(self) -> None:
-        self.diag.publish([self._planning_status()])
+        self.diag.publish([self._planning_status(), *self.fleet.statuses()])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

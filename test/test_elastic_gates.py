@@ -1,0 +1,182 @@
+"""ElasticDNN gated master (tta_core.elastic.gates): FBS gates, winner-take-all, where the
+gate multiplies, supported models, card round trip."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torchvision import models as tvm
+
+from tta_core.elastic.gates import (
+    GATED_FACTORY,
+    ChannelGate,
+    GatedModel,
+    kept_count,
+    load_gated,
+    make_gated,
+    save_gated,
+    winner_take_all,
+)
+from tta_core.model.source import load_card, load_source
+from tta_core.model.zoo import SmallResNet
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCE_CARD = ROOT / "checkpoints" / "small_resnet_signs32.json"
+
+
+def randomize_gates(master: GatedModel, seed: int = 0, std: float = 0.5) -> GatedModel:
+    """Gates with random fc weights and fc2 biases in [0.2, 1.2] (fresh gates are all
+    exactly 1, so every channel ties)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for gate in master.gates.values():
+            for fc in (gate.fc1, gate.fc2):
+                fc.weight.copy_(torch.randn(fc.weight.shape, generator=gen) * std)
+            gate.fc2.bias.copy_(0.2 + torch.rand(gate.fc2.bias.shape, generator=gen))
+    return master
+
+
+def settle_bn(model: nn.Module, shape: tuple[int, ...], seed: int = 0) -> nn.Module:
+    """Random-init torchvision nets explode in eval mode (running stats 0/1): give their
+    BNs the statistics of a few random batches so logits stay moderate, then eval."""
+    gen = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.momentum = None  # cumulative average
+    model.train()
+    with torch.no_grad():
+        for _ in range(2):
+            model(torch.randn(shape, generator=gen))
+    return model.eval()
+
+
+def small_source() -> nn.Module:
+    model, _ = load_source(SOURCE_CARD)
+    return model
+
+
+def test_fresh_gates_are_one_and_the_master_computes_the_source() -> None:
+    src = small_source()
+    master = make_gated(copy.deepcopy(src)).eval()
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(master(x), src(x))
+    values = master.gate_values(x)
+    assert set(values) == set(master.gated)
+    assert all(torch.equal(v, torch.ones_like(v)) for v in values.values())
+
+
+def test_sites_are_block_internal_convs_only() -> None:
+    assert make_gated(SmallResNet(num_classes=5)).gated == (
+        "layer1.0.conv1", "layer2.0.conv1", "layer3.0.conv1")
+    r18 = make_gated(tvm.resnet18(num_classes=5))
+    assert len(r18.gated) == 8 and all(n.endswith(".conv1") for n in r18.gated)
+    r50 = make_gated(tvm.resnet50(num_classes=5))
+    assert len(r50.gated) == 32
+    assert {s.next_conv.rsplit(".", 1)[1] for s in r50.sites} == {"conv2", "conv3"}
+    # residual outputs (conv2 of a basic block, conv3 of a bottleneck) are never gated
+    assert not any(n.endswith(("conv2",)) for n in r18.gated)
+    assert not any(n.endswith("conv3") for n in r50.gated)
+
+
+@pytest.mark.parametrize("model, words", [
+    (lambda: tvm.mobilenet_v2(num_classes=5), "MobileNetV2 has no ResNet"),
+    (lambda: tvm.resnext50_32x4d(num_classes=5), "grouped convs"),
+    (lambda: make_gated(SmallResNet(num_classes=5)), "already gated"),
+])
+def test_unsupported_models_are_refused_in_one_line(model, words) -> None:
+    with pytest.raises(ValueError, match=words) as info:
+        make_gated(model())
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("sparsity", [0.0, 0.2, 0.5, 0.7, 0.8, 0.95])
+def test_winner_take_all_keeps_the_top_channels_of_each_sample(sparsity) -> None:
+    g = torch.rand(6, 13, generator=torch.Generator().manual_seed(3))
+    out = winner_take_all(g, sparsity)
+    k = max(1, math.ceil((1 - sparsity) * 13 - 1e-9))
+    for row, orig in zip(out, g, strict=True):
+        keep = sorted(range(13), key=lambda i: -float(orig[i]))[:k]  # brute force
+        assert sorted(int(i) for i in row.nonzero()) == sorted(keep)
+        assert torch.equal(row[keep], orig[keep])
+
+
+def test_kept_count_is_not_fooled_by_float_error() -> None:
+    assert 1 - (1 - 0.3) != 0.3 and kept_count(1 - (1 - 0.3), 10) == 3
+    assert kept_count(0.3, 64) == 20 and kept_count(0.01, 8) == 1 and kept_count(1.0, 8) == 8
+
+
+def test_gate_multiplies_the_bn_output_per_sample() -> None:
+    """The master equals, sample by sample, the plain network whose BN gamma/beta are scaled
+    by that sample's gate values (the fold the surrogate relies on)."""
+    master = randomize_gates(make_gated(small_source())).eval()
+    master.set_sparsity(0.5)
+    x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        out = master(x)
+        values = master.gate_values(x)
+        for i in range(len(x)):
+            plain = master.plain_base().eval()
+            mods = dict(plain.named_modules())
+            for site in master.sites:
+                bn, g = mods[site.bn], values[site.conv][i]
+                bn.weight.mul_(g)
+                bn.bias.mul_(g)
+            assert torch.allclose(plain(x[i:i + 1])[0], out[i], atol=1e-5)
+    # half the channels (rounded up) of each gate are non-zero at sparsity 0.5
+    for v in values.values():
+        assert int((v > 0).sum(1).max()) <= math.ceil(v.shape[1] / 2)
+
+
+def test_sparsity_is_checked_and_restored() -> None:
+    master = make_gated(SmallResNet(num_classes=5))
+    for bad in (1.0, -0.1):
+        with pytest.raises(ValueError, match=f"sparsity must be in \\[0, 1\\), got {bad}"):
+            master.set_sparsity(bad)
+    master.set_sparsity(0.3)
+    with master.sparsity_set_to(0.8):
+        assert all(g.sparsity == 0.8 for g in master.gates.values())
+    assert master.sparsity == 0.3
+
+
+def test_deepcopy_and_plain_base_do_not_share_gates() -> None:
+    master = randomize_gates(make_gated(small_source())).eval()
+    x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        before = master(x)
+        twin = copy.deepcopy(master)
+        randomize_gates(twin, seed=9)
+        assert not torch.allclose(twin(x), before)
+        assert torch.equal(master(x), before)
+        plain = master.plain_base().eval()
+        assert not any(m._forward_hooks for m in plain.modules())
+        assert torch.equal(plain(x), small_source()(x))  # ungated = the source net
+
+
+def test_gate_starts_at_one_for_any_input() -> None:
+    gate = ChannelGate(8, 16)
+    g = gate(torch.randn(5, 8, 4, 4))
+    assert torch.equal(g, torch.ones(5, 16))
+
+
+def test_card_round_trip_through_the_model_card_route(tmp_path) -> None:
+    master = randomize_gates(make_gated(small_source())).eval()
+    card_path = save_gated(master, tmp_path / "gated", load_card(SOURCE_CARD),
+                           clean_accuracy=0.5, metadata={"note": "test"})
+    raw = json.loads(card_path.read_text())
+    assert raw["factory"] == GATED_FACTORY and raw["kwargs"]["base_arch"] == "small_resnet"
+    assert raw["checkpoint"] == "gated.safetensors"
+    loaded = load_gated(card_path)
+    model, card = load_source(card_path)  # the ordinary route builds the same thing
+    assert isinstance(model, GatedModel) and card.num_classes == 22
+    x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(loaded(x), master(x)) and torch.equal(model(x), master(x))
+    with pytest.raises(ValueError, match="is not a gated master"):
+        load_gated(SOURCE_CARD)

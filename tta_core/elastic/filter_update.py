@@ -1,0 +1,178 @@
+"""Filter-grained update of a surrogate and write-back into the master (ElasticDNN §3).
+
+1. `filter_scores`: one probe batch through the surrogate under SHOT's information-
+   maximisation loss; a kept filter's score is |dL/dgamma| + |dL/dbeta| of its BN.
+2. `select_filters`: the fewest filters (over all gated convs) holding `mass` (0.8) of the
+   total score.
+3. `mask_gradients`: only the selected filters train: their conv rows, BN gamma/beta and the
+   next conv's input columns (a weight of a Bottleneck's conv2 trains when its row or its
+   column belongs to a selected filter); every other parameter is frozen. Hooks zero the
+   unselected gradient entries; an optimizer without weight decay (`filter_optimizer`) then
+   leaves them bit-identical (SGD momentum and Adam moments of a zero gradient stay 0).
+4. `write_back`: the master takes, at the kept indices only, the average of itself and the
+   surrogate (the authors' rule), applied to the change: master += (surrogate - origin) / 2,
+   where origin is the surrogate at extraction; the folded BN change is divided by the gate
+   value it was folded with (channels whose gate was 0 keep the master's BN).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from tta_core.elastic.gates import GatedModel
+from tta_core.elastic.surrogate import Surrogate
+
+
+def im_loss(logits: Tensor) -> Tensor:
+    """SHOT's information-maximisation loss: mean entropy of the predictions minus the
+    entropy of their batch mean (confident and diverse); float32 at least, float64 kept
+    (tta_core.losses.entropy_loss is float32 only)."""
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [B, K], got shape {tuple(logits.shape)}")
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), 1)
+    p = logp.exp()
+    mean = p.mean(0)
+    return -(p * logp).sum(1).mean() + torch.special.xlogy(mean, mean).sum()
+
+
+def _modules(surrogate: Surrogate) -> dict[str, nn.Module]:
+    return dict(surrogate.model.named_modules())
+
+
+def filter_scores(surrogate: Surrogate, batch: Tensor) -> dict[str, Tensor]:
+    """Per gated conv, per kept filter: |dL/dgamma| + |dL/dbeta| of its BN on `batch`
+    (L = im_loss, the model in train mode: batch statistics). Nothing of the surrogate
+    changes (BN running statistics and .grad restored)."""
+    model, mods = surrogate.model, _modules(surrogate)
+    bns = [mods[s.bn] for s in surrogate.sites]
+    params = [p for bn in bns for p in (bn.weight, bn.bias)]
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    was_training, flags = model.training, [p.requires_grad for p in params]
+    try:
+        model.train()
+        for p in params:
+            p.requires_grad_(True)
+        grads = torch.autograd.grad(im_loss(model(batch)), params, allow_unused=True)
+    finally:
+        model.train(was_training)
+        for p, f in zip(params, flags, strict=True):
+            p.requires_grad_(f)
+        with torch.no_grad():
+            for n, b in model.named_buffers():
+                b.copy_(buffers[n])
+    zero = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads, strict=True)]
+    return {s.conv: (zero[2 * i].abs() + zero[2 * i + 1].abs()).detach()
+            for i, s in enumerate(surrogate.sites)}
+
+
+def select_filters(scores: dict[str, Tensor], mass: float = 0.8) -> dict[str, Tensor]:
+    """Bool masks (like `scores`): the fewest filters, over all convs, whose scores sum to at
+    least `mass` of the total (the highest scores; none when every score is 0)."""
+    if not 0.0 < mass <= 1.0:
+        raise ValueError(f"mass must be in (0, 1], got {mass}")
+    names = list(scores)
+    flat = torch.cat([scores[n].reshape(-1).double() for n in names]) if names else \
+        torch.zeros(0, dtype=torch.float64)
+    if (flat < 0).any() or not torch.isfinite(flat).all():
+        raise ValueError("filter scores must be finite and >= 0")
+    chosen = torch.zeros(len(flat), dtype=torch.bool)
+    total = float(flat.sum())
+    if total > 0:
+        order = torch.argsort(flat, descending=True, stable=True)
+        csum = torch.cumsum(flat[order], 0)
+        n = int(torch.searchsorted(csum, torch.tensor(mass * total * (1 - 1e-12),
+                                                      dtype=torch.float64))) + 1
+        chosen[order[:min(n, len(flat))]] = True
+    out, start = {}, 0
+    for name in names:
+        size = scores[name].numel()
+        out[name] = chosen[start:start + size].reshape(scores[name].shape)
+        start += size
+    return out
+
+
+def _param_masks(surrogate: Surrogate, masks: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Per parameter name of the surrogate: which entries belong to a selected filter."""
+    mods = _modules(surrogate)
+    out: dict[str, Tensor] = {}
+
+    def add(name: str, m: Tensor) -> None:
+        out[name] = out[name] | m if name in out else m
+
+    for s in surrogate.sites:
+        sel = masks[s.conv].to(torch.bool)
+        conv, nxt = mods[s.conv], mods[s.next_conv]
+        add(f"{s.conv}.weight", sel.view(-1, 1, 1, 1).expand_as(conv.weight))
+        if conv.bias is not None:
+            add(f"{s.conv}.bias", sel)
+        add(f"{s.bn}.weight", sel)
+        add(f"{s.bn}.bias", sel)
+        add(f"{s.next_conv}.weight", sel.view(1, -1, 1, 1).expand_as(nxt.weight))
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def mask_gradients(surrogate: Surrogate, masks: dict[str, Tensor]) -> list:
+    """Freeze every parameter of the surrogate but the selected filters' slices (see the
+    module doc); hooks zero the other entries' gradients. Returns the hook handles."""
+    missing = [s.conv for s in surrogate.sites if s.conv not in masks]
+    if missing:
+        raise ValueError(f"masks lack gated convs {missing[:3]}")
+    pmasks = _param_masks(surrogate, masks)
+    handles = []
+    for name, p in surrogate.model.named_parameters():
+        p.requires_grad_(name in pmasks)
+        if name in pmasks:
+            m = pmasks[name]
+            handles.append(p.register_hook(
+                lambda g, m=m: torch.where(m, g, torch.zeros_like(g))))
+    return handles
+
+
+def filter_optimizer(surrogate: Surrogate, lr: float, momentum: float = 0.9
+                     ) -> torch.optim.SGD:
+    """SGD over the trainable (masked) parameters, without weight decay: decay would move
+    the unselected entries the gradient masks keep fixed."""
+    params = [p for p in surrogate.model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("no trainable parameters: call mask_gradients first")
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=0.0)
+
+
+def _master_index(surrogate: Surrogate) -> dict[str, tuple[Tensor | None, Tensor | None]]:
+    """Per sliced tensor name: (kept rows, kept input columns) in the master's tensor."""
+    rows: dict[str, Tensor] = {}
+    cols: dict[str, Tensor] = {}
+    for s in surrogate.sites:
+        rows[s.conv] = rows[s.bn] = surrogate.kept[s.conv]
+        cols[s.next_conv] = surrogate.kept[s.conv]
+    out = {}
+    for name in surrogate.origin:
+        module, _, kind = name.rpartition(".")
+        r = rows.get(module)
+        c = cols.get(module) if kind == "weight" else None
+        out[name] = (r, c)
+    return out
+
+
+@torch.no_grad()
+def write_back(master: GatedModel, surrogate: Surrogate) -> None:
+    """Average the surrogate's change into the master at the kept indices (module doc);
+    every other entry of the master stays bit-identical."""
+    current = dict(surrogate.model.named_parameters()) | dict(surrogate.model.named_buffers())
+    target = dict(master.base.named_parameters()) | dict(master.base.named_buffers())
+    scale = {s.bn: surrogate.scale[s.conv] for s in surrogate.sites}
+    for name, (r, c) in _master_index(surrogate).items():
+        delta = current[name].detach() - surrogate.origin[name]
+        module, _, kind = name.rpartition(".")
+        if module in scale and kind in ("weight", "bias"):  # folded gamma / beta
+            g = scale[module].to(delta.dtype)
+            delta = torch.where(g > 0, delta / torch.where(g > 0, g, 1), 0)
+        if not bool(delta.any()):
+            continue
+        dst = target[name]
+        rr = r if r is not None else torch.arange(dst.shape[0])
+        if c is None:
+            dst[rr] += (delta / 2).to(dst.dtype)
+        else:
+            dst[rr[:, None], c[None, :]] += (delta / 2).to(dst.dtype)

@@ -1,0 +1,18 @@
+"""Model-card factory of ElasticDNN's gated master (tta_core.elastic.gates): a card with
+``factory: tta_core.model.gated:gated_master`` builds the base arch and gates it, so a gated
+checkpoint loads through the ordinary card route (`load_source`, `tta bench --model-card`)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tta_core.elastic.gates import make_gated
+from tta_core.model.arch import build_architecture
+
+
+def gated_master(base_arch: str, num_classes: int, reduction: int = 4,
+                 base_kwargs: dict | None = None) -> nn.Module:
+    """`base_arch` (a tta or torchvision arch, random weights) with FBS gates on its
+    block-internal convs; the card's checkpoint fills both in."""
+    return make_gated(build_architecture(base_arch, num_classes, kwargs=base_kwargs),
+                      reduction)

@@ -1,0 +1,279 @@
+"""Several cameras, one computer (issue #22): the ROS side of tta_core.elastic.fleet.
+
+Perception side (`PerceptionFleet`): parameter `elastic_keep` (0: the method's own choice)
+pins the served size through tta_core.api.Resizable.set_size, also after a method rebuild; a
+method that is not Resizable ignores it (one WARN log line). The label-free accuracy proxy
+(`SizeProxy`): every batch's mean max-softmax confidence, recorded for the size it was
+served at (StepResult.stats['size']; a method that probes other sizes on the batch may add
+stats['confidence@<keep>']), mapped to accuracy by `fleet_calibration` (a JSON file with
+the confidence -> accuracy knots and, optional, the source accuracy per size, `prior`, which
+moves the estimate to sizes not seen yet). Once per second /diagnostics carries the status
+`<ns>/perception: fleet` with what a fleet scheduler needs, as key/values: `sizes`,
+`forward_ms` (Resizable.size_forward_ms, per batch), `accuracy` (the proxy per size),
+comma-separated in the same order, and `hz` (camera_hz), `deadline_ms` (of one batch),
+`batch_size`, `keep`.
+
+Scheduler side (`FleetScheduler`, the scheduler node's fleet mode): with `fleet_namespaces`
+set (e.g. ['/car1/front', '/car1/rear']) it reads those statuses from /diagnostics, plans
+every `fleet_period_s` (tta_core.elastic.fleet.plan_fleet within `fleet_capacity`, or the
+equal split with `fleet_policy: equal_split`) and sets each chosen size on
+`<ns>/<fleet_node>` through the standard rcl_interfaces SetParameters service (parameter
+`elastic_keep`): no new message. A pipeline whose report is missing or older than
+`fleet_timeout_s` holds the plan back (its diagnostics say which).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+from rcl_interfaces.msg import ParameterDescriptor
+from rcl_interfaces.srv import SetParameters
+from rclpy.node import Node
+from rclpy.parameter import Parameter
+
+from tta_core.api import Resizable
+from tta_core.elastic.fleet import (
+    App,
+    AppOption,
+    ConfidenceCalibration,
+    FleetPlan,
+    SizeProxy,
+    equal_split,
+    mean_confidence,
+    plan_fleet,
+)
+from tta_ros import ros_params
+from tta_ros.diagnostics import OK, WARN, status
+from tta_ros.ros_params import ParamSpec
+
+FLEET_STATUS = "fleet"
+PROBE_PREFIX = "confidence@"  # StepResult.stats key of a probed size's mean confidence
+PERCEPTION_FLEET_PARAMS: tuple[ParamSpec, ...] = (
+    ParamSpec("elastic_keep", 0.0, "serve this size (share of filters kept) with a Resizable "
+              "method (elastic); 0: the method's own choice. Set by a fleet scheduler",
+              0.0, 1.0),
+    ParamSpec("fleet_calibration", "", "JSON of the confidence -> accuracy calibration of "
+              "the fleet's accuracy proxy ({'confidence': [...], 'accuracy': [...], "
+              "'prior': {keep: source accuracy}}); '': the confidence itself",
+              read_only=True),
+)
+SCHEDULER_FLEET_PARAMS: tuple[ParamSpec, ...] = (
+    ParamSpec("fleet_capacity", 1.0, "fleet mode: processor-seconds per second the "
+              "pipelines share (sum of hz / batch_size * forward_ms / 1000)", 0.001, 1024.0),
+    ParamSpec("fleet_period_s", 1.0, "fleet mode: plan every this many seconds", 0.05, 3600.0,
+              read_only=True),
+    ParamSpec("fleet_timeout_s", 5.0, "fleet mode: a pipeline's report older than this "
+              "holds the plan back", 0.1, 3600.0),
+    ParamSpec("fleet_policy", "plan", "fleet mode: plan = exhaustive best sum of proxy "
+              "accuracies, equal_split = each pipeline 1/N of the capacity (baseline)",
+              choices=("plan", "equal_split")),
+    ParamSpec("fleet_node", "perception", "fleet mode: name of the perception node in each "
+              "namespace", read_only=True),
+)
+
+
+def _csv(values: Sequence[float]) -> str:
+    return ",".join(f"{v:.6g}" for v in values)
+
+
+def batch_deadline_ms(p: Mapping[str, Any]) -> float:
+    """One batch's deadline from perception's deadline parameters: fixed -> deadline_ms
+    (times the batch for per-frame deadlines); otherwise the camera's: batch / camera_hz."""
+    b = int(p["batch_size"])
+    if p.get("deadline_mode") == "fixed":
+        return float(p["deadline_ms"]) * (b if p.get("deadline_per") == "frame" else 1)
+    return b * 1000.0 / float(p["camera_hz"])
+
+
+def load_calibration(path: str) -> tuple[ConfidenceCalibration, dict[float, float]]:
+    """(calibration, prior) from a fleet_calibration file ('' -> identity, no prior);
+    ValueError naming the file when it cannot be used."""
+    if not path:
+        return ConfidenceCalibration.identity(), {}
+    try:
+        d = json.loads(open(ros_params.resolve_data_path(path)).read())
+        prior = {float(k): float(v) for k, v in d.get("prior", {}).items()}
+        return ConfidenceCalibration.from_dict(d), prior
+    except (OSError, ValueError, AttributeError) as exc:
+        raise ValueError(f"fleet_calibration {path!r}: {exc}") from None
+
+
+class PerceptionFleet:
+    """The perception node's size pin and proxy report (module docstring)."""
+
+    def __init__(self, node: Node, p: dict[str, Any]) -> None:
+        self.node, self.p = node, p
+        self.calibration, self.prior = load_calibration(p["fleet_calibration"])
+        self.method: Any = None
+        self.proxy: SizeProxy | None = None
+        self.warned = ""  # the method class already warned about
+        self.apply({"elastic_keep": p["elastic_keep"]}, getattr(node, "method", None))
+
+    @property
+    def keep(self) -> float | None:
+        return float(self.p["elastic_keep"]) or None
+
+    def apply(self, changes: Mapping[str, Any], method: Any) -> None:
+        """Between batches: pin the size after an elastic_keep change or a rebuild."""
+        rebuilt = method is not self.method
+        if rebuilt:
+            self.method = method
+            self.proxy = (SizeProxy(method.sizes(), self.calibration, prior=self.prior)
+                          if isinstance(method, Resizable) else None)
+        if not (rebuilt or "elastic_keep" in changes):
+            return
+        if not isinstance(method, Resizable):
+            name = type(method).__name__
+            if self.keep is not None and self.warned != name:
+                self.warned = name
+                self.node.get_logger().warning(
+                    f"elastic_keep={self.keep:g} ignored: method {name} is not Resizable")
+            return
+        try:
+            method.set_size(self.keep)
+        except ValueError as exc:
+            self.node.get_logger().warning(f"elastic_keep not applied: {exc}")
+
+    def on_batch(self, stats: Mapping[str, Any], logits: Any) -> None:
+        """Record the batch's mean confidence for the size it was served at (the method's
+        stats['size'] when it reports one, else the pinned size, else the full model),
+        and any per-size confidences the method probed (stats['confidence@<keep>'])."""
+        if self.proxy is None:
+            return
+        served = stats.get("size", stats.get("keep", self.keep or max(self.proxy.sizes)))
+        self.proxy.observe(float(served), mean_confidence(logits))
+        for key, value in stats.items():
+            if key.startswith(PROBE_PREFIX):
+                self.proxy.observe(float(key[len(PROBE_PREFIX):]), float(value))
+
+    def statuses(self) -> list[DiagnosticStatus]:
+        """The fleet status ([] when the method is not Resizable)."""
+        method, proxy = self.method, self.proxy
+        if proxy is None or not isinstance(method, Resizable):
+            return []
+        fwd = method.size_forward_ms()
+        acc = proxy.accuracy()
+        sizes = sorted(proxy.sizes, reverse=True)
+        return [status(FLEET_STATUS, OK, f"size {self.keep or 'own choice'}", {
+            "sizes": _csv(sizes), "forward_ms": _csv([fwd.get(k, math.nan) for k in sizes]),
+            "accuracy": _csv([acc[k] for k in sizes]), "hz": float(self.p["camera_hz"]),
+            "deadline_ms": batch_deadline_ms(self.p), "batch_size": int(self.p["batch_size"]),
+            "keep": float(self.p["elastic_keep"])})]
+
+
+def app_from_status(name: str, st: DiagnosticStatus) -> App:
+    """The App a fleet status describes; ValueError naming what is missing or not ready."""
+    kv = {k.key: k.value for k in st.values}
+    try:
+        sizes, fwd, acc = ([float(v) for v in kv[key].split(",")]
+                           for key in ("sizes", "forward_ms", "accuracy"))
+        hz, deadline, batch = float(kv["hz"]), float(kv["deadline_ms"]), int(kv["batch_size"])
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"{name}: fleet status unreadable ({exc})") from None
+    if not len(sizes) == len(fwd) == len(acc) or not all(map(math.isfinite, fwd + acc)):
+        raise ValueError(f"{name}: no forward time or accuracy estimate for every size yet")
+    options = [AppOption(k, f, a) for k, f, a in zip(sizes, fwd, acc, strict=True)]
+    return App(name, hz, deadline, options, batch)
+
+
+class FleetScheduler:
+    """The scheduler node's fleet mode (module docstring); inactive without namespaces."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        node.declare_parameter("fleet_namespaces", Parameter.Type.STRING_ARRAY,
+                               ParameterDescriptor(description=(
+                                   "fleet mode: namespaces of the perception pipelines that "
+                                   "share this computer (empty: off)"), read_only=True))
+        ns = node.get_parameter_or("fleet_namespaces",
+                                   Parameter("fleet_namespaces", value=[""])).value or []
+        self.namespaces = [n.rstrip("/") for n in ns if n]
+        self.reports: dict[str, tuple[float, DiagnosticStatus]] = {}  # ns -> (time, status)
+        self.sent: dict[str, float] = {}  # ns -> keep the node accepted
+        self.last: FleetPlan | None = None
+        self.waiting = self.error = ""
+        self.plans = 0
+        if not self.namespaces:
+            return
+        node_name = node.get_parameter("fleet_node").value
+        self._names = {f"{n}/{node_name}: {FLEET_STATUS}": n for n in self.namespaces}
+        self.clients = {n: node.create_client(SetParameters, f"{n}/{node_name}/set_parameters")
+                        for n in self.namespaces}
+        node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, 50)
+        node.create_timer(float(node.get_parameter("fleet_period_s").value), self.step)
+
+    def _now(self) -> float:
+        return self.node.get_clock().now().nanoseconds * 1e-9
+
+    def _on_diagnostics(self, msg: DiagnosticArray) -> None:
+        for st in msg.status:
+            ns = self._names.get(st.name)
+            if ns is not None:
+                self.reports[ns] = (self._now(), st)
+
+    def apps(self) -> list[App]:
+        """One App per namespace from fresh reports; ValueError naming a missing one."""
+        timeout = float(self.node.get_parameter("fleet_timeout_s").value)
+        now, apps = self._now(), []
+        for ns in self.namespaces:
+            t, st = self.reports.get(ns, (-math.inf, None))
+            if st is None or now - t > timeout:
+                raise ValueError(f"{ns}: no fleet report within {timeout:g} s")
+            apps.append(app_from_status(ns, st))
+        return apps
+
+    def step(self) -> FleetPlan | None:
+        """Plan with the latest reports and send each changed size; None when waiting."""
+        try:
+            apps = self.apps()
+        except ValueError as exc:
+            self.waiting = str(exc)
+            return None
+        capacity = float(self.node.get_parameter("fleet_capacity").value)
+        policy = self.node.get_parameter("fleet_policy").value
+        plan = (plan_fleet if policy == "plan" else equal_split)(apps, capacity)
+        self.waiting, self.last, self.plans = "", plan, self.plans + 1
+        for ns, keep in plan.items():
+            if self.sent.get(ns) != keep:
+                self._send(ns, keep)
+        return plan
+
+    def _send(self, ns: str, keep: float) -> None:
+        client = self.clients[ns]
+        if not client.service_is_ready():
+            self.error = f"{client.srv_name} not available"
+            return
+        req = SetParameters.Request(parameters=[
+            Parameter("elastic_keep", value=float(keep)).to_parameter_msg()])
+        fut = client.call_async(req)
+        fut.add_done_callback(lambda f, ns=ns, keep=keep: self._sent(ns, keep, f))
+
+    def _sent(self, ns: str, keep: float, fut: Any) -> None:
+        res = fut.result()
+        ok = res is not None and res.results and res.results[0].successful
+        if ok:
+            self.sent[ns], self.error = keep, ""
+        else:
+            why = res.results[0].reason if res is not None and res.results else "no answer"
+            self.error = f"{ns}: elastic_keep={keep:g} refused: {why}"
+            self.node.get_logger().warning(self.error, throttle_duration_sec=5.0)
+
+    def statuses(self) -> list[DiagnosticStatus]:
+        """The fleet status ([] when fleet mode is off)."""
+        if not self.namespaces:
+            return []
+        plan, warn = self.last, self.waiting or self.error
+        if plan is not None and not plan.feasible:
+            warn = warn or f"infeasible: {plan.reason}"
+        values: dict[str, object] = {"plans": self.plans,
+                                     "policy": self.node.get_parameter("fleet_policy").value}
+        if plan is not None:
+            values.update({"load": plan.load, "accuracy": plan.accuracy,
+                           **{f"keep {ns}": k for ns, k in plan.items()}})
+        message = warn or (f"{len(self.namespaces)} pipelines, load {plan.load:.3g}"
+                           if plan is not None else "no plan yet")
+        return [status(FLEET_STATUS, WARN if warn else OK, message, values)]

@@ -23,7 +23,11 @@ Figures, from one run:
   peak_rss_over_start_mib  VmHWM of the step minus the RSS at its start (peaks reset before
               it; glibc serves blocks >= 64 KiB by mmap, so freed tensors leave the RSS)
   ms          median step time over round-robin interleaved repeats (every config hit by
-              the same contention drifts); ratios to tent from the same run
+              the same contention drifts); ratios to tent from the same run. Timed with
+              the runtime's malloc setting (tta_core.runtime.malloc_tuning: freed memory
+              kept, no page faults per step, as bench_daf); the 64 KiB mmap threshold of
+              the peak-RSS phase made every step page-fault its activations (tent 1593 vs
+              ~1060 ms on ResNet-50), charging memory-heavy methods for the measurement
   adapted / units  share of the timed steps that updated, mean units updated (adashadow)
 Goal: adashadow_budget saved_ratio <= 0.35 and time_ratio <= 0.5.
 Usage: python benchmarks/bench_memory_budget.py [--repeats 5] [--threads 1]
@@ -131,7 +135,9 @@ def bench_model(arch: str, px: int, batch: int, repeats: int, share: float) -> d
         for _ in range(WARMUP):
             meth.step(x)
         rows[key] = _measure(meth, x)
+    keep_freed_memory()  # timing as the runtime runs: freed memory stays in the heap
     times = _timed(meths, x, repeats)
+    keep_freed_memory(1 << 16)  # the next model's peaks: freed tensors leave the RSS
     tent_ms = statistics.median(t[0] for t in times["tent"])
     for key, row in rows.items():
         ms = statistics.median(t[0] for t in times[key])

@@ -69,6 +69,10 @@ class ElasticConfig(MethodConfig, DeadlineConfig):
     time_alpha: float = 0.2  # EMA weight of the newest batch in the time predictions
     update_prior: float = 4.0  # update / forward time before an update was measured
     warmup_runs: int = 2  # forwards per size timed at a new batch size (fastest counts)
+    # batch sizes 1..warmup_batch are timed when the method is built, if input_shape is
+    # given (surrogates cut from a blank sample: a size's time does not depend on which
+    # filters it keeps); other batch sizes at their first batch
+    warmup_batch: int = 4
 
     def validate(self) -> None:
         """ValueError naming the first bad value (deadline fields included)."""
@@ -76,7 +80,7 @@ class ElasticConfig(MethodConfig, DeadlineConfig):
         self.sizes = check_sizes(self.sizes)
         if not 0.0 < self.mass <= 1.0:
             raise ValueError(f"mass must be in (0, 1], got {self.mass!r}")
-        for name in ("rederive_every", "warmup_runs"):
+        for name in ("rederive_every", "warmup_runs", "warmup_batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
@@ -139,6 +143,19 @@ class Elastic(TTAMethod):
         self.served: dict[float, Served] = {}
         self.since_derive = 0  # batches since the surrogates were cut
         self.pending = False  # a re-derivation is due
+        if len(cfg.input_shape) == 3 and cfg.warmup_batch > 0:
+            self._warm_up_blank(tuple(cfg.input_shape))
+
+    def _warm_up_blank(self, shape: tuple[int, ...]) -> None:
+        """Time every size at batch sizes 1..warmup_batch on surrogates cut from a blank
+        sample (the real ones are cut at the first batch), then forget those."""
+        device = next(self.model.parameters()).device
+        self._derive(torch.zeros((1, *shape), device=device))
+        for n in range(1, self.config.warmup_batch + 1):
+            self._warm_up(torch.randn((n, *shape), device=device))
+        for served in self.served.values():
+            served.release()
+        self.served = {}
 
     def collect_params(self) -> list:
         return []  # every size has its own optimizer over its selected filters
@@ -187,11 +204,14 @@ class Elastic(TTAMethod):
     def forward_and_adapt(self, x: Tensor) -> StepResult:
         clock = PhaseClock.for_tensor(x)
         n = int(x.shape[0])
+        setup_ms = 0.0  # one-time costs, outside the batch's predicted time
         if not self.served:
             self._derive(highest_entropy_sample(self.model, x))
-            self.plan.observe_rederive(clock.mark())
+            setup_ms = clock.mark()
+            self.plan.observe_rederive(setup_ms)
         if not self.plan.times.measured(n):
             self._warm_up(x)
+        setup_ms += clock.mark()
         d = self.plan.decide(n, self.config.adapt and self.config.lr > 0)
         served = self.served[d.keep]
         if d.adapt and served.optimizer is None and not self.plan.room_for(
@@ -209,7 +229,7 @@ class Elastic(TTAMethod):
                           plan_ms + probe_ms + forward_ms + backward_ms)
         entropy = mean_entropy(logits)
         rederived = self._maybe_rederive(d, x, logits, entropy)
-        plan_ms += clock.mark()
+        plan_ms += setup_ms + clock.mark()
         times = PhaseTimes(forward_ms, plan_ms, probe_ms + backward_ms, 0.0,
                            plan_ms + forward_ms + probe_ms + backward_ms)
         return StepResult(logits=logits.detach(), times=times, loss=loss, mean_entropy=entropy,

@@ -1,0 +1,70 @@
+"""`tta train-elastic`: train ElasticDNN's gated master from a source checkpoint (gate
+warm-up, sandwich rule over staged max sparsity, L1 on the gates; tta_core.elastic.train)
+and write `<out>.safetensors` + the model card `<out>.json`, which loads like any card
+(`tta bench --model-card <out>.json`, the elastic method)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from tta_core.elastic.gates import save_gated
+from tta_core.elastic.train import ElasticTrainConfig, train_master
+
+NAME = "train-elastic"
+HELP = "train ElasticDNN's gated master (FBS gates, sandwich rule) from a source checkpoint"
+
+
+def _sparsities(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated sparsities, got "
+                                         f"{text!r}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = ElasticTrainConfig()
+    parser.add_argument("--source-card", type=Path, default=d.source_card,
+                        help="the trained source model to gate")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output stem (default checkpoints/<source name>_elastic)")
+    parser.add_argument("--stages", type=_sparsities, default=d.stages,
+                        help="max sparsity of each joint-training stage, e.g. 0.2,0.5,0.8")
+    for name in ("warmup_epochs", "stage_epochs", "train_samples", "val_samples",
+                 "batch_size", "lr", "gate_lr", "l1", "clip", "distill", "reduction", "seed",
+                 "threads"):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(getattr(d, name)),
+                            default=getattr(d, name))
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = ElasticTrainConfig(
+        source_card=args.source_card, stages=args.stages, warmup_epochs=args.warmup_epochs,
+        stage_epochs=args.stage_epochs, train_samples=args.train_samples,
+        val_samples=args.val_samples, batch_size=args.batch_size, lr=args.lr,
+        gate_lr=args.gate_lr, l1=args.l1, clip=args.clip, distill=args.distill,
+        reduction=args.reduction, seed=args.seed, threads=args.threads)
+    try:
+        cfg.validate()
+    except ValueError as exc:
+        raise SystemExit(f"train-elastic: {exc}") from None
+    res = train_master(cfg, progress=not args.no_progress)
+    out = args.out or Path("checkpoints") / f"{res.card.name or res.card.arch}_elastic"
+    record = {"seconds": round(res.seconds, 1), "steps": res.steps,
+              "source_accuracy": res.source_accuracy,
+              "accuracy_by_sparsity": {f"{s:g}": a for s, a in res.accuracy.items()},
+              "batch_stat_accuracy_by_sparsity": {f"{s:g}": a
+                                                  for s, a in res.batch_accuracy.items()},
+              "config": {k: str(v) for k, v in vars(cfg).items()}}
+    card_path = save_gated(res.master, out, res.card, clean_accuracy=res.accuracy[0.0],
+                           metadata={"train_elastic": json.dumps(record)})
+    table = ", ".join(f"{s:g}: {a:.3f} / {res.batch_accuracy[s]:.3f}"
+                      for s, a in res.accuracy.items())
+    print(f"source accuracy {res.source_accuracy:.3f}; master by sparsity (running / batch "
+          f"BN statistics) {table} "
+          f"({res.steps} steps, {res.seconds:.0f} s); wrote {out.with_suffix('.safetensors')} "
+          f"and {card_path}")
+    return 0

@@ -78,27 +78,13 @@ def run(name: str, stream, hz: float, served: Counter | None = None, **options):
     its batches were served at."""
     cfg = BenchConfig(methods=(name,), batch_size=4, samples_per_domain=40,
                       method_options={name: options})
-    build = bench.build_method
 
-    def counting(*args, **kwargs):
-        meth = build(*args, **kwargs)
-        step = meth.step
+    def count(res) -> None:
+        if served is not None:
+            served[res.stats["size"]] += 1
+            served["adapted"] += int(res.adapted)
 
-        def counted(x):
-            res = step(x)
-            if served is not None:
-                served[res.stats["size"]] += 1
-                served["adapted"] += int(res.adapted)
-            return res
-
-        meth.step = counted
-        return meth
-
-    bench.build_method = counting
-    try:
-        return stream_method(name, master(), stream, cfg, hz).summary
-    finally:
-        bench.build_method = build
+    return stream_method(name, master(), stream, cfg, hz, on_step=count).summary
 
 
 def test_deadline_below_the_master_forward_answers_in_time_and_beats_the_master(

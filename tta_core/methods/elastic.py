@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from tta_core.adashadow.deadline import DeadlineConfig
+from tta_core.adashadow.deadline import DeadlineConfig, apply_settings
 from tta_core.api import PhaseClock, PhaseTimes, StepResult, mean_entropy
 from tta_core.elastic.filter_update import (
     filter_optimizer,
@@ -181,16 +181,7 @@ class Elastic(TTAMethod):
     def set_deadline(self, **settings: object) -> None:
         """New deadline settings (DeadlineConfig fields) from the next batch on; ValueError
         naming a bad one (nothing is changed then)."""
-        names = {f for f in DeadlineConfig.__dataclass_fields__}
-        unknown = sorted(set(settings) - names)
-        if unknown:
-            raise ValueError(f"unknown deadline setting(s) {unknown}; known: {sorted(names)}")
-        trial = DeadlineConfig(**{k: getattr(self.config, k) for k in names})
-        for key, value in settings.items():
-            setattr(trial, key, value)
-        trial.validate()
-        for key, value in settings.items():
-            setattr(self.config, key, value)
+        apply_settings(self.config, settings)
 
     def set_speed(self, speed_mps: float | None) -> None:
         """The vehicle's speed for "speed" deadlines (None: unknown, the shortest)."""

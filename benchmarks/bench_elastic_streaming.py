@@ -16,7 +16,7 @@ Usage (README / notes figures):
     nice -n 19 python benchmarks/bench_elastic_streaming.py \\
         --model-card runs/elastic/r18w32_elastic.json \\
         --source-card checkpoints/resnet18_cifar_w32_signs64.json \\
-        --stream-hz 60,140,200 --samples-per-domain 100 --batch-size 4 --threads 1
+        --deadline-x 0.8,0.6 --samples-per-domain 100 --batch-size 4 --threads 1
 """
 
 from __future__ import annotations
@@ -79,13 +79,16 @@ def main(argv: list[str]) -> int:
     p.add_argument("--model-card", type=Path, required=True, help="gated master's card")
     p.add_argument("--source-card", type=Path, default=None,
                    help="ungated source card: adds AdaShadow on it (same stream)")
-    p.add_argument("--stream-hz", default="100,140")
+    p.add_argument("--stream-hz", default="",
+                   help="frame rates (Hz); default: from --deadline-x")
+    p.add_argument("--deadline-x", default="0.8,0.6",
+                   help="batch deadlines as multiples of the master's forward measured at "
+                        "the start (a loaded machine's forward is not the idle one's)")
     p.add_argument("--samples-per-domain", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--methods", default="elastic,elastic@master,bn_adapt")
     a = p.parse_args(argv)
-    rates = [float(v) for v in a.stream_hz.split(",")]
     methods = tuple(a.methods.split(","))
     cfg = BenchConfig(methods=methods, model_card=a.model_card, batch_size=a.batch_size,
                       samples_per_domain=a.samples_per_domain, threads=a.threads,
@@ -93,6 +96,9 @@ def main(argv: list[str]) -> int:
     torch.set_num_threads(a.threads)
     _, fresh, stream = bench_inputs(cfg)
     fwd = master_forward_ms(fresh(), stream[0].x)
+    rates = ([float(v) for v in a.stream_hz.split(",")] if a.stream_hz else
+             [round(a.batch_size * 1000.0 / (float(r) * fwd), 1)
+              for r in a.deadline_x.split(",")])
     frames = sum(len(b.labels) for b in stream)
     print(f"gated master {a.model_card}: forward {fwd:.2f} ms per batch of {a.batch_size} "
           f"(median, {a.threads} thread(s)); {frames} frames; batch deadlines "

@@ -146,6 +146,11 @@ def test_refuses_a_model_without_gates() -> None:
 
 def test_capabilities_and_bad_settings() -> None:
     m = build_method("elastic", gated())
+    assert m.size_forward_ms() == {}  # no input_shape: nothing timed before a batch
+    m = build_method("elastic", gated(), input_shape=(3, 32, 32), warmup_batch=2)
+    assert {b for _, b in m.plan.times.base} == {1, 2} and not m.served
+    predicted = m.size_forward_ms()  # timed at build: a fleet can plan before a frame
+    assert set(predicted) == set(SIZES) and all(v > 0 for v in predicted.values())
     assert isinstance(m, Resizable) and isinstance(m, DeadlineTunable)
     assert isinstance(m, TTAMethodLike) and m.sizes() == SIZES
     with pytest.raises(ValueError, match="camera_hz"):

@@ -173,8 +173,10 @@ class Elastic(TTAMethod):
         self.plan.set_size(keep)
 
     def size_forward_ms(self) -> dict[float, float]:
-        """Predicted forward per size at the last batch size (empty before a batch)."""
-        n = self.plan.times.last_n
+        """Predicted forward per size at the last batch size (before any batch: the
+        largest warmed-up one; empty when none was timed yet)."""
+        times = self.plan.times
+        n = times.last_n or max((b for _, b in times.base), default=0)
         return self.plan.forward_ms(n) if n else {}
 
     # ------------------------------------------------------------ DeadlineTunable

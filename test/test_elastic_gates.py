@@ -23,6 +23,12 @@ from tta_core.elastic.gates import (
     save_gated,
     winner_take_all,
 )
+from tta_core.elastic.train import (
+    ElasticTrainConfig,
+    recalibrate_bn,
+    sandwich_loss,
+    train_master,
+)
 from tta_core.model.source import load_card, load_source
 from tta_core.model.zoo import SmallResNet
 
@@ -180,3 +186,50 @@ def test_card_round_trip_through_the_model_card_route(tmp_path) -> None:
         assert torch.equal(loaded(x), master(x)) and torch.equal(model(x), master(x))
     with pytest.raises(ValueError, match="is not a gated master"):
         load_gated(SOURCE_CARD)
+
+
+def _bn_stats(model: nn.Module) -> list[torch.Tensor]:
+    return [t.clone() for m in model.modules() if isinstance(m, nn.BatchNorm2d)
+            for t in (m.running_mean, m.running_var)]
+
+
+def test_sandwich_rule_updates_running_stats_in_the_full_pass_only() -> None:
+    master = randomize_gates(make_gated(small_source()), seed=4).train()
+    ref = copy.deepcopy(master)
+    x = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(6))
+    y = torch.arange(8)
+    loss = sandwich_loss(master, x, y, 0.8, ElasticTrainConfig(), torch.Generator())
+    with torch.no_grad():
+        ref(x)  # one full-network pass
+    assert all(torch.allclose(a, b, atol=1e-6)
+               for a, b in zip(_bn_stats(master), _bn_stats(ref), strict=True))
+    assert loss > 0 and master.sparsity == 0.0
+    assert all(p.grad is not None and p.grad.abs().sum() > 0
+               for g in master.gates.values() for p in g.parameters())
+    momenta = {m.momentum for m in master.modules() if isinstance(m, nn.BatchNorm2d)}
+    assert momenta == {0.1}  # restored
+
+
+def test_recalibrated_bn_holds_the_plain_batch_statistics() -> None:
+    master = make_gated(small_source())
+    x = torch.randn(32, 3, 32, 32, generator=torch.Generator().manual_seed(8))
+    recalibrate_bn(master, x, batch=32)
+    assert not master.training
+    with torch.no_grad():
+        z = master.base.conv1(x)
+    bn = master.base.bn1
+    assert torch.allclose(bn.running_mean, z.mean((0, 2, 3)), atol=1e-5)
+    assert torch.allclose(bn.running_var, z.var((0, 2, 3), unbiased=True), atol=1e-4)
+
+
+def test_train_master_runs_and_moves_the_gates() -> None:
+    cfg = ElasticTrainConfig(source_card=SOURCE_CARD, warmup_epochs=1, stage_epochs=1,
+                             stages=(0.5,), train_samples=64, val_samples=32, batch_size=32,
+                             eval_sparsities=(0.0, 0.5), calibration_samples=64, threads=1)
+    res = train_master(cfg, progress=False)
+    assert res.steps == 4 and set(res.accuracy) == set(res.batch_accuracy) == {0.0, 0.5}
+    fresh = ChannelGate(16, 16)
+    gate = res.master.gates["layer1_0_conv1"]
+    assert not torch.equal(gate.fc2.weight, fresh.fc2.weight)  # trained away from 0
+    with pytest.raises(ValueError, match="stages must be sparsities"):
+        ElasticTrainConfig(stages=(0.9, 1.0)).validate()

@@ -15,12 +15,12 @@ from torch import nn
 
 import tta_core.eval.bench as bench
 from tta_core.api import PhaseClock
-from tta_core.elastic.gates import make_gated
+from tta_core.elastic.gates import load_gated
 from tta_core.eval.bench import BenchConfig, build_stream, stream_method
 from tta_core.eval.streaming import timed_step
-from tta_core.model.source import load_card, load_source
+from tta_core.model.source import load_card
 
-CARD = "checkpoints/small_resnet_signs32.json"
+CARD = "checkpoints/small_resnet_signs32_elastic.json"  # the shipped gated small net
 MASTER_MS = 20.0  # virtual forward of the master on a batch of 4
 
 
@@ -60,8 +60,7 @@ def vtime(monkeypatch):
 
 
 def master() -> nn.Module:
-    base, _ = load_source(CARD)
-    return make_gated(base)
+    return load_gated(CARD)
 
 
 def calibrate(vt: VirtualTime) -> None:

@@ -8,8 +8,11 @@ the full master (1.0) whenever it fits, and goes back up as soon as a larger siz
 again; with time left it also adapts the served surrogate (and re-derives the surrogates).
 
 Predicted forward time of size k at batch n: `base(k, n) * load`. `base` is measured once
-per batch size at warm-up (each size run on the real batch, the fastest of a few runs);
-`load` is one EMA over served batches of measured / base, shared by all sizes, so a
+per batch size at warm-up (each size run on an input of the real shape, the fastest of a
+few runs: at build for batch sizes up to the method's warmup_batch, else at the first batch
+of that size);
+`load` is one EMA over served batches of measured / base (weight alpha_up 0.5 when a batch
+was slower than predicted, alpha 0.2 when faster), shared by all sizes, so a
 machine that slows down (another process, thermal limits) slows every size's prediction
 and one that recovers lets the larger sizes back in, although they were not served in
 between. The update's cost is learnt per size as a ratio to the forward (EMA, a prior
@@ -90,6 +93,10 @@ class SizeTimes:
     """Per-size forward and update time predictions (module docstring)."""
 
     alpha: float = 0.2  # EMA weight of the newest served batch
+    # ... when it was slower than predicted: a slower machine is believed quickly (a late
+    # batch costs a frame; a smaller size than needed only some accuracy), a faster one
+    # gradually
+    alpha_up: float = 0.5
     update_prior: float = 4.0  # update / forward time before an update was measured
     base: dict[tuple[float, int], float] = field(default_factory=dict)  # (keep, n) -> ms
     load: float = 1.0
@@ -131,7 +138,8 @@ class SizeTimes:
         """A served batch's forward took `ms`: fold measured / base into the load."""
         if math.isfinite(ms) and ms > 0:
             ratio = ms / self.base_ms(keep, n)
-            self.load = (1.0 - self.alpha) * self.load + self.alpha * ratio
+            a = max(self.alpha, self.alpha_up) if ratio > self.load else self.alpha
+            self.load = (1.0 - a) * self.load + a * ratio
 
     def observe_update(self, keep: float, forward_ms: float, update_ms: float) -> None:
         """An update after a forward of `forward_ms` took `update_ms`."""

@@ -115,7 +115,8 @@ def test_filter_scores_match_finite_differences(master, batch) -> None:
                 down = loss()
                 p[i] += eps
                 fd.append(abs(up - down) / (2 * eps))
-            assert float(scores[site.conv][i]) == pytest.approx(sum(fd), rel=1e-4, abs=1e-8)
+            # rel 1e-3: a ReLU kink inside +-eps moves the difference quotient by ~1e-4
+            assert float(scores[site.conv][i]) == pytest.approx(sum(fd), rel=1e-3, abs=1e-8)
 
 
 def _step(sur, x, opt, steps=2) -> None:

@@ -18,8 +18,9 @@ were written back into it (the authors' averaging rule, kept indices only), when
 served batches' mean entropy jumps (`entropy_jump` nats, per size: a new domain, the
 paper's trigger) or every `rederive_every` batches (a domain that drifts without a jump,
 and the master's own updates reach the surrogates). It runs after the batch's answer, only
-when its predicted time still fits the deadline, or when it has waited `rederive_every`
-batches more (one late batch then, rather than surrogates that never follow the domain).
+when its predicted time still fits the deadline, or regardless once 2 x `rederive_every`
+batches have passed since the last cut (one late batch then, rather than surrogates that
+never follow the domain).
 The representative sample is the batch's highest-entropy sample under the served network
 (the paper: under the master; the same when the master serves, and no extra master
 forward when it does not fit). Filter masks are chosen on the first batch each size
@@ -278,8 +279,8 @@ class Elastic(TTAMethod):
     # ------------------------------------------------------------ re-derivation
     def _maybe_rederive(self, d: Decision, x: Tensor, logits: Tensor, entropy: float) -> bool:
         """Re-derive after this batch when due (entropy jump or rederive_every batches)
-        and its predicted time fits what the deadline leaves, or when it waited
-        rederive_every batches past due."""
+        and its predicted time fits what the deadline leaves, or regardless once
+        2 x rederive_every batches have passed since the last cut."""
         self.since_derive += 1
         every = self.config.rederive_every
         jumped = self.watch.observe(d.keep, entropy)

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from tta_core.elastic.gates import make_gated
 from tta_core.methods import available_methods, build_method
 from tta_core.methods.base import TTAMethod
 from tta_core.methods.eata import softmax_entropy
@@ -21,6 +22,11 @@ SHAPE = (3, 32, 32)
 
 def _opts(name: str) -> dict:
     return {"input_shape": SHAPE} if name in ("adashadow", "darda") else {}
+
+
+def _model_for(name: str) -> nn.Module:
+    """confident_resnet, gated for the method that serves only gated masters (elastic)."""
+    return make_gated(confident_resnet()) if name == "elastic" else confident_resnet()
 
 
 def confident_resnet(seed: int = 0, gain: float = 30.0) -> SmallResNet:
@@ -68,7 +74,7 @@ def test_build_method_every_name() -> None:
     assert {"source", "bn_adapt", "tent", "eata", "sar", "cotta", "lame", "adashadow"} <= set(
         names)
     for name in names:
-        meth = build_method(name, confident_resnet(), **_opts(name))
+        meth = build_method(name, _model_for(name), **_opts(name))
         assert isinstance(meth, TTAMethod) and meth.name == name
         res = meth.step(batch(4))
         assert res.logits.shape == (4, 16) and torch.isfinite(res.logits).all()

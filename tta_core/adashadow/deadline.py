@@ -23,11 +23,12 @@ the measured forward and the fixed costs (planning.PlanningService). Pure arithm
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 __all__ = ["DEADLINE_MODES", "DEADLINE_PER", "STILL_MPS", "DeadlineConfig",
-           "batch_deadline_ms", "describe", "late_text"]
+           "apply_settings", "batch_deadline_ms", "check_settings", "describe", "late_text"]
 
 DEADLINE_MODES = ("sigma", "fixed", "camera", "speed")
 DEADLINE_PER = ("batch", "frame")
@@ -68,6 +69,27 @@ class DeadlineConfig:
         if self.min_deadline_ms > self.max_deadline_ms:
             raise ValueError(f"min_deadline_ms={self.min_deadline_ms!r} is above "
                              f"max_deadline_ms={self.max_deadline_ms!r}")
+
+
+def check_settings(cfg: DeadlineConfig, settings: dict[str, object]) -> None:
+    """ValueError naming an unknown or bad deadline setting (DeadlineConfig field names) of
+    `settings` applied to `cfg` (a config extending DeadlineConfig); `cfg` is unchanged."""
+    known = {f.name for f in dataclasses.fields(DeadlineConfig)}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ValueError(f"unknown deadline setting(s) {unknown}; known: {sorted(known)}")
+    trial = DeadlineConfig(**{k: getattr(cfg, k) for k in known})
+    for key, value in settings.items():
+        setattr(trial, key, value)
+    trial.validate()
+
+
+def apply_settings(cfg: DeadlineConfig, settings: dict[str, object]) -> None:
+    """Set deadline `settings` on `cfg` after `check_settings` (a bad one changes nothing):
+    a method's set_deadline at run time."""
+    check_settings(cfg, settings)
+    for key, value in settings.items():
+        setattr(cfg, key, value)
 
 
 def speed_deadline_ms(cfg: DeadlineConfig, speed_mps: float | None) -> float:

@@ -558,11 +558,12 @@ def warm_up(model: nn.Module, x: torch.Tensor) -> None:
 
 
 def stream_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchConfig,
-                  hz: float) -> StreamResult:
+                  hz: float, on_step: Callable[[Any], None] | None = None) -> StreamResult:
     """Method `name` in streaming mode at `hz` (eval.streaming) with the perception node's
     queue (keep-latest, NODE_QUEUE_SIZE frames) and batching (batch_size frames, waiting
     at most stream_batch_wait_ms after the first); its step time is its measured wall
-    time. AdaShadow plans against each batch's deadline at `hz` (stream_options)."""
+    time. AdaShadow plans against each batch's deadline at `hz` (stream_options).
+    `on_step` sees each step's StepResult (e.g. the sizes an elastic method served)."""
     torch.manual_seed(cfg.seed)
     x = torch.cat([b.x for b in stream])
     labels = np.concatenate([b.labels for b in stream]).tolist()
@@ -578,7 +579,10 @@ def stream_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: Ben
     def run(frames: Sequence[int], late_ms: float) -> list[int]:
         if late_aware:
             meth.set_lateness(late_ms)  # as the node does: a backlog shortens the deadline
-        pred = meth.step(x[list(frames)]).logits.argmax(1)
+        res = meth.step(x[list(frames)])
+        pred = res.logits.argmax(1)
+        if on_step is not None:
+            on_step(res)
         if cuda:
             torch.cuda.synchronize()
         return pred.tolist()

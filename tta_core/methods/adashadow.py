@@ -8,7 +8,6 @@ itself lives in `tta_core.adashadow.engine`.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from torch import Tensor, nn
 
-from tta_core.adashadow.deadline import DeadlineConfig
+from tta_core.adashadow.deadline import apply_settings, check_settings
 from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig
 from tta_core.adashadow.memory_budget import check_budget_mib
 from tta_core.adashadow.planner import Plan
@@ -127,17 +126,9 @@ class AdaShadow(TTAMethod):
     def set_deadline(self, **settings: object) -> None:
         """New deadline settings (DeadlineConfig fields: deadline_mode, deadline_ms, ...)
         from the next batch on; ValueError naming a bad one (nothing is changed then)."""
-        known = {f.name for f in dataclasses.fields(DeadlineConfig)}
-        unknown = sorted(set(settings) - known)
-        if unknown:
-            raise ValueError(f"unknown deadline setting(s) {unknown}; known: {sorted(known)}")
-        trial = DeadlineConfig(**{k: getattr(self.config, k) for k in known})
-        for key, value in settings.items():
-            setattr(trial, key, value)
-        trial.validate()
+        check_settings(self.config, settings)
         self.finish()
-        for key, value in settings.items():
-            setattr(self.config, key, value)
+        apply_settings(self.config, settings)
 
     def set_speed(self, speed_mps: float | None) -> None:
         """The vehicle's speed for "speed" deadlines (None: unknown, the shortest one)."""

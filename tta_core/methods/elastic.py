@@ -1,0 +1,345 @@
+"""ElasticDNN serving: a gated master served whole or as a smaller surrogate, whichever fits
+the batch's deadline, adapted filter by filter (issue #22).
+
+Wang et al. (ElasticDNN, ../shared/seeds/001): a master network with channel gates
+(tta_core.elastic.gates, made by `tta train-elastic`) is cut into dense surrogates keeping a
+share of the filters of every gated conv, chosen for the current domain from one sample
+(tta_core.elastic.surrogate). This method serves every batch with the largest size whose
+predicted forward fits what is left of the batch's deadline (tta_core.elastic.serving: the
+deadline modes are AdaShadow's, DeadlineConfig), the full master when it fits and back up
+as soon as a larger size fits again; a fleet scheduler may pin a size instead
+(`set_size`, api.Resizable). When the forward and an update fit (always without a deadline)
+the served network adapts: only the filters holding `mass` of the BN-gradient score of
+SHOT's information-maximisation loss train (tta_core.elastic.filter_update); the
+prediction is that forward's (no reforward).
+
+Re-derivation: the surrogates are cut again from the master, after the ones that adapted
+were written back into it (the authors' averaging rule, kept indices only), when the
+served batches' mean entropy jumps (`entropy_jump` nats, per size: a new domain, the
+paper's trigger) or every `rederive_every` batches (a domain that drifts without a jump,
+and the master's own updates reach the surrogates). It runs after the batch's answer, only
+when its predicted time still fits the deadline, or regardless once 2 x `rederive_every`
+batches have passed since the last cut (one late batch then, rather than surrogates that
+never follow the domain).
+The representative sample is the batch's highest-entropy sample under the served network
+(the paper: under the master; the same when the master serves, and no extra master
+forward when it does not fit). Filter masks are chosen on the first batch each size
+adapts on after a derivation (one probe, its cost budgeted like an update's).
+
+Size 1.0 is the master itself (its gates evaluated per sample at sparsity 0): it adapts
+in place, filter by filter like the surrogates, and needs no write-back.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from tta_core.adashadow.deadline import DeadlineConfig, apply_settings
+from tta_core.api import PhaseClock, PhaseTimes, StepResult, mean_entropy
+from tta_core.elastic.filter_update import (
+    filter_optimizer,
+    filter_scores,
+    im_loss,
+    mask_gradients,
+    select_filters,
+    write_back,
+)
+from tta_core.elastic.gates import GatedModel
+from tta_core.elastic.serving import DEFAULT_SIZES, Decision, EntropyWatch, ServingPlan, check_sizes
+from tta_core.elastic.surrogate import Surrogate, extract_surrogate, highest_entropy_sample
+from tta_core.methods import register
+from tta_core.methods.base import MethodConfig, TTAMethod
+from tta_core.model.norms import set_bn_mode
+
+
+@dataclass
+class ElasticConfig(MethodConfig, DeadlineConfig):
+    """Elastic serving settings: the sizes served, the filter-update mass, when surrogates
+    are re-derived, the time predictor's EMA weight; the deadline fields (DeadlineConfig,
+    "sigma": no deadline, the master serves and adapts every batch)."""
+
+    sizes: tuple[float, ...] = DEFAULT_SIZES  # shares of filters kept; 1.0: the master
+    mass: float = 0.8  # filters trained: the fewest holding this share of the score
+    adapt: bool = True  # False: serve only
+    rederive_every: int = 100  # batches; 0: only on an entropy jump
+    entropy_jump: float = 0.3  # nats of the served batches' mean entropy (EMA); 0: off
+    time_alpha: float = 0.2  # EMA weight of the newest batch in the time predictions
+    update_prior: float = 4.0  # update / forward time before an update was measured
+    warmup_runs: int = 2  # forwards per size timed at a new batch size (fastest counts)
+    # batch sizes 1..warmup_batch are timed when the method is built, if input_shape is
+    # given (surrogates cut from a blank sample: a size's time does not depend on which
+    # filters it keeps); other batch sizes at their first batch
+    warmup_batch: int = 4
+
+    def validate(self) -> None:
+        """ValueError naming the first bad value (deadline fields included)."""
+        DeadlineConfig.validate(self)
+        self.sizes = check_sizes(self.sizes)
+        if not 0.0 < self.mass <= 1.0:
+            raise ValueError(f"mass must be in (0, 1], got {self.mass!r}")
+        for name in ("rederive_every", "warmup_runs", "warmup_batch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {value!r}")
+        if not (math.isfinite(self.entropy_jump) and self.entropy_jump >= 0):
+            raise ValueError(f"entropy_jump must be >= 0 nats, got {self.entropy_jump!r}")
+        if not 0.0 < self.time_alpha <= 1.0:
+            raise ValueError(f"time_alpha must be in (0, 1], got {self.time_alpha!r}")
+        if not (math.isfinite(self.update_prior) and self.update_prior > 0):
+            raise ValueError(f"update_prior must be > 0, got {self.update_prior!r}")
+
+
+@dataclass
+class Served:
+    """One size's network, its filter masks' hooks and optimizer once chosen, and whether
+    it adapted since it was cut (then it is written back at the next derivation)."""
+
+    surrogate: Surrogate
+    masks: dict[str, Tensor] = field(default_factory=dict)  # selected filters per gated conv
+    hooks: list = field(default_factory=list)
+    optimizer: torch.optim.Optimizer | None = None
+    adapted: bool = False
+
+    def release(self) -> None:
+        """Remove the gradient-mask hooks (the master's stay on its own parameters)."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+        self.optimizer = None
+
+
+def master_surrogate(master: GatedModel) -> Surrogate:
+    """The master as a size-1.0 'surrogate': its own (gated) base, every filter kept, so
+    the filter-update functions train it in place."""
+    mods = dict(master.base.named_modules())
+    kept = {s.conv: torch.arange(mods[s.conv].out_channels) for s in master.sites}
+    return Surrogate(model=master.base, keep=1.0, kept=kept, sites=master.sites,
+                     scale={c: torch.ones(len(i)) for c, i in kept.items()})
+
+
+@register("elastic")
+class Elastic(TTAMethod):
+    """Load-adaptive serving of a gated master (module doc).
+
+    Capabilities (tta_core.api): DeadlineTunable, Resizable."""
+
+    config_cls = ElasticConfig
+    config: ElasticConfig
+    model: GatedModel
+
+    def configure_model(self) -> None:
+        if not isinstance(self.model, GatedModel):
+            raise ValueError(f"elastic: {type(self.model).__name__} is not a gated master; "
+                             "make one with `tta train-elastic` and pass its model card")
+        self.config.validate()
+        super().configure_model()
+        self.model.set_sparsity(0.0)
+        cfg = self.config
+        self.plan = ServingPlan(cfg, cfg.sizes, cfg.time_alpha, cfg.update_prior)
+        self.watch = EntropyWatch(jump=cfg.entropy_jump)
+        self.served: dict[float, Served] = {}
+        self.since_derive = 0  # batches since the surrogates were cut
+        self.pending = False  # a re-derivation is due
+        if len(cfg.input_shape) == 3 and cfg.warmup_batch > 0:
+            self._warm_up_blank(tuple(cfg.input_shape))
+
+    def _warm_up_blank(self, shape: tuple[int, ...]) -> None:
+        """Time every size at batch sizes 1..warmup_batch on surrogates cut from a blank
+        sample (the real ones are cut at the first batch), then forget those."""
+        device = next(self.model.parameters()).device
+        self._derive(torch.zeros((1, *shape), device=device))
+        for n in range(1, self.config.warmup_batch + 1):
+            self._warm_up(torch.randn((n, *shape), device=device))
+        for served in self.served.values():
+            served.release()
+        self.served = {}
+
+    def collect_params(self) -> list:
+        return []  # every size has its own optimizer over its selected filters
+
+    def setup_optimizer(self) -> None:
+        return None
+
+    # ------------------------------------------------------------ Resizable
+    def sizes(self) -> tuple[float, ...]:
+        """The sizes served, largest first (1.0: the master)."""
+        return self.plan.sizes
+
+    def set_size(self, keep: float | None) -> None:
+        """Serve `keep` from the next batch on; None: the deadline's choice again."""
+        self.plan.set_size(keep)
+
+    def size_forward_ms(self) -> dict[float, float]:
+        """Predicted forward per size at the last batch size (before any batch: the
+        largest warmed-up one; empty when none was timed yet)."""
+        times = self.plan.times
+        n = times.last_n or max((b for _, b in times.base), default=0)
+        return self.plan.forward_ms(n) if n else {}
+
+    # ------------------------------------------------------------ DeadlineTunable
+    def set_deadline(self, **settings: object) -> None:
+        """New deadline settings (DeadlineConfig fields) from the next batch on; ValueError
+        naming a bad one (nothing is changed then)."""
+        apply_settings(self.config, settings)
+
+    def set_speed(self, speed_mps: float | None) -> None:
+        """The vehicle's speed for "speed" deadlines (None: unknown, the shortest)."""
+        self.plan.set_speed(speed_mps)
+
+    def set_lateness(self, late_ms: float) -> None:
+        """The next batches start `late_ms` after their newest frame arrived."""
+        self.plan.set_lateness(late_ms)
+
+    # ------------------------------------------------------------ the batch
+    def forward_and_adapt(self, x: Tensor) -> StepResult:
+        clock = PhaseClock.for_tensor(x)
+        n = int(x.shape[0])
+        setup_ms = 0.0  # one-time costs, outside the batch's predicted time
+        if not self.served:
+            self._derive(highest_entropy_sample(self.model, x))
+            setup_ms = clock.mark()
+            self.plan.observe_rederive(setup_ms)
+        if not self.plan.times.measured(n):
+            self._warm_up(x)
+        setup_ms += clock.mark()
+        d = self.plan.decide(n, self.config.adapt and self.config.lr > 0)
+        served = self.served[d.keep]
+        if d.adapt and served.optimizer is None and not self.plan.room_for(
+                d, self.plan.times.update_ms(d.keep, n)):
+            d = self.plan.without_update(d, n)  # no room to choose its filters first
+        plan_ms = clock.mark()
+        loss, probe_ms, backward_ms = math.nan, 0.0, 0.0
+        if d.adapt:
+            logits, loss, probe_ms, forward_ms, backward_ms = self._adapt(served, x, clock)
+        else:
+            with torch.no_grad():
+                logits = served.surrogate.model(x)
+            forward_ms = clock.mark()
+        self.plan.observe(d, n, forward_ms + backward_ms,
+                          plan_ms + probe_ms + forward_ms + backward_ms)
+        entropy = mean_entropy(logits)
+        rederived = self._maybe_rederive(d, x, logits, entropy)
+        plan_ms += setup_ms + clock.mark()
+        times = PhaseTimes(forward_ms, plan_ms, probe_ms + backward_ms, 0.0,
+                           plan_ms + forward_ms + probe_ms + backward_ms)
+        return StepResult(logits=logits.detach(), times=times, loss=loss, mean_entropy=entropy,
+                          adapted=d.adapt, budget_ms=d.deadline_ms, stats={
+                              "size": d.keep, "adapted": d.adapt, "rederived": rederived,
+                              "pinned": d.pinned, "predicted_ms": d.predicted_ms,
+                              "margin_ms": d.margin_ms})
+
+    def _adapt(self, served: Served, x: Tensor, clock: PhaseClock
+               ) -> tuple[Tensor, float, float, float, float]:
+        """Choose the filters when this size has none yet (probe, its own time), then one
+        forward with gradients (the answer), the information-maximisation loss and a step
+        on the selected filters. (logits, loss, probe ms, forward ms, backward ms)."""
+        probe_ms = 0.0
+        if served.optimizer is None:
+            served.masks = select_filters(filter_scores(served.surrogate, x), self.config.mass)
+            served.hooks = mask_gradients(served.surrogate, served.masks)
+            served.optimizer = filter_optimizer(served.surrogate, self.config.lr,
+                                                self.config.momentum)
+            probe_ms = clock.mark()
+        for group in served.optimizer.param_groups:
+            group["lr"] = self.effective_lr(int(x.shape[0]))
+        with torch.enable_grad():
+            logits = served.surrogate.model(x)
+            loss = im_loss(logits)
+        forward_ms = clock.mark()
+        served.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        served.optimizer.step()
+        served.adapted = True
+        self.optimizer = served.optimizer  # what a report reads the running rate from
+        return logits.detach(), float(loss.detach()), probe_ms, forward_ms, clock.mark()
+
+    def effective_lr(self, batch: int) -> float:
+        """lr * batch / lr_ref_batch (lr itself when lr_ref_batch is 0): every size's
+        optimizer steps with it (MethodConfig)."""
+        ref = self.config.lr_ref_batch
+        return self.config.lr * batch / ref if ref else self.config.lr
+
+    @torch.no_grad()
+    def _warm_up(self, x: Tensor) -> None:
+        """Time every size's forward on this batch (the fastest of warmup_runs, at least
+        one): the base of its predictions at this batch size."""
+        clock = PhaseClock.for_tensor(x)
+        for keep, served in self.served.items():
+            best = math.inf
+            for _ in range(max(self.config.warmup_runs, 1)):
+                clock.mark()
+                served.surrogate.model(x)
+                best = min(best, clock.mark())
+            self.plan.times.set_base(keep, int(x.shape[0]), max(best, 1e-6))
+
+    # ------------------------------------------------------------ re-derivation
+    def _maybe_rederive(self, d: Decision, x: Tensor, logits: Tensor, entropy: float) -> bool:
+        """Re-derive after this batch when due (entropy jump or rederive_every batches)
+        and its predicted time fits what the deadline leaves, or regardless once
+        2 x rederive_every batches have passed since the last cut."""
+        self.since_derive += 1
+        every = self.config.rederive_every
+        jumped = self.watch.observe(d.keep, entropy)
+        if jumped or (every and self.since_derive >= every):
+            self.pending = True
+        if not self.pending:
+            return False
+        overdue = every and self.since_derive >= 2 * every
+        if not (overdue or self.plan.room_for(d, self.plan.rederive_ms)):
+            return False
+        clock = PhaseClock.for_tensor(x)
+        i = int(torch.argmax(_entropies(logits)))
+        self._derive(x[i:i + 1])
+        self.plan.observe_rederive(clock.mark())
+        return True
+
+    def _derive(self, sample: Tensor) -> None:
+        """Write the adapted surrogates back into the master, then cut every size afresh
+        from it on `sample` (1, C, H, W); filter masks are chosen again when each adapts."""
+        for served in self.served.values():
+            served.release()
+            if served.adapted and served.surrogate.keep < 1.0:
+                write_back(self.model, served.surrogate)
+        self.served = {}
+        for keep in self.plan.sizes:
+            surrogate = (master_surrogate(self.model) if keep >= 1.0
+                         else extract_surrogate(self.model, sample, keep))
+            if keep < 1.0:
+                set_bn_mode(surrogate.model, self.config.bn_mode)
+                surrogate.model.requires_grad_(False)
+            self.served[keep] = Served(surrogate)
+        self.watch.clear()
+        self.since_derive = 0
+        self.pending = False
+
+    # ------------------------------------------------------------ reset / close
+    def reset_state(self) -> None:
+        for served in self.served.values():
+            served.release()
+        self.served = {}
+        self.plan.reset()
+        self.watch.clear()
+        self.since_derive, self.pending = 0, False
+        self.optimizer = None
+
+    def reset(self) -> None:
+        """Restore the master bit for bit and forget surrogates, masks and the learnt
+        times (warm-up times stay); the next batch cuts the surrogates again."""
+        self.reset_state()
+        self.model.load_state_dict(self._model_state)
+        self.model.requires_grad_(False)
+
+    def close(self) -> None:
+        """Remove the gradient-mask hooks."""
+        for served in self.served.values():
+            served.release()
+
+
+def _entropies(logits: Tensor) -> Tensor:
+    """Per-sample entropy (nats) of softmax(logits)."""
+    logp = torch.log_softmax(logits.detach().float(), dim=1)
+    return -(logp.exp() * logp).sum(1)

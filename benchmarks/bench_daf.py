@@ -140,9 +140,9 @@ def importance_ablation(model: nn.Module, x: torch.Tensor, frac: float) -> dict:
     random batch: what a running node has), uniform, and the inverse of the gradient RMS
     (a wrong ranking); per source: the cosine of the step's gradient (units at 0 bits frozen,
     their gradient 0) with the dense gradient, the share of units kept, the saved MiB."""
+    _set_trainable(model, False)  # every unit trainable (a timed config may have frozen some)
     units, _ = trainable_units(model)
     mods = dict(model.named_modules())
-    _set_trainable(model, False)
     dense = SavedActivationCounter(model)
     _step(model, x, dense)
     g_dense = _grad_vector(model)

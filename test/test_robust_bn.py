@@ -93,28 +93,46 @@ def test_batch_mode_stays_available_and_other_methods_refuse_robust() -> None:
 
 def test_batches_served_without_update_still_move_the_statistics() -> None:
     """A deadline no forward can meet: after the first batch every batch is served
-    without plan (a plain forward); robust BN still follows the stream, except on batches
-    that start late (a backlog), which skip the statistics' update to catch up."""
+    without plan (a plain forward); robust BN still follows the stream, every other batch
+    at the momentum of two once a served forward fills > THIN_ABOVE of the deadline
+    (thinning), except on batches that start late (a backlog), which skip the update to
+    catch up."""
     model = _model()
     meth = build_method("adashadow", model, deadline_mode="fixed", deadline_ms=1e-3,
                         **CFG)
     bn = _bns(model)[-1]
+    m = meth.engine.config.bn_momentum
     g = torch.Generator().manual_seed(2)
-    for i in range(4):
-        before = bn.running_mean.clone()
-        res = meth.step(torch.randn(4, 3, 32, 32, generator=g) * 2 + 1)
-        assert not res.adapted and not torch.equal(bn.running_mean, before)
+    moved = []
+    for i in range(6):
+        before = (bn.running_mean.clone(), bn.running_var.clone())
+        x = torch.randn(4, 3, 32, 32, generator=g) * 2 + 1
+        seen: list[torch.Tensor] = []
+        h = bn.register_forward_pre_hook(
+            lambda _m, a, seen=seen: seen.append(a[0].detach().clone()))
+        res = meth.step(x)
+        h.remove()
+        assert not res.adapted
+        moved.append(not torch.equal(bn.running_mean, before[0]))
         if i:
             assert res.planning.skipped and not res.importance.any()  # no plan phase
+        if i >= 2 and moved[-1]:  # a thinned update stands for two batches
+            mu, var = before[0].clone(), before[1].clone()
+            torch.batch_norm_update_stats(seen[0], mu, var, 1 - (1 - m) ** 2)
+            assert torch.allclose(bn.running_mean, mu, atol=1e-6)
+            assert torch.allclose(bn.running_var, var, atol=1e-6)
+    assert moved[:2] == [True, True]  # the first served batch sets the stride
+    assert moved[2:] in ([True, False, True, False], [False, True, False, True])
     # a backlog (the batch starts late): catch up first, the statistics stay
     meth.set_lateness(5.0)
     for _ in range(2):
         before = bn.running_mean.clone()
         res = meth.step(torch.randn(4, 3, 32, 32, generator=g) * 2 + 1)
         assert res.planning.skipped and torch.equal(bn.running_mean, before)
-    meth.set_lateness(0.0)  # on time again: they move
+    meth.set_lateness(0.0)  # on time again: they move (thinned: within two batches)
     before = bn.running_mean.clone()
-    meth.step(torch.randn(4, 3, 32, 32, generator=g) * 2 + 1)
+    for _ in range(2):
+        meth.step(torch.randn(4, 3, 32, 32, generator=g) * 2 + 1)
     assert not torch.equal(bn.running_mean, before)
     meth.close()
 

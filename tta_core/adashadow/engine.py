@@ -199,15 +199,31 @@ class ForwardTimes:
 # statistics' update (~15 % of its forward) to catch up first. Without it a node whose
 # forward alone no longer kept up answered fewer frames in time than bn_adapt (ResNet-18
 # w32 at 140 Hz on the loaded VM: 0.8 vs 56.6 %; with it 84.8 %).
+# THIN_ABOVE: when a served batch that moved the statistics filled more than this share of
+# its deadline, the following served batches move them every other batch only, at the
+# momentum of two (RobustBN.due): the statistics decay per batch as before, and half the
+# served batches lose the update's ~0.18 of the small net's ~1.65 ms at 2000 Hz.
+THIN_ABOVE = 0.7
+
+
+def _serve_weight(rbn: RobustBN, late_ms: float) -> int:
+    """Robust-BN weight of a served batch: 0 (skip) when it starts late, else thinning."""
+    return 0 if late_ms > 0.0 else rbn.due()
+
+
+def _thin_after(rbn: RobustBN, weight: int, forward_ms: float, deadline_ms: float) -> None:
+    """Set the thinning stride from a served batch that moved the statistics."""
+    if weight > 0:
+        rbn.stride = 2 if forward_ms > THIN_ABOVE * deadline_ms else 1  # NaN deadline: 1
 
 
 @contextmanager
 def _own_forward(collector: UnitStatsCollector, rbn: RobustBN,
-                 capture: bool = True, robust: bool = True) -> Iterator[None]:
+                 capture: bool = True, robust: int = 1) -> Iterator[None]:
     """The batch's own forward: unit statistics captured (unless not `capture`) and
-    robust-BN statistics moved (unless not `robust`; never in a reforward or the lazy
-    re-run of the tail, which see the batch again)."""
-    collector.capture, rbn.enabled = capture, robust
+    robust-BN statistics moved with weight `robust` (RobustBN.due; 0: not moved, as in a
+    reforward or the lazy re-run of the tail, which see the batch again)."""
+    collector.capture, rbn.enabled, rbn.weight = capture, robust > 0, max(robust, 1)
     try:
         yield
     finally:
@@ -508,13 +524,14 @@ class AdaShadowEngine:
     def _serve_only(self, x: Tensor, t0: float, batch_size: int) -> StepResult:
         """A batch no inline plan can fit (graph floor: no unit): a plain forward, no unit
         statistics, loss, assessor or planner; the result says why. Robust-BN statistics
-        move unless the batch starts late (LATE_SHEDS). Its forward time counts for the
-        floor scaled to a planned batch's (ForwardTimes.note_plain)."""
+        move unless late (LATE_SHEDS), every other batch when tight (THIN_ABOVE). Its
+        forward time counts for the floor scaled to a planned batch's (note_plain)."""
         self.clock.mark()
-        with _own_forward(self._collector, self._rbn, capture=False,
-                          robust=self.planning.late_ms <= 0.0), torch.no_grad():
+        weight = _serve_weight(self._rbn, self.planning.late_ms)
+        with _own_forward(self._collector, self._rbn, False, weight), torch.no_grad():
             logits = self.staged.model(x)
         forward_ms = self.clock.mark()
+        _thin_after(self._rbn, weight, forward_ms, self.planning.deadline_ms(batch_size))
         self._fwd.note_plain(forward_ms, batch_size)
         outcome = self.planning.empty_outcome(forward_ms, batch_size)
         fwd = _Forward(logits, [], [], forward_ms, len(self.staged.stages))

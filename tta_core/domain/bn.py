@@ -74,14 +74,23 @@ class RobustBN:
         if not 0.0 <= momentum <= 1.0:
             raise ValueError(f"bn momentum must be in [0, 1], got {momentum}")
         self.momentum, self.enabled = float(momentum), True
+        self.stride, self.weight, self._count = 1, 1, 0
         self._handles = [bn.register_forward_pre_hook(self._hook) for bn in layers]
+
+    def due(self) -> int:
+        """Thinning: with `stride` k > 1 only every k-th call returns k (this forward moves
+        the statistics, standing for k batches), the others 0 (skip it). The caller passes
+        the result as `weight`: the moved statistics decay per batch as with k = 1."""
+        self._count += 1
+        return self.stride if self._count % self.stride == 0 else 0
 
     def _hook(self, bn: nn.Module, args: tuple) -> None:
         if not self.enabled or self.momentum == 0.0 or bn.training:
             return
+        momentum = 1.0 - (1.0 - self.momentum) ** self.weight  # weight 1: self.momentum
         with torch.no_grad():
             torch.batch_norm_update_stats(args[0].detach(), bn.running_mean, bn.running_var,
-                                          self.momentum)
+                                          momentum)
 
     def close(self) -> None:
         """Remove the hooks."""

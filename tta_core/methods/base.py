@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from tta_core import losses
 from tta_core.adashadow.planner import Plan
 from tta_core.api import PhaseClock, PhaseTimes, StepResult, mean_entropy
+from tta_core.model.memory_format import apply_memory_format
 from tta_core.model.norms import NORM_NAMES, ROBUST_BN_METHODS, norm_affine_params, set_bn_mode
 
 
@@ -45,6 +46,9 @@ class MethodConfig:
     # one sample (C, H, W), for model decomposition; () = not given (never assumed)
     input_shape: tuple[int, ...] = ()
     arch: str | None = None
+    # conv activations in NCHW or channels_last (tta_core.model.memory_format): "auto"
+    # times both on input_shape at build and keeps the faster (channels_last >= 10 % faster)
+    memory_format: str = "auto"
 
 
 class TTAMethod:
@@ -56,6 +60,9 @@ class TTAMethod:
     def __init__(self, model: nn.Module, config: MethodConfig | None = None) -> None:
         self.model = model
         self.config = config if config is not None else self.config_cls()
+        self.format = apply_memory_format(model, self.config.memory_format,
+                                          tuple(self.config.input_shape),
+                                          batch_stats=self.config.bn_mode in ("batch", "robust"))
         self.configure_model()
         self.params = self.collect_params()
         self.optimizer = self.setup_optimizer()

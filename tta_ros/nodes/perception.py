@@ -56,6 +56,7 @@ from tta_core.memory.quant import STORED_BITS
 from tta_core.methods import available_methods, build_method, method_class
 from tta_core.model.source import load_source
 from tta_core.model.units import decompose
+from tta_core.runtime.gc_pauses import freeze_startup_heap
 from tta_ros import ros_params
 from tta_ros.convert import (
     FRAME_INPUTS,
@@ -209,6 +210,7 @@ def build_warm(p: dict[str, Any], model: torch.nn.Module, image_size: int,
     if isinstance(meth, WarmsUp):
         dev = next(model.parameters()).device
         meth.warm_up(torch.randn(p["batch_size"], 3, image_size, image_size, device=dev))
+    freeze_startup_heap()  # full garbage collections skip what exists now (gc_pauses)
     return meth
 
 

@@ -11,7 +11,8 @@ as soon as a larger size fits again; a fleet scheduler may pin a size instead
 (`set_size`, api.Resizable). When the forward and an update fit (always without a deadline)
 the served network adapts: only the filters holding `mass` of the BN-gradient score of
 SHOT's information-maximisation loss train (tta_core.elastic.filter_update); the
-prediction is that forward's (no reforward).
+prediction is that forward's (no reforward). No smaller size is served to make room for
+an update: on the shipped stream updates did not raise accuracy (README, elastic section).
 
 Re-derivation: the surrogates are cut again from the master, after the ones that adapted
 were written back into it (the authors' averaging rule, kept indices only), when the

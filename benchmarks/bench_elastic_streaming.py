@@ -12,11 +12,17 @@ Methods: `elastic` (load-adaptive: the largest surrogate whose predicted forward
 the ungated source (`--source-card`: it cannot decompose a gated master, and when the
 forward misses the deadline it can only stop updating).
 
-Usage (README / notes figures):
-    nice -n 19 python benchmarks/bench_elastic_streaming.py \\
-        --model-card runs/elastic/r18w32_elastic.json \\
-        --source-card checkpoints/resnet18_cifar_w32_signs64.json \\
-        --deadline-x 0.8,0.6 --samples-per-domain 100 --batch-size 4 --threads 1
+Every method is warmed up first as the perception node does (api.WarmsUp: elastic cuts its
+surrogates and learns its times on noise before the stream).
+
+Usage (README figures; a timing run wants a quiet machine):
+    python benchmarks/bench_elastic_streaming.py \\
+        --model-card runs/elastic/r18_untrained_gates.json \\
+        --deadline-x 0.8,0.7,0.6 --samples-per-domain 100 --batch-size 4 --threads 1
+(runs/elastic/r18_untrained_gates.json: checkpoints/resnet18_cifar_w32_signs64.json through
+tta_core.elastic.gates.make_gated + save_gated, gates untrained; or a `tta train-elastic`
+card such as checkpoints/small_resnet_signs32_elastic.json; --source-card
+checkpoints/resnet18_cifar_w32_signs64.json adds AdaShadow on the ungated source.)
 """
 
 from __future__ import annotations

@@ -83,27 +83,33 @@ def run(name: str, stream, hz: float, served: Counter | None = None, **options):
             served[res.stats["size"]] += 1
             served["adapted"] += int(res.adapted)
 
-    return stream_method(name, master(), stream, cfg, hz, on_step=count).summary
+    return stream_method(name, master(), stream, cfg, hz, on_step=count)
 
 
+@pytest.mark.parametrize("factor", [0.8, 0.6])
 def test_deadline_below_the_master_forward_answers_in_time_and_beats_the_master(
-        stream, vtime) -> None:
-    """A batch's deadline is 0.8x the master's forward: the master alone (elastic with
-    sizes (1.0,), and bn_adapt on the same gated master) falls behind and answers almost
-    nothing in time; elastic serves smaller sizes and answers >= 95 % of the frames (the
-    misses: the first batch, which cuts the surrogates)."""
+        stream, vtime, factor) -> None:
+    """A batch's deadline is 0.8x / 0.6x the master's forward: the master alone (elastic
+    with sizes (1.0,), and bn_adapt on the same gated master) falls behind and answers
+    almost nothing in time; elastic serves smaller sizes and answers >= 95 % of the frames.
+    Its warm-up cut the surrogates before the stream, so its first batch meets its
+    deadline (before warm_up it cut them there: ~4 master forwards, and the backlog it
+    left cost 3.5 % of the frames at 0.8x, 6.2 % at 0.6x)."""
     calibrate(vtime)
-    hz = 4 * 1000.0 / (0.8 * MASTER_MS)
+    hz = 4 * 1000.0 / (factor * MASTER_MS)
     served: Counter = Counter()
-    e = run("elastic", stream, hz, served)
-    m = run("elastic", stream, hz, sizes=(1.0,))
-    b = run("bn_adapt", stream, hz)
+    full = run("elastic", stream, hz, served)
+    e = full.summary
+    m = run("elastic", stream, hz, sizes=(1.0,)).summary
+    b = run("bn_adapt", stream, hz).summary
+    assert full.batches[0].step_ms <= full.batches[0].deadline_ms(1000.0 / hz)
     assert e.answered >= 0.95 and e.deadline_met >= 0.95, e
     assert m.answered < 0.1 and b.answered < 0.1, (m, b)
     assert e.streaming > m.streaming and e.streaming > b.streaming
     assert e.strict > m.strict
     assert served[1.0] == 0 and served[0.7] + served[0.5] + served[0.3] == e.batches
-    assert served[0.7] > served[0.5]  # the largest that fits, once caught up
+    assert max(served, key=lambda k: served[k] if k != "adapted" else -1) == (
+        0.7 if factor == 0.8 else 0.5)  # the largest that fits
     assert np.isfinite(e.mean_latency_ms)
 
 
@@ -111,6 +117,27 @@ def test_loose_deadline_serves_the_master_and_adapts(stream, vtime) -> None:
     """A deadline 20x the master's forward: every batch is the master, adapted."""
     calibrate(vtime)
     served: Counter = Counter()
-    res = run("elastic", stream, 4 * 1000.0 / (20 * MASTER_MS), served)
+    res = run("elastic", stream, 4 * 1000.0 / (20 * MASTER_MS), served).summary
     assert res.answered == 1.0 and res.deadline_met == 1.0
     assert served[1.0] == served["adapted"] == res.batches
+
+
+def test_warm_up_learns_what_an_adapting_batch_costs(vtime) -> None:
+    """On the (deterministic) virtual clock, after warm_up the predicted time of an
+    adapting batch of every size equals what it then takes (forward with gradients and
+    update). An update timed from the gradient forward on, rather than from the no-grad
+    forward's prediction as served batches are, was predicted near 0 there, and an
+    adapting batch ran 2.4x past a deadline it was planned to meet."""
+    from tta_core.methods import build_method
+
+    calibrate(vtime)
+    m = build_method("elastic", master(), deadline_mode="fixed", deadline_ms=1e5)
+    m.warm_up(torch.randn(4, 3, 32, 32))
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(3))
+    for keep in m.sizes():
+        m.set_size(keep)
+        m.step(x)  # chooses this size's filters (a probe, not part of the prediction)
+        res = m.step(x)
+        assert res.adapted and res.stats["size"] == keep
+        took = res.times.forward_ms + res.times.backward_ms
+        assert res.stats["predicted_ms"] == pytest.approx(took, rel=1e-6), keep

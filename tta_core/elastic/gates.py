@@ -203,8 +203,14 @@ class GatedModel(nn.Module):
     def gate_values(self, x: Tensor, saliency: bool = False) -> dict[str, Tensor]:
         """Per gated conv, the (N, C_out) gate values on `x` at the current sparsity (with
         `saliency`: before winner-take-all); no gradients, the model's mode unchanged."""
+        return self.gates_on(x)[1 if saliency else 0]
+
+    @torch.no_grad()
+    def gates_on(self, x: Tensor) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+        """(gate values, saliencies before winner-take-all) per gated conv on `x`, both from
+        one forward (a surrogate cut needs both: one master forward instead of two)."""
         self(x)
-        return dict(self._saliency if saliency else self._values)
+        return dict(self._values), dict(self._saliency)
 
     def plain_base(self) -> nn.Module:
         """A deep copy of `base` without the gate hooks: the dense network, ungated."""

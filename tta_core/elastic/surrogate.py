@@ -121,8 +121,7 @@ def extract_surrogate(master: GatedModel, sample: Tensor, keep: float) -> Surrog
     master.eval()
     try:
         with master.sparsity_set_to(min(sparsity, 1.0 - 1e-9)):
-            values = master.gate_values(sample)
-            saliency = master.gate_values(sample, saliency=True)
+            values, saliency = master.gates_on(sample)
     finally:
         master.train(was_training)
     model = master.plain_base()

@@ -11,7 +11,8 @@ as soon as a larger size fits again; a fleet scheduler may pin a size instead
 (`set_size`, api.Resizable). When the forward and an update fit (always without a deadline)
 the served network adapts: only the filters holding `mass` of the BN-gradient score of
 SHOT's information-maximisation loss train (tta_core.elastic.filter_update); the
-prediction is that forward's (no reforward).
+prediction is that forward's (no reforward). No smaller size is served to make room for
+an update: on the shipped stream updates did not raise accuracy (README, elastic section).
 
 Re-derivation: the surrogates are cut again from the master, after the ones that adapted
 were written back into it (the authors' averaging rule, kept indices only), when the
@@ -26,6 +27,16 @@ The representative sample is the batch's highest-entropy sample under the served
 forward when it does not fit). Filter masks are chosen on the first batch each size
 adapts on after a derivation (one probe, its cost budgeted like an update's).
 
+Warm-up (`warm_up`, before the first frame): the surrogates are cut from the warm-up
+batch (noise, in a node and in `tta bench`) and kept, every size's forward and update and
+the batch's fixed cost are timed, and the weights are put back; the first real batch
+then pays for nothing but itself. Which sample the filters are cut from barely matters
+for the trained gates: on the shipped stream (small net, 1500 frames, no update) a cut
+on noise, on the first real batch and on every domain's first batch served 38.1 / 38.0 /
+37.9 % at 0.7, 37.5 / 37.6 / 37.7 % at 0.5 and 33.5 / 33.3 / 33.5 % at 0.3. So a re-cut
+that nothing adapted before (no write-back, the master unchanged) is not worth a late
+batch: it runs only when it fits; the overdue rule forces only a re-cut that writes back.
+
 Size 1.0 is the master itself (its gates evaluated per sample at sparsity 0): it adapts
 in place, filter by filter like the surrogates, and needs no write-back.
 """
@@ -39,6 +50,7 @@ import torch
 from torch import Tensor
 
 from tta_core.adashadow.deadline import DeadlineConfig, apply_settings
+from tta_core.adashadow.fixed_costs import MARGIN_WARMUP
 from tta_core.api import PhaseClock, PhaseTimes, StepResult, mean_entropy
 from tta_core.elastic.filter_update import (
     filter_optimizer,
@@ -263,6 +275,35 @@ class Elastic(TTAMethod):
         ref = self.config.lr_ref_batch
         return self.config.lr * batch / ref if ref else self.config.lr
 
+    def warm_up(self, x: Tensor, steps: int = MARGIN_WARMUP) -> None:
+        """Before the first real batch (api.WarmsUp: a node at start, a benchmark before its
+        stream): cut the surrogates from x's highest-entropy sample (timed: the re-cut's
+        cost), time every size on x, time `steps` updates of every size (its update
+        cost) and `steps` planned batches (the margin, active from the first real batch
+        with MARGIN_WARMUP of them); then put the master, the cut
+        surrogates, BN statistics, masks, optimizers and entropy watch back as they were.
+        The cut surrogates stay, so no real batch pays for cutting: surrogates cut on
+        noise served the trained small net's stream within 0.2 points of ones cut on its
+        first real batch or per domain (module doc); a re-cut follows when due and it fits."""
+        master = _snapshot(self.model)
+        clock = PhaseClock.for_tensor(x)
+        self._derive(highest_entropy_sample(self.model, x))
+        self.plan.observe_rederive(clock.mark())
+        self._warm_up(x)
+        cut = {k: _snapshot(s.surrogate.model) for k, s in self.served.items()}
+        try:
+            adapts = self.config.adapt and self.config.lr > 0
+            for served in self.served.values() if adapts else ():
+                for _ in range(steps):  # the update measured as a served batch's
+                    clock.mark()
+                    *_, forward_ms, backward_ms = self._adapt(served, x, clock)
+                    d = Decision(served.surrogate.keep, True, math.nan, 0.0, math.nan)
+                    self.plan.observe(d, len(x), forward_ms + backward_ms, math.nan)
+            for _ in range(steps):
+                self.forward_and_adapt(x)
+        finally:
+            _put_back(self, master, cut)
+
     @torch.no_grad()
     def _warm_up(self, x: Tensor) -> None:
         """Time every size's forward on this batch (the fastest of warmup_runs, at least
@@ -280,7 +321,9 @@ class Elastic(TTAMethod):
     def _maybe_rederive(self, d: Decision, x: Tensor, logits: Tensor, entropy: float) -> bool:
         """Re-derive after this batch when due (entropy jump or rederive_every batches)
         and its predicted time fits what the deadline leaves, or regardless once
-        2 x rederive_every batches have passed since the last cut."""
+        2 x rederive_every batches have passed since the last cut if some size adapted
+        since (without, a re-cut only re-picks filters from another sample: no late batch
+        for that, module doc)."""
         self.since_derive += 1
         every = self.config.rederive_every
         jumped = self.watch.observe(d.keep, entropy)
@@ -288,7 +331,8 @@ class Elastic(TTAMethod):
             self.pending = True
         if not self.pending:
             return False
-        overdue = every and self.since_derive >= 2 * every
+        overdue = (every and self.since_derive >= 2 * every
+                   and any(s.adapted for s in self.served.values()))
         if not (overdue or self.plan.room_for(d, self.plan.rederive_ms)):
             return False
         clock = PhaseClock.for_tensor(x)
@@ -337,6 +381,23 @@ class Elastic(TTAMethod):
         """Remove the gradient-mask hooks."""
         for served in self.served.values():
             served.release()
+
+
+def _put_back(meth: Elastic, master: dict[str, Tensor], cut: dict[float, dict]) -> None:
+    """What warm_up leaves: the master and every surrogate as snapshot (`master`, `cut`
+    per size), no filter masks, optimizers, adaptation or entropy history."""
+    meth.model.load_state_dict(master)
+    for keep, served in meth.served.items():
+        served.release()
+        served.surrogate.model.load_state_dict(cut[keep])
+        meth.served[keep] = Served(served.surrogate)
+    meth.watch.clear()
+    meth.since_derive, meth.pending, meth.optimizer = 0, False, None
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, Tensor]:
+    """A copy of `model`'s state_dict (parameters and buffers), to put back bit for bit."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _entropies(logits: Tensor) -> Tensor:

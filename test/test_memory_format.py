@@ -21,7 +21,7 @@ def _cl(model: nn.Module) -> bool:
 
 
 def test_bad_format_is_refused_in_one_line() -> None:
-    with pytest.raises(ValueError, match="memory_format must be one of .* got 'nhwc'"):
+    with pytest.raises(ValueError, match=r"memory_format must be one of .* got 'nhwc'"):
         build_method("bn_adapt", load_source(CARD)[0], memory_format="nhwc")
 
 

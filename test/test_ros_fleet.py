@@ -213,6 +213,7 @@ def test_perception_fleet_records_served_and_probed_sizes(sized_method) -> None:
     kv = {k.key: k.value for k in st.values}
     assert kv["sizes"] == "1,0.5,0.25" and kv["accuracy"] == "0.7,0.7,0.4"
     assert kv["forward_ms"] == "20,9,4" and kv["deadline_ms"] == "200"
+    assert kv["keep"] == "0.5" and kv["served"] == "0.5"  # what the batch was served at
     p["elastic_keep"] = 0.0
     fleet.apply({"elastic_keep": 0.0}, method)
     assert method.keep is None  # back to the method's own choice

@@ -388,8 +388,12 @@ class PerceptionNode(Node):
             self.unit_names = list(self.method.unit_names)
         else:
             s = self.pre.image_size  # the source model: no forward through the method's hooks
-            self.unit_names = [u.name for u in decompose(self.source_model, (3, s, s),
-                                                         self.card.arch).units]
+            try:
+                self.unit_names = [u.name for u in decompose(self.source_model, (3, s, s),
+                                                             self.card.arch).units]
+            except ValueError as exc:  # e.g. a gated master (elastic): it plans nothing,
+                self.unit_names = []  # so no LayerImportance is sent; serving goes on
+                self.get_logger().info(f"no layer importance for this model: {exc}")
 
     @property
     def accepts_plans(self) -> bool:

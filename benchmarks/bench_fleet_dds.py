@@ -16,8 +16,10 @@ predictions (receive time on this process's monotonic clock, the publishers' clo
 
 Phases. Warm-up: frames flow at every rate with an unlimited capacity (every camera at
 its full size) until every node reports a forward time and an accuracy estimate per size
-on /diagnostics, plus `--warm` seconds. Capacity: from those reports (the loads the nodes
-themselves predict), `--capacity` x the least capacity at which the equal split is
+on /diagnostics (one camera at a time: each node times its sizes at its first full
+batch, which on a machine busy with the other cameras gave non-monotone times), then
+`--warm` seconds of every camera. Capacity: from those reports (the loads the nodes
+themselves predict, averaged over the `--warm` seconds), `--capacity` x the least capacity at which the equal split is
 feasible (N x the largest load of one camera at its smallest size), as bench_fleet: the
 split must shrink the fast camera, the plan can move the slow cameras' slack to it. It
 is fixed for every round. Rounds: the arms alternate (plan, equal_split, plan, ...;
@@ -97,6 +99,7 @@ class Round:
     results: dict[str, StreamResult]
     served: dict[str, list[float]]
     chosen: dict[str, list[float]]
+    forward: dict[str, list[list[float]]]  # the node's predicted forward per size, sampled
     cpu: dict[str, float]
     late_ms: float  # the publishers' 99th-percentile lateness behind their schedule
     sent: dict[str, int] = field(default_factory=dict)
@@ -126,7 +129,8 @@ def params_file(path: Path, cams: list[Cam], args: argparse.Namespace, cal: str)
             "batch_size": args.batch, "num_threads": 1, "queue_size": 32,
             "batch_timeout_s": stream_batch_wait_ms(c.hz, args.batch) / 1000.0,
             "camera_hz": c.hz, "deadline_mode": "camera", "plan_source": "inline",
-            "reset_patience": 100000, "fleet_calibration": cal}}
+            "reset_patience": 100000, "fleet_calibration": cal,
+            "warmup_runs": args.warmup_runs}}
     doc[SCHEDULER] = {"ros__parameters": {
         "model_card": str(PLAIN), "fleet_namespaces": [c.ns for c in cams],
         "fleet_capacity": 1024.0, "fleet_period_s": args.period, "fleet_policy": "plan"}}
@@ -224,7 +228,7 @@ def run_round(drv: Driver, procs: dict, cams: list[Cam], arm: str, index: int,
     """One arm's round: policy, settle, scored window, tail; scored per camera."""
     drv.set_scheduler(fleet_policy=arm)
     drv.stream(cams, args.settle, None)
-    pids = {c.ns: procs[c.ns].pid for c in cams}
+    pids = {**{key: p.pid for key, p in procs.items()}, "driver": os.getpid()}
     cpu0, t_cpu = {ns: cpu_seconds(pid) for ns, pid in pids.items()}, time.monotonic()
     drv.recording = index
     t0, late = drv.stream(cams, args.seconds, index)
@@ -239,9 +243,29 @@ def run_round(drv: Driver, procs: dict, cams: list[Cam], arm: str, index: int,
         results[c.ns] = score_batches(c.labels.tolist(), c.hz,
                                       to_batches(rows, drv.steps[c.ns]), args.batch)
     return Round(arm, index, results, {c.ns: drv.served[c.ns, index] for c in cams},
-                 {c.ns: drv.chosen[c.ns, index] for c in cams}, cpu,
+                 {c.ns: drv.chosen[c.ns, index] for c in cams},
+                 {c.ns: drv.forward[c.ns, index] for c in cams}, cpu,
                  float(np.percentile(late, 99)) if late else 0.0,
                  {c.ns: len(c.window) for c in cams})
+
+
+def mean_apps(drv: Driver, cams: list[Cam], seconds: float) -> list:
+    """Every camera streaming for `seconds`: the nodes' reports sampled once a second,
+    each size's forward time averaged (one report is a snapshot of a load EMA that
+    moves by ~10-20 % between batches on a shared machine)."""
+    from tta_core.elastic.fleet import App, AppOption
+
+    snaps = []
+    for _ in range(max(1, int(round(seconds)))):
+        drv.stream(cams, 1.0, None)
+        if (apps := drv.apps(cams)) is None:
+            raise RuntimeError(f"a fleet report went missing: {drv.waiting}")
+        snaps.append(apps)
+    last = snaps[-1]
+    return [App(a.name, a.hz, a.deadline_ms, [
+        AppOption(o.keep, float(np.mean([s[i].options[j].forward_ms for s in snaps])),
+                  o.accuracy) for j, o in enumerate(a.options)], a.batch_size)
+        for i, a in enumerate(last)]
 
 
 def choose_capacity(drv: Driver, cams: list[Cam], args: argparse.Namespace) -> dict:
@@ -251,13 +275,13 @@ def choose_capacity(drv: Driver, cams: list[Cam], args: argparse.Namespace) -> d
 
     drv.set_scheduler(fleet_policy="plan", fleet_capacity=1024.0)
     end = time.monotonic() + args.ready_timeout
-    while (apps := drv.apps(cams)) is None:
-        if time.monotonic() > end:
-            raise RuntimeError(f"no fleet report from every node within "
-                               f"{args.ready_timeout:g} s: {drv.waiting}")
-        drv.stream(cams, 1.0, None)
-    drv.stream(cams, args.warm, None)
-    apps = drv.apps(cams) or apps
+    for c in cams:  # one camera at a time: each node times its sizes on a quiet machine
+        while drv.apps([c]) is None:
+            if time.monotonic() > end:
+                raise RuntimeError(f"no fleet report from every node within "
+                                   f"{args.ready_timeout:g} s: {drv.waiting}")
+            drv.stream([c], 0.5, None)
+    apps = mean_apps(drv, cams, args.warm)
     split_min = len(apps) * max(a.load(min(a.options, key=lambda o: o.keep)) for a in apps)
     capacity = args.capacity * split_min
     drv.set_scheduler(fleet_capacity=capacity)
@@ -271,6 +295,17 @@ def choose_capacity(drv: Driver, cams: list[Cam], args: argparse.Namespace) -> d
 
 def _mode(values: list[float]) -> float:
     return Counter(values).most_common(1)[0][0] if values else math.nan
+
+
+def _spread(reports: list[list[float]]) -> dict[str, list[float]]:
+    """Per size (largest first): mean and coefficient of variation of the forward times
+    a node reported during the windows (what the scheduler planned with)."""
+    if not reports:
+        return {"mean": [], "cv": []}
+    a = np.asarray(reports, dtype=float)
+    mean = a.mean(axis=0)
+    return {"mean": [round(float(v), 3) for v in mean],
+            "cv": [round(float(v), 3) for v in a.std(axis=0) / mean]}
 
 
 def summarise(rounds: list[Round], cams: list[Cam]) -> dict:
@@ -293,11 +328,14 @@ def summarise(rounds: list[Round], cams: list[Cam]) -> dict:
                 "served": _mode(served), "chosen": _mode(chosen),
                 "served_agrees": (sum(v == _mode(chosen) for v in served) / len(served)
                                   if served else math.nan),
-                "cpu": float(np.mean([r.cpu[c.ns] for r in mine]))}
+                "cpu": float(np.mean([r.cpu[c.ns] for r in mine])),
+                "forward_ms_reported": _spread([f for r in mine for f in r.forward[c.ns]])}
         out[arm] = {"cameras": per, "rounds": len(mine),
                     "mean_streaming": float(np.mean([p["streaming"] for p in per.values()])),
                     "mean_strict": float(np.mean([p["strict"] for p in per.values()])),
-                    "late_ms_p99": max(r.late_ms for r in mine)}
+                    "late_ms_p99": max(r.late_ms for r in mine),
+                    "cpu_total": float(np.mean([sum(r.cpu.values()) for r in mine])),
+                    "cpu_driver": float(np.mean([r.cpu["driver"] for r in mine]))}
     return out
 
 
@@ -316,7 +354,8 @@ def table(n: int, summary: dict, cap: dict) -> str:
                          f"{100 * p['answered']:.1f} | {100 * p['dropped']:.1f} | "
                          f"{p['cpu']:.2f} |")
         lines.append(f"| **{arm}** | mean | | **{100 * s['mean_streaming']:.1f}** | "
-                     f"{100 * s['mean_strict']:.1f} | | | |")
+                     f"{100 * s['mean_strict']:.1f} | | | all {s['cpu_total']:.2f} "
+                     f"(driver {s['cpu_driver']:.2f}) |")
     return "\n".join(lines)
 
 
@@ -352,6 +391,7 @@ def scenario(n: int, card, args: argparse.Namespace, cal: str, run_dir: Path) ->
             - summary["equal_split"]["mean_streaming"],
             "rounds": [{"arm": r.arm, "index": r.index, "late_ms_p99": r.late_ms,
                         "cpu": r.cpu, "served": r.served, "chosen": r.chosen,
+                        "forward_ms": r.forward,
                         "streams": {ns: vars(x.summary) for ns, x in r.results.items()}}
                        for r in rounds], "pids": pids}
 
@@ -410,16 +450,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cameras", default="2,4")
-    ap.add_argument("--rate-scale", type=float, default=10.0,
+    ap.add_argument("--rate-scale", type=float, default=20.0,
                     help="camera rates = bench_fleet's (30/10 Hz; 30/15/15/10 Hz) x this")
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--warmup-runs", type=int, default=20, help="perception warmup_runs: "
+                    "forwards per size its warm-up times (the fastest counts)")
     ap.add_argument("--lr", type=float, default=0.0, help="elastic lr (0: serve only)")
     ap.add_argument("--capacity", type=float, default=1.1, help="x the least capacity at "
                     "which the equal split is feasible")
     ap.add_argument("--rounds", type=int, default=2, help="rounds per arm")
     ap.add_argument("--seconds", type=float, default=20.0, help="scored window per round")
     ap.add_argument("--settle", type=float, default=6.0, help="unscored seconds per round")
-    ap.add_argument("--warm", type=float, default=6.0, help="warm-up after every node "
+    ap.add_argument("--warm", type=float, default=8.0, help="warm-up after every node "
                     "reported, before the capacity is chosen")
     ap.add_argument("--ready-timeout", type=float, default=90.0)
     ap.add_argument("--period", type=float, default=0.5, help="scheduler fleet_period_s")
@@ -446,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     cal = calibration_file(card, args, run_dir)
     out = {"args": vars(args), "calibration": cal, "model_card": str(GATED),
            "cpus": os.cpu_count(), "scenarios": {}}
-    for n in (int(v) for v in args.cameras.split(",")):
+    for n in (int(v) for v in args.cameras.split(",") if v):  # '': the calibration only
         out["scenarios"][n] = scenario(n, card, args, cal, run_dir)
         out_path.write_text(json.dumps(out, indent=1, default=float))
     plot(out, out_path.with_suffix(".png"))

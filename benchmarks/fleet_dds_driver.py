@@ -68,6 +68,8 @@ class Driver:
         self.steps: dict[str, dict[int, float]] = defaultdict(dict)  # ns -> batch -> ms
         self.served: dict[tuple[str, int], list[float]] = defaultdict(list)
         self.chosen: dict[tuple[str, int], list[float]] = defaultdict(list)
+        # (ns, window) -> the node's predicted forward per size (largest first), per report
+        self.forward: dict[tuple[str, int], list[list[float]]] = defaultdict(list)
         self.status: dict[str, DiagnosticStatus] = {}  # latest fleet status per name
         self.waiting = ""
         self.alive: Callable[[], None] = lambda: None  # raises when a node process died
@@ -112,7 +114,9 @@ class Driver:
                     if key.startswith("keep "):
                         self.chosen[key[5:], rec].append(float(value))
             elif "served" in kv and math.isfinite(float(kv["served"])):
-                self.served[node.rsplit("/", 1)[0], rec].append(float(kv["served"]))
+                ns = node.rsplit("/", 1)[0]
+                self.served[ns, rec].append(float(kv["served"]))
+                self.forward[ns, rec].append([float(v) for v in kv["forward_ms"].split(",")])
 
     # ------------------------------------------------------------ actions
     def apps(self, cams: Sequence[Any]) -> list[App] | None:

@@ -258,3 +258,20 @@ def test_elastic_on_the_gated_card_serves_the_pinned_size(ros_context) -> None:
         thread.join(timeout=2.0)
         for n in (node, probe):
             n.destroy_node()
+
+
+def test_perception_passes_warmup_runs_to_methods_that_time_sizes() -> None:
+    """`warmup_runs` reaches the elastic method (how many forwards per size its warm-up
+    times) and no method without that option."""
+    from tta_core.methods import build_method
+    from tta_core.model.source import load_source
+    from tta_ros.nodes.perception import method_options, param_specs
+
+    p = {s.name: s.default for s in param_specs()}
+    assert p["warmup_runs"] == 2
+    p.update(method="elastic", warmup_runs=7)
+    opts = method_options(p, 32, "gated_small_resnet")
+    assert opts["warmup_runs"] == 7
+    assert "warmup_runs" not in method_options({**p, "method": "tent"}, 32, "small_resnet")
+    model = load_source(ROOT / "checkpoints" / "small_resnet_signs32_elastic.json")[0]
+    assert build_method("elastic", model, **{**opts, "input_shape": ()}).config.warmup_runs == 7

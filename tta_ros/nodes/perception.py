@@ -133,6 +133,10 @@ def param_specs() -> tuple[ParamSpec, ...]:
                   "ignored (offline pi1 = pi2 = 1)", 0.1, 3600.0),
         ParamSpec("num_threads", 0, "torch intra-op threads (0: torch default)", 0, 256,
                   read_only=True),
+        ParamSpec("warmup_runs", 2, "methods that time their configurations when they "
+                  "meet a batch size (elastic: forwards per size, the fastest counts); more "
+                  "runs: steadier times on a machine other processes share", 1, 1000,
+                  read_only=True),
         ParamSpec("reset_entropy_ratio", 0.95, "divergence guard: entropy limit as a "
                   "fraction of ln(num_classes)", 0.0, 1.0),
         ParamSpec("reset_patience", 5, "divergence guard: batches above the limit", 1,
@@ -193,6 +197,7 @@ def method_options(p: dict[str, Any], image_size: int, arch: str) -> dict[str, A
            "input_shape": (3, image_size, image_size), "arch": arch,
            "backward_feedback": p["backward_feedback"],
            "fixed_cost_feedback": p["fixed_cost_feedback"], **deadline_settings(p),
+           "warmup_runs": p["warmup_runs"],
            "memory_budget_mb": p["memory_budget_mb"] or None,
            "activation_bits": p["activation_bits"] or None, **bank_option(p)}
     if p["profile"]:

@@ -491,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     for n in (int(v) for v in args.cameras.split(",") if v):  # '': the calibration only
         out["scenarios"][n] = scenario(n, card, args, cal, run_dir)
         out_path.write_text(json.dumps(out, indent=1, default=float))
-    plot(out, out_path.with_suffix(".png"))
+    if out["scenarios"]:
+        plot(out, out_path.with_suffix(".png"))
     print(f"wrote {out_path}", file=sys.stderr)
     return 0
 

@@ -19,8 +19,9 @@ its full size) until every node reports a forward time and an accuracy estimate 
 on /diagnostics (one camera at a time: each node times its sizes at its first full
 batch, which on a machine busy with the other cameras gave non-monotone times), then
 `--warm` seconds of every camera. Capacity: from those reports (the loads the nodes
-themselves predict, averaged over the `--warm` seconds), `--capacity` x the least capacity at which the equal split is
-feasible (N x the largest load of one camera at its smallest size), as bench_fleet: the
+themselves predict, averaged over the `--warm` seconds), `--capacity` x the least
+capacity at which the equal split is feasible (N x the largest load of one camera at its
+smallest size), as bench_fleet: the
 split must shrink the fast camera, the plan can move the slow cameras' slack to it. It
 is fixed for every round. Rounds: the arms alternate (plan, equal_split, plan, ...;
 `--rounds` each), switched by setting the scheduler's `fleet_policy` at run time (the
@@ -111,7 +112,7 @@ def cameras(card, n: int, args: argparse.Namespace) -> list[Cam]:
     out = []
     for i, c in enumerate(CAMERAS[n]):
         hz = c.hz * args.rate_scale
-        m = int(round(hz * args.seconds))
+        m = round(hz * args.seconds)
         s = camera_stream(card, c.corruption, c.severity, args.prefix + m, args.track,
                           args.seed + i)
         out.append(Cam(f"/cam{i + 1}", c.name, hz, f"{c.corruption}/{c.severity}",
@@ -256,7 +257,7 @@ def mean_apps(drv: Driver, cams: list[Cam], seconds: float) -> list:
     from tta_core.elastic.fleet import App, AppOption
 
     snaps = []
-    for _ in range(max(1, int(round(seconds)))):
+    for _ in range(max(1, round(seconds))):
         drv.stream(cams, 1.0, None)
         if (apps := drv.apps(cams)) is None:
             raise RuntimeError(f"a fleet report went missing: {drv.waiting}")
@@ -424,7 +425,7 @@ def plot(out: dict, path: Path) -> None:
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for k, (n, sc) in enumerate(out["scenarios"].items()):
+    for k, sc in enumerate(out["scenarios"].values()):
         for j, arm in enumerate(ARMS):
             rounds = [r for r in sc["rounds"] if r["arm"] == arm]
             vals = [100 * np.mean([s["streaming"] for s in r["streams"].values()])

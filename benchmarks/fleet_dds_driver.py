@@ -156,7 +156,7 @@ class Driver:
         `w<window>:<i>` (window None: the settle frames, cycled, untagged). Returns t0
         (frame 0's scheduled time) and the publishes' lateness in ms."""
         events = sorted((i / c.hz, k, i) for k, c in enumerate(cams)
-                        for i in range(int(round(seconds * c.hz))))
+                        for i in range(round(seconds * c.hz)))
         late: list[float] = []
         self.alive()
         t0 = time.monotonic() + 0.02

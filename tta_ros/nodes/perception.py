@@ -262,6 +262,20 @@ def perception_statuses(node: PerceptionNode) -> list[DiagnosticStatus]:
         *node.domain.statuses(), *node.fleet.statuses()]
 
 
+def unit_names(node: PerceptionNode) -> list[str]:
+    """The units plans and importance name: the method's own (TakesPlan), else the source
+    model's (decomposed without a forward through the method's hooks); [] for a model with
+    no decomposition (a gated master, elastic: it plans nothing, sends no importance)."""
+    if isinstance(node.method, TakesPlan):
+        return list(node.method.unit_names)
+    s = node.pre.image_size
+    try:
+        return [u.name for u in decompose(node.source_model, (3, s, s), node.card.arch).units]
+    except ValueError as exc:
+        node.get_logger().info(f"no layer importance for this model: {exc}")
+        return []
+
+
 def publish_batch(node: PerceptionNode, frames: list[Any], logits: torch.Tensor,
                   res: StepResult, plan_id: int, reset: bool) -> None:
     """Predictions now; status (after a background update finished) and importance."""
@@ -389,16 +403,7 @@ class PerceptionNode(Node):
             self.method.close()
         self.method = build_warm(self.p, model, self.pre.image_size, self.card.arch)
         self.domain.attach(self.method)
-        if isinstance(self.method, TakesPlan):
-            self.unit_names = list(self.method.unit_names)
-        else:
-            s = self.pre.image_size  # the source model: no forward through the method's hooks
-            try:
-                self.unit_names = [u.name for u in decompose(self.source_model, (3, s, s),
-                                                             self.card.arch).units]
-            except ValueError as exc:  # e.g. a gated master (elastic): it plans nothing,
-                self.unit_names = []  # so no LayerImportance is sent; serving goes on
-                self.get_logger().info(f"no layer importance for this model: {exc}")
+        self.unit_names = unit_names(self)
 
     @property
     def accepts_plans(self) -> bool:

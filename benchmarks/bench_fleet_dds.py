@@ -284,7 +284,7 @@ def choose_capacity(drv: Driver, cams: list[Cam], args: argparse.Namespace) -> d
             drv.stream([c], 0.5, None)
     apps = mean_apps(drv, cams, args.warm)
     split_min = len(apps) * max(a.load(min(a.options, key=lambda o: o.keep)) for a in apps)
-    capacity = args.capacity * split_min
+    capacity = args.fixed_capacity or args.capacity * split_min
     drv.set_scheduler(fleet_capacity=capacity)
     return {"capacity": capacity, "split_min": split_min,
             "full_load": sum(a.load(max(a.options, key=lambda o: o.keep)) for a in apps),
@@ -459,6 +459,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=0.0, help="elastic lr (0: serve only)")
     ap.add_argument("--capacity", type=float, default=1.1, help="x the least capacity at "
                     "which the equal split is feasible")
+    ap.add_argument("--fixed-capacity", type=float, default=0.0, help="this fleet_capacity "
+                    "instead (processor-seconds per second; 0: chosen as --capacity says)")
     ap.add_argument("--rounds", type=int, default=2, help="rounds per arm")
     ap.add_argument("--seconds", type=float, default=20.0, help="scored window per round")
     ap.add_argument("--settle", type=float, default=6.0, help="unscored seconds per round")

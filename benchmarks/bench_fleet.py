@@ -86,12 +86,17 @@ CALIBRATION = (("brightness", 1), ("brightness", 5), ("gaussian_noise", 3),
                ("jpeg_compression", 5), ("snow", 3), ("pixelate", 5))
 
 
-def frames(card, corruption: str, severity: int, n: int, track: int, seed: int):
-    """(inputs, labels) of one domain's stream of n frames."""
+def camera_stream(card, corruption: str, severity: int, n: int, track: int, seed: int):
+    """One domain's stream of n frames (uint8 images, labels): what a camera sees."""
     spec = StreamSpec(order="continual", corruptions=(corruption,), severity=severity,
                       samples_per_domain=n, image_size=card.image_size, seed=seed,
                       num_classes=card.num_classes, track_length=track)
-    s = build_stream(spec)
+    return build_stream(spec)
+
+
+def frames(card, corruption: str, severity: int, n: int, track: int, seed: int):
+    """(inputs, labels) of one domain's stream of n frames."""
+    s = camera_stream(card, corruption, severity, n, track, seed)
     return images_to_input(s.images, card), s.labels
 
 

@@ -5,6 +5,7 @@ sets them through SetParameters; each perception node applies its size (Resizabl
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 from rclpy.qos import qos_profile_sensor_data  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
+from tta_msgs.msg import ClassPrediction  # noqa: E402
 
 from tta_core.api import Resizable, StepResult  # noqa: E402
 from tta_core.elastic.fleet import equal_split, plan_fleet  # noqa: E402
@@ -213,6 +215,63 @@ def test_perception_fleet_records_served_and_probed_sizes(sized_method) -> None:
     kv = {k.key: k.value for k in st.values}
     assert kv["sizes"] == "1,0.5,0.25" and kv["accuracy"] == "0.7,0.7,0.4"
     assert kv["forward_ms"] == "20,9,4" and kv["deadline_ms"] == "200"
+    assert kv["keep"] == "0.5" and kv["served"] == "0.5"  # what the batch was served at
     p["elastic_keep"] = 0.0
     fleet.apply({"elastic_keep": 0.0}, method)
     assert method.keep is None  # back to the method's own choice
+
+
+def test_elastic_on_the_gated_card_serves_the_pinned_size(ros_context) -> None:
+    """The shipped gated master in a perception node (method elastic): it answers frames
+    (no unit decomposition of a GatedModel is needed) and serves the size pinned by
+    elastic_keep, which its fleet status reports as `served`."""
+    gated = ROOT / "checkpoints" / "small_resnet_signs32_elastic.json"
+    node = PerceptionNode("perception", context=ros_context, parameter_overrides=[
+        Parameter(k, value=v) for k, v in {
+            "model_card": str(gated), "method": "elastic", "lr": 0.0, "batch_size": 2,
+            "num_threads": 1, "camera_hz": 20.0, "deadline_mode": "camera",
+            "reset_patience": 100000, "elastic_keep": 0.5}.items()])
+    probe = rclpy.create_node("probe", context=ros_context)
+    pub = probe.create_publisher(Image, "/image", qos_profile_sensor_data)
+    got = []
+    probe.create_subscription(ClassPrediction, "/predictions", got.append, 100)
+    ex = SingleThreadedExecutor(context=ros_context)
+    for n in (node, probe):
+        ex.add_node(n)
+    thread = threading.Thread(target=ex.spin, daemon=True)
+    thread.start()
+    rng = np.random.default_rng(0)
+
+    def frame() -> None:
+        pub.publish(Image(**array_to_image_fields(
+            rng.random((32, 32, 3)).astype(np.float32), "rgb8")))
+
+    try:
+        assert node.unit_names == [] and isinstance(node.method, Resizable)
+        assert _wait(lambda: len(got) >= 4 and node.fleet.served == 0.5, 30.0, frame)
+        kv = {k.key: k.value for k in node.fleet.statuses()[0].values}
+        assert kv["served"] == "0.5" and kv["keep"] == "0.5"
+        assert kv["sizes"] == "1,0.7,0.5,0.3"
+        assert all(math.isfinite(float(v)) for v in kv["forward_ms"].split(","))
+    finally:
+        ex.shutdown(timeout_sec=2.0)
+        thread.join(timeout=2.0)
+        for n in (node, probe):
+            n.destroy_node()
+
+
+def test_perception_passes_warmup_runs_to_methods_that_time_sizes() -> None:
+    """`warmup_runs` reaches the elastic method (how many forwards per size its warm-up
+    times) and no method without that option."""
+    from tta_core.methods import build_method
+    from tta_core.model.source import load_source
+    from tta_ros.nodes.perception import method_options, param_specs
+
+    p = {s.name: s.default for s in param_specs()}
+    assert p["warmup_runs"] == 2
+    p.update(method="elastic", warmup_runs=7)
+    opts = method_options(p, 32, "gated_small_resnet")
+    assert opts["warmup_runs"] == 7
+    assert "warmup_runs" not in method_options({**p, "method": "tent"}, 32, "small_resnet")
+    model = load_source(ROOT / "checkpoints" / "small_resnet_signs32_elastic.json")[0]
+    assert build_method("elastic", model, **{**opts, "input_shape": ()}).config.warmup_runs == 7

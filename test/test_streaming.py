@@ -9,9 +9,11 @@ import pytest
 import torch
 
 from tta_core.eval.streaming import (
+    StreamBatch,
     default_latency_ms,
     recorded_step,
     replay_steps,
+    score_batches,
     simulate_stream,
 )
 
@@ -275,3 +277,31 @@ def test_warm_up_leaves_the_model_untouched() -> None:
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # BN statistics included
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_score_batches_of_a_simulated_run_gives_its_outcomes() -> None:
+    """Scoring a schedule's own batches (as a live node's answers would arrive) gives the
+    simulation's outcomes frame by frame: one rule, reused."""
+    rng = np.random.default_rng(3)
+    labels = rng.integers(0, 4, 200).tolist()
+    preds = rng.integers(0, 4, 200).tolist()
+    sim = simulate_stream(labels, 30.0, recorded_step(preds, rng.uniform(20, 400, 80).tolist()),
+                          batch_size=4, queue_size=8, batch_wait_ms=60.0)
+    scored = score_batches(labels, 30.0, sim.batches, batch_size=4)
+    assert scored.frames == sim.frames and scored.summary == sim.summary
+
+
+def test_score_batches_hand_computed_and_answers_out_of_frame_order() -> None:
+    # 10 Hz, batch 1, L = 100 ms: frame f's deadline is (f + 1) * 100 ms. Frame 2's answer
+    # reaches the consumer before frame 1's; frame 3 is never answered.
+    batches = [StreamBatch(0, (0,), 0.0, 50.0, (0,)), StreamBatch(1, (2,), 0.0, 250.0, (2,)),
+               StreamBatch(2, (1,), 0.0, 260.0, (1,))]
+    r = score_batches([0, 1, 2, 3], 10.0, batches)
+    assert [f.strict_prediction for f in r.frames] == [0, -1, 2, -1]
+    # at frame 2's deadline (300 ms) answers for frames 0, 1, 2 exist: the newest <= i counts
+    assert [f.streaming_prediction for f in r.frames] == [0, 0, 2, 2]
+    assert r.summary.answered == 0.5 and r.summary.dropped == 0.25
+    with pytest.raises(ValueError, match="frame 4 is outside"):
+        score_batches([0, 1], 10.0, [StreamBatch(0, (4,), 0.0, 1.0, (0,))])
+    with pytest.raises(ValueError, match=r"frame 0 is outside .* or answered twice"):
+        score_batches([0, 1], 10.0, [StreamBatch(0, (0, 0), 0.0, 1.0, (0, 0))])

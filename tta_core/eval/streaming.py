@@ -36,13 +36,15 @@ summary's `deadline_met` is the share of batches whose step time was within it.
 
 The schedule is pure arithmetic on the step times: replaying
 recorded step times (`replay_steps`) gives the same outcomes, and tests pass fake times.
+`score_batches` scores batches that ran elsewhere (a live node's answers over DDS,
+benchmarks/bench_fleet_dds.py) by the same rules.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from bisect import bisect_right
+from bisect import bisect_right, insort
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -208,8 +210,8 @@ def _outcomes(labels: Sequence[int], domains: Sequence[str], period: float,
     for b in batches:
         for f, p in zip(b.frames, b.predictions, strict=True):
             own[f] = (b.index, b.end_ms, p)
-    # answers in the order they became available: (time, frame, prediction); frames are
-    # answered in increasing order, so the available ones form a growing sorted list
+    # answers in the order they became available: (time, frame, prediction); kept sorted
+    # by frame (a live node's answers may reach the consumer out of frame order)
     answers = sorted((end, f, p) for f, (_, end, p) in own.items())
     out: list[FrameOutcome] = []
     k, avail = 0, []  # avail: (frame, prediction) answered by the current deadline
@@ -217,7 +219,7 @@ def _outcomes(labels: Sequence[int], domains: Sequence[str], period: float,
         arrival = i * period
         deadline = arrival + latency_ms
         while k < len(answers) and answers[k][0] <= deadline:
-            avail.append((answers[k][1], answers[k][2]))
+            insort(avail, (answers[k][1], answers[k][2]))
             k += 1
         b, end, pred = own.get(i, (-1, math.nan, -1))
         strict = pred if end <= deadline else -1
@@ -261,10 +263,37 @@ def simulate_stream(labels: Sequence[int], hz: float, step: StepFn, batch_size: 
         raise ValueError(f"lengths differ: labels {len(labels)}, domains {len(domains)}")
     period = 1000.0 / hz
     batches = _schedule(len(labels), period, batch_size, queue_size, batch_wait_ms, step)
+    res = score_batches(labels, hz, batches, batch_size, domains, latency_ms)
+    res.params.update({"queue_size": queue_size, "batch_wait_ms": batch_wait_ms})
+    return res
+
+
+def score_batches(labels: Sequence[int], hz: float, batches: Sequence[StreamBatch],
+                  batch_size: int = 1, domains: Sequence[str] | None = None,
+                  latency_ms: float | None = None) -> StreamResult:
+    """Score batches that ran elsewhere by the same rules as `simulate_stream`: e.g. a
+    live node's answers over DDS, frame i published at i * 1000 / hz ms and its answer
+    received at `end_ms` (the same clock, 0 = frame 0's arrival). Frames no batch holds
+    were never answered (wrong in both rules). `latency_ms` None: default_latency_ms.
+    ValueError naming a frame outside the stream or answered twice."""
+    check_stream_params(hz, batch_size, 1, 0.0, latency_ms)
+    if latency_ms is None:
+        latency_ms = default_latency_ms(hz, batch_size)
+    domains = list(domains) if domains is not None else [""] * len(labels)
+    if len(domains) != len(labels):
+        raise ValueError(f"lengths differ: labels {len(labels)}, domains {len(domains)}")
+    seen: set[int] = set()
+    for b in batches:
+        for f in b.frames:
+            if not 0 <= f < len(labels) or f in seen:
+                raise ValueError(f"batch {b.index}: frame {f} is outside the stream of "
+                                 f"{len(labels)} frames or answered twice")
+            seen.add(f)
+    period = 1000.0 / hz
     frames = _outcomes(labels, domains, period, latency_ms, batches)
-    params = {"hz": hz, "batch_size": batch_size, "queue_size": queue_size,
-              "batch_wait_ms": batch_wait_ms, "latency_ms": latency_ms}
-    return StreamResult(frames, batches, _summary(hz, frames, batches, latency_ms), params)
+    params = {"hz": hz, "batch_size": batch_size, "latency_ms": latency_ms}
+    return StreamResult(frames, list(batches), _summary(hz, frames, batches, latency_ms),
+                        params)
 
 
 def recorded_step(predictions: Sequence[int], step_ms: float | Sequence[float]) -> StepFn:

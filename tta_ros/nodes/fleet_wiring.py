@@ -11,7 +11,8 @@ moves the estimate to sizes not seen yet). Once per second /diagnostics carries 
 `<ns>/perception: fleet` with what a fleet scheduler needs, as key/values: `sizes`,
 `forward_ms` (Resizable.size_forward_ms, per batch), `accuracy` (the proxy per size),
 comma-separated in the same order, and `hz` (camera_hz), `deadline_ms` (of one batch),
-`batch_size`, `keep`.
+`batch_size`, `keep` (the pinned size, 0: none) and `served` (the size the last batch was
+served at: what a fleet scheduler's choice became).
 
 Scheduler side (`FleetScheduler`, the scheduler node's fleet mode): with `fleet_namespaces`
 set (e.g. ['/car1/front', '/car1/rear']) it reads those statuses from /diagnostics, plans
@@ -111,6 +112,7 @@ class PerceptionFleet:
         self.method: Any = None
         self.proxy: SizeProxy | None = None
         self.warned = ""  # the method class already warned about
+        self.served = math.nan  # the size the last batch was served at
         self.apply({"elastic_keep": p["elastic_keep"]}, getattr(node, "method", None))
 
     @property
@@ -145,7 +147,8 @@ class PerceptionFleet:
         if self.proxy is None:
             return
         served = stats.get("size", stats.get("keep", self.keep or max(self.proxy.sizes)))
-        self.proxy.observe(float(served), mean_confidence(logits))
+        self.served = float(served)
+        self.proxy.observe(self.served, mean_confidence(logits))
         for key, value in stats.items():
             if key.startswith(PROBE_PREFIX):
                 self.proxy.observe(float(key[len(PROBE_PREFIX):]), float(value))
@@ -162,7 +165,7 @@ class PerceptionFleet:
             "sizes": _csv(sizes), "forward_ms": _csv([fwd.get(k, math.nan) for k in sizes]),
             "accuracy": _csv([acc[k] for k in sizes]), "hz": float(self.p["camera_hz"]),
             "deadline_ms": batch_deadline_ms(self.p), "batch_size": int(self.p["batch_size"]),
-            "keep": float(self.p["elastic_keep"])})]
+            "keep": float(self.p["elastic_keep"]), "served": self.served})]
 
 
 def app_from_status(name: str, st: DiagnosticStatus) -> App:

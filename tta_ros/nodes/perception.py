@@ -134,6 +134,10 @@ def param_specs() -> tuple[ParamSpec, ...]:
                   "ignored (offline pi1 = pi2 = 1)", 0.1, 3600.0),
         ParamSpec("num_threads", 0, "torch intra-op threads (0: torch default)", 0, 256,
                   read_only=True),
+        ParamSpec("warmup_runs", 2, "methods that time their configurations when they "
+                  "meet a batch size (elastic: forwards per size, the fastest counts); more "
+                  "runs: steadier times on a machine other processes share", 1, 1000,
+                  read_only=True),
         ParamSpec("reset_entropy_ratio", 0.95, "divergence guard: entropy limit as a "
                   "fraction of ln(num_classes)", 0.0, 1.0),
         ParamSpec("reset_patience", 5, "divergence guard: batches above the limit", 1,
@@ -194,6 +198,7 @@ def method_options(p: dict[str, Any], image_size: int, arch: str) -> dict[str, A
            "input_shape": (3, image_size, image_size), "arch": arch,
            "backward_feedback": p["backward_feedback"],
            "fixed_cost_feedback": p["fixed_cost_feedback"], **deadline_settings(p),
+           "warmup_runs": p["warmup_runs"],
            "memory_budget_mb": p["memory_budget_mb"] or None,
            "activation_bits": p["activation_bits"] or None, **bank_option(p)}
     if p["profile"]:
@@ -257,6 +262,20 @@ def perception_statuses(node: PerceptionNode) -> list[DiagnosticStatus]:
                 "memory_budget_mb": f"{p['memory_budget_mb']:g}",
                 "activation_bits": str(p["activation_bits"] or "dense")}),
         *node.domain.statuses(), *node.fleet.statuses()]
+
+
+def unit_names(node: PerceptionNode) -> list[str]:
+    """The units plans and importance name: the method's own (TakesPlan), else the source
+    model's (decomposed without a forward through the method's hooks); [] for a model with
+    no decomposition (a gated master, elastic: it plans nothing, sends no importance)."""
+    if isinstance(node.method, TakesPlan):
+        return list(node.method.unit_names)
+    s = node.pre.image_size
+    try:
+        return [u.name for u in decompose(node.source_model, (3, s, s), node.card.arch).units]
+    except ValueError as exc:
+        node.get_logger().info(f"no layer importance for this model: {exc}")
+        return []
 
 
 def publish_batch(node: PerceptionNode, frames: list[Any], logits: torch.Tensor,
@@ -386,12 +405,7 @@ class PerceptionNode(Node):
             self.method.close()
         self.method = build_warm(self.p, model, self.pre.image_size, self.card.arch)
         self.domain.attach(self.method)
-        if isinstance(self.method, TakesPlan):
-            self.unit_names = list(self.method.unit_names)
-        else:
-            s = self.pre.image_size  # the source model: no forward through the method's hooks
-            self.unit_names = [u.name for u in decompose(self.source_model, (3, s, s),
-                                                         self.card.arch).units]
+        self.unit_names = unit_names(self)
 
     @property
     def accepts_plans(self) -> bool:

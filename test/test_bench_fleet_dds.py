@@ -1,0 +1,51 @@
+"""benchmarks/bench_fleet_dds.py at a tiny scale over real rclpy + DDS: two perception
+processes and a scheduler process, both arms (fleet plan, equal split) scored on every
+camera, the sizes the nodes served equal to the scheduler's choice (a capacity nothing
+fits: the smallest size everywhere, not the nodes' own full one), no process left over.
+No assertion on accuracy or time (the benchmark measures those)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("rclpy")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_bench_fleet_dds_tiny_run(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_fleet_dds.py"), "--cameras", "2",
+           "--rate-scale", "2", "--batch", "4", "--rounds", "1", "--seconds", "2",
+           "--settle", "1.5", "--warm", "1", "--warmup-runs", "2", "--calibration", "",
+           "--fixed-capacity", "0.001", "--out", str(out)]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=90)
+    assert run.returncode == 0, run.stderr[-2000:]
+    sc = json.loads(out.read_text())["scenarios"]["2"]
+    assert [r["arm"] for r in sc["rounds"]] == ["plan", "equal_split"]
+    cams = {c["ns"]: c for c in sc["cameras"]}
+    assert list(cams) == ["/cam1", "/cam2"] and [c["hz"] for c in cams.values()] == [60, 20]
+    for r in sc["rounds"]:
+        for ns, s in r["streams"].items():
+            assert s["frames"] == cams[ns]["window_frames"] == round(2 * cams[ns]["hz"])
+            assert s["answered"] > 0.5, (r["arm"], ns, s)  # scored answers on every camera
+            assert s["strict"] <= s["streaming"]
+        for ns in cams:  # a capacity nothing fits: both arms choose every smallest size
+            # (the nodes' own choice would be the full one), and the nodes serve it
+            assert r["served"][ns] and r["chosen"][ns], (r["arm"], ns)
+            assert set(r["served"][ns]) == set(r["chosen"][ns]) == {0.3}, r
+    assert "| plan |" in run.stdout and "| equal_split |" in run.stdout
+    for pid in sc["pids"]:  # every node process was stopped
+        assert not Path(f"/proc/{pid}").exists() or _zombie(pid), pid
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True

@@ -2,7 +2,9 @@
 
 (a) speed: torchvision ResNet-18 (random weights, 1000 classes), 224 px, batch 4, eval mode,
     no grad. Rows: the dense net (ungated), the gated master (sparsity 0, gates computed),
-    the surrogate at keep 0.3 (cut from the first image). Median forward over round-robin
+    the surrogate at keep 0.3 (cut from the first image), each in NCHW and in channels_last
+    (NHWC: what methods run on this CPU, tta_core.model.memory_format; oneDNN runs the
+    surrogate's odd channel counts slowly in NCHW). Median forward over round-robin
     interleaved repeats (each round runs every model once, in rotating order), at 1 torch
     thread and at torch's default. Goal: surrogate / master <= 0.5.
 (b) accuracy: the gated small net (`tta train-elastic`, checkpoints/
@@ -80,14 +82,19 @@ def part_a(repeats: int, keep: float) -> None:
     master = make_gated(resnet18(weights=None)).eval()
     x = torch.randn(4, 3, 224, 224)
     sur = extract_surrogate(master, x[:1], keep)
-    models = {"dense resnet18": master.plain_base().eval(), "gated master": master,
-              f"surrogate {keep:g}": sur.model.eval()}
-    params = {n: sum(p.numel() for p in m.parameters()) for n, m in models.items()}
+    base = {"dense resnet18": master.plain_base().eval(), "gated master": master,
+            f"surrogate {keep:g}": sur.model.eval()}
+    params = {n: sum(p.numel() for p in m.parameters()) for n, m in base.items()}
     params["gated master"] = sum(p.numel() for p in master.base.parameters())
+    # each model in both memory formats (tta_core.model.memory_format: methods run the
+    # faster one); ratios compare within a format
+    models = {f"{n} [{tag}]": copy.deepcopy(m).to(memory_format=fmt) for tag, fmt in
+              (("nchw", torch.contiguous_format), ("nhwc", torch.channels_last))
+              for n, m in base.items()}
     default = torch.get_num_threads()
-    print(f"(a) forward, torchvision resnet18, 224 px, batch 4, median of {repeats} "
-          "interleaved rounds")
-    print(f"{'model':<18} {'params':>9} " + " ".join(
+    print(f"(a) forward, torchvision resnet18, 224 px, batch 4, eval mode, median of "
+          f"{repeats} interleaved rounds; ratio to the gated master in the same format")
+    print(f"{'model':<24} {'params':>9} " + " ".join(
         f"{f'{t} thr ms':>10} {'ratio':>6}" for t in (1, default)))
     rows = {}
     for threads in (1, default):
@@ -95,9 +102,10 @@ def part_a(repeats: int, keep: float) -> None:
         rows[threads] = interleaved_ms(models, x, repeats)
     torch.set_num_threads(default)
     for n in models:
-        cells = " ".join(f"{rows[t][n]:>10.1f} {rows[t][n] / rows[t]['gated master']:>6.2f}"
+        ref = "gated master [" + n.rsplit("[", 1)[1]
+        cells = " ".join(f"{rows[t][n]:>10.1f} {rows[t][n] / rows[t][ref]:>6.2f}"
                          for t in (1, default))
-        print(f"{n:<18} {params[n] / 1e6:>8.2f}M {cells}")
+        print(f"{n:<24} {params[n.rsplit(' [', 1)[0]] / 1e6:>8.2f}M {cells}")
 
 
 def _bn_affine(model: nn.Module) -> list[nn.Parameter]:

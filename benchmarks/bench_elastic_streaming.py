@@ -43,9 +43,12 @@ MASTER_ONLY = {"elastic@master": {"sizes": (1.0,)}}
 
 
 def master_forward_ms(model: torch.nn.Module, x: torch.Tensor, runs: int = 20) -> float:
-    """Median no-grad forward of `model` on `x` (batch-statistics BN, as the methods run)."""
+    """Median no-grad forward of `model` on `x` (batch-statistics BN, in the memory format
+    the methods choose: tta_core.model.memory_format "auto", as they run)."""
+    from tta_core.model.memory_format import apply_memory_format
     from tta_core.model.norms import set_bn_mode
 
+    apply_memory_format(model, "auto", tuple(x.shape[1:]), batch_stats=True)
     set_bn_mode(model, "batch")
     times = []
     with torch.no_grad():
@@ -107,7 +110,7 @@ def main(argv: list[str]) -> int:
               for r in a.deadline_x.split(",")])
     frames = sum(len(b.labels) for b in stream)
     print(f"gated master {a.model_card}: forward {fwd:.2f} ms per batch of {a.batch_size} "
-          f"(median, {a.threads} thread(s)); {frames} frames; batch deadlines "
+          f"(median, {a.threads} thread(s), the methods' memory format); {frames} frames; batch deadlines "
           + ", ".join(f"{h:g} Hz: {a.batch_size * 1000 / h:.1f} ms "
                       f"({a.batch_size * 1000 / h / fwd:.2f}x the forward)" for h in rates))
     print("\n| method | Hz | deadline ms/batch | frames in time % | strict % | streaming % | "

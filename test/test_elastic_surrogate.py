@@ -117,3 +117,20 @@ def test_slicing_keeps_torchvision_resnets_valid(build, n_sites) -> None:
     convs = [m for m in sur.model.modules() if isinstance(m, nn.Conv2d)]
     assert all(c.weight.shape[0] == c.out_channels and c.weight.shape[1] == c.in_channels
                for c in convs)
+
+
+def test_a_channels_last_master_gives_a_channels_last_surrogate_with_the_same_outputs() -> None:
+    """Methods may run the master in channels_last (tta_core.model.memory_format); slicing
+    leaves NCHW weights, so the surrogate is converted to the master's format; it still
+    reproduces the master on x*."""
+    master = randomize_gates(make_gated(small_source()), seed=1).eval()
+    master.to(memory_format=torch.channels_last)
+    x = highest_entropy_sample(master, signs_batch())
+    master.set_sparsity(0.7)
+    sur = extract_surrogate(master, x, 0.3)
+    with torch.no_grad():
+        assert sq_err(sur.model(x), master(x)) < 1e-4
+    convs = [m for m in sur.model.modules() if isinstance(m, nn.Conv2d)]
+    assert all(c.weight.is_contiguous(memory_format=torch.channels_last) for c in convs)
+    nchw = extract_surrogate(make_gated(small_source()).eval(), x, 0.3).model
+    assert all(m.weight.is_contiguous() for m in nchw.modules() if isinstance(m, nn.Conv2d))

@@ -98,6 +98,17 @@ def _slice(model: nn.Module, site: GateSite, idx: Tensor, scale: Tensor) -> None
     nxt.in_channels = len(idx)
 
 
+def _match_format(model: nn.Module, master: GatedModel) -> None:
+    """Slicing leaves NCHW weights: run the surrogate in the master's memory format (a
+    method converts the master to channels_last where that is faster; the sliced odd
+    channel counts gain the most from it, tta_core.model.memory_format)."""
+    conv = next((m for m in master.modules() if isinstance(m, nn.Conv2d)), None)
+    w = conv.weight if conv is not None else None
+    if w is not None and w.ndim == 4 and not w.is_contiguous() and w.is_contiguous(
+            memory_format=torch.channels_last):
+        model.to(memory_format=torch.channels_last)
+
+
 def _origin(model: nn.Module, sites: tuple[GateSite, ...]) -> dict[str, Tensor]:
     """Copies of the sliced tensors (gated conv weight and bias, BN params and running
     statistics, next conv weight), by their names in `model`."""
@@ -131,6 +142,7 @@ def extract_surrogate(master: GatedModel, sample: Tensor, keep: float) -> Surrog
         kept[site.conv], scale[site.conv] = idx, values[site.conv][0, idx].clone()
         _slice(model, site, idx, scale[site.conv])
     model.train(was_training)
+    _match_format(model, master)
     return Surrogate(model=model, keep=float(keep), kept=kept, sites=master.sites,
                      scale=scale, origin=_origin(model, master.sites),
                      master_sparsity=sparsity)

@@ -110,7 +110,8 @@ def main(argv: list[str]) -> int:
               for r in a.deadline_x.split(",")])
     frames = sum(len(b.labels) for b in stream)
     print(f"gated master {a.model_card}: forward {fwd:.2f} ms per batch of {a.batch_size} "
-          f"(median, {a.threads} thread(s), the methods' memory format); {frames} frames; batch deadlines "
+          f"(median, {a.threads} thread(s), the methods' memory format); {frames} frames; "
+          "batch deadlines "
           + ", ".join(f"{h:g} Hz: {a.batch_size * 1000 / h:.1f} ms "
                       f"({a.batch_size * 1000 / h / fwd:.2f}x the forward)" for h in rates))
     print("\n| method | Hz | deadline ms/batch | frames in time % | strict % | streaming % | "

@@ -95,10 +95,12 @@ def test_cli_bench_passes_method_options_and_refuses_bad_ones(tmp_path, capsys) 
         _option("sigma=0.5")
     out = tmp_path / "b"
     assert cli_main(["bench", "--methods", "adashadow", "--samples-per-domain", "1",
-                     "--batch-size", "2", "--set", "adashadow.sigma=0.5", "--out", str(out),
+                     "--batch-size", "2", "--set", "adashadow.sigma=0.5", "--set",
+                     "adashadow.memory_format=channels_last", "--out", str(out),
                      "--no-progress"]) == 0
     meta = json.loads((out / "report.json").read_text())["runs"][0]["meta"]
-    assert meta["options"]["sigma"] == 0.5
+    assert meta["options"]["sigma"] == 0.5 and meta["memory_format"] == "channels_last"
+    assert "| channels_last |" in (out / "report.md").read_text()
     with pytest.raises(SystemExit, match="'tent' is not among --methods"):
         cli_main(["bench", "--methods", "adashadow", "--set", "tent.lr=0.1", "--out",
                   str(out), "--no-progress"])

@@ -280,7 +280,8 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
     meta = {"options": {k: v for k, v in opts.items() if k != "input_shape"},
             "mode": cfg.mode, "batch_size": cfg.batch_size, "threads": torch.get_num_threads(),
             "rss_peak_mb": mem.peak_mb, "rss_start_mb": start_mb,
-            "lr": _lr_meta(meth, rates)}
+            "lr": _lr_meta(meth, rates),
+            "memory_format": getattr(getattr(meth, "format", None), "format", None)}
     if meter.meta() is not None:
         meta["saved_activations"] = meter.meta()
     if live is not None and live.fed:

@@ -241,16 +241,18 @@ def lr_markdown(runs: Sequence[RunRecord]) -> str:
     if not any("lr" in r.meta for r in runs):
         return ""
     lines = ["", "Learning rate (SGD): lr is the rate at batch `lr_ref_batch`; each step runs "
-             "with lr × batch / lr_ref_batch (lr itself when lr_ref_batch is 0).", "",
-             "| method | lr | lr_ref_batch | effective lr |", "|---|---|---|---|"]
+             "with lr × batch / lr_ref_batch (lr itself when lr_ref_batch is 0). Memory "
+             "format: the one the method measured faster at build (memory_format auto).", "",
+             "| method | lr | lr_ref_batch | effective lr | memory format |",
+             "|---|---|---|---|---|"]
     for r in runs:
-        lr = r.meta.get("lr")
+        lr, fmt = r.meta.get("lr"), r.meta.get("memory_format") or "–"
         if not isinstance(lr, dict):
-            lines.append(f"| {r.method} | – | – | – (no optimizer) |")
+            lines.append(f"| {r.method} | – | – | – (no optimizer) | {fmt} |")
             continue
         eff = "; ".join(f"{float(v):.3g} at batch {b}" for b, v in dict(lr["effective"]).items())
         lines.append(f"| {r.method} | {float(lr['lr']):.3g} | {lr['ref_batch'] or 'off'} "
-                     f"| {eff} |")
+                     f"| {eff} | {fmt} |")
     return "\n".join(lines) + "\n"
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch import nn
 
 from tta_core.adashadow import planner
 from tta_core.adashadow.deadline import DeadlineConfig, batch_deadline_ms, describe
@@ -367,6 +368,26 @@ def test_engine_with_a_tiny_sigma_skips_graph_assessor_and_planner(monkeypatch) 
     empty = planner.Plan(np.zeros(len(ref.staged.units), bool), len(ref.staged.units), 0.0,
                          0.0, 0.0, 0.0, 0.0)
     torch.testing.assert_close(res.logits, ref.step(x, plan=empty).logits)
+
+
+def test_served_batches_call_no_unit_hooks_and_planned_ones_collect_again() -> None:
+    """A served batch suspends the unit-statistics hooks (PyTorch's fast call path); the
+    next planned batch puts them back and its statistics are collected."""
+    eng = _engine(sigma=1e-4)
+    x = torch.randn(4, 3, 32, 32)
+    eng.step(x)
+    eng.step(x)  # served (no unit fits sigma*T)
+    units = {id(u.module): u.module for u in eng.staged.units}.values()
+    assert not any(m._forward_hooks for m in units if not isinstance(m, nn.BatchNorm2d))
+    empty = planner.Plan(np.zeros(len(eng.staged.units), bool), len(eng.staged.units), 0.0,
+                         0.0, 0.0, 0.0, 0.0)
+    res = eng.step(x, plan=empty)  # an external plan: a planned forward, stats captured
+    assert any(m._forward_hooks for m in units)
+    assert len(res.importance) == len(eng.staged.units)
+    eng.close()
+    assert not any(m._forward_hooks for m in units)
+    eng._collector.resume()  # closed for good
+    assert not any(m._forward_hooks for m in units)
 
 
 def test_engine_adapts_within_a_generous_camera_deadline() -> None:

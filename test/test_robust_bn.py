@@ -174,3 +174,36 @@ def test_plan_phases_that_find_no_room_are_held_back_ever_longer() -> None:
     assert held == [0, 1, 3, 7, 15, 31, 63, 63, 63]
     ft.planned(True)
     assert not ft.holding()
+
+
+def test_robust_layers_hold_no_hooks_copy_independently_and_get_their_class_back() -> None:
+    """RobustBN swaps the layers' class (no hook: PyTorch's fast call path); isinstance and
+    the state_dict keys are unchanged, a deepcopy moves only its own statistics, and close
+    restores the class; a second controller on the same layers takes over (no double
+    update)."""
+    import copy
+
+    from tta_core.domain.bn import RobustBN
+
+    model = _model().eval()
+    keys = list(model.state_dict())
+    bns = _bns(model)
+    rbn = RobustBN(bns[1:], 0.1)
+    assert all(isinstance(b, torch.nn.BatchNorm2d) and not b._forward_pre_hooks for b in bns)
+    assert list(model.state_dict()) == keys and type(bns[1]) is not torch.nn.BatchNorm2d
+    twin = copy.deepcopy(model)
+    before = bns[-1].running_mean.clone()
+    with torch.no_grad():
+        twin(torch.randn(4, 3, 32, 32) + 3)
+    assert torch.equal(bns[-1].running_mean, before)  # the copy moved its own
+    assert not torch.equal(_bns(twin)[-1].running_mean, before)
+    seen = []
+    second = RobustBN(bns[1:], 0.1)
+    second.update = lambda bn, x: seen.append(bn)  # type: ignore[method-assign]
+    with torch.no_grad():
+        model(torch.randn(4, 3, 32, 32))
+    assert len(seen) == len(bns) - 1 and torch.equal(bns[-1].running_mean, before)
+    rbn.close()  # not its layers any more: nothing to undo
+    assert type(bns[1]) is not torch.nn.BatchNorm2d
+    second.close()
+    assert all(type(b) is torch.nn.BatchNorm2d and not hasattr(b, "_tta_robust") for b in bns)

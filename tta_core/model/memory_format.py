@@ -18,7 +18,6 @@ shape, stay contiguous.
 from __future__ import annotations
 
 import copy
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -74,11 +73,11 @@ def time_formats(model: nn.Module, input_shape: tuple[int, ...], batch_stats: bo
     for p in range(passes):
         for fmt in (list(_TORCH) if p % 2 == 0 else list(_TORCH)[::-1]):
             probe.to(memory_format=_TORCH[fmt])
-            for r in range(runs + 2):
-                times[fmt].append(_forward_ms(probe, x) if r >= 2 else math.inf)
-                if r == 0 and min(times[fmt]) > SLOW_MS and _forward_ms(probe, x) > SLOW_MS:
-                    runs, passes = 1, 1  # a big model: one timed forward per format
-        if passes == 1:
+            warm = [_forward_ms(probe, x) for _ in range(2)]
+            if p == 0 and min(warm) > SLOW_MS:
+                runs, passes = 1, 1  # a big model: one timed forward per format
+            times[fmt] += [_forward_ms(probe, x) for _ in range(runs)]
+        if p + 1 >= passes:
             break
     return {f: min(v) for f, v in times.items()}
 

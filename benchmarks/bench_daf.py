@@ -8,7 +8,7 @@ measured saved bytes and forward+backward time, one interleaved run, for
   daf4_vec    daf4 with the vectorised PyTorch kernels (TTA_KERNELS_CPU=vectorised)
   daf4_ref    daf4 with the pure-PyTorch reference kernels (TTA_KERNELS_CPU=reference)
   daf4_compiled  daf4 with the torch.compile kernels (TTA_KERNELS_CPU=compiled)
-  budgeted    greedy widths (tta_core.memory.daf.budget_plan) of the conv/linear inputs
+  budgeted    greedy widths (tta_core.daf.plans.budget_plan) of the conv/linear inputs
               under a memory budget of --budget-frac x dense bytes, BN inputs at 4 bits;
               importance = RMS of each unit's gradient from one dense step; units given
               0 bits are frozen for the step
@@ -43,8 +43,8 @@ from torchvision.models import resnet18, resnet50
 from tta_kernels import cpu, native, reference
 
 from tta_core.memory import ActivationCodec, CodecPlan, SavedActivationCounter, profile_saves
-from tta_core.memory.daf import budget_plan, trainable_units
-from tta_core.memory.layer_importance import gradient_importance
+from tta_core.daf.plans import budget_plan, trainable_units
+from tta_core.surgeon.layer_importance import gradient_importance
 from tta_core.memory.ledger import MIB
 from tta_core.runtime.malloc_tuning import keep_freed_memory
 

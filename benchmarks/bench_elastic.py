@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 from torchvision.models import resnet18
 
-from tta_core.elastic.filter_update import (
+from tta_core.elasticdnn.filter_update import (
     filter_optimizer,
     filter_scores,
     im_loss,
@@ -44,8 +44,8 @@ from tta_core.elastic.filter_update import (
     select_filters,
     write_back,
 )
-from tta_core.elastic.gates import GatedModel, load_gated, make_gated
-from tta_core.elastic.surrogate import extract_surrogate, highest_entropy_sample
+from tta_core.elasticdnn.gates import GatedModel, load_gated, make_gated
+from tta_core.elasticdnn.surrogate import extract_surrogate, highest_entropy_sample
 from tta_core.eval.bench import BenchConfig, build_stream
 from tta_core.model.source import load_card
 

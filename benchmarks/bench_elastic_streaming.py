@@ -20,7 +20,7 @@ Usage (README figures; a timing run wants a quiet machine):
         --model-card runs/elastic/r18_untrained_gates.json \\
         --deadline-x 0.8,0.7,0.6 --samples-per-domain 100 --batch-size 4 --threads 1
 (runs/elastic/r18_untrained_gates.json: checkpoints/resnet18_cifar_w32_signs64.json through
-tta_core.elastic.gates.make_gated + save_gated, gates untrained; or a `tta train-elastic`
+tta_core.elasticdnn.gates.make_gated + save_gated, gates untrained; or a `tta train-elastic`
 card such as checkpoints/small_resnet_signs32_elastic.json; --source-card
 checkpoints/resnet18_cifar_w32_signs64.json adds AdaShadow on the ungated source.)
 """

@@ -1,12 +1,12 @@
 """Several cameras, one computer (issue #22): fleet plan vs equal split, streaming accuracy.
 
 N camera pipelines share one processor. Each serves a surrogate of the gated master
-(tta_core.elastic.surrogate, cut for its domain from the highest-entropy frame of its first
+(tta_core.elasticdnn.surrogate, cut for its domain from the highest-entropy frame of its first
 `--prefix` frames) at one of `--sizes`. Per pipeline and size the script measures the batch
 forward time (interleaved over all pipelines and sizes, the fastest of `--reps`) and the
 label-free accuracy proxy (mean max-softmax confidence of the prefix frames at that size,
 mapped to accuracy by a ConfidenceCalibration fitted on a separate labelled calibration
-stream: the "source data" calibration; tta_core.elastic.fleet). From those, `plan_fleet`
+stream: the "source data" calibration; tta_core.elasticdnn.fleet). From those, `plan_fleet`
 and `equal_split` choose the sizes within `capacity` = `--capacity` x the least capacity
 at which the equal split is feasible (N x the largest load of one pipeline at its smallest
 size): the baseline keeps up.
@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from tta_core.data.streams import StreamSpec, build_stream
-from tta_core.elastic.fleet import (
+from tta_core.elasticdnn.fleet import (
     App,
     AppOption,
     ConfidenceCalibration,
@@ -56,8 +56,8 @@ from tta_core.elastic.fleet import (
     mean_confidence,
     plan_fleet,
 )
-from tta_core.elastic.gates import GatedModel, load_gated, make_gated
-from tta_core.elastic.surrogate import extract_surrogate, highest_entropy_sample
+from tta_core.elasticdnn.gates import GatedModel, load_gated, make_gated
+from tta_core.elasticdnn.surrogate import extract_surrogate, highest_entropy_sample
 from tta_core.eval.bench import images_to_input
 from tta_core.eval.streaming import recorded_step, simulate_stream
 from tta_core.model.source import load_source

@@ -254,7 +254,7 @@ def mean_apps(drv: Driver, cams: list[Cam], seconds: float) -> list:
     """Every camera streaming for `seconds`: the nodes' reports sampled once a second,
     each size's forward time averaged (one report is a snapshot of a load EMA that
     moves by ~10-20 % between batches on a shared machine)."""
-    from tta_core.elastic.fleet import App, AppOption
+    from tta_core.elasticdnn.fleet import App, AppOption
 
     snaps = []
     for _ in range(max(1, round(seconds))):
@@ -272,7 +272,7 @@ def mean_apps(drv: Driver, cams: list[Cam], seconds: float) -> list:
 def choose_capacity(drv: Driver, cams: list[Cam], args: argparse.Namespace) -> dict:
     """Warm up at an unlimited capacity until every node reports, then the capacity
     (module docstring) from the loads the nodes predict; set on the scheduler."""
-    from tta_core.elastic.fleet import equal_split, plan_fleet
+    from tta_core.elasticdnn.fleet import equal_split, plan_fleet
 
     drv.set_scheduler(fleet_policy="plan", fleet_capacity=1024.0)
     end = time.monotonic() + args.ready_timeout
@@ -404,8 +404,8 @@ def calibration_file(card, args: argparse.Namespace, run_dir: Path) -> str:
         return str(Path(args.calibration).resolve()) if args.calibration else ""
     import torch
 
-    from tta_core.elastic.gates import load_gated
-    from tta_core.elastic.serving import DEFAULT_SIZES
+    from tta_core.elasticdnn.gates import load_gated
+    from tta_core.elasticdnn.serving import DEFAULT_SIZES
 
     torch.set_num_threads(1)
     cal, prior = calibrate(load_gated(str(GATED)), card, DEFAULT_SIZES, args.batch,

@@ -27,7 +27,7 @@ from rclpy.signals import SignalHandlerOptions
 from sensor_msgs.msg import Image
 from tta_msgs.msg import AdaptationStatus, ClassPrediction
 
-from tta_core.elastic.fleet import App
+from tta_core.elasticdnn.fleet import App
 from tta_ros.nodes.fleet_wiring import FLEET_STATUS, app_from_status
 
 SCHEDULER = "/fleet_scheduler"

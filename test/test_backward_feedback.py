@@ -1,4 +1,4 @@
-"""The closed-loop backward correction (tta_core.adashadow.backward_feedback) and how
+"""The closed-loop backward correction (tta_core.runtime.backward_feedback) and how
 predictor.planning_times applies it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from tta_core.adashadow.backward_feedback import BackwardFeedback
+from tta_core.runtime.backward_feedback import BackwardFeedback
 from tta_core.adashadow.predictor import UnitProfile, planning_times
 
 

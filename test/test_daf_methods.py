@@ -12,7 +12,7 @@ import torch
 from test_memory_quant import MODELS, _entropy
 from torch import nn
 
-from tta_core.adashadow.planner import Plan
+from tta_core.api import Plan
 from tta_core.memory import (
     ActivationCodec,
     CodecPlan,
@@ -20,7 +20,7 @@ from tta_core.memory import (
     predicted_bytes,
     profile_saves,
 )
-from tta_core.memory.daf import budget_plan, daf_plan, trainable_units
+from tta_core.daf.plans import budget_plan, daf_plan, trainable_units
 from tta_core.methods import build_method
 
 pytestmark = pytest.mark.usefixtures("one_thread")

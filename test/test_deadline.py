@@ -1,4 +1,4 @@
-"""Deadline budgets (issue #18): the arithmetic of tta_core.adashadow.deadline, the planning
+"""Deadline budgets (issue #18): the arithmetic of tta_core.runtime.deadline, the planning
 service budgeting the whole batch against a deadline, the engine serving a batch without
 planning when nothing can fit, and the streaming bench's deadline share. Exact numbers, no
 wall clock: the flat profile's times are used unscaled (forward feedback "off")."""
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from tta_core.adashadow import planner
-from tta_core.adashadow.deadline import DeadlineConfig, batch_deadline_ms, describe
+from tta_core.runtime.deadline import DeadlineConfig, batch_deadline_ms, describe
 from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig
 from tta_core.adashadow.planning import (
     Measured,

@@ -1,4 +1,4 @@
-"""Domain detection (tta_core.domain): recognition on a second pass over learnt domains,
+"""Domain detection (tta_core.darda): recognition on a second pass over learnt domains,
 novelty of a held-out corruption, hysteresis against single outlier batches, LRU, the
 embedding hooks and detector state round trip. Shipped 32 px net, batch 16, 1 thread."""
 
@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from tta_core.adashadow.assessor import channel_stats
+from tta_core.runtime.stats import channel_stats
 from tta_core.data.preprocess import images_to_tensor
 from tta_core.data.streams import StreamSpec, build_stream
-from tta_core.domain.detector import DetectorConfig, DomainDetector
-from tta_core.domain.embedding import (
+from tta_core.darda.detector import DetectorConfig, DomainDetector
+from tta_core.darda.embedding import (
     LOG_EPS,
     DomainEmbedder,
     EmbeddingConfig,

@@ -1,4 +1,4 @@
-"""DARDA's learnt corruption encoder (tta_core.domain.encoder): Eq. 7 SupCon against a
+"""DARDA's learnt corruption encoder (tta_core.darda.encoder): Eq. 7 SupCon against a
 brute-force loop, safetensors round trip and refusal, a short training run through the
 `tta train-corruption-encoder` command, and its part of the domain embedding."""
 
@@ -13,8 +13,8 @@ import safetensors.torch
 import torch
 
 from tta_core.cli.commands import train_corruption_encoder as cmd
-from tta_core.domain.embedding import DomainEmbedder, EmbeddingConfig
-from tta_core.domain.encoder import (
+from tta_core.darda.embedding import DomainEmbedder, EmbeddingConfig
+from tta_core.darda.encoder import (
     CorruptionEncoder,
     EncoderConfig,
     load_encoder,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from tta_core.domain.store import load_bank, save_bank
+from tta_core.darda.store import load_bank, save_bank
 from tta_core.errors import InputError
 from tta_core.methods import build_method
 from tta_core.model.source import load_source

@@ -1,4 +1,4 @@
-"""ElasticDNN gated master (tta_core.elastic.gates): FBS gates, winner-take-all, where the
+"""ElasticDNN gated master (tta_core.elasticdnn.gates): FBS gates, winner-take-all, where the
 gate multiplies, supported models, card round trip."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torchvision import models as tvm
 
-from tta_core.elastic.gates import (
+from tta_core.elasticdnn.gates import (
     GATED_FACTORY,
     ChannelGate,
     GatedModel,
@@ -23,7 +23,7 @@ from tta_core.elastic.gates import (
     save_gated,
     winner_take_all,
 )
-from tta_core.elastic.train import (
+from tta_core.elasticdnn.train import (
     ElasticTrainConfig,
     recalibrate_bn,
     sandwich_loss,

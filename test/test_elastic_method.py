@@ -11,11 +11,11 @@ import random
 import pytest
 import torch
 
-from tta_core.adashadow.deadline import DeadlineConfig
+from tta_core.runtime.deadline import DeadlineConfig
 from tta_core.api import DeadlineTunable, Resizable, TTAMethodLike
-from tta_core.elastic.filter_update import _param_masks
-from tta_core.elastic.gates import make_gated
-from tta_core.elastic.serving import (
+from tta_core.elasticdnn.filter_update import _param_masks
+from tta_core.elasticdnn.gates import make_gated
+from tta_core.elasticdnn.serving import (
     ServingPlan,
     SizeTimes,
     check_sizes,

@@ -15,7 +15,7 @@ from torch import nn
 
 import tta_core.eval.bench as bench
 from tta_core.api import PhaseClock
-from tta_core.elastic.gates import load_gated
+from tta_core.elasticdnn.gates import load_gated
 from tta_core.eval.bench import BenchConfig, build_stream, stream_method
 from tta_core.eval.streaming import timed_step
 from tta_core.model.source import load_card

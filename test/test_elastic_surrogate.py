@@ -1,4 +1,4 @@
-"""ElasticDNN surrogate extraction (tta_core.elastic.surrogate): the highest-entropy sample,
+"""ElasticDNN surrogate extraction (tta_core.elasticdnn.surrogate): the highest-entropy sample,
 physical slicing, and the surrogate reproducing the master on x* (squared error < 1e-4)."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from torchvision import models as tvm
 
 from tta_core.data.preprocess import images_to_tensor
 from tta_core.data.signs import make_signs
-from tta_core.elastic.gates import ChannelGate, kept_count, make_gated
-from tta_core.elastic.surrogate import extract_surrogate, highest_entropy_sample
+from tta_core.elasticdnn.gates import ChannelGate, kept_count, make_gated
+from tta_core.elasticdnn.surrogate import extract_surrogate, highest_entropy_sample
 from tta_core.model.source import load_card
 
 

@@ -1,4 +1,4 @@
-"""ElasticDNN filter-grained update (tta_core.elastic.filter_update): scores from BN
+"""ElasticDNN filter-grained update (tta_core.elasticdnn.filter_update): scores from BN
 gradients, mass selection (brute force), only selected filters change, write-back only at
 the kept indices."""
 
@@ -12,7 +12,7 @@ import torch
 from test_elastic_gates import randomize_gates, small_source
 from test_elastic_surrogate import signs_batch
 
-from tta_core.elastic.filter_update import (
+from tta_core.elasticdnn.filter_update import (
     _param_masks,
     filter_optimizer,
     filter_scores,
@@ -21,8 +21,8 @@ from tta_core.elastic.filter_update import (
     select_filters,
     write_back,
 )
-from tta_core.elastic.gates import make_gated
-from tta_core.elastic.surrogate import extract_surrogate, highest_entropy_sample
+from tta_core.elasticdnn.gates import make_gated
+from tta_core.elasticdnn.surrogate import extract_surrogate, highest_entropy_sample
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ from torchvision.models import VisionTransformer
 
 from tta_core.adashadow import profiler
 from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig
-from tta_core.adashadow.planner import Plan, backward_cost
+from tta_core.adashadow.planner import backward_cost
+from tta_core.api import Plan
 from tta_core.adashadow.planning import UnitLayout, mac_profile
 from tta_core.adashadow.predictor import UnitProfile
 from tta_core.api import PhaseClock

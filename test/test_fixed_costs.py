@@ -1,4 +1,4 @@
-"""Fixed costs outside the per-unit model (tta_core.adashadow.fixed_costs): the EMAs, and how the
+"""Fixed costs outside the per-unit model (tta_core.runtime.fixed_costs): the EMAs, and how the
 engine plans with them (plan phase in T_f, the update's fixed cost in every plan)."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from tta_core.adashadow import fixed_costs as fc_mod
+from tta_core.runtime import fixed_costs as fc_mod
 from tta_core.adashadow import planner
 from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig
-from tta_core.adashadow.fixed_costs import FixedCosts
+from tta_core.runtime.fixed_costs import FixedCosts
 from tta_core.adashadow.planning import UnitLayout, mac_profile
 from tta_core.model.norms import set_bn_mode
 from tta_core.model.units import decompose

@@ -1,4 +1,4 @@
-"""tta_core.elastic.fleet: the multi-app size search equals brute force and respects every
+"""tta_core.elasticdnn.fleet: the multi-app size search equals brute force and respects every
 deadline and the shared capacity; equal split; infeasible instances; the confidence proxy."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tta_core.elastic.fleet import (
+from tta_core.elasticdnn.fleet import (
     MAX_COMBINATIONS,
     App,
     AppOption,

@@ -1,4 +1,4 @@
-"""DAF paged activation store (tta_core.memory.arena): never over budget under random
+"""DAF paged activation store (tta_core.daf.arena): never over budget under random
 put/remove/resize sequences (hypothesis), data intact through compaction, downgrade and
 eviction order by importance per byte (per ms on the time side), shrinking with pinned
 entries downgrades without a crash."""
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tta_core.memory.arena import PagedArena
+from tta_core.daf.arena import PagedArena
 
 PAGE = 1024
 
@@ -138,7 +138,7 @@ def _r18_grads(ctx) -> torch.Tensor:
 def test_arena_codec_with_room_gives_the_plain_codecs_gradients() -> None:
     """Same quantization, stored in pages and read back through views: bit-identical."""
     from tta_core.memory import ActivationCodec, CodecPlan
-    from tta_core.memory.arena_codec import ArenaCodec
+    from tta_core.daf.arena_codec import ArenaCodec
 
     plan = CodecPlan(default_bits=4, norm_bits=8)
     arena = PagedArena(64 * 2**20, page_size=4096)
@@ -152,7 +152,7 @@ def test_arena_codec_under_a_tight_budget_downgrades_the_least_important() -> No
     from test_memory_quant import _cos, _grads, resnet18_64px
 
     from tta_core.memory import ActivationCodec, CodecPlan
-    from tta_core.memory.arena_codec import ArenaCodec
+    from tta_core.daf.arena_codec import ArenaCodec
 
     model, x = resnet18_64px()
     plan = CodecPlan(default_bits=8, norm_bits=8)

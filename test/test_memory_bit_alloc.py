@@ -1,4 +1,4 @@
-"""DAF greedy two-budget bit allocation (tta_core.memory.bit_alloc) against brute force:
+"""DAF greedy two-budget bit allocation (tta_core.daf.bit_alloc) against brute force:
 always feasible, exact where greedy is exact, >= 1/2 of the optimum on 0/1 memory-only
 instances (its guarantee), and a measured mean gap on two-budget four-width instances."""
 
@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from tta_core.memory.bit_alloc import FIDELITY, UnitChoice, brute_force_bits, greedy_bits
+from tta_core.daf.bit_alloc import FIDELITY, UnitChoice, brute_force_bits, greedy_bits
 from tta_core.memory.quant import quant_nbytes
 
 

@@ -23,7 +23,7 @@ from sensor_msgs.msg import Image  # noqa: E402
 from tta_msgs.msg import ClassPrediction  # noqa: E402
 
 from tta_core.api import Resizable, StepResult  # noqa: E402
-from tta_core.elastic.fleet import equal_split, plan_fleet  # noqa: E402
+from tta_core.elasticdnn.fleet import equal_split, plan_fleet  # noqa: E402
 from tta_core.io.image_msg import array_to_image_fields  # noqa: E402
 from tta_core.methods import _REGISTRY, register  # noqa: E402
 from tta_core.methods.source import Source  # noqa: E402

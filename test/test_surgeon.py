@@ -11,13 +11,13 @@ import torch
 from torch import nn
 
 from tta_core.memory import SavedActivationCounter
-from tta_core.memory.layer_importance import (
+from tta_core.surgeon.layer_importance import (
     gradient_importance,
     layer_keep,
     memory_importance,
 )
 from tta_core.methods import build_method
-from tta_core.methods.surgeon import OFFICIAL_LR, SurgeonConfig, surgeon_loss
+from tta_core.surgeon.method import OFFICIAL_LR, SurgeonConfig, surgeon_loss
 from tta_core.model.source import load_source
 from tta_core.model.zoo import SmallResNet
 

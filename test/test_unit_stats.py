@@ -7,10 +7,11 @@ import pytest
 import torch
 from torch import nn
 
-from tta_core.adashadow.assessor import Assessor, channel_stats
+from tta_core.adashadow.assessor import Assessor
+from tta_core.runtime.stats import channel_stats
 from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig
 from tta_core.model.norms import set_bn_mode
-from tta_core.model.unit_stats import UnitStatsCollector, source_seeds
+from tta_core.runtime.unit_stats import UnitStatsCollector, source_seeds
 from tta_core.model.units import decompose
 from tta_core.model.zoo import build_model
 

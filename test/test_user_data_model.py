@@ -243,7 +243,7 @@ def test_adashadow_never_traces_at_an_assumed_size(cifar10c, resnet18_weights, t
                                                    monkeypatch) -> None:
     with pytest.raises(ValueError, match="adashadow needs input_shape"):
         build_method("adashadow", SmallResNet(num_classes=10))
-    import tta_core.methods.adashadow as ada
+    import tta_core.adashadow.method as ada
 
     traced: list[tuple[int, ...]] = []
 

@@ -17,16 +17,27 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from tta_core.adashadow.planner import Plan
-
 NAN = math.nan
+
+
+@dataclass
+class Plan:
+    """A layer-update plan: the units to update (bool per unit, forward order), the first
+    of them, and its predicted cost (AdaShadow's planner, or the ROS `layer_plan` topic)."""
+
+    update: np.ndarray
+    first_updated: int
+    objective: float
+    predicted_total_ms: float
+    budget_ms: float  # sigma * T, or the problem's absolute budget (deadline)
+    full_ms: float
+    solve_ms: float
 
 
 @dataclass
@@ -115,7 +126,7 @@ class PhaseClock:
 # ---------------------------------------------------------------- capabilities
 @runtime_checkable
 class TTAMethodLike(Protocol):
-    """What every method offers (tta_core.methods.base.TTAMethod): adapt on a batch and
+    """What every method offers (tta_core.runtime.method.TTAMethod): adapt on a batch and
     predict, change the learning rate, wait for work in flight (`finish`: in parallel mode
     the last step's update runs in the background and fills that step's backward_ms),
     restore the source."""
@@ -153,7 +164,7 @@ class RuntimeTunable(Protocol):
 
 @runtime_checkable
 class DeadlineTunable(Protocol):
-    """Plans against a batch deadline (tta_core.adashadow.deadline): its settings change
+    """Plans against a batch deadline (tta_core.runtime.deadline): its settings change
     between batches (`set_deadline(deadline_mode=..., camera_hz=...)`, ValueError naming a
     bad one), "speed" deadlines follow the vehicle's speed (`set_speed`, None: unknown),
     and a batch that starts late (a backlog) has that much less of its deadline left
@@ -169,7 +180,7 @@ class DeadlineTunable(Protocol):
 @runtime_checkable
 class Resizable(Protocol):
     """Serves a surrogate of its model at a chosen size, the share of filters kept per gated
-    conv (ElasticDNN, tta_core.methods.elastic): `sizes` lists the sizes it can serve
+    conv (ElasticDNN, tta_core.elasticdnn.method): `sizes` lists the sizes it can serve
     (largest first, 1.0 the full master), `set_size(keep)` pins one of them from the next
     batch on (a fleet scheduler's choice; ValueError naming a size it lacks), None returns
     to the method's own choice (the largest whose predicted forward fits the deadline);

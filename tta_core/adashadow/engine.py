@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from tta_core import losses
+from tta_core.runtime import losses
 from tta_core.adashadow import assessor as assessor_mod
 from tta_core.adashadow import planner, predictor
 from tta_core.adashadow.memory_budget import TailRecorder
@@ -36,10 +36,10 @@ from tta_core.adashadow.planning import (
     UnitLayout,
 )
 from tta_core.api import PhaseClock, PhaseTimes, PlanningInfo, StepResult, mean_entropy
-from tta_core.domain.bn import RobustBN, use_batch_stats
-from tta_core.memory.daf import check_activation_bits
+from tta_core.darda.bn import RobustBN, use_batch_stats
+from tta_core.daf.plans import check_activation_bits
 from tta_core.model.norms import BN_MODES
-from tta_core.model.unit_stats import UnitStatsCollector, source_seeds
+from tta_core.runtime.unit_stats import UnitStatsCollector, source_seeds
 from tta_core.model.units import StagedModel, stage_input_hooks
 
 MODES = ("sequential", "parallel")
@@ -89,7 +89,7 @@ class EngineConfig(PlanningConfig):
     graph: str = "full"
     # DAF (issue #20): what the recorded graph saves is stored at 8/4/2 bits (norm-layer
     # inputs, trainable conv/linear inputs; frozen conv inputs not at all, ReLU outputs as
-    # exact 1-bit masks: tta_core.memory.daf.daf_plan). None: dense. Not with a memory
+    # exact 1-bit masks: tta_core.daf.plans.daf_plan). None: dense. Not with a memory
     # budget, which chooses its own encodings (keep ratios).
     activation_bits: int | None = None
 

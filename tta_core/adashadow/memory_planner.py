@@ -57,7 +57,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from tta_core.adashadow import planner
-from tta_core.adashadow.planner import Plan, PlanProblem
+from tta_core.adashadow.planner import PlanProblem
+from tta_core.api import Plan
 
 DEFAULT_KEEPS = (1.0, 0.5, 0.3, 0.1)
 DEFAULT_FIDELITY = (1.0, 0.996, 0.971, 0.819)

@@ -10,7 +10,7 @@ with d = min(S):
 
 and the problem is  max sum_{l in S} a_l  s.t.  T_f + T_b'(S) + T_re'(S) <= sigma * T.
 The empty plan costs T_f alone. An absolute budget (`budget_ms`, a deadline:
-tta_core.adashadow.deadline) replaces sigma * T when given; sigma is then not used.
+tta_core.runtime.deadline) replaces sigma * T when given; sigma is then not used.
 
 Fixed cost (extension of the contract, 0 by default): `overhead_ms` is time that every
 non-empty plan pays whatever its units (launching the backward, the loss head's gradient,
@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tta_core.api import Plan
+
 DEFAULT_N_T = 500
 _BRUTE_FORCE_MAX_UNITS = 20
 
@@ -57,19 +59,6 @@ class PlanProblem:
     sigma: float
     overhead_ms: float = 0.0  # fixed cost of any non-empty plan (module docstring)
     budget_ms: float | None = None  # absolute budget (a deadline); None: sigma * T
-
-
-@dataclass
-class Plan:
-    """The chosen update set and its predicted cost."""
-
-    update: np.ndarray
-    first_updated: int
-    objective: float
-    predicted_total_ms: float
-    budget_ms: float  # sigma * T, or the problem's absolute budget (deadline)
-    full_ms: float
-    solve_ms: float
 
 
 @dataclass

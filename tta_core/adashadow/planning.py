@@ -42,8 +42,8 @@ from pathlib import Path
 import numpy as np
 
 from tta_core.adashadow import planner, predictor
-from tta_core.adashadow.backward_feedback import BackwardFeedback
-from tta_core.adashadow.deadline import (
+from tta_core.runtime.backward_feedback import BackwardFeedback
+from tta_core.runtime.deadline import (
     DEADLINE_MODES,
     DEADLINE_PER,
     DeadlineConfig,
@@ -51,7 +51,7 @@ from tta_core.adashadow.deadline import (
     describe,
     late_text,
 )
-from tta_core.adashadow.fixed_costs import FixedCosts
+from tta_core.runtime.fixed_costs import FixedCosts
 from tta_core.adashadow.memory_budget import (
     CardSaveCosts,
     budget_from_free,
@@ -60,7 +60,7 @@ from tta_core.adashadow.memory_budget import (
     solve_plan,
 )
 from tta_core.adashadow.memory_planner import MemoryCosts, MemoryPlan
-from tta_core.adashadow.planner import Plan
+from tta_core.api import Plan
 from tta_core.adashadow.predictor import FEEDBACK_MODES, UnitProfile
 from tta_core.model.source import build_card_model, load_card
 from tta_core.model.units import StagedModel, decompose

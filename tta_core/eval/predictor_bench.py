@@ -54,12 +54,12 @@ import numpy as np
 import torch
 
 from tta_core.adashadow import planner
-from tta_core.adashadow.backward_feedback import BackwardFeedback
+from tta_core.runtime.backward_feedback import BackwardFeedback
 from tta_core.adashadow.calibration import BusyProcesses
 from tta_core.adashadow.expansion import MODELS, PI2_MODES, ExpansionModel, OfflineReference
 from tta_core.adashadow.predictor import Calibration, UnitProfile, planning_times, runtime_times
 from tta_core.adashadow.profiler import SPLITS
-from tta_core.losses import entropy_loss
+from tta_core.runtime.losses import entropy_loss
 from tta_core.model.units import StagedModel
 from tta_core.telemetry.bandwidth_probe import BandwidthProbe
 
@@ -535,7 +535,7 @@ def to_markdown(res: BenchResult) -> str:
               "scaled by measured / predicted forward (engine and scheduler default); "
               "see predictor.feedback_pis; + backward feedback: uniform, then scaled by the "
               "EMA of measured / predicted backward of the earlier batches "
-              "(tta_core.adashadow.backward_feedback: what the ROS nodes plan with)",
+              "(tta_core.runtime.backward_feedback: what the ROS nodes plan with)",
               *(f"- {k} skipped: {v}" for k, v in res.skipped.items()),
               f"- load average (1/5/15 min) start {tuple(round(v, 2) for v in res.loadavg_start)}"
               f", end {tuple(round(v, 2) for v in res.loadavg_end)}"]

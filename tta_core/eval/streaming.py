@@ -12,7 +12,7 @@ step took. The schedule, like the perception node's worker:
 - the step's predictions for its frames become available when it ends (start + step ms).
 
 Scoring. Frame i's deadline is arrival + L, L the latency allowance (`latency_ms`). By
-default L = (2b - 1) / hz for batch size b: the camera deadline (tta_core.adashadow.deadline
+default L = (2b - 1) / hz for batch size b: the camera deadline (tta_core.runtime.deadline
 "camera" mode, what AdaShadow plans against), b / hz per batch, plus the (b - 1) / hz the
 first frame of a batch waits for the batch to fill. A method whose steps all take <= b / hz
 therefore answers every frame by its deadline (L = b / hz alone would leave the first frame

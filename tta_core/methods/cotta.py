@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tta_core.api import PhaseClock, StepResult
-from tta_core.methods import register
-from tta_core.methods.base import MethodConfig, TTAMethod
+from tta_core.registry import register
+from tta_core.runtime.method import MethodConfig, TTAMethod
 from tta_core.model.norms import set_bn_mode
 
 

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tta_core.api import PhaseClock, StepResult
-from tta_core.methods import register
-from tta_core.methods.base import MethodConfig
+from tta_core.registry import register
+from tta_core.runtime.method import MethodConfig
 from tta_core.methods.tent import Tent
 
 

@@ -22,8 +22,8 @@ import torch
 from torch import Tensor, nn
 
 from tta_core.api import PhaseClock, StepResult
-from tta_core.methods import register
-from tta_core.methods.base import MethodConfig, TTAMethod
+from tta_core.registry import register
+from tta_core.runtime.method import MethodConfig, TTAMethod
 from tta_core.methods.eata import softmax_entropy
 
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tta_core.methods import register
-from tta_core.methods.base import TTAMethod
+from tta_core.registry import register
+from tta_core.runtime.method import TTAMethod
 
 
 @register("source")

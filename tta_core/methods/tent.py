@@ -7,14 +7,14 @@ does (DequanWang/tent, mariodoebler/test-time-adaptation), so LayerNorm-only mod
 reforward of the same batch with the updated model, whose logits are the prediction
 (configurable).
 
-`activation_bits` (8/4/2; DAF, tta_core.memory.daf): the adaptation forward runs under the
+`activation_bits` (8/4/2; DAF, tta_core.daf.plans): the adaptation forward runs under the
 activation codec: the frozen conv/linear layers' inputs are not stored at all (nothing
 reads them: tent updates norm affine parameters only), BN inputs are stored per-group
 min-max quantized at that width and bit-packed, ReLU outputs as exact 1-bit masks.
 Measured saved bytes go to StepResult.stats["saved_bytes"].
 
 `activation_budget_mb` (with activation_bits; DAF §3.4.2-3.4.4): the quantized saves live in
-one preallocated paged arena of that many MiB (tta_core.memory.arena, ArenaCodec); when it
+one preallocated paged arena of that many MiB (tta_core.daf.arena, ArenaCodec); when it
 is full, the save worth least per byte is downgraded a width (8 -> 4 -> 2 bits, never
 dropped: autograd already holds it), the new one included. A unit's worth is the RMS of its
 parameters' gradient in the previous step (SURGEON Eq. 4; 1.0 before the first). What the
@@ -31,13 +31,13 @@ from torch import Tensor
 
 from tta_core.api import PhaseClock, StepResult
 from tta_core.memory import ActivationCodec
-from tta_core.memory.arena import PagedArena
-from tta_core.memory.arena_codec import ArenaCodec
-from tta_core.memory.daf import check_activation_bits, daf_plan
-from tta_core.memory.layer_importance import gradient_importance
+from tta_core.daf.arena import PagedArena
+from tta_core.daf.arena_codec import ArenaCodec
+from tta_core.daf.plans import check_activation_bits, daf_plan
+from tta_core.surgeon.layer_importance import gradient_importance
 from tta_core.memory.ledger import MIB
-from tta_core.methods import register
-from tta_core.methods.base import MethodConfig, TTAMethod
+from tta_core.registry import register
+from tta_core.runtime.method import MethodConfig, TTAMethod
 
 
 @dataclass

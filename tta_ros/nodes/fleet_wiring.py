@@ -1,4 +1,4 @@
-"""Several cameras, one computer (issue #22): the ROS side of tta_core.elastic.fleet.
+"""Several cameras, one computer (issue #22): the ROS side of tta_core.elasticdnn.fleet.
 
 Perception side (`PerceptionFleet`): parameter `elastic_keep` (0: the method's own choice)
 pins the served size through tta_core.api.Resizable.set_size, also after a method rebuild; a
@@ -16,7 +16,7 @@ served at: what a fleet scheduler's choice became).
 
 Scheduler side (`FleetScheduler`, the scheduler node's fleet mode): with `fleet_namespaces`
 set (e.g. ['/car1/front', '/car1/rear']) it reads those statuses from /diagnostics, plans
-every `fleet_period_s` (tta_core.elastic.fleet.plan_fleet within `fleet_capacity`, or the
+every `fleet_period_s` (tta_core.elasticdnn.fleet.plan_fleet within `fleet_capacity`, or the
 equal split with `fleet_policy: equal_split`) and sets each chosen size on
 `<ns>/<fleet_node>` through the standard rcl_interfaces SetParameters service (parameter
 `elastic_keep`): no new message. A pipeline whose report is missing or older than
@@ -37,7 +37,7 @@ from rclpy.node import Node
 from rclpy.parameter import Parameter
 
 from tta_core.api import Resizable
-from tta_core.elastic.fleet import (
+from tta_core.elasticdnn.fleet import (
     App,
     AppOption,
     ConfidenceCalibration,

@@ -10,7 +10,7 @@ is refused with a diagnostic. The AdaptationStatus perception publishes for each
 followed (plan_id echoed) closes the loop (PlanningService.observe: backward correction,
 plan phase, the update's fixed cost).
 
-Deadline modes (`deadline_mode`, tta_core.adashadow.deadline): the budget of a batch is its
+Deadline modes (`deadline_mode`, tta_core.runtime.deadline): the budget of a batch is its
 deadline (fixed, from `camera_hz`, or from the speed on `odometry_topic`) instead of
 sigma*T; the LayerPlan's `sigma` is then the deadline's share of the full update
 (budget_ms / T), /diagnostics says when the forward alone misses the deadline and the RViz
@@ -18,7 +18,7 @@ label shows it.
 
 Fleet mode (issue #22, tta_ros.nodes.fleet_wiring): with `fleet_namespaces` set, the node
 also chooses the surrogate size of every perception pipeline in those namespaces (the
-pipelines share this computer: tta_core.elastic.fleet) and sets it on each through the
+pipelines share this computer: tta_core.elasticdnn.fleet) and sets it on each through the
 standard SetParameters service (`elastic_keep`).
 """
 

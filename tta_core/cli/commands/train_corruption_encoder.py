@@ -1,5 +1,5 @@
 """`tta train-corruption-encoder`: train DARDA's corruption extractor and contrastive
-encoder (§4.1-4.2, tta_core.domain.encoder) on the synthetic signs under the 15
+encoder (§4.1-4.2, tta_core.darda.encoder) on the synthetic signs under the 15
 corruptions, and save it as safetensors for the domain embedding (darda `encoder_path`,
 `EmbeddingConfig.encoder`)."""
 
@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from tta_core.domain.encoder import EncoderConfig, save_encoder, train_encoder
+from tta_core.darda.encoder import EncoderConfig, save_encoder, train_encoder
 from tta_core.model.source import load_card
 
 NAME = "train-corruption-encoder"

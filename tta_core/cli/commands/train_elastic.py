@@ -1,5 +1,5 @@
 """`tta train-elastic`: train ElasticDNN's gated master from a source checkpoint (gate
-warm-up, sandwich rule over staged max sparsity, L1 on the gates; tta_core.elastic.train)
+warm-up, sandwich rule over staged max sparsity, L1 on the gates; tta_core.elasticdnn.train)
 and write `<out>.safetensors` + the model card `<out>.json`, which loads like any card
 (`tta bench --model-card <out>.json`, the elastic method)."""
 
@@ -9,8 +9,8 @@ import argparse
 import json
 from pathlib import Path
 
-from tta_core.elastic.gates import save_gated
-from tta_core.elastic.train import ElasticTrainConfig, train_master
+from tta_core.elasticdnn.gates import save_gated
+from tta_core.elasticdnn.train import ElasticTrainConfig, train_master
 
 NAME = "train-elastic"
 HELP = "train ElasticDNN's gated master (FBS gates, sandwich rule) from a source checkpoint"

@@ -1,12 +1,12 @@
-"""Model-card factory of ElasticDNN's gated master (tta_core.elastic.gates): a card with
-``factory: tta_core.model.gated:gated_master`` builds the base arch and gates it, so a gated
+"""Model-card factory of ElasticDNN's gated master (tta_core.elasticdnn.gates): a card with
+``factory: tta_core.elasticdnn.card:gated_master`` builds the base arch and gates it, so a gated
 checkpoint loads through the ordinary card route (`load_source`, `tta bench --model-card`)."""
 
 from __future__ import annotations
 
 from torch import nn
 
-from tta_core.elastic.gates import make_gated
+from tta_core.elasticdnn.gates import make_gated
 from tta_core.model.arch import build_architecture
 
 

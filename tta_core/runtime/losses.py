@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from tta_core.adashadow.assessor import gaussian_kl
+from tta_core.runtime.stats import gaussian_kl
 
 
 def entropy_loss(logits: Tensor) -> Tensor:

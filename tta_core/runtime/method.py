@@ -17,8 +17,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from tta_core import losses
-from tta_core.adashadow.planner import Plan
+from tta_core.runtime import losses
+from tta_core.api import Plan
 from tta_core.api import PhaseClock, PhaseTimes, StepResult, mean_entropy
 from tta_core.model.memory_format import apply_memory_format
 from tta_core.model.norms import NORM_NAMES, ROBUST_BN_METHODS, norm_affine_params, set_bn_mode

@@ -20,10 +20,10 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from tta_core.api import PhaseTimes, StepResult, mean_entropy
-from tta_core.domain.bank import SOURCE, StateBank, adapted_tensors
-from tta_core.domain.detector import Detection, DetectorConfig, DomainDetector
-from tta_core.domain.embedding import DomainEmbedder, EmbeddingConfig
-from tta_core.domain.gate import AdaptGate, GateConfig
+from tta_core.darda.bank import SOURCE, StateBank, adapted_tensors
+from tta_core.darda.detector import Detection, DetectorConfig, DomainDetector
+from tta_core.darda.embedding import DomainEmbedder, EmbeddingConfig
+from tta_core.darda.gate import AdaptGate, GateConfig
 
 
 @dataclass

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from tta_core.adashadow.assessor import channel_stats
+from tta_core.runtime.stats import channel_stats
 from tta_core.model.units import StagedModel
 
 Stats = tuple[Tensor, Tensor]

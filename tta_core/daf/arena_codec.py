@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from tta_core.memory.arena import PagedArena
+from tta_core.daf.arena import PagedArena
 from tta_core.memory.codec import ActivationCodec, CodecPlan, Encoding
 from tta_core.memory.packed import _restore, memory_order
 from tta_core.memory.quant import PackedQuant, Quant

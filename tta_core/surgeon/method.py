@@ -2,7 +2,7 @@
 github.com/kadmkbl/SURGEON, methods/das.py).
 
 Per batch, each trainable layer gets a keep ratio for what it saves for ∂W (Eqs. 4-7,
-tta_core.memory.layer_importance); the adaptation forward runs under the activation codec
+tta_core.surgeon.layer_importance); the adaptation forward runs under the activation codec
 (tta_core.memory.codec): conv/linear inputs magnitude-pruned to the layer's keep ratio and
 held as a 1-bit position bitmap + kept values, ReLU saves as exact 1-bit masks, BN inputs
 dense (exact ∂γ and ∂x; the official code prunes them for ∂γ but keeps a full copy for ∂x).
@@ -23,7 +23,7 @@ named units; the others are frozen. Eager PyTorch saves a conv/linear input even
 weight is frozen (no ∂W is computed, ∂x needs only the weight): frozen units' inputs are
 stored at FROZEN_KEEP (≈ the 1-bit bitmap alone), which changes no gradient.
 
-`activation_bits` (8/4/2; DAF, tta_core.memory.daf): what SURGEON leaves dense is quantized
+`activation_bits` (8/4/2; DAF, tta_core.daf.plans): what SURGEON leaves dense is quantized
 too: BN inputs and the inputs of scored layers kept whole (keep 1) are stored per-group
 min-max quantized at that width, frozen layers' inputs are not stored at all (0 bits);
 pruned layers keep their bitmap + values.
@@ -51,11 +51,11 @@ from torch import Tensor, nn
 
 from tta_core.api import PhaseClock, PhaseTimes, StepResult, mean_entropy
 from tta_core.memory import DENSE, ActivationCodec, CodecPlan, SavedBytes
-from tta_core.memory.daf import check_activation_bits, daf_plan
-from tta_core.memory.layer_importance import LayerImportance, gradient_importance, layer_keep
+from tta_core.daf.plans import check_activation_bits, daf_plan
+from tta_core.surgeon.layer_importance import LayerImportance, gradient_importance, layer_keep
 from tta_core.memory.scope import unit_table
-from tta_core.methods import register
-from tta_core.methods.base import MethodConfig, TTAMethod
+from tta_core.registry import register
+from tta_core.runtime.method import MethodConfig, TTAMethod
 from tta_core.methods.cotta import cheap_augment
 from tta_core.methods.eata import softmax_entropy
 from tta_core.model.norms import NORM_NAMES, NORM_TYPES, set_bn_mode

@@ -7,5 +7,5 @@ Modules: embedding (batch embedding, hook collector, corruption residual), encod
 novelty), bank (state swap), switch (detector + bank + gate for one method: darda, and
 adashadow's `domain_bank`), bn (trunk / banked BN set-up, robust BN, Eq. 15), gate (when
 to adapt), memory (RoTTA's CSTU), store (bank files). The method is
-`tta_core.methods.darda`.
+`tta_core.darda.method`.
 """

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from tta_core.data.preprocess import images_to_tensor
 from tta_core.data.signs import make_signs
-from tta_core.elastic.gates import GatedModel, make_gated
+from tta_core.elasticdnn.gates import GatedModel, make_gated
 from tta_core.model.source import ModelCard, _augment, accuracy, load_source
 
 VAL_SEED_OFFSET = 10_000  # the held-out signs of train_source: seed + 10000

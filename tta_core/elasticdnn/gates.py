@@ -7,7 +7,7 @@ rest set to 0.
 
 Only block-internal convs are gated (torchvision BasicBlock: conv1; Bottleneck: conv1 and
 conv2; tta's SmallResNet blocks: conv1), so every residual sum keeps its shape and a
-surrogate can drop the gated channels physically (tta_core.elastic.surrogate).
+surrogate can drop the gated channels physically (tta_core.elasticdnn.surrogate).
 
 Where the gate multiplies: on the output of the conv's BatchNorm, i.e. ``g * BN(conv(x))``
 before the block's ReLU. Since ``g >= 0``, ``ReLU(g * y) = g * ReLU(y)``: the same as gating
@@ -227,14 +227,14 @@ def make_gated(model: nn.Module, reduction: int = 4) -> GatedModel:
     return GatedModel(model, reduction)
 
 
-GATED_FACTORY = "tta_core.model.gated:gated_master"
+GATED_FACTORY = "tta_core.elasticdnn.card:gated_master"
 
 
 def save_gated(master: GatedModel, path: str | Path, source_card: ModelCard,
                clean_accuracy: float = float("nan"),
                metadata: dict[str, str] | None = None) -> Path:
     """Write `<path>.safetensors` and the model card `<path>.json` (returned): the card names
-    the factory tta_core.model.gated:gated_master with the base arch and the gate settings,
+    the factory tta_core.elasticdnn.card:gated_master with the base arch and the gate settings,
     so `load_source` / `tta bench --model-card` build the gated master like any model."""
     path = Path(path)
     if source_card.factory:

@@ -1,6 +1,6 @@
-"""Online shift and domain detection on batch embeddings (tta_core.domain.embedding).
+"""Online shift and domain detection on batch embeddings (tta_core.darda.embedding).
 
-Known domains and the distance d_j of a batch to each are in `tta_core.domain.table`
+Known domains and the distance d_j of a batch to each are in `tta_core.darda.table`
 (standardised Euclidean, about 1 within a domain). Decision per batch:
 
 - candidate = the nearest domain, or NEW when every d_j exceeds the novelty threshold;
@@ -48,7 +48,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tta_core.domain.table import F64, DomainTable
+from tta_core.darda.table import F64, DomainTable
 
 NEW = -1  # candidate index meaning "a domain not seen yet"
 Batch = tuple[Tensor, Tensor | None]  # (embedding, within-batch spread)

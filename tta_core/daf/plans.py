@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from tta_core.memory.bit_alloc import FIDELITY, Allocation, UnitChoice, greedy_bits
+from tta_core.daf.bit_alloc import FIDELITY, Allocation, UnitChoice, greedy_bits
 from tta_core.memory.codec import CodecPlan
 from tta_core.memory.predict import SaveProfile, predicted_bytes
 from tta_core.memory.quant import STORED_BITS, check_bits

@@ -3,22 +3,22 @@
 After "DARDA: Domain-Aware Real-Time Dynamic Neural Network Adaptation" (seed 004), the
 online part: the batch embedding is the channel moments of the first BatchNorm inputs plus
 the fixed-kernel corruption residual of the input (DARDA §4.1's two downsamplings), and
-optionally DARDA's learnt corruption encoder (`encoder_path`; tta_core.domain.embedding,
-tta_core.domain.encoder), read inside the forward. In the pre-hook of the last embedded
+optionally DARDA's learnt corruption encoder (`encoder_path`; tta_core.darda.embedding,
+tta_core.darda.encoder), read inside the forward. In the pre-hook of the last embedded
 layer (before any adapted layer runs) the detector assigns the batch to a known domain or
 a new one (hysteresis, novelty, a confident first-batch switch), and on a switch the bank
 copies that domain's state (upper BN affine [+ running stats], final linear layer) into
 the live tensors: the batch is already predicted by the right state, with no extra pass.
 A new domain starts from the nearest known domain's state. The detection, bank and gate
-are tta_core.domain.switch's DomainSwitch (shared with adashadow's `domain_bank`).
+are tta_core.darda.switch's DomainSwitch (shared with adashadow's `domain_bank`).
 
 Adaptation (Tent's entropy, SGD on the upper BN affine [+ the classifier with
-`adapt_fc`]) runs only until the domain is stable (tta_core.domain.gate); then batches are
+`adapt_fc`]) runs only until the domain is stable (tta_core.darda.gate); then batches are
 served forward-only. SGD momentum is reset on every switch (not banked: see
-tta_core.domain.bank). With bn_mode "bank" the upper BN layers normalise with the domain's
+tta_core.darda.bank). With bn_mode "bank" the upper BN layers normalise with the domain's
 running statistics (robust BN) and are refreshed from a label-balanced memory of recent
 samples (DARDA Eq. 15). The bank is saved and loaded with `save_bank` / `load_bank`
-(safetensors, tta_core.domain.store).
+(safetensors, tta_core.darda.store).
 """
 
 from __future__ import annotations
@@ -34,17 +34,17 @@ import torch
 from torch import Tensor, nn
 
 from tta_core.api import PhaseClock, StepResult, mean_entropy
-from tta_core.domain.bank import SOURCE, StateBank, adapted_tensors, last_linear
-from tta_core.domain.bn import BANK_BN_MODES, RobustBN, batch_norm_layers, configure, refreshing
-from tta_core.domain.detector import Detection, DetectorConfig, DomainDetector
-from tta_core.domain.embedding import EmbeddingConfig
-from tta_core.domain.gate import AdaptGate, DomainGate, GateConfig
-from tta_core.domain.memory import BalancedMemory
-from tta_core.domain.store import load_bank, model_fingerprint, save_bank
-from tta_core.domain.switch import DomainSwitch, SwitchConfig, embedder_for
+from tta_core.darda.bank import SOURCE, StateBank, adapted_tensors, last_linear
+from tta_core.darda.bn import BANK_BN_MODES, RobustBN, batch_norm_layers, configure, refreshing
+from tta_core.darda.detector import Detection, DetectorConfig, DomainDetector
+from tta_core.darda.embedding import EmbeddingConfig
+from tta_core.darda.gate import AdaptGate, DomainGate, GateConfig
+from tta_core.darda.memory import BalancedMemory
+from tta_core.darda.store import load_bank, model_fingerprint, save_bank
+from tta_core.darda.switch import DomainSwitch, SwitchConfig, embedder_for
 from tta_core.errors import InputError, one_line
-from tta_core.methods import register
-from tta_core.methods.base import MethodConfig, TTAMethod
+from tta_core.registry import register
+from tta_core.runtime.method import MethodConfig, TTAMethod
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,7 @@ class DardaConfig(MethodConfig):
 
     embed_layers: int = 3  # BN inputs in the embedding (and frozen trunk)
     per_sample: bool = True
-    residual: bool = True  # + the corruption residual features (tta_core.domain.embedding)
+    residual: bool = True  # + the corruption residual features (tta_core.darda.embedding)
     encoder_path: str = ""  # + a learnt corruption encoder (tta train-corruption-encoder)
     hysteresis: int = 2
     confident: float = 0.8  # switch at once when this close (x threshold): see detector
@@ -150,7 +150,7 @@ class Darda(TTAMethod):
 
     @property
     def detector(self) -> DomainDetector:
-        """The domain detector (tta_core.domain.switch)."""
+        """The domain detector (tta_core.darda.switch)."""
         return self.switch.detector
 
     @property

@@ -44,8 +44,8 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from tta_core.adashadow.assessor import channel_stats
-from tta_core.domain.encoder import diagonal_halves, load_encoder
+from tta_core.runtime.stats import channel_stats
+from tta_core.darda.encoder import diagonal_halves, load_encoder
 
 LOG_EPS = 1e-5  # added to variances before the log
 
@@ -59,7 +59,7 @@ class EmbeddingConfig:
     per_sample: bool = True  # mean of per-sample log-var (else log of the pooled var)
     residual: bool = True  # + DARDA's fixed-kernel corruption residual of the input
     encoder: str = ""  # + DARDA's learnt corruption encoder (safetensors from
-    #                    `tta train-corruption-encoder`; tta_core.domain.encoder); '' none
+    #                    `tta train-corruption-encoder`; tta_core.darda.encoder); '' none
 
     def validate(self) -> None:
         """ValueError naming a bad field."""

@@ -20,14 +20,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from tta_core.elastic.gates import GatedModel
-from tta_core.elastic.surrogate import Surrogate
+from tta_core.elasticdnn.gates import GatedModel
+from tta_core.elasticdnn.surrogate import Surrogate
 
 
 def im_loss(logits: Tensor) -> Tensor:
     """SHOT's information-maximisation loss: mean entropy of the predictions minus the
     entropy of their batch mean (confident and diverse); float32 at least, float64 kept
-    (tta_core.losses.entropy_loss is float32 only)."""
+    (tta_core.runtime.losses.entropy_loss is float32 only)."""
     if logits.ndim != 2:
         raise ValueError(f"logits must be [B, K], got shape {tuple(logits.shape)}")
     logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), 1)

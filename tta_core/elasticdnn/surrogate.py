@@ -13,7 +13,7 @@ master run at that sparsity on x* (up to float summation order). It equals the m
 its *own* sparsity whenever `keep` is at least each gate's active share on x* (non-zero
 gates / channels); below that the surrogate drops channels the master uses and reproduces
 the sparser master (sparsity 1 - keep) instead, which the sandwich-trained master serves at
-a small loss (tta_core.elastic.train).
+a small loss (tta_core.elasticdnn.train).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from tta_core.elastic.gates import GatedModel, GateSite, kept_count
+from tta_core.elasticdnn.gates import GatedModel, GateSite, kept_count
 
 
 @dataclass

@@ -15,15 +15,15 @@ from pathlib import Path
 import numpy as np
 from torch import Tensor, nn
 
-from tta_core.adashadow.deadline import apply_settings, check_settings
+from tta_core.runtime.deadline import apply_settings, check_settings
 from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig
 from tta_core.adashadow.memory_budget import check_budget_mib
-from tta_core.adashadow.planner import Plan
+from tta_core.api import Plan
 from tta_core.adashadow.predictor import UnitProfile
 from tta_core.api import StepResult
-from tta_core.domain.switch import DomainSwitch, bank_switch, gated_step
-from tta_core.methods import register
-from tta_core.methods.base import MethodConfig, TTAMethod
+from tta_core.darda.switch import DomainSwitch, bank_switch, gated_step
+from tta_core.registry import register
+from tta_core.runtime.method import MethodConfig, TTAMethod
 from tta_core.model.units import StagedModel, decompose
 
 
@@ -37,7 +37,7 @@ class AdaShadowConfig(MethodConfig, EngineConfig):
     # camera node runs, robust BN gains 7-15 points (EngineConfig.bn_mode; measured there)
     bn_mode: str = "robust"
     # issue #21: recognise the domain, restore its banked BN + classifier state, adapt only
-    # until the domain is stable (tta_core.domain.switch; trainable="norm" only)
+    # until the domain is stable (tta_core.darda.switch; trainable="norm" only)
     domain_bank: bool = False
     # saved-activation budget, MiB (2**20 bytes, the unit of every saved-activation figure;
     # `tta bench --memory-budget-mb`); None: off. Sets memory_budget_mib (EngineConfig.graph)

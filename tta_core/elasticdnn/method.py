@@ -2,15 +2,15 @@
 the batch's deadline, adapted filter by filter (issue #22).
 
 Wang et al. (ElasticDNN, ../shared/seeds/001): a master network with channel gates
-(tta_core.elastic.gates, made by `tta train-elastic`) is cut into dense surrogates keeping a
+(tta_core.elasticdnn.gates, made by `tta train-elastic`) is cut into dense surrogates keeping a
 share of the filters of every gated conv, chosen for the current domain from one sample
-(tta_core.elastic.surrogate). This method serves every batch with the largest size whose
-predicted forward fits what is left of the batch's deadline (tta_core.elastic.serving: the
+(tta_core.elasticdnn.surrogate). This method serves every batch with the largest size whose
+predicted forward fits what is left of the batch's deadline (tta_core.elasticdnn.serving: the
 deadline modes are AdaShadow's, DeadlineConfig), the full master when it fits and back up
 as soon as a larger size fits again; a fleet scheduler may pin a size instead
 (`set_size`, api.Resizable). When the forward and an update fit (always without a deadline)
 the served network adapts: only the filters holding `mass` of the BN-gradient score of
-SHOT's information-maximisation loss train (tta_core.elastic.filter_update); the
+SHOT's information-maximisation loss train (tta_core.elasticdnn.filter_update); the
 prediction is that forward's (no reforward). No smaller size is served to make room for
 an update: on the shipped stream updates did not raise accuracy (README, elastic section).
 
@@ -49,10 +49,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from tta_core.adashadow.deadline import DeadlineConfig, apply_settings
-from tta_core.adashadow.fixed_costs import MARGIN_WARMUP
+from tta_core.runtime.deadline import DeadlineConfig, apply_settings
+from tta_core.runtime.fixed_costs import MARGIN_WARMUP
 from tta_core.api import PhaseClock, PhaseTimes, StepResult, mean_entropy
-from tta_core.elastic.filter_update import (
+from tta_core.elasticdnn.filter_update import (
     filter_optimizer,
     filter_scores,
     im_loss,
@@ -60,11 +60,11 @@ from tta_core.elastic.filter_update import (
     select_filters,
     write_back,
 )
-from tta_core.elastic.gates import GatedModel
-from tta_core.elastic.serving import DEFAULT_SIZES, Decision, EntropyWatch, ServingPlan, check_sizes
-from tta_core.elastic.surrogate import Surrogate, extract_surrogate, highest_entropy_sample
-from tta_core.methods import register
-from tta_core.methods.base import MethodConfig, TTAMethod
+from tta_core.elasticdnn.gates import GatedModel
+from tta_core.elasticdnn.serving import DEFAULT_SIZES, Decision, EntropyWatch, ServingPlan, check_sizes
+from tta_core.elasticdnn.surrogate import Surrogate, extract_surrogate, highest_entropy_sample
+from tta_core.registry import register
+from tta_core.runtime.method import MethodConfig, TTAMethod
 from tta_core.model.norms import set_bn_mode
 
 

@@ -1,8 +1,8 @@
 """Load-adaptive serving (ElasticDNN, issue #22): which surrogate size serves a batch.
 
 A gated master can be served whole or as a dense surrogate keeping a share `keep` of the
-filters of every gated conv (tta_core.elastic.surrogate). Under a batch deadline
-(tta_core.adashadow.deadline, the same modes as AdaShadow's) the method serves the largest
+filters of every gated conv (tta_core.elasticdnn.surrogate). Under a batch deadline
+(tta_core.runtime.deadline, the same modes as AdaShadow's) the method serves the largest
 size whose predicted forward fits what is left of the deadline after the learnt margin,
 the full master (1.0) whenever it fits, and goes back up as soon as a larger size fits
 again; with time left it also adapts the served surrogate (and re-derives the surrogates).
@@ -29,7 +29,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from tta_core.adashadow.fixed_costs import FixedCosts
+from tta_core.runtime.fixed_costs import FixedCosts
 from tta_core.adashadow.planning import DeadlineBudget
 
 __all__ = ["DEFAULT_SIZES", "Decision", "EntropyWatch", "ServingPlan", "SizeTimes",

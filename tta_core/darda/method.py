@@ -24,7 +24,6 @@ samples (DARDA Eq. 15). The bank is saved and loaded with `save_bank` / `load_ba
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from tta_core.api import PhaseClock, StepResult, mean_entropy
+from tta_core.api import StepResult, mean_entropy
 from tta_core.darda.bank import SOURCE, StateBank, adapted_tensors, last_linear
 from tta_core.darda.bn import BANK_BN_MODES, RobustBN, batch_norm_layers, configure, refreshing
 from tta_core.darda.detector import Detection, DetectorConfig, DomainDetector
@@ -44,7 +43,7 @@ from tta_core.darda.store import load_bank, model_fingerprint, save_bank
 from tta_core.darda.switch import DomainSwitch, SwitchConfig, embedder_for
 from tta_core.errors import InputError, one_line
 from tta_core.registry import register
-from tta_core.runtime.method import MethodConfig, TTAMethod
+from tta_core.runtime.method import MethodConfig, Step, TTAMethod
 
 log = logging.getLogger(__name__)
 
@@ -189,32 +188,35 @@ class Darda(TTAMethod):
         return self.detector.current_name
 
     # ------------------------------------------------------------------ one batch
-    def forward_and_adapt(self, x: Tensor) -> StepResult:
-        clock = PhaseClock.for_tensor(x)
+    def forward(self, step: Step) -> None:
+        """The forward that also embeds the batch and recognises its domain (the switch
+        may swap the banked state in); recorded only when the gate wants a backward."""
         grad = self.optimizer is not None and self.gate.wants_backward()
         self.switch.begin()
         with torch.set_grad_enabled(grad):
-            logits = self.model(x)
+            step.logits = self.model(step.x)
         self.switch.take()  # RuntimeError if the embedding layers did not run
-        adapt = grad and self.gate.wants_backward()  # a switch may have made it stable
-        forward_ms, loss = clock.mark(), math.nan
-        if adapt:
-            assert self.optimizer is not None
-            objective = self.loss(logits)
-            self.optimizer.zero_grad(set_to_none=True)
-            objective.backward()
-            self.optimizer.step()
-            loss, self.backward_passes = float(objective.detach()), self.backward_passes + 1
-        backward_ms = clock.mark()
-        self.gate.record(mean_entropy(logits), adapt)
-        self._remember(x, logits, adapt)
-        post_ms = clock.mark()
+        if grad and self.gate.wants_backward():  # a switch may have made it stable
+            step.loss = self.loss(step.logits)
+
+    def update(self, step: Step) -> None:
+        super().update(step)
+        if step.adapted:
+            self.backward_passes += 1
+
+    def post(self, step: Step) -> None:
+        """The gate's record, memory bank admission and the Eq. 15 refresh."""
+        self.gate.record(mean_entropy(step.logits), step.adapted)
+        self._remember(step.x, step.logits, step.adapted)
+
+    def predict(self, step: Step) -> None:
         with self._quiet():
-            out = self.reforward(x, logits, self.config.reforward and adapt)
-        res = self.result(out, forward_ms, backward_ms, clock.mark(), loss=loss, adapted=adapt,
-                          units_updated=len(self.params) // 2 if adapt else 0, post_ms=post_ms)
+            super().predict(step)
+
+    def step_result(self, step: Step) -> StepResult:
+        res = super().step_result(step)
         res.domain = self.detector.current_name
-        res.stats = self.switch.stats(adapt)
+        res.stats = self.switch.stats(step.adapted)
         return res
 
     def _remember(self, x: Tensor, logits: Tensor, adapted: bool) -> None:

@@ -6,9 +6,9 @@ adaptation", NeurIPS 2020 (and Nado et al. 2020, "prediction-time batch normaliz
 
 from __future__ import annotations
 
+from tta_core.model.norms import set_bn_mode
 from tta_core.registry import register
 from tta_core.runtime.method import TTAMethod
-from tta_core.model.norms import set_bn_mode
 
 
 @register("bn_adapt")

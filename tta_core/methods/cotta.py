@@ -20,10 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tta_core.api import PhaseClock, StepResult
-from tta_core.registry import register
-from tta_core.runtime.method import MethodConfig, TTAMethod
 from tta_core.model.norms import set_bn_mode
+from tta_core.registry import register
+from tta_core.runtime.method import MethodConfig, Step, TTAMethod
 
 
 @dataclass
@@ -104,24 +103,25 @@ class CoTTA(TTAMethod):
             mask = torch.rand(p.shape, generator=self.gen).to(p.device) < self.config.restore_prob
             p.copy_(torch.where(mask, src, p))
 
-    def forward_and_adapt(self, x: Tensor) -> StepResult:
-        clock = PhaseClock.for_tensor(x)
+    def forward(self, step: Step) -> None:
+        """Student forward, the teacher's (augmentation-averaged) prediction, and the CIFAR
+        variant of the reference loss: cross-entropy to the teacher's softmax."""
         with torch.enable_grad():
-            student = self.model(x)
-        teacher, augmented = self._teacher_prediction(x)
-        with torch.enable_grad():  # CIFAR variant of the reference: CE to teacher's softmax
-            loss = -(teacher.softmax(1) * student.log_softmax(1)).sum(1).mean()
-        forward_ms = clock.mark()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
+            step.logits = self.model(step.x)
+        self._teacher, step.stats["augmented"] = self._teacher_prediction(step.x)
+        with torch.enable_grad():
+            step.loss = -(self._teacher.softmax(1) * step.logits.log_softmax(1)).sum(1).mean()
+
+    def update(self, step: Step) -> None:
+        super().update(step)
         self._update_teacher_and_restore()
-        res = self.result(teacher, forward_ms, clock.mark(),
-                          loss=float(loss.detach()), adapted=True,
-                          units_updated=sum(1 for m in self.model.modules()
-                                            if any(True for _ in m.parameters(recurse=False))))
-        res.stats.update(augmented=augmented)
-        return res
+
+    def predict(self, step: Step) -> None:
+        step.out = self._teacher  # the teacher's prediction, as the reference
+
+    def units_updated(self, step: Step) -> int:
+        return sum(1 for m in self.model.modules()
+                   if any(True for _ in m.parameters(recurse=False)))
 
     def reset_state(self) -> None:
         self.teacher.load_state_dict(self._model_state)

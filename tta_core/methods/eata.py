@@ -26,10 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tta_core.api import PhaseClock, StepResult
-from tta_core.registry import register
-from tta_core.runtime.method import MethodConfig
 from tta_core.methods.tent import Tent
+from tta_core.registry import register
+from tta_core.runtime.method import MethodConfig, Step
 
 
 def softmax_entropy(logits: Tensor) -> Tensor:
@@ -111,28 +110,22 @@ class EATA(Tent):
             total = total + (fisher * (p - p0) ** 2).sum()
         return self.config.fisher_alpha * total
 
-    def forward_and_adapt(self, x: Tensor) -> StepResult:
-        clock = PhaseClock.for_tensor(x)
-        with torch.enable_grad():
-            logits = self.model(x)
-            sel = self.select(logits)
-            ent = softmax_entropy(logits)
-            n_used = int(sel.used.sum())
-            loss = (ent * sel.weight).sum() / max(n_used, 1) + self._ewc()
-        forward_ms = clock.mark()
-        if n_used > 0:  # original: no step when every sample is filtered out
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.optimizer.step()
-        self._update_probs(logits, sel.used)
-        self.last_selection = sel
-        backward_ms = clock.mark()
-        out = self.reforward(x, logits, self.config.reforward and n_used > 0)
-        res = self.result(out, forward_ms, backward_ms, clock.mark(),
-                          loss=float(loss.detach()), adapted=n_used > 0,
-                          units_updated=len(self.params) // 2 if n_used else 0)
-        res.stats.update(n_reliable=int(sel.reliable.sum()), n_used=n_used)
-        return res
+    def loss(self, logits: Tensor) -> Tensor:
+        """Weighted entropy of the selected samples (+ the EWC term once fitted)."""
+        sel = self.last_selection = self.select(logits)
+        n_used = int(sel.used.sum())
+        return (softmax_entropy(logits) * sel.weight).sum() / max(n_used, 1) + self._ewc()
+
+    def update(self, step: Step) -> None:
+        """No step when every sample is filtered out (as the original); the probability
+        average moves with the used samples."""
+        sel = self.last_selection
+        assert sel is not None and step.logits is not None and step.loss is not None
+        step.loss_value = float(step.loss.detach())
+        if bool(sel.used.any()):
+            super().update(step)
+        self._update_probs(step.logits, sel.used)
+        step.stats.update(n_reliable=int(sel.reliable.sum()), n_used=int(sel.used.sum()))
 
     def compute_fisher(self, batches: Iterable[Tensor]) -> None:
         """Diagonal Fisher of the norm affine params on source batches (EATA §3.3, EWC).

@@ -18,9 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tta_core.api import PhaseClock, StepResult
 from tta_core.registry import register
-from tta_core.runtime.method import MethodConfig, TTAMethod
+from tta_core.runtime.method import MethodConfig, Step, TTAMethod
 
 AFFINITIES = ("knn", "rbf", "linear")
 
@@ -97,20 +96,16 @@ class LAME(TTAMethod):
     def _grab(self, _m: nn.Module, args: tuple) -> None:
         self._feats = args[0]
 
-    def forward_and_adapt(self, x: Tensor) -> StepResult:
-        clock = PhaseClock.for_tensor(x)
-        with torch.no_grad():
-            logits = self.model(x)
+    def post(self, step: Step) -> None:
+        """The Laplacian-regularised assignment of the batch's features (output only)."""
         feats, self._feats = self._feats, None
-        forward_ms = clock.mark()
         c = self.config
         with torch.no_grad():
-            unary = -torch.log(logits.float().softmax(1) + 1e-10)
+            unary = -torch.log(step.logits.float().softmax(1) + 1e-10)
             kernel = affinity_matrix(F.normalize(feats.float().flatten(1), dim=-1),
                                      c.affinity, c.knn)
             if c.force_symmetry:
                 kernel = 0.5 * (kernel + kernel.t())
-            y, iters = laplacian_optimization(unary, kernel, c.bound_lambda, c.max_steps)
-        res = self.result(torch.log(y.clamp_min(1e-20)), forward_ms, post_ms=clock.mark())
-        res.stats.update(iterations=iters)
-        return res
+            y, step.stats["iterations"] = laplacian_optimization(unary, kernel, c.bound_lambda,
+                                                                 c.max_steps)
+        step.logits = torch.log(y.clamp_min(1e-20))

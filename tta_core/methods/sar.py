@@ -21,10 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from tta_core.api import PhaseClock, StepResult
-from tta_core.registry import register
-from tta_core.runtime.method import MethodConfig, TTAMethod
 from tta_core.methods.eata import softmax_entropy
+from tta_core.registry import register
+from tta_core.runtime.method import MethodConfig, Step, TTAMethod
 
 
 @dataclass
@@ -90,33 +89,30 @@ class SAR(TTAMethod):
         self.optimizer.zero_grad(set_to_none=True)
         return float(loss2.detach()) if loss2 is not None else math.nan
 
-    def forward_and_adapt(self, x: Tensor) -> StepResult:
-        clock = PhaseClock.for_tensor(x)
-        with torch.enable_grad():
-            logits = self.model(x)
-            e0 = self.e_margin(logits.shape[1])
-            ent = softmax_entropy(logits)
-            keep = ent.detach() < e0
-            loss1 = ent[keep].mean() if bool(keep.any()) else None
-        forward_ms = clock.mark()
-        loss2, recovered = math.nan, False
-        if loss1 is not None:
-            loss2 = self._sam_update(x, loss1, keep, e0)
-            if not math.isnan(loss2):
+    def loss(self, logits: Tensor) -> Tensor | None:
+        """Entropy of the reliable samples (entropy < E0); None when there are none."""
+        self._e0 = self.e_margin(logits.shape[1])
+        ent = softmax_entropy(logits)
+        self._keep = ent.detach() < self._e0
+        return ent[self._keep].mean() if bool(self._keep.any()) else None
+
+    def update(self, step: Step) -> None:
+        """The SAM update on the reliable samples; a collapse of the loss EMA resets the
+        model to the source."""
+        recovered = False
+        if step.loss is not None:
+            step.loss_value = self._sam_update(step.x, step.loss, self._keep, self._e0)
+            step.adapted = True
+            if not math.isnan(step.loss_value):
                 m = self.config.ema_momentum
-                self.ema = loss2 if self.ema is None else m * self.ema + (1 - m) * loss2
+                self.ema = (step.loss_value if self.ema is None
+                            else m * self.ema + (1 - m) * step.loss_value)
             if self.ema is not None and self.ema < self.config.reset_constant:
                 self.reset()  # collapse: back to the source model
                 self.recoveries += 1
                 recovered = True
-        backward_ms = clock.mark()
-        out = self.reforward(x, logits, self.config.reforward and loss1 is not None)
-        res = self.result(out, forward_ms, backward_ms, clock.mark(),
-                          loss=loss2, adapted=loss1 is not None,
-                          units_updated=len(self.params) // 2 if loss1 is not None else 0)
-        res.stats.update(n_reliable=int(keep.sum()), recovered=recovered,
-                         loss_ema=self.ema if self.ema is not None else math.nan)
-        return res
+        step.stats.update(n_reliable=int(self._keep.sum()), recovered=recovered,
+                          loss_ema=self.ema if self.ema is not None else math.nan)
 
     def reset_state(self) -> None:
         self.ema = None

@@ -1,27 +1,37 @@
-"""Common interface of all TTA methods (after mariodoebler/test-time-adaptation).
+"""The method base class: it owns the adaptation loop (after mariodoebler/test-time-adaptation).
 
 A method wraps a model; `step(x)` adapts on a batch and returns its predictions as an
-`api.StepResult`; `reset()` restores the source weights, the optimizer and any
-method state bit for bit. Subclasses override the short hooks: configure_model,
-collect_params, loss, forward_and_adapt (and reset_state for extra state).
+`api.StepResult`; `reset()` restores the source weights, the optimizer and any method state
+bit for bit. The base class runs every batch through one timed loop (`forward_and_adapt`):
+
+    plan (prepare) -> forward + loss -> update (backward, step) -> post -> reforward (predict)
+
+each phase timed by `runtime.phases.Phases`, the forward under the optional saved-activation
+codec of a config with `MemoryOptions` (runtime.capabilities). Subclasses override the short
+hooks they need: configure_model, collect_params, loss, and where a paper's step differs,
+prepare / forward / update / post / predict (each takes the batch's `Step`), plus
+reset_state for extra state. A method without an optimizer only predicts.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
-from tta_core.runtime import losses
-from tta_core.api import Plan
-from tta_core.api import PhaseClock, PhaseTimes, StepResult, mean_entropy
+from tta_core.api import PhaseTimes, Plan, StepResult, mean_entropy
 from tta_core.model.memory_format import apply_memory_format
 from tta_core.model.norms import NORM_NAMES, ROBUST_BN_METHODS, norm_affine_params, set_bn_mode
+from tta_core.runtime import losses
+from tta_core.runtime.capabilities import StepCodec, build_codec
+from tta_core.runtime.phases import Phases
 
 
 @dataclass
@@ -51,6 +61,20 @@ class MethodConfig:
     memory_format: str = "auto"
 
 
+@dataclass
+class Step:
+    """One batch on its way through the loop; hooks read and fill it."""
+
+    x: Tensor
+    phases: Phases
+    logits: Tensor | None = None  # the forward's output (with grad while adapting)
+    loss: Tensor | None = None  # the adaptation objective; None: no update this batch
+    loss_value: float = float("nan")  # the loss reported (default: float(loss))
+    adapted: bool = False  # an optimizer step ran
+    out: Tensor | None = None  # the prediction returned
+    stats: dict[str, float | int | bool] = field(default_factory=dict)
+
+
 class TTAMethod:
     """Base class: no adaptation; subclasses override the hooks below."""
 
@@ -64,6 +88,7 @@ class TTAMethod:
                                           tuple(self.config.input_shape),
                                           batch_stats=self.config.bn_mode in ("batch", "robust"))
         self.configure_model()
+        self.codec: StepCodec | None = build_codec(self.model, self.config)
         self.params = self.collect_params()
         self.optimizer = self.setup_optimizer()
         self._lr_batch: int | None = None  # batch size the optimizer's lr is scaled for
@@ -105,11 +130,71 @@ class TTAMethod:
         return losses.entropy_loss(logits)
 
     def forward_and_adapt(self, x: Tensor) -> StepResult:
-        """Predict on x, adapting on the way. Default: plain forward without grad."""
-        clock = PhaseClock.for_tensor(x)
-        with torch.no_grad():
-            logits = self.model(x)
-        return self.result(logits, forward_ms=clock.mark())
+        """The loop (module docstring): every phase timed, the result assembled here."""
+        step = Step(x, Phases.for_tensor(x))
+        with step.phases("plan"):
+            self.prepare(step)
+        with step.phases("forward"):
+            self.forward(step)
+        with step.phases("backward"):
+            self.update(step)
+        with step.phases("post"):
+            self.post(step)
+        with step.phases("reforward"):
+            self.predict(step)
+        return self.step_result(step)
+
+    def prepare(self, step: Step) -> None:
+        """Work before the forward that the update depends on (a plan); default none."""
+
+    def forward(self, step: Step) -> None:
+        """step.logits and step.loss: a recorded forward under the codec when the method
+        adapts, else a plain no-grad forward (no loss)."""
+        if self.optimizer is None:
+            with torch.no_grad():
+                step.logits = self.model(step.x)
+            return
+        with torch.enable_grad(), self.codec if self.codec is not None else nullcontext():
+            step.logits = self.model(step.x)
+            step.loss = self.loss(step.logits)
+
+    def update(self, step: Step) -> None:
+        """Backward and optimizer step on step.loss (none when it is None)."""
+        if step.loss is None or self.optimizer is None:
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        step.loss.backward()
+        if self.codec is not None:
+            self.codec.after_backward(self.model)
+        self.optimizer.step()
+        step.adapted = True
+
+    def post(self, step: Step) -> None:
+        """Work after the update, before the reforward (default none)."""
+
+    def predict(self, step: Step) -> None:
+        """step.out: the reforward of the updated model when the config asks for it and
+        the batch adapted, else the forward's logits."""
+        again = bool(getattr(self.config, "reforward", False)) and step.adapted
+        step.out = self.reforward(step.x, step.logits, again)
+
+    def units_updated(self, step: Step) -> int:
+        """How many units the step updated (norm layers: a weight and a bias each)."""
+        return len(self.params) // 2 if step.adapted else 0
+
+    def step_result(self, step: Step) -> StepResult:
+        """The StepResult of a finished step: its times, loss, prediction and stats."""
+        out = step.out if step.out is not None else step.logits
+        loss = step.loss_value
+        if math.isnan(loss) and step.loss is not None:
+            loss = float(step.loss.detach())
+        res = StepResult(logits=out.detach(), times=step.phases.times(), loss=loss,
+                         mean_entropy=mean_entropy(out), adapted=step.adapted,
+                         units_updated=self.units_updated(step))
+        if self.codec is not None:
+            res.stats.update(self.codec.stats())
+        res.stats.update(step.stats)
+        return res
 
     def reset_state(self) -> None:
         """Reset method state other than weights and optimizer (override when needed)."""

@@ -23,8 +23,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from tta_core.runtime.stats import channel_stats
 from tta_core.model.units import StagedModel
+from tta_core.runtime.stats import channel_stats
 
 Stats = tuple[Tensor, Tensor]
 

@@ -49,16 +49,16 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from tta_core.api import PhaseClock, PhaseTimes, StepResult, mean_entropy
-from tta_core.memory import DENSE, ActivationCodec, CodecPlan, SavedBytes
+from tta_core.api import StepResult
 from tta_core.daf.plans import check_activation_bits, daf_plan
-from tta_core.surgeon.layer_importance import LayerImportance, gradient_importance, layer_keep
+from tta_core.memory import DENSE, ActivationCodec, CodecPlan, SavedBytes
 from tta_core.memory.scope import unit_table
-from tta_core.registry import register
-from tta_core.runtime.method import MethodConfig, TTAMethod
 from tta_core.methods.cotta import cheap_augment
 from tta_core.methods.eata import softmax_entropy
 from tta_core.model.norms import NORM_NAMES, NORM_TYPES, set_bn_mode
+from tta_core.registry import register
+from tta_core.runtime.method import MethodConfig, Step, TTAMethod
+from tta_core.surgeon.layer_importance import LayerImportance, gradient_importance, layer_keep
 
 MODES = ("faithful", "robot")
 TRAINABLE = ("all", "norm")
@@ -300,37 +300,44 @@ class Surgeon(TTAMethod):
             loss, used = surgeon_loss(logits, aug, self.config)
         return logits, loss, used, codec.result
 
-    def forward_and_adapt(self, x: Tensor) -> StepResult:
-        clock = PhaseClock.for_tensor(x)
-        imp, k, imp_bytes = None, 0, 0
+    def prepare(self, step: Step) -> None:
+        """The keep ratios of this batch: an importance pass (faithful) or the previous
+        step's gradients (robot), and the codec plan they give."""
+        imp, self._k, self._imp_bytes = None, 0, 0
         if self.config.mode == "faithful":
-            imp, k, imp_bytes = self._importance_pass(x)
-        elif self._lagged is not None and tuple(x.shape[1:]) in self._sizes:
-            imp = self._keep(self._lagged, x)
-        plan_ms = clock.mark()
-        logits, loss, used, saved = self._adapt_forward(
-            x, self._plan(imp.keep if imp is not None else None))
-        forward_ms = clock.mark()
-        adapted = used > 0 or self.config.cr
-        if adapted:
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if self.config.mode == "robot":
-                self._lagged = self._gradient_importance(
-                    {id(p): p.grad for n in self.scored for p in self._cand[n]})
-            self.optimizer.step()
-        backward_ms = clock.mark()
-        out = self.reforward(x, logits, self.config.reforward and adapted)
-        reforward_ms = clock.mark()
-        times = PhaseTimes(forward_ms, plan_ms, backward_ms, reforward_ms,
-                           forward_ms + plan_ms + backward_ms + reforward_ms)
+            imp, self._k, self._imp_bytes = self._importance_pass(step.x)
+        elif self._lagged is not None and tuple(step.x.shape[1:]) in self._sizes:
+            imp = self._keep(self._lagged, step.x)
         self.last_importance = imp
+        self._codec_plan = self._plan(imp.keep if imp is not None else None)
+
+    def forward(self, step: Step) -> None:
+        step.logits, step.loss, self._used, self._saved = self._adapt_forward(
+            step.x, self._codec_plan)
+
+    def update(self, step: Step) -> None:
+        """Backward and step when a sample is used (or CR is on); robot mode keeps this
+        step's gradient importance for the next batch."""
+        if not (self._used > 0 or self.config.cr):
+            return
+        self.optimizer.zero_grad(set_to_none=True)
+        step.loss.backward()
+        if self.config.mode == "robot":
+            self._lagged = self._gradient_importance(
+                {id(p): p.grad for n in self.scored for p in self._cand[n]})
+        self.optimizer.step()
+        step.adapted = True
+
+    def units_updated(self, step: Step) -> int:
+        return len(self.scored) if step.adapted else 0
+
+    def step_result(self, step: Step) -> StepResult:
+        imp = self.last_importance
         self.last_keep = dict(imp.keep) if imp is not None else dict.fromkeys(self.scored, 1.0)
-        res = StepResult(logits=out.detach(), times=times, loss=float(loss.detach()),
-                         mean_entropy=mean_entropy(out), adapted=adapted,
-                         units_updated=len(self.scored) if adapted else 0,
-                         importance=self._importance_vector(imp))
-        res.stats.update(self._stats(saved, imp_bytes, k, used, imp is not None))
+        res = super().step_result(step)
+        res.importance = self._importance_vector(imp)
+        res.stats.update(self._stats(self._saved, self._imp_bytes, self._k, self._used,
+                                     imp is not None))
         return res
 
     def _importance_vector(self, imp: LayerImportance | None) -> np.ndarray:

@@ -1,0 +1,96 @@
+"""DAF's codec for any gradient method (the runtime's `StepCodec`, built from a config's
+MemoryOptions by tta_core.runtime.capabilities.build_codec).
+
+- `activation_bits` alone: the adaptation forward runs under the activation codec with a
+  uniform width (`plans.daf_plan`): frozen conv/linear inputs are not stored (nothing reads
+  them when only norm affines train), BN inputs are per-group min-max quantized at that
+  width and bit-packed, ReLU outputs kept as exact 1-bit masks.
+- with `activation_budget_mb` (§3.4.2-3.4.4): the quantized saves live in one preallocated
+  paged arena of that many MiB (`arena.PagedArena`); when it is full, the save worth least
+  per byte is narrowed a width (8 -> 4 -> 2 bits, never dropped), the new one included. A
+  unit's worth is the RMS of its parameters' gradient in the previous step (SURGEON Eq. 4;
+  1.0 before the first). What the arena cannot hold even at 2 bits is kept outside and
+  reported (`arena_overflow_bytes`); the 1-bit ReLU masks are not in the arena.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from tta_core.daf.arena import PagedArena
+from tta_core.daf.arena_codec import ArenaCodec
+from tta_core.daf.plans import check_activation_bits, daf_plan
+from tta_core.memory import ActivationCodec
+from tta_core.memory.ledger import MIB
+from tta_core.surgeon.layer_importance import gradient_importance
+
+ARENA_PAGE_BYTES = 4096  # camera-sized activations are small
+
+
+@dataclass
+class DafCodec:
+    """An activation codec (plain or over a paged arena) with the runtime's StepCodec
+    hooks: what one step stored, and the gradient importance the arena ranks by."""
+
+    codec: ActivationCodec
+
+    def __enter__(self) -> DafCodec:
+        self.codec.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.codec.__exit__(*exc)
+
+    def stats(self) -> dict[str, float | int | bool]:
+        """saved_bytes of the step, and the arena's figures when there is one."""
+        out: dict[str, float | int | bool] = {}
+        if self.codec.result is not None:
+            out["saved_bytes"] = self.codec.result.total
+        if isinstance(self.codec, ArenaCodec):
+            out.update(arena_stats(self.codec))
+        return out
+
+    def after_backward(self, model: nn.Module) -> None:
+        """The arena ranks the next step's saves by this step's gradients."""
+        if isinstance(self.codec, ArenaCodec):
+            self.codec.importance.update(unit_importance(model))
+
+
+def build_codec(model: nn.Module, bits: int | None, budget_mb: float | None) -> DafCodec:
+    """The DAF codec of `bits` (8/4/2), in an arena of `budget_mb` MiB when given;
+    ValueError naming a bad width or budget."""
+    if bits is None:
+        raise ValueError(f"activation_budget_mb={budget_mb!r} needs activation_bits (8/4/2): "
+                         "the arena holds quantized saves")
+    check_activation_bits(bits)
+    if budget_mb is None:
+        return DafCodec(ActivationCodec(model, daf_plan(model, bits)))
+    if isinstance(budget_mb, bool) or not isinstance(budget_mb, int | float) \
+            or not 0 < budget_mb < 1e6:
+        raise ValueError(f"activation_budget_mb must be a number in (0, 1e6) MiB, got "
+                         f"{budget_mb!r}")
+    arena = PagedArena(int(budget_mb * MIB), page_size=ARENA_PAGE_BYTES)
+    return DafCodec(ArenaCodec(model, daf_plan(model, bits), arena))
+
+
+def unit_importance(model: nn.Module) -> dict[str, float]:
+    """RMS gradient of each module with trainable parameters (SURGEON Eq. 4)."""
+    out = {}
+    for name, mod in model.named_modules():
+        grads = [p.grad for p in mod.parameters(recurse=False) if p.grad is not None]
+        if grads:
+            out[name] = gradient_importance(grads)
+    return out
+
+
+def arena_stats(codec: ArenaCodec) -> dict[str, float | int | bool]:
+    """What the arena holds after the step's forward, what overflowed, whether it held."""
+    arena = codec.arena
+    widths = [b.bits for b in arena.table.values()]
+    return {"arena_bytes": arena.used_bytes, "arena_overflow_bytes": codec.overflow_bytes,
+            "arena_budget_bytes": arena.budget, "arena_entries": len(widths),
+            "arena_min_bits": min(widths, default=0),
+            "within_arena_budget": arena.used_bytes <= arena.budget
+            and codec.overflow_bytes == 0}

@@ -1,0 +1,56 @@
+"""Typed capabilities a method config can take from the runtime, so that no method copies
+them: a saved-activation codec (memory budget as bit widths, DAF) for any gradient method.
+
+A config that mixes in `MemoryOptions` gets `activation_bits` / `activation_budget_mb`; the
+method base class (tta_core.runtime.method) builds the codec from them and runs its
+forward under it. The codec itself belongs to a paper room (DAF); the runtime names its
+factory by module path (`CODEC_FACTORY`) and imports it only when a codec is asked for, so
+the import layers stay papers -> runtime.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from torch import nn
+
+CODEC_FACTORY = "tta_core.daf.codecs:build_codec"
+
+
+@dataclass
+class MemoryOptions:
+    """Saved-activation storage of an update (DAF): widths and an optional paged arena."""
+
+    # DAF: store what the update saves for backward at 8, 4 or 2 bits (None: dense)
+    activation_bits: int | None = None
+    # DAF: hold those saves in one paged arena of this many MiB; when it is full the save
+    # worth least per byte is narrowed (needs activation_bits)
+    activation_budget_mb: float | None = None
+
+
+@runtime_checkable
+class StepCodec(Protocol):
+    """A saved-tensor codec a method's forward runs under (a context manager), with what
+    one step stored (`stats`) and a hook after the backward (`after_backward`)."""
+
+    def __enter__(self) -> Any: ...
+
+    def __exit__(self, *exc: object) -> None: ...
+
+    def stats(self) -> dict[str, float | int | bool]: ...
+
+    def after_backward(self, model: nn.Module) -> None: ...
+
+
+def build_codec(model: nn.Module, options: object) -> StepCodec | None:
+    """The codec a MemoryOptions config asks for; None for dense saves or a config without
+    the capability (a method that plans its own codec per batch, SURGEON, has none)."""
+    if not isinstance(options, MemoryOptions):
+        return None
+    bits, budget = options.activation_bits, options.activation_budget_mb
+    if bits is None and budget is None:
+        return None
+    module, _, name = CODEC_FACTORY.partition(":")
+    return getattr(importlib.import_module(module), name)(model, bits, budget)

@@ -1,0 +1,51 @@
+"""Phase timing of one step: the runtime times every method's phases the same way.
+
+`Phases` wraps `api.PhaseClock` (which synchronises CUDA before reading the time) and
+accumulates the milliseconds of named phases (forward, plan, backward, reforward, post)
+into an `api.PhaseTimes`; `total_ms` is their sum. A phase entered twice adds up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from tta_core.api import PhaseClock, PhaseTimes
+
+PHASES = ("forward", "plan", "backward", "reforward", "post")
+
+
+class Phases:
+    """Accumulates the wall time of named phases; `times()` gives the PhaseTimes."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.clock = PhaseClock(device)
+        self.ms = dict.fromkeys(PHASES, 0.0)
+
+    @classmethod
+    def for_tensor(cls, x: torch.Tensor) -> Phases:
+        """Phases timed for work on x's device."""
+        return cls(x.device)
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        """Time the block as phase `name` (one of PHASES)."""
+        if name not in self.ms:
+            raise ValueError(f"unknown phase {name!r}; phases: {', '.join(PHASES)}")
+        self.clock.mark()
+        try:
+            yield
+        finally:
+            self.ms[name] += self.clock.mark()
+
+    def add(self, name: str, ms: float) -> None:
+        """Count `ms` measured elsewhere (e.g. a background update) to phase `name`."""
+        self.ms[name] += ms
+
+    def times(self) -> PhaseTimes:
+        """The phases' times and their sum."""
+        m = self.ms
+        return PhaseTimes(m["forward"], m["plan"], m["backward"], m["reforward"],
+                          sum(m.values()), m["post"])

@@ -9,7 +9,8 @@ Variants, each timed interleaved with the plain forward (median over --runs):
   * fused:         channel_stats once per Conv->BN pair (tta_core.adashadow.assessor.StatsRecorder);
 each followed by Assessor.step (importance + EMA). Also: per-unit vs flat KL cost, and
   * engine:        what the AdaShadow engine runs (BN on batch statistics, Conv->BN pair
-                   stats carried by the BN itself, tta_core.runtime.unit_stats), vs the same forward.
+                   stats carried by the BN itself, tta_core.runtime.unit_stats), vs the
+                   same forward.
 Usage: python benchmarks/bench_assessor.py [--runs 10] [--threads 1]
 Prints JSON.
 """
@@ -28,10 +29,10 @@ from torch import nn
 from torchvision.models import resnet50
 
 from tta_core.adashadow.assessor import Assessor, StatsRecorder
-from tta_core.runtime.stats import gaussian_kl
 from tta_core.model.norms import set_bn_mode
-from tta_core.runtime.unit_stats import UnitStatsCollector
 from tta_core.model.units import decompose
+from tta_core.runtime.stats import gaussian_kl
+from tta_core.runtime.unit_stats import UnitStatsCollector
 
 _UNIT_TYPES = (nn.Conv2d, nn.BatchNorm2d, nn.Linear)
 
@@ -132,8 +133,9 @@ def _kl_layouts(model: nn.Module, x: torch.Tensor, reps: int = 50) -> dict:
 
 
 def _engine_overhead(x: torch.Tensor, runs: int) -> dict:
-    """What AdaShadow's engine pays: BN-carried stats for Conv->BN pairs (tta_core.runtime.unit_stats)
-    + hooks on the rest + Assessor.step, vs the same forward (BN on batch statistics)."""
+    """What AdaShadow's engine pays: BN-carried stats for Conv->BN pairs
+    (tta_core.runtime.unit_stats) + hooks on the rest + Assessor.step, vs the same forward
+    (BN on batch statistics)."""
     torch.manual_seed(0)
     model = resnet50()
     set_bn_mode(model, "batch")

@@ -31,7 +31,7 @@ forward alone is over the deadline).
 from __future__ import annotations
 
 __all__ = ["DEADLINE_MODES", "DEADLINE_PER", "FEEDBACK_MODES", "TRAINABLE", "CardSaveCosts",
-           "DeadlineBudget", "DeadlineConfig", "Measured", "MemoryCosts", "Plan", "PlanOutcome",
+           "DeadlineConfig", "Measured", "MemoryCosts", "Plan", "PlanOutcome",
            "PlanningConfig", "PlanningService", "UnitLayout", "UnitProfile", "budget_from_free",
            "layout_from_card", "mac_profile", "telemetry_pis"]
 
@@ -42,16 +42,6 @@ from pathlib import Path
 import numpy as np
 
 from tta_core.adashadow import planner, predictor
-from tta_core.runtime.backward_feedback import BackwardFeedback
-from tta_core.runtime.deadline import (
-    DEADLINE_MODES,
-    DEADLINE_PER,
-    DeadlineConfig,
-    batch_deadline_ms,
-    describe,
-    late_text,
-)
-from tta_core.runtime.fixed_costs import FixedCosts
 from tta_core.adashadow.memory_budget import (
     CardSaveCosts,
     budget_from_free,
@@ -60,10 +50,20 @@ from tta_core.adashadow.memory_budget import (
     solve_plan,
 )
 from tta_core.adashadow.memory_planner import MemoryCosts, MemoryPlan
-from tta_core.api import Plan
 from tta_core.adashadow.predictor import FEEDBACK_MODES, UnitProfile
+from tta_core.api import Plan
 from tta_core.model.source import build_card_model, load_card
 from tta_core.model.units import StagedModel, decompose
+from tta_core.runtime.backward_feedback import BackwardFeedback
+from tta_core.runtime.deadline import (
+    DEADLINE_MODES,
+    DEADLINE_PER,
+    DeadlineBudget,
+    DeadlineConfig,
+    late_text,
+)
+from tta_core.runtime.fixed_costs import FixedCosts
+from tta_core.runtime.options import option
 
 TRAINABLE = ("norm", "all")
 
@@ -73,22 +73,29 @@ class PlanningConfig(DeadlineConfig):
     """Settings of the planning loop (EngineConfig and the scheduler node extend it); the
     deadline_* fields (DeadlineConfig) choose between sigma*T and a deadline."""
 
-    sigma: float = 0.33
-    n_t: int = planner.DEFAULT_N_T
-    # correct the predicted unit times by this batch's measured forward, on top of pi1/pi2
-    # (predictor.feedback_pis): "uniform", "memory" (needs live telemetry) or "off"
-    forward_feedback: str = "uniform"
-    # EMA weight of the closed-loop backward correction (0: off). Off by default in the
-    # library so `tta bench` plans never depend on how fast a run was; the ROS nodes use 0.2
-    backward_feedback: float = 0.0
-    # EMA weight of the measured plan phase and fixed update cost the planner leaves room
-    # for (fixed_costs); 0 plans with the per-unit model alone (repeatable accuracies)
-    fixed_cost_feedback: float = 0.2
-    pi1: float = 1.0  # offline compute expansion, used until live telemetry arrives
-    pi2: float = 1.0  # offline memory expansion
-    # saved-activation budget in MiB (None: off): plans meet sigma*T (or the deadline) and
-    # this at once (memory_budget; the engine needs graph "lazy" to hold it)
-    memory_budget_mib: float | None = None
+    sigma: float = option(0.33, "latency budget as a fraction of a full update (sigma*T, "
+                          "deadline_mode sigma)", low=0.0, high=10.0)
+    n_t: int = option(planner.DEFAULT_N_T, "planner budget discretisation steps", low=1)
+    forward_feedback: str = option(
+        "uniform", "correct the predicted unit times by the batch's measured forward, on top "
+        "of pi1/pi2: uniform, memory (needs live telemetry) or off", choices=FEEDBACK_MODES)
+    # Off by default in the library so `tta bench` plans never depend on how fast a run
+    # was; the ROS nodes use 0.2
+    backward_feedback: float = option(0.0, "EMA weight of the correction of predicted "
+                                      "backward times by measured ones (0: off)",
+                                      low=0.0, high=1.0)
+    fixed_cost_feedback: float = option(
+        0.2, "EMA weight of the measured plan phase and fixed update cost the planner "
+        "leaves room for (0: the per-unit model alone, repeatable accuracies)",
+        low=0.0, high=1.0)
+    pi1: float = option(1.0, "offline compute expansion, used until live telemetry arrives "
+                        "(> 0)", low=0.0)
+    pi2: float = option(1.0, "offline memory expansion, used until live telemetry arrives "
+                        "(> 0)", low=0.0)
+    memory_budget_mib: float | None = option(
+        None, "saved-activation budget, MiB (None: off): plans meet sigma*T (or the "
+        "deadline) and this at once (the engine needs graph lazy to hold it; adashadow: "
+        "memory_budget_mb sets it)", low=0.0)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad value."""
@@ -229,79 +236,9 @@ class _TimesCache:
         return self._ut[2]
 
 
-class DeadlineBudget:
-    """The deadline part of the planning service (a mixin of PlanningService): the
-    batch's deadline from the config's deadline_* fields and the vehicle's speed."""
-
-    config: PlanningConfig
-    fixed: FixedCosts
-    _speed: float | None = None  # vehicle speed, m/s ("speed" deadlines); None: unknown
-    _late_ms: float = 0.0  # how late the next batch starts (set_lateness)
-
-    def set_speed(self, speed_mps: float | None) -> None:
-        """The vehicle's speed for "speed" deadlines; None or NaN: unknown (the shortest
-        deadline, min_deadline_ms, applies)."""
-        if speed_mps is not None and not math.isnan(speed_mps) and math.isinf(speed_mps):
-            raise ValueError(f"speed {speed_mps!r} m/s is not finite")
-        self._speed = None if speed_mps is None or math.isnan(speed_mps) else float(speed_mps)
-
-    def set_lateness(self, late_ms: float) -> None:
-        """How late the next batches start against their deadline, ms: the time since the
-        newest of their frames arrived (a backlog behind a slow batch). A deadline counts
-        from that arrival, so this much of it is already spent: the planner plans into the
-        rest (none left: served without update), and the backlog is caught up instead of
-        carried along. Stays until set again; 0 (the default) in sigma*T mode or on time."""
-        if not (math.isfinite(late_ms) and late_ms >= 0):
-            raise ValueError(f"lateness must be a finite number >= 0 ms, got {late_ms!r}")
-        self._late_ms = float(late_ms)
-
-    @property
-    def late_ms(self) -> float:
-        """How late the next batch starts (set_lateness; 0: on time)."""
-        return self._late_ms
-
-    @property
-    def speed_mps(self) -> float | None:
-        """The speed the next "speed" deadline is made from (None: unknown)."""
-        return self._speed
-
-    def deadline_ms(self, batch_size: int = 1) -> float:
-        """What is left of the deadline of a batch of `batch_size` frames: its deadline
-        less the lateness (set_lateness), >= 0 (NaN in sigma*T mode)."""
-        deadline = batch_deadline_ms(self.config, batch_size, self._speed)
-        return deadline if math.isnan(deadline) else max(deadline - self._late_ms, 0.0)
-
-    def describe_deadline(self) -> str:
-        """The deadline mode in words (deadline.describe)."""
-        return describe(self.config, self._speed)
-    def budget_ms(self, batch_size: int = 1) -> tuple[float, float]:
-        """(deadline, margin) of a batch: what the planner may plan into is deadline -
-        margin (FixedCosts.margin_ms, at most the deadline); (NaN, 0) in sigma*T mode."""
-        deadline = self.deadline_ms(batch_size)
-        return deadline, (0.0 if math.isnan(deadline) else min(self.fixed.margin_ms, deadline))
-
-
-class FeedbackFigures:
-    """What the feedback loops learnt (a mixin of PlanningService)."""
-
-    backward_fb: BackwardFeedback
-    fixed: FixedCosts
-
-    @property
-    def backward_factor(self) -> float:
-        return self.backward_fb.factor
-
-    @property
-    def plan_phase_ms(self) -> float:
-        return self.fixed.plan_phase_ms
-
-    @property
-    def overhead_ms(self) -> float:
-        return self.fixed.overhead_ms
-
-
-class PlanningService(FeedbackFigures, DeadlineBudget):
-    """Cost model + planner + fixed costs + feedback loops, shared by engine and node."""
+class PlanningService(DeadlineBudget):
+    """Cost model + planner + fixed costs + feedback loops, shared by engine and node; the
+    batch's deadline comes from the runtime's DeadlineBudget."""
 
     def __init__(self, layout: UnitLayout, config: PlanningConfig | None = None,
                  profile: predictor.UnitProfile | None = None,
@@ -543,6 +480,23 @@ class PlanningService(FeedbackFigures, DeadlineBudget):
             predicted += outcome.predicted_reforward_ms
             spent += measured.reforward_ms
         self.fixed.update_adapt(predicted, spent, measured.forward_ms)
+
+
+    # ------------------------------------------------------------ what the loops learnt
+    @property
+    def backward_factor(self) -> float:
+        """The closed-loop correction of predicted backward times."""
+        return self.backward_fb.factor
+
+    @property
+    def plan_phase_ms(self) -> float:
+        """The learnt plan phase the budget leaves room for."""
+        return self.fixed.plan_phase_ms
+
+    @property
+    def overhead_ms(self) -> float:
+        """The learnt fixed cost of any update."""
+        return self.fixed.overhead_ms
 
 
 def no_room_text(tf_ms: float, overhead_ms: float, budget_ms: float, deadline: bool,

@@ -24,7 +24,7 @@ from tta_core.daf.arena_codec import ArenaCodec
 from tta_core.daf.plans import check_activation_bits, daf_plan
 from tta_core.memory import ActivationCodec
 from tta_core.memory.ledger import MIB
-from tta_core.surgeon.layer_importance import gradient_importance
+from tta_core.runtime.stats import gradient_rms
 
 ARENA_PAGE_BYTES = 4096  # camera-sized activations are small
 
@@ -76,12 +76,12 @@ def build_codec(model: nn.Module, bits: int | None, budget_mb: float | None) -> 
 
 
 def unit_importance(model: nn.Module) -> dict[str, float]:
-    """RMS gradient of each module with trainable parameters (SURGEON Eq. 4)."""
+    """RMS gradient of each module with trainable parameters (as SURGEON's Eq. 4)."""
     out = {}
     for name, mod in model.named_modules():
         grads = [p.grad for p in mod.parameters(recurse=False) if p.grad is not None]
         if grads:
-            out[name] = gradient_importance(grads)
+            out[name] = gradient_rms(grads)
     return out
 
 

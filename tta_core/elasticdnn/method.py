@@ -49,9 +49,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from tta_core.runtime.deadline import DeadlineConfig, apply_settings
-from tta_core.runtime.fixed_costs import MARGIN_WARMUP
-from tta_core.api import PhaseClock, PhaseTimes, StepResult, mean_entropy
+from tta_core.api import PhaseClock, StepResult, mean_entropy
 from tta_core.elasticdnn.filter_update import (
     filter_optimizer,
     filter_scores,
@@ -61,11 +59,21 @@ from tta_core.elasticdnn.filter_update import (
     write_back,
 )
 from tta_core.elasticdnn.gates import GatedModel
-from tta_core.elasticdnn.serving import DEFAULT_SIZES, Decision, EntropyWatch, ServingPlan, check_sizes
+from tta_core.elasticdnn.serving import (
+    DEFAULT_SIZES,
+    Decision,
+    EntropyWatch,
+    ServingPlan,
+    check_sizes,
+)
 from tta_core.elasticdnn.surrogate import Surrogate, extract_surrogate, highest_entropy_sample
-from tta_core.registry import register
-from tta_core.runtime.method import MethodConfig, TTAMethod
 from tta_core.model.norms import set_bn_mode
+from tta_core.registry import register
+from tta_core.runtime.deadline import DeadlineConfig, apply_settings
+from tta_core.runtime.fixed_costs import MARGIN_WARMUP
+from tta_core.runtime.method import MethodConfig, TTAMethod
+from tta_core.runtime.options import option
+from tta_core.runtime.phases import Phases
 
 
 @dataclass
@@ -74,18 +82,31 @@ class ElasticConfig(MethodConfig, DeadlineConfig):
     are re-derived, the time predictor's EMA weight; the deadline fields (DeadlineConfig,
     "sigma": no deadline, the master serves and adapts every batch)."""
 
-    sizes: tuple[float, ...] = DEFAULT_SIZES  # shares of filters kept; 1.0: the master
-    mass: float = 0.8  # filters trained: the fewest holding this share of the score
-    adapt: bool = True  # False: serve only
-    rederive_every: int = 100  # batches; 0: only on an entropy jump
-    entropy_jump: float = 0.3  # nats of the served batches' mean entropy (EMA); 0: off
-    time_alpha: float = 0.2  # EMA weight of the newest batch in the time predictions
-    update_prior: float = 4.0  # update / forward time before an update was measured
-    warmup_runs: int = 2  # forwards per size timed at a new batch size (fastest counts)
-    # batch sizes 1..warmup_batch are timed when the method is built, if input_shape is
-    # given (surrogates cut from a blank sample: a size's time does not depend on which
-    # filters it keeps); other batch sizes at their first batch
-    warmup_batch: int = 4
+    sizes: tuple[float, ...] = option(DEFAULT_SIZES, "sizes served: shares of filters kept "
+                                      "per gated conv, each in (0, 1]; 1.0: the master",
+                                      low=0.0, high=1.0)
+    # api.Resizable.set_size: a fleet scheduler pins the size through it at run time
+    keep: float | None = option(None, "serve this size (one of sizes); None: the largest "
+                                "whose predicted forward fits the deadline", low=0.0,
+                                high=1.0)
+    mass: float = option(0.8, "filters trained: the fewest holding this share of the "
+                         "score; in (0, 1]", low=0.0, high=1.0)
+    adapt: bool = option(True, "adapt the served network (False: serve only)")
+    rederive_every: int = option(100, "re-derive the surrogates every this many batches "
+                                 "(0: only on an entropy jump)", low=0)
+    entropy_jump: float = option(0.3, "re-derive when the served batches' mean entropy "
+                                 "(EMA) jumps by this many nats (0: off)", low=0.0)
+    time_alpha: float = option(0.2, "EMA weight of the newest batch in the time "
+                               "predictions; in (0, 1]", low=0.0, high=1.0)
+    update_prior: float = option(4.0, "update / forward time before an update was measured "
+                                 "(> 0)", low=0.0)
+    warmup_runs: int = option(2, "forwards per size timed at a new batch size (the fastest "
+                              "counts; more: steadier times on a shared machine)", low=0)
+    # surrogates cut from a blank sample: a size's time does not depend on which filters
+    # it keeps
+    warmup_batch: int = option(4, "batch sizes 1..warmup_batch are timed when the method "
+                               "is built (with input_shape); others at their first batch",
+                               low=0)
 
     def validate(self) -> None:
         """ValueError naming the first bad value (deadline fields included)."""
@@ -208,66 +229,67 @@ class Elastic(TTAMethod):
 
     # ------------------------------------------------------------ the batch
     def forward_and_adapt(self, x: Tensor) -> StepResult:
-        clock = PhaseClock.for_tensor(x)
-        n = int(x.shape[0])
-        setup_ms = 0.0  # one-time costs, outside the batch's predicted time
+        """Choose the size (plan phase), serve it with or without a filter-grained update,
+        re-cut the surrogates when due (plan phase). Set-up that happens once (the first
+        cut, timing a new batch size) counts to the plan phase but not to what the
+        serving plan learns a batch costs."""
+        phases, n = Phases.for_tensor(x), int(x.shape[0])
         if not self.served:
-            self._derive(highest_entropy_sample(self.model, x))
-            setup_ms = clock.mark()
-            self.plan.observe_rederive(setup_ms)
-        if not self.plan.times.measured(n):
-            self._warm_up(x)
-        setup_ms += clock.mark()
-        d = self.plan.decide(n, self.config.adapt and self.config.lr > 0)
-        served = self.served[d.keep]
-        if d.adapt and served.optimizer is None and not self.plan.room_for(
-                d, self.plan.times.update_ms(d.keep, n)):
-            d = self.plan.without_update(d, n)  # no room to choose its filters first
-        plan_ms = clock.mark()
-        loss, probe_ms, backward_ms = math.nan, 0.0, 0.0
+            with phases("plan"):
+                self._derive(highest_entropy_sample(self.model, x))
+            self.plan.observe_rederive(phases.ms["plan"])
+        with phases("plan"):
+            if not self.plan.times.measured(n):
+                self._warm_up(x)
+        setup_ms = phases.ms["plan"]
+        with phases("plan"):
+            d = self.plan.decide(n, self.config.adapt and self.config.lr > 0)
+            served = self.served[d.keep]
+            if d.adapt and served.optimizer is None and not self.plan.room_for(
+                    d, self.plan.times.update_ms(d.keep, n)):
+                d = self.plan.without_update(d, n)  # no room to choose its filters first
+        loss, probe_ms = math.nan, 0.0
         if d.adapt:
-            logits, loss, probe_ms, forward_ms, backward_ms = self._adapt(served, x, clock)
+            logits, loss, probe_ms = self._adapt(served, x, phases)
         else:
-            with torch.no_grad():
+            with phases("forward"), torch.no_grad():
                 logits = served.surrogate.model(x)
-            forward_ms = clock.mark()
-        self.plan.observe(d, n, forward_ms + backward_ms,
-                          plan_ms + probe_ms + forward_ms + backward_ms)
+        busy = phases.ms["forward"] + phases.ms["backward"] - probe_ms
+        self.plan.observe(d, n, busy, phases.ms["plan"] - setup_ms + probe_ms + busy)
         entropy = mean_entropy(logits)
-        rederived = self._maybe_rederive(d, x, logits, entropy)
-        plan_ms += setup_ms + clock.mark()
-        times = PhaseTimes(forward_ms, plan_ms, probe_ms + backward_ms, 0.0,
-                           plan_ms + forward_ms + probe_ms + backward_ms)
-        return StepResult(logits=logits.detach(), times=times, loss=loss, mean_entropy=entropy,
-                          adapted=d.adapt, budget_ms=d.deadline_ms, stats={
-                              "size": d.keep, "adapted": d.adapt, "rederived": rederived,
-                              "pinned": d.pinned, "predicted_ms": d.predicted_ms,
-                              "margin_ms": d.margin_ms})
+        with phases("plan"):
+            rederived = self._maybe_rederive(d, x, logits, entropy)
+        return StepResult(logits=logits.detach(), times=phases.times(), loss=loss,
+                          mean_entropy=entropy, adapted=d.adapt, budget_ms=d.deadline_ms,
+                          stats={"size": d.keep, "adapted": d.adapt, "rederived": rederived,
+                                 "pinned": d.pinned, "predicted_ms": d.predicted_ms,
+                                 "margin_ms": d.margin_ms})
 
-    def _adapt(self, served: Served, x: Tensor, clock: PhaseClock
-               ) -> tuple[Tensor, float, float, float, float]:
-        """Choose the filters when this size has none yet (probe, its own time), then one
-        forward with gradients (the answer), the information-maximisation loss and a step
-        on the selected filters. (logits, loss, probe ms, forward ms, backward ms)."""
-        probe_ms = 0.0
-        if served.optimizer is None:
-            served.masks = select_filters(filter_scores(served.surrogate, x), self.config.mass)
-            served.hooks = mask_gradients(served.surrogate, served.masks)
-            served.optimizer = filter_optimizer(served.surrogate, self.config.lr,
-                                                self.config.momentum)
-            probe_ms = clock.mark()
+    def _adapt(self, served: Served, x: Tensor, phases: Phases) -> tuple[Tensor, float, float]:
+        """Choose the filters when this size has none yet (probe, timed as backward work),
+        then one forward with gradients (the answer), the information-maximisation loss
+        and a step on the selected filters. (logits, loss, probe ms)."""
+        before = phases.ms["backward"]
+        with phases("backward"):
+            if served.optimizer is None:
+                served.masks = select_filters(filter_scores(served.surrogate, x),
+                                              self.config.mass)
+                served.hooks = mask_gradients(served.surrogate, served.masks)
+                served.optimizer = filter_optimizer(served.surrogate, self.config.lr,
+                                                    self.config.momentum)
+        probe_ms = phases.ms["backward"] - before
         for group in served.optimizer.param_groups:
             group["lr"] = self.effective_lr(int(x.shape[0]))
-        with torch.enable_grad():
+        with phases("forward"), torch.enable_grad():
             logits = served.surrogate.model(x)
             loss = im_loss(logits)
-        forward_ms = clock.mark()
-        served.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        served.optimizer.step()
+        with phases("backward"):
+            served.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            served.optimizer.step()
         served.adapted = True
         self.optimizer = served.optimizer  # what a report reads the running rate from
-        return logits.detach(), float(loss.detach()), probe_ms, forward_ms, clock.mark()
+        return logits.detach(), float(loss.detach()), probe_ms
 
     def effective_lr(self, batch: int) -> float:
         """lr * batch / lr_ref_batch (lr itself when lr_ref_batch is 0): every size's
@@ -295,10 +317,11 @@ class Elastic(TTAMethod):
             adapts = self.config.adapt and self.config.lr > 0
             for served in self.served.values() if adapts else ():
                 for _ in range(steps):  # the update measured as a served batch's
-                    clock.mark()
-                    *_, forward_ms, backward_ms = self._adapt(served, x, clock)
+                    phases = Phases.for_tensor(x)
+                    *_, probe_ms = self._adapt(served, x, phases)
                     d = Decision(served.surrogate.keep, True, math.nan, 0.0, math.nan)
-                    self.plan.observe(d, len(x), forward_ms + backward_ms, math.nan)
+                    busy = phases.ms["forward"] + phases.ms["backward"] - probe_ms
+                    self.plan.observe(d, len(x), busy, math.nan)
             for _ in range(steps):
                 self.forward_and_adapt(x)
         finally:

@@ -29,8 +29,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from tta_core.runtime.deadline import DeadlineBudget
 from tta_core.runtime.fixed_costs import FixedCosts
-from tta_core.adashadow.planning import DeadlineBudget
 
 __all__ = ["DEFAULT_SIZES", "Decision", "EntropyWatch", "ServingPlan", "SizeTimes",
            "check_sizes", "choose", "largest_fitting"]

@@ -33,7 +33,10 @@ FACTORY_PATTERN = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 # top-level packages a card may not name as its factory (besides the standard library)
 REFUSED_PACKAGES = frozenset({"torch", "torchvision", "numpy", "pip", "setuptools",
                               "pkg_resources", "tta_ros", "rclpy"})
-ALLOWED_TTA_CORE = "tta_core.model."  # e.g. tta_core.model.zoo:SmallResNet
+# tta's own factories: the zoo (tta_core.model.zoo:SmallResNet), ElasticDNN's gated master
+ALLOWED_TTA_CORE = ("tta_core.model.", "tta_core.elasticdnn.card")
+# factories that moved: cards written before keep loading
+MOVED_FACTORIES = {"tta_core.model.gated:gated_master": "tta_core.elasticdnn.card:gated_master"}
 # kwargs the torchvision route sets itself: never downloaded weights, the card's classes
 RESERVED_KWARGS = ("weights", "num_classes", "pretrained")
 
@@ -70,6 +73,7 @@ def check_arch(arch: str, factory: str = "", kwargs: dict | None = None) -> None
 def load_factory(factory: str) -> Callable[..., Any]:
     """The function or class `factory` names, imported; ValueError/InputError saying why
     it cannot be used."""
+    factory = MOVED_FACTORIES.get(factory, factory)
     check_arch("factory", factory)
     module, _, attr = factory.partition(":")
     top = module.split(".")[0]

@@ -27,6 +27,9 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from tta_core.runtime.fixed_costs import FixedCosts
+from tta_core.runtime.options import option
+
 __all__ = ["DEADLINE_MODES", "DEADLINE_PER", "STILL_MPS", "DeadlineConfig",
            "apply_settings", "batch_deadline_ms", "check_settings", "describe", "late_text"]
 
@@ -40,13 +43,26 @@ MAX_DEADLINE_MS = 3.6e6  # one hour: anything longer is a typo, not a deadline
 class DeadlineConfig:
     """How a batch's deadline is set (module docstring); PlanningConfig extends it."""
 
-    deadline_mode: str = "sigma"
-    deadline_ms: float = 100.0  # "fixed": per batch or per frame (deadline_per)
-    deadline_per: str = "batch"
-    camera_hz: float = 30.0  # "camera": frame rate of the stream
-    distance_per_decision_m: float = 1.0  # "speed": metres travelled per batch at most
-    min_deadline_ms: float = 20.0  # "speed": clamps (and the deadline at unknown speed)
-    max_deadline_ms: float = 1000.0  # "speed": the deadline when standing still
+    deadline_mode: str = option(
+        "sigma", "what a batch's budget is: sigma = sigma*T (paper), fixed = deadline_ms, "
+        "camera = the batch's frames at camera_hz, speed = distance_per_decision_m at the "
+        "vehicle's speed; a deadline covers the whole batch (forward, plan, update, "
+        "reforward)", choices=DEADLINE_MODES)
+    deadline_ms: float = option(100.0, "fixed deadline [ms] per batch or per frame "
+                                "(deadline_per)", low=0.0, high=MAX_DEADLINE_MS)
+    deadline_per: str = option("batch", "fixed deadline: per batch, or per frame (a batch "
+                               "of b frames then has b * deadline_ms)", choices=DEADLINE_PER)
+    camera_hz: float = option(30.0, "camera deadline: frame rate of the stream; a batch of b "
+                              "frames must be done within b / camera_hz", low=0.0,
+                              high=MAX_DEADLINE_MS)
+    distance_per_decision_m: float = option(1.0, "speed deadline: metres the vehicle may "
+                                            "travel while a batch is processed", low=0.0,
+                                            high=MAX_DEADLINE_MS)
+    min_deadline_ms: float = option(20.0, "speed deadline: lower clamp [ms], also the "
+                                    "deadline while the speed is unknown", low=0.0,
+                                    high=MAX_DEADLINE_MS)
+    max_deadline_ms: float = option(1000.0, "speed deadline: upper clamp [ms], the deadline "
+                                    "when standing still", low=0.0, high=MAX_DEADLINE_MS)
 
     @property
     def has_deadline(self) -> bool:
@@ -145,3 +161,56 @@ def late_text(forward_ms: float, plan_phase_ms: float, deadline_ms: float, what:
         return f"the forward alone ({forward_ms:.3g} ms) misses {where}: served without update"
     return (f"the forward ({forward_ms:.3g} ms) and the plan phase ({plan_phase_ms:.3g} ms) "
             f"leave no time within {where}: served without update")
+
+
+class DeadlineBudget:
+    """A batch's deadline for whoever plans against one (AdaShadow's PlanningService,
+    ElasticDNN's ServingPlan, as their base class): from the config's deadline_* fields,
+    the vehicle's speed and how late the batch starts, less the learnt margin of `fixed`."""
+
+    config: DeadlineConfig
+    fixed: FixedCosts
+    _speed: float | None = None  # vehicle speed, m/s ("speed" deadlines); None: unknown
+    _late_ms: float = 0.0  # how late the next batch starts (set_lateness)
+
+    def set_speed(self, speed_mps: float | None) -> None:
+        """The vehicle's speed for "speed" deadlines; None or NaN: unknown (the shortest
+        deadline, min_deadline_ms, applies)."""
+        if speed_mps is not None and not math.isnan(speed_mps) and math.isinf(speed_mps):
+            raise ValueError(f"speed {speed_mps!r} m/s is not finite")
+        self._speed = None if speed_mps is None or math.isnan(speed_mps) else float(speed_mps)
+
+    def set_lateness(self, late_ms: float) -> None:
+        """How late the next batches start against their deadline, ms: the time since the
+        newest of their frames arrived (a backlog behind a slow batch). A deadline counts
+        from that arrival, so this much of it is already spent: the planner plans into the
+        rest (none left: served without update), and the backlog is caught up instead of
+        carried along. Stays until set again; 0 (the default) in sigma*T mode or on time."""
+        if not (math.isfinite(late_ms) and late_ms >= 0):
+            raise ValueError(f"lateness must be a finite number >= 0 ms, got {late_ms!r}")
+        self._late_ms = float(late_ms)
+
+    @property
+    def late_ms(self) -> float:
+        """How late the next batch starts (set_lateness; 0: on time)."""
+        return self._late_ms
+
+    @property
+    def speed_mps(self) -> float | None:
+        """The speed the next "speed" deadline is made from (None: unknown)."""
+        return self._speed
+
+    def deadline_ms(self, batch_size: int = 1) -> float:
+        """What is left of the deadline of a batch of `batch_size` frames: its deadline
+        less the lateness (set_lateness), >= 0 (NaN in sigma*T mode)."""
+        deadline = batch_deadline_ms(self.config, batch_size, self._speed)
+        return deadline if math.isnan(deadline) else max(deadline - self._late_ms, 0.0)
+
+    def describe_deadline(self) -> str:
+        """The deadline mode in words (deadline.describe)."""
+        return describe(self.config, self._speed)
+    def budget_ms(self, batch_size: int = 1) -> tuple[float, float]:
+        """(deadline, margin) of a batch: what the planner may plan into is deadline -
+        margin (FixedCosts.margin_ms, at most the deadline); (NaN, 0) in sigma*T mode."""
+        deadline = self.deadline_ms(batch_size)
+        return deadline, (0.0 if math.isnan(deadline) else min(self.fixed.margin_ms, deadline))

@@ -31,6 +31,7 @@ from tta_core.model.memory_format import apply_memory_format
 from tta_core.model.norms import NORM_NAMES, ROBUST_BN_METHODS, norm_affine_params, set_bn_mode
 from tta_core.runtime import losses
 from tta_core.runtime.capabilities import StepCodec, build_codec
+from tta_core.runtime.options import option
 from tta_core.runtime.phases import Phases
 
 
@@ -45,20 +46,28 @@ class MethodConfig:
     image_size); methods that decompose the model (AdaShadow) require it.
     """
 
-    lr: float = 5e-3  # AdaShadow §4 (SGD), meant at batch size `lr_ref_batch`
+    lr: float = option(5e-3, "SGD learning rate at batch size lr_ref_batch (AdaShadow §4); "
+                       "each step runs at lr * batch / lr_ref_batch", low=0.0)
     # linear learning-rate scaling for small batches, as the EATA/SAR reference code does
     # (lr * batch / 64): with lr 5e-3 unscaled, Tent and EATA collapse below the source
     # model at batch 4 on the benchmark stream (13.9 / 11.8 % vs 25.7 %); scaled they reach
     # 34.0 / 33.4 %. 0 turns scaling off.
-    lr_ref_batch: int = 64
-    momentum: float = 0.9
-    bn_mode: str = "batch"  # "batch": BN uses test-batch statistics; "source": running stats
-    # one sample (C, H, W), for model decomposition; () = not given (never assumed)
-    input_shape: tuple[int, ...] = ()
-    arch: str | None = None
-    # conv activations in NCHW or channels_last (tta_core.model.memory_format): "auto"
-    # times both on input_shape at build and keeps the faster (channels_last >= 10 % faster)
-    memory_format: str = "auto"
+    lr_ref_batch: int = option(64, "batch size lr is meant at (linear scaling, as the EATA/SAR "
+                               "code); 0: lr as given at every batch size", low=0)
+    momentum: float = option(0.9, "SGD momentum", low=0.0)
+    bn_mode: str = option("batch", "BN statistics: batch = the test batch's, source = the "
+                          "running ones, robust = RoTTA's robust BN (methods that take it)",
+                          choices=("batch", "source", "robust"))
+    input_shape: tuple[int, ...] = option((), "one sample (C, H, W) at the model's input "
+                                          "size, for model decomposition; () = not given "
+                                          "(never assumed); from the model card",
+                                          settable=False)
+    arch: str | None = option(None, "architecture name of the model (its model card's)",
+                              settable=False)
+    memory_format: str = option("auto", "conv activations in NCHW (contiguous) or "
+                                "channels_last; auto times both on input_shape at build and "
+                                "keeps the faster (channels_last >= 10 % faster)",
+                                choices=("auto", "contiguous", "channels_last"))
 
 
 @dataclass

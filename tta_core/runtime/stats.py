@@ -1,10 +1,14 @@
 """Per-channel statistics of unit outputs and the Gaussian KL between them.
 
 Shared by AdaShadow's assessor (§3.1) and small-batch loss (§4), the engine's unit
-statistics and DARDA's batch embedding, so it belongs to no paper.
+statistics and DARDA's batch embedding; `gradient_rms` by SURGEON (Eq. 4) and DAF's arena,
+so none of it belongs to one paper.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -71,3 +75,12 @@ def gaussian_kl(
     vp = torch.clamp(var_p, min=eps)
     vq = torch.clamp(var_q, min=eps)
     return 0.5 * (torch.log(vq / vp) + (vp + (mu_p - mu_q) ** 2) / vq - 1.0)
+
+
+def gradient_rms(grads: Sequence[Tensor]) -> float:
+    """Root mean square of the gradient entries of one layer (all its tensors)."""
+    n = sum(g.numel() for g in grads)
+    if n == 0:
+        raise ValueError("gradient importance of a layer without gradient entries")
+    sq = sum(float(torch.sum(g.detach().double() ** 2)) for g in grads)
+    return math.sqrt(sq / n)

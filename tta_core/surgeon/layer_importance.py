@@ -19,8 +19,9 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-import torch
 from torch import Tensor
+
+from tta_core.runtime.stats import gradient_rms
 
 
 @dataclass(frozen=True)
@@ -35,11 +36,7 @@ class LayerImportance:
 
 def gradient_importance(grads: Sequence[Tensor]) -> float:
     """Eq. 4: root mean square of the gradient entries of one layer (all its tensors)."""
-    n = sum(g.numel() for g in grads)
-    if n == 0:
-        raise ValueError("gradient importance of a layer without gradient entries")
-    sq = sum(float(torch.sum(g.detach().double() ** 2)) for g in grads)
-    return math.sqrt(sq / n)
+    return gradient_rms(grads)
 
 
 def memory_importance(sizes: Mapping[str, int]) -> dict[str, float]:

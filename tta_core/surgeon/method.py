@@ -58,6 +58,7 @@ from tta_core.methods.eata import softmax_entropy
 from tta_core.model.norms import NORM_NAMES, NORM_TYPES, set_bn_mode
 from tta_core.registry import register
 from tta_core.runtime.method import MethodConfig, Step, TTAMethod
+from tta_core.runtime.options import option
 from tta_core.surgeon.layer_importance import LayerImportance, gradient_importance, layer_keep
 
 MODES = ("faithful", "robot")
@@ -74,25 +75,36 @@ FROZEN_KEEP = 1e-6  # frozen conv/linear inputs: ~bitmap only (1/32 of float32),
 class SurgeonConfig(MethodConfig):
     """SURGEON settings; lr None = the official rate for `trainable` (see module doc)."""
 
-    lr: float | None = None  # type: ignore[assignment]
-    mode: str = "faithful"  # "faithful" (extra importance pass) | "robot" (lagged grads)
-    trainable: str = "all"  # "all": every weight (SURGEON); "norm": BN/LN/GN (SURGEON (BN))
-    keep_floor: float = 0.05
-    importance_samples: int = 10  # faithful mode: samples of the importance pass
-    # faithful: keep ratio of the scored layers' inputs in the importance pass (paper §4.2
-    # (ii): e.g. 0.1); 1.0 = exact gradients (ReLU masks and frozen inputs still compressed)
-    importance_keep: float = 1.0
-    css: bool = False  # certainty-based sample selection
-    css_margin: float = 0.4  # selected: entropy < css_margin * ln C
-    cr: bool = False  # consistency regularisation (one augmented forward more)
-    cr_weight: float = 0.01  # times the class count C, as the official code
-    units: tuple[str, ...] = ()  # update only these units (module names); () = all
-    biases: bool = False  # official code never updates biases
-    act_masks: bool = True  # ReLU saves as exact 1-bit masks
-    reforward: bool = True  # predict with the updated model (as tent here)
-    max_shift: int = 2  # CR augmentation shift (px)
-    seed: int = 0  # importance subset and CR augmentation
-    activation_bits: int | None = None  # DAF widths for what is not pruned (module doc)
+    lr: float | None = option(  # type: ignore[assignment]
+        None, "Adam learning rate at batch size lr_ref_batch; None: the official rate for "
+        "`trainable` (module doc)", low=0.0)
+    mode: str = option("faithful", "faithful: an extra importance pass per batch; robot: "
+                       "the previous update's (lagged) gradients", choices=MODES)
+    trainable: str = option("all", "all: every weight (SURGEON); norm: BN/LN/GN affine "
+                            "parameters (SURGEON (BN))", choices=TRAINABLE)
+    keep_floor: float = option(0.05, "lowest keep ratio of a layer's saved input (Eq. 7 "
+                               "gives 0 to the least important layer); in (0, 1]",
+                               low=0.0, high=1.0)
+    importance_samples: int = option(10, "faithful mode: samples of the importance pass",
+                                     low=1)
+    # paper §4.2 (ii): e.g. 0.1; ReLU masks and frozen inputs are compressed either way
+    importance_keep: float = option(1.0, "faithful mode: keep ratio of the scored layers' "
+                                    "inputs in the importance pass (1.0: exact gradients); "
+                                    "in (0, 1]", low=0.0, high=1.0)
+    css: bool = option(False, "certainty-based sample selection")
+    css_margin: float = option(0.4, "css: a sample is selected when its entropy < css_margin "
+                               "* ln C (> 0)", low=0.0)
+    cr: bool = option(False, "consistency regularisation (one augmented forward more)")
+    cr_weight: float = option(0.01, "cr: loss weight, times the class count C (official "
+                              "code)", low=0.0)
+    units: tuple[str, ...] = option((), "update only these units (module names); () = all")
+    biases: bool = option(False, "update biases too (the official code never does)")
+    act_masks: bool = option(True, "ReLU saves as exact 1-bit masks")
+    reforward: bool = option(True, "predict with the updated model (as tent here)")
+    max_shift: int = option(2, "cr: augmentation shift, px", low=0)
+    seed: int = option(0, "seed of the importance subset and the cr augmentation")
+    activation_bits: int | None = option(None, "DAF: store what is not pruned at 8, 4 or 2 "
+                                         "bits (None: dense; module doc)", choices=(2, 4, 8))
 
     def check(self) -> None:
         """Raise a one-line ValueError naming the first bad value (`units` given as a

@@ -9,6 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
+from helpers.models import make_model, tiny_stream
 
 from tta_core.eval.bench import (
     BenchConfig,
@@ -17,27 +18,6 @@ from tta_core.eval.bench import (
     run_methods,
     write_bench,
 )
-from tta_core.model.zoo import SmallResNet
-
-
-def tiny_stream(batch_size: int = 4):
-    """Two fabricated 'domains' of random sign-sized images: clean and noisy."""
-    rng = np.random.default_rng(0)
-    clean = rng.integers(0, 256, (12, 32, 32, 3), dtype=np.uint8)
-    noisy = np.clip(clean + rng.normal(0, 60, clean.shape), 0, 255).astype(np.uint8)
-    images = np.concatenate([clean, noisy])
-    labels = np.concatenate([np.arange(12) % 16, np.arange(12) % 16])
-    domains = ["clean"] * 12 + ["gaussian_noise"] * 10 + ["clean"] * 2  # a recurrence
-    x = images_to_input(images, {})
-    return batches_from_arrays(x, labels, domains, batch_size)
-
-
-def make_model() -> SmallResNet:
-    torch.manual_seed(0)
-    model = SmallResNet(num_classes=16)
-    with torch.no_grad():
-        model.fc.weight.mul_(30.0)  # confident predictions: EATA's filter lets them in
-    return model
 
 
 def test_batches_follow_domains_and_size() -> None:
@@ -50,6 +30,7 @@ def test_batches_follow_domains_and_size() -> None:
         batches_from_arrays(stream[0].x, np.zeros(3), ["a"] * 4, 2)
 
 
+@pytest.mark.slow
 def test_tiny_bench_writes_files_and_is_deterministic(tmp_path) -> None:
     cfg = BenchConfig(methods=("source", "tent", "eata"), batch_size=4, samples_per_domain=12,
                       threads=1)
@@ -85,12 +66,16 @@ def test_bench_config_rejects_bad_values() -> None:
         BenchConfig(severity=6).validate()
 
 
+@pytest.mark.slow
 def test_cli_bench_passes_method_options_and_refuses_bad_ones(tmp_path, capsys) -> None:
     from tta_core.cli import main as cli_main
     from tta_core.cli.commands.bench import _option
 
     assert _option("adashadow.sigma=0.5") == ("adashadow", "sigma", 0.5)
     assert _option("adashadow.loss=multilayer_kl") == ("adashadow", "loss", "multilayer_kl")
+    assert _option("adashadow.domain_bank=true") == ("adashadow", "domain_bank", True)
+    assert _option("tent.activation_bits=None") == ("tent", "activation_bits", None)
+    assert _option("x.k=False") == ("x", "k", False)
     with pytest.raises(argparse.ArgumentTypeError, match=r"METHOD\.KEY=VALUE"):
         _option("sigma=0.5")
     out = tmp_path / "b"
@@ -134,6 +119,7 @@ def test_live_telemetry_reaches_inline_planning() -> None:
         BenchConfig(telemetry="/nonexistent.json").validate()
 
 
+@pytest.mark.slow
 def test_measure_activations_reports_saved_mib(tmp_path) -> None:
     """--measure-activations: tent saves > 0 MiB per batch, source 0, surgeon (its codec's
     compressed bytes) less than tent; a variant (surgeon@robot) gets its own options and
@@ -175,3 +161,41 @@ def test_stream_batches_own_their_memory() -> None:
         assert b.x.is_contiguous()
         assert b.x.untyped_storage().nbytes() == b.x.numel() * b.x.element_size()
     assert torch.equal(torch.cat([b.x for b in batches]), x)
+
+
+def test_domain_purity_counts_each_recognised_domain_by_its_majority() -> None:
+    from tta_core.eval.report import FrameRecord, domain_purity
+
+    def batch(true: str, seen: str, i: int) -> FrameRecord:
+        return FrameRecord(true, 0, 0, i, recognised=seen)
+
+    frames = [batch("fog", "d0", 0), batch("fog", "d0", 1), batch("snow", "d0", 2),
+              batch("snow", "d1", 3), batch("snow", "", 4)]
+    assert domain_purity(frames) == (2, 3 / 4)  # d0 = fog (2 of 3), d1 = snow; "" ignored
+    assert domain_purity([batch("fog", "", 0)])[0] == 0
+
+
+@pytest.mark.slow
+def test_deadline_memory_budget_and_domain_bank_compose_on_adashadow(tmp_path) -> None:
+    """One AdaShadow config with a camera deadline, a saved-activation budget and a domain
+    bank: every batch holds the budget (measured saved bytes), the report names the
+    domains recognised, and batches adapt within the deadline."""
+    from tta_core.cli import main as cli_main
+
+    out = tmp_path / "combo"
+    budget = 0.25
+    assert cli_main(["bench", "--methods", "adashadow", "--samples-per-domain", "12",
+                     "--batch-size", "4", "--threads", "1", "--no-progress", "--out", str(out),
+                     "--set", "adashadow.deadline_mode=camera", "--set",
+                     "adashadow.camera_hz=100", "--set", f"adashadow.memory_budget_mb={budget}",
+                     "--set", "adashadow.domain_bank=true"]) == 0
+    run = json.loads((out / "report.json").read_text())["runs"][0]
+    saved = run["meta"]["saved_activations"]
+    assert saved["within_budget_share"] == 1.0 and 0 < saved["saved_mib_max"] <= budget
+    batches = {f["batch_id"]: f for f in run["frames"]}.values()
+    assert all(f["recognised"] for f in batches)
+    assert any(f["adapted"] for f in batches)
+    budgets = [f["budget_ms"] for f in batches if f["budget_ms"] is not None]
+    assert budgets and max(budgets) <= 4 * 10.0 + 1e-6  # 4 frames at 100 Hz
+    table = (out / "report.md").read_text()
+    assert "domains found" in table and "in mem budget %" in table

@@ -15,16 +15,16 @@ from pathlib import Path
 import numpy as np
 from torch import Tensor, nn
 
-from tta_core.runtime.deadline import apply_settings, check_settings
 from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig
 from tta_core.adashadow.memory_budget import check_budget_mib
-from tta_core.api import Plan
 from tta_core.adashadow.predictor import UnitProfile
-from tta_core.api import StepResult
+from tta_core.api import Plan, StepResult
 from tta_core.darda.switch import DomainSwitch, bank_switch, gated_step
-from tta_core.registry import register
-from tta_core.runtime.method import MethodConfig, TTAMethod
 from tta_core.model.units import StagedModel, decompose
+from tta_core.registry import register
+from tta_core.runtime.deadline import apply_settings, check_settings
+from tta_core.runtime.method import MethodConfig, TTAMethod
+from tta_core.runtime.options import option
 
 
 @dataclass
@@ -32,16 +32,20 @@ class AdaShadowConfig(MethodConfig, EngineConfig):
     """AdaShadow settings: the engine's and its planning's (EngineConfig, one source, paper
     defaults; sigma is the acceleration factor), the shared method settings, the profile."""
 
-    profile: UnitProfile | str | Path | None = None  # offline profile or its JSON path
+    profile: UnitProfile | str | Path | None = option(  # noqa: RUF009 (a dataclass field)
+        None, "offline UnitProfile (JSON path) of per-unit times for planning (None: "
+        "MAC-proportional times scaled by the measured forward)", path="read")
     # tta's default, not the paper's ("batch", Tent-style): at the few frames per batch a
     # camera node runs, robust BN gains 7-15 points (EngineConfig.bn_mode; measured there)
-    bn_mode: str = "robust"
-    # issue #21: recognise the domain, restore its banked BN + classifier state, adapt only
-    # until the domain is stable (tta_core.darda.switch; trainable="norm" only)
-    domain_bank: bool = False
-    # saved-activation budget, MiB (2**20 bytes, the unit of every saved-activation figure;
-    # `tta bench --memory-budget-mb`); None: off. Sets memory_budget_mib (EngineConfig.graph)
-    memory_budget_mb: float | None = None
+    bn_mode: str = option("robust", "BN statistics: robust (first bn_batch_layers on batch "
+                          "statistics, the rest RoTTA's robust BN), batch (Tent-style) or "
+                          "source (eval)", choices=("batch", "source", "robust"))
+    domain_bank: bool = option(False, "recognise the domain, restore its banked BN + "
+                               "classifier state, adapt only until the domain is stable "
+                               "(issue #21; trainable norm only)")
+    memory_budget_mb: float | None = option(
+        None, "saved-activation budget of an update, MiB (2**20 bytes; None: off; not with "
+        "activation_bits); sets memory_budget_mib", low=0.0)
 
     def validate(self) -> None:
         """EngineConfig.validate after copying memory_budget_mb (checked by that name)."""
@@ -109,6 +113,8 @@ class AdaShadow(TTAMethod):
 
     def forward_and_adapt(self, x: Tensor, plan: Plan | None = None) -> StepResult:
         if self.domains is not None:
+            with self.domains.paused():  # a memory budget profiles a new shape stage by stage
+                self.engine.tail.prepare(x)
             return gated_step(self.domains, self.model, x, lambda: self.engine.step(x, plan))
         return self.engine.step(x, plan=plan)
 

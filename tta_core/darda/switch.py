@@ -12,7 +12,8 @@ from the nearest known domain's state (`init_from="nearest"`) or the source stat
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +88,16 @@ class DomainSwitch:
         self.last, self.detect_ms = None, 0.0
         self.embedder.take_ms()
         self.embedder.enabled = True
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Forwards inside the block are not the batch's (a memory profile running stages
+        one by one): the embedding ignores them."""
+        was, self.embedder.enabled = self.embedder.enabled, False
+        try:
+            yield
+        finally:
+            self.embedder.enabled = was
 
     def take(self) -> Detection:
         """The detection of the forward since `begin`; RuntimeError if none ran."""

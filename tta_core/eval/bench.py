@@ -250,7 +250,9 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
     torch.manual_seed(cfg.seed)
     opts = method_options(name, cfg, tuple(stream[0].x.shape[1:]))
     meth = build_method(method_base(name), model, **opts)
-    meter = ActivationMeter(model, cfg.measures_activations, cfg.memory_budget_mb)
+    # a method's own memory budget (--set M.memory_budget_mb) is what its run is held to
+    budget = opts.get("memory_budget_mb", cfg.memory_budget_mb)
+    meter = ActivationMeter(model, cfg.measures_activations or budget is not None, budget)
     cuda = stream[0].x.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -300,7 +302,8 @@ def _frames(b: Batch, b_id: int, res: Any, pred: torch.Tensor,
     """The frame records of batch `b` (number `b_id`) stepped into `res`."""
     conf = res.logits.float().softmax(1).max(1).values.tolist()
     return [FrameRecord(b.domain, int(label), int(p), b_id, phases, confidence=float(c),
-                        budget_ms=res.budget_ms, adapted=bool(res.adapted))
+                        budget_ms=res.budget_ms, adapted=bool(res.adapted),
+                        recognised=res.domain)
             for label, p, c in zip(b.labels.tolist(), pred.tolist(), conf, strict=True)]
 
 

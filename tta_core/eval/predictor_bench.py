@@ -54,13 +54,13 @@ import numpy as np
 import torch
 
 from tta_core.adashadow import planner
-from tta_core.runtime.backward_feedback import BackwardFeedback
 from tta_core.adashadow.calibration import BusyProcesses
 from tta_core.adashadow.expansion import MODELS, PI2_MODES, ExpansionModel, OfflineReference
 from tta_core.adashadow.predictor import Calibration, UnitProfile, planning_times, runtime_times
 from tta_core.adashadow.profiler import SPLITS
-from tta_core.runtime.losses import entropy_loss
 from tta_core.model.units import StagedModel
+from tta_core.runtime.backward_feedback import BackwardFeedback
+from tta_core.runtime.losses import entropy_loss
 from tta_core.telemetry.bandwidth_probe import BandwidthProbe
 
 SCHEMA = "tta.predictor_bench/1"

@@ -37,6 +37,7 @@ class FrameRecord:
     confidence: float = math.nan
     budget_ms: float = math.nan  # the batch's latency budget; NaN: the method has none
     adapted: bool | None = None  # did the batch update the model (None: not reported)
+    recognised: str = ""  # the domain the method recognised for the batch ("": none)
 
 
 @dataclass
@@ -97,6 +98,10 @@ class RunSummary:
     saved_mib_max: float = math.nan
     # share of batches whose saved activations held `tta bench --memory-budget-mb` (NaN: none)
     saved_within_budget: float = math.nan
+    # domains the method recognised, and the share of batches whose recognised domain is
+    # the true domain most of its batches came from (NaN: the method recognises none)
+    domains_found: int = 0
+    domain_purity: float = math.nan
 
 
 # ----------------------------------------------------------------------------- summary
@@ -149,6 +154,21 @@ def _share(flags: Iterable[bool | None]) -> float:
     return sum(known) / len(known) if known else math.nan
 
 
+def domain_purity(batches: Sequence[FrameRecord]) -> tuple[int, float]:
+    """(recognised domains, purity): each recognised domain stands for the true domain most
+    of its batches came from; purity is the share of batches with a recognised domain
+    whose true domain is that one (NaN when no batch has one)."""
+    votes: dict[str, dict[str, int]] = {}
+    for f in batches:
+        if f.recognised:
+            by_true = votes.setdefault(f.recognised, {})
+            by_true[f.domain] = by_true.get(f.domain, 0) + 1
+    n = sum(sum(v.values()) for v in votes.values())
+    if not n:
+        return 0, math.nan
+    return len(votes), sum(max(v.values()) for v in votes.values()) / n
+
+
 def within_budget(batches: Sequence[FrameRecord]) -> float:
     """Fraction of the batches with a finite budget whose total time was within it."""
     pairs = [(f.phases_ms.get("total", math.nan), f.budget_ms) for f in batches
@@ -172,6 +192,7 @@ def summarize(run: RunRecord) -> RunSummary:
     wall = run.wall_s
     saved = run.meta.get("saved_activations")
     saved = saved if isinstance(saved, dict) else {}
+    found, purity = domain_purity(firsts)
     return RunSummary(
         method=run.method,
         n_frames=len(frames),
@@ -190,6 +211,8 @@ def summarize(run: RunRecord) -> RunSummary:
         saved_mib_mean=_num(saved.get("saved_mib_mean")),
         saved_mib_max=_num(saved.get("saved_mib_max")),
         saved_within_budget=_num(saved.get("within_budget_share")),
+        domains_found=found,
+        domain_purity=purity,
     )
 
 
@@ -213,9 +236,11 @@ def markdown_table(summaries: Sequence[RunSummary]) -> str:
         domains += [d for d in s.accuracy if d not in domains]
     saved = any(math.isfinite(s.saved_mib_mean) for s in summaries)
     mem = any(math.isfinite(s.saved_within_budget) for s in summaries)
+    dom = any(s.domains_found for s in summaries)
     head = ["method", *domains, "mean", "fps", "total ms p50", "in budget %", "adapted %",
             "e2e ms p50", "e2e ms p90", "peak MB", *(["saved MiB (mean/max)"] if saved else []),
-            *(["in mem budget %"] if mem else [])]
+            *(["in mem budget %"] if mem else []),
+            *(["domains found", "domain purity %"] if dom else [])]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for s in summaries:
         total = s.phases.get("total")
@@ -230,6 +255,9 @@ def markdown_table(summaries: Sequence[RunSummary]) -> str:
             row.append(f"{_fmt(s.saved_mib_mean, '.2f')} / {_fmt(s.saved_mib_max, '.2f')}")
         if mem:
             row.append(_fmt(100 * s.saved_within_budget, ".0f"))
+        if dom:
+            row += [str(s.domains_found) if s.domains_found else "–",
+                    _fmt(100 * s.domain_purity, ".0f")]
         lines.append("| " + " | ".join(row) + " |")
     return "\n".join(lines) + "\n"
 

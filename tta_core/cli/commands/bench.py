@@ -8,11 +8,28 @@ import time
 from pathlib import Path
 
 from tta_core.cli.model_args import add_model_arguments, user_model
-from tta_core.data.sources import LAYOUTS
-from tta_core.eval.bench import DEFAULT_CARD, DEFAULT_METHODS, MODES, BenchConfig, run_bench
 
 NAME = "bench"
 HELP = "benchmark TTA methods on a corruption stream: accuracy per domain, latency, memory"
+
+# Copies of tta_core.eval.bench's DEFAULT_METHODS, DEFAULT_CARD, MODES and BenchConfig
+# defaults, and of tta_core.data.sources.LAYOUTS: those modules import torch / numpy, and
+# `tta bench --help` must not. test/system/test_cli_fast.py checks that they are equal.
+DEFAULT_METHODS: tuple[str, ...] = ("source", "bn_adapt", "tent", "eata", "sar", "cotta",
+                                    "lame", "adashadow")
+DEFAULT_CARD = Path("checkpoints/small_resnet_signs32.json")
+MODES: tuple[str, ...] = ("sequential", "parallel")
+DEFAULTS: dict[str, object] = {"order": "continual", "severity": 5, "batch_size": 4,
+                               "samples_per_domain": 500, "mode": "sequential", "seed": 0,
+                               "threads": 1, "device": "cpu", "stream_track": 1}
+LAYOUTS: dict[str, str] = {
+    "cifar10c": "DIR/<corruption>.npy arrays (5*n, 32, 32, 3) uint8 holding severities 1-5 "
+                "in blocks of n, and DIR/labels.npy with their 5*n labels (CIFAR-10-C)",
+    "imagenet-c": "DIR/<corruption>/<severity 1-5>/<class>/*.JPEG (ImageNet-C; every class "
+                  "folder, since labels are positions in sorted order)",
+    "folder": "DIR/<domain>/<class>/*.png|jpg|jpeg (domains in sorted order, labels are "
+              "positions of the sorted class folder names)",
+}
 
 
 def _methods(text: str) -> tuple[str, ...]:
@@ -32,8 +49,14 @@ def _option(text: str) -> tuple[str, str, object]:
     return method.strip(), key.strip(), _value(raw.strip())
 
 
+WORDS = {"true": True, "false": False, "none": None, "null": None}  # YAML/ROS spellings
+
+
 def _value(raw: str) -> object:
-    """A Python literal, else a float (`nan`, `inf`, `-inf`), else the string itself."""
+    """true/false/none (any case, as in YAML and ROS parameters), a Python literal, else a
+    float (`nan`, `inf`, `-inf`), else the string itself."""
+    if raw.lower() in WORDS:
+        return WORDS[raw.lower()]
     try:
         return ast.literal_eval(raw)
     except (ValueError, SyntaxError):
@@ -58,7 +81,8 @@ def _rates(text: str) -> tuple[float, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = BenchConfig()
+    """The bench options; defaults are BenchConfig's (copied in DEFAULTS)."""
+    d = argparse.Namespace(**DEFAULTS)
     parser.add_argument("--methods", type=_methods, default=DEFAULT_METHODS,
                         help=f"comma-separated (default {','.join(DEFAULT_METHODS)})")
     parser.add_argument("--order", default=d.order,
@@ -116,6 +140,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run the bench of the parsed options; print the report and the files written."""
+    from tta_core.eval.bench import BenchConfig, run_bench
+
     options: dict[str, dict] = {}
     for method, key, value in args.options:
         if method not in args.methods:

@@ -6,15 +6,14 @@ wall clock: the flat profile's times are used unscaled (forward feedback "off").
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import CARD
 from torch import nn
 
 from tta_core.adashadow import planner
-from tta_core.runtime.deadline import DeadlineConfig, batch_deadline_ms, describe
 from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig
 from tta_core.adashadow.planning import (
     Measured,
@@ -32,8 +31,7 @@ from tta_core.model.norms import set_bn_mode
 from tta_core.model.source import load_source
 from tta_core.model.units import decompose
 from tta_core.model.zoo import build_model
-
-CARD = Path(__file__).resolve().parent.parent / "checkpoints" / "small_resnet_signs32.json"
+from tta_core.runtime.deadline import DeadlineConfig, batch_deadline_ms, describe
 
 
 # ---------------------------------------------------------------- deadline arithmetic
@@ -336,7 +334,8 @@ def test_engine_serves_without_planning_when_the_forward_misses_the_deadline(
     weights = [p.detach().clone() for p in eng.params]
     captures = []
     original = eng._forward
-    monkeypatch.setattr(eng, "_forward", lambda x, g: captures.append(g) or original(x, g))
+    monkeypatch.setattr(eng, "_forward",
+                        lambda x, g, phases: captures.append(g) or original(x, g, phases))
     results = [eng.step(torch.randn(4, 3, 32, 32)) for _ in range(3)]
     assert captures == [0]  # only the first batch ran the engine's forward (whole graph)
     assert calls == {"assessor": 0, "solve": 0} and eng.assessor.history is None

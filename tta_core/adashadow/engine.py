@@ -10,6 +10,7 @@ the reforward, "parallel" returns the forward logits and adapts in a background 
 
 from __future__ import annotations
 
+import copy
 import math
 import threading
 from collections import deque
@@ -22,7 +23,6 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from tta_core.runtime import losses
 from tta_core.adashadow import assessor as assessor_mod
 from tta_core.adashadow import planner, predictor
 from tta_core.adashadow.memory_budget import TailRecorder
@@ -36,11 +36,14 @@ from tta_core.adashadow.planning import (
     UnitLayout,
 )
 from tta_core.api import PhaseClock, PhaseTimes, PlanningInfo, StepResult, mean_entropy
-from tta_core.darda.bn import RobustBN, use_batch_stats
 from tta_core.daf.plans import check_activation_bits
+from tta_core.darda.bn import RobustBN, use_batch_stats
 from tta_core.model.norms import BN_MODES
-from tta_core.runtime.unit_stats import UnitStatsCollector, source_seeds
 from tta_core.model.units import StagedModel, stage_input_hooks
+from tta_core.runtime import losses
+from tta_core.runtime.options import option
+from tta_core.runtime.phases import Phases
+from tta_core.runtime.unit_stats import UnitStatsCollector, source_seeds
 
 MODES = ("sequential", "parallel")
 GRAPHS = ("lazy", "full")
@@ -52,10 +55,13 @@ class EngineConfig(PlanningConfig):
     """Knobs of the pipeline (and, inherited, of its planning); defaults follow the paper
     (SGD lr 5e-3, alpha 0.1)."""
 
-    lr: float = 5e-3
-    momentum: float = 0.9
-    mode: str = "sequential"
-    loss: str = "entropy"
+    lr: float = option(5e-3, "SGD learning rate (AdaShadow §4)", low=0.0)
+    momentum: float = option(0.9, "SGD momentum (< 1)", low=0.0, high=1.0)
+    mode: str = option("sequential", "sequential: predict on the reforward after the "
+                       "update; parallel: answer with the forward, adapt in the background",
+                       choices=MODES)
+    loss: str = option("entropy", "adaptation loss: entropy (Tent) or multilayer_kl (the "
+                       "assessor's statistics)", choices=LOSSES)
     # "batch": BN uses batch statistics (Tent-style); "source": eval; "robust": the first
     # bn_batch_layers BN layers use batch statistics (they see the corruption first and
     # their batch statistics carry it), the others running statistics that each batch's
@@ -64,16 +70,23 @@ class EngineConfig(PlanningConfig):
     # lr 0 (statistics only), mean accuracy on the continual severity-5 stream: small net
     # batch 35.3, robust with 0 / 1 / 2 / 3 / 4 batch layers 28.5 / 37.2 / 42.1 / 42.8 /
     # 41.9 %; ResNet-18 w32 64 px batch 40.5, robust (3 / 5 / 9) 55.3 / 57.3 / 55.3 %.
-    bn_mode: str = "batch"
-    bn_momentum: float = 0.05
-    bn_batch_layers: int = 3
-    alpha: float = 0.1
-    reuse: bool = True  # reforward from the cached stage input (False: full reforward)
+    bn_mode: str = option("batch", "BN statistics: batch (Tent-style), source (eval) or "
+                          "robust (first bn_batch_layers on batch statistics, the rest "
+                          "RoTTA's robust BN)", choices=BN_MODES)
+    bn_momentum: float = option(0.05, "robust BN: momentum of the running statistics "
+                                "toward each batch's", low=0.0, high=1.0)
+    bn_batch_layers: int = option(3, "robust BN: the first this many BN layers use batch "
+                                  "statistics", low=0)
+    alpha: float = option(0.1, "assessor: EMA weight of the newest batch in the historical "
+                          "unit statistics (AdaShadow)", low=0.0, high=1.0)
+    reuse: bool = option(True, "reforward from the cached stage input (False: full "
+                         "reforward)")
     # "norm": only BN/LayerNorm units are candidates (their affine parameters, as Tent),
     # "all": every unit (the paper's layer-wise reading). Entropy minimisation on conv or
     # classifier weights with small batches collapses to one class within a few hundred
     # batches (measured on the benchmark stream), so "norm" is the default.
-    trainable: str = "norm"
+    trainable: str = option("norm", "units a plan may update: norm (BN/LayerNorm affine "
+                            "parameters, as Tent) or all (every unit)", choices=TRAINABLE)
     # "full" (the paper's pipeline): the forward records the autograd graph from the
     # lowest stage that any plan within the budget can reach (PlanningService.graph_floor;
     # below it the forward runs without autograd: less time and no activations kept), the
@@ -86,12 +99,17 @@ class EngineConfig(PlanningConfig):
     # 32 px small net. With a memory budget (memory_budget_mib, memory_budget): "lazy" plans
     # units and keep ratios on both budgets; "full" raises the graph floor to the lowest
     # stage whose recording fits (candidates' inputs dense: exact gradients).
-    graph: str = "full"
+    graph: str = option("full", "full: the forward records the autograd graph from the "
+                        "lowest reachable stage; lazy: re-run the stages from the first "
+                        "updated unit with autograd (less memory, more time)",
+                        choices=GRAPHS)
     # DAF (issue #20): what the recorded graph saves is stored at 8/4/2 bits (norm-layer
     # inputs, trainable conv/linear inputs; frozen conv inputs not at all, ReLU outputs as
     # exact 1-bit masks: tta_core.daf.plans.daf_plan). None: dense. Not with a memory
     # budget, which chooses its own encodings (keep ratios).
-    activation_bits: int | None = None
+    activation_bits: int | None = option(None, "DAF: store what the recorded graph saves at "
+                                         "8, 4 or 2 bits (None: dense; not with a memory "
+                                         "budget)", choices=(2, 4, 8))
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad value."""
@@ -357,7 +375,7 @@ class AdaShadowEngine:
         self._collector = UnitStatsCollector(staged, with_grad=self.config.loss == "multilayer_kl")
         if source_bn:
             self.assessor.seed(source_seeds(staged, source_bn, self._collector.bn_input))
-        self.clock = PhaseClock(self.params[0].device)
+        self.clock = PhaseClock(self.params[0].device)  # times every phase (CUDA: synced)
         self._stage_inputs: list = [None] * len(staged.stages)
         self._grad_stage = 0
         self._fwd = ForwardTimes()
@@ -396,9 +414,18 @@ class AdaShadowEngine:
         self._rbn.close()
 
     # ------------------------------------------------------------ phases
-    def _forward(self, x: Tensor, grad_stage: int) -> _Forward:
-        """Forward with hooks; the autograd graph is recorded from stage grad_stage on."""
-        self.clock.mark()
+    def _forward(self, x: Tensor, grad_stage: int, phases: Phases) -> _Forward:
+        """Forward with hooks (the forward phase); the autograd graph is recorded from
+        stage grad_stage on."""
+        with phases("forward"):
+            logits, stats, inputs = self._recorded_forward(x, grad_stage)
+        ms = phases.ms["forward"]
+        self._fwd.note(ms, int(x.shape[0]))
+        return _Forward(logits, stats, inputs, ms, grad_stage)
+
+    def _recorded_forward(self, x: Tensor, grad_stage: int
+                          ) -> tuple[Tensor, list, list]:
+        """Logits, the units' statistics and the cached stage inputs of one forward."""
         self._stage_inputs[0] = x
         self._grad_stage = grad_stage
         # restores the grad mode on exit (the stage hooks switch it on mid-forward)
@@ -407,9 +434,7 @@ class AdaShadowEngine:
             logits = self.staged.model(x)
         stats = self._collector.collect(x.shape[0])
         inputs, self._stage_inputs = self._stage_inputs, [None] * len(self._stage_inputs)
-        ms = self.clock.mark()
-        self._fwd.note(ms, int(x.shape[0]))
-        return _Forward(logits, stats, inputs, ms, grad_stage)
+        return logits, stats, inputs
 
     def _grad_from(self, grad_stage: int) -> int:
         """First unit whose forward recorded the graph (len(units): none)."""
@@ -492,70 +517,74 @@ class AdaShadowEngine:
             raise ValueError(f"plan has {len(plan.update)} units, model has "
                              f"{len(self.staged.units)}")
         self.tail.prepare(x)  # memory budget: one profiling forward per new input shape
-        t0 = self.clock.now()
-        b = int(x.shape[0])
-        floor = self._floor(b) if plan is None else 0
+        phases, b = Phases(clock=self.clock), int(x.shape[0])
+        with phases("plan"):
+            floor = self._floor(b) if plan is None else 0
         if floor >= len(self.staged.units):
-            return self._serve_only(x, t0, b)
-        fwd = self._forward(x, self._grad_stage_for(plan, floor))
-        loss, importance, outcome, plan = self._plan_phase(fwd, plan, b)
-        update = np.asarray(plan.update, dtype=bool)
-        adapt = loss is not None and bool(update.any())
-        self._fwd.planned(adapt or outcome is None)  # an external plan is never held back
-        if adapt:  # keep only the stage input the reforward needs (§4 reuse)
-            keep = self.staged.units[int(np.flatnonzero(update)[0])].stage
-            fwd.stage_inputs = [t if i == keep else None for i, t in enumerate(fwd.stage_inputs)]
-        plan_ms = self.clock.mark()  # the plan phase ends here: the budget counts it
-        res = _result(self.planning, fwd, loss, importance, outcome, plan, adapt)
-        res.times.plan_ms = plan_ms
-        measured = Measured(fwd.forward_ms, plan_ms, adapt,
+            return self._serve_only(x, phases, b)
+        fwd = self._forward(x, self._grad_stage_for(plan, floor), phases)
+        with phases("plan"):  # the plan phase: the budget counts it
+            loss, importance, outcome, plan = self._plan_phase(fwd, plan, b)
+            update = np.asarray(plan.update, dtype=bool)
+            adapt = loss is not None and bool(update.any())
+            self._fwd.planned(adapt or outcome is None)  # an external plan is never held back
+            if adapt:  # keep only the stage input the reforward needs (§4 reuse)
+                keep = self.staged.units[int(np.flatnonzero(update)[0])].stage
+                fwd.stage_inputs = [t if i == keep else None
+                                    for i, t in enumerate(fwd.stage_inputs)]
+            res = _result(self.planning, fwd, loss, importance, outcome, plan, adapt)
+        measured = Measured(fwd.forward_ms, phases.ms["plan"], adapt,
                             planned=outcome is None or not outcome.skipped)
         parallel = adapt and self.config.mode == "parallel"
-        if parallel:  # the job observes when the update is done
+        if parallel:  # the job fills in the backward and observes when the update is done
+            res.times = phases.times()
+            measured.total_ms = res.times.total_ms
             self._start_job(res, fwd, loss, update, outcome, measured)
-        elif adapt:
-            self._adapt(fwd, loss, update)
-            res.times.backward_ms = self.clock.mark()
-            res.logits = _reforward(self.staged, x, fwd, int(np.flatnonzero(update)[0]),
-                                    self.config.reuse)
-            res.times.reforward_ms = self.clock.mark()
-            measured.backward_ms, measured.reforward_ms = (res.times.backward_ms,
-                                                           res.times.reforward_ms)
-        res.times.total_ms = measured.total_ms = (self.clock.now() - t0) * 1e3
-        if not parallel:
-            self.planning.observe(outcome, measured)
-            res.stats.update(self.tail.stats())
+            return res
+        if adapt:
+            with phases("backward"):
+                self._adapt(fwd, loss, update)
+            with phases("reforward"):
+                res.logits = _reforward(self.staged, x, fwd, int(np.flatnonzero(update)[0]),
+                                        self.config.reuse)
+            measured.backward_ms = phases.ms["backward"]
+            measured.reforward_ms = phases.ms["reforward"]
+        res.times = phases.times()
+        measured.total_ms = res.times.total_ms
+        self.planning.observe(outcome, measured)
+        res.stats.update(self.tail.stats())
         return res
 
-    def _serve_only(self, x: Tensor, t0: float, batch_size: int) -> StepResult:
+    def _serve_only(self, x: Tensor, phases: Phases, batch_size: int) -> StepResult:
         """A batch no inline plan can fit (graph floor: no unit): a plain forward, no unit
         statistics, loss, assessor or planner; the result says why. Robust-BN statistics
         move unless late (LATE_SHEDS), every other batch when tight (THIN_ABOVE). Its
         forward time counts for the floor scaled to a planned batch's (note_plain)."""
-        self.clock.mark()
         weight = _serve_weight(self._rbn, self.planning.late_ms)
-        with _own_forward(self._collector, self._rbn, False, weight), torch.no_grad():
+        with phases("forward"), _own_forward(self._collector, self._rbn, False, weight), \
+                torch.no_grad():
             logits = self.staged.model(x)
-        forward_ms = self.clock.mark()
-        _thin_after(self._rbn, weight, forward_ms, self.planning.deadline_ms(batch_size))
-        self._fwd.note_plain(forward_ms, batch_size)
-        outcome = self.planning.empty_outcome(forward_ms, batch_size)
-        fwd = _Forward(logits, [], [], forward_ms, len(self.staged.stages))
-        res = _result(self.planning, fwd, None, np.zeros(len(self.staged.units)), outcome,
-                      outcome.plan, False)
-        res.times.plan_ms = self.clock.mark()
+        forward_ms = phases.ms["forward"]
+        with phases("plan"):
+            _thin_after(self._rbn, weight, forward_ms, self.planning.deadline_ms(batch_size))
+            self._fwd.note_plain(forward_ms, batch_size)
+            outcome = self.planning.empty_outcome(forward_ms, batch_size)
+            fwd = _Forward(logits, [], [], forward_ms, len(self.staged.stages))
+            res = _result(self.planning, fwd, None, np.zeros(len(self.staged.units)), outcome,
+                          outcome.plan, False)
+        res.times = phases.times()
         res.stats.update(self.tail.stats())  # memory budget: nothing recorded
-        self.planning.observe(outcome, Measured(forward_ms, res.times.plan_ms, False,
+        self.planning.observe(outcome, Measured(forward_ms, phases.ms["plan"], False,
                                                 planned=False))
-        res.times.total_ms = (self.clock.now() - t0) * 1e3
         return res
 
     def _start_job(self, res: StepResult, fwd: _Forward, loss: Tensor, update: np.ndarray,
                    outcome: PlanOutcome | None, measured: Measured) -> None:
         def job() -> None:  # step() syncs before it plans again: no race on the feedback
-            t = self.clock.now()
-            self._adapt(fwd, loss, update)
-            res.times.backward_ms = (self.clock.now() - t) * 1e3
+            phases = Phases(clock=copy.copy(self.clock))  # its own: another thread
+            with phases("backward"):
+                self._adapt(fwd, loss, update)
+            res.times.backward_ms = phases.ms["backward"]
             measured.backward_ms, measured.reforward_ms = res.times.backward_ms, None
             res.stats.update(self.tail.stats())
             self.planning.observe(outcome, measured)

@@ -20,8 +20,11 @@ PHASES = ("forward", "plan", "backward", "reforward", "post")
 class Phases:
     """Accumulates the wall time of named phases; `times()` gives the PhaseTimes."""
 
-    def __init__(self, device: torch.device | str = "cpu") -> None:
-        self.clock = PhaseClock(device)
+    def __init__(self, device: torch.device | str = "cpu",
+                 clock: PhaseClock | None = None) -> None:
+        """`clock`: an existing PhaseClock to read (one a test can drive), else a new one
+        on `device`."""
+        self.clock = clock if clock is not None else PhaseClock(device)
         self.ms = dict.fromkeys(PHASES, 0.0)
 
     @classmethod

@@ -1,6 +1,6 @@
 """AdaShadow: responsive test-time adaptation by selective layer updates.
 
-Chen et al., "AdaShadow: Responsive Test-time Model Adaptation in Non-stationary Mobile
+Fang et al., "AdaShadow: Responsive Test-time Model Adaptation in Non-stationary Mobile
 Environments", SenSys 2024. Backprop-free importance (assessor), runtime latency
 predictor, DP scheduler within sigma·T, sparse backward and reforward reuse; the pipeline
 itself lives in `tta_core.adashadow.engine`.
@@ -32,7 +32,7 @@ class AdaShadowConfig(MethodConfig, EngineConfig):
     """AdaShadow settings: the engine's and its planning's (EngineConfig, one source, paper
     defaults; sigma is the acceleration factor), the shared method settings, the profile."""
 
-    profile: UnitProfile | str | Path | None = option(  # noqa: RUF009 (a dataclass field)
+    profile: UnitProfile | str | Path | None = option(
         None, "offline UnitProfile (JSON path) of per-unit times for planning (None: "
         "MAC-proportional times scaled by the measured forward)", path="read")
     # tta's default, not the paper's ("batch", Tent-style): at the few frames per batch a

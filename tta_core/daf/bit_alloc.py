@@ -2,8 +2,8 @@
 maximising stored importance under a memory budget (bytes) and a time budget (ms).
 
 Value of unit i at width b: importance_i * FIDELITY[b]. Importance: gradient statistics,
-the RMS of the unit's last weight gradient (SURGEON Eq. 4, layer_importance.
-gradient_importance), lagged by one update (the allocation is decided before the forward,
+the RMS of the unit's last weight gradient (as SURGEON's Eq. 4: runtime.stats.
+gradient_rms), lagged by one update (the allocation is decided before the forward,
 so it cannot use this batch's gradient); AdaShadow's backprop-free KL was not wired in.
 FIDELITY orders the widths as the measured gradient cosines do (2 bits: 0.96, 4: 0.998,
 8: 1.000 on the shipped net) and charges 2 bits more than its cosine alone, since its error

@@ -1,7 +1,7 @@
 """DARDA's learnt corruption extractor and contrastive corruption encoder (§4.1-4.2).
 
 Extractor g (Eqs. 3-5, Noise2Noise-style): the input's two diagonal 2x2 stride-2
-downsamplings G1(x), G2(x) (`embedding.diagonal_halves`) should be predictable from each
+downsamplings G1(x), G2(x) (`diagonal_halves`) should be predictable from each
 other once the corruption is removed: G~2 = G1 - g(G1), G~1 = G2 - g(G2), loss L_N = the
 mean squared error of both. Encoder h: a small conv net on [G1(x), g(G1(x))] (the image
 half and its extracted corruption; the image half carries the low-frequency corruptions

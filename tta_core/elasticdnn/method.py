@@ -1,7 +1,7 @@
 """ElasticDNN serving: a gated master served whole or as a smaller surrogate, whichever fits
 the batch's deadline, adapted filter by filter (issue #22).
 
-Wang et al. (ElasticDNN, ../shared/seeds/001): a master network with channel gates
+Zhang et al. (ElasticDNN, IEEE TC 2024, seed 001): a master network with channel gates
 (tta_core.elasticdnn.gates, made by `tta train-elastic`) is cut into dense surrogates keeping a
 share of the filters of every gated conv, chosen for the current domain from one sample
 (tta_core.elasticdnn.surrogate). This method serves every batch with the largest size whose

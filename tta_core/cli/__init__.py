@@ -10,6 +10,12 @@ module defines
 so adding a command never edits a shared list. An install made before the group existed has
 no `tta.commands` entry points: then the modules in tta_core.cli.commands are scanned
 instead (no ROS 2 commands); a fresh `make setup` (pip install -e .) installs the group.
+
+Every command module is imported to build the parser, so a command module stays light at
+import: torch, numpy, rclpy and the tta_core modules that use them are imported inside
+run(), and choices or defaults that live in such modules are copied (tta_core.cli.choices,
+constants in the command module; test/system/test_cli_fast.py checks them). `tta --help`
+and `tta <cmd> --help` then answer in a fraction of a second.
 """
 
 from __future__ import annotations

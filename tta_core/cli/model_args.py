@@ -1,15 +1,23 @@
 """Command-line options that describe a user's model (`tta bench`, `tta model-card`):
-architecture or factory, weights, input size, normalisation, classes, builder kwargs."""
+architecture or factory, weights, input size, normalisation, classes, builder kwargs.
+
+Light at import (no torch): `tta <cmd> --help` builds these options; the model code
+(tta_core.model.user_card) is imported only when the parsed options are turned into a model.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tta_core.model.user_card import NORM_PRESETS, UserModel
+if TYPE_CHECKING:
+    from tta_core.model.user_card import UserModel
 
 CLASS_PRESETS = ("cifar10",)
+# the keys of tta_core.model.user_card.NORM_PRESETS (which imports torch); a test keeps them equal
+NORM_NAMES: tuple[str, ...] = ("imagenet", "cifar10", "none")
 
 
 def _triple(text: str) -> tuple[float, ...]:
@@ -69,7 +77,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, title: str) -> None:
                         "or .safetensors")
     g.add_argument("--input-size", type=int, default=0, metavar="PX",
                    help="input size in pixels the model was trained at (e.g. 32, 224)")
-    g.add_argument("--norm", choices=tuple(NORM_PRESETS),
+    g.add_argument("--norm", choices=NORM_NAMES,
                    help="normalisation preset: imagenet, cifar10 mean/std, or none ([0, 1])")
     g.add_argument("--mean", type=_triple, metavar="R,G,B",
                    help="per-channel mean in [0, 1] pixel units (with --std)")
@@ -88,6 +96,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, title: str) -> None:
 def user_model(args: argparse.Namespace, name: str = "") -> UserModel | None:
     """The UserModel of the parsed options; None when --model is not given (ValueError
     when other model options are)."""
+    from tta_core.model.user_card import NORM_PRESETS, UserModel
+
     given = [f"--{k.replace('_', '-')}" for k in ("weights", "input_size", "norm", "mean",
                                                  "std", "num_classes", "class_names",
                                                  "model_kwargs") if getattr(args, k)]

@@ -19,19 +19,10 @@ from pathlib import Path
 import numpy as np
 
 from tta_core.data.corruptions import CORRUPTIONS
+from tta_core.data.layouts import DATA_KINDS, LAYOUTS
 from tta_core.data.loaders import load_cifar10c, load_image_folder
 from tta_core.data.streams import Stream
 from tta_core.errors import InputError, one_line
-
-DATA_KINDS: tuple[str, ...] = ("cifar10c", "imagenet-c", "folder")
-LAYOUTS: dict[str, str] = {
-    "cifar10c": "DIR/<corruption>.npy arrays (5*n, 32, 32, 3) uint8 holding severities 1-5 "
-                "in blocks of n, and DIR/labels.npy with their 5*n labels (CIFAR-10-C)",
-    "imagenet-c": "DIR/<corruption>/<severity 1-5>/<class>/*.JPEG (ImageNet-C; every class "
-                  "folder, since labels are positions in sorted order)",
-    "folder": "DIR/<domain>/<class>/*.png|jpg|jpeg (domains in sorted order, labels are "
-              "positions of the sorted class folder names)",
-}
 
 
 @dataclass(frozen=True)

@@ -8,13 +8,14 @@ import time
 from pathlib import Path
 
 from tta_core.cli.model_args import add_model_arguments, user_model
+from tta_core.data.layouts import LAYOUTS
 
 NAME = "bench"
 HELP = "benchmark TTA methods on a corruption stream: accuracy per domain, latency, memory"
 
 # Copies of tta_core.eval.bench's DEFAULT_METHODS, DEFAULT_CARD, MODES and BenchConfig
-# defaults, and of tta_core.data.sources.LAYOUTS: those modules import torch / numpy, and
-# `tta bench --help` must not. test/system/test_cli_fast.py checks that they are equal.
+# defaults: that module imports torch, and `tta bench --help` must not.
+# test/system/test_cli_fast.py checks that they are equal.
 DEFAULT_METHODS: tuple[str, ...] = ("source", "bn_adapt", "tent", "eata", "sar", "cotta",
                                     "lame", "adashadow")
 DEFAULT_CARD = Path("checkpoints/small_resnet_signs32.json")
@@ -22,15 +23,6 @@ MODES: tuple[str, ...] = ("sequential", "parallel")
 DEFAULTS: dict[str, object] = {"order": "continual", "severity": 5, "batch_size": 4,
                                "samples_per_domain": 500, "mode": "sequential", "seed": 0,
                                "threads": 1, "device": "cpu", "stream_track": 1}
-LAYOUTS: dict[str, str] = {
-    "cifar10c": "DIR/<corruption>.npy arrays (5*n, 32, 32, 3) uint8 holding severities 1-5 "
-                "in blocks of n, and DIR/labels.npy with their 5*n labels (CIFAR-10-C)",
-    "imagenet-c": "DIR/<corruption>/<severity 1-5>/<class>/*.JPEG (ImageNet-C; every class "
-                  "folder, since labels are positions in sorted order)",
-    "folder": "DIR/<domain>/<class>/*.png|jpg|jpeg (domains in sorted order, labels are "
-              "positions of the sorted class folder names)",
-}
-
 
 def _methods(text: str) -> tuple[str, ...]:
     names = tuple(m.strip() for m in text.split(",") if m.strip())

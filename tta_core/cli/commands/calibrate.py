@@ -10,15 +10,12 @@ import socket
 from dataclasses import replace
 from pathlib import Path
 
-from tqdm import tqdm
-
-from tta_core.adashadow.calibration import CalibrationConfig, calibrate, n_steps
-
 NAME = "calibrate"
 HELP = "measure f(n) (competing processes), b_DRAM/b_cache and offline freq for the predictor"
 
 
 def default_out() -> Path:
+    """config/profiles/calibration_<host>.json."""
     return Path("config/profiles") / f"calibration_{socket.gethostname()}.json"
 
 
@@ -49,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Calibrate, save the JSON and print the fitted constants."""
+    from tqdm import tqdm
+
+    from tta_core.adashadow.calibration import CalibrationConfig, calibrate, n_steps
+
     base = CalibrationConfig.quick() if args.quick else CalibrationConfig()
     threads = base.threads if args.threads is None else args.threads
     if threads < 0:

@@ -4,20 +4,22 @@ from __future__ import annotations
 
 import argparse
 
-from rich.console import Console
-from rich.table import Table
-
-from tta_core.runtime.doctor import healthy, run_checks
-
 NAME = "doctor"
 HELP = "check the environment (torch, CUDA, rclpy, rmw, tta_msgs, jtop) and print fixes"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """--no-color."""
     parser.add_argument("--no-color", action="store_true", help="plain output")
 
 
 def run(args: argparse.Namespace) -> int:
+    """Print the table of checks; 0 when every required one passes."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from tta_core.runtime.doctor import healthy, run_checks
+
     checks = run_checks()
     table = Table(title="tta doctor", show_lines=False)
     for col in ("check", "status", "detail", "fix"):

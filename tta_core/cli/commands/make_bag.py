@@ -9,9 +9,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 if TYPE_CHECKING:
+    import numpy as np
+
     from tta_core.io.bag import BagInfo
 
 NAME = "make-bag"
@@ -37,6 +37,8 @@ def stream_frames(n: int, image_size: int, domains: Sequence[tuple[str | None, i
                   seed: int) -> Iterator[tuple[np.ndarray, int, str]]:
     """`n` sign images split evenly over `domains` in order, each domain's images corrupted
     at its severity; yields (image, label, domain name)."""
+    import numpy as np
+
     from tta_core.data.corruptions import corrupt_batch
     from tta_core.data.signs import make_signs
     from tta_core.data.streams import domain_name
@@ -55,6 +57,7 @@ def stream_frames(n: int, image_size: int, domains: Sequence[tuple[str | None, i
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """OUT and the stream's frames, size, domains, seed, rate and storage."""
     parser.add_argument("out", type=Path, help="bag directory to create (must not exist)")
     parser.add_argument("--frames", type=int, default=240, help="images in the stream")
     parser.add_argument("--image-size", type=int, default=32, help="image side in pixels")
@@ -85,6 +88,7 @@ def make_bag(out: Path, frames: int, image_size: int, domains: str, seed: int,
 
 
 def run(args: argparse.Namespace) -> int:
+    """Write the bag; 2 with a one-line message on bad options or an existing OUT."""
     try:
         info = make_bag(args.out, args.frames, args.image_size, args.domains, args.seed,
                         args.rate, args.storage)

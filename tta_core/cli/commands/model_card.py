@@ -7,8 +7,6 @@ import argparse
 from pathlib import Path
 
 from tta_core.cli.model_args import add_model_arguments, user_model
-from tta_core.model.source import save_card
-from tta_core.model.user_card import check_card_model, make_card
 
 NAME = "model-card"
 HELP = ("write a model card for your model (torchvision arch or factory) and state_dict: "
@@ -16,6 +14,7 @@ HELP = ("write a model card for your model (torchvision arch or factory) and sta
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model options, the card's name and path, --no-check."""
     add_model_arguments(parser, "the model")
     parser.add_argument("--name", default="", help="model name shown in reports and topics "
                                                    "(default <arch>_<weights file stem>)")
@@ -29,6 +28,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Write (and unless --no-check, try) the card of the given model."""
+    from tta_core.model.source import save_card
+    from tta_core.model.user_card import check_card_model, make_card
+
     um = user_model(args, name=args.name)
     if um is None:
         raise ValueError("--model ARCH|package.module:function is required")

@@ -8,27 +8,26 @@ import argparse
 import time
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tqdm import tqdm
+from tta_core.cli.choices import ARCHS, SPLITS
 
-from tta_core.adashadow.calibration import CalibrationConfig, calibrate, load_calibration, n_steps
-from tta_core.adashadow.predictor import UnitProfile
-from tta_core.adashadow.profiler import SPLITS
-from tta_core.eval.predictor_bench import (
-    CONDITIONS,
-    MODELS,
-    PI2_MODES,
-    BenchConfig,
-    run_bench,
-    write_outputs,
-)
-from tta_core.model.zoo import ARCHS
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
+    from tta_core.adashadow.predictor import Calibration
 
 NAME = "predictor-bench"
 HELP = "runtime vs offline latency predictor error under competing processes (Table 9)"
+# copies of tta_core.eval.predictor_bench's CONDITIONS (keys), MODELS and PI2_MODES, which
+# import torch; test/system/test_cli_fast.py checks that they are equal
+CONDITIONS: tuple[str, ...] = ("offline", "dr2", "dr3", "dr4")
+MODELS: tuple[str, ...] = ("share", "paper")
+PI2_MODES: tuple[str, ...] = ("probe", "perf")
 
 
 def _conditions(text: str) -> tuple[str, ...]:
+    """'offline,dr2' -> ('offline', 'dr2'); every name one of CONDITIONS."""
     names = tuple(v.strip() for v in text.split(",") if v.strip())
     bad = [n for n in names if n not in CONDITIONS]
     if bad or not names:
@@ -38,12 +37,13 @@ def _conditions(text: str) -> tuple[str, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Model, batch, conditions, predictor modes, calibration and profile to reuse."""
     parser.add_argument("--arch", default="resnet50", choices=ARCHS)
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--batches", type=int, default=30, help="measured batches per condition")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (also calibration)")
-    parser.add_argument("--conditions", type=_conditions, default=tuple(CONDITIONS),
+    parser.add_argument("--conditions", type=_conditions, default=CONDITIONS,
                         help="comma list of offline,dr2,dr3,dr4 (default: all)")
     parser.add_argument("--sigma", type=float, default=0.5, help="budget of the fixed plan")
     parser.add_argument("--split", choices=SPLITS, default="plans",
@@ -70,7 +70,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _calibration(args: argparse.Namespace, out: Path, bar: tqdm):
+def _calibration(args: argparse.Namespace, out: Path,
+                 bar: tqdm) -> tuple[Calibration, str]:
+    """The --calibration file's constants, else a calibration run now (saved in `out`);
+    with where they come from."""
+    from tta_core.adashadow.calibration import (
+        CalibrationConfig,
+        calibrate,
+        load_calibration,
+        n_steps,
+    )
+
     if args.calibration is not None:
         return load_calibration(args.calibration), str(args.calibration)
     base = CalibrationConfig.quick() if args.quick_calibration else CalibrationConfig()
@@ -89,6 +99,12 @@ def _calibration(args: argparse.Namespace, out: Path, bar: tqdm):
 
 
 def run(args: argparse.Namespace) -> int:
+    """Measure the predictors' error per condition; print and write the tables."""
+    from tqdm import tqdm
+
+    from tta_core.adashadow.predictor import UnitProfile
+    from tta_core.eval.predictor_bench import BenchConfig, run_bench, write_outputs
+
     cfg = BenchConfig(arch=args.arch, image_size=args.image_size, batch_size=args.batch_size,
                       batches=args.batches, threads=args.threads, conditions=args.conditions,
                       sigma=args.sigma, max_condition_s=args.max_condition_s,

@@ -7,18 +7,14 @@ import json
 import re
 from pathlib import Path
 
-import torch
-
-from tta_core.adashadow.profiler import SPLITS, device_name, profile_model
-from tta_core.model.norms import set_bn_mode
-from tta_core.model.units import decompose
-from tta_core.model.zoo import ARCHS, build_model
+from tta_core.cli.choices import ARCHS, SPLITS
 
 NAME = "profile"
 HELP = "measure per-unit forward/backward latency (AdaShadow offline profile) to JSON"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Model, batch, repeats, split, device, threads and output path."""
     parser.add_argument("--arch", required=True, choices=ARCHS)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--image-size", type=int, default=224)
@@ -45,6 +41,14 @@ def default_path(arch: str, device: str) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Profile the model and save the JSON; print a summary line (JSON)."""
+    import torch
+
+    from tta_core.adashadow.profiler import device_name, profile_model
+    from tta_core.model.norms import set_bn_mode
+    from tta_core.model.units import decompose
+    from tta_core.model.zoo import build_model
+
     if args.batch_size < 1 or args.image_size < 8 or args.repeats < 1:
         raise ValueError(f"bad sizes: batch {args.batch_size}, image {args.image_size}, "
                          f"repeats {args.repeats}")

@@ -6,32 +6,35 @@ corruptions, and save it as safetensors for the domain embedding (darda `encoder
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from pathlib import Path
-
-from tta_core.darda.encoder import EncoderConfig, save_encoder, train_encoder
-from tta_core.model.source import load_card
 
 NAME = "train-corruption-encoder"
 HELP = "train DARDA's corruption encoder (SupCon + Noise2Noise extractor) on the 15 corruptions"
 DEFAULT_CARD = Path("checkpoints") / "small_resnet_signs32.json"
+# every field of tta_core.darda.encoder.EncoderConfig with its default, in order (that
+# module imports torch); one option each. test/system/test_cli_fast.py checks they are equal
+ENCODER_DEFAULTS: dict[str, int | float] = {
+    "channels": 3, "width": 16, "dim": 32, "tau": 0.1, "lambda_e": 1.0, "steps": 200,
+    "per_class": 8, "lr": 2e-3, "samples": 256, "severity": 5, "seed": 11, "threads": 2}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = EncoderConfig()
+    """The card, the output file and one option per EncoderConfig field."""
     parser.add_argument("--model-card", type=Path, default=DEFAULT_CARD,
                         help="the card whose input normalisation the encoder sees")
     parser.add_argument("--out", type=Path, default=Path("corruption_encoder.safetensors"))
-    for f in dataclasses.fields(EncoderConfig):
-        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(getattr(d, f.name)),
-                            default=getattr(d, f.name))
+    for name, default in ENCODER_DEFAULTS.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=type(default), default=default)
     parser.add_argument("--log-every", type=int, default=50, help="0: quiet")
 
 
 def run(args: argparse.Namespace) -> int:
+    """Train the encoder, save it and print its losses."""
+    from tta_core.darda.encoder import EncoderConfig, save_encoder, train_encoder
+    from tta_core.model.source import load_card
+
     card = load_card(args.model_card)
-    cfg = EncoderConfig(**{f.name: getattr(args, f.name)
-                           for f in dataclasses.fields(EncoderConfig)})
+    cfg = EncoderConfig(**{name: getattr(args, name) for name in ENCODER_DEFAULTS})
     enc, rep = train_encoder(cfg, tuple(card.mean), tuple(card.std), args.log_every)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     save_encoder(enc, args.out)

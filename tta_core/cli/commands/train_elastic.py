@@ -9,14 +9,19 @@ import argparse
 import json
 from pathlib import Path
 
-from tta_core.elasticdnn.gates import save_gated
-from tta_core.elasticdnn.train import ElasticTrainConfig, train_master
-
 NAME = "train-elastic"
 HELP = "train ElasticDNN's gated master (FBS gates, sandwich rule) from a source checkpoint"
+# ElasticTrainConfig's defaults of the options below (tta_core.elasticdnn.train imports
+# torch); test/system/test_cli_fast.py checks that they are equal
+DEFAULTS: dict[str, object] = {
+    "source_card": Path("checkpoints/small_resnet_signs32.json"), "stages": (0.2, 0.5, 0.8),
+    "warmup_epochs": 1, "stage_epochs": 2, "train_samples": 8000, "val_samples": 1000,
+    "batch_size": 128, "lr": 0.005, "gate_lr": 1e-3, "l1": 1e-3, "clip": 5.0, "distill": 0.5,
+    "reduction": 4, "seed": 0, "threads": 2}
 
 
 def _sparsities(text: str) -> tuple[float, ...]:
+    """'0.2,0.5' -> (0.2, 0.5)."""
     try:
         return tuple(float(v) for v in text.split(","))
     except ValueError:
@@ -25,7 +30,8 @@ def _sparsities(text: str) -> tuple[float, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = ElasticTrainConfig()
+    """Source card, output stem, stages and the training options (the config's defaults)."""
+    d = argparse.Namespace(**DEFAULTS)
     parser.add_argument("--source-card", type=Path, default=d.source_card,
                         help="the trained source model to gate")
     parser.add_argument("--out", type=Path, default=None,
@@ -41,6 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Train the gated master, save it with its card and print accuracy by sparsity."""
+    from tta_core.elasticdnn.gates import save_gated
+    from tta_core.elasticdnn.train import ElasticTrainConfig, train_master
+
     cfg = ElasticTrainConfig(
         source_card=args.source_card, stages=args.stages, warmup_epochs=args.warmup_epochs,
         stage_epochs=args.stage_epochs, train_samples=args.train_samples,

@@ -11,30 +11,26 @@ from __future__ import annotations
 import argparse
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import safetensors.torch
-import torch
+from tta_core.cli.choices import ARCHS
 
-from tta_core.data.preprocess import images_to_tensor
-from tta_core.data.signs import make_signs
-from tta_core.model.source import (
-    ModelCard,
-    TrainConfig,
-    accuracy,
-    load_source,
-    save_card,
-    train_source,
-)
-from tta_core.model.weights import SAFETENSORS_SUFFIX
-from tta_core.model.zoo import ARCHS
+if TYPE_CHECKING:
+    from tta_core.model.source import ModelCard, TrainConfig
 
 NAME = "train-source"
 HELP = "train the source model on clean synthetic traffic signs; write checkpoint + card"
 VAL_SEED_OFFSET = 10_000  # train_source's held-out signs: seed + 10000
+# TrainConfig's defaults of the options below (tta_core.model.source imports torch);
+# test/system/test_cli_fast.py checks that they are equal
+DEFAULTS: dict[str, object] = {"arch": "small_resnet", "image_size": 32, "epochs": 6,
+                               "train_samples": 8000, "val_samples": 1000, "batch_size": 128,
+                               "lr": 0.05, "seed": 0, "threads": 2}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = TrainConfig()
+    """The training options (TrainConfig's defaults) and how to store the weights."""
+    d = argparse.Namespace(**DEFAULTS)
     parser.add_argument("--arch", choices=ARCHS, default=d.arch)
     parser.add_argument("--image-size", type=int, default=d.image_size, choices=(32, 64, 96))
     parser.add_argument("--epochs", type=int, default=d.epochs)
@@ -58,6 +54,14 @@ def rewrite_checkpoint(card_path: Path, cfg: TrainConfig, half: bool,
     """Rewrite the card's checkpoint: float16 floating tensors when `half`, as a
     `.safetensors` file (the torch file removed) when `to_safetensors`. With `half` the clean
     accuracy is measured again on the held-out signs of `train_source`."""
+    import safetensors.torch
+    import torch
+
+    from tta_core.data.preprocess import images_to_tensor
+    from tta_core.data.signs import make_signs
+    from tta_core.model.source import accuracy, load_source, save_card
+    from tta_core.model.weights import SAFETENSORS_SUFFIX
+
     card_path = Path(card_path)
     model, card = load_source(card_path)
     old = card_path.parent / card.checkpoint
@@ -82,6 +86,9 @@ def rewrite_checkpoint(card_path: Path, cfg: TrainConfig, half: bool,
 
 
 def run(args: argparse.Namespace) -> int:
+    """Train, optionally rewrite the checkpoint, print the clean accuracy and files."""
+    from tta_core.model.source import TrainConfig, train_source
+
     for name in ("epochs", "train_samples", "val_samples", "batch_size"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")

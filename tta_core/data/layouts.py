@@ -1,0 +1,12 @@
+"""The folder layouts `tta bench --data KIND:DIR` reads (no numpy: `tta bench --help`
+prints them without importing the loaders)."""
+
+DATA_KINDS: tuple[str, ...] = ("cifar10c", "imagenet-c", "folder")
+LAYOUTS: dict[str, str] = {
+    "cifar10c": "DIR/<corruption>.npy arrays (5*n, 32, 32, 3) uint8 holding severities 1-5 "
+                "in blocks of n, and DIR/labels.npy with their 5*n labels (CIFAR-10-C)",
+    "imagenet-c": "DIR/<corruption>/<severity 1-5>/<class>/*.JPEG (ImageNet-C; every class "
+                  "folder, since labels are positions in sorted order)",
+    "folder": "DIR/<domain>/<class>/*.png|jpg|jpeg (domains in sorted order, labels are "
+              "positions of the sorted class folder names)",
+}

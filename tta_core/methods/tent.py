@@ -16,13 +16,15 @@ from dataclasses import dataclass
 from tta_core.registry import register
 from tta_core.runtime.capabilities import MemoryOptions
 from tta_core.runtime.method import MethodConfig, TTAMethod
+from tta_core.runtime.options import option
 
 
 @dataclass
 class TentConfig(MethodConfig, MemoryOptions):
     """Tent settings; `reforward=False` returns the pre-update logits (original Tent)."""
 
-    reforward: bool = True
+    reforward: bool = option(True, "predict on the updated model (a reforward of the batch); "
+                             "False: the pre-update logits (original Tent)")
 
 
 @register("tent")

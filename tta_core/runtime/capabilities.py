@@ -16,6 +16,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from torch import nn
 
+from tta_core.runtime.options import option
+
 CODEC_FACTORY = "tta_core.daf.codecs:build_codec"
 
 
@@ -23,11 +25,13 @@ CODEC_FACTORY = "tta_core.daf.codecs:build_codec"
 class MemoryOptions:
     """Saved-activation storage of an update (DAF): widths and an optional paged arena."""
 
-    # DAF: store what the update saves for backward at 8, 4 or 2 bits (None: dense)
-    activation_bits: int | None = None
-    # DAF: hold those saves in one paged arena of this many MiB; when it is full the save
-    # worth least per byte is narrowed (needs activation_bits)
-    activation_budget_mb: float | None = None
+    activation_bits: int | None = option(
+        None, "DAF: store what the update saves for backward at 8, 4 or 2 bits (None: "
+        "dense)", choices=(2, 4, 8), runtime=False)
+    activation_budget_mb: float | None = option(
+        None, "DAF: hold those saves in one paged arena of this many MiB; when it is full "
+        "the save worth least per byte is narrowed (needs activation_bits)", low=0.0,
+        high=1e6, runtime=False)
 
 
 @runtime_checkable

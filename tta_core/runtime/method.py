@@ -46,7 +46,7 @@ class MethodConfig:
     image_size); methods that decompose the model (AdaShadow) require it.
     """
 
-    lr: float = option(5e-3, "SGD learning rate at batch size lr_ref_batch (AdaShadow §4); "
+    lr: float = option(5e-3, "SGD learning rate at batch size lr_ref_batch (AdaShadow §5.3.2); "
                        "each step runs at lr * batch / lr_ref_batch", low=0.0)
     # linear learning-rate scaling for small batches, as the EATA/SAR reference code does
     # (lr * batch / 64): with lr 5e-3 unscaled, Tent and EATA collapse below the source

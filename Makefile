@@ -2,7 +2,8 @@
 # `make test` on a ready tree only runs the tests.
 #
 #   make demo    set up (first time) and run the demo: bag -> three ROS 2 nodes -> report
-#   make test    set up (first time) and run the test suite
+#   make test    set up (first time) and run the test suite (every tier: unit, ros, system)
+#   make test-fast  test/unit without `slow` (tta_core and kernels: no ROS, no CLI/colcon runs)
 #   make setup   only set up: .venv, pinned wheels, tta_msgs built, build/env.sh
 #   make lint    ruff over the Python sources, lint-imports over the contracts in .importlinter
 
@@ -14,7 +15,7 @@ PREFIX := $(CURDIR)/$(BUILD)/install
 ENV    := $(BUILD)/env.sh
 MSGS   := $(wildcard msg/msg/*.msg)
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test test-fast lint clean
 .DELETE_ON_ERROR:
 
 setup: $(ENV)
@@ -48,6 +49,9 @@ demo: $(ENV)
 
 test: $(ENV)
 	. ./$(ENV) && python -m pytest
+
+test-fast: $(ENV)
+	. ./$(ENV) && python -m pytest test/unit -q -m "not slow"
 
 lint: $(ENV)
 	. ./$(ENV) && ruff check . && lint-imports

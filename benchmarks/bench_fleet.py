@@ -18,7 +18,7 @@ proportional to its load under the allocation (processor sharing: a batch takes 
 / share), so a pipeline whose load exceeds its share falls behind and drops frames. The
 predictions are the surrogates' real predictions on the frames; only the concurrency is
 simulated (the DDS part, sizes reaching namespaced perception nodes, is
-test/test_ros_fleet.py). Also printed: the oracle allocation (plan_fleet on the measured
+test/ros/test_ros_fleet.py). Also printed: the oracle allocation (plan_fleet on the measured
 accuracies, which need labels) and each size's proxy vs measured accuracy.
 
     nice -n 19 python benchmarks/bench_fleet.py --gated-card CARD [--seed 0] [--capacity 1.1]

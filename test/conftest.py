@@ -1,11 +1,40 @@
 """Shared fixtures: an isolated rclpy context per test (its own ROS domain), so ROS tests
-run over real DDS without hearing each other or other processes on the machine."""
+run over real DDS without hearing each other or other processes on the machine.
+
+Tiers: every test file lives in test/unit, test/ros or test/system, and gets that marker
+(`pytest -m unit`); shared helpers are the `helpers` package (pytest.ini: pythonpath = test)."""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
+
+TIERS = ("unit", "ros", "system")
+HERE = Path(__file__).parent
+
+
+def _tier(path: Path) -> str | None:
+    """The tier of a test file: its top folder under test/ ("" if not a tier), None when
+    outside test/ (paths through a symlinked test/, as in ros_package, included)."""
+    for base in {HERE, HERE.resolve()}:
+        for p in {path, path.resolve()}:
+            if base in p.parents:
+                top = p.relative_to(base).parts[0]
+                return top if top in TIERS else ""
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark each test with its tier; a test file in test/ but outside the tiers is an error."""
+    for item in items:
+        tier = _tier(item.path)
+        if tier == "":
+            raise pytest.UsageError(f"{item.path}: test files go in test/unit, test/ros or "
+                                    "test/system")
+        if tier:
+            item.add_marker(tier)
 
 
 @pytest.fixture

@@ -1,6 +1,6 @@
 """The RViz config of the tta nodes, generated for a camera topic and a namespace.
 
-config/tta.rviz is this module's output for the defaults (test/test_rviz_config.py keeps
+config/tta.rviz is this module's output for the defaults (test/ros/test_rviz_config.py keeps
 them equal); a vehicle whose camera is elsewhere, or whose nodes run in a namespace, gets
 its own file:
 

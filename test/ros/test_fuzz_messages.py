@@ -7,12 +7,12 @@ Over real DDS: test_ros_nodes.py (forged plans and importance keep the nodes ser
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 pytest.importorskip("rclpy")
+from helpers import CARD
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tta_msgs.msg import LayerImportance, LayerPlan
@@ -20,7 +20,6 @@ from tta_msgs.msg import LayerImportance, LayerPlan
 from tta_core.adashadow.planning import layout_from_card
 from tta_ros.convert import MAX_FORWARD_MS, check_importance, check_plan
 
-CARD = Path(__file__).resolve().parent.parent / "checkpoints" / "small_resnet_signs32.json"
 LAYOUT = layout_from_card(CARD)
 N = LAYOUT.n_units
 NAMES = list(LAYOUT.unit_names)

@@ -10,18 +10,15 @@ import ast
 import importlib.util
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import yaml
+from helpers import CARD, CONFIG, ROOT
 
 from tta_ros import bringup
 from tta_ros.launch_params import launch_overrides, node_parameters
 
-ROOT = Path(__file__).resolve().parent.parent
 LAUNCH = ROOT / "launch" / "vehicle.launch.py"
-CONFIG = ROOT / "config" / "vehicle.yaml"
-CARD = ROOT / "checkpoints" / "small_resnet_signs32.json"  # shipped with the repo
 
 
 class _Recorded:
@@ -106,8 +103,8 @@ def test_launch_overrides_win_over_the_nodes_own_yaml_sections(monkeypatch) -> N
     (per,) = nodes["perception"]["parameters"]
     (sched,) = nodes["scheduler"]["parameters"]
     (mon,) = nodes["resource_monitor"]["parameters"]
-    assert (per["sigma"], per["method"], sched["sigma"]) == (0.5, "tent", 0.5)
-    assert "sigma" not in mon and "method" not in sched
+    assert (per["method.sigma"], per["method"], sched["sigma"]) == (0.5, "tent", 0.5)
+    assert "sigma" not in mon and "method" not in sched and "sigma" not in per
     assert per["use_sim_time"] and sched["use_sim_time"] and mon["use_sim_time"]
     assert per["batch_size"] == 8 and mon["frame_id"] == "base_link"  # YAML kept
     assert nodes["perception"]["remappings"] == [("image", "/cam/front")]
@@ -123,7 +120,8 @@ def test_launch_namespace_keeps_yaml_sections_and_overrides(monkeypatch, pushed)
     assert {n["namespace"] for n in nodes.values()} == {ns}
     (mon,) = nodes["resource_monitor"]["parameters"]
     (per,) = nodes["perception"]["parameters"]
-    assert mon["frame_id"] == "base_link" and per["batch_size"] == 8 and per["sigma"] == 0.5
+    assert mon["frame_id"] == "base_link" and per["batch_size"] == 8
+    assert per["method.sigma"] == 0.5
     rviz = nodes["rviz2"]
     assert rviz["arguments"] == ["-d", str(ROOT / "config" / "tta.rviz")]
     assert sorted(rviz["remappings"]) == [("/image", f"{ns}/image"),
@@ -157,11 +155,12 @@ def test_bringup_nodes_carry_exactly_the_yaml_parameters(ros_context, tmp_path) 
     cfg["resource_monitor"]["ros__parameters"]["rate_hz"] = 7.5  # a non-default value
     path = tmp_path / "vehicle.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    nodes = bringup.build_nodes(path, {"perception": {"sigma": 0.25}}, context=ros_context)
+    nodes = bringup.build_nodes(path, {"perception": {"method.sigma": 0.25}},
+                                context=ros_context)
     try:
         assert [n.get_name() for n in nodes] == [n for n, _, _ in bringup.NODES]
         expected = bringup.load_params(path)
-        expected["perception"]["sigma"] = 0.25
+        expected["perception"]["method.sigma"] = 0.25
         for node in nodes:
             declared = set(node._parameters) - {"use_sim_time"}
             want = {k: v for k, v in expected[node.get_name()].items() if k in declared}
@@ -193,14 +192,16 @@ def test_launch_and_bringup_give_each_node_the_same_parameters(monkeypatch, ros_
             (want,) = launched[name]["parameters"]
             declared = set(node._parameters)
             own = yaml.safe_load(CONFIG.read_text())[name]["ros__parameters"]
-            assert set(own) <= declared and "use_sim_time" in want
+            own = {k for k in own if not k.startswith("method.")}  # adashadow's, not tent's
+            assert own <= declared and "use_sim_time" in want
             want = bringup.resolve_paths({k: v for k, v in want.items() if k in declared},
                                          bringup.ROOT)
             got = {k: node.get_parameter(k).value for k in want}
             assert got == want, name
         per, sched, mon = (n.get_parameter for n in (nodes[2], nodes[1], nodes[0]))
-        assert (per("sigma").value, per("method").value, sched("sigma").value) == (
-            0.5, "tent", 0.5)
+        assert (per("method").value, sched("sigma").value) == ("tent", 0.5)
+        assert not nodes[2].has_parameter("method.sigma")  # tent has no sigma: ignored
+        assert nodes[2].has_parameter("method.lr")
         assert per("batch_size").value == 8 and mon("frame_id").value == "base_link"
     finally:
         for n in nodes:
@@ -210,7 +211,8 @@ def test_launch_and_bringup_give_each_node_the_same_parameters(monkeypatch, ros_
 def test_params_file_sections_follow_the_namespace(tmp_path) -> None:
     """`/**` < `/ns/**` < `node` (any namespace; later of equals wins) < `/ns/node`."""
     cfg = yaml.safe_load(CONFIG.read_text())
-    cfg["/car1/**"] = {"ros__parameters": {"frame_id": "car1_base", "sigma": 0.1}}
+    cfg["/car1/**"] = {"ros__parameters": {"frame_id": "car1_base", "sigma": 0.1,
+                                           "method.sigma": 0.1}}
     cfg["/car1/perception"] = {"ros__parameters": {"batch_size": 2}}
     cfg["/**/scheduler"] = {"ros__parameters": {"n_t": 7}}
     path = tmp_path / "vehicle.yaml"
@@ -219,7 +221,7 @@ def test_params_file_sections_follow_the_namespace(tmp_path) -> None:
     assert plain["perception"]["batch_size"] == 8 == car2["perception"]["batch_size"]
     assert car1["perception"]["batch_size"] == 2
     assert car1["resource_monitor"]["frame_id"] == "base_link"  # own section beats /car1/**
-    assert car1["scheduler"]["sigma"] == 0.33 and car1["perception"]["sigma"] == 0.33
+    assert car1["scheduler"]["sigma"] == 0.33 and car1["perception"]["method.sigma"] == 0.33
     assert car1["scheduler"]["n_t"] == 7 == plain["scheduler"]["n_t"]
     cfg["/car1/planner"] = {"ros__parameters": {"x": 1}}
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
-from pathlib import Path
 
-import numpy as np
 import pytest
 
 rclpy = pytest.importorskip("rclpy")
 from diagnostic_msgs.msg import DiagnosticArray  # noqa: E402
+from helpers import CARD, CONFIG, wait_for  # noqa: E402
+from helpers.ros import image_msg  # noqa: E402
 from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
@@ -27,30 +26,12 @@ from tta_msgs.msg import (  # noqa: E402
     LayerPlan,
 )
 
-from tta_core.io.image_msg import array_to_image_fields  # noqa: E402
 from tta_ros.bringup import build_nodes  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-CONFIG = ROOT / "config" / "vehicle.yaml"
-CARD = ROOT / "checkpoints" / "small_resnet_signs32.json"
 CARS = ("/car1", "/car2")
 OUTPUTS = (("pred", ClassPrediction, "predictions"), ("status", AdaptationStatus,
                                                       "adaptation_status"),
            ("imp", LayerImportance, "layer_importance"), ("plan", LayerPlan, "layer_plan"))
-
-
-def _image(sec: int) -> Image:
-    rng = np.random.default_rng(sec)
-    msg = Image(**array_to_image_fields(rng.random((32, 32, 3)).astype(np.float32), "rgb8"))
-    msg.header.stamp.sec = sec
-    return msg
-
-
-def _wait(cond: Callable[[], bool], timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end and not cond():
-        time.sleep(0.02)
-    return cond()
 
 
 @pytest.fixture
@@ -58,12 +39,14 @@ def fleet(ros_context):
     """Both vehicles' nodes (car1 with sigma 0.5), a probe recording every output topic
     in /car1, /car2 and the root namespace, one executor thread."""
     per = {"model_card": str(CARD), "batch_size": 2, "num_threads": 1,
-           "reset_patience": 100000, "plan_timeout_s": 0.5}
+           "reset_patience": 100000, "feed_timeout_s": 0.5}
     nodes = {}
     for ns in CARS:
-        sigma = {"sigma": 0.5} if ns == "/car1" else {}
-        nodes[ns] = build_nodes(CONFIG, {"perception": {**per, **sigma},
-                                         "scheduler": {"model_card": str(CARD), **sigma},
+        sigma = 0.5 if ns == "/car1" else None
+        nodes[ns] = build_nodes(CONFIG, {"perception": {**per, **(
+                                             {"method.sigma": sigma} if sigma else {})},
+                                         "scheduler": {"model_card": str(CARD), **(
+                                             {"sigma": sigma} if sigma else {})},
                                          "resource_monitor": {"enable_perf": False}},
                                 context=ros_context, namespace=ns)
     probe = rclpy.create_node("probe", context=ros_context)
@@ -85,7 +68,7 @@ def fleet(ros_context):
     thread = threading.Thread(target=ex.spin, daemon=True)
     thread.start()
     try:
-        assert _wait(lambda: all(p.get_subscription_count() == 1 for p in pubs.values()), 5)
+        assert wait_for(lambda: all(p.get_subscription_count() == 1 for p in pubs.values()), 5)
         yield nodes, pubs, got
     finally:
         ex.shutdown(timeout_sec=2.0)
@@ -99,9 +82,9 @@ def test_two_vehicles_answer_only_in_their_own_namespace(fleet) -> None:
     stamps = {"/car1": range(100, 106), "/car2": range(200, 206)}
     for i in range(6):
         for ns in CARS:
-            pubs[ns].publish(_image(stamps[ns][i]))
+            pubs[ns].publish(image_msg(stamps[ns][i], size=32))
         time.sleep(0.03)
-    assert _wait(lambda: all(len(got[ns, "pred"]) >= 6 and got[ns, "plan"] for ns in CARS),
+    assert wait_for(lambda: all(len(got[ns, "pred"]) >= 6 and got[ns, "plan"] for ns in CARS),
                  20.0)
     time.sleep(0.3)
     for ns in CARS:
@@ -114,7 +97,7 @@ def test_two_vehicles_answer_only_in_their_own_namespace(fleet) -> None:
         assert {n.get_namespace() for n in (monitor, scheduler, perception)} == {ns}
         assert perception.intake.node.get_namespace() == ns
         want_sigma = 0.5 if ns == "/car1" else 0.33
-        assert perception.get_parameter("sigma").value == want_sigma
+        assert perception.get_parameter("method.sigma").value == want_sigma
         assert scheduler.get_parameter("sigma").value == want_sigma
         assert perception.get_parameter("method").value == "adashadow"
         assert monitor.get_parameter("frame_id").value == "base_link"  # its YAML section
@@ -128,7 +111,7 @@ def test_two_vehicles_answer_only_in_their_own_namespace(fleet) -> None:
 def _assert_diagnostics_namespaced(statuses: list) -> None:
     """Both vehicles' nodes on the one /diagnostics: every status names its node under its
     namespace and carries a hardware_id, so the two never collide."""
-    assert _wait(lambda: {s.name.split(":")[0] for s in statuses} >= {
+    assert wait_for(lambda: {s.name.split(":")[0] for s in statuses} >= {
         f"{ns}/{node}" for ns in CARS for node in ("perception", "scheduler",
                                                    "resource_monitor")}, 15.0), \
         sorted({s.name for s in statuses})

@@ -12,11 +12,12 @@ import pytest
 pytest.importorskip("rclpy")
 pytest.importorskip("tta_msgs.msg")
 
+from helpers import ROOT
+
 from tta_core.data.signs import CLASS_NAMES, make_signs
 from tta_core.eval.report import load_runs, summarize
 from tta_core.io.bag import read_bag, write_bag
 
-ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "config" / "vehicle.yaml"
 N = 24
 

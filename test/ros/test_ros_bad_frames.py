@@ -18,19 +18,11 @@ import pytest
 
 rclpy = pytest.importorskip("rclpy")
 from diagnostic_msgs.msg import DiagnosticStatus  # noqa: E402
+from helpers import wait_for  # noqa: E402
+from helpers.ros import Rig, image_msg  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
-from test_ros_nodes import Rig, wait_for  # noqa: E402
-
-from tta_core.io.image_msg import array_to_image_fields  # noqa: E402
 
 RNG = np.random.default_rng(5)
-
-
-def _frame(stamp: int, rgb: np.ndarray, encoding: str) -> Image:
-    msg = Image(**array_to_image_fields(rgb, encoding))
-    msg.header.stamp.sec = stamp
-    msg.header.frame_id = "camera_front"
-    return msg
 
 
 def _restamped(msg: Image, stamp: int) -> Image:
@@ -48,9 +40,9 @@ def test_far_out_float_frame_rejected_and_changes_no_other_prediction(ros_contex
     rig = Rig(ros_context, perception={"method": "bn_adapt", "batch_size": 8,
                                        "batch_timeout_s": 1.0})
     try:
-        clean = [_frame(100 + i, RNG.random((40, 40, 3)).astype(np.float32),
+        clean = [image_msg(100 + i, RNG.random((40, 40, 3)).astype(np.float32),
                         "32FC3" if i % 2 else "rgb8") for i in range(7)]
-        bad = _frame(150, (1e6 * (1 + RNG.random((40, 40, 3)))).astype(np.float32), "32FC3")
+        bad = image_msg(150, (1e6 * (1 + RNG.random((40, 40, 3)))).astype(np.float32), "32FC3")
         rig.send([*clean[:4], bad, *clean[4:]], gap_s=0.01)  # one batch of 8
         assert wait_for(lambda: len(_by_stamp(rig, 100, 7)) == 7, 10.0)
         rig.send([_restamped(m, 200 + i) for i, m in enumerate(clean)], gap_s=0.01)  # of 7
@@ -77,7 +69,7 @@ def test_rejection_of_a_64k_encoding_is_reported_in_one_short_line(ros_context) 
         msg = Image(height=2, width=2, encoding="rgb8" + "x" * (65536 - 4), step=6,
                     data=bytes(12))
         msg.header.stamp.sec = 7
-        rig.send([msg, _frame(8, RNG.random((40, 40, 3)).astype(np.float32), "rgb8")])
+        rig.send([msg, image_msg(8, RNG.random((40, 40, 3)).astype(np.float32), "rgb8")])
         assert wait_for(lambda: len(rig.msgs("pred")) == 1, 10.0)
         time.sleep(0.2)
         errors = [s for s in rig.statuses("perception: input")

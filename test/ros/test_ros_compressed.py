@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 
 rclpy = pytest.importorskip("rclpy")
+from helpers import CARD, wait_for  # noqa: E402
 from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data  # noqa: E402
 from sensor_msgs.msg import CompressedImage, Image  # noqa: E402
-from test_ros_nodes import CARD, wait_for  # noqa: E402
 from tta_msgs.msg import ClassPrediction  # noqa: E402
 
 from tta_core.data.signs import make_signs  # noqa: E402

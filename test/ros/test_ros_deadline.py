@@ -14,7 +14,6 @@ import importlib.util
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +21,8 @@ import pytest
 rclpy = pytest.importorskip("rclpy")
 from diagnostic_msgs.msg import DiagnosticStatus  # noqa: E402
 from geometry_msgs.msg import TwistStamped  # noqa: E402
+from helpers import CARD, wait_for  # noqa: E402
+from helpers.ros import image_msg  # noqa: E402
 from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data  # noqa: E402
@@ -30,11 +31,8 @@ from tta_msgs.msg import AdaptationStatus, LayerImportance, LayerPlan  # noqa: E
 from visualization_msgs.msg import MarkerArray  # noqa: E402
 
 from tta_core.adashadow.predictor import UnitProfile  # noqa: E402
-from tta_core.io.image_msg import array_to_image_fields  # noqa: E402
 from tta_ros.nodes.scheduler import SchedulerNode  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-CARD = ROOT / "checkpoints" / "small_resnet_signs32.json"
 HAVE_NAV_MSGS = importlib.util.find_spec("nav_msgs") is not None
 N_UNITS = 19  # the card's units; BN units are the odd ones, 1..17
 FORWARD_MS = 0.3 * N_UNITS  # = the flat profile's forward: its times are used as they are
@@ -236,13 +234,6 @@ def test_deadline_parameters_change_at_run_time_and_bad_ones_are_refused(
         node.destroy_node()
 
 
-def _image(i: int) -> Image:
-    rng = np.random.default_rng(i)
-    msg = Image(**array_to_image_fields(rng.random((32, 32, 3)).astype(np.float32), "rgb8"))
-    msg.header.stamp.sec = 1000 + i
-    return msg
-
-
 def test_perception_plans_inline_against_its_deadline(ros_context) -> None:
     """Inline planning with a deadline the forward cannot meet: batches served without
     update, the planning status WARNs naming the deadline; a camera deadline set at run
@@ -252,7 +243,8 @@ def test_perception_plans_inline_against_its_deadline(ros_context) -> None:
     node = PerceptionNode(context=ros_context, parameter_overrides=[
         Parameter("model_card", value=str(CARD)), Parameter("plan_source", value="inline"),
         Parameter("batch_size", value=2), Parameter("num_threads", value=1),
-        Parameter("deadline_mode", value="fixed"), Parameter("deadline_ms", value=0.01),
+        Parameter("method.deadline_mode", value="fixed"),
+        Parameter("method.deadline_ms", value=0.01),
         Parameter("odometry_type", value="geometry_msgs/TwistStamped")])
     probe = rclpy.create_node("fake_camera", context=ros_context)
     statuses: list[AdaptationStatus] = []
@@ -268,14 +260,14 @@ def test_perception_plans_inline_against_its_deadline(ros_context) -> None:
 
     def fed(done: Callable[[], bool]) -> bool:
         nonlocal i
-        pub.publish(_image(i))
+        pub.publish(image_msg(1000 + i, size=32))
         i += 1
         return done()
     try:
         end = time.monotonic() + 5.0
         while pub.get_subscription_count() == 0 and time.monotonic() < end:
             time.sleep(0.02)
-        assert _wait(lambda: fed(lambda: len(statuses) >= 3), 15.0)
+        assert wait_for(lambda: fed(lambda: len(statuses) >= 3), 15.0)
         assert not any(s.adapted for s in statuses)
         # per batch (per frame would be 0.02), less the time the frames waited (lateness)
         assert all(0.0 <= s.budget_ms <= 0.01 for s in statuses)
@@ -288,10 +280,11 @@ def test_perception_plans_inline_against_its_deadline(ros_context) -> None:
         node.speed.on_speed(7.5)
         speed = next(s for s in perception_statuses(node) if s.name.endswith("planning"))
         assert {kv.key: kv.value for kv in speed.values}["speed"] == "7.5 m/s"
-        assert node.set_parameters([Parameter("deadline_mode", value="camera"),
-                                    Parameter("camera_hz", value=0.5)])[0].successful
+        assert all(r.successful for r in node.set_parameters([
+            Parameter("method.deadline_mode", value="camera"),
+            Parameter("method.camera_hz", value=0.5)]))
         n = len(statuses)
-        assert _wait(lambda: fed(lambda: any(s.adapted for s in statuses[n:])), 15.0)
+        assert wait_for(lambda: fed(lambda: any(s.adapted for s in statuses[n:])), 15.0)
         # 1 or 2 frames at 0.5 Hz, less the few ms the batch waited
         assert any(abs(statuses[-1].budget_ms - b) < 100.0 for b in (2000.0, 4000.0))
     finally:
@@ -301,21 +294,13 @@ def test_perception_plans_inline_against_its_deadline(ros_context) -> None:
         probe.destroy_node()
 
 
-def _wait(cond: Callable[[], bool], timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if cond():
-            return True
-        time.sleep(0.05)
-    return cond()
-
-
 def test_inconsistent_deadline_settings_are_refused_at_start(ros_context) -> None:
     from tta_ros.nodes.perception import PerceptionNode
 
-    bad = [Parameter("model_card", value=str(CARD)),
-           Parameter("min_deadline_ms", value=500.0), Parameter("max_deadline_ms", value=100.0)]
-    for cls in (PerceptionNode, SchedulerNode):
+    for cls, prefix in ((PerceptionNode, "method."), (SchedulerNode, "")):
+        bad = [Parameter("model_card", value=str(CARD)),
+               Parameter(prefix + "min_deadline_ms", value=500.0),
+               Parameter(prefix + "max_deadline_ms", value=100.0)]
         with pytest.raises(ValueError) as err:
             cls(context=ros_context, parameter_overrides=bad)
         assert "min_deadline_ms=500.0 is above max_deadline_ms=100.0" in str(err.value)

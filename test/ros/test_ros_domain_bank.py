@@ -1,5 +1,5 @@
 """The perception node with darda over real rclpy: domain reports, the domain bank kept
-across a restart (domain_bank_path), a corrupt bank file reported in one line, the
+across a restart (method.bank_path), a corrupt bank file reported in one line, the
 save/clear Trigger services, and the domain in the scheduler's marker label (issue #21).
 
 Stream: the shipped small_resnet 32 px card on synthetic signs, gaussian_noise/5 then
@@ -17,22 +17,21 @@ import pytest
 
 rclpy = pytest.importorskip("rclpy")
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus  # noqa: E402
+from helpers import CARD, wait_for  # noqa: E402
+from helpers.ros import image_msg  # noqa: E402
 from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
 from std_srvs.srv import Trigger  # noqa: E402
-from test_ros_nodes import wait_for  # noqa: E402
 from tta_msgs.msg import AdaptationStatus, ClassPrediction, LayerImportance  # noqa: E402
 from visualization_msgs.msg import MarkerArray  # noqa: E402
 
 from tta_core.data.streams import StreamSpec, build_stream  # noqa: E402
-from tta_core.io.image_msg import array_to_image_fields  # noqa: E402
+from tta_ros.nodes.domain_wiring import DomainWiring  # noqa: E402
 from tta_ros.nodes.perception import PerceptionNode  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-CARD = ROOT / "checkpoints" / "small_resnet_signs32.json"
 BATCH = 8
 PER_DOMAIN = 64  # 8 batches per corruption
 
@@ -43,24 +42,20 @@ def stream():
                                    samples_per_domain=PER_DOMAIN, seed=3))
 
 
-def _image(img: np.ndarray, i: int) -> Image:
-    msg = Image(**array_to_image_fields(img.astype(np.float32) / 255.0, "rgb8"))
-    msg.header.stamp.sec = i  # the sample's index: predictions are matched by stamp
-    msg.header.frame_id = "camera_front"
-    return msg
-
-
 class Run:
     """One darda perception node + a probe recording predictions, statuses, diagnostics."""
 
     def __init__(self, ctx, bank: Path, save_s: float = 0.0, method: str = "darda") -> None:
-        self.node = PerceptionNode(context=ctx, parameter_overrides=[
-            Parameter("model_card", value=str(CARD)), Parameter("method", value=method),
-            Parameter("batch_size", value=BATCH), Parameter("batch_timeout_s", value=1.0),
-            Parameter("queue_size", value=64), Parameter("num_threads", value=1),
-            Parameter("reset_patience", value=100000),
-            Parameter("domain_bank_path", value=str(bank)),
-            Parameter("domain_bank_save_s", value=save_s)])
+        default_s, DomainWiring.save_s = DomainWiring.save_s, save_s  # read at start
+        try:
+            self.node = PerceptionNode(context=ctx, parameter_overrides=[
+                Parameter("model_card", value=str(CARD)), Parameter("method", value=method),
+                Parameter("batch_size", value=BATCH), Parameter("batch_timeout_s", value=1.0),
+                Parameter("queue_size", value=64), Parameter("num_threads", value=1),
+                Parameter("reset_patience", value=100000),
+                Parameter("method.bank_path", value=str(bank))])
+        finally:
+            DomainWiring.save_s = default_s
         self.probe = rclpy.create_node("probe", context=ctx)
         self.preds: dict[int, int] = {}
         self.status: list[AdaptationStatus] = []
@@ -107,7 +102,7 @@ class Run:
         executor runs (the test is about the bank, not about the transport)."""
         want = self.node.queue.received + 1
         for _ in range(3):
-            self.pub.publish(_image(img, stamp))
+            self.pub.publish(image_msg(stamp, img.astype(np.float32) / 255.0))
             if wait_for(lambda: self.node.queue.received >= want, 2.0):
                 return
         raise AssertionError(f"frame {stamp} never reached the node")
@@ -158,7 +153,7 @@ def test_domains_reported_and_bank_kept_across_a_restart(ros_context, stream,
         st = run.domain_statuses()[-1]
         assert int(_values(st)["domains"]) >= 2 and _values(st)["bank_path"] == str(bank)
         assert 0.0 < float(_values(st)["backward_share"]) <= 1.0
-        assert not bank.exists()  # domain_bank_save_s 0: saved at shutdown only
+        assert not bank.exists()  # no periodic save: saved at shutdown only
     finally:
         run.stop()
     assert bank.is_file()
@@ -248,7 +243,7 @@ def test_services_refuse_a_method_without_a_bank(ros_context, tmp_path) -> None:
 def test_scheduler_marker_label_shows_the_recognised_domain(ros_context) -> None:
     """An AdaptationStatus with a domain, over DDS, reaches the RViz label of the next
     plan's markers; before any status the label has no domain."""
-    from test_ros_nodes import _send_until
+    from helpers.ros import send_until
 
     from tta_ros.nodes.scheduler import SchedulerNode
 
@@ -279,7 +274,7 @@ def test_scheduler_marker_label_shows_the_recognised_domain(ros_context) -> None
             ex.add_node(nd)
         assert "domain" not in label()
         ex.remove_node(node)
-        _send_until(ros_context, node, lambda: node.domain == "d3",
+        send_until(ros_context, node, lambda: node.domain == "d3",
                     [AdaptationStatus(plan_id=999, domain="d3")])
         ex.add_node(node)
         assert label().endswith(", domain d3"), label()

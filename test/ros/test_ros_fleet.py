@@ -1,14 +1,14 @@
 """Fleet mode over real rclpy + DDS: one scheduler chooses the sizes of two namespaced
-perception pipelines (/cam1 at 30 Hz, /cam2 at 10 Hz) from their /diagnostics reports and
-sets them through SetParameters; each perception node applies its size (Resizable)."""
+perception pipelines (/cam1 at 30 Hz, /cam2 at 10 Hz) from the tta_msgs/FleetReport each
+publishes on its `fleet_report` topic and sets them (method.keep) through SetParameters;
+each perception node applies its size (Resizable)."""
 
 from __future__ import annotations
 
 import json
 import math
 import threading
-import time
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -16,32 +16,44 @@ import numpy as np
 import pytest
 
 rclpy = pytest.importorskip("rclpy")
+from helpers import CARD, ROOT, wait_for  # noqa: E402
 from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 from rclpy.qos import qos_profile_sensor_data  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
-from tta_msgs.msg import ClassPrediction  # noqa: E402
+from tta_msgs.msg import ClassPrediction, FleetReport  # noqa: E402
 
 from tta_core.api import Resizable, StepResult  # noqa: E402
 from tta_core.elasticdnn.fleet import equal_split, plan_fleet  # noqa: E402
 from tta_core.io.image_msg import array_to_image_fields  # noqa: E402
-from tta_core.methods import _REGISTRY, register  # noqa: E402
 from tta_core.methods.source import Source  # noqa: E402
-from tta_ros.diagnostics import OK, WARN, status  # noqa: E402
-from tta_ros.nodes.fleet_wiring import app_from_status  # noqa: E402
+from tta_core.registry import _REGISTRY, register  # noqa: E402
+from tta_core.runtime.deadline import DeadlineConfig  # noqa: E402
+from tta_core.runtime.method import MethodConfig  # noqa: E402
+from tta_core.runtime.options import option  # noqa: E402
+from tta_ros.diagnostics import OK, WARN  # noqa: E402
+from tta_ros.nodes.fleet_wiring import REPORT_TOPIC, app_from_report  # noqa: E402
 from tta_ros.nodes.perception import PerceptionNode, perception_statuses  # noqa: E402
 from tta_ros.nodes.scheduler import SchedulerNode  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
-CARD = ROOT / "checkpoints" / "small_resnet_signs32.json"
 CAMS = {"/cam1": 30.0, "/cam2": 10.0}  # camera_hz
 PRIOR = {1.0: 0.9, 0.5: 0.8, 0.25: 0.6}  # source accuracy per size
+
+
+@dataclass
+class SizedConfig(MethodConfig, DeadlineConfig):
+    """The sized test method's options: the deadline ones (camera_hz: the report's rate)
+    and the size to pin."""
+
+    keep: float | None = option(None, "size to serve (None: the method's own)", low=0.0,
+                                high=1.0)
 
 
 class SizedSource(Source):
     """The source model behind the Resizable protocol: larger sizes answer with sharper
     logits (more confident); fixed per-size forward times."""
 
+    config_cls = SizedConfig
     SIZES = (1.0, 0.5, 0.25)
     FORWARD_MS: ClassVar[dict[float, float]] = {1.0: 20.0, 0.5: 9.0, 0.25: 4.0}
 
@@ -79,17 +91,10 @@ def sized_method():
         _REGISTRY.pop("fleet_test", None)
 
 
-def _wait(cond: Callable[[], bool], timeout: float, tick: Callable[[], None]) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end and not cond():
-        tick()
-        time.sleep(0.05)
-    return cond()
-
-
 def _perception(ctx, ns: str, hz: float, method: str, calibration: Path) -> PerceptionNode:
     params = {"model_card": str(CARD), "method": method, "batch_size": 2, "num_threads": 1,
-              "camera_hz": hz, "reset_patience": 100000, "fleet_calibration": str(calibration)}
+              "method.camera_hz": hz, "reset_patience": 100000,
+              "fleet_calibration": str(calibration)}
     return PerceptionNode("perception", context=ctx, cli_args=["--ros-args", "-r",
                                                                f"__ns:={ns}"],
                           parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
@@ -123,16 +128,23 @@ def test_fleet_sizes_reach_each_namespaced_perception_node(ros_context, sized_me
 
     try:
         assert isinstance(perc["/cam1"].method, Resizable)
+        assert perc["/cam1"].fleet.pub.topic_name == f"/cam1/{REPORT_TOPIC}"
 
         def applied() -> bool:
             plan = sched.fleet.last
             return plan is not None and all(
-                p.get_parameter("elastic_keep").value == plan[ns]
+                p.get_parameter("method.keep").value == plan[ns]
                 and p.method.keep == plan[ns] for ns, p in perc.items())
 
-        assert _wait(applied, 40.0, frames), (sched.fleet.waiting, sched.fleet.error,
-                                              sched.fleet.last)
-        apps = sched.fleet.apps()  # what the scheduler read from /diagnostics
+        assert wait_for(applied, 40.0, frames), (sched.fleet.waiting, sched.fleet.error,
+                                                 sched.fleet.last)
+        # what the scheduler received over DDS: one FleetReport per namespace
+        assert set(sched.fleet.reports) == set(CAMS)
+        assert all(isinstance(msg, FleetReport) for _, msg in sched.fleet.reports.values())
+        report = sched.fleet.reports["/cam2"][1]
+        assert list(report.sizes) == [1.0, 0.5, 0.25] and report.batch_size == 2
+        assert report.hz == 10.0 and report.header.stamp.sec > 0
+        apps = sched.fleet.apps()
         assert [a.name for a in apps] == list(CAMS)
         assert [a.hz for a in apps] == list(CAMS.values())
         assert apps[0].deadline_ms == pytest.approx(2000 / 30, rel=1e-5)
@@ -149,6 +161,8 @@ def test_fleet_sizes_reach_each_namespaced_perception_node(ros_context, sized_me
                 == f"{sched.fleet.last[ns]:.6g}"
         st = sched.fleet.statuses()[0]
         assert st.level == OK and "2 pipelines" in st.message
+        res = perc["/cam1"].set_parameters([Parameter("method.keep", value=0.6)])[0]
+        assert not res.successful and "method.keep=0.6 is no size" in res.reason
     finally:
         ex.shutdown(timeout_sec=2.0)
         thread.join(timeout=2.0)
@@ -156,12 +170,16 @@ def test_fleet_sizes_reach_each_namespaced_perception_node(ros_context, sized_me
             n.destroy_node()
 
 
-def test_non_resizable_method_ignores_elastic_keep(ros_context) -> None:
+def test_non_resizable_method_has_no_size_to_set(ros_context) -> None:
+    """A method that is not Resizable has no method.keep: a fleet scheduler's size is
+    refused, and the node sends no fleet report."""
     node = PerceptionNode("perception", context=ros_context, parameter_overrides=[
-        Parameter("model_card", value=str(CARD)), Parameter("method", value="source"),
-        Parameter("elastic_keep", value=0.5)])
+        Parameter("model_card", value=str(CARD)), Parameter("method", value="source")])
     try:
-        assert node.fleet.warned == "Source" and node.fleet.proxy is None
+        assert not node.has_parameter("method.keep")
+        with pytest.raises(rclpy.exceptions.ParameterNotDeclaredException):
+            node.set_parameters([Parameter("method.keep", value=0.5)])
+        assert node.fleet.proxy is None and node.fleet.report() is None
         assert not [s for s in perception_statuses(node) if s.name == "fleet"]
     finally:
         node.destroy_node()
@@ -182,59 +200,64 @@ def test_scheduler_waits_for_every_pipeline(ros_context) -> None:
         sched.destroy_node()
 
 
-def test_app_from_status_refuses_incomplete_reports() -> None:
-    full = {"sizes": "1,0.5", "forward_ms": "10,5", "accuracy": "0.9,0.8", "hz": 30.0,
-            "deadline_ms": 66.0, "batch_size": 2}
-    app = app_from_status("/x", status("fleet", 0, "", full))
-    assert app.batch_size == 2 and [o.keep for o in app.options] == [1.0, 0.5]
+def test_app_from_report_refuses_incomplete_reports() -> None:
+    full = FleetReport(sizes=[1.0, 0.7], forward_ms=[10.0, 5.0], accuracy=[0.9, 0.8],
+                       hz=30.0, deadline_ms=66.0, batch_size=2)
+    app = app_from_report("/x", full)
+    assert app.batch_size == 2 and [o.keep for o in app.options] == [1.0, 0.7]
+    full.accuracy = [math.nan, math.nan]
     with pytest.raises(ValueError, match="no forward time or accuracy estimate"):
-        app_from_status("/x", status("fleet", 0, "", {**full, "accuracy": "nan,nan"}))
+        app_from_report("/x", full)
     with pytest.raises(ValueError, match="unreadable"):
-        app_from_status("/x", status("fleet", 0, "", {"sizes": "1"}))
+        app_from_report("/x", FleetReport(sizes=[1.0]))
 
 
-def test_perception_fleet_records_served_and_probed_sizes(sized_method) -> None:
-    import logging
-    from types import SimpleNamespace
-
+def test_perception_fleet_records_served_and_probed_sizes(ros_context, sized_method) -> None:
     import torch
 
     from tta_core.methods import build_method
     from tta_core.model.source import load_source
     from tta_ros.nodes.fleet_wiring import PerceptionFleet
 
-    method = build_method(sized_method, load_source(CARD)[0])
-    node = SimpleNamespace(method=method, get_logger=lambda: logging.getLogger("t"))
-    p = {"elastic_keep": 0.5, "fleet_calibration": "", "camera_hz": 20.0, "batch_size": 4}
-    fleet = PerceptionFleet(node, p)
-    assert method.keep == 0.5  # pinned at start
-    logits = torch.log(torch.tensor([[0.8, 0.2], [0.6, 0.4]]))  # mean confidence 0.7
-    fleet.on_batch({"size": 0.5, "confidence@0.25": 0.4}, logits)
-    assert fleet.proxy.accuracy() == pytest.approx({0.25: 0.4, 0.5: 0.7, 1.0: 0.7})
-    st = fleet.statuses()[0]
-    kv = {k.key: k.value for k in st.values}
-    assert kv["sizes"] == "1,0.5,0.25" and kv["accuracy"] == "0.7,0.7,0.4"
-    assert kv["forward_ms"] == "20,9,4" and kv["deadline_ms"] == "200"
-    assert kv["keep"] == "0.5" and kv["served"] == "0.5"  # what the batch was served at
-    p["elastic_keep"] = 0.0
-    fleet.apply({"elastic_keep": 0.0}, method)
-    assert method.keep is None  # back to the method's own choice
+    node = rclpy.create_node("fleet_probe", context=ros_context)
+    settings = {"keep": 0.5, "camera_hz": 20.0, "batch_size": 4}
+    try:
+        method = build_method(sized_method, load_source(CARD)[0])
+        fleet = PerceptionFleet(node, "", lambda: settings)
+        fleet.attach(method)
+        assert method.keep == 0.5  # pinned when attached
+        logits = torch.log(torch.tensor([[0.8, 0.2], [0.6, 0.4]]))  # mean confidence 0.7
+        fleet.on_batch({"size": 0.5, "confidence@0.25": 0.4}, logits)
+        assert fleet.proxy.accuracy() == pytest.approx({0.25: 0.4, 0.5: 0.7, 1.0: 0.7})
+        msg = fleet.report()
+        assert list(msg.sizes) == [1.0, 0.5, 0.25]
+        assert list(msg.accuracy) == pytest.approx([0.7, 0.7, 0.4])
+        assert list(msg.forward_ms) == [20.0, 9.0, 4.0] and msg.deadline_ms == 200.0
+        assert msg.keep == 0.5 and msg.served == 0.5  # what the batch was served at
+        kv = {k.key: k.value for k in fleet.statuses()[0].values}
+        assert kv == {"keep": "0.5", "served": "0.5"}
+        del settings["camera_hz"]  # a Resizable method without the deadline options
+        assert fleet.report() is None and "no camera_hz" in fleet.statuses()[0].message
+    finally:
+        node.destroy_node()
 
 
 def test_elastic_on_the_gated_card_serves_the_pinned_size(ros_context) -> None:
     """The shipped gated master in a perception node (method elastic): it answers frames
     (no unit decomposition of a GatedModel is needed) and serves the size pinned by
-    elastic_keep, which its fleet status reports as `served`."""
+    method.keep, which its fleet report gives as `served`."""
     gated = ROOT / "checkpoints" / "small_resnet_signs32_elastic.json"
     node = PerceptionNode("perception", context=ros_context, parameter_overrides=[
         Parameter(k, value=v) for k, v in {
-            "model_card": str(gated), "method": "elastic", "lr": 0.0, "batch_size": 2,
-            "num_threads": 1, "camera_hz": 20.0, "deadline_mode": "camera",
-            "reset_patience": 100000, "elastic_keep": 0.5}.items()])
+            "model_card": str(gated), "method": "elastic", "method.lr": 0.0,
+            "batch_size": 2, "num_threads": 1, "method.camera_hz": 20.0,
+            "method.deadline_mode": "camera", "reset_patience": 100000,
+            "method.keep": 0.5}.items()])
     probe = rclpy.create_node("probe", context=ros_context)
     pub = probe.create_publisher(Image, "/image", qos_profile_sensor_data)
-    got = []
+    got, reports = [], []
     probe.create_subscription(ClassPrediction, "/predictions", got.append, 100)
+    probe.create_subscription(FleetReport, f"/{REPORT_TOPIC}", reports.append, 10)
     ex = SingleThreadedExecutor(context=ros_context)
     for n in (node, probe):
         ex.add_node(n)
@@ -248,11 +271,11 @@ def test_elastic_on_the_gated_card_serves_the_pinned_size(ros_context) -> None:
 
     try:
         assert node.unit_names == [] and isinstance(node.method, Resizable)
-        assert _wait(lambda: len(got) >= 4 and node.fleet.served == 0.5, 30.0, frame)
-        kv = {k.key: k.value for k in node.fleet.statuses()[0].values}
-        assert kv["served"] == "0.5" and kv["keep"] == "0.5"
-        assert kv["sizes"] == "1,0.7,0.5,0.3"
-        assert all(math.isfinite(float(v)) for v in kv["forward_ms"].split(","))
+        assert wait_for(lambda: len(got) >= 4 and node.fleet.served == 0.5, 30.0, frame)
+        assert wait_for(lambda: any(r.served == 0.5 for r in reports), 5.0)
+        msg = reports[-1]
+        assert msg.keep == 0.5 and list(msg.sizes) == [1.0, 0.7, 0.5, 0.3]
+        assert all(math.isfinite(v) for v in msg.forward_ms)
     finally:
         ex.shutdown(timeout_sec=2.0)
         thread.join(timeout=2.0)
@@ -260,18 +283,15 @@ def test_elastic_on_the_gated_card_serves_the_pinned_size(ros_context) -> None:
             n.destroy_node()
 
 
-def test_perception_passes_warmup_runs_to_methods_that_time_sizes() -> None:
-    """`warmup_runs` reaches the elastic method (how many forwards per size its warm-up
-    times) and no method without that option."""
+def test_elastic_options_are_parameters_of_the_node() -> None:
+    """`method.warmup_runs` is an option of elastic (how many forwards per size its warm-up
+    times), reaches its config, and is no option of tent."""
     from tta_core.methods import build_method
     from tta_core.model.source import load_source
-    from tta_ros.nodes.perception import method_options, param_specs
+    from tta_ros.nodes.method_params import MethodOptions
 
-    p = {s.name: s.default for s in param_specs()}
-    assert p["warmup_runs"] == 2
-    p.update(method="elastic", warmup_runs=7)
-    opts = method_options(p, 32, "gated_small_resnet")
-    assert opts["warmup_runs"] == 7
-    assert "warmup_runs" not in method_options({**p, "method": "tent"}, 32, "small_resnet")
+    opts = MethodOptions("elastic", {"method.warmup_runs": 7})
+    assert opts.values["method.warmup_runs"] == 7 and opts.check(opts.values) == ""
+    assert "method.warmup_runs" not in MethodOptions("tent").params
     model = load_source(ROOT / "checkpoints" / "small_resnet_signs32_elastic.json")[0]
-    assert build_method("elastic", model, **{**opts, "input_shape": ()}).config.warmup_runs == 7
+    assert build_method("elastic", model, **opts.config()).config.warmup_runs == 7

@@ -13,9 +13,10 @@ import pytest
 rclpy = pytest.importorskip("rclpy")
 from builtin_interfaces.msg import Duration  # noqa: E402
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus  # noqa: E402
+from helpers import CARD, CONFIG, wait_for  # noqa: E402
+from helpers.ros import Rig, image_msg  # noqa: E402
 from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
-from test_ros_nodes import CARD, CONFIG, Rig, _image, wait_for  # noqa: E402
 from tta_msgs.msg import LayerPlan  # noqa: E402
 
 from tta_ros.bringup import load_params, resolve_paths  # noqa: E402
@@ -106,7 +107,7 @@ def test_plan_markers_carry_the_lifetime() -> None:
 def test_scheduler_markers_expire_after_marker_lifetime_s(ros_context) -> None:
     rig = Rig(ros_context, scheduler={"marker_lifetime_s": 1.5})
     try:
-        rig.send([_image(i) for i in range(8)])
+        rig.send([image_msg(1000 + i) for i in range(8)])
         assert wait_for(lambda: rig.msgs("markers"), 20.0)
         time.sleep(0.1)
         for arr in rig.msgs("markers"):

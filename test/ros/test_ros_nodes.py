@@ -9,113 +9,30 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 rclpy = pytest.importorskip("rclpy")
-from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus  # noqa: E402
+from diagnostic_msgs.msg import DiagnosticStatus  # noqa: E402
+from helpers import CARD, wait_for  # noqa: E402
+from helpers.ros import Rig, image_msg, send_until  # noqa: E402
 from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
 from tta_msgs.msg import (  # noqa: E402
     AdaptationStatus,
-    ClassPrediction,
     LayerImportance,
     LayerPlan,
     ResourceTelemetry,
 )
-from visualization_msgs.msg import Marker, MarkerArray  # noqa: E402
+from visualization_msgs.msg import Marker  # noqa: E402
 
 from tta_core.io.image_msg import array_to_image_fields  # noqa: E402
-from tta_ros.bringup import build_nodes  # noqa: E402
 from tta_ros.nodes.perception import perception_statuses  # noqa: E402
 from tta_ros.nodes.perception_support import PlanGate  # noqa: E402
 from tta_ros.nodes.scheduler import SchedulerNode  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
-CONFIG = ROOT / "config" / "vehicle.yaml"
-CARD = ROOT / "checkpoints" / "small_resnet_signs32.json"  # shipped with the repo
-RNG = np.random.default_rng(0)
-
-
-def _image(i: int, encoding: str = "rgb8", pad: int = 0, size: int = 40) -> Image:
-    fields = array_to_image_fields(RNG.random((size, size, 3)).astype(np.float32),
-                                   encoding, pad=pad)
-    msg = Image(**fields)
-    msg.header.stamp.sec, msg.header.stamp.nanosec = 1000 + i, 7 * i
-    msg.header.frame_id = "camera_front"
-    return msg
-
-
-class Rig:
-    """bringup nodes + a probe node recording every output topic, spun in a thread."""
-
-    def __init__(self, ctx, perception: dict | None = None, scheduler: dict | None = None):
-        per = {"model_card": str(CARD), "batch_size": 4, "queue_size": 64,
-               "reset_patience": 100000, "plan_timeout_s": 0.5, "num_threads": 1,
-               **(perception or {})}
-        self.ctx = ctx
-        self.nodes = build_nodes(CONFIG, {"perception": per, "scheduler": {
-            "model_card": str(CARD), **(scheduler or {})}, "resource_monitor": {
-            "enable_perf": False}}, context=ctx)
-        self.monitor, self.scheduler, self.perception = self.nodes
-        self.probe = rclpy.create_node("probe", context=ctx)
-        self.got: dict[str, list] = {k: [] for k in (
-            "pred", "status", "imp", "plan", "markers", "tel", "diag")}
-        rel = QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE)
-        for key, typ, topic in (("pred", ClassPrediction, "predictions"),
-                                ("status", AdaptationStatus, "adaptation_status"),
-                                ("imp", LayerImportance, "layer_importance"),
-                                ("plan", LayerPlan, "layer_plan"),
-                                ("markers", MarkerArray, "layer_markers"),
-                                ("tel", ResourceTelemetry, "telemetry"),
-                                ("diag", DiagnosticArray, "/diagnostics")):
-            self.probe.create_subscription(typ, topic, self._rec(key), rel)
-        self.pub = self.probe.create_publisher(Image, "image", qos_profile_sensor_data)
-        self.ex = SingleThreadedExecutor(context=ctx)  # as tta_ros.bringup.main
-        for n in [*self.nodes, self.probe]:
-            self.ex.add_node(n)
-        self.thread = threading.Thread(target=self.ex.spin, daemon=True)
-        self.thread.start()
-        wait_for(lambda: self.pub.get_subscription_count() > 0, 5.0)
-
-    def _rec(self, key: str) -> Callable:
-        def cb(msg) -> None:
-            self.got[key].append((time.monotonic(), msg))
-        return cb
-
-    def msgs(self, key: str) -> list:
-        return [m for _, m in list(self.got[key])]
-
-    def statuses(self, subsystem: str) -> list[DiagnosticStatus]:
-        return [s for a in self.msgs("diag") for s in a.status if subsystem in s.name]
-
-    def send(self, images: list[Image], gap_s: float = 0.02) -> None:
-        for img in images:
-            self.pub.publish(img)
-            time.sleep(gap_s)
-
-    def close(self) -> None:
-        self.ex.shutdown(timeout_sec=2.0)
-        self.thread.join(timeout=2.0)  # no callback may run on a node being destroyed
-        for n in [*self.nodes, self.probe]:
-            try:
-                n.destroy_node()
-            except Exception:  # already destroyed by the test
-                pass
-
-
-def wait_for(cond: Callable[[], bool], timeout: float) -> bool:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 @pytest.fixture
@@ -132,7 +49,8 @@ def rig_factory(ros_context):
 
 def test_stream_predictions_status_plans_markers_telemetry(rig_factory) -> None:
     rig = rig_factory()
-    imgs = [_image(i, "bgr8" if i % 2 else "rgb8", pad=3 * (i % 3)) for i in range(24)]
+    imgs = [image_msg(1000 + i, None, "bgr8" if i % 2 else "rgb8", nanosec=7 * i, pad=3 * (i % 3))
+            for i in range(24)]
     rig.send(imgs)
     assert wait_for(lambda: len(rig.msgs("pred")) >= 24, 20.0)
     time.sleep(0.3)
@@ -181,7 +99,7 @@ def test_bad_frames_rejected_next_good_frame_served(rig_factory) -> None:
     ]
     for i, (msg, _) in enumerate(bad):
         msg.header.stamp.sec = 1 + i
-    rig.send([m for m, _ in bad] + [_image(99)], gap_s=0.05)
+    rig.send([m for m, _ in bad] + [image_msg(1099)], gap_s=0.05)
     assert wait_for(lambda: len(rig.msgs("pred")) >= 1, 10.0)
     time.sleep(0.3)
     assert [p.header.stamp.sec for p in rig.msgs("pred")] == [1099]
@@ -194,7 +112,7 @@ def test_bad_frames_rejected_next_good_frame_served(rig_factory) -> None:
 def _stream(rig: Rig, stop: threading.Event) -> None:
     i = 0
     while not stop.is_set():
-        rig.pub.publish(_image(i, size=32))
+        rig.pub.publish(image_msg(1000 + i, size=32))
         i += 1
         time.sleep(0.03)
 
@@ -225,10 +143,10 @@ class _StoppedClockGate(PlanGate):
 
 def test_scheduler_killed_inline_after_plan_timeout_then_resumes(rig_factory, ros_context):
     """Plans stop: perception keeps the last plan until an importance has waited
-    plan_timeout_s for an answer (not at 0.9x of it), then plans inline from the next batch
+    feed_timeout_s for an answer (not at 0.9x of it), then plans inline from the next batch
     on (at 1.2x) and says so on /diagnostics; a new scheduler's plans are used again. The
     gate's clock is the test's (_StoppedClockGate): the wall clock only bounds the waits."""
-    rig = rig_factory(perception={"batch_size": 2, "plan_timeout_s": 0.5})
+    rig = rig_factory(perception={"batch_size": 2, "feed_timeout_s": 0.5})
     timeout = rig.perception.gate.timeout_s
     assert timeout == 0.5
     gate = rig.perception.gate = _StoppedClockGate(timeout)  # before any frame is sent
@@ -260,7 +178,7 @@ def test_scheduler_killed_inline_after_plan_timeout_then_resumes(rig_factory, ro
         gate.now = 0.9 * timeout  # not stale yet
         n = len(statuses())
         assert wait_for(lambda: since(n, 3), 10.0)
-        assert all(s.plan_id for s in statuses()[first:]), "inline before plan_timeout_s"
+        assert all(s.plan_id for s in statuses()[first:]), "inline before feed_timeout_s"
         inline_before = rig.perception.counters.inline_batches  # those before the 1st plan
         assert not [s for s in rig.statuses("perception: planning")
                     if s.level == DiagnosticStatus.WARN and "inline" in s.message]
@@ -299,7 +217,7 @@ def test_burst_drops_frames_with_bounded_queue(rig_factory) -> None:
     worker resumes, the newest frame is among those served. No rate is assumed."""
     rig = rig_factory(perception={"batch_size": 1, "queue_size": 4, "batch_timeout_s": 0.0,
                                   "plan_source": "inline"})
-    rig.send([_image(i, size=32) for i in range(3)], gap_s=0.05)
+    rig.send([image_msg(1000 + i, size=32) for i in range(3)], gap_s=0.05)
     assert wait_for(lambda: len(rig.msgs("status")) >= 3, 10.0)
     q, node = rig.perception.queue, rig.perception
     served0, dropped0 = len(rig.msgs("pred")), q.dropped
@@ -307,7 +225,7 @@ def test_burst_drops_frames_with_bounded_queue(rig_factory) -> None:
     with node._pending_lock:  # the worker stops at its next _apply_pending
         time.sleep(0.2)
         for k in range(40):
-            rig.pub.publish(_image(10 + k, size=32))
+            rig.pub.publish(image_msg(1010 + k, size=32))
             time.sleep(0.01)
             sizes.append(len(q))
         time.sleep(0.3)
@@ -324,20 +242,23 @@ def test_burst_drops_frames_with_bounded_queue(rig_factory) -> None:
 def test_parameters_validated_and_applied_at_run_time(rig_factory) -> None:
     rig = rig_factory(perception={"plan_source": "inline"})
     node = rig.perception
-    for name, value, needle in (("sigma", 1.5, "sigma"), ("sigma", -0.1, "sigma"),
-                                ("lr", -1.0, "lr"), ("lr", 2.0, "lr"),
+    for name, value, needle in (("method.sigma", 10.5, "10.5"),
+                                ("method.sigma", -0.1, "-0.1"), ("method.lr", -1.0, "-1.0"),
+                                ("method.momentum", 1.0, "momentum=1.0"),
+                                ("method.mode", "fast", "'fast'"),
                                 ("batch_size", 0, "batch_size"),
                                 ("batch_size", 1000, "batch_size"),
                                 ("method", "nope", "nope"), ("plan_source", "bus", "bus"),
                                 ("model_card", "/x.json", "model_card")):
         res = node.set_parameters([Parameter(name, value=value)])[0]
         assert not res.successful and needle in res.reason, (name, value, res.reason)
-    assert node.get_parameter("sigma").value == pytest.approx(0.33)
-    ok = node.set_parameters([Parameter("sigma", value=0.2), Parameter("lr", value=0.01)])
+    assert node.get_parameter("method.sigma").value == pytest.approx(0.33)
+    ok = node.set_parameters([Parameter("method.sigma", value=0.2),
+                              Parameter("method.lr", value=0.01)])
     assert all(r.successful for r in ok)
     assert wait_for(lambda: node.method.config.sigma == pytest.approx(0.2), 2.0)
     assert wait_for(lambda: node.method.config.lr == pytest.approx(0.01), 2.0)
-    rig.send([_image(i) for i in range(4)])
+    rig.send([image_msg(1000 + i) for i in range(4)])
     assert wait_for(lambda: len(rig.msgs("status")) >= 1, 10.0)
     # the new lr is applied at the next batch, scaled linearly for its size (1..4 frames)
     allowed = [0.01 * b / 64 for b in range(1, 5)]
@@ -347,14 +268,14 @@ def test_parameters_validated_and_applied_at_run_time(rig_factory) -> None:
     assert st.predicted_total_ms <= st.budget_ms + 1e-3 or st.units_updated == 0
     assert node.set_parameters([Parameter("method", value="tent")])[0].successful
     assert wait_for(lambda: type(node.method).__name__.lower() == "tent", 5.0)
-    rig.send([_image(10 + i) for i in range(4)])
+    rig.send([image_msg(1010 + i) for i in range(4)])
     assert wait_for(lambda: any(s.method == "tent" for s in rig.msgs("status")), 10.0)
 
 
 def test_divergence_guard_resets_method(rig_factory) -> None:
     rig = rig_factory(perception={"reset_entropy_ratio": 0.0, "reset_patience": 2,
                                   "plan_source": "inline"})
-    rig.send([_image(i) for i in range(16)])
+    rig.send([image_msg(1000 + i) for i in range(16)])
     assert wait_for(lambda: len(rig.msgs("status")) >= 4, 15.0)
     flags = [s.reset for s in sorted(rig.msgs("status"), key=lambda s: s.batch_id)]
     assert flags[:4] == [False, True, False, True]  # every 2nd batch over a 0-nats limit
@@ -512,28 +433,6 @@ def _profiled_scheduler(ros_context, tmp_path, *params: Parameter) -> SchedulerN
         *params])
 
 
-def _send_until(ros_context, node: SchedulerNode, done: Callable[[], bool],
-                statuses: list[AdaptationStatus]) -> None:
-    """Publish `statuses` over DDS until `done()`, then let repeats arrive."""
-    perception = rclpy.create_node("fake_perception", context=ros_context)
-    pub = perception.create_publisher(AdaptationStatus, "adaptation_status",
-                                      QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
-    ex = SingleThreadedExecutor(context=ros_context)
-    for nd in (node, perception):
-        ex.add_node(nd)
-    try:
-        deadline = time.monotonic() + 10.0
-        while not done() and time.monotonic() < deadline:
-            for st in statuses:
-                pub.publish(st)
-            ex.spin_once(timeout_sec=0.05)
-        for _ in range(20):  # plans already answered: repeats must change nothing
-            ex.spin_once(timeout_sec=0.01)
-    finally:
-        ex.shutdown()
-        perception.destroy_node()
-
-
 def test_scheduler_corrects_backward_times_by_the_status_perception_reports(
         ros_context, tmp_path) -> None:
     """An AdaptationStatus received over DDS for one of our plans (plan_id echoed) feeds its
@@ -549,7 +448,7 @@ def test_scheduler_corrects_backward_times_by_the_status_perception_reports(
         node._on_importance(imp)  # plan 1
         assert predicted > 0
         fb = node.planning.backward_fb
-        _send_until(ros_context, node, lambda: fb.updates > 0, [
+        send_until(ros_context, node, lambda: fb.updates > 0, [
             AdaptationStatus(plan_id=1, adapted=True, backward_ms=4.0 * predicted),
             AdaptationStatus(plan_id=77, adapted=True, backward_ms=1e6)])
         assert fb.updates == 1
@@ -580,7 +479,7 @@ def test_scheduler_leaves_room_for_the_fixed_costs_perception_reports(
         per_unit = out.predicted_backward_ms + out.predicted_reforward_ms
         assert per_unit == pytest.approx(before.predicted_total_ms - 0.3 * n)
         fixed = node.planning.fixed
-        _send_until(ros_context, node, lambda: fixed.adapt_updates >= 2, [
+        send_until(ros_context, node, lambda: fixed.adapt_updates >= 2, [
             AdaptationStatus(plan_id=pid, adapted=True, forward_ms=0.3 * n, plan_ms=2.0,
                              backward_ms=per_unit, reforward_ms=1.5) for pid in (1, 2)])
         assert fixed.adapt_updates == 2 and fixed.plan_updates == 2
@@ -617,15 +516,15 @@ def test_scheduler_warns_when_no_unit_fits_the_budget(ros_context, tmp_path) -> 
 def test_perception_warns_when_inline_plans_have_no_room(rig_factory) -> None:
     """sigma so small that no unit fits after the forward: batches still served, planning
     status WARNs with the fix; a sigma with room clears it."""
-    rig = rig_factory(perception={"plan_source": "inline", "sigma": 0.01})
-    rig.send([_image(i) for i in range(8)])
+    rig = rig_factory(perception={"plan_source": "inline", "method.sigma": 0.01})
+    rig.send([image_msg(1000 + i) for i in range(8)])
     assert wait_for(lambda: len(rig.msgs("status")) >= 2, 10.0)
     assert all(s.units_updated == 0 for s in rig.msgs("status"))
     plan = next(s for s in perception_statuses(rig.perception) if s.name.endswith("planning"))
     assert plan.level == DiagnosticStatus.WARN and "raise sigma" in plan.message
-    assert rig.perception.set_parameters([Parameter("sigma", value=1.0)])[0].successful
+    assert rig.perception.set_parameters([Parameter("method.sigma", value=1.0)])[0].successful
     n = len(rig.msgs("status"))
-    rig.send([_image(20 + i) for i in range(8)])
+    rig.send([image_msg(1020 + i) for i in range(8)])
     assert wait_for(lambda: any(s.units_updated > 0 for s in rig.msgs("status")[n:]), 10.0)
     plan = next(s for s in perception_statuses(rig.perception) if s.name.endswith("planning"))
     assert plan.level == DiagnosticStatus.OK
@@ -634,8 +533,9 @@ def test_perception_warns_when_inline_plans_have_no_room(rig_factory) -> None:
 def test_parallel_status_carries_the_backward_of_its_update(rig_factory) -> None:
     """Parallel mode: predictions go out after the forward; the batch's status waits for
     the background update and carries its backward time (the scheduler learns from it)."""
-    rig = rig_factory(perception={"plan_source": "inline", "sigma": 1.0, "mode": "parallel"})
-    rig.send([_image(i) for i in range(12)])
+    rig = rig_factory(perception={"plan_source": "inline", "method.sigma": 1.0,
+                                  "method.mode": "parallel"})
+    rig.send([image_msg(1000 + i) for i in range(12)])
     assert wait_for(lambda: len(rig.msgs("status")) >= 3, 20.0)
     adapted = [s for s in rig.msgs("status") if s.adapted]
     assert adapted and all(s.mode == "parallel" for s in adapted)
@@ -645,12 +545,12 @@ def test_parallel_status_carries_the_backward_of_its_update(rig_factory) -> None
 def test_telemetry_topic_reaches_inline_planning(ros_context) -> None:
     """Perception planning inline takes pi1/pi2 from the `telemetry` topic (NaN -> 1) for
     its next batches, and goes back to offline factors when telemetry is older than
-    telemetry_timeout_s."""
+    feed_timeout_s."""
     from tta_ros.nodes.perception import PerceptionNode
 
     node = PerceptionNode(context=ros_context, parameter_overrides=[
         Parameter("model_card", value=str(CARD)), Parameter("plan_source", value="inline"),
-        Parameter("batch_size", value=2), Parameter("telemetry_timeout_s", value=0.5),
+        Parameter("batch_size", value=2), Parameter("feed_timeout_s", value=0.5),
         Parameter("num_threads", value=1)])
     probe = rclpy.create_node("fake_monitor", context=ros_context)
     pub_tel = probe.create_publisher(ResourceTelemetry, "telemetry", 10)
@@ -669,7 +569,7 @@ def test_telemetry_topic_reaches_inline_planning(ros_context) -> None:
             nonlocal i
             if want[2]:  # live wanted: keep telemetry coming; offline: let it go stale
                 pub_tel.publish(tel)
-            pub_img.publish(_image(i))
+            pub_img.publish(image_msg(1000 + i))
             i += 1
             return node.method.expansion == want
 
@@ -709,7 +609,7 @@ def test_forged_plans_and_importance_never_stop_service(rig_factory) -> None:
     pub_plan = rig.probe.create_publisher(LayerPlan, "layer_plan", rel)
     pub_imp = rig.probe.create_publisher(LayerImportance, "layer_importance", rel)
     assert wait_for(lambda: pub_plan.get_subscription_count() > 0, 5.0)
-    rig.send([_image(i) for i in range(8)])
+    rig.send([image_msg(1000 + i) for i in range(8)])
     assert wait_for(lambda: len(rig.msgs("pred")) >= 8, 20.0)
     names, model = rig.perception.unit_names, rig.perception.model_name
     forged_imp = [("forward_ms", LayerImportance(model_name=model, unit_names=names,
@@ -729,7 +629,7 @@ def test_forged_plans_and_importance_never_stop_service(rig_factory) -> None:
             for st in rig.statuses(f"{n}: planning")), 5.0), needle
         seen = len(rig.msgs("pred"))
         t0 = time.monotonic()
-        rig.send([_image(100 + k)])
+        rig.send([image_msg(1100 + k)])
         assert wait_for(lambda s=seen: len(rig.msgs("pred")) > s, 2.0), needle
         assert time.monotonic() - t0 < 2.0
     assert rig.perception.counters.step_errors == 0
@@ -739,7 +639,7 @@ def test_a_plan_that_fails_is_served_inline(rig_factory) -> None:
     """A topic plan that passes the checks but makes the step fail: the batch is served
     inline at once, the plan is dropped with a WARN, and the next plans apply again."""
     rig = rig_factory()
-    rig.send([_image(i) for i in range(8)])
+    rig.send([image_msg(1000 + i) for i in range(8)])
     assert wait_for(lambda: any(s.plan_id for s in rig.msgs("status")), 20.0)
     method, broken = rig.perception.method, {"left": 1}
     step = method.step
@@ -752,11 +652,11 @@ def test_a_plan_that_fails_is_served_inline(rig_factory) -> None:
 
     method.step = failing_step
     seen = len(rig.msgs("pred"))
-    rig.send([_image(50 + i) for i in range(4)])
+    rig.send([image_msg(1050 + i) for i in range(4)])
     assert wait_for(lambda: len(rig.msgs("pred")) >= seen + 4, 5.0)
     assert broken["left"] == 0 and rig.perception.counters.step_errors == 0
     assert any("simulated plan failure" in s.message and "inline" in s.message
                for s in rig.statuses("perception: planning"))
-    rig.send([_image(60 + i) for i in range(8)])
+    rig.send([image_msg(1060 + i) for i in range(8)])
     n = len(rig.msgs("status"))
     assert wait_for(lambda: any(s.plan_id for s in rig.msgs("status")[n:]), 10.0)

@@ -3,15 +3,13 @@ config/tta.rviz is its output for the defaults, so the two cannot drift."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import yaml
+from helpers import ROOT
 
 from tta_ros import bringup
 from tta_ros.rviz_config import main, render, resolve_topic, write_rviz_config
 
-ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "config" / "tta.rviz"
 
 

@@ -12,10 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 pytest.importorskip("rclpy")
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_bench_fleet_dds_tiny_run(tmp_path: Path) -> None:

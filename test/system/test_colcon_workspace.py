@@ -20,10 +20,10 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from helpers import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.ros]
 
-ROOT = Path(__file__).resolve().parents[1]
 SETUP_PREFIX = ROOT / "build" / "install"  # make setup's tta_msgs: hidden from the workspace
 SKIP = (".git", ".venv", "build", "install", "log", "runs", "__pycache__", "*.egg-info")
 
@@ -108,7 +108,7 @@ def test_colcon_test_runs_the_pytest_suite(workspace) -> None:
     ws, env = workspace
     proc = subprocess.run(
         ["colcon", "test", "--packages-select", "tta_ros", "--pytest-args",
-         "test/test_bag.py", "test/test_messages.py"],
+         "test/unit/test_bag.py", "test/ros/test_messages.py"],
         cwd=ws, env=env, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     suite = ET.parse(ws / "build" / "tta_ros" / "pytest.xml").getroot()

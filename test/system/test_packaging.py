@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 from catkin_pkg.package import parse_package
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "ros_package"  # the ament_python package folder (links to the sources)
 # What setup.py reads: copied (links followed), because building writes build/ and
 # tta_ros.egg-info/ next to setup.py.
@@ -109,7 +109,8 @@ def test_cmake_generates_every_msg_file():
     listed = set(re.findall(r'"msg/(\w+)\.msg"', cmake))
     on_disk = {p.stem for p in (ROOT / "msg" / "msg").glob("*.msg")}
     assert listed == on_disk == {"LayerImportance", "LayerPlan", "ResourceTelemetry",
-                                 "AdaptationStatus", "ClassPrediction", "DomainLabel"}
+                                 "AdaptationStatus", "ClassPrediction", "DomainLabel",
+                                 "FleetReport"}
 
 
 def test_repository_root_is_no_package_so_colcon_finds_both() -> None:

@@ -23,9 +23,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import CARD, ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-CARD = ROOT / "checkpoints" / "small_resnet_signs32.json"
 CKPT = ROOT / "checkpoints" / "small_resnet_signs32.pt"
 SAMPLE_MCAP = ROOT / "bags" / "signs32_sample" / "signs32_sample.mcap"
 PY = sys.executable

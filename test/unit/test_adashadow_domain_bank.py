@@ -4,16 +4,14 @@ domain is served forward-only, bad combinations are refused. Shipped 32 px net, 
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from helpers import CARD
 
 from tta_core.api import ReportsDomain
 from tta_core.methods import build_method
 from tta_core.model.source import load_source
 
-CARD = Path(__file__).resolve().parents[1] / "checkpoints" / "small_resnet_signs32.json"
 SHAPE = (3, 32, 32)
 
 

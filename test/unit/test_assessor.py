@@ -10,8 +10,8 @@ import torch
 from scipy import integrate, stats
 
 from tta_core.adashadow.assessor import Assessor, StatsRecorder
-from tta_core.runtime.stats import channel_stats, gaussian_kl
 from tta_core.runtime.losses import entropy_loss, multilayer_kl_loss
+from tta_core.runtime.stats import channel_stats, gaussian_kl
 
 
 def _t(*values: float) -> torch.Tensor:

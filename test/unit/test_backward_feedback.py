@@ -8,8 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from tta_core.runtime.backward_feedback import BackwardFeedback
 from tta_core.adashadow.predictor import UnitProfile, planning_times
+from tta_core.runtime.backward_feedback import BackwardFeedback
 
 
 def test_converges_to_a_constant_misprediction_and_tracks_a_change() -> None:

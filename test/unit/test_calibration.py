@@ -63,6 +63,7 @@ def test_busy_processes_bounded_in_time() -> None:
     busy.stop()
 
 
+@pytest.mark.slow
 def test_calibrate_quick_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The real command end to end, on a fake workload (no wall clock: how much two busy
     processes slow a real matmul is `tta calibrate`'s measurement, not a test's): its time

@@ -9,10 +9,11 @@ import copy
 import numpy as np
 import pytest
 import torch
-from test_memory_quant import MODELS, _entropy
+from helpers.models import MODELS, cosine, entropy
 from torch import nn
 
 from tta_core.api import Plan
+from tta_core.daf.plans import budget_plan, daf_plan, trainable_units
 from tta_core.memory import (
     ActivationCodec,
     CodecPlan,
@@ -20,7 +21,6 @@ from tta_core.memory import (
     predicted_bytes,
     profile_saves,
 )
-from tta_core.daf.plans import budget_plan, daf_plan, trainable_units
 from tta_core.methods import build_method
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,10 +36,6 @@ def _step_grads(name: str, model: nn.Module, x: torch.Tensor, **cfg) -> tuple[to
     return torch.cat(grads), res.stats
 
 
-def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(a @ b / (a.norm() * b.norm()))
-
-
 @pytest.mark.parametrize("model_name", MODELS)
 def test_tent_activation_bits_keeps_the_gradient(model_name: str) -> None:
     model, x = MODELS[model_name]()
@@ -50,7 +46,7 @@ def test_tent_activation_bits_keeps_the_gradient(model_name: str) -> None:
     cos, saved = {}, {}
     for bits in (8, 4):
         g, stats = _step_grads("tent", model, x, activation_bits=bits)
-        cos[bits], saved[bits] = _cos(dense, g), stats["saved_bytes"]
+        cos[bits], saved[bits] = cosine(dense, g), stats["saved_bytes"]
     assert cos[8] >= 0.999 and cos[4] >= 0.99, cos
     # frozen convs store nothing, BN inputs at 8 / 4 bits + masks: well under dense
     assert saved[4] < saved[8] < 0.4 * counter.result.total, (saved, counter.result.total)
@@ -60,7 +56,7 @@ def test_surgeon_activation_bits_quantizes_what_it_keeps_dense() -> None:
     model, x = MODELS["shipped"]()
     dense, dense_stats = _step_grads("surgeon", model, x, mode="robot")
     g, stats = _step_grads("surgeon", model, x, mode="robot", activation_bits=8)
-    assert _cos(dense, g) >= 0.999
+    assert cosine(dense, g) >= 0.999
     assert stats["saved_bytes"] < 0.5 * dense_stats["saved_bytes"]
 
 
@@ -70,7 +66,7 @@ def test_budget_plan_stays_within_its_memory_budget(frac: float) -> None:
     bytes of the forward (units given 0 bits frozen) never exceed the budget."""
     model, x = MODELS["resnet18"]()
     units, _ = trainable_units(model)
-    profile = profile_saves(model, x, _entropy)
+    profile = profile_saves(model, x, entropy)
     low = predicted_bytes(profile, CodecPlan(bits=dict.fromkeys(units, 0), norm_bits=8,
                                              narrow_ints=True)).total
     high = predicted_bytes(profile, CodecPlan(default_bits=8, norm_bits=8,
@@ -83,7 +79,7 @@ def test_budget_plan_stays_within_its_memory_budget(frac: float) -> None:
             dict(model.named_modules())[u].requires_grad_(False)
     codec = ActivationCodec(model, plan)
     with codec, torch.enable_grad():
-        _entropy(model(x)).backward()
+        entropy(model(x)).backward()
     assert codec.result.total <= budget
     assert codec.result.total >= budget - 0.2 * (high - low)  # the budget is used
     assert len(set(alloc.bits.values())) > 1
@@ -134,7 +130,7 @@ def test_adashadow_activation_bits_records_its_graph_quantized(graph: str) -> No
     assert "saved_bytes" not in dense_stats
     g8, s8 = grads(activation_bits=8)
     g4, s4 = grads(activation_bits=4)
-    assert _cos(dense, g8) >= 0.999 and _cos(dense, g4) >= 0.99
+    assert cosine(dense, g8) >= 0.999 and cosine(dense, g4) >= 0.99
     counter = SavedActivationCounter(model)
     with counter, torch.enable_grad():
         model(x)
@@ -149,51 +145,6 @@ def test_adashadow_activation_bits_and_a_memory_budget_exclude_each_other() -> N
                      memory_budget_mb=1.0)
     with pytest.raises(ValueError, match="bit width for unit '<activation_bits>'"):
         build_method("adashadow", model, input_shape=tuple(x.shape[1:]), activation_bits=3)
-
-
-# ------------------------------------------------------------------ ROS
-def test_perception_passes_activation_bits_to_methods_that_take_it() -> None:
-    from tta_ros.nodes.perception import REBUILD, method_options, param_specs
-
-    p = {s.name: s.default for s in param_specs()}
-    assert method_options(p, 32, "small_resnet")["activation_bits"] is None  # 0: dense
-    for method in ("adashadow", "tent", "surgeon"):
-        assert method_options({**p, "method": method, "activation_bits": 4}, 32,
-                              "small_resnet")["activation_bits"] == 4
-    assert "activation_bits" not in method_options({**p, "method": "bn_adapt",
-                                                    "activation_bits": 4}, 32, "small_resnet")
-    assert "activation_bits" in REBUILD
-
-
-def test_perception_node_adapts_with_activation_bits_over_rclpy(ros_context) -> None:
-    """A perception node with activation_bits 4 answers every frame; its diagnostics say
-    the width and the saved MiB measured; setting 8 rebuilds the method at 8 bits, and a
-    width the codec has not (3) is refused with the node still serving."""
-    from rclpy.parameter import Parameter
-    from test_ros_nodes import Rig, _image, wait_for
-
-    rig = Rig(ros_context, perception={"method": "tent", "activation_bits": 4})
-    try:
-        node = rig.perception
-        assert node.method.config.activation_bits == 4
-        rig.send([_image(i) for i in range(8)])
-        assert wait_for(lambda: len(rig.msgs("pred")) >= 8, 20.0)
-        assert wait_for(lambda: any(kv.key == "activation_bits" and kv.value == "4"
-                                    for s in rig.statuses("adaptation") for kv in s.values),
-                        10.0)
-        saved = [float(kv.value) for s in rig.statuses("adaptation") for kv in s.values
-                 if kv.key == "saved_activation_mib"]
-        assert any(0 < v < 10 for v in saved), saved
-        for bad in ([Parameter("activation_bits", value=3)],
-                    [Parameter("memory_budget_mb", value=1.0)]):
-            res = node.set_parameters(bad)[0]
-            assert not res.successful and "activation_bits=" in res.reason, res.reason
-        assert node.set_parameters([Parameter("activation_bits", value=8)])[0].successful
-        rig.send([_image(i) for i in range(8, 12)])  # applied between batches
-        assert wait_for(lambda: len(rig.msgs("pred")) >= 12, 20.0)
-        assert node.method.config.activation_bits == 8
-    finally:
-        rig.close()
 
 
 def test_tent_activation_budget_keeps_saves_in_the_paged_arena() -> None:
@@ -213,12 +164,12 @@ def test_tent_activation_budget_keeps_saves_in_the_paged_arena() -> None:
         assert res.stats["arena_bytes"] <= res.stats["arena_budget_bytes"]
         assert res.stats["within_arena_budget"] and res.stats["arena_overflow_bytes"] == 0
     assert res.stats["arena_min_bits"] < 8  # something was downgraded
-    imp = meth._codec.importance
+    imp = meth.codec.codec.importance
     assert imp and all(v > 0 for v in imp.values())
     assert set(imp) <= {n for n, m in meth.model.named_modules()
                         if isinstance(m, nn.BatchNorm2d)}
     g = torch.cat([p.grad.double().flatten() for p in meth.params])
-    assert _cos(dense, g) >= 0.98
+    assert cosine(dense, g) >= 0.98
     tiny = build_method("tent", copy.deepcopy(model), activation_bits=8,
                         activation_budget_mb=0.01)
     stats = tiny.step(x).stats

@@ -5,11 +5,11 @@ bit-exact reset. Shipped 32 px net, batch 16, 1 thread."""
 from __future__ import annotations
 
 from collections import defaultdict
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import CARD
 
 from tta_core.api import ReportsDomain
 from tta_core.data.preprocess import images_to_tensor
@@ -18,7 +18,6 @@ from tta_core.methods import build_method
 from tta_core.model.source import load_source
 from tta_core.model.zoo import build_model
 
-CARD = Path(__file__).resolve().parents[1] / "checkpoints" / "small_resnet_signs32.json"
 SHAPE = (3, 32, 32)
 
 
@@ -38,6 +37,7 @@ def _darda(**cfg):
     return build_method("darda", model, input_shape=SHAPE, **cfg)
 
 
+@pytest.mark.slow
 def test_backward_only_after_shifts_and_not_on_revisits(recurring) -> None:
     m = _darda()
     flags: dict[tuple[int, str], list[bool]] = defaultdict(list)

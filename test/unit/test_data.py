@@ -30,7 +30,8 @@ def test_signs_are_deterministic_balanced_and_varied():
     assert make_signs(4, 64, seed=0).images.shape == (4, 64, 64, 3)
 
 
-@pytest.mark.parametrize("name", CORRUPTIONS)
+@pytest.mark.parametrize("name", [pytest.param(c, marks=pytest.mark.slow) if c == "glass_blur"
+                                  else c for c in CORRUPTIONS])
 def test_each_corruption_each_severity_keeps_shape_dtype(name):
     img = make_signs(1, 32, seed=0).images[0]
     outs = [corrupt_image(img, name, s, seed=7) for s in SEVERITIES]

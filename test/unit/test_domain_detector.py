@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from helpers import CARD
 
-from tta_core.runtime.stats import channel_stats
-from tta_core.data.preprocess import images_to_tensor
-from tta_core.data.streams import StreamSpec, build_stream
 from tta_core.darda.detector import DetectorConfig, DomainDetector
 from tta_core.darda.embedding import (
     LOG_EPS,
@@ -23,10 +20,12 @@ from tta_core.darda.embedding import (
     corruption_residual,
     embedding_from_stats,
 )
+from tta_core.data.preprocess import images_to_tensor
+from tta_core.data.streams import StreamSpec, build_stream
 from tta_core.model.norms import set_bn_mode
 from tta_core.model.source import load_source
+from tta_core.runtime.stats import channel_stats
 
-CARD = Path(__file__).resolve().parents[1] / "checkpoints" / "small_resnet_signs32.json"
 KNOWN = ("gaussian_noise", "defocus_blur", "fog", "contrast")
 BATCH = 16
 
@@ -66,6 +65,7 @@ def _learn_and_recognise(passes) -> tuple[DomainDetector, float]:
     return det, float(np.mean(second))
 
 
+@pytest.mark.slow
 def test_second_pass_recognises_learnt_domains(embedded) -> None:
     # measured 0.933 on seeds 0-3: every batch but the first after each shift (hysteresis 2)
     det, acc = _learn_and_recognise(embedded[0])
@@ -73,6 +73,7 @@ def test_second_pass_recognises_learnt_domains(embedded) -> None:
     assert len(det.names) <= len(KNOWN) + 1, det.names
 
 
+@pytest.mark.slow
 def test_held_out_corruptions_are_flagged_novel(embedded) -> None:
     det, _ = _learn_and_recognise(embedded[0])
     known = list(det.names)
@@ -85,6 +86,7 @@ def test_held_out_corruptions_are_flagged_novel(embedded) -> None:
     assert any(created) and det.current_name not in known
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("confident", [0.0, 0.8])
 def test_single_outlier_batch_does_not_switch(embedded, confident: float) -> None:
     """Hysteresis: one batch of a known domain (with `confident` 0) or of a novel one
@@ -179,6 +181,7 @@ def test_embedding_hooks_leave_outputs_alone_and_match_assessor_stats() -> None:
     emb.close()
 
 
+@pytest.mark.slow
 def test_a_confidently_close_known_domain_switches_on_its_first_batch(embedded) -> None:
     """`confident`: the first batch of a recurring, well-known domain is served by it (no
     hysteresis delay), and only when the active domain is beyond the threshold."""

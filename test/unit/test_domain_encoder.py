@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import argparse
 import math
-from pathlib import Path
 
 import pytest
 import safetensors.torch
 import torch
+from helpers import CARD
 
 from tta_core.cli.commands import train_corruption_encoder as cmd
 from tta_core.darda.embedding import DomainEmbedder, EmbeddingConfig
@@ -22,8 +22,6 @@ from tta_core.darda.encoder import (
     supcon_loss,
 )
 from tta_core.model.source import load_source
-
-CARD = Path(__file__).resolve().parents[1] / "checkpoints" / "small_resnet_signs32.json"
 
 
 def test_supcon_matches_a_brute_force_loop() -> None:

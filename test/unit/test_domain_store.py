@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import CARD
 from safetensors import safe_open
 
 from tta_core.darda.store import load_bank, save_bank
@@ -16,7 +17,6 @@ from tta_core.methods import build_method
 from tta_core.model.source import load_source
 from tta_core.model.zoo import build_model
 
-CARD = Path(__file__).resolve().parents[1] / "checkpoints" / "small_resnet_signs32.json"
 SHAPE = (3, 32, 32)
 
 

@@ -6,10 +6,11 @@ from __future__ import annotations
 import copy
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import CARD
+from helpers.models import randomize_gates, small_source
 from torch import nn
 from torchvision import models as tvm
 
@@ -31,40 +32,6 @@ from tta_core.elasticdnn.train import (
 )
 from tta_core.model.source import load_card, load_source
 from tta_core.model.zoo import SmallResNet
-
-ROOT = Path(__file__).resolve().parents[1]
-SOURCE_CARD = ROOT / "checkpoints" / "small_resnet_signs32.json"
-
-
-def randomize_gates(master: GatedModel, seed: int = 0, std: float = 0.5) -> GatedModel:
-    """Gates with random fc weights and fc2 biases in [0.2, 1.2] (fresh gates are all
-    exactly 1, so every channel ties)."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for gate in master.gates.values():
-            for fc in (gate.fc1, gate.fc2):
-                fc.weight.copy_(torch.randn(fc.weight.shape, generator=gen) * std)
-            gate.fc2.bias.copy_(0.2 + torch.rand(gate.fc2.bias.shape, generator=gen))
-    return master
-
-
-def settle_bn(model: nn.Module, shape: tuple[int, ...], seed: int = 0) -> nn.Module:
-    """Random-init torchvision nets explode in eval mode (running stats 0/1): give their
-    BNs the statistics of a few random batches so logits stay moderate, then eval."""
-    gen = torch.Generator().manual_seed(seed)
-    for m in model.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            m.momentum = None  # cumulative average
-    model.train()
-    with torch.no_grad():
-        for _ in range(2):
-            model(torch.randn(shape, generator=gen))
-    return model.eval()
-
-
-def small_source() -> nn.Module:
-    model, _ = load_source(SOURCE_CARD)
-    return model
 
 
 def test_fresh_gates_are_one_and_the_master_computes_the_source() -> None:
@@ -173,7 +140,7 @@ def test_gate_starts_at_one_for_any_input() -> None:
 
 def test_card_round_trip_through_the_model_card_route(tmp_path) -> None:
     master = randomize_gates(make_gated(small_source())).eval()
-    card_path = save_gated(master, tmp_path / "gated", load_card(SOURCE_CARD),
+    card_path = save_gated(master, tmp_path / "gated", load_card(CARD),
                            clean_accuracy=0.5, metadata={"note": "test"})
     raw = json.loads(card_path.read_text())
     assert raw["factory"] == GATED_FACTORY and raw["kwargs"]["base_arch"] == "small_resnet"
@@ -185,7 +152,7 @@ def test_card_round_trip_through_the_model_card_route(tmp_path) -> None:
     with torch.no_grad():
         assert torch.equal(loaded(x), master(x)) and torch.equal(model(x), master(x))
     with pytest.raises(ValueError, match="is not a gated master"):
-        load_gated(SOURCE_CARD)
+        load_gated(CARD)
 
 
 def _bn_stats(model: nn.Module) -> list[torch.Tensor]:
@@ -222,8 +189,9 @@ def test_recalibrated_bn_holds_the_plain_batch_statistics() -> None:
     assert torch.allclose(bn.running_var, z.var((0, 2, 3), unbiased=True), atol=1e-4)
 
 
+@pytest.mark.slow
 def test_train_master_runs_and_moves_the_gates() -> None:
-    cfg = ElasticTrainConfig(source_card=SOURCE_CARD, warmup_epochs=1, stage_epochs=1,
+    cfg = ElasticTrainConfig(source_card=CARD, warmup_epochs=1, stage_epochs=1,
                              stages=(0.5,), train_samples=64, val_samples=32, batch_size=32,
                              eval_sparsities=(0.0, 0.5), calibration_samples=64, threads=1)
     res = train_master(cfg, progress=False)

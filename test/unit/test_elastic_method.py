@@ -11,7 +11,6 @@ import random
 import pytest
 import torch
 
-from tta_core.runtime.deadline import DeadlineConfig
 from tta_core.api import DeadlineTunable, Resizable, TTAMethodLike
 from tta_core.elasticdnn.filter_update import _param_masks
 from tta_core.elasticdnn.gates import make_gated
@@ -25,6 +24,7 @@ from tta_core.elasticdnn.serving import (
 from tta_core.methods import build_method
 from tta_core.model.source import load_source
 from tta_core.model.zoo import build_model
+from tta_core.runtime.deadline import DeadlineConfig
 
 SIZES = (1.0, 0.7, 0.5, 0.3)
 

@@ -86,6 +86,7 @@ def run(name: str, stream, hz: float, served: Counter | None = None, **options):
     return stream_method(name, master(), stream, cfg, hz, on_step=count)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("factor", [0.8, 0.6])
 def test_deadline_below_the_master_forward_answers_in_time_and_beats_the_master(
         stream, vtime, factor) -> None:
@@ -113,6 +114,7 @@ def test_deadline_below_the_master_forward_answers_in_time_and_beats_the_master(
     assert np.isfinite(e.mean_latency_ms)
 
 
+@pytest.mark.slow
 def test_loose_deadline_serves_the_master_and_adapts(stream, vtime) -> None:
     """A deadline 20x the master's forward: every batch is the master, adapted."""
     calibrate(vtime)

@@ -5,21 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_elastic_gates import SOURCE_CARD, randomize_gates, settle_bn, small_source
+from helpers.models import randomize_gates, settle_bn, signs_batch, small_source
 from torch import nn
 from torchvision import models as tvm
 
-from tta_core.data.preprocess import images_to_tensor
-from tta_core.data.signs import make_signs
 from tta_core.elasticdnn.gates import ChannelGate, kept_count, make_gated
 from tta_core.elasticdnn.surrogate import extract_surrogate, highest_entropy_sample
-from tta_core.model.source import load_card
-
-
-def signs_batch(n: int = 16, seed: int = 7) -> torch.Tensor:
-    card = load_card(SOURCE_CARD)
-    data = make_signs(n, 32, seed=seed)
-    return images_to_tensor(data.images, card.mean, card.std)
 
 
 def sq_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -97,7 +88,7 @@ def test_surrogate_is_a_plain_sliced_network(master) -> None:
 
 @pytest.mark.parametrize("build, n_sites", [
     (lambda: tvm.resnet18(num_classes=10), 8),
-    (lambda: tvm.resnet50(num_classes=10), 32),
+    pytest.param(lambda: tvm.resnet50(num_classes=10), 32, marks=pytest.mark.slow),
 ])
 def test_slicing_keeps_torchvision_resnets_valid(build, n_sites) -> None:
     torch.manual_seed(0)

@@ -9,8 +9,7 @@ import itertools
 
 import pytest
 import torch
-from test_elastic_gates import randomize_gates, small_source
-from test_elastic_surrogate import signs_batch
+from helpers.models import randomize_gates, signs_batch, small_source
 
 from tta_core.elasticdnn.filter_update import (
     _param_masks,

@@ -11,10 +11,9 @@ from torchvision.models import VisionTransformer
 from tta_core.adashadow import profiler
 from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig
 from tta_core.adashadow.planner import backward_cost
-from tta_core.api import Plan
 from tta_core.adashadow.planning import UnitLayout, mac_profile
 from tta_core.adashadow.predictor import UnitProfile
-from tta_core.api import PhaseClock
+from tta_core.api import PhaseClock, Plan
 from tta_core.cli import main as cli_main
 from tta_core.model.norms import set_bn_mode
 from tta_core.model.units import StagedModel, decompose, stage_input_hooks

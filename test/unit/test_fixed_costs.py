@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from tta_core.runtime import fixed_costs as fc_mod
 from tta_core.adashadow import planner
 from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig
-from tta_core.runtime.fixed_costs import FixedCosts
 from tta_core.adashadow.planning import UnitLayout, mac_profile
 from tta_core.model.norms import set_bn_mode
 from tta_core.model.units import decompose
 from tta_core.model.zoo import build_model
+from tta_core.runtime import fixed_costs as fc_mod
+from tta_core.runtime.fixed_costs import FixedCosts
 
 
 def test_emas_skip_the_warmup_start_at_the_next_sample_and_converge() -> None:
@@ -193,6 +193,7 @@ def test_planner_overhead_is_a_fixed_cost_of_non_empty_plans() -> None:
         planner.solve(planner.PlanProblem(**{**p.__dict__, "overhead_ms": -1.0}))
 
 
+@pytest.mark.slow
 def test_an_estimate_that_blocks_every_update_is_forgotten_slowly() -> None:
     """Batches without an update cannot re-measure the update's cost: its excess over the
     least cost measured lately decays by `forget` per batch, and that floor FLOOR_AGING

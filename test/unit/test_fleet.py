@@ -60,6 +60,7 @@ def instances(draw):
     return apps, draw(st.floats(0.05, 2.0))
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(instances())
 def test_plan_equals_brute_force_and_respects_every_limit(inst) -> None:

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from helpers import CARD, fake_image
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -40,12 +41,8 @@ class Untouchable:
     __len__ = __getitem__ = __iter__ = __buffer__ = _touched
 
 
-def _msg(**fields: object) -> SimpleNamespace:
-    return SimpleNamespace(**{"is_bigendian": 0, **fields})
-
-
 def _float_msg(img: np.ndarray, encoding: str = "32FC3") -> SimpleNamespace:
-    return _msg(**array_to_image_fields(img, encoding))
+    return fake_image(**array_to_image_fields(img, encoding))
 
 
 def _refusal(msg: SimpleNamespace, limits: FrameLimits = DEFAULT) -> str:
@@ -57,7 +54,7 @@ def _refusal(msg: SimpleNamespace, limits: FrameLimits = DEFAULT) -> str:
 
 
 def test_tall_one_pixel_frame_refused_before_data_is_read() -> None:
-    text = _refusal(_msg(height=2_000_000, width=1, encoding="rgb8", step=3,
+    text = _refusal(fake_image(height=2_000_000, width=1, encoding="rgb8", step=3,
                          data=Untouchable()))
     assert "aspect 2e+06" in text and "height=2000000 width=1" in text
     assert "max_aspect=20" in text
@@ -65,7 +62,7 @@ def test_tall_one_pixel_frame_refused_before_data_is_read() -> None:
 
 @pytest.mark.parametrize(("h", "w"), [(4097, 4096), (100_000, 5_000), (2**31, 2**31)])
 def test_too_many_pixels_refused_before_data_is_read(h: int, w: int) -> None:
-    text = _refusal(_msg(height=h, width=w, encoding="32FC3", step=12 * w,
+    text = _refusal(fake_image(height=h, width=w, encoding="32FC3", step=12 * w,
                          data=Untouchable()))
     assert f"{h * w} pixels" in text and f"max_pixels={4096 * 4096}" in text
 
@@ -73,11 +70,11 @@ def test_too_many_pixels_refused_before_data_is_read(h: int, w: int) -> None:
 def test_each_limit_names_its_value() -> None:
     rgb = RNG.random((11, 11, 3)).astype(np.float32)
     fields = array_to_image_fields(rgb, "rgb8")
-    assert "max_pixels=100" in _refusal(_msg(**fields), FrameLimits(max_pixels=100))
+    assert "max_pixels=100" in _refusal(fake_image(**fields), FrameLimits(max_pixels=100))
     wide = array_to_image_fields(RNG.random((2, 9, 3)).astype(np.float32), "mono8")
-    assert "aspect 4.5" in _refusal(_msg(**wide), FrameLimits(max_aspect=4.0))
-    assert decode_image(_msg(**wide), FrameLimits(max_aspect=4.5)).shape == (2, 9, 3)
-    assert decode_image(_msg(**fields), FrameLimits(max_pixels=121)).shape == (11, 11, 3)
+    assert "aspect 4.5" in _refusal(fake_image(**wide), FrameLimits(max_aspect=4.0))
+    assert decode_image(fake_image(**wide), FrameLimits(max_aspect=4.5)).shape == (2, 9, 3)
+    assert decode_image(fake_image(**fields), FrameLimits(max_pixels=121)).shape == (11, 11, 3)
 
 
 @pytest.mark.parametrize("encoding", ["32FC1", "32FC3"])
@@ -104,16 +101,16 @@ def test_in_range_float_frame_accepted_and_range_is_an_option() -> None:
 def test_integer_encodings_have_no_range_check() -> None:
     full = np.ones((3, 4, 3), dtype=np.float32)  # 65535 / 255: the top of the range
     for enc in ("rgb16", "mono16", "rgb8"):
-        out = image_to_array(_msg(**array_to_image_fields(full, enc)),
+        out = image_to_array(fake_image(**array_to_image_fields(full, enc)),
                              FrameLimits(float_range=(0.0, 0.5)))
         np.testing.assert_array_equal(out, full)
 
 
 def test_attacker_sized_strings_are_cut() -> None:
     enc = "rgb8" + "x" * (65536 - 4)
-    text = _refusal(_msg(height=1, width=1, encoding=enc, step=3, data=b"abc"))
+    text = _refusal(fake_image(height=1, width=1, encoding=enc, step=3, data=b"abc"))
     assert "'rgb8xxxxxxxxxxxx'\u2026 (65536 chars)" in text
-    assert _refusal(_msg(height=1, width=1, encoding="a\nb", step=3, data=b"abc")).count(
+    assert _refusal(fake_image(height=1, width=1, encoding="a\nb", step=3, data=b"abc")).count(
         "'a\\nb'") == 1
     assert quoted("rgb8") == "'rgb8'"
     assert one_line("x\n" * 1000, limit=50) == "x\\n" * 16 + "x\\\u2026 (3000 chars)"
@@ -140,14 +137,14 @@ def _random_case(rng: np.random.Generator) -> SimpleNamespace:
     row = max(w, 0) * spec.channels * spec.depth
     step = row + int(rng.choice([0, 0, 1, 3, 8, -1]))
     if h <= 0 or w <= 0 or h * w > 4096 * 4096 or max(h, w) > 20 * min(h, w):
-        return _msg(height=h, width=w, encoding=enc, step=step, data=Untouchable(),
+        return fake_image(height=h, width=w, encoding=enc, step=step, data=Untouchable(),
                     is_bigendian=int(rng.integers(0, 2)))
     size = max(h * step + int(rng.choice([0, 0, 0, 1, -1, -step])), 0)
     if spec.kind == "f" and size % 4 == 0 and rng.random() < 0.5:
         data = rng.random(size // 4).astype(np.float32).tobytes()
     else:
         data = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
-    return _msg(height=h, width=w, encoding=enc, step=step, data=data,
+    return fake_image(height=h, width=w, encoding=enc, step=step, data=data,
                 is_bigendian=int(rng.integers(0, 2)))
 
 
@@ -183,13 +180,11 @@ def test_random_frame_generator_covers_both_outcomes() -> None:
 def test_far_out_float_frame_would_poison_a_bn_adapt_batch() -> None:
     """Why the float range matters: admitted (limits widened), one 1e6 frame changes the
     bn_adapt predictions of the seven clean frames batched with it."""
-    from pathlib import Path
 
     from tta_core.methods import build_method
     from tta_core.model.source import load_source
 
-    model, card = load_source(Path(__file__).resolve().parent.parent / "checkpoints"
-                              / "small_resnet_signs32.json")
+    model, card = load_source(CARD)
     method, pre = build_method("bn_adapt", model), Preprocess.from_card(card)
     clean = [decode_image(_float_msg(RNG.random((40, 40, 3)).astype(np.float32)))
              for _ in range(7)]

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 
+import pytest
+
 from tta_core.runtime.gc_pauses import freeze_startup_heap, frozen_heap
 
 
@@ -19,6 +21,7 @@ def test_frozen_heap_freezes_for_the_block_and_unfreezes_after() -> None:
     del keep
 
 
+@pytest.mark.slow
 def test_a_full_collection_walks_fewer_objects_once_frozen() -> None:
     gc.unfreeze()
     junk = [[i] for i in range(200_000)]

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import cv2
 import numpy as np
 import pytest
+from helpers import fake_image
 
 import tta_core.io.image_msg as image_msg
 from tta_core.data.signs import make_signs
@@ -23,10 +24,6 @@ from tta_core.io.image_msg import (
 RNG = np.random.default_rng(11)
 #: where U, Y0, V, Y1 sit in each 4-byte group of two pixels
 YUV_ORDER = {"yuv422": "uyvy", "uyvy": "uyvy", "yuyv": "yuyv", "yuv422_yuy2": "yuyv"}
-
-
-def _msg(**fields) -> SimpleNamespace:
-    return SimpleNamespace(**{"is_bigendian": 0, **fields})
 
 
 def _bt601(y: np.ndarray, u: np.ndarray, v: np.ndarray) -> np.ndarray:
@@ -47,24 +44,24 @@ def test_yuv422_matches_bt601_reference_honouring_step(encoding: str) -> None:
     ys = [i for i, ch in enumerate(order) if ch == "y"]
     y = np.stack([groups[..., ys[0]], groups[..., ys[1]]], axis=-1).reshape(h, w)
     expect = _bt601(y, np.repeat(u, 2, axis=1), np.repeat(v, 2, axis=1))
-    out = decode_image(_msg(height=h, width=w, encoding=encoding, step=2 * w + pad,
+    out = decode_image(fake_image(height=h, width=w, encoding=encoding, step=2 * w + pad,
                             data=data.tobytes()))
     assert out.shape == (h, w, 3) and out.dtype == np.uint8
     assert np.abs(out.astype(np.int64) - expect).max() <= 2
     data[:, 2 * w:] = 255 - data[:, 2 * w:]  # padding is ignored
-    again = decode_image(_msg(height=h, width=w, encoding=encoding.upper(), step=2 * w + pad,
+    again = decode_image(fake_image(height=h, width=w, encoding=encoding.upper(), step=2 * w + pad,
                               data=data.tobytes()))
     np.testing.assert_array_equal(again, out)
 
 
 def test_yuv422_odd_width_and_limits_refused_before_data_is_read() -> None:
     with pytest.raises(ValueError, match="width=5 is odd"):
-        decode_image(_msg(height=2, width=5, encoding="uyvy", step=10, data=bytes(20)))
+        decode_image(fake_image(height=2, width=5, encoding="uyvy", step=10, data=bytes(20)))
     with pytest.raises(ValueError, match="max_pixels=16"):
-        decode_image(_msg(height=8, width=8, encoding="yuyv", step=16, data=None),
+        decode_image(fake_image(height=8, width=8, encoding="yuyv", step=16, data=None),
                      FrameLimits(max_pixels=16))
     with pytest.raises(ValueError, match="max_aspect"):
-        decode_image(_msg(height=2, width=100, encoding="yuv422", step=200, data=None))
+        decode_image(fake_image(height=2, width=100, encoding="yuv422", step=200, data=None))
 
 
 PATCHES = np.array([[[230, 20, 40], [20, 200, 60]], [[30, 50, 220], [240, 210, 30]]],
@@ -86,7 +83,7 @@ def test_bayer_flat_patches_decode_to_their_colours(pattern: str) -> None:
     pad = 3
     raw = np.full((24, 24 + pad), 0x5A, np.uint8)
     raw[:, :24] = _mosaic(rgb, pattern)
-    out = decode_image(_msg(height=24, width=24, encoding=f"bayer_{pattern}8",
+    out = decode_image(fake_image(height=24, width=24, encoding=f"bayer_{pattern}8",
                             step=24 + pad, data=raw.tobytes()))
     assert out.shape == (24, 24, 3) and out.dtype == np.uint8
     for i in range(2):
@@ -101,7 +98,7 @@ def test_bayer_code_named_like_the_ros_pattern_would_swap_red_and_blue() -> None
     red = np.zeros((8, 8, 3), np.uint8)
     red[..., 0] = 200
     wrong = cv2.cvtColor(_mosaic(red, "rggb"), cv2.COLOR_BayerRG2RGB)[4, 4]
-    right = decode_image(_msg(height=8, width=8, encoding="bayer_rggb8", step=8,
+    right = decode_image(fake_image(height=8, width=8, encoding="bayer_rggb8", step=8,
                               data=_mosaic(red, "rggb").tobytes()))[4, 4]
     assert tuple(wrong) == (0, 0, 200) and tuple(right) == (200, 0, 0)
 
@@ -125,7 +122,7 @@ def _compressed(rgb: np.ndarray, ext: str = ".png", fmt: str = "png", *params: i
 def test_png_decodes_to_exactly_the_raw_image(fmt: str) -> None:
     rgb = make_signs(4, image_size=48, seed=3).images
     for img in rgb:
-        raw = decode_image(_msg(**array_to_image_fields(img / 255.0, "rgb8")))
+        raw = decode_image(fake_image(**array_to_image_fields(img / 255.0, "rgb8")))
         out = decode_compressed(_compressed(img, ".png", fmt))
         assert out.dtype == np.uint8 and out.shape == (48, 48, 3)
         np.testing.assert_array_equal(out, raw)

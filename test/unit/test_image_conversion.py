@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import array
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+from helpers import CARD, fake_image
 
 from tta_core.io.image_msg import (
     ENCODINGS,
@@ -22,10 +22,6 @@ from tta_core.io.image_msg import (
 
 RNG = np.random.default_rng(0)
 RGB = RNG.random((5, 7, 3)).astype(np.float32)
-
-
-def _msg(**fields) -> SimpleNamespace:
-    return SimpleNamespace(**fields)
 
 
 def _hand_built(encoding: str, pad: int) -> tuple[SimpleNamespace, np.ndarray]:
@@ -45,7 +41,7 @@ def _hand_built(encoding: str, pad: int) -> tuple[SimpleNamespace, np.ndarray]:
     expect = vals[:, :, :3].astype(np.float32) / 255.0
     if encoding == "mono8":
         expect = np.repeat(expect[:, :, :1], 3, axis=2)
-    msg = _msg(height=h, width=w, encoding=encoding, is_bigendian=0, step=step,
+    msg = fake_image(height=h, width=w, encoding=encoding, is_bigendian=0, step=step,
                data=array.array("B", b"".join(rows)))
     return msg, expect
 
@@ -65,7 +61,7 @@ def test_16bit_honours_byte_order(encoding: str, bigendian: bool) -> None:
     vals = RNG.integers(0, 65536, size=(h, w, ch), dtype=np.uint16)
     dt = ">u2" if bigendian else "<u2"
     data = vals.astype(dt).tobytes()
-    msg = _msg(height=h, width=w, encoding=encoding, is_bigendian=int(bigendian),
+    msg = fake_image(height=h, width=w, encoding=encoding, is_bigendian=int(bigendian),
                step=w * ch * 2, data=data)
     out = image_to_array(msg)
     expect = vals.astype(np.float32) / 65535.0
@@ -80,7 +76,7 @@ def test_16bit_honours_byte_order(encoding: str, bigendian: bool) -> None:
 @pytest.mark.parametrize("encoding", sorted(e for e, s in ENCODINGS.items() if s.kind != "cv"))
 def test_round_trip_with_padding(encoding: str) -> None:
     fields = array_to_image_fields(RGB, encoding, pad=3, bigendian=True)
-    out = image_to_array(_msg(**fields))
+    out = image_to_array(fake_image(**fields))
     ref = RGB if ENCODINGS[encoding].channels > 1 else np.repeat(
         RGB.mean(axis=2, keepdims=True), 3, axis=2)
     tol = 1 / 255 if ENCODINGS[encoding].depth == 1 else 1 / 65535
@@ -93,7 +89,7 @@ def test_tensor_resized_and_normalised() -> None:
     img[:, :, 0] = 1.0
     img[:, :, 1] = 0.25
     img[:, :, 2] = 0.5
-    x = image_to_tensor(_msg(**array_to_image_fields(img, "rgb8")), pre)
+    x = image_to_tensor(fake_image(**array_to_image_fields(img, "rgb8")), pre)
     assert x.shape == (1, 3, 4, 4) and x.dtype == torch.float32
     exp = torch.tensor([1.0, 0.25, 0.5])
     exp = ((torch.round(exp * 255) / 255) - torch.tensor(pre.mean)) / torch.tensor(pre.std)
@@ -103,8 +99,7 @@ def test_tensor_resized_and_normalised() -> None:
 def test_preprocess_from_the_shipped_card() -> None:
     from tta_core.model.source import load_card
 
-    card = load_card(Path(__file__).resolve().parent.parent / "checkpoints"
-                     / "small_resnet_signs32.json")
+    card = load_card(CARD)
     pre = Preprocess.from_card(card)
     assert pre.image_size == card.image_size == 32 and pre.mean == tuple(card.mean)
 
@@ -125,7 +120,7 @@ def test_uint8_fast_path_equals_float_path() -> None:
 
 def test_rgb8_of_16bit_and_8bit() -> None:
     fields = array_to_image_fields(RGB, "rgb16")
-    np.testing.assert_array_equal(image_to_rgb8(_msg(**fields)), np.round(RGB * 255))
+    np.testing.assert_array_equal(image_to_rgb8(fake_image(**fields)), np.round(RGB * 255))
     msg, expect = _hand_built("bgra8", 2)
     out = image_to_rgb8(msg)
     assert out.dtype == np.uint8
@@ -150,16 +145,16 @@ def _good() -> dict:
 def test_bad_images_name_the_value(change: dict, needle: str) -> None:
     fields = {**_good(), **change}
     with pytest.raises(ValueError, match=needle):
-        image_to_array(_msg(**fields))
+        image_to_array(fake_image(**fields))
 
 
 @pytest.mark.parametrize("bigendian", [False, True])
 def test_float_encoding_byte_order_and_nan_pixels(bigendian: bool) -> None:
     img = RGB.copy()
     fields = array_to_image_fields(img, "32FC3", pad=4, bigendian=bigendian)
-    np.testing.assert_array_equal(image_to_array(_msg(**fields)), img)
+    np.testing.assert_array_equal(image_to_array(fake_image(**fields)), img)
     img[2, 3, 1] = np.nan
-    bad = _msg(**array_to_image_fields(img, "32FC3", bigendian=bigendian))
+    bad = fake_image(**array_to_image_fields(img, "32FC3", bigendian=bigendian))
     with pytest.raises(ValueError, match="non-finite values"):
         image_to_tensor(bad, Preprocess(5, (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)))
 

@@ -8,14 +8,13 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
 import tta_kernels
+from helpers import ROOT
 from tta_kernels import cpu, dispatch, native, reference
 
-ROOT = Path(__file__).resolve().parents[1]
 SHAPES = (1, 7, 128, 1000, 4096 + 5)
 GROUPS = (8, 64, 128)
 
@@ -115,6 +114,7 @@ def test_native_masks_equal_the_pytorch_packing(band: tuple[float, float]) -> No
     assert not dispatch.native_masks(torch.float16, torch.device("cpu"))
 
 
+@pytest.mark.slow
 def test_native_is_the_default_where_a_compiler_is_and_falls_back_without(tmp_path) -> None:
     """With a C compiler the CPU default is the native path (its library cached under
     TTA_KERNELS_CACHE, keyed by source, flags, compiler and CPU); without one (CC names
@@ -157,6 +157,7 @@ def test_half_precision_inputs_decode_to_their_dtype() -> None:
         assert torch.equal(out, reference.unpack_dequantize(ref, 8, 64, 1000, dtype))
 
 
+@pytest.mark.slow
 def test_compiled_path_equals_reference_or_falls_back(monkeypatch) -> None:
     """The torch.compile path (or, without a working compiler, its fallback) gives the
     reference's bytes; the dispatcher names the path it took."""
@@ -187,6 +188,7 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess:
                           text=True, timeout=240, env=full, cwd=ROOT)
 
 
+@pytest.mark.slow
 def test_triton_kernels_equal_reference_in_the_interpreter() -> None:
     """The Triton kernels' arithmetic, run by Triton's CPU interpreter (no GPU needed), on
     seeded inputs. Measured: over 2000 random seeds at 8 bits / group 8 the interpreter
@@ -210,6 +212,7 @@ def test_triton_kernels_equal_reference_in_the_interpreter() -> None:
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_import_needs_no_gpu_and_missing_triton_falls_back_with_one_notice() -> None:
     code = """
         import sys, warnings

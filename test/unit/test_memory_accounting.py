@@ -128,6 +128,7 @@ def test_counter_result_per_batch_and_not_reentrant() -> None:
         counter.__enter__()
 
 
+@pytest.mark.slow
 def test_peak_rss_tracks_a_large_allocation() -> None:
     """In a fresh process: in this one, memory freed by earlier tests (kept resident by
     runtime.malloc_tuning) can serve the block without raising the peak."""

@@ -129,16 +129,16 @@ def test_shrinking_with_pinned_entries_downgrades_without_a_crash() -> None:
 
 
 def _r18_grads(ctx) -> torch.Tensor:
-    from test_memory_quant import _grads, resnet18_64px
+    from helpers.models import flat_grads, resnet18_64px
 
     model, x = resnet18_64px()
-    return _grads(model, x, ctx(model))
+    return flat_grads(model, x, ctx(model))
 
 
 def test_arena_codec_with_room_gives_the_plain_codecs_gradients() -> None:
     """Same quantization, stored in pages and read back through views: bit-identical."""
-    from tta_core.memory import ActivationCodec, CodecPlan
     from tta_core.daf.arena_codec import ArenaCodec
+    from tta_core.memory import ActivationCodec, CodecPlan
 
     plan = CodecPlan(default_bits=4, norm_bits=8)
     arena = PagedArena(64 * 2**20, page_size=4096)
@@ -149,28 +149,28 @@ def test_arena_codec_with_room_gives_the_plain_codecs_gradients() -> None:
 
 
 def test_arena_codec_under_a_tight_budget_downgrades_the_least_important() -> None:
-    from test_memory_quant import _cos, _grads, resnet18_64px
+    from helpers.models import cosine, flat_grads, resnet18_64px
 
-    from tta_core.memory import ActivationCodec, CodecPlan
     from tta_core.daf.arena_codec import ArenaCodec
+    from tta_core.memory import ActivationCodec, CodecPlan
 
     model, x = resnet18_64px()
     plan = CodecPlan(default_bits=8, norm_bits=8)
     roomy = ActivationCodec(model, plan)
-    exact = _grads(model, x, roomy)
+    exact = flat_grads(model, x, roomy)
     importance = {n: (10.0 if n.startswith("layer4") else 1.0)
                   for n, _m in model.named_modules() if n}
     arena = PagedArena(roomy.result.total // 2, page_size=4096)
     codec = ArenaCodec(model, plan, arena, importance)
-    got = _grads(model, x, codec)
+    got = flat_grads(model, x, codec)
     widths = {b.bits for b in arena.table.values()}
     assert arena.used_bytes <= arena.capacity and codec.overflow_bytes == 0
     assert min(widths) >= 2 and len(widths) > 1
     units = codec.scope.unit_names
     assert all(arena.bits_of(k) == 8 for k, b in arena.table.items()
                if b.importance == 10.0), "important entries were downgraded"
-    assert _cos(exact, got) >= 0.95 and len(units) > 0
+    assert cosine(exact, got) >= 0.95 and len(units) > 0
     tiny = PagedArena(64 * 4096, page_size=4096)  # far too small even at 2 bits
     squeezed = ArenaCodec(model, plan, tiny, importance)
-    _grads(model, x, squeezed)  # no crash: the excess is stored outside and reported
+    flat_grads(model, x, squeezed)  # no crash: the excess is stored outside and reported
     assert squeezed.overflow_bytes > 0 and tiny.used_bytes <= tiny.capacity

@@ -183,8 +183,6 @@ def test_bad_memory_budget_values_raise_one_line(value: object) -> None:
         PlanningConfig(memory_budget_mib=value).validate()  # type: ignore[arg-type]
 
 
-
-
 # ------------------------------------------------------------------ bench
 @pytest.mark.slow
 def test_bench_memory_budget_end_to_end(tmp_path: Path) -> None:

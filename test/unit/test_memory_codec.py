@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 import torch
+from helpers.models import entropy, grads_by_name
 from torch import nn
 from torchvision.models import resnet18
 
@@ -27,22 +28,6 @@ KEEPS = (0.1, 0.3, 0.5, 0.8, 1.0)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _entropy(logits: torch.Tensor) -> torch.Tensor:
-    p = logits.softmax(1)
-    return -(p * p.clamp_min(1e-12).log()).sum(1).mean()
-
-
-def _grads(model: nn.Module, x: torch.Tensor, ctx=None) -> dict[str, torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    if ctx is None:
-        loss = _entropy(model(x))
-    else:
-        with ctx:
-            loss = _entropy(model(x))
-    loss.backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _cos(a: dict, b: dict, names: list[str]) -> float:
@@ -78,9 +63,9 @@ def test_bit_packing_round_trips_every_byte_pattern() -> None:
 @pytest.mark.parametrize("build", [_small, _r18])
 def test_keep_one_gives_bit_identical_gradients(build) -> None:
     model, x = build()
-    ref = _grads(model, x)
+    ref = grads_by_name(model, x)
     codec = ActivationCodec(model, CodecPlan.uniform(1.0))  # ReLU saves as 1-bit masks
-    got = _grads(model, x, codec)
+    got = grads_by_name(model, x, codec)
     assert got.keys() == ref.keys()
     assert all(torch.equal(got[n], ref[n]) for n in ref)
     assert codec.result.by_role[ACT] > 0  # the masks were really used
@@ -92,17 +77,17 @@ def test_relu6_and_hardtanh_masks_are_exact() -> None:
                         nn.Conv2d(8, 8, 3, padding=1), nn.Hardtanh(-0.5, 0.5),
                         nn.Flatten(), nn.Linear(8 * 8 * 8, 4)).train()
     x = 3 * torch.randn(4, 3, 8, 8)
-    ref = _grads(net, x)
+    ref = grads_by_name(net, x)
     codec = ActivationCodec(net, CodecPlan.uniform(1.0))
-    got = _grads(net, x, codec)
+    got = grads_by_name(net, x, codec)
     assert all(torch.equal(got[n], ref[n]) for n in ref)
     assert codec.result.by_role[ACT] == 2 * packed_size(4 * 8 * 8 * 8)
 
 
 def test_bn_gradients_exact_when_only_conv_inputs_are_pruned() -> None:
     model, x = _r18()
-    ref = _grads(model, x)
-    got = _grads(model, x, ActivationCodec(model, CodecPlan.uniform(0.3)))
+    ref = grads_by_name(model, x)
+    got = grads_by_name(model, x, ActivationCodec(model, CodecPlan.uniform(0.3)))
     bn = [n for n, m in model.named_modules() if isinstance(m, nn.BatchNorm2d)]
     bn_params = [f"{m}.{p}" for m in bn for p in ("weight", "bias")]
     for n in bn_params:
@@ -111,12 +96,12 @@ def test_bn_gradients_exact_when_only_conv_inputs_are_pruned() -> None:
     assert _cos(got, ref, conv_w) < 0.99  # pruning really changed the conv gradients
 
 
-@pytest.mark.parametrize("build", [_small, _r18])
+@pytest.mark.parametrize("build", [_small, pytest.param(_r18, marks=pytest.mark.slow)])
 def test_conv_gradient_cosine_rises_with_keep(build) -> None:
     model, x = build()
-    ref = _grads(model, x)
+    ref = grads_by_name(model, x)
     weights = [n for n in ref if n.endswith("weight") and ref[n].dim() > 1]
-    cos = [_cos(_grads(model, x, ActivationCodec(model, CodecPlan.uniform(k))), ref, weights)
+    cos = [_cos(grads_by_name(model, x, ActivationCodec(model, CodecPlan.uniform(k))), ref, weights)
            for k in KEEPS]
     assert all(a <= b + 1e-9 for a, b in itertools.pairwise(cos)), cos
     assert cos[-1] == pytest.approx(1.0, abs=1e-12)
@@ -132,16 +117,16 @@ def test_conv_gradient_cosine_rises_with_keep(build) -> None:
 def test_measured_bytes_match_prediction(plan: CodecPlan) -> None:
     model, x = _r18()
     staged = decompose(model, (3, 64, 64))
-    profile = profile_saves(staged, x, _entropy)
+    profile = profile_saves(staged, x, entropy)
     codec = ActivationCodec(staged, plan)
     with codec:
-        _entropy(model(x))
+        entropy(model(x))
     measured, predicted = codec.result.total, predicted_bytes(profile, plan)
     assert abs(measured - predicted.total) <= 0.05 * measured, (measured, predicted.total)
     assert predicted.per_unit.keys() == codec.result.per_unit.keys()
     counter = SavedActivationCounter(staged)
     with counter:
-        _entropy(model(x))
+        entropy(model(x))
     dense = counter.result.total
     if plan.act_masks:
         assert measured < 0.9 * dense
@@ -219,7 +204,7 @@ def _collisions(net: _TwoBranch, x: torch.Tensor, codec_type: type, ref: dict) -
     out: list[tuple[bool, bool]] = []
     while len(out) < 400 and sum(same for same, _ in out) < 5:
         net.seen.clear()
-        got = _grads(net, x, codec_type(net, CodecPlan.uniform(1.0)))
+        got = grads_by_name(net, x, codec_type(net, CodecPlan.uniform(1.0)))
         exact = all(torch.equal(got[n], ref[n]) for n in ref)
         out.append((net.seen[0] == net.seen[1], exact))
     return out
@@ -234,7 +219,7 @@ def test_dedup_never_mixes_two_tensors_at_one_address(monkeypatch) -> None:
     torch.manual_seed(0)
     net, x = _TwoBranch(), torch.randn(32, 64)
     net.l2.bias.data += 0.5  # the two masks differ
-    ref = _grads(net, x)
+    ref = grads_by_name(net, x)
     safe = _collisions(net, x, ActivationCodec, ref)
     assert any(same for same, _ in safe), "allocator never reused the address: no evidence"
     assert all(exact for _, exact in safe)
@@ -272,6 +257,7 @@ class _Square(torch.autograd.Function):
         return 2 * x * g
 
 
+@pytest.mark.slow
 def test_refuses_saves_from_a_compiled_graph_runtime() -> None:
     """Compiled graphs run through torch's AOT-autograd runtime (a real compile takes ~20 s
     on this machine): a caller frame from that package is simulated with exec."""

@@ -4,14 +4,10 @@ the predictor's, 0 bits exact for frozen units and refused for trainable ones, p
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from test_memory_codec import _entropy
-from test_memory_codec import _grads as _grads_by_name
+from helpers.models import MODELS, cosine, entropy, flat_grads, resnet18_64px, shipped_net
 from torch import nn
-from torchvision.models import resnet18
 
 from tta_core.memory import (
     ActivationCodec,
@@ -22,47 +18,19 @@ from tta_core.memory import (
 )
 from tta_core.memory.quant import PackedQuant, quant_nbytes
 from tta_core.model.norms import NORM_TYPES
-from tta_core.model.source import load_source
-
-CARD = Path(__file__).resolve().parents[1] / "checkpoints" / "small_resnet_signs32.json"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _grads(model: nn.Module, x: torch.Tensor, ctx=None) -> torch.Tensor:
-    """Every parameter's entropy gradient (test_memory_codec._grads), flattened."""
-    return torch.cat([g.double().flatten() for g in _grads_by_name(model, x, ctx).values()])
-
-
-def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float(a @ b / (a.norm() * b.norm()))
-
-
-def shipped_net() -> tuple[nn.Module, torch.Tensor]:
-    """The shipped small ResNet (trained weights), train-mode BN, 16 images of 32 px."""
-    model, card = load_source(CARD)
-    g = torch.Generator().manual_seed(0)
-    return model.train(), torch.rand(16, 3, card.image_size, card.image_size, generator=g)
-
-
-def resnet18_64px() -> tuple[nn.Module, torch.Tensor]:
-    """torchvision ResNet-18 (seeded random weights), 8 images of 64 px."""
-    torch.manual_seed(0)
-    return resnet18(num_classes=10).train(), torch.randn(8, 3, 64, 64)
-
-
-MODELS = {"shipped": shipped_net, "resnet18": resnet18_64px}
-
-
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", ["shipped", pytest.param("resnet18", marks=pytest.mark.slow)])
 def test_gradient_cosine_at_8_and_4_bits_with_masks(name: str) -> None:
     """Every conv/linear input and every BN input quantized (masks exact): all gradients."""
     model, x = MODELS[name]()
-    exact = _grads(model, x)
+    exact = flat_grads(model, x)
     cos = {}
     for bits in (8, 4, 2):
         codec = ActivationCodec(model, CodecPlan(default_bits=bits, norm_bits=bits))
-        cos[bits] = _cos(exact, _grads(model, x, codec))
+        cos[bits] = cosine(exact, flat_grads(model, x, codec))
     assert cos[8] >= 0.999 and cos[4] >= 0.99, cos
     assert cos[8] > cos[4] > cos[2], cos
 
@@ -77,10 +45,10 @@ def test_gradient_cosine_at_8_and_4_bits_with_masks(name: str) -> None:
 ])
 def test_measured_bytes_equal_prediction(plan: CodecPlan) -> None:
     model, x = resnet18_64px()
-    profile = profile_saves(model, x, _entropy)
+    profile = profile_saves(model, x, entropy)
     codec = ActivationCodec(model, plan)
     with codec:
-        _entropy(model(x))
+        entropy(model(x))
     predicted = predicted_bytes(profile, plan)
     if plan.keep:  # a pruned input's kept count is estimated (sampled threshold)
         assert abs(codec.result.total - predicted.total) <= 0.01 * predicted.total
@@ -89,7 +57,7 @@ def test_measured_bytes_equal_prediction(plan: CodecPlan) -> None:
         assert codec.result.per_unit == predicted.per_unit
     counter = SavedActivationCounter(model)
     with counter:
-        _entropy(model(x))
+        entropy(model(x))
     assert codec.result.total < 0.8 * counter.result.total
 
 
@@ -107,11 +75,11 @@ def test_quantized_bytes_are_codes_plus_group_metadata() -> None:
 def test_narrow_ints_hold_max_pool_indices_losslessly() -> None:
     """ResNet's max-pool indices (int64, < H*W) as int16: 4x fewer bytes, same gradients."""
     model, x = resnet18_64px()
-    exact = _grads(model, x)
+    exact = flat_grads(model, x)
     masks = ActivationCodec(model, CodecPlan())
-    assert torch.equal(_grads(model, x, masks), exact)
+    assert torch.equal(flat_grads(model, x, masks), exact)
     narrow = ActivationCodec(model, CodecPlan(narrow_ints=True))
-    assert torch.equal(_grads(model, x, narrow), exact)
+    assert torch.equal(flat_grads(model, x, narrow), exact)
     indices = 8 * 64 * 16 * 16 * 8  # batch x channels x 16 x 16 pooled, int64
     assert masks.result.total - narrow.result.total == indices - indices // 4
 
@@ -128,12 +96,12 @@ def _freeze_convs(model: nn.Module) -> list[str]:
 def test_zero_bits_on_frozen_units_keeps_gradients_bit_identical() -> None:
     model, x = resnet18_64px()
     convs = _freeze_convs(model)
-    exact = _grads(model, x)
+    exact = flat_grads(model, x)
     codec = ActivationCodec(model, CodecPlan(bits=dict.fromkeys(convs, 0)))
-    got = _grads(model, x, codec)
+    got = flat_grads(model, x, codec)
     assert torch.equal(exact, got)
     masks_only = ActivationCodec(model, CodecPlan())
-    _grads(model, x, masks_only)
+    flat_grads(model, x, masks_only)
     assert codec.result.by_role["wgrad"] == 0
     assert codec.result.total < masks_only.result.total
 
@@ -153,11 +121,11 @@ def test_norm_bits_8_keeps_bn_affine_gradients() -> None:
     model, x = shipped_net()
     convs = _freeze_convs(model)
     assert any(isinstance(m, NORM_TYPES) for m in model.modules())
-    exact = _grads(model, x)
+    exact = flat_grads(model, x)
     codec = ActivationCodec(model, CodecPlan(bits=dict.fromkeys(convs, 0), norm_bits=8))
-    assert _cos(exact, _grads(model, x, codec)) >= 0.9999
+    assert cosine(exact, flat_grads(model, x, codec)) >= 0.9999
     counter = SavedActivationCounter(model)
-    _grads(model, x, counter)
+    flat_grads(model, x, counter)
     assert codec.result.total < 0.4 * counter.result.total
 
 

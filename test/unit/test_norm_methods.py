@@ -152,23 +152,16 @@ def test_cotta_refuses_a_model_without_parameters() -> None:
     assert "\n" not in str(err.value)
 
 
-# phases each method reports, in ticks of the fake clock (one tick per mark)
-PHASE_TICKS = {
-    "source": {"forward_ms": 1},
-    "bn_adapt": {"forward_ms": 1},
-    "tent": {"forward_ms": 1, "backward_ms": 1, "reforward_ms": 1},
-    "eata": {"forward_ms": 1, "backward_ms": 1, "reforward_ms": 1},
-    "sar": {"forward_ms": 1, "backward_ms": 1, "reforward_ms": 1},
-    "cotta": {"forward_ms": 1, "backward_ms": 1},
-    "lame": {"forward_ms": 1, "post_ms": 1},
-}
+# every baseline runs the base class's loop: five timed phases, one clock interval each
+BASELINES = ("source", "bn_adapt", "tent", "eata", "sar", "cotta", "lame")
 PHASES = ("forward_ms", "plan_ms", "backward_ms", "reforward_ms", "post_ms")
 
 
-@pytest.mark.parametrize("name", sorted(PHASE_TICKS))
+@pytest.mark.parametrize("name", BASELINES)
 def test_baselines_time_phases_with_the_phase_clock(name: str, monkeypatch) -> None:
-    """A fake PhaseClock.now advancing 1 s per call: every phase is then a whole number
-    of seconds, which a method reading time.perf_counter itself would not produce."""
+    """A fake PhaseClock.now advancing 1 s per call: the loop times each of its five phases
+    as one interval (1 s); a method reading time.perf_counter itself, or timing a phase by
+    hand inside the loop, would report something else."""
     meth = build_method(name, LayerNormNet(), **options(name, reforward=True))
     ticks = itertools.count()
     monkeypatch.setattr(PhaseClock, "now", lambda self: float(next(ticks)))
@@ -176,5 +169,5 @@ def test_baselines_time_phases_with_the_phase_clock(name: str, monkeypatch) -> N
     reported = {p: getattr(times, p) for p in PHASES}
     for phase, ms in reported.items():
         assert math.isclose(ms % 1000.0, 0.0, abs_tol=1e-9), (phase, ms)
-        assert ms == 1000.0 * PHASE_TICKS[name].get(phase, 0), (phase, ms)
+        assert ms == 1000.0, (phase, ms)
     assert times.total_ms == sum(reported.values())

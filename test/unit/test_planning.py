@@ -5,11 +5,10 @@ without any ROS context (the node's wiring is tested over DDS in test_ros_nodes.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
+from helpers import CARD
 
 from tta_core.adashadow import planner
 from tta_core.adashadow.planning import (
@@ -24,8 +23,6 @@ from tta_core.adashadow.planning import (
 from tta_core.adashadow.predictor import UnitProfile, planning_times
 from tta_core.methods import build_method
 from tta_core.model.source import load_source
-
-CARD = Path(__file__).resolve().parent.parent / "checkpoints" / "small_resnet_signs32.json"
 
 
 @pytest.fixture(scope="module")

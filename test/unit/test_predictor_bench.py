@@ -221,6 +221,7 @@ class _FakeMachine:
         monkeypatch.setattr(expansion, "available_cores", lambda: 2)
 
 
+@pytest.mark.slow
 def test_cli_offline_and_dr2_small_resnet(tmp_path, monkeypatch) -> None:
     """The real command on small_resnet at 32 px (real profiling, plan, outputs) on a fake
     machine (_FakeMachine): every figure of the table is then known exactly. The real
@@ -296,6 +297,7 @@ def test_cli_offline_and_dr2_small_resnet(tmp_path, monkeypatch) -> None:
     assert busy["err_backward_fb_pct"] < 0.1
 
 
+@pytest.mark.slow
 def test_cli_reuses_a_given_profile_and_rejects_a_mismatched_one(tmp_path, monkeypatch) -> None:
     from tta_core.adashadow import profiler
     from tta_core.model.norms import set_bn_mode

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
+from helpers import ROOT
 
 from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig
 from tta_core.data.preprocess import images_to_tensor
@@ -14,7 +13,7 @@ from tta_core.data.signs import make_signs
 from tta_core.model.source import accuracy, load_source
 from tta_core.model.units import decompose
 
-CKPTS = Path(__file__).resolve().parent.parent / "checkpoints"
+CKPTS = ROOT / "checkpoints"
 HELD_OUT_SEED = 20_000  # neither the training (seed 0) nor the card's validation (10 000) set
 
 # card -> (units, stages, min accuracy on these 300 held-out signs): measured 0.957 and
@@ -25,6 +24,7 @@ SHIPPED = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(SHIPPED))
 def test_shipped_card_classifies_clean_signs(name: str) -> None:
     units, stages, min_acc = SHIPPED[name]
@@ -43,6 +43,7 @@ def test_shipped_card_classifies_clean_signs(name: str) -> None:
     assert all(u.macs_fwd > 0 and u.eta > 0 for u in staged.units)
 
 
+@pytest.mark.slow
 def test_adashadow_plans_and_steps_on_the_64px_card() -> None:
     """The engine decomposes the shipped ResNet-18, plans within its budget and updates
     norm units only (the default trainable set), batch after batch."""

@@ -107,6 +107,7 @@ def test_bad_parameters_raise_one_line_value_errors(kwargs, word) -> None:
     assert repr(bad) in str(err.value)
 
 
+@pytest.mark.slow
 def test_cli_bench_stream_hz_writes_table_and_plot(tmp_path, capsys) -> None:
     import json
 
@@ -267,6 +268,7 @@ def test_tracked_stream_shares_labels_per_track_and_keeps_domains() -> None:
         StreamSpec(order="mixed", track_length=2).validate()
 
 
+@pytest.mark.slow
 def test_warm_up_leaves_the_model_untouched() -> None:
     from tta_core.eval.bench import warm_up
     from tta_core.model.zoo import build_model

@@ -11,15 +11,15 @@ import torch
 from torch import nn
 
 from tta_core.memory import SavedActivationCounter
+from tta_core.methods import build_method
+from tta_core.model.source import load_source
+from tta_core.model.zoo import SmallResNet
 from tta_core.surgeon.layer_importance import (
     gradient_importance,
     layer_keep,
     memory_importance,
 )
-from tta_core.methods import build_method
 from tta_core.surgeon.method import OFFICIAL_LR, SurgeonConfig, surgeon_loss
-from tta_core.model.source import load_source
-from tta_core.model.zoo import SmallResNet
 
 CARD = "checkpoints/small_resnet_signs32.json"
 
@@ -108,6 +108,7 @@ def test_steps_reduce_entropy_on_a_fixed_batch() -> None:
     assert losses[-1] < losses[0]
 
 
+@pytest.mark.slow
 def test_saved_bytes_below_tent_on_the_same_batch() -> None:
     """Like with like: the same dedup ledger, forward + loss of one step each, batch 16."""
     x = batch()
@@ -292,8 +293,9 @@ def test_reset_restores_weights_optimizer_and_state(cfg: dict) -> None:
 
 
 # ---------------------------------------------------------------- bench
+@pytest.mark.slow
 def test_tiny_bench_runs_source_tent_surgeon(tmp_path) -> None:
-    from test_bench import make_model, tiny_stream
+    from helpers.models import make_model, tiny_stream
 
     from tta_core.eval.bench import BenchConfig, run_methods, write_bench
 

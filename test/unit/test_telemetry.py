@@ -158,6 +158,7 @@ def _busy(n: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(n)]
 
 
+@pytest.mark.slow
 def test_psutil_counts_busy_processes_then_drops_them() -> None:
     procs = _busy(2)
     try:

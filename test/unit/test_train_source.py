@@ -19,6 +19,7 @@ def tiny(tmp_path_factory):
     return train_source(cfg, out, progress=False), out
 
 
+@pytest.mark.slow
 def test_short_training_beats_chance_and_card_round_trips(tiny):
     card, out = tiny
     assert card.clean_accuracy > 3.0 / card.num_classes  # chance is 1/22
@@ -30,6 +31,7 @@ def test_short_training_beats_chance_and_card_round_trips(tiny):
     assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
 
 
+@pytest.mark.slow
 def test_card_that_does_not_fit_the_checkpoint_is_refused(tiny, tmp_path):
     _card, out = tiny
     raw = json.loads(out.with_suffix(".json").read_text())
@@ -52,6 +54,7 @@ def test_cli_rejects_bad_epochs():
         main(["train-source", "--epochs", "0"])
 
 
+@pytest.mark.slow
 def test_cli_half_safetensors_at_96px(tmp_path):
     """--half --safetensors: one float16 .safetensors file (no .pt left), named by the card,
     loading into a float32 model whose accuracy is the card's (re-measured after rounding)."""

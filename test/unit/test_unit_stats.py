@@ -8,12 +8,12 @@ import torch
 from torch import nn
 
 from tta_core.adashadow.assessor import Assessor
-from tta_core.runtime.stats import channel_stats
 from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig
 from tta_core.model.norms import set_bn_mode
-from tta_core.runtime.unit_stats import UnitStatsCollector, source_seeds
 from tta_core.model.units import decompose
 from tta_core.model.zoo import build_model
+from tta_core.runtime.stats import channel_stats
+from tta_core.runtime.unit_stats import UnitStatsCollector, source_seeds
 
 
 def _model(arch: str, size: int):
@@ -23,7 +23,8 @@ def _model(arch: str, size: int):
     return decompose(model, (3, size, size), arch)
 
 
-@pytest.mark.parametrize("arch,size", [("resnet18", 32), ("mobilenet_v2", 32),
+@pytest.mark.parametrize("arch,size", [pytest.param("resnet18", 32, marks=pytest.mark.slow),
+                                       pytest.param("mobilenet_v2", 32, marks=pytest.mark.slow),
                                        ("small_resnet", 32)])
 def test_carried_stats_equal_direct_channel_stats(arch, size):
     staged = _model(arch, size)
@@ -94,6 +95,7 @@ def _source_model(clean: torch.Tensor):
     return model
 
 
+@pytest.mark.slow
 def test_seeded_history_scores_a_shifted_first_batch_higher():
     g = torch.Generator().manual_seed(0)
     clean = torch.rand(64, 3, 32, 32, generator=g)

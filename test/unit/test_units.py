@@ -23,8 +23,9 @@ def _model(arch: str) -> tuple[nn.Module, int]:
     return build_model(arch, 10), 32 if arch == "small_resnet" else 64
 
 
-@pytest.mark.parametrize("arch", ["small_resnet", "resnet18", "resnet50", "mobilenet_v2",
-                                  "tiny_vit"])
+@pytest.mark.parametrize("arch", ["small_resnet", pytest.param("resnet18", marks=pytest.mark.slow),
+                                  pytest.param("resnet50", marks=pytest.mark.slow),
+                                  pytest.param("mobilenet_v2", marks=pytest.mark.slow), "tiny_vit"])
 def test_stage_composition_equals_model(arch: str) -> None:
     model, size = _model(arch)
     staged = decompose(model, (3, size, size))
@@ -40,7 +41,9 @@ def test_stage_composition_equals_model(arch: str) -> None:
             h = staged.stages[s].module(h)
 
 
-@pytest.mark.parametrize("arch", ["small_resnet", "mobilenet_v2", "tiny_vit"])
+@pytest.mark.parametrize("arch", ["small_resnet",
+                                  pytest.param("mobilenet_v2", marks=pytest.mark.slow),
+                                  "tiny_vit"])
 def test_every_parameter_in_exactly_one_unit(arch: str) -> None:
     model, size = _model(arch)
     staged = decompose(model, (3, size, size))

@@ -93,6 +93,7 @@ def bench_user(data: Path, weights: Path, out: Path, *extra: str) -> list[str]:
             *FAST, *extra]
 
 
+@pytest.mark.slow
 def test_bench_runs_on_cifar10c_with_a_torchvision_resnet18(cifar10c, resnet18_weights,
                                                             tmp_path) -> None:
     out = tmp_path / "bench"
@@ -239,6 +240,7 @@ def test_safetensors_weights_load_and_bad_ones_are_named(tmp_path) -> None:
         load_source(tmp_path / "small.json")
 
 
+@pytest.mark.slow
 def test_adashadow_never_traces_at_an_assumed_size(cifar10c, resnet18_weights, tmp_path,
                                                    monkeypatch) -> None:
     with pytest.raises(ValueError, match="adashadow needs input_shape"):
@@ -258,6 +260,7 @@ def test_adashadow_never_traces_at_an_assumed_size(cifar10c, resnet18_weights, t
     assert traced == [(3, 40, 40)]  # CIFAR's 32 px images resized to the given 40
 
 
+@pytest.mark.slow
 def test_report_lists_the_effective_learning_rate(tmp_path) -> None:
     """lr is the rate at batch 64, scaled linearly: batch 2 runs 5e-3 * 2 / 64."""
     out = tmp_path / "b"

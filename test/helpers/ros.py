@@ -1,0 +1,120 @@
+"""ROS helpers for test/ros: camera frames, the bringup rig, status feeds (imports rclpy)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import rclpy
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+from rclpy.executors import SingleThreadedExecutor
+from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+from sensor_msgs.msg import Image
+from tta_msgs.msg import (
+    AdaptationStatus,
+    ClassPrediction,
+    LayerImportance,
+    LayerPlan,
+    ResourceTelemetry,
+)
+from visualization_msgs.msg import MarkerArray
+
+from helpers import CARD, CONFIG, wait_for
+from tta_core.io.image_msg import array_to_image_fields
+from tta_ros.bringup import build_nodes
+
+
+def image_msg(sec: int, rgb: np.ndarray | None = None, encoding: str = "rgb8", *,
+              nanosec: int = 0, pad: int = 0, size: int = 40,
+              frame_id: str = "camera_front") -> Image:
+    """A camera Image stamped sec.nanosec holding `rgb` as `encoding` (rows padded by `pad`
+    bytes); without `rgb`, a random size x size float image seeded by `sec`."""
+    if rgb is None:
+        rgb = np.random.default_rng(sec).random((size, size, 3)).astype(np.float32)
+    msg = Image(**array_to_image_fields(rgb, encoding, pad=pad))
+    msg.header.stamp.sec, msg.header.stamp.nanosec = sec, nanosec
+    msg.header.frame_id = frame_id
+    return msg
+
+
+class Rig:
+    """bringup nodes + a probe node recording every output topic, spun in a thread."""
+
+    def __init__(self, ctx, perception: dict | None = None, scheduler: dict | None = None):
+        per = {"model_card": str(CARD), "batch_size": 4, "queue_size": 64,
+               "reset_patience": 100000, "feed_timeout_s": 0.5, "num_threads": 1,
+               **(perception or {})}
+        self.ctx = ctx
+        self.nodes = build_nodes(CONFIG, {"perception": per, "scheduler": {
+            "model_card": str(CARD), **(scheduler or {})}, "resource_monitor": {
+            "enable_perf": False}}, context=ctx)
+        self.monitor, self.scheduler, self.perception = self.nodes
+        self.probe = rclpy.create_node("probe", context=ctx)
+        self.got: dict[str, list] = {k: [] for k in (
+            "pred", "status", "imp", "plan", "markers", "tel", "diag")}
+        rel = QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE)
+        for key, typ, topic in (("pred", ClassPrediction, "predictions"),
+                                ("status", AdaptationStatus, "adaptation_status"),
+                                ("imp", LayerImportance, "layer_importance"),
+                                ("plan", LayerPlan, "layer_plan"),
+                                ("markers", MarkerArray, "layer_markers"),
+                                ("tel", ResourceTelemetry, "telemetry"),
+                                ("diag", DiagnosticArray, "/diagnostics")):
+            self.probe.create_subscription(typ, topic, self._rec(key), rel)
+        self.pub = self.probe.create_publisher(Image, "image", qos_profile_sensor_data)
+        self.ex = SingleThreadedExecutor(context=ctx)  # as tta_ros.bringup.main
+        for n in [*self.nodes, self.probe]:
+            self.ex.add_node(n)
+        self.thread = threading.Thread(target=self.ex.spin, daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.pub.get_subscription_count() > 0, 5.0)
+
+    def _rec(self, key: str) -> Callable:
+        def cb(msg) -> None:
+            self.got[key].append((time.monotonic(), msg))
+        return cb
+
+    def msgs(self, key: str) -> list:
+        return [m for _, m in list(self.got[key])]
+
+    def statuses(self, subsystem: str) -> list[DiagnosticStatus]:
+        return [s for a in self.msgs("diag") for s in a.status if subsystem in s.name]
+
+    def send(self, images: list[Image], gap_s: float = 0.02) -> None:
+        for img in images:
+            self.pub.publish(img)
+            time.sleep(gap_s)
+
+    def close(self) -> None:
+        self.ex.shutdown(timeout_sec=2.0)
+        self.thread.join(timeout=2.0)  # no callback may run on a node being destroyed
+        for n in [*self.nodes, self.probe]:
+            try:
+                n.destroy_node()
+            except Exception:  # already destroyed by the test
+                pass
+
+
+def send_until(ros_context, node, done: Callable[[], bool],
+               statuses: list[AdaptationStatus]) -> None:
+    """Publish `statuses` over DDS to `node` (spun here) until `done()`, then let repeats
+    arrive."""
+    perception = rclpy.create_node("fake_perception", context=ros_context)
+    pub = perception.create_publisher(AdaptationStatus, "adaptation_status",
+                                      QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
+    ex = SingleThreadedExecutor(context=ros_context)
+    for nd in (node, perception):
+        ex.add_node(nd)
+    try:
+        deadline = time.monotonic() + 10.0
+        while not done() and time.monotonic() < deadline:
+            for st in statuses:
+                pub.publish(st)
+            ex.spin_once(timeout_sec=0.05)
+        for _ in range(20):  # plans already answered: repeats must change nothing
+            ex.spin_once(timeout_sec=0.01)
+    finally:
+        ex.shutdown()
+        perception.destroy_node()

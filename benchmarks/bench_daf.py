@@ -42,11 +42,11 @@ from torch import nn
 from torchvision.models import resnet18, resnet50
 from tta_kernels import cpu, native, reference
 
-from tta_core.memory import ActivationCodec, CodecPlan, SavedActivationCounter, profile_saves
 from tta_core.daf.plans import budget_plan, trainable_units
-from tta_core.surgeon.layer_importance import gradient_importance
+from tta_core.memory import ActivationCodec, CodecPlan, SavedActivationCounter, profile_saves
 from tta_core.memory.ledger import MIB
 from tta_core.runtime.malloc_tuning import keep_freed_memory
+from tta_core.surgeon.layer_importance import gradient_importance
 
 Config = tuple[Callable[[], object], dict[str, str], list[str]]  # ctx, env, frozen units
 

@@ -16,8 +16,9 @@ predictions (receive time on this process's monotonic clock, the publishers' clo
 
 Phases. Warm-up: frames flow at every rate with an unlimited capacity (every camera at
 its full size) until every node reports a forward time and an accuracy estimate per size
-on /diagnostics (one camera at a time: each node times its sizes at its first full
-batch, which on a machine busy with the other cameras gave non-monotone times), then
+in its fleet report (tta_msgs/FleetReport; one camera at a time: each node times its
+sizes at its first full batch, which on a machine busy with the other cameras gave
+non-monotone times), then
 `--warm` seconds of every camera. Capacity: from those reports (the loads the nodes
 themselves predict, averaged over the `--warm` seconds), `--capacity` x the least
 capacity at which the equal split is feasible (N x the largest load of one camera at its
@@ -32,8 +33,9 @@ deadline has passed (the load stays on). Scoring: tta_core.eval.streaming.score_
 (the rule of the simulated benchmarks: frame i arrives at i / hz, deadline arrival +
 (2b - 1) / hz; strict: its own answer by then; streaming: the newest answer for a frame
 <= i available by then; never answered = wrong). Sizes: the perception nodes' `served`
-(the size their last batch ran at) and the scheduler's choice, sampled from /diagnostics
-during each window. CPU: each perception process's CPU seconds per second in the window.
+(the size their last batch ran at, from their fleet reports) and the scheduler's choice
+(its fleet status on /diagnostics), sampled during each window. CPU: each perception
+process's CPU seconds per second in the window.
 
     flock -x /tmp/tta_cpu.lock timeout 700 python benchmarks/bench_fleet_dds.py \\
         --cameras 2,4 --seed 0 --calibration runs/fleet_calibration.json
@@ -126,12 +128,12 @@ def params_file(path: Path, cams: list[Cam], args: argparse.Namespace, cal: str)
     doc = {}
     for c in cams:
         doc[f"{c.ns}/perception"] = {"ros__parameters": {
-            "model_card": str(GATED), "method": "elastic", "lr": args.lr,
+            "model_card": str(GATED), "method": "elastic", "method.lr": args.lr,
             "batch_size": args.batch, "num_threads": 1, "queue_size": 32,
             "batch_timeout_s": stream_batch_wait_ms(c.hz, args.batch) / 1000.0,
-            "camera_hz": c.hz, "deadline_mode": "camera", "plan_source": "inline",
-            "reset_patience": 100000, "fleet_calibration": cal,
-            "warmup_runs": args.warmup_runs}}
+            "method.camera_hz": c.hz, "method.deadline_mode": "camera",
+            "plan_source": "inline", "reset_patience": 100000, "fleet_calibration": cal,
+            "method.warmup_runs": args.warmup_runs}}
     doc[SCHEDULER] = {"ros__parameters": {
         "model_card": str(PLAIN), "fleet_namespaces": [c.ns for c in cams],
         "fleet_capacity": 1024.0, "fleet_period_s": args.period, "fleet_policy": "plan"}}

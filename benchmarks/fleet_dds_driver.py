@@ -1,6 +1,8 @@
 """The benchmark's own ROS side for bench_fleet_dds.py: one publisher per camera, the
-consumer of every camera's predictions and step times, the /diagnostics reader (the
-sizes the nodes served and the scheduler chose) and the scheduler's parameters.
+consumer of every camera's predictions and step times, the reader of the nodes' fleet
+reports (tta_msgs/FleetReport: the sizes served, the forward per size) and of the
+scheduler's fleet status on /diagnostics (the sizes chosen), and the scheduler's
+parameters.
 
 Everything runs on one node in its own rclpy context (the nodes' ROS domain), spun by an
 executor thread; frames are published from the caller's thread on an absolute schedule
@@ -18,17 +20,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import rclpy
-from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+from diagnostic_msgs.msg import DiagnosticArray
 from rcl_interfaces.srv import SetParameters
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.parameter import Parameter
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from rclpy.signals import SignalHandlerOptions
 from sensor_msgs.msg import Image
-from tta_msgs.msg import AdaptationStatus, ClassPrediction
+from tta_msgs.msg import AdaptationStatus, ClassPrediction, FleetReport
 
 from tta_core.elasticdnn.fleet import App
-from tta_ros.nodes.fleet_wiring import FLEET_STATUS, app_from_status
+from tta_ros.nodes.fleet_wiring import FLEET_STATUS, REPORT_QOS, REPORT_TOPIC, app_from_report
 
 SCHEDULER = "/fleet_scheduler"
 
@@ -44,7 +46,7 @@ def image_msgs(images: Any) -> list[Image]:
 
 
 class Driver:
-    """Cameras + consumer + diagnostics reader (module docstring); a context manager."""
+    """Cameras + consumer + fleet report reader (module docstring); a context manager."""
 
     def __init__(self, domain_id: int, cams: Sequence[Any]) -> None:
         self.ctx = rclpy.context.Context()
@@ -60,6 +62,9 @@ class Driver:
                                           lambda m, ns=c.ns: self._on_pred(ns, m), rel)
             self.node.create_subscription(AdaptationStatus, f"{c.ns}/adaptation_status",
                                           lambda m, ns=c.ns: self._on_step(ns, m), rel)
+            self.node.create_subscription(FleetReport, f"{c.ns}/{REPORT_TOPIC}",
+                                          lambda m, ns=c.ns: self._on_report(ns, m),
+                                          REPORT_QOS)
         self.node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diag, rel)
         self.client = self.node.create_client(SetParameters, f"{SCHEDULER}/set_parameters")
         self.recording: int | None = None  # the window whose sizes are being sampled
@@ -70,7 +75,7 @@ class Driver:
         self.chosen: dict[tuple[str, int], list[float]] = defaultdict(list)
         # (ns, window) -> the node's predicted forward per size (largest first), per report
         self.forward: dict[tuple[str, int], list[list[float]]] = defaultdict(list)
-        self.status: dict[str, DiagnosticStatus] = {}  # latest fleet status per name
+        self.reports: dict[str, FleetReport] = {}  # latest fleet report per camera
         self.waiting = ""
         self.alive: Callable[[], None] = lambda: None  # raises when a node process died
         self.ex = SingleThreadedExecutor(context=self.ctx)
@@ -99,24 +104,21 @@ class Driver:
     def _on_step(self, ns: str, msg: AdaptationStatus) -> None:
         self.steps[ns][int(msg.batch_id)] = float(msg.total_ms)
 
+    def _on_report(self, ns: str, msg: FleetReport) -> None:
+        self.reports[ns] = msg
+        rec = self.recording
+        if rec is not None and math.isfinite(msg.served):
+            self.served[ns, rec].append(float(msg.served))
+            self.forward[ns, rec].append([float(v) for v in msg.forward_ms])
+
     def _on_diag(self, msg: DiagnosticArray) -> None:
+        rec = self.recording
         for st in msg.status:
-            if not st.name.endswith(f": {FLEET_STATUS}"):
+            if rec is None or st.name != f"{SCHEDULER}: {FLEET_STATUS}":
                 continue
-            self.status[st.name] = st
-            rec = self.recording
-            if rec is None:
-                continue
-            kv = {k.key: k.value for k in st.values}
-            node = st.name.split(":")[0]
-            if node == SCHEDULER:
-                for key, value in kv.items():
-                    if key.startswith("keep "):
-                        self.chosen[key[5:], rec].append(float(value))
-            elif "served" in kv and math.isfinite(float(kv["served"])):
-                ns = node.rsplit("/", 1)[0]
-                self.served[ns, rec].append(float(kv["served"]))
-                self.forward[ns, rec].append([float(v) for v in kv["forward_ms"].split(",")])
+            for kv in st.values:
+                if kv.key.startswith("keep "):
+                    self.chosen[kv.key[5:], rec].append(float(kv.value))
 
     # ------------------------------------------------------------ actions
     def apps(self, cams: Sequence[Any]) -> list[App] | None:
@@ -125,10 +127,10 @@ class Driver:
         try:
             out = []
             for c in cams:
-                st = self.status.get(f"{c.ns}/perception: {FLEET_STATUS}")
-                if st is None:
+                msg = self.reports.get(c.ns)
+                if msg is None:
                     raise ValueError(f"{c.ns}: no fleet report yet")
-                out.append(app_from_status(c.ns, st))
+                out.append(app_from_report(c.ns, msg))
             return out
         except ValueError as exc:
             self.waiting = str(exc)

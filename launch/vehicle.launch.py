@@ -8,9 +8,10 @@ a `/ns/node` section for this namespace), then the launch arguments. Not the par
 path: launch_ros would write the overrides under `/**`, where the node's own YAML section
 beats them, and a pushed namespace would drop the bare `perception:` sections.
 `method` / `sigma` apply only when given (empty: the YAML value stands); sigma goes to
-perception and scheduler alike. `namespace` (relative ones go under a PushRosNamespace of an
-including file) puts the nodes and all their topics under it. `rviz:=true` also starts RViz
-with config/tta.rviz, remapped to the namespace's topics.
+perception (its method option method.sigma) and scheduler alike. `namespace` (relative
+ones go under a PushRosNamespace of an including file) puts the nodes and all their topics
+under it. `rviz:=true` also starts RViz with config/tta.rviz, remapped to the namespace's
+topics.
 Importing this file has no side effects: launch imports happen inside the functions.
 """
 
@@ -23,7 +24,8 @@ ARGUMENTS = (
     ("namespace", "", "namespace of the nodes and their topics, e.g. car1 (empty: none)"),
     ("image_topic", "image", "camera topic (sensor_msgs/Image), relative to the namespace"),
     ("method", "", "TTA method (empty: the params file's)"),
-    ("sigma", "", "latency budget fraction (empty: the params file's)"),
+    ("sigma", "", "latency budget fraction: perception's method.sigma and the scheduler's "
+     "sigma (empty: the params file's)"),
     ("use_sim_time", "false", "use /clock time (true when replaying a bag with --clock)"),
     ("log_level", "info", "log level of the nodes (debug, info, warn, error, fatal)"),
     ("rviz", "false", "also start RViz with config/tta.rviz"),

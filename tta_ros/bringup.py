@@ -2,7 +2,8 @@
 
     python -m tta_ros.bringup --config config/vehicle.yaml [--namespace /car1]
         [--image-topic /camera/image_raw] [--method tent] [--sigma 0.5]
-        [--set perception.batch_size=4 ...] [--ros-args --log-level debug ...]
+        [--set perception.batch_size=4 --set perception.method.lr=0.01 ...]
+        [--ros-args --log-level debug ...]
 
 Parameters come from a standard ROS 2 params file (`node_name: ros__parameters: {...}`),
 merged per node and namespace by tta_ros.launch_params.node_parameters (`/**`, then the
@@ -107,7 +108,8 @@ def build_nodes(config_path: str | Path,
 
 
 def parse_set(items: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """['perception.sigma=0.2'] -> {'perception': {'sigma': 0.2}} (values parsed as YAML)."""
+    """['perception.method.sigma=0.2'] -> {'perception': {'method.sigma': 0.2}} (values
+    parsed as YAML; the node name ends at the first dot)."""
     out: dict[str, dict[str, Any]] = {}
     for item in items:
         key, sep, raw = item.partition("=")
@@ -205,7 +207,8 @@ def _parser() -> argparse.ArgumentParser:
                     "their topics (default: a `--ros-args -r __ns:=...`, else none)")
     ap.add_argument("--image-topic", default=None, help="remap the perception input")
     ap.add_argument("--method", default="", help="perception's TTA method (as method:=)")
-    ap.add_argument("--sigma", default="", help="perception's and scheduler's sigma")
+    ap.add_argument("--sigma", default="", help="perception's method.sigma and the "
+                    "scheduler's sigma")
     ap.add_argument("--use-sim-time", default="", metavar="BOOL",
                     help="use_sim_time of every node (as use_sim_time:=)")
     ap.add_argument("--set", action="append", default=[], metavar="NODE.PARAM=VALUE")

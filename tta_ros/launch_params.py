@@ -33,7 +33,9 @@ NODES: tuple[tuple[str, str], ...] = (
     ("scheduler", "scheduler_node"),
     ("perception", "perception_node"),
 )
-SIGMA_NODES = ("perception", "scheduler")  # the nodes a `sigma` argument configures
+# the nodes a `sigma` argument configures, and the parameter it sets on each (perception:
+# an option of its method, tta_ros.nodes.method_params)
+SIGMA_PARAMS = {"perception": "method.sigma", "scheduler": "sigma"}
 TRUE = ("true", "1", "yes", "on")
 FALSE = ("false", "0", "no", "off")
 
@@ -124,13 +126,14 @@ def node_parameters(config_path: str | Path, namespace: str = "",
 def launch_overrides(method: str = "", sigma: str = "", use_sim_time: str = "",
                      ) -> dict[str, dict[str, Any]]:
     """Per-node overrides from launch-argument strings ('' means not given): `method` goes
-    to perception, `sigma` to perception and scheduler, `use_sim_time` to every node."""
+    to perception, `sigma` to perception (method.sigma: a method without sigma ignores it)
+    and scheduler, `use_sim_time` to every node."""
     out: dict[str, dict[str, Any]] = {name: {} for name, _ in NODES}
     if method:
         out["perception"]["method"] = method
     if sigma:
-        for name in SIGMA_NODES:
-            out[name]["sigma"] = float(sigma)
+        for name, param in SIGMA_PARAMS.items():
+            out[name][param] = float(sigma)
     if use_sim_time:
         for vals in out.values():
             vals["use_sim_time"] = parse_bool(use_sim_time)

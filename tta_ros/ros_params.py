@@ -122,6 +122,12 @@ def resolve_data_path(value: str, base: Path | None = None) -> str:
     return str(base / value)
 
 
+def resolve_output_path(value: str) -> str:
+    """A path parameter of a file the node writes, as an absolute path: relative to the
+    working directory (never looked up elsewhere, unlike resolve_data_path); '' stays ''."""
+    return str((Path.cwd() / Path(value).expanduser()).resolve()) if value else ""
+
+
 def resolve_paths(params: dict[str, Any], base: Path | None = None) -> dict[str, Any]:
     """`params` with its model_card/profile values resolved by resolve_data_path."""
     return {k: resolve_data_path(v, base) if k in PATH_PARAMS and isinstance(v, str) else v

@@ -31,7 +31,7 @@ class ProbeConfig(MethodConfig):
 
     gain: float = option(2.0, "test-only logit gain", low=0.5, high=4.0)
     flavour: str = option("plain", "test-only flavour", choices=("plain", "spicy"))
-    seed: int = option(0, "test-only seed, fixed once built", runtime=False)
+    seed: int = option(0, "test-only seed, read when built", runtime=False)
 
     def validate(self) -> None:
         """The config's own check of a combination."""
@@ -81,9 +81,7 @@ def test_a_new_config_field_is_a_parameter_with_its_range_and_help(ros_context,
         res = node.set_parameters([Parameter("method.flavour", value="spicy")])[0]
         assert not res.successful and "gain=3.5 is too much" in res.reason  # its validate
         assert node.get_parameter("method.flavour").value == "plain"
-        res = node.set_parameters([Parameter("method.seed", value=1)])[0]
-        assert not res.successful and "method.seed cannot change" in res.reason
-        assert "fixed while the method runs" in node.describe_parameters(
+        assert "a change rebuilds the method" in node.describe_parameters(
             ["method.seed"])[0].description
     finally:
         node.destroy_node()
@@ -123,6 +121,10 @@ def test_a_new_method_swaps_the_method_parameters(ros_context, probe_method) -> 
         assert wait_for(lambda: isinstance(node.method, ProbeMethod), 10.0)
         assert node.set_parameters([Parameter("method.gain", value=1.0)])[0].successful
         assert wait_for(lambda: node.method.config.gain == 1.0, 10.0)
+        built = node.method
+        assert node.set_parameters([Parameter("method.seed", value=1)])[0].successful
+        assert wait_for(lambda: node.method is not built, 10.0)  # runtime=False: rebuilt
+        assert node.method.config.seed == 1 and node.method.config.gain == 1.0
         with pytest.raises(ParameterNotDeclaredException):
             node.set_parameters([Parameter("method.reforward", value=True)])
         assert node.set_parameters([Parameter("method", value="surgeon")])[0].successful

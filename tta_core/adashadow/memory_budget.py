@@ -41,7 +41,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from tta_core.runtime import losses
 from tta_core.adashadow import planner
 from tta_core.adashadow.memory_costs import DEFAULT_FROZEN_KEEP, codec_plan, memory_costs
 from tta_core.adashadow.memory_planner import (
@@ -51,11 +50,12 @@ from tta_core.adashadow.memory_planner import (
     MemoryPlan,
     solve_with_memory,
 )
-from tta_core.memory import ActivationCodec, SavedActivationCounter, SavedBytes, SaveProfile
 from tta_core.daf.plans import daf_plan
+from tta_core.memory import ActivationCodec, SavedActivationCounter, SavedBytes, SaveProfile
 from tta_core.model.norms import set_bn_mode
 from tta_core.model.source import build_card_model, load_card
 from tta_core.model.units import StagedModel, decompose
+from tta_core.runtime import losses
 
 MIB = 2**20
 

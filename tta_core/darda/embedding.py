@@ -44,8 +44,8 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from tta_core.runtime.stats import channel_stats
 from tta_core.darda.encoder import diagonal_halves, load_encoder
+from tta_core.runtime.stats import channel_stats
 
 LOG_EPS = 1e-5  # added to variances before the log
 

@@ -44,6 +44,7 @@ from tta_core.darda.switch import DomainSwitch, SwitchConfig, embedder_for
 from tta_core.errors import InputError, one_line
 from tta_core.registry import register
 from tta_core.runtime.method import MethodConfig, Step, TTAMethod
+from tta_core.runtime.options import option
 
 log = logging.getLogger(__name__)
 
@@ -52,29 +53,48 @@ log = logging.getLogger(__name__)
 class DardaConfig(MethodConfig):
     """DARDA settings; detector and gate defaults measured in benchmarks/bench_domain.py."""
 
-    embed_layers: int = 3  # BN inputs in the embedding (and frozen trunk)
-    per_sample: bool = True
-    residual: bool = True  # + the corruption residual features (tta_core.darda.embedding)
-    encoder_path: str = ""  # + a learnt corruption encoder (tta train-corruption-encoder)
-    hysteresis: int = 2
-    confident: float = 0.8  # switch at once when this close (x threshold): see detector
-    novelty_quantile: float = 0.5
-    novelty_margin: float = 1.5
-    max_domains: int = 32
-    min_adapt: int = 6
-    max_adapt: int = 16
-    stable_tol: float = 0.1
-    drift_tol: float = 0.25
-    adapt_fc: bool = False  # the classifier is banked either way
-    init_from: str = "nearest"  # state of a new domain: "nearest" known one, or "source"
-    bn_mode: str = "bank"  # upper BN: domain running stats ("bank") or batch stats ("batch")
-    bn_momentum: float = 0.05  # robust BN (bn_mode "bank")
-    refresh: bool = True  # Eq. 15 from the memory bank (bn_mode "bank")
-    refresh_momentum: float = 0.5
-    refresh_every: int = 4
-    memory_capacity: int = 64
-    reforward: bool = True
-    bank_path: str = ""  # loaded at start when it exists (a bad file: warning, fresh start)
+    embed_layers: int = option(3, "BN inputs in the domain embedding (the layers up to "
+                               "them stay frozen)", low=1)
+    per_sample: bool = option(True, "embedding: mean of per-sample log-variances (else the "
+                              "log of the pooled variance)")
+    residual: bool = option(True, "add the corruption residual features to the embedding "
+                            "(tta_core.darda.embedding)")
+    encoder_path: str = option("", "learnt corruption encoder added to the embedding (`tta "
+                               "train-corruption-encoder`; '': none)", path="read")
+    hysteresis: int = option(2, "detector: consecutive batches away from the active domain "
+                             "before a switch", low=1)
+    confident: float = option(0.8, "detector: no hysteresis when the nearest domain is "
+                              "within this times the threshold (0: never); in [0, 1)",
+                              low=0.0, high=1.0)
+    novelty_quantile: float = option(0.5, "detector: quantile of the within-domain distances "
+                                     "that sets the novelty threshold; in (0, 1]",
+                                     low=0.0, high=1.0)
+    novelty_margin: float = option(1.5, "detector: a batch farther than this times the "
+                                   "threshold from every domain is novel (> 0)", low=0.0)
+    max_domains: int = option(32, "detector: most domains kept in the bank", low=2)
+    min_adapt: int = option(6, "gate: batches a domain adapts at least", low=1)
+    max_adapt: int = option(16, "gate: batches a domain adapts at most (>= min_adapt)",
+                            low=1)
+    stable_tol: float = option(0.1, "gate: a domain is stable when its entropy moves less "
+                               "than this", low=0.0)
+    drift_tol: float = option(0.25, "gate: a stable domain adapts again when its entropy "
+                              "drifts more than this", low=0.0)
+    adapt_fc: bool = option(False, "adapt the classifier too (it is banked either way)")
+    init_from: str = option("nearest", "state of a new domain: the nearest known one, or "
+                            "the source", choices=("nearest", SOURCE))
+    bn_mode: str = option("bank", "upper BN layers: the domain's running statistics (bank) "
+                          "or the batch's (batch)", choices=BANK_BN_MODES)
+    bn_momentum: float = option(0.05, "robust BN momentum (bn_mode bank)", low=0.0,
+                                high=1.0)
+    refresh: bool = option(True, "refresh the statistics from the memory bank (Eq. 15, "
+                           "bn_mode bank)")
+    refresh_momentum: float = option(0.5, "refresh: momentum of the refreshed statistics",
+                                     low=0.0, high=1.0)
+    refresh_every: int = option(4, "refresh: every this many batches", low=1)
+    memory_capacity: int = option(64, "samples in the class-balanced memory bank", low=1)
+    reforward: bool = option(True, "predict with the updated model")
+    bank_path: str = option("", "domain bank file: loaded at start when it exists (a bad "
+                            "file: warning, fresh start); '': not kept", path="write")
 
     def validate(self) -> None:
         """ValueError naming a bad field."""

@@ -23,18 +23,24 @@ from torch import Tensor, nn
 from tta_core.model.norms import set_bn_mode
 from tta_core.registry import register
 from tta_core.runtime.method import MethodConfig, Step, TTAMethod
+from tta_core.runtime.options import option
 
 
 @dataclass
 class CoTTAConfig(MethodConfig):
     """CoTTA settings (paper's CIFAR-10 defaults; n_augmentations reduced from 32)."""
 
-    teacher_momentum: float = 0.999
-    anchor_threshold: float = 0.92
-    restore_prob: float = 0.01
-    n_augmentations: int = 4
-    max_shift: int = 2  # pixels
-    seed: int = 0  # augmentations and stochastic restore draw from this seed
+    teacher_momentum: float = option(0.999, "EMA momentum of the mean teacher", low=0.0,
+                                     high=1.0)
+    anchor_threshold: float = option(0.92, "average the teacher over augmented copies when "
+                                     "the source model's mean confidence is below this",
+                                     low=0.0, high=1.0)
+    restore_prob: float = option(0.01, "stochastic restore: probability per weight and step "
+                                 "of returning to its source value", low=0.0, high=1.0)
+    n_augmentations: int = option(4, "augmented copies the teacher averages over (the "
+                                  "reference code: 32)", low=0)
+    max_shift: int = option(2, "augmentation shift, px", low=0)
+    seed: int = option(0, "seed of the augmentations and the stochastic restore")
 
 
 def cheap_augment(x: Tensor, gen: torch.Generator, max_shift: int = 2) -> Tensor:

@@ -29,6 +29,7 @@ from torch import Tensor
 from tta_core.methods.tent import Tent
 from tta_core.registry import register
 from tta_core.runtime.method import MethodConfig, Step
+from tta_core.runtime.options import option
 
 
 def softmax_entropy(logits: Tensor) -> Tensor:
@@ -41,11 +42,17 @@ def softmax_entropy(logits: Tensor) -> Tensor:
 class EATAConfig(MethodConfig):
     """EATA settings (paper defaults); lr/momentum are the shared SGD settings."""
 
-    e_margin_scale: float = 0.4  # E0 = e_margin_scale * ln(C)
-    d_margin: float | None = None  # epsilon; None: 0.05 if C >= 1000 else 0.4 (see above)
-    probs_momentum: float = 0.9  # moving average of the softmax of used samples
-    fisher_alpha: float = 2000.0  # weight of the EWC term, used only after compute_fisher
-    reforward: bool = True  # predict on the updated model (as `tent` here); False: original
+    e_margin_scale: float = option(0.4, "reliable samples: entropy below E0 = "
+                                   "e_margin_scale * ln(C)", low=0.0)
+    d_margin: float | None = option(None, "redundancy threshold epsilon on |cos(softmax, "
+                                    "m)|; None: 0.05 if C >= 1000 else 0.4 (module doc)",
+                                    low=0.0)
+    probs_momentum: float = option(0.9, "moving average of the softmax of used samples",
+                                   low=0.0, high=1.0)
+    fisher_alpha: float = option(2000.0, "weight of the EWC term, used only after "
+                                 "compute_fisher", low=0.0)
+    reforward: bool = option(True, "predict on the updated model (as tent here); False: "
+                             "the pre-update prediction (original)")
 
 
 @dataclass

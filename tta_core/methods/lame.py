@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from tta_core.registry import register
 from tta_core.runtime.method import MethodConfig, Step, TTAMethod
+from tta_core.runtime.options import option
 
 AFFINITIES = ("knn", "rbf", "linear")
 
@@ -28,11 +29,13 @@ AFFINITIES = ("knn", "rbf", "linear")
 class LAMEConfig(MethodConfig):
     """LAME settings (paper / reference code defaults)."""
 
-    affinity: str = "knn"
-    knn: int = 5
-    bound_lambda: float = 1.0
-    max_steps: int = 100
-    force_symmetry: bool = False
+    affinity: str = option("knn", "affinity between the batch's features: knn, rbf or "
+                           "linear (cosine)", choices=AFFINITIES)
+    knn: int = option(5, "neighbours of the knn affinity (and the rbf bandwidth)", low=1)
+    bound_lambda: float = option(1.0, "weight lambda of the Laplacian term", low=0.0)
+    max_steps: int = option(100, "most fixed-point iterations of the assignment solve",
+                            low=1)
+    force_symmetry: bool = option(False, "symmetrise the affinity matrix (W + W^T) / 2")
 
 
 def affinity_matrix(feats: Tensor, kind: str, knn: int) -> Tensor:

@@ -24,22 +24,28 @@ from torch import Tensor, nn
 from tta_core.methods.eata import softmax_entropy
 from tta_core.registry import register
 from tta_core.runtime.method import MethodConfig, Step, TTAMethod
+from tta_core.runtime.options import option
 
 
 @dataclass
 class SARConfig(MethodConfig):
     """SAR settings (paper defaults)."""
 
-    e_margin_scale: float = 0.4  # E0 = e_margin_scale * ln(C)
-    rho: float = 0.05  # SAM neighbourhood radius
-    reset_constant: float = 0.2  # model recovery when EMA(loss) < this
-    ema_momentum: float = 0.9
-    # module-name fragments whose norms are not adapted (reference code: timm and
-    # torchvision spellings of ResNet layer4, ViT-B blocks 9-11 and the final norm)
-    skip: tuple[str, ...] = ("layer4", "blocks.9.", "blocks.10.", "blocks.11.",
-                             "encoder_layer_9.", "encoder_layer_10.", "encoder_layer_11.")
-    skip_exact: tuple[str, ...] = ("norm", "encoder.ln", "fc_norm")
-    reforward: bool = True  # predict on the updated model (as `tent` here); False: original
+    e_margin_scale: float = option(0.4, "reliable samples: entropy below E0 = "
+                                   "e_margin_scale * ln(C)", low=0.0)
+    rho: float = option(0.05, "SAM neighbourhood radius", low=0.0)
+    reset_constant: float = option(0.2, "model recovery when the EMA of the loss drops "
+                                   "below this", low=0.0)
+    ema_momentum: float = option(0.9, "momentum of that loss EMA", low=0.0, high=1.0)
+    # reference code: timm and torchvision spellings of ResNet layer4, ViT-B blocks 9-11
+    skip: tuple[str, ...] = option(
+        ("layer4", "blocks.9.", "blocks.10.", "blocks.11.", "encoder_layer_9.",
+         "encoder_layer_10.", "encoder_layer_11."),
+        "module-name fragments whose norm layers are not adapted")
+    skip_exact: tuple[str, ...] = option(("norm", "encoder.ln", "fc_norm"), "module names "
+                                         "whose norm layers are not adapted (final norms)")
+    reforward: bool = option(True, "predict on the updated model (as tent here); False: "
+                             "the pre-update prediction (original)")
 
 
 @register("sar")

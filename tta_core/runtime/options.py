@@ -2,7 +2,8 @@
 
 A method config declares each field with `option(default, help, ...)`, a
 `dataclasses.field` whose metadata carries the help text, an inclusive numeric range,
-the allowed choices, whether the value may change while the method runs, whether a user
+the allowed choices, whether a built method can take a change of the value (`runtime`;
+False: a host rebuilds the method to change it), whether a user
 sets it at all (`settable=False`: the code that builds the method fills it in, e.g.
 `input_shape` and `arch` from the model card) and whether it names a file (`path`).
 `describe(config_cls)` lists every field as an `OptionInfo` with a plain type (bool, int,
@@ -47,8 +48,9 @@ def option(default: Any, help: str, *, low: float | None = None, high: float | N
            path: str = "") -> Any:
     """A dataclass field with `default` (a list/dict/set is copied per instance) and its
     description: `help`, inclusive range [low, high] (either may be None: open),
-    `choices`, `runtime` (False: fixed once the method is built), `settable` (False:
-    filled in by the builder, not a user setting), `path` ('read' / 'write': a file)."""
+    `choices`, `runtime` (False: a built method cannot take a change, even through a
+    setter: a host rebuilds it), `settable` (False: filled in by the builder, not a user
+    setting), `path` ('read' / 'write': a file)."""
     if low is not None and high is not None and low > high:
         raise ValueError(f"option range [{low}, {high}] is empty")
     if path not in PATH_KINDS:

@@ -1,12 +1,14 @@
 """ROS wiring of deadline budgets, shared by the scheduler and perception nodes.
 
 The deadline arithmetic lives in tta_core (adashadow.deadline, reached through the planning
-service); here: the nodes' deadline parameters (the DeadlineConfig fields under the same
-names, plus where the speed comes from), the check of a parameter change against the
-other deadline settings (min <= max), and `SpeedFeed`, the vehicle's planar speed from an
-odometry topic (nav_msgs/Odometry, or geometry_msgs/TwistStamped), unknown (None) when the
-last message is older than `odometry_timeout_s`, when none came yet, or when the message
-package is not installed.
+service); here: the scheduler's deadline parameters (the DeadlineConfig options under
+the same names; the perception node has them as `method.<name>` options of its method,
+tta_ros.nodes.method_params), where the speed comes from (ODOMETRY_PARAMS, both nodes),
+the check of a parameter change against the other deadline settings (min <= max), and
+`SpeedFeed`, the vehicle's planar speed from an odometry topic (nav_msgs/Odometry, or
+geometry_msgs/TwistStamped), unknown (None) when the last message is older than its
+timeout (scheduler: `odometry_timeout_s`, perception: `feed_timeout_s`), when none came
+yet, or when the message package is not installed.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from typing import Any
 from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 
-from tta_core.adashadow.planning import DEADLINE_MODES, DEADLINE_PER, DeadlineConfig
+from tta_core.adashadow.planning import DeadlineConfig
+from tta_core.runtime.options import describe
 from tta_ros.ros_params import ParamSpec
 
 #: odometry_type -> (module, message class, path of the linear velocity in the message)
@@ -29,30 +32,19 @@ SPEED_MSGS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "geometry_msgs/TwistStamped": ("geometry_msgs.msg", "TwistStamped", ("twist", "linear")),
 }
 DEADLINE_KEYS = tuple(f.name for f in dataclasses.fields(DeadlineConfig))
-SPEED_KEYS = ("odometry_topic", "odometry_type", "odometry_timeout_s")
 
-DEADLINE_PARAMS: tuple[ParamSpec, ...] = (
-    ParamSpec("deadline_mode", "sigma", "what a batch's budget is: sigma = sigma*T (paper), "
-              "fixed = deadline_ms, camera = the frames of the batch at camera_hz, speed = "
-              "distance_per_decision_m at the odometry's speed; deadlines cover the whole "
-              "batch (forward, plan, update, reforward)", choices=DEADLINE_MODES),
-    ParamSpec("deadline_ms", 100.0, "fixed deadline [ms] per batch or per frame "
-              "(deadline_per)", 0.001, 3.6e6),
-    ParamSpec("deadline_per", "batch", "fixed deadline: per batch or per frame (a batch "
-              "of b frames then has b * deadline_ms)", choices=DEADLINE_PER),
-    ParamSpec("camera_hz", 30.0, "camera deadline: frame rate; a batch of b frames must be "
-              "done within b / camera_hz (before the next b frames have arrived)",
-              0.001, 1e5),
-    ParamSpec("distance_per_decision_m", 1.0, "speed deadline: metres the vehicle may "
-              "travel while a batch is processed", 0.001, 1e5),
-    ParamSpec("min_deadline_ms", 20.0, "speed deadline: lower clamp [ms], also the "
-              "deadline while the speed is unknown", 0.001, 3.6e6),
-    ParamSpec("max_deadline_ms", 1000.0, "speed deadline: upper clamp [ms], the deadline "
-              "when standing still", 0.001, 3.6e6),
+ODOMETRY_PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("odometry_topic", "odom", "speed deadline: odometry topic (relative: in the "
               "node's namespace)"),
     ParamSpec("odometry_type", "nav_msgs/Odometry", "message type on odometry_topic (planar "
               "speed of its linear velocity)", choices=tuple(SPEED_MSGS)),
+)
+# the scheduler's deadline parameters: the DeadlineConfig options under their own names
+# (help and ranges from tta_core.runtime.options), where the speed comes from, its timeout
+DEADLINE_PARAMS: tuple[ParamSpec, ...] = (
+    *(ParamSpec(o.name, o.default, o.help, o.low, o.high, tuple(o.choices))
+      for o in describe(DeadlineConfig)),
+    *ODOMETRY_PARAMS,
     ParamSpec("odometry_timeout_s", 1.0, "older odometry counts as unknown speed "
               "(min_deadline_ms)", 0.01, 3600.0),
 )
@@ -126,11 +118,12 @@ class SpeedFeed:
         self._sub = self.node.create_subscription(
             msg_type, topic, lambda msg: self.on_speed(planar_speed(msg, path)), qos)
 
-    def on_params(self, new: Mapping[str, Any]) -> None:
-        """Apply accepted parameter changes (on_set_parameters, before they are set): a
-        new timeout, or a new topic/type (resubscribe)."""
-        if "odometry_timeout_s" in new:
-            self.timeout_s = float(new["odometry_timeout_s"])
+    def on_params(self, new: Mapping[str, Any], timeout_key: str = "odometry_timeout_s",
+                  ) -> None:
+        """Apply accepted parameter changes: a new timeout (parameter `timeout_key`), or a
+        new topic/type (resubscribe)."""
+        if timeout_key in new:
+            self.timeout_s = float(new[timeout_key])
         if "odometry_topic" in new or "odometry_type" in new:
             def value(name: str) -> Any:
                 return new[name] if name in new else self.node.get_parameter(name).value

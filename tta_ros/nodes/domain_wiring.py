@@ -2,11 +2,12 @@
 
 With a method that recognises domains (tta_core.api.ReportsDomain, e.g. darda) the node
 reports the ongoing domain on /diagnostics (`<node>: domain`) and logs each switch once
-(INFO). `domain_bank_path` is passed to the method as its `bank_path` (loaded at start;
-a bad file is reported once, WARN, and the method starts with an empty bank) and the bank
-is saved there atomically every `domain_bank_save_s` and when the node is destroyed.
+(INFO). A method with a bank (`save_bank`, darda) has the option `method.bank_path`: loaded
+at start (a bad file is reported once, WARN, and the method starts with an empty bank) and
+saved there atomically every `DomainWiring.save_s` (60 s), before the method is rebuilt and
+when the node is destroyed.
 
-Services (std_srvs/Trigger): `~/save_domain_bank` saves the bank to `domain_bank_path`
+Services (std_srvs/Trigger): `~/save_domain_bank` saves the bank to `method.bank_path`
 now; `~/clear_domain_bank` forgets every domain (the method is reset to the source state,
 an empty bank) and marks the bank for the next save, so a restart does not bring the old
 domains back. Both answer success=False with one line when the method has no domain bank
@@ -15,11 +16,11 @@ domains back. Both answer success=False with one line when the method has no dom
 Threading: the save timer only raises a flag and a service call hands its request to the
 perception worker and waits for the answer (up to SERVICE_WAIT_S); the worker saves and
 clears between two batches (`between_batches`), so neither ever runs while a batch is
-stepped. At shutdown the
-node saves after its worker has been joined, and before a method rebuild it saves the old
-method's bank (the rebuilt one loads it). A relative `domain_bank_path` is taken relative to
+stepped. At shutdown the node saves after its worker has been joined, and before a method
+rebuild it saves the old method's bank (the rebuilt one loads it). A relative bank_path is
+taken relative to
 the node's working directory (it is written, so never looked up in the repository or an
-install's share directory, unlike model_card).
+install's share directory, unlike model_card: tta_ros.ros_params.resolve_output_path).
 """
 
 from __future__ import annotations
@@ -37,16 +38,6 @@ from std_srvs.srv import Trigger
 from tta_core.api import ReportsDomain, StepResult
 from tta_core.io.image_msg import one_line
 from tta_ros.diagnostics import OK, WARN, status
-from tta_ros.ros_params import ParamSpec
-
-DOMAIN_PARAMS = (
-    ParamSpec("domain_bank_path", "", "domain bank file of a domain-aware method (darda): "
-              "loaded at start, saved periodically and at shutdown ('': not kept; relative "
-              "to the working directory)", read_only=True),
-    ParamSpec("domain_bank_save_s", 60.0, "save the domain bank every this many seconds "
-              "(0: only at shutdown)", 0.0, 86400.0, read_only=True),
-)
-
 
 SERVICE_WAIT_S = 10.0  # a service call waits this long for the worker (a batch, a frame)
 
@@ -62,22 +53,14 @@ class _Request:
     message: str = ""
 
 
-def bank_path(value: str) -> str:
-    """The domain_bank_path parameter as an absolute path ('' stays '')."""
-    return str((Path.cwd() / Path(value).expanduser()).resolve()) if value else ""
-
-
-def bank_option(p: dict[str, Any]) -> dict[str, str]:
-    """The method option for the bank (method_options keeps it for darda only)."""
-    return {"bank_path": bank_path(p["domain_bank_path"])} if p["domain_bank_path"] else {}
-
-
 class DomainWiring:
     """Domain reporting and bank saving of one perception node (see the module docstring)."""
 
-    def __init__(self, node: Node, p: dict[str, Any]) -> None:
+    save_s = 60.0  # periodic save of the bank (seconds; 0: none), fixed when the node starts
+
+    def __init__(self, node: Node) -> None:
         self.node = node
-        self.path = bank_path(p["domain_bank_path"])
+        self.path = ""  # the attached method's bank file ('': none)
         self._save_requested = threading.Event()
         self._dirty = False  # batches since the last save
         self.method: Any = None
@@ -86,8 +69,8 @@ class DomainWiring:
         self.last: dict[str, Any] = {}
         self.bank_error = self.save_error = ""
         self.saves, self._bad_file = 0, False
-        if self.path and p["domain_bank_save_s"] > 0:
-            node.create_timer(float(p["domain_bank_save_s"]), self._save_requested.set)
+        if self.save_s > 0:
+            node.create_timer(float(self.save_s), self._save_requested.set)
         self._requests: queue.Queue[_Request] = queue.Queue()
         for kind in ("save", "clear"):
             node.create_service(Trigger, f"~/{kind}_domain_bank",
@@ -104,9 +87,10 @@ class DomainWiring:
         return bool(self.path) and hasattr(self.method, "save_bank")
 
     # ---------------------------------------------------------------- method lifecycle
-    def attach(self, method: Any) -> None:
-        """A (re)built method: report a bank that could not be loaded, once."""
-        self.method = method
+    def attach(self, method: Any, path: str) -> None:
+        """A (re)built method and its bank file (absolute, '' for none): report a bank that
+        could not be loaded, once."""
+        self.method, self.path = method, path
         self.domain, self._dirty, self._reported = "", False, False
         self.bank_error = one_line(getattr(method, "bank_error", "") or "")
         self._bad_file = bool(self.bank_error)
@@ -148,7 +132,7 @@ class DomainWiring:
         """(error, message) of one service request, on the worker between batches."""
         if kind == "save":
             if not self.banks:
-                return "no domain bank to save (method without one, or domain_bank_path " \
+                return "no domain bank to save (method without one, or method.bank_path " \
                        "is empty)", ""
             err = self.save("service", force=True)
             return err, f"domain bank saved to {self.path}"

@@ -1,25 +1,27 @@
 """Several cameras, one computer (issue #22): the ROS side of tta_core.elasticdnn.fleet.
 
-Perception side (`PerceptionFleet`): parameter `elastic_keep` (0: the method's own choice)
-pins the served size through tta_core.api.Resizable.set_size, also after a method rebuild; a
-method that is not Resizable ignores it (one WARN log line). The label-free accuracy proxy
-(`SizeProxy`): every batch's mean max-softmax confidence, recorded for the size it was
-served at (StepResult.stats['size']; a method that probes other sizes on the batch may add
-stats['confidence@<keep>']), mapped to accuracy by `fleet_calibration` (a JSON file with
-the confidence -> accuracy knots and, optional, the source accuracy per size, `prior`, which
-moves the estimate to sizes not seen yet). Once per second /diagnostics carries the status
-`<ns>/perception: fleet` with what a fleet scheduler needs, as key/values: `sizes`,
-`forward_ms` (Resizable.size_forward_ms, per batch), `accuracy` (the proxy per size),
-comma-separated in the same order, and `hz` (camera_hz), `deadline_ms` (of one batch),
-`batch_size`, `keep` (the pinned size, 0: none) and `served` (the size the last batch was
-served at: what a fleet scheduler's choice became).
+Perception side (`PerceptionFleet`): with a method that serves several sizes
+(tta_core.api.Resizable, e.g. elastic) the option `method.keep` (None / 0: the method's own
+choice) pins the served size through Resizable.set_size, also after a method rebuild. The
+label-free accuracy proxy (`SizeProxy`): every batch's mean max-softmax confidence,
+recorded for the size it was served at (StepResult.stats['size']; a method that probes
+other sizes on the batch may add stats['confidence@<keep>']), mapped to accuracy by
+`fleet_calibration` (a JSON file with the confidence -> accuracy knots and, optional, the
+source accuracy per size, `prior`, which moves the estimate to sizes not seen yet). Once
+per second the node publishes a tta_msgs/FleetReport on `fleet_report` (in its namespace):
+the sizes, the predicted forward per size (Resizable.size_forward_ms, per batch), the
+proxy accuracy per size, the camera rate (method.camera_hz), one batch's deadline, the
+batch size, the pinned size and the size the last batch was served at (what a fleet
+scheduler's choice became); /diagnostics keeps a one-line summary (`<ns>/perception:
+fleet`). A Resizable method without the deadline options (no camera_hz) sends no report
+and says so there.
 
 Scheduler side (`FleetScheduler`, the scheduler node's fleet mode): with `fleet_namespaces`
-set (e.g. ['/car1/front', '/car1/rear']) it reads those statuses from /diagnostics, plans
-every `fleet_period_s` (tta_core.elasticdnn.fleet.plan_fleet within `fleet_capacity`, or the
-equal split with `fleet_policy: equal_split`) and sets each chosen size on
-`<ns>/<fleet_node>` through the standard rcl_interfaces SetParameters service (parameter
-`elastic_keep`): no new message. A pipeline whose report is missing or older than
+set (e.g. ['/car1/front', '/car1/rear']) it subscribes to `<ns>/fleet_report` of each,
+plans every `fleet_period_s` (tta_core.elasticdnn.fleet.plan_fleet within
+`fleet_capacity`, or the equal split with `fleet_policy: equal_split`) and sets each chosen
+size on `<ns>/<fleet_node>` through the standard rcl_interfaces SetParameters service
+(parameter `method.keep`). A pipeline whose report is missing or older than
 `fleet_timeout_s` holds the plan back (its diagnostics say which).
 """
 
@@ -27,14 +29,16 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+from diagnostic_msgs.msg import DiagnosticStatus
 from rcl_interfaces.msg import ParameterDescriptor
 from rcl_interfaces.srv import SetParameters
 from rclpy.node import Node
 from rclpy.parameter import Parameter
+from rclpy.qos import QoSProfile, ReliabilityPolicy
+from tta_msgs.msg import FleetReport
 
 from tta_core.api import Resizable
 from tta_core.elasticdnn.fleet import (
@@ -52,13 +56,13 @@ from tta_ros.diagnostics import OK, WARN, status
 from tta_ros.ros_params import ParamSpec
 
 FLEET_STATUS = "fleet"
+REPORT_TOPIC = "fleet_report"
+KEEP_PARAM = "method.keep"  # the perception parameter a fleet scheduler sets
 PROBE_PREFIX = "confidence@"  # StepResult.stats key of a probed size's mean confidence
+REPORT_QOS = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE)
 PERCEPTION_FLEET_PARAMS: tuple[ParamSpec, ...] = (
-    ParamSpec("elastic_keep", 0.0, "serve this size (share of filters kept) with a Resizable "
-              "method (elastic); 0: the method's own choice. Set by a fleet scheduler",
-              0.0, 1.0),
     ParamSpec("fleet_calibration", "", "JSON of the confidence -> accuracy calibration of "
-              "the fleet's accuracy proxy ({'confidence': [...], 'accuracy': [...], "
+              "the fleet report's accuracy proxy ({'confidence': [...], 'accuracy': [...], "
               "'prior': {keep: source accuracy}}); '': the confidence itself",
               read_only=True),
 )
@@ -73,16 +77,12 @@ SCHEDULER_FLEET_PARAMS: tuple[ParamSpec, ...] = (
               "accuracies, equal_split = each pipeline 1/N of the capacity (baseline)",
               choices=("plan", "equal_split")),
     ParamSpec("fleet_node", "perception", "fleet mode: name of the perception node in each "
-              "namespace", read_only=True),
+              "namespace (whose method.keep is set)", read_only=True),
 )
 
 
-def _csv(values: Sequence[float]) -> str:
-    return ",".join(f"{v:.6g}" for v in values)
-
-
 def batch_deadline_ms(p: Mapping[str, Any]) -> float:
-    """One batch's deadline from perception's deadline parameters: fixed -> deadline_ms
+    """One batch's deadline from the batch size and the deadline options: fixed -> deadline_ms
     (times the batch for per-frame deadlines); otherwise the camera's: batch / camera_hz."""
     b = int(p["batch_size"])
     if p.get("deadline_mode") == "fixed":
@@ -104,41 +104,34 @@ def load_calibration(path: str) -> tuple[ConfidenceCalibration, dict[float, floa
 
 
 class PerceptionFleet:
-    """The perception node's size pin and proxy report (module docstring)."""
+    """The perception node's size pin and fleet report (module docstring)."""
 
-    def __init__(self, node: Node, p: dict[str, Any]) -> None:
-        self.node, self.p = node, p
-        self.calibration, self.prior = load_calibration(p["fleet_calibration"])
+    def __init__(self, node: Node, calibration: str,
+                 settings: Callable[[], Mapping[str, Any]]) -> None:
+        """`settings()`: the node's batch_size and the method's options (keep, camera_hz,
+        deadline_*), read at each report and rebuild."""
+        self.node, self.settings = node, settings
+        self.calibration, self.prior = load_calibration(calibration)
         self.method: Any = None
         self.proxy: SizeProxy | None = None
-        self.warned = ""  # the method class already warned about
         self.served = math.nan  # the size the last batch was served at
-        self.apply({"elastic_keep": p["elastic_keep"]}, getattr(node, "method", None))
+        self.pub = node.create_publisher(FleetReport, REPORT_TOPIC, REPORT_QOS)
 
     @property
     def keep(self) -> float | None:
-        return float(self.p["elastic_keep"]) or None
+        """The pinned size (method.keep); None: the method's own choice."""
+        return self.settings().get("keep") or None
 
-    def apply(self, changes: Mapping[str, Any], method: Any) -> None:
-        """Between batches: pin the size after an elastic_keep change or a rebuild."""
-        rebuilt = method is not self.method
-        if rebuilt:
-            self.method = method
-            self.proxy = (SizeProxy(method.sizes(), self.calibration, prior=self.prior)
-                          if isinstance(method, Resizable) else None)
-        if not (rebuilt or "elastic_keep" in changes):
-            return
-        if not isinstance(method, Resizable):
-            name = type(method).__name__
-            if self.keep is not None and self.warned != name:
-                self.warned = name
-                self.node.get_logger().warning(
-                    f"elastic_keep={self.keep:g} ignored: method {name} is not Resizable")
-            return
-        try:
-            method.set_size(self.keep)
-        except ValueError as exc:
-            self.node.get_logger().warning(f"elastic_keep not applied: {exc}")
+    def attach(self, method: Any) -> None:
+        """A (re)built method: a proxy for its sizes, and the pinned size set on it."""
+        self.method, self.served = method, math.nan
+        self.proxy = (SizeProxy(method.sizes(), self.calibration, prior=self.prior)
+                      if isinstance(method, Resizable) else None)
+        if self.proxy is not None and self.keep is not None:
+            try:
+                method.set_size(self.keep)
+            except ValueError as exc:
+                self.node.get_logger().warning(f"{KEEP_PARAM} not applied: {exc}")
 
     def on_batch(self, stats: Mapping[str, Any], logits: Any) -> None:
         """Record the batch's mean confidence for the size it was served at (the method's
@@ -153,34 +146,59 @@ class PerceptionFleet:
             if key.startswith(PROBE_PREFIX):
                 self.proxy.observe(float(key[len(PROBE_PREFIX):]), float(value))
 
-    def statuses(self) -> list[DiagnosticStatus]:
-        """The fleet status ([] when the method is not Resizable)."""
-        method, proxy = self.method, self.proxy
-        if proxy is None or not isinstance(method, Resizable):
-            return []
-        fwd = method.size_forward_ms()
-        acc = proxy.accuracy()
+    def missing(self) -> str:
+        """Why no report can be made ('' when one can, or when the method is no fleet
+        member)."""
+        if self.proxy is None or "camera_hz" in self.settings():
+            return ""
+        return (f"method {getattr(self.method, 'name', '?')} has no camera_hz option: "
+                f"no fleet report (its frame rate and deadline are unknown)")
+
+    def report(self) -> FleetReport | None:
+        """The current FleetReport (header unset); None when the method is not Resizable
+        or lacks the deadline options."""
+        method, proxy, s = self.method, self.proxy, self.settings()
+        if proxy is None or not isinstance(method, Resizable) or self.missing():
+            return None
+        fwd, acc = method.size_forward_ms(), proxy.accuracy()
         sizes = sorted(proxy.sizes, reverse=True)
-        return [status(FLEET_STATUS, OK, f"size {self.keep or 'own choice'}", {
-            "sizes": _csv(sizes), "forward_ms": _csv([fwd.get(k, math.nan) for k in sizes]),
-            "accuracy": _csv([acc[k] for k in sizes]), "hz": float(self.p["camera_hz"]),
-            "deadline_ms": batch_deadline_ms(self.p), "batch_size": int(self.p["batch_size"]),
-            "keep": float(self.p["elastic_keep"]), "served": self.served})]
+        return FleetReport(
+            sizes=[float(k) for k in sizes],
+            forward_ms=[float(fwd.get(k, math.nan)) for k in sizes],
+            accuracy=[float(acc[k]) for k in sizes], hz=float(s["camera_hz"]),
+            deadline_ms=batch_deadline_ms(s), batch_size=int(s["batch_size"]),
+            keep=float(self.keep or 0.0), served=self.served)
+
+    def publish(self) -> None:
+        """Publish the report, stamped now (nothing when there is none)."""
+        msg = self.report()
+        if msg is not None:
+            msg.header.stamp = self.node.get_clock().now().to_msg()
+            self.pub.publish(msg)
+
+    def statuses(self) -> list[DiagnosticStatus]:
+        """The fleet summary ([] when the method is not Resizable)."""
+        if self.proxy is None:
+            return []
+        if why := self.missing():
+            return [status(FLEET_STATUS, WARN, why)]
+        pinned = f"size {self.keep:g} pinned" if self.keep else "own size choice"
+        return [status(FLEET_STATUS, OK, f"{pinned}, last batch served at {self.served:g}, "
+                       f"reports on {self.pub.topic_name}",
+                       {"keep": float(self.keep or 0.0), "served": self.served})]
 
 
-def app_from_status(name: str, st: DiagnosticStatus) -> App:
-    """The App a fleet status describes; ValueError naming what is missing or not ready."""
-    kv = {k.key: k.value for k in st.values}
-    try:
-        sizes, fwd, acc = ([float(v) for v in kv[key].split(",")]
-                           for key in ("sizes", "forward_ms", "accuracy"))
-        hz, deadline, batch = float(kv["hz"]), float(kv["deadline_ms"]), int(kv["batch_size"])
-    except (KeyError, ValueError) as exc:
-        raise ValueError(f"{name}: fleet status unreadable ({exc})") from None
-    if not len(sizes) == len(fwd) == len(acc) or not all(map(math.isfinite, fwd + acc)):
+def app_from_report(name: str, msg: FleetReport) -> App:
+    """The App a fleet report describes; ValueError naming what is missing or not ready."""
+    sizes, fwd, acc = list(msg.sizes), list(msg.forward_ms), list(msg.accuracy)
+    if not sizes or not len(sizes) == len(fwd) == len(acc):
+        raise ValueError(f"{name}: fleet report unreadable ({len(sizes)} sizes, {len(fwd)} "
+                         f"forward times, {len(acc)} accuracies)")
+    if not all(map(math.isfinite, fwd + acc)):
         raise ValueError(f"{name}: no forward time or accuracy estimate for every size yet")
-    options = [AppOption(k, f, a) for k, f, a in zip(sizes, fwd, acc, strict=True)]
-    return App(name, hz, deadline, options, batch)
+    options = [AppOption(float(k), float(f), float(a)) for k, f, a in zip(sizes, fwd, acc,
+                                                                         strict=True)]
+    return App(name, float(msg.hz), float(msg.deadline_ms), options, int(msg.batch_size))
 
 
 class FleetScheduler:
@@ -195,7 +213,7 @@ class FleetScheduler:
         ns = node.get_parameter_or("fleet_namespaces",
                                    Parameter("fleet_namespaces", value=[""])).value or []
         self.namespaces = [n.rstrip("/") for n in ns if n]
-        self.reports: dict[str, tuple[float, DiagnosticStatus]] = {}  # ns -> (time, status)
+        self.reports: dict[str, tuple[float, FleetReport]] = {}  # ns -> (time, report)
         self.sent: dict[str, float] = {}  # ns -> keep the node accepted
         self.last: FleetPlan | None = None
         self.waiting = self.error = ""
@@ -203,30 +221,29 @@ class FleetScheduler:
         if not self.namespaces:
             return
         node_name = node.get_parameter("fleet_node").value
-        self._names = {f"{n}/{node_name}: {FLEET_STATUS}": n for n in self.namespaces}
         self.clients = {n: node.create_client(SetParameters, f"{n}/{node_name}/set_parameters")
                         for n in self.namespaces}
-        node.create_subscription(DiagnosticArray, "/diagnostics", self._on_diagnostics, 50)
+        for n in self.namespaces:
+            node.create_subscription(FleetReport, f"{n}/{REPORT_TOPIC}",
+                                     lambda msg, n=n: self.on_report(n, msg), REPORT_QOS)
         node.create_timer(float(node.get_parameter("fleet_period_s").value), self.step)
 
     def _now(self) -> float:
         return self.node.get_clock().now().nanoseconds * 1e-9
 
-    def _on_diagnostics(self, msg: DiagnosticArray) -> None:
-        for st in msg.status:
-            ns = self._names.get(st.name)
-            if ns is not None:
-                self.reports[ns] = (self._now(), st)
+    def on_report(self, ns: str, msg: FleetReport) -> None:
+        """A pipeline's report (kept with its arrival time)."""
+        self.reports[ns] = (self._now(), msg)
 
     def apps(self) -> list[App]:
         """One App per namespace from fresh reports; ValueError naming a missing one."""
         timeout = float(self.node.get_parameter("fleet_timeout_s").value)
         now, apps = self._now(), []
         for ns in self.namespaces:
-            t, st = self.reports.get(ns, (-math.inf, None))
-            if st is None or now - t > timeout:
+            t, msg = self.reports.get(ns, (-math.inf, None))
+            if msg is None or now - t > timeout:
                 raise ValueError(f"{ns}: no fleet report within {timeout:g} s")
-            apps.append(app_from_status(ns, st))
+            apps.append(app_from_report(ns, msg))
         return apps
 
     def step(self) -> FleetPlan | None:
@@ -251,7 +268,7 @@ class FleetScheduler:
             self.error = f"{client.srv_name} not available"
             return
         req = SetParameters.Request(parameters=[
-            Parameter("elastic_keep", value=float(keep)).to_parameter_msg()])
+            Parameter(KEEP_PARAM, value=float(keep)).to_parameter_msg()])
         fut = client.call_async(req)
         fut.add_done_callback(lambda f, ns=ns, keep=keep: self._sent(ns, keep, f))
 
@@ -262,7 +279,7 @@ class FleetScheduler:
             self.sent[ns], self.error = keep, ""
         else:
             why = res.results[0].reason if res is not None and res.results else "no answer"
-            self.error = f"{ns}: elastic_keep={keep:g} refused: {why}"
+            self.error = f"{ns}: {KEEP_PARAM}={keep:g} refused: {why}"
             self.node.get_logger().warning(self.error, throttle_duration_sec=5.0)
 
     def statuses(self) -> list[DiagnosticStatus]:

@@ -8,12 +8,23 @@ latest LayerPlan applies to the next batch; when plans go stale (PlanGate) it pl
 and says so on /diagnostics (WARN), and goes back to the topic as soon as plans resume.
 A divergence guard calls method.reset() (source weights) and sets status.reset.
 
+Parameters: the node's own (`param_specs`: input, batching, queue, input checks, device,
+threads, plans, feed timeout, divergence guard, odometry, fleet calibration, hardware_id,
+the `method` name) and, for the selected method, one `method.<field>` per field of its
+config (tta_ros.nodes.method_params: type, range, choices and help from the config's
+options; input_shape and arch come from the model card). A change is validated in one
+on-set callback (ranges, choices, and the method's own config validation) and applied by
+a post-set callback: the method's setters take lr, sigma, the deadline options and keep
+between batches, any other option rebuilds the method between batches; a new `method`
+undeclares the old method.* parameters and declares the new method's.
+
 What the node may do with a method comes from its capabilities (tta_core.api): a
 TakesPlan method follows LayerPlans, a RuntimeTunable one takes sigma changes, a
 TakesTelemetry one plans inline with the live pi1/pi2 of the `telemetry` topic (offline
-factors when it is older than `telemetry_timeout_s`). In parallel mode the predictions are
-published as soon as the forward is done; the AdaptationStatus follows when the background
-update has finished, so it carries that update's backward_ms.
+factors when it is older than `feed_timeout_s`), a Resizable one reports to a fleet
+scheduler (tta_ros.nodes.fleet_wiring). In parallel mode the predictions are published as
+soon as the forward is done; the AdaptationStatus follows when the background update has
+finished, so it carries that update's backward_ms.
 """
 
 from __future__ import annotations
@@ -23,7 +34,7 @@ import dataclasses
 import math
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -45,15 +56,14 @@ from tta_msgs.msg import (
 from tta_core.adashadow.planning import Plan, telemetry_pis
 from tta_core.api import (
     DeadlineTunable,
-    RuntimeTunable,
     StepResult,
     TakesPlan,
     TTAMethodLike,
     WarmsUp,
 )
+from tta_core.errors import one_line as exc_line
 from tta_core.io.image_msg import FrameLimits, Preprocess, one_line, to_tensor
-from tta_core.memory.quant import STORED_BITS
-from tta_core.methods import available_methods, build_method, method_class
+from tta_core.methods import available_methods, build_method
 from tta_core.model.source import load_source
 from tta_core.model.units import decompose
 from tta_core.runtime.gc_pauses import freeze_startup_heap
@@ -69,18 +79,17 @@ from tta_ros.convert import (
     status_msg,
 )
 from tta_ros.diagnostics import ERROR, HARDWARE_ID, OK, WARN, DiagnosticsPublisher, status
-from tta_ros.nodes.deadline_wiring import (
-    DEADLINE_KEYS,
-    DEADLINE_PARAMS,
-    SPEED_KEYS,
-    SpeedFeed,
-    check_deadline_change,
-    deadline_settings,
-    resolve_topic,
-)
-from tta_ros.nodes.domain_wiring import DOMAIN_PARAMS, DomainWiring, bank_option
+from tta_ros.nodes.deadline_wiring import ODOMETRY_PARAMS, SpeedFeed, resolve_topic
+from tta_ros.nodes.domain_wiring import DomainWiring
 from tta_ros.nodes.fleet_wiring import PERCEPTION_FLEET_PARAMS, PerceptionFleet
 from tta_ros.nodes.intake import FrameIntake
+from tta_ros.nodes.method_params import (
+    PREFIX,
+    MethodOptions,
+    apply_live,
+    check_live,
+    method_params,
+)
 from tta_ros.nodes.perception_support import (
     DivergenceGuard,
     FrameQueue,
@@ -89,72 +98,44 @@ from tta_ros.nodes.perception_support import (
 )
 from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
 
-RUNTIME = ("method", "mode", "sigma", "lr", "batch_size", "queue_size", "plan_source",
-           "plan_timeout_s", "publish_scores", "batch_timeout_s", "reset_entropy_ratio",
-           "reset_patience", "memory_budget_mb", "activation_bits", "elastic_keep",
-           *DEADLINE_KEYS, *SPEED_KEYS)
-REBUILD = ("method", "mode", "memory_budget_mb", "activation_bits")
+FEED_TIMEOUT = "feed_timeout_s"
 
 
 def param_specs() -> tuple[ParamSpec, ...]:
-    """The perception parameters (method choices come from the tta_core registry)."""
+    """The node's own parameters (method choices come from the tta_core registry; the
+    method's options are the generated method.* parameters)."""
     return (
         ParamSpec("model_card", "", "model card JSON of the source model", read_only=True),
-        ParamSpec("method", "adashadow", "TTA method", choices=tuple(available_methods())),
-        ParamSpec("mode", "sequential", "predict on the reforward (sequential) or adapt in "
-                  "the background (parallel)", choices=("sequential", "parallel")),
-        ParamSpec("sigma", 0.33, "latency budget as a fraction of a full update", 0.0, 1.0),
-        ParamSpec("memory_budget_mb", 0.0, "saved-activation budget of an update, MiB (0: "
-                  "none; methods that take one: adashadow); a change rebuilds the method",
-                  0.0, 1e6),
-        ParamSpec("activation_bits", 0, "DAF: store what an update saves for backward at 8, "
-                  "4 or 2 bits (0: dense; methods that take it: adashadow, tent, surgeon; "
-                  "not with memory_budget_mb); a change rebuilds the method", 0, 8),
-        ParamSpec("lr", 5e-3, "SGD learning rate at batch 64 (scaled linearly with the batch "
-                  "size, as the EATA/SAR code does)", 0.0, 1.0),
+        ParamSpec("method", "adashadow", "TTA method; its options are the method.* "
+                  "parameters, declared anew when it changes",
+                  choices=tuple(available_methods())),
+        ParamSpec("input", "raw", "camera frames: sensor_msgs/Image on `image` (raw) or "
+                  "sensor_msgs/CompressedImage on `image/compressed` (compressed: JPEG, PNG)",
+                  choices=tuple(FRAME_INPUTS), read_only=True),
+        ParamSpec("device", "cpu", "torch device (cpu, cuda, cuda:N)", read_only=True),
+        ParamSpec("num_threads", 0, "torch intra-op threads (0: torch default)", 0, 256,
+                  read_only=True),
         ParamSpec("batch_size", 8, "frames per adaptation batch", 1, 256),
         ParamSpec("batch_timeout_s", 0.05, "run a partial batch this long after its first "
                   "frame", 0.0, 10.0),
         ParamSpec("queue_size", 32, "bounded frame queue (keep latest)", 1, 4096),
+        ParamSpec("publish_scores", False, "fill ClassPrediction.scores with the softmax"),
+        ParamSpec("float_range", [0.0, 1.0], "32FC1/32FC3 frames with a value outside "
+                  "[low, high] are rejected", read_only=True),
+        ParamSpec("max_pixels", 4096 * 4096, "frames with more pixels are rejected "
+                  "(before decoding)", 1, 2**30, read_only=True),
+        ParamSpec("max_aspect", 20.0, "frames whose long side exceeds this times the short "
+                  "side are rejected (before decoding)", 1.0, 1e6, read_only=True),
         ParamSpec("plan_source", "topic", "plans from layer_plan (topic) or solved here "
                   "(inline)", choices=("topic", "inline")),
-        ParamSpec("plan_timeout_s", 1.0, "plan inline when an importance waits longer "
-                  "than this for a plan", 0.01, 60.0),
-        ParamSpec("publish_scores", False, "fill ClassPrediction.scores with the softmax"),
-        ParamSpec("device", "cpu", "torch device (cpu, cuda, cuda:N)", read_only=True),
-        ParamSpec("profile", "", "offline UnitProfile JSON for inline planning",
-                  read_only=True),
-        ParamSpec("backward_feedback", 0.2, "inline planning: EMA weight of the correction "
-                  "of predicted backward times by measured ones (0: off)", 0.0, 1.0,
-                  read_only=True),
-        ParamSpec("fixed_cost_feedback", 0.2, "inline planning: EMA weight of the plan "
-                  "phase and the update's fixed cost that plans leave room for (0: off)",
-                  0.0, 1.0, read_only=True),
-        ParamSpec("telemetry_timeout_s", 2.0, "inline planning: telemetry older than this is "
-                  "ignored (offline pi1 = pi2 = 1)", 0.1, 3600.0),
-        ParamSpec("num_threads", 0, "torch intra-op threads (0: torch default)", 0, 256,
-                  read_only=True),
-        ParamSpec("warmup_runs", 2, "methods that time their configurations when they "
-                  "meet a batch size (elastic: forwards per size, the fastest counts); more "
-                  "runs: steadier times on a machine other processes share", 1, 1000,
-                  read_only=True),
+        ParamSpec(FEED_TIMEOUT, 1.0, "side inputs older than this count as missing: an "
+                  "importance unanswered on layer_plan (plan inline), telemetry (offline "
+                  "pi1 = pi2 = 1), odometry (unknown speed: min_deadline_ms)", 0.01, 3600.0),
         ParamSpec("reset_entropy_ratio", 0.95, "divergence guard: entropy limit as a "
                   "fraction of ln(num_classes)", 0.0, 1.0),
         ParamSpec("reset_patience", 5, "divergence guard: batches above the limit", 1,
                   100000),
-        ParamSpec("float_min", 0.0, "32FC1/32FC3 frames with a value below this are "
-                  "rejected", -1e6, 1e6, read_only=True),
-        ParamSpec("float_max", 1.0, "32FC1/32FC3 frames with a value above this are "
-                  "rejected", -1e6, 1e6, read_only=True),
-        ParamSpec("max_pixels", 4096 * 4096, "frames with more pixels are rejected "
-                  "(before decoding)", 1, 2**30, read_only=True),
-        ParamSpec("input", "raw", "camera frames: sensor_msgs/Image on `image` (raw) or "
-                  "sensor_msgs/CompressedImage on `image/compressed` (compressed: JPEG, PNG)",
-                  choices=tuple(FRAME_INPUTS), read_only=True),
-        ParamSpec("max_aspect", 20.0, "frames whose long side exceeds this times the short "
-                  "side are rejected (before decoding)", 1.0, 1e6, read_only=True),
-        *DEADLINE_PARAMS, *DOMAIN_PARAMS, *PERCEPTION_FLEET_PARAMS,
-        HARDWARE_ID,
+        *ODOMETRY_PARAMS, *PERCEPTION_FLEET_PARAMS, HARDWARE_ID,
     )
 
 
@@ -190,43 +171,28 @@ def check_device(name: str) -> torch.device:
     return dev
 
 
-def method_options(p: dict[str, Any], image_size: int, arch: str) -> dict[str, Any]:
-    """The node's parameters as options of method p["method"] (only those its config has:
-    tent has no sigma, ...)."""
-    known = {f.name for f in dataclasses.fields(method_class(p["method"]).config_cls)}
-    cfg = {"lr": p["lr"], "sigma": p["sigma"], "mode": p["mode"],
-           "input_shape": (3, image_size, image_size), "arch": arch,
-           "backward_feedback": p["backward_feedback"],
-           "fixed_cost_feedback": p["fixed_cost_feedback"], **deadline_settings(p),
-           "warmup_runs": p["warmup_runs"],
-           "memory_budget_mb": p["memory_budget_mb"] or None,
-           "activation_bits": p["activation_bits"] or None, **bank_option(p)}
-    if p["profile"]:
-        cfg["profile"] = ros_params.resolve_data_path(p["profile"])
-    return {k: v for k, v in cfg.items() if k in known}
-
-
-def build_warm(p: dict[str, Any], model: torch.nn.Module, image_size: int,
-               arch: str) -> TTAMethodLike:
-    """Method p["method"] with the node's options, warmed up (api.WarmsUp) on noise at
-    the batch size: its run-time costs learnt before the first frame, its state untouched
-    (a deadline's first updates otherwise plan blind and miss)."""
-    meth = build_method(p["method"], model, **method_options(p, image_size, arch))
+def build_warm(name: str, config: Mapping[str, Any], model: torch.nn.Module,
+               batch_size: int, sample: tuple[int, ...]) -> TTAMethodLike:
+    """Method `name` with `config`, warmed up (api.WarmsUp) on noise batches of `sample`
+    (C, H, W) at the batch size: its run-time costs learnt before the first frame, its
+    state untouched (a deadline's first updates otherwise plan blind and miss)."""
+    meth = build_method(name, model, **config)
     if isinstance(meth, WarmsUp):
         dev = next(model.parameters()).device
-        meth.warm_up(torch.randn(p["batch_size"], 3, image_size, image_size, device=dev))
+        meth.warm_up(torch.randn(batch_size, *sample, device=dev))
     freeze_startup_heap()  # full garbage collections skip what exists now (gc_pauses)
     return meth
 
 
 def planning_message(node: PerceptionNode) -> str:
     """What the planning status says: topic, inline (and why), or why nothing fits."""
-    p = node.p
+    p, opts = node.p, node.options
     if not node.accepts_plans:
-        return f"method {p['method']} plans nothing"
+        return f"method {opts.method} plans nothing"
     if node._no_room:
-        budget = (f"sigma={p['sigma']:g}" if p["deadline_mode"] == "sigma"
-                  else f"deadline_mode={p['deadline_mode']}")
+        mode = opts.get("deadline_mode", "sigma")
+        budget = f"sigma={opts.get('sigma', math.nan):g}" if mode == "sigma" \
+            else f"deadline_mode={mode}"
         return f"{budget}: {node._no_room} (adapting BN statistics only)"
     if p["plan_source"] == "inline":
         return "planning inline (plan_source: inline)"
@@ -242,9 +208,24 @@ def speed_text(feed: SpeedFeed) -> str:
     return f"{speed:.4g} m/s" if speed is not None else feed.describe()
 
 
+def status_mode(opts: MethodOptions) -> str:
+    """AdaptationStatus.mode: parallel when the method adapts in the background."""
+    return "parallel" if opts.get("mode") == "parallel" else "sequential"
+
+
+def memory_values(opts: MethodOptions) -> dict[str, str]:
+    """The method's saved-activation options, for the adaptation status (those it has)."""
+    out = {}
+    if "method.memory_budget_mb" in opts.params:
+        out["memory_budget_mb"] = f"{opts.get('memory_budget_mb') or 0.0:g}"
+    if "method.activation_bits" in opts.params:
+        out["activation_bits"] = str(opts.get("activation_bits") or "dense")
+    return out
+
+
 def perception_statuses(node: PerceptionNode) -> list[DiagnosticStatus]:
     """The node's input, planning and adaptation statuses for /diagnostics."""
-    c, q, p = node.counters, node.queue, node.p
+    c, q, p, opts = node.counters, node.queue, node.p, node.options
     planning_warn = node._inline_fallback or bool(node._no_room)
     return [
         status("input", OK, "ok", {
@@ -254,13 +235,13 @@ def perception_statuses(node: PerceptionNode) -> list[DiagnosticStatus]:
                planning_message(node), {
                    "plan_source": p["plan_source"],
                    "topic_batches": c.topic_batches, "inline_batches": c.inline_batches,
-                   "deadline_mode": p["deadline_mode"], "speed": speed_text(node.speed)}),
-        status("adaptation", OK, f"{p['method']} ({p['mode']})",
+                   "deadline_mode": opts.get("deadline_mode", "-"),
+                   "speed": speed_text(node.speed)}),
+        status("adaptation", ERROR if node.build_error else OK,
+               node.build_error or f"{opts.method} ({status_mode(opts)})",
                {"batches": c.batches, "resets": node.guard.resets,
                 "step_errors": c.step_errors, "last_error": c.last_error,
-                "saved_activation_mib": f"{c.saved_mib:.4g}",
-                "memory_budget_mb": f"{p['memory_budget_mb']:g}",
-                "activation_bits": str(p["activation_bits"] or "dense")}),
+                "saved_activation_mib": f"{c.saved_mib:.4g}", **memory_values(opts)}),
         *node.domain.statuses(), *node.fleet.statuses()]
 
 
@@ -292,7 +273,7 @@ def publish_batch(node: PerceptionNode, frames: list[Any], logits: torch.Tensor,
         "saved_mib", res.stats.get("saved_bytes", math.nan) / 2**20))  # tent: bytes only
     header = frames[-1].header
     node.pub_status.publish(status_msg(
-        header, batch_id, res, method=node.p["method"], mode=node.p["mode"],
+        header, batch_id, res, method=node.method.name, mode=status_mode(node.options),
         plan_id=plan_id, reset=reset, frames_dropped=int(node.queue.dropped),
         peak_mb=peak_memory_mb(node.device)))
     imp = importance_msg(header, batch_id, node.model_name, node.unit_names, res,
@@ -303,33 +284,45 @@ def publish_batch(node: PerceptionNode, frames: list[Any], logits: torch.Tensor,
             node.gate.on_importance_sent()
 
 
-def check_encoding(p: dict[str, Any]) -> str:
-    """'' when activation_bits is a width the codec has and is not combined with a memory
-    budget (adashadow refuses that at build time: the node would stop adapting), else why."""
-    bits = p["activation_bits"]
-    if bits not in (0, *STORED_BITS):
-        return f"activation_bits={bits!r} not one of 0 (dense), 2, 4, 8"
-    if bits and p["memory_budget_mb"]:
-        return (f"activation_bits={bits} and memory_budget_mb={p['memory_budget_mb']:g} "
-                f"exclude each other: the budget chooses its own encodings")
-    return ""
+def override_values(node: Node) -> dict[str, Any]:
+    """The parameter values given at start (params file, -p, parameter_overrides): rclpy
+    keeps them for declarations, the method.* ones are declared per method."""
+    return {name: prm.value for name, prm in node._parameter_overrides.items()}
 
 
 def check_change(node: PerceptionNode, params: Sequence[Parameter]) -> SetParametersResult:
-    """on_set_parameters: each value in range and changeable at run time, the deadline
-    settings consistent, a valid odometry topic."""
-    res = validate(node.specs, params, runtime=RUNTIME)
-    if res.successful:
-        res.reason = (check_deadline_change(node.p, params)
-                      or check_encoding({**node.p, **{p.name: p.value for p in params}}))
-        topic = next((p.value for p in params if p.name == "odometry_topic"), None)
-        try:
-            if topic is not None:
-                resolve_topic(node, topic)
-        except ValueError as exc:
-            res.reason = str(exc)
-        res.successful = not res.reason
-    return res
+    """on_set_parameters: the node's own values in range, a valid odometry topic, then the
+    method side (check_method_change)."""
+    res = validate(node.specs, params)
+    if not res.successful or node.declaring:
+        return res
+    new = {p.name: p.value for p in params}
+    try:
+        if "odometry_topic" in new:
+            resolve_topic(node, new["odometry_topic"])
+    except ValueError as exc:
+        return SetParametersResult(successful=False, reason=str(exc))
+    reason = check_method_change(node, new)
+    return SetParametersResult(successful=not reason, reason=reason)
+
+
+def check_method_change(node: PerceptionNode, new: Mapping[str, Any]) -> str:
+    """'' or why not: a new method must build with its start values (and come alone);
+    method.* values must be changeable now, valid for the method's config and takeable by
+    its setters."""
+    method = new.get("method", node.options.method)
+    changes = {k: v for k, v in new.items() if k.startswith(PREFIX)}
+    if method != node.options.method:
+        if changes:
+            return (f"method={method!r}: set method alone (its method.* parameters are "
+                    f"declared anew with it), then its options")
+        opts = MethodOptions(method, override_values(node))
+        return opts.check(opts.values)
+    if not changes:
+        return ""
+    params = node.options.params
+    return node.options.check(changes) or check_live(
+        node.method, {k[len(PREFIX):]: params[k].config_value(v) for k, v in changes.items()})
 
 
 class PerceptionNode(Node):
@@ -342,43 +335,35 @@ class PerceptionNode(Node):
         self._worker: threading.Thread | None = None
         self.intake: FrameIntake | None = None
         self.method: TTAMethodLike | None = None
+        self.declaring = False  # method.* parameters being declared (callbacks skip them)
+        self.build_error = ""  # why the last rebuild failed ('' when it did not)
         super().__init__(node_name, context=context, parameter_overrides=parameter_overrides,
                          cli_args=list(cli_args) if cli_args else None)
         self.specs = param_specs()
         declare_all(self, self.specs)
         self.p = values(self, self.specs)
         check_initial(self.specs, self.p)
-        if reason := check_deadline_change(self.p, []):  # e.g. min above max deadline
-            raise ValueError(reason)
-        self.device = check_device(self.p["device"])
-        if self.p["num_threads"] > 0:
-            torch.set_num_threads(self.p["num_threads"])
-        if not self.p["model_card"]:
-            raise ValueError("parameter model_card is empty: the perception node needs one")
-        # the source model is loaded once; every (re)built method adapts a copy of it
-        self.source_model, self.card = load_source(
-            ros_params.resolve_data_path(self.p["model_card"]))
-        self.pre = Preprocess.from_card(self.card)
-        self.limits = FrameLimits((self.p["float_min"], self.p["float_max"]),
-                                  self.p["max_pixels"], self.p["max_aspect"])
-        self.model_name = self.card.name or self.card.arch
+        self.options = self._declare_method(self.p["method"])
+        self._load_source()
         self._pending: dict[str, Any] = {}
         self._pending_lock = threading.Lock()
-        self.domain = DomainWiring(self, self.p)  # domain reports, bank saves (issue #21)
+        self.domain = DomainWiring(self)  # domain reports, bank saves (issue #21)
+        self.fleet = PerceptionFleet(self, self.p["fleet_calibration"],  # issue #22
+                                     self.fleet_settings)
         self._build_method()
-        self.fleet = PerceptionFleet(self, self.p)  # elastic_keep, fleet report (#22)
         self.queue = FrameQueue(self.p["queue_size"])
-        self.gate = PlanGate(self.p["plan_timeout_s"])
+        self.gate = PlanGate(self.p[FEED_TIMEOUT])
         self.guard = DivergenceGuard(self.card.num_classes, self.p["reset_entropy_ratio"],
                                      self.p["reset_patience"])
         self.counters = Counters()
         self._inline_fallback = False
         self._no_room = ""  # inline planning: why no trainable unit fits sigma * T
-        self.telemetry = TelemetryFeed(self.p["telemetry_timeout_s"])
+        self.telemetry = TelemetryFeed(self.p[FEED_TIMEOUT])
         self.speed = SpeedFeed(self, self.p["odometry_topic"], self.p["odometry_type"],
-                               self.p["odometry_timeout_s"],
+                               self.p[FEED_TIMEOUT],
                                lambda: self.get_clock().now().nanoseconds * 1e-9)
         self.add_on_set_parameters_callback(self._on_set_parameters)
+        self.add_post_set_parameters_callback(self._after_set_parameters)
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
         self.pub_pred = self.create_publisher(ClassPrediction, "predictions", 100)
         self.pub_status = self.create_publisher(AdaptationStatus, "adaptation_status", reliable)
@@ -397,15 +382,75 @@ class PerceptionNode(Node):
         self._worker.start()
 
     # ------------------------------------------------------------ set-up
+    def _load_source(self) -> None:
+        """Device, threads, the source model (loaded once: every (re)built method adapts
+        a copy of it), its preprocessing and the frame limits."""
+        self.device = check_device(self.p["device"])
+        if self.p["num_threads"] > 0:
+            torch.set_num_threads(self.p["num_threads"])
+        if not self.p["model_card"]:
+            raise ValueError("parameter model_card is empty: the perception node needs one")
+        self.source_model, self.card = load_source(
+            ros_params.resolve_data_path(self.p["model_card"]))
+        self.pre = Preprocess.from_card(self.card)
+        self.limits = FrameLimits(tuple(self.p["float_range"]), self.p["max_pixels"],
+                                  self.p["max_aspect"])
+        self.model_name = self.card.name or self.card.arch
+
+    def _declare_method(self, name: str) -> MethodOptions:
+        """Declare method `name`'s method.* parameters with their start values (given at
+        start, else the config's defaults); ValueError naming a bad one."""
+        opts = MethodOptions(name, override_values(self))
+        if reason := opts.check(opts.values):
+            raise ValueError(reason)
+        self.declaring = True
+        try:
+            for pname, prm in opts.params.items():
+                value = opts.values[pname]
+                if value == []:  # no type to infer from: declare it typed, then set it
+                    self.declare_parameter(pname, prm.ros_type, prm.descriptor(),
+                                           ignore_override=True)
+                    self.set_parameters([Parameter(pname, prm.ros_type, [])])
+                else:
+                    self.declare_parameter(pname, value, prm.descriptor(),
+                                           ignore_override=True)
+        finally:
+            self.declaring = False
+        self._report_foreign(opts)
+        return opts
+
+    def _report_foreign(self, opts: MethodOptions) -> None:
+        """Log the method.* values given at start that the method has no option for: INFO
+        for another method's options (a shared params file), WARN for no method's (typos)."""
+        foreign = sorted(k for k in override_values(self)
+                         if k.startswith(PREFIX) and k not in opts.params)
+        known = {n for m in available_methods() for n in method_params(m)}
+        for level, names in ((self.get_logger().info, [k for k in foreign if k in known]),
+                             (self.get_logger().warning, [k for k in foreign if k not in known])):
+            if names:
+                level(f"method {opts.method} has no option(s) {', '.join(names)}: ignored")
+
     def _build_method(self) -> None:
-        """Build the configured method on a fresh copy of the source model."""
+        """Build the configured method on a fresh copy of the source model; the old one
+        (its bank saved) is closed once the new one is built."""
+        opts, s = self.options, self.pre.image_size
+        fill = {"input_shape": (3, s, s), "arch": self.card.arch}
+        config = {**opts.config(), **{k: v for k, v in fill.items() if k in opts.filled}}
         model = copy.deepcopy(self.source_model).to(self.device)
         if self.method is not None:
             self.domain.save("method rebuilt")  # the rebuilt method loads it
+        method = build_warm(opts.method, config, model, int(self.p["batch_size"]),
+                            (3, s, s))
+        if self.method is not None:
             self.method.close()
-        self.method = build_warm(self.p, model, self.pre.image_size, self.card.arch)
-        self.domain.attach(self.method)
+        self.method = method
+        self.domain.attach(method, opts.get("bank_path") or "")
+        self.fleet.attach(method)
         self.unit_names = unit_names(self)
+
+    def fleet_settings(self) -> dict[str, Any]:
+        """The batch size and the method's options (keep, camera_hz, deadline_*)."""
+        return {**self.options.config(), "batch_size": int(self.p["batch_size"])}
 
     @property
     def accepts_plans(self) -> bool:
@@ -414,35 +459,66 @@ class PerceptionNode(Node):
 
     # ------------------------------------------------------------ parameters
     def _on_set_parameters(self, params: Sequence[Parameter]) -> SetParametersResult:
-        res = check_change(self, params)
-        if res.successful:  # applied by the worker between batches (odometry: here)
-            with self._pending_lock:
-                self._pending.update({p.name: p.value for p in params if p.name in RUNTIME})
-            self.speed.on_params({p.name: p.value for p in params})
-        return res
+        return check_change(self, params)
+
+    def _after_set_parameters(self, params: Sequence[Parameter]) -> None:
+        """Accepted changes: a new method's parameters declared here; the rest applied by
+        the worker between batches (the odometry subscription: here)."""
+        if self.declaring:
+            return
+        new = {p.name: p.value for p in params}
+        if new.get("method", self.options.method) != self.options.method:
+            for name in self.options.params:
+                self.undeclare_parameter(name)
+            self.options = self._declare_method(new["method"])
+        self.options.values.update({k: v for k, v in new.items() if k in self.options.params})
+        with self._pending_lock:
+            self._pending.update(new)
+        self.speed.on_params(new, FEED_TIMEOUT)
 
     def _apply_pending(self) -> None:
-        """Apply parameter changes between batches (worker thread)."""
+        """Apply parameter changes between batches (worker thread): the method's setters
+        where it has them, else a rebuild."""
         with self._pending_lock:
             changes, self._pending = self._pending, {}
         if not changes:
             return
-        self.p.update(changes)
-        if any(k in changes for k in REBUILD):
-            self._build_method()
-            self.get_logger().info(f"method rebuilt: {self.p['method']} ({self.p['mode']})")
-        if "sigma" in changes and isinstance(self.method, RuntimeTunable):
-            self.method.set_sigma(float(self.p["sigma"]))
-        self.fleet.apply(changes, self.method)  # elastic_keep; a rebuilt method gets it too
-        if "lr" in changes:
-            self.method.set_lr(float(self.p["lr"]))
+        self.p.update({k: v for k, v in changes.items() if k in self.p})
+        opts = self.options
+        changed = [opts.params[k] for k in changes if k in opts.params]
+        fields = {p.info.name: p.config_value(changes[p.name]) for p in changed}
+        rebuild = "method" in changes or not all(p.info.runtime for p in changed)
+        if rebuild or (fields and self._apply_live(fields)):
+            self._rebuild()
         if "queue_size" in changes:
             self.queue.resize(self.p["queue_size"])
-        if any(k in changes for k in DEADLINE_KEYS) and isinstance(self.method, DeadlineTunable):
-            self.method.set_deadline(**deadline_settings(self.p))
-        self.gate.timeout_s = float(self.p["plan_timeout_s"])
+        self.gate.timeout_s = self.telemetry.timeout_s = float(self.p[FEED_TIMEOUT])
         self.guard.ratio = float(self.p["reset_entropy_ratio"])
         self.guard.patience = int(self.p["reset_patience"])
+
+    def _apply_live(self, fields: dict[str, Any]) -> bool:
+        """Changed options through the method's setters; True when some need a rebuild."""
+        try:
+            return bool(apply_live(self.method, fields))
+        except ValueError as exc:  # e.g. a size the method does not serve
+            reason = f"{', '.join(PREFIX + k for k in fields)} not applied: {exc_line(exc)}"
+            self.get_logger().warning(reason)
+            self._diag_now("adaptation", WARN, reason)
+            return False
+
+    def _rebuild(self) -> None:
+        """Rebuild the method; on failure the previous one goes on serving (ERROR)."""
+        try:
+            self._build_method()
+        except Exception as exc:  # a bad profile file, a model the method cannot adapt
+            self.build_error = (f"method {self.options.method} not rebuilt "
+                                f"({exc_line(exc)}): still running {self.method.name}")
+            self.get_logger().error(self.build_error)
+            self._diag_now("adaptation", ERROR, self.build_error)
+            return
+        self.build_error = ""
+        self.get_logger().info(f"method rebuilt: {self.options.method} "
+                               f"({status_mode(self.options)})")
 
     # ------------------------------------------------------------ callbacks
     def _backlog(self) -> int:
@@ -556,6 +632,7 @@ class PerceptionNode(Node):
     # ------------------------------------------------------------ publishing
     def _publish_diagnostics(self) -> None:
         self.diag.publish(perception_statuses(self))
+        self.fleet.publish()  # the fleet report of a Resizable method
 
     def _diag_now(self, which: str, level: int, message: str) -> None:
         """Publish one status right away (rejections, fallbacks, resets)."""

@@ -17,9 +17,9 @@ sigma*T; the LayerPlan's `sigma` is then the deadline's share of the full update
 label shows it.
 
 Fleet mode (issue #22, tta_ros.nodes.fleet_wiring): with `fleet_namespaces` set, the node
-also chooses the surrogate size of every perception pipeline in those namespaces (the
-pipelines share this computer: tta_core.elasticdnn.fleet) and sets it on each through the
-standard SetParameters service (`elastic_keep`).
+also reads every perception pipeline's tta_msgs/FleetReport (`<ns>/fleet_report`), chooses
+the surrogate size of each (the pipelines share this computer: tta_core.elasticdnn.fleet)
+and sets it on each through the standard SetParameters service (`method.keep`).
 """
 
 from __future__ import annotations

@@ -92,9 +92,9 @@ def test_scheduler_plans_within_a_share_of_the_free_memory_telemetry_reports(
         assert node.plan_for(imp).memory is None  # no telemetry yet: no budget
         telemetry(1000.0, 998.8)
         out = node.plan_for(imp)
-        assert node.planning.config.memory_budget_mib == pytest.approx(0.6, rel=1e-3)
+        assert node.planning.config.memory_budget_mb == pytest.approx(0.6, rel=1e-3)
         assert out.updates and out.memory.predicted_bytes <= 0.6 * MIB
-        text = memory_text(out, node.planning.config.memory_budget_mib)
+        text = memory_text(out, node.planning.config.memory_budget_mb)
         assert text == f"saved {out.memory.predicted_bytes / MIB:.2f} / 0.60 MiB"
         plan = LayerPlan(importance=[1.0] * lay.n_units, update=list(out.plan.update))
         label = plan_markers(plan, "tta", 0.3, 2.0, memory=text).markers[-1].text

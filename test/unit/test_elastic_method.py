@@ -289,3 +289,15 @@ def test_entropy_jump_rederives_and_writes_back() -> None:
     shifted = [m.step(x).stats["rederived"] for x in smooth]
     assert any(shifted)
     assert any(not torch.equal(p, master_before[k]) for k, p in m.model.named_parameters())
+
+
+def test_keep_in_the_config_pins_the_size_from_the_first_batch() -> None:
+    """`keep` (the node's method.keep) serves that size from the first batch on; a size
+    the method does not serve is refused at build with the value named."""
+    meth = build_method("elastic", gated(), keep=0.5, sizes=(1.0, 0.5), warmup_runs=1)
+    res = meth.step(torch.randn(4, 3, 32, 32))
+    assert res.stats["size"] == 0.5 and res.stats["pinned"]
+    meth.set_size(None)
+    assert meth.config.keep is None
+    with pytest.raises(ValueError, match=r"keep 0\.3 is not one of the sizes"):
+        build_method("elastic", gated(), keep=0.3, sizes=(1.0, 0.5))

@@ -57,7 +57,7 @@ def test_planner_under_a_budget_never_predicts_over_it() -> None:
     rng = np.random.default_rng(0)
     sizes: dict[float, list[int]] = {}
     for budget in (0.9, 1.5, 3.0, 50.0):
-        svc = PlanningService(layout, PlanningConfig(sigma=1.0, memory_budget_mib=budget,
+        svc = PlanningService(layout, PlanningConfig(sigma=1.0, memory_budget_mb=budget,
                                                      fixed_cost_feedback=0.0))
         for _ in range(20):
             a = rng.random(layout.n_units) * (rng.random(layout.n_units) < 0.6)
@@ -72,7 +72,7 @@ def test_planner_under_a_budget_never_predicts_over_it() -> None:
 
 
 def test_no_budget_plans_are_the_latency_planners() -> None:
-    """memory_budget_mib None: planner.solve's plan (costs passed or not), no memory plan."""
+    """memory_budget_mb None: planner.solve's plan (costs passed or not), no memory plan."""
     staged = _staged()
     layout = UnitLayout.from_staged(staged)
     costs = SaveCosts(staged).costs(torch.randn(4, 3, 32, 32))
@@ -93,7 +93,7 @@ def test_too_small_a_budget_says_why_plans_stay_empty() -> None:
     staged = _staged()
     costs = SaveCosts(staged).costs(torch.randn(4, 3, 32, 32))
     svc = PlanningService(UnitLayout.from_staged(staged),
-                          PlanningConfig(sigma=1.0, memory_budget_mib=1e-5))
+                          PlanningConfig(sigma=1.0, memory_budget_mb=1e-5))
     out = svc.plan(np.ones(len(staged.units)), 10.0, memory=costs)
     assert not out.updates and "memory budget 1e-05 MiB" in out.no_room
     with pytest.raises(ValueError, match="needs the model's memory costs"):
@@ -179,8 +179,8 @@ def test_bad_memory_budget_values_raise_one_line(value: object) -> None:
         build_method("adashadow", _model(), input_shape=(3, 32, 32), graph="lazy",
                      memory_budget_mb=value)
     assert "\n" not in str(err.value)
-    with pytest.raises(ValueError, match="memory_budget_mib must be"):
-        PlanningConfig(memory_budget_mib=value).validate()  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="memory_budget_mb must be"):
+        PlanningConfig(memory_budget_mb=value).validate()  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------ bench

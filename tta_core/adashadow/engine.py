@@ -96,7 +96,7 @@ class EngineConfig(PlanningConfig):
     # (memory) but runs the tail once more, which the planner is told (each unit's
     # reforward time counts twice). Measured on this CPU: full is faster on ResNet-50
     # (0.41x vs 0.51x Tent's latency, batch 4, 224 px), the two are within noise on the
-    # 32 px small net. With a memory budget (memory_budget_mib, memory_budget): "lazy" plans
+    # 32 px small net. With a memory budget (memory_budget_mb, memory_budget): "lazy" plans
     # units and keep ratios on both budgets; "full" raises the graph floor to the lowest
     # stage whose recording fits (candidates' inputs dense: exact gradients).
     graph: str = option("full", "full: the forward records the autograd graph from the "
@@ -116,9 +116,9 @@ class EngineConfig(PlanningConfig):
         super().validate()
         if self.activation_bits is not None:
             check_activation_bits(self.activation_bits)
-            if self.memory_budget_mib is not None:
+            if self.memory_budget_mb is not None:
                 raise ValueError(f"activation_bits={self.activation_bits} and a memory budget "
-                                 f"({self.memory_budget_mib:g} MiB) exclude each other: the "
+                                 f"({self.memory_budget_mb:g} MiB) exclude each other: the "
                                  f"budget chooses its own encodings")
         for name, value, allowed in (("mode", self.mode, MODES), ("loss", self.loss, LOSSES),
                                      ("bn_mode", self.bn_mode, BN_MODES),
@@ -383,7 +383,7 @@ class AdaShadowEngine:
             self._fwd.note(profile.forward_ms, profile.batch_size)
         self._handles = stage_input_hooks(self.staged, self._cache_stage_input)
         self._job = _Background()
-        self.tail = TailRecorder(staged, self.config.memory_budget_mib, self.candidates,
+        self.tail = TailRecorder(staged, self.config.memory_budget_mb, self.candidates,
                                  self.lazy, bits=self.config.activation_bits)
 
     @property

@@ -1,6 +1,6 @@
 """AdaShadow under a saved-activation memory budget (issue #19): costs, solve, run.
 
-With `PlanningConfig.memory_budget_mib` set, the planning service plans with
+With `PlanningConfig.memory_budget_mb` set, the planning service plans with
 memory_planner.solve_with_memory (latency and memory at once) instead of planner.solve,
 and the engine (lazy graph mode) re-runs the tail from the first updated unit's stage
 under the ActivationCodec with the plan's keep ratios, so what autograd holds is what
@@ -136,7 +136,7 @@ def solve_plan(problem: planner.PlanProblem, n_t: int, budget_mib: float | None,
     if budget_mib is None:
         return planner.solve(problem, n_t=n_t), None
     if costs is None:
-        raise ValueError(f"memory_budget_mib={budget_mib} needs the model's memory costs "
+        raise ValueError(f"memory_budget_mb={budget_mib} needs the model's memory costs "
                          "(SaveCosts): plan(..., memory=costs)")
     mem = solve_with_memory(problem, costs, budget_mib * MIB, n_t=n_t)
     return mem.as_plan(), mem

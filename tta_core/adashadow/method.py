@@ -16,7 +16,6 @@ import numpy as np
 from torch import Tensor, nn
 
 from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig
-from tta_core.adashadow.memory_budget import check_budget_mib
 from tta_core.adashadow.predictor import UnitProfile
 from tta_core.api import Plan, StepResult
 from tta_core.darda.switch import DomainSwitch, bank_switch, gated_step
@@ -43,15 +42,6 @@ class AdaShadowConfig(MethodConfig, EngineConfig):
     domain_bank: bool = option(False, "recognise the domain, restore its banked BN + "
                                "classifier state, adapt only until the domain is stable "
                                "(issue #21; trainable norm only)")
-    memory_budget_mb: float | None = option(
-        None, "saved-activation budget of an update, MiB (2**20 bytes; None: off; not with "
-        "activation_bits); sets memory_budget_mib", low=0.0)
-
-    def validate(self) -> None:
-        """EngineConfig.validate after copying memory_budget_mb (checked by that name)."""
-        if self.memory_budget_mb is not None:
-            self.memory_budget_mib = check_budget_mib("memory_budget_mb", self.memory_budget_mb)
-        super().validate()
 
 
 @register("adashadow")

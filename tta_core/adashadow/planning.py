@@ -92,10 +92,10 @@ class PlanningConfig(DeadlineConfig):
                         "(> 0)", low=0.0)
     pi2: float = option(1.0, "offline memory expansion, used until live telemetry arrives "
                         "(> 0)", low=0.0)
-    memory_budget_mib: float | None = option(
-        None, "saved-activation budget, MiB (None: off): plans meet sigma*T (or the "
-        "deadline) and this at once (the engine needs graph lazy to hold it; adashadow: "
-        "memory_budget_mb sets it)", low=0.0)
+    memory_budget_mb: float | None = option(
+        None, "saved-activation budget of an update, MiB (2**20 bytes; None: off): plans "
+        "meet sigma*T (or the deadline) and this at once; not with activation_bits",
+        low=0.0)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad value."""
@@ -109,7 +109,7 @@ class PlanningConfig(DeadlineConfig):
             raise ValueError(f"n_t must be a positive integer, got {self.n_t!r}")
         if not (self.pi1 > 0 and self.pi2 > 0):
             raise ValueError(f"expansion coefficients must be > 0, got {self.pi1}, {self.pi2}")
-        check_budget_mib("memory_budget_mib", self.memory_budget_mib)
+        check_budget_mib("memory_budget_mb", self.memory_budget_mb)
         BackwardFeedback(alpha=self.backward_feedback)  # raises on a bad alpha
         FixedCosts(alpha=self.fixed_cost_feedback)
 
@@ -342,7 +342,7 @@ class PlanningService(DeadlineBudget):
         deadline, margin = self.budget_ms(batch_size)
         problem = self._problem(w, x, r, a, forward_ms + self.fixed.plan_phase_ms,
                                 self.fixed.overhead_ms, deadline - margin)
-        mib = self.config.memory_budget_mib
+        mib = self.config.memory_budget_mb
         plan, mem = solve_plan(problem, int(self.config.n_t), mib, memory)
         bwd = planner.backward_cost(w, x, plan.update)
         refwd = (float(r[self.layout.stage_start[plan.first_updated]:].sum())

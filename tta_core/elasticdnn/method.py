@@ -124,6 +124,8 @@ class ElasticConfig(MethodConfig, DeadlineConfig):
             raise ValueError(f"time_alpha must be in (0, 1], got {self.time_alpha!r}")
         if not (math.isfinite(self.update_prior) and self.update_prior > 0):
             raise ValueError(f"update_prior must be > 0, got {self.update_prior!r}")
+        if self.keep is not None and float(self.keep) not in self.sizes:
+            raise ValueError(f"keep {self.keep!r} is not one of the sizes {self.sizes}")
 
 
 @dataclass
@@ -173,6 +175,7 @@ class Elastic(TTAMethod):
         self.model.set_sparsity(0.0)
         cfg = self.config
         self.plan = ServingPlan(cfg, cfg.sizes, cfg.time_alpha, cfg.update_prior)
+        self.plan.set_size(cfg.keep)  # pinned from the start (None: the deadline chooses)
         self.watch = EntropyWatch(jump=cfg.entropy_jump)
         self.served: dict[float, Served] = {}
         self.since_derive = 0  # batches since the surrogates were cut
@@ -205,6 +208,7 @@ class Elastic(TTAMethod):
     def set_size(self, keep: float | None) -> None:
         """Serve `keep` from the next batch on; None: the deadline's choice again."""
         self.plan.set_size(keep)
+        self.config.keep = keep  # a rebuild keeps it
 
     def size_forward_ms(self) -> dict[float, float]:
         """Predicted forward per size at the last batch size (before any batch: the

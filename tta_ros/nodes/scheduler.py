@@ -191,7 +191,7 @@ class SchedulerNode(Node):
             sigma=p["sigma"], n_t=p["n_t"], forward_feedback=p["forward_feedback"],
             backward_feedback=p["backward_feedback"],
             fixed_cost_feedback=p["fixed_cost_feedback"], **deadline_settings(p),
-            memory_budget_mib=p["memory_budget_mb"] or None), profile)
+            memory_budget_mb=p["memory_budget_mb"] or None), profile)
         self._card, self._save_costs = p["model_card"], None  # memory costs: on first use
         self.speed = SpeedFeed(self, p["odometry_topic"], p["odometry_type"],
                                p["odometry_timeout_s"], self._now)
@@ -241,7 +241,7 @@ class SchedulerNode(Node):
                 if prm.name in ("sigma", "n_t", "forward_feedback", *DEADLINE_KEYS):
                     setattr(self.planning.config, prm.name, prm.value)
                 if prm.name == "memory_budget_mb":
-                    self.planning.config.memory_budget_mib = prm.value or None
+                    self.planning.config.memory_budget_mb = prm.value or None
             self.speed.on_params(new)
         return res
 
@@ -275,7 +275,7 @@ class SchedulerNode(Node):
         else:
             self.planning.clear_expansion()
         free = tel.mem_total_mb - tel.mem_used_mb if tel is not None else math.nan
-        self.planning.config.memory_budget_mib = budget_from_free(
+        self.planning.config.memory_budget_mb = budget_from_free(
             self.get_parameter("memory_budget_mb").value or None,
             self.get_parameter("memory_budget_free_share").value, free)
 
@@ -293,7 +293,7 @@ class SchedulerNode(Node):
     def _memory_costs(self, batch_size: int) -> MemoryCosts | None:
         """Memory costs of a batch when a memory budget is set (the card's model, profiled
         once per batch size: memory_budget.CardSaveCosts), else None."""
-        if self.planning.config.memory_budget_mib is None:
+        if self.planning.config.memory_budget_mb is None:
             return None
         if self._save_costs is None:
             self._save_costs = CardSaveCosts(ros_params.resolve_data_path(self._card),
@@ -329,7 +329,7 @@ class SchedulerNode(Node):
             msg, self.get_parameter("marker_frame_id").value,
             self.get_parameter("bar_spacing").value, self.get_parameter("bar_max_height").value,
             self.get_parameter("marker_lifetime_s").value, deadline, self.domain,
-            memory_text(outcome, cfg.memory_budget_mib)))
+            memory_text(outcome, cfg.memory_budget_mb)))
 
     def _planning_status(self) -> DiagnosticStatus:
         svc = self.planning

@@ -166,7 +166,8 @@ def test_the_codec_leaves_bn_updates_bit_identical(stream, graph: str) -> None:
     for budget in (None, 100.0):
         meth = build_method("adashadow", _model(), input_shape=(3, 32, 32), graph=graph,
                             sigma=1.0, memory_budget_mb=budget, backward_feedback=0.0,
-                            fixed_cost_feedback=0.0)  # plans from the cost model only
+                            fixed_cost_feedback=0.0,  # plans from the cost model only
+                            memory_format="contiguous")  # "auto" times formats: may differ
         for b in stream[:4]:
             meth.step(b.x)
         runs.append([p.detach().clone() for p in meth.collect_params()])

@@ -183,7 +183,7 @@ def test_robust_layers_hold_no_hooks_copy_independently_and_get_their_class_back
     update)."""
     import copy
 
-    from tta_core.darda.bn import RobustBN
+    from tta_core.model.robust_bn import RobustBN
 
     model = _model().eval()
     keys = list(model.state_dict())

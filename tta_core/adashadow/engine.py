@@ -37,8 +37,8 @@ from tta_core.adashadow.planning import (
 )
 from tta_core.api import PhaseClock, PhaseTimes, PlanningInfo, StepResult, mean_entropy
 from tta_core.daf.plans import check_activation_bits
-from tta_core.darda.bn import RobustBN, use_batch_stats
 from tta_core.model.norms import BN_MODES
+from tta_core.model.robust_bn import RobustBN, use_batch_stats
 from tta_core.model.units import StagedModel, stage_input_hooks
 from tta_core.runtime import losses
 from tta_core.runtime.options import option

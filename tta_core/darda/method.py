@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from tta_core.api import StepResult, mean_entropy
 from tta_core.darda.bank import SOURCE, StateBank, adapted_tensors, last_linear
-from tta_core.darda.bn import BANK_BN_MODES, RobustBN, batch_norm_layers, configure, refreshing
+from tta_core.darda.bn import BANK_BN_MODES, configure, refreshing
 from tta_core.darda.detector import Detection, DetectorConfig, DomainDetector
 from tta_core.darda.embedding import EmbeddingConfig
 from tta_core.darda.gate import AdaptGate, DomainGate, GateConfig
@@ -42,6 +42,7 @@ from tta_core.darda.memory import BalancedMemory
 from tta_core.darda.store import load_bank, model_fingerprint, save_bank
 from tta_core.darda.switch import DomainSwitch, SwitchConfig, embedder_for
 from tta_core.errors import InputError, one_line
+from tta_core.model.robust_bn import RobustBN, batch_norm_layers
 from tta_core.registry import register
 from tta_core.runtime.method import MethodConfig, Step, TTAMethod
 from tta_core.runtime.options import option

@@ -21,7 +21,7 @@ AFFINE = ("weight", "bias")
 def set_bn_mode(model: nn.Module, bn_mode: str) -> None:
     """eval() everywhere; with "batch", BN layers normalise by batch statistics only.
     "robust" is eval mode too: the method moves the running statistics toward each
-    batch's before BN normalises (RoTTA's robust BN, tta_core.darda.bn.RobustBN); only
+    batch's before BN normalises (RoTTA's robust BN, tta_core.model.robust_bn.RobustBN); only
     ROBUST_BN_METHODS do, so the others refuse it (TTAMethod.configure_model)."""
     if bn_mode not in BN_MODES:
         raise ValueError(f"bn_mode {bn_mode!r} not in {BN_MODES}")

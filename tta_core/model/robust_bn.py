@@ -1,0 +1,99 @@
+"""BatchNorm statistics helpers shared by the methods: batch or running statistics per
+layer, and RoTTA's robust BN (running statistics moved toward each batch's before they
+normalise) used by AdaShadow's default `bn_mode="robust"` and DARDA's "bank" mode.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+
+def batch_norm_layers(model: nn.Module) -> dict[str, _BatchNorm]:
+    """BatchNorm modules by name."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, _BatchNorm)}
+
+
+def use_batch_stats(bn: _BatchNorm) -> None:
+    """Normalise with batch statistics only (no running stats), as set_bn_mode('batch')."""
+    bn.train()
+    bn.track_running_stats = False
+    bn.running_mean = None
+    bn.running_var = None
+
+
+def use_running_stats(bn: _BatchNorm) -> None:
+    """Normalise with the running statistics (eval mode); they must exist."""
+    if bn.running_mean is None or bn.running_var is None:
+        raise ValueError(f"bn_mode 'bank' needs BN running statistics; {bn} has none")
+    bn.eval()
+    bn.track_running_stats = True
+
+
+class RobustBN:
+    """Moves eval-mode BN layers' running stats toward each batch's before they normalise
+    (RoTTA RBN: mu <- (1 - m) mu + m mu_batch, same for the variance, the batch variance
+    unbiased as PyTorch's BN keeps it). torch.batch_norm_update_stats does it in one fused
+    pass: 4x faster than var_mean over (N, H, W) on this CPU (37-144 us vs 158-631 us per
+    layer of the small net at batch 4), which matters when the whole forward has 2 ms.
+
+    The layers' class is swapped for a subclass whose forward does the update (undone by
+    `close`), not given a forward pre-hook: any hook sends a module down PyTorch's slow
+    call path, 0.1 ms per small-net forward at batch 16 for 6 layers (2.5 %) even when
+    the hook does nothing, which is what a batch served without update pays over
+    bn_adapt. `isinstance`, state_dict and deepcopy see ordinary BN layers (a copy gets
+    its own controller)."""
+
+    def __init__(self, layers: Sequence[_BatchNorm], momentum: float) -> None:
+        if not 0.0 <= momentum <= 1.0:
+            raise ValueError(f"bn momentum must be in [0, 1], got {momentum}")
+        self.momentum, self.enabled = float(momentum), True
+        self.stride, self.weight, self._count = 1, 1, 0
+        self._layers = list(layers)
+        for bn in self._layers:  # a layer already under another controller: this one wins
+            bn._tta_robust = self
+            bn.__class__ = _robust_class(getattr(type(bn), "_tta_base", type(bn)))
+
+    def due(self) -> int:
+        """Thinning: with `stride` k > 1 only every k-th call returns k (this forward moves
+        the statistics, standing for k batches), the others 0 (skip it). The caller passes
+        the result as `weight`: the moved statistics decay per batch as with k = 1."""
+        self._count += 1
+        return self.stride if self._count % self.stride == 0 else 0
+
+    def update(self, bn: _BatchNorm, x: Tensor) -> None:
+        """Move `bn`'s running statistics toward those of the batch `x` (when enabled)."""
+        if not self.enabled or self.momentum == 0.0 or bn.training:
+            return
+        momentum = 1.0 - (1.0 - self.momentum) ** self.weight  # weight 1: self.momentum
+        with torch.no_grad():
+            torch.batch_norm_update_stats(x.detach(), bn.running_mean, bn.running_var,
+                                          momentum)
+
+    def close(self) -> None:
+        """Give the layers their own class back."""
+        for bn in self._layers:
+            if getattr(bn, "_tta_robust", None) is self:
+                bn.__class__ = bn._tta_base
+                del bn._tta_robust
+        self._layers = []
+
+
+_ROBUST_CLASSES: dict[type, type] = {}
+
+
+def _robust_forward(self: _BatchNorm, x: Tensor) -> Tensor:
+    self._tta_robust.update(self, x)
+    return self._tta_base.forward(self, x)
+
+
+def _robust_class(base: type) -> type:
+    """The subclass of a BN class whose forward first moves the statistics (cached)."""
+    if base not in _ROBUST_CLASSES:
+        _ROBUST_CLASSES[base] = type(base.__name__, (base,),
+                                     {"forward": _robust_forward, "_tta_base": base,
+                                      "__module__": base.__module__})
+    return _ROBUST_CLASSES[base]

@@ -26,7 +26,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from tta_core.api import PhaseTimes, Plan, StepResult, mean_entropy
+from tta_core.api import Plan, StepResult, mean_entropy
 from tta_core.model.memory_format import apply_memory_format
 from tta_core.model.norms import NORM_NAMES, ROBUST_BN_METHODS, norm_affine_params, set_bn_mode
 from tta_core.runtime import losses
@@ -288,15 +288,3 @@ class TTAMethod:
         if self.optimizer is not None:
             self.optimizer.load_state_dict(copy.deepcopy(self._opt_state))
             self.optimizer.zero_grad(set_to_none=True)
-
-    @staticmethod
-    def result(logits: Tensor, forward_ms: float, backward_ms: float = 0.0,
-               reforward_ms: float = 0.0, loss: float = float("nan"),
-               adapted: bool = False, units_updated: int = 0,
-               post_ms: float = 0.0) -> StepResult:
-        """A StepResult for methods without a planner; total_ms is the sum of the phases."""
-        total = forward_ms + backward_ms + reforward_ms + post_ms
-        times = PhaseTimes(forward_ms, 0.0, backward_ms, reforward_ms, total, post_ms)
-        return StepResult(logits=logits.detach(), times=times, loss=loss,
-                          mean_entropy=mean_entropy(logits), adapted=adapted,
-                          units_updated=units_updated)

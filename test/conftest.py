@@ -2,7 +2,7 @@
 run over real DDS without hearing each other or other processes on the machine.
 
 Tiers: every test file lives in test/unit, test/ros or test/system, and gets that marker
-(`pytest -m unit`); shared helpers are the `helpers` package (pytest.ini: pythonpath = test)."""
+(`pytest -m unit`); a test marked `cuda` is skipped where torch sees no CUDA device; shared helpers are the `helpers` package (pytest.ini: pythonpath = test)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                                     "test/system")
         if tier:
             item.add_marker(tier)
+        if item.get_closest_marker("cuda") and not _cuda_available():
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+
+
+def _cuda_available() -> bool:
+    """Whether torch sees a CUDA device (torch imported only when a `cuda` test is collected)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 @pytest.fixture

@@ -52,6 +52,56 @@ def test_carried_stats_equal_direct_channel_stats(arch, size):
         torch.testing.assert_close(v, dv, rtol=1e-3, atol=1e-4, msg=u.name)
 
 
+def test_robust_bn_pairs_carry_stats_equal_to_hooks():
+    """Conv -> robust-BN pairs (AdaShadow's default bn_mode) take their statistics from the
+    robust-BN controller's own update pass: equal to channel statistics measured on the
+    conv output and the eval BN's output, and the running statistics move exactly as
+    without collection."""
+    from tta_core.adashadow.engine import robust_bn
+
+    def build():
+        torch.manual_seed(0)
+        model = build_model("small_resnet", 10)
+        for m in model.modules():  # non-trivial affine and running stats
+            if isinstance(m, nn.BatchNorm2d):
+                m.weight.data.uniform_(0.5, 1.5), m.bias.data.uniform_(-0.3, 0.3)
+                m.running_mean.uniform_(-0.2, 0.2), m.running_var.uniform_(0.5, 2.0)
+        model.eval()
+        staged = decompose(model, (3, 32, 32), "small_resnet")
+        rbn = robust_bn(model, EngineConfig(bn_mode="robust", bn_batch_layers=2))
+        return staged, rbn
+
+    staged, rbn = build()
+    col = UnitStatsCollector(staged, with_grad=False)
+    n_robust = sum(p.robust is not None for p in col.pairs)
+    assert n_robust == sum(isinstance(m, nn.BatchNorm2d) for m in staged.model.modules()) - 2
+    ref_staged, ref_rbn = build()
+    direct: dict[int, tuple] = {}
+    for u in ref_staged.units:
+        u.module.register_forward_hook(
+            lambda _m, a, out, i=u.index, bn=u.kind == "bn" and u.module.training:
+            direct.__setitem__(i, channel_stats((a[0] if bn else out).detach())))
+    x = torch.randn(3, 3, 32, 32) * 2 + 0.5
+    for r in (rbn, ref_rbn):
+        r.enabled = True
+    col.capture = True
+    with torch.no_grad():
+        staged.model(x)
+        ref_staged.model(x)
+    col.capture = False
+    got = col.collect(x.shape[0])
+    for u in staged.units:
+        torch.testing.assert_close(got[u.index], direct[u.index], rtol=1e-4, atol=1e-5,
+                                   msg=u.name)
+    moved = {k: v for k, v in staged.model.state_dict().items() if "running" in k}
+    ref = ref_staged.model.state_dict()
+    assert len(moved) == 2 * n_robust + 4  # the batch-statistics pairs carry theirs too
+    for k, v in moved.items():
+        if k in ref:  # the robust layers' buffers
+            torch.testing.assert_close(v, ref[k], msg=k)
+    assert not rbn.record and not rbn.recorded  # nothing kept once collection is off
+
+
 def test_pairs_follow_tensor_identity_not_names():
     """A BN that comes right after a conv but does not read its output is not paired, and
     its stats (and the conv's) still come out right through the hook fallback."""

@@ -268,7 +268,10 @@ class _Forward:
 
 class _Background:
     """The parallel mode's background update: one thread at a time, its error kept for
-    `join` (which raises it as RuntimeError)."""
+    `join` (which raises it as RuntimeError). The thread is not a daemon: an interpreter
+    that exits while an update runs first lets it finish (a daemon thread inside torch's
+    backward at exit aborts the process, `terminate called without an active
+    exception`), so no update is lost and no process dies with it."""
 
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
@@ -280,7 +283,7 @@ class _Background:
                 fn()
             except BaseException as exc:  # surfaced by join()
                 self._error = exc
-        self._thread = threading.Thread(target=run, name="adashadow-backward", daemon=True)
+        self._thread = threading.Thread(target=run, name="adashadow-backward", daemon=False)
         self._thread.start()
 
     def join(self) -> None:

@@ -52,6 +52,11 @@ class RobustBN:
             raise ValueError(f"bn momentum must be in [0, 1], got {momentum}")
         self.momentum, self.enabled = float(momentum), True
         self.stride, self.weight, self._count = 1, 1, 0
+        # record: keep each layer's batch (mean, biased var) of a forward in `recorded`
+        # (by id of the layer), the statistics the update computes anyway; AdaShadow's
+        # unit-statistics collector reads them instead of a pass of its own per layer
+        self.record = False
+        self.recorded: dict[int, tuple[Tensor, Tensor]] = {}
         self._layers = list(layers)
         for bn in self._layers:  # a layer already under another controller: this one wins
             bn._tta_robust = self
@@ -65,13 +70,20 @@ class RobustBN:
         return self.stride if self._count % self.stride == 0 else 0
 
     def update(self, bn: _BatchNorm, x: Tensor) -> None:
-        """Move `bn`'s running statistics toward those of the batch `x` (when enabled)."""
-        if not self.enabled or self.momentum == 0.0 or bn.training:
+        """Move `bn`'s running statistics toward those of the batch `x` (when enabled);
+        keep the batch statistics when recording."""
+        if bn.training:
+            return
+        move = self.enabled and self.momentum != 0.0
+        if not (move or self.record):
             return
         momentum = 1.0 - (1.0 - self.momentum) ** self.weight  # weight 1: self.momentum
-        with torch.no_grad():
-            torch.batch_norm_update_stats(x.detach(), bn.running_mean, bn.running_var,
-                                          momentum)
+        with torch.no_grad():  # one fused pass: the batch statistics, the buffers moved
+            stats = torch.batch_norm_update_stats(
+                x.detach(), bn.running_mean if move else None,
+                bn.running_var if move else None, momentum if move else 0.0)
+        if self.record:
+            self.recorded[id(bn)] = stats
 
     def close(self) -> None:
         """Give the layers their own class back."""

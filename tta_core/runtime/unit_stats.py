@@ -7,8 +7,13 @@ is avoidable: in a Conv -> BatchNorm pair whose BN normalises by batch statistic
 `momentum=1` and running stats tracked makes the BN leave exactly those batch statistics in
 its running buffers (unbiased variance), which are not used for normalisation in this
 mode. The BN's own output statistics then follow in closed form: mean = beta and
-var = gamma^2 v / (v + eps). So pairs cost O(channels), not O(activations); every other
-unit (the classifier, LayerNorms, attention, convs without a BN) gets a forward hook.
+var = gamma^2 v / (v + eps). So pairs cost O(channels), not O(activations).
+
+A Conv -> robust BN pair (RoTTA's robust BN, `tta_core.model.robust_bn`: an eval-mode BN
+whose running statistics move toward each batch's first) costs the same: the controller's
+update computes the batch statistics of the conv output anyway and records them, and the
+eval BN's output statistics follow in closed form from its running statistics. Every
+other unit (the classifier, LayerNorms, attention, convs without a BN) gets a forward hook.
 
 The same pairs give the assessor a *source* history for free: a checkpoint's BN running
 statistics are the source-domain statistics of the conv output, so importance is
@@ -23,6 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from tta_core.model.robust_bn import RobustBN
 from tta_core.model.units import StagedModel
 from tta_core.runtime.stats import channel_stats
 
@@ -34,6 +40,7 @@ class _Pair:
     conv: int  # unit index of the conv
     bn: int  # unit index of the BN that normalises exactly the conv's output
     spatial: int  # elements per channel per sample of the conv output
+    robust: RobustBN | None = None  # the BN's robust-BN controller (else batch statistics)
 
 
 def _bn_output_stats(bn: _BatchNorm, var_x: Tensor) -> Stats:
@@ -41,6 +48,18 @@ def _bn_output_stats(bn: _BatchNorm, var_x: Tensor) -> Stats:
     gamma = bn.weight.detach() if bn.weight is not None else torch.ones_like(var_x)
     beta = bn.bias.detach() if bn.bias is not None else torch.zeros_like(var_x)
     return beta.clone(), gamma * gamma * var_x / (var_x + bn.eps)
+
+
+def _eval_bn_output_stats(bn: _BatchNorm, mean_x: Tensor, var_x: Tensor) -> Stats:
+    """Stats of BN(x) when an eval-mode BN normalises x (batch stats `mean_x`, biased
+    `var_x`) by its running statistics: a per-channel affine map of x."""
+    scale = torch.rsqrt(bn.running_var + bn.eps)
+    if bn.weight is not None:
+        scale = scale * bn.weight.detach()
+    mean = (mean_x - bn.running_mean) * scale
+    if bn.bias is not None:
+        mean = mean + bn.bias.detach()
+    return mean, var_x * scale * scale
 
 
 def find_conv_bn_pairs(staged: StagedModel) -> list[_Pair]:
@@ -122,14 +141,35 @@ class UnitStatsCollector:
         self.pairs: list[_Pair] = []
         if not with_grad:
             self.pairs = [p for p in find_conv_bn_pairs(staged)
-                          if staged.units[p.bn].module.training]
+                          if self._carries(staged.units[p.bn].module, p)]
         for p in self.pairs:
-            self._make_carrier(staged.units[p.bn].module)
+            if p.robust is None:
+                self._make_carrier(staged.units[p.bn].module)
+        self._controllers = list({id(p.robust): p.robust for p in self.pairs
+                                  if p.robust is not None}.values())
         carried = {i for p in self.pairs for i in (p.conv, p.bn)}
         self._stats: list[Stats | None] = [None] * len(staged.units)
-        self.capture = False
+        self._capture = False
         self._carried, self._closed = carried, False
         self._handles = self._install_hooks(carried)
+
+    @staticmethod
+    def _carries(bn: _BatchNorm, pair: _Pair) -> bool:
+        """Whether the BN gives the pair's statistics: it normalises by batch statistics,
+        or a robust-BN controller records them (then noted in `pair.robust`)."""
+        pair.robust = getattr(bn, "_tta_robust", None) if not bn.training else None
+        return bn.training or pair.robust is not None
+
+    @property
+    def capture(self) -> bool:
+        """Whether the next forward's statistics are collected."""
+        return self._capture
+
+    @capture.setter
+    def capture(self, value: bool) -> None:
+        self._capture = bool(value)
+        for ctl in self._controllers:
+            ctl.record = self._capture
 
     def suspend(self) -> None:
         """Remove the hooks until `resume` (idempotent): a module with any hook takes
@@ -199,6 +239,12 @@ class UnitStatsCollector:
         units = self.staged.units
         for p in self.pairs:
             bn = units[p.bn].module
+            if p.robust is not None:
+                recorded = p.robust.recorded.pop(id(bn), None)
+                if recorded is not None:
+                    stats[p.conv] = recorded
+                    stats[p.bn] = _eval_bn_output_stats(bn, *recorded)
+                continue
             n = batch_size * p.spatial
             var = bn.running_var * ((n - 1) / n) if n > 1 else torch.zeros_like(bn.running_var)
             stats[p.conv] = (bn.running_mean.clone(), var)

@@ -35,7 +35,7 @@ from tta_core.adashadow.planning import (
     PlanOutcome,
     UnitLayout,
 )
-from tta_core.api import PhaseClock, PhaseTimes, PlanningInfo, StepResult, mean_entropy
+from tta_core.api import PhaseClock, PhaseTimes, PlanningInfo, StepResult
 from tta_core.daf.plans import check_activation_bits
 from tta_core.model.norms import BN_MODES
 from tta_core.model.robust_bn import RobustBN, use_batch_stats
@@ -326,6 +326,16 @@ def _check_trainable(staged: StagedModel, plan: planner.Plan, candidates: np.nda
                          f"(trainable={trainable!r}): {bad[:5]}")
 
 
+def _scalars(loss: Tensor | None, logits: Tensor) -> dict[str, float]:
+    """The batch's loss and mean prediction entropy, read from the device in one
+    transfer (each float() of a CUDA tensor is a host round trip)."""
+    entropy = losses.entropy_loss(logits.detach())
+    if loss is None:
+        return {"loss": math.nan, "mean_entropy": float(entropy)}
+    pair = torch.stack([loss.detach().float().reshape(()), entropy]).tolist()
+    return {"loss": pair[0], "mean_entropy": pair[1]}
+
+
 def _result(svc: PlanningService, fwd: _Forward, loss: Tensor | None, importance: np.ndarray,
             outcome: PlanOutcome | None, plan: planner.Plan, adapt: bool) -> StepResult:
     """The StepResult of a batch (times other than the forward filled in by the caller)."""
@@ -336,8 +346,7 @@ def _result(svc: PlanningService, fwd: _Forward, loss: Tensor | None, importance
                         bool(outcome and outcome.forward_misses), bool(outcome and outcome.skipped))
     return StepResult(
         logits=fwd.logits.detach(), times=PhaseTimes(fwd.forward_ms), plan=plan,
-        importance=importance, loss=float(loss.detach()) if loss is not None else math.nan,
-        mean_entropy=mean_entropy(fwd.logits), adapted=adapt,
+        importance=importance, **_scalars(loss, fwd.logits), adapted=adapt,
         units_updated=int(np.count_nonzero(plan.update)) if adapt else 0,
         predicted_total_ms=float(plan.predicted_total_ms),
         budget_ms=float(outcome.deadline_ms if outcome and not math.isnan(outcome.deadline_ms)

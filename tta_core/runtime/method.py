@@ -26,7 +26,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from tta_core.api import Plan, StepResult, mean_entropy
+from tta_core.api import Plan, StepResult
 from tta_core.model.memory_format import apply_memory_format
 from tta_core.model.norms import NORM_NAMES, ROBUST_BN_METHODS, norm_affine_params, set_bn_mode
 from tta_core.runtime import losses
@@ -142,6 +142,8 @@ class TTAMethod:
         """The loop (module docstring): every phase timed, the result assembled here."""
         step = Step(x, Phases.for_tensor(x))
         with step.phases("plan"):
+            if self.codec is not None and self.optimizer is not None:
+                self.codec.before_forward(step.x)  # e.g. this batch's DAF widths
             self.prepare(step)
         with step.phases("forward"):
             self.forward(step)
@@ -194,16 +196,24 @@ class TTAMethod:
     def step_result(self, step: Step) -> StepResult:
         """The StepResult of a finished step: its times, loss, prediction and stats."""
         out = step.out if step.out is not None else step.logits
-        loss = step.loss_value
-        if math.isnan(loss) and step.loss is not None:
-            loss = float(step.loss.detach())
+        loss, entropy = self._scalars(step, out)
         res = StepResult(logits=out.detach(), times=step.phases.times(), loss=loss,
-                         mean_entropy=mean_entropy(out), adapted=step.adapted,
+                         mean_entropy=entropy, adapted=step.adapted,
                          units_updated=self.units_updated(step))
         if self.codec is not None:
             res.stats.update(self.codec.stats())
         res.stats.update(step.stats)
         return res
+
+    @staticmethod
+    def _scalars(step: Step, out: Tensor) -> tuple[float, float]:
+        """The step's loss and mean prediction entropy, read from the device in one
+        transfer (each float() of a CUDA tensor is a host round trip)."""
+        entropy = losses.entropy_loss(out.detach())
+        if not math.isnan(step.loss_value) or step.loss is None:
+            return step.loss_value, float(entropy)
+        loss, ent = torch.stack([step.loss.detach().float(), entropy]).tolist()
+        return loss, ent
 
     def reset_state(self) -> None:
         """Reset method state other than weights and optimizer (override when needed)."""

@@ -1,0 +1,208 @@
+"""AdaShadow's latency against inference and Tent, the paper's comparison, in its default
+configuration: one interleaved run per model over source (inference), bn_adapt, tent,
+adashadow and adashadow in parallel mode, every method stepping the same batch in turn, so
+load on the machine hits all of them alike.
+
+Prints per method the median wall time per batch, its ratio to inference (source) and to
+Tent (of the medians, and the median of the per-round ratios), the median phase times and
+the units updated; writes `<out>/paper_ratios.json` and `.md` (README's latency figures
+come from it). Default: torchvision ResNet-50 224 px batch 4 and ResNet-18 224 px batch 8,
+2 threads, random weights, σ = 0.33 (AdaShadow's default).
+
+    python benchmarks/bench_paper_ratios.py                      # the README's run
+    python benchmarks/bench_paper_ratios.py --device cuda        # on a GPU
+    python benchmarks/bench_paper_ratios.py --models resnet18:64:4 --batches 3 --warmup 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from tta_core.methods import build_method
+from tta_core.model.zoo import build_model
+from tta_core.runtime.malloc_tuning import keep_freed_memory
+
+PHASES = ("forward_ms", "plan_ms", "backward_ms", "reforward_ms")
+METHODS = {  # label: (registered method, settings)
+    "source": ("source", {}),
+    "bn_adapt": ("bn_adapt", {}),
+    "tent": ("tent", {}),
+    "adashadow": ("adashadow", {}),
+    "adashadow parallel": ("adashadow", {"mode": "parallel"}),
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One benchmarked model: torchvision architecture, image size, batch size."""
+
+    arch: str
+    image_size: int
+    batch_size: int
+
+    @classmethod
+    def parse(cls, text: str) -> ModelSpec:
+        """`arch:size:batch`, e.g. resnet50:224:4."""
+        parts = text.split(":")
+        try:
+            arch, size, batch = parts[0], int(parts[1]), int(parts[2])
+        except (IndexError, ValueError):
+            raise ValueError(f"--models entry {text!r}: expected arch:size:batch, "
+                             "e.g. resnet50:224:4") from None
+        if size < 8 or batch < 1:
+            raise ValueError(f"--models entry {text!r}: size must be >= 8, batch >= 1")
+        return cls(arch, size, batch)
+
+
+def _syncer(device: torch.device) -> Callable[[], None]:
+    """Waits for the device's queued work (a no-op on the CPU)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def _build(spec: ModelSpec, device: torch.device, sigma: float | None) -> dict:
+    """Every method on its own copy of the same randomly initialised model."""
+    shape = (3, spec.image_size, spec.image_size)
+    methods = {}
+    for label, (name, settings) in METHODS.items():
+        torch.manual_seed(0)
+        model = build_model(spec.arch, 10).to(device)
+        extra = {"sigma": sigma} if sigma is not None and name == "adashadow" else {}
+        methods[label] = build_method(name, model, input_shape=shape, arch=spec.arch,
+                                      **settings, **extra)
+    return methods
+
+
+def _stream(spec: ModelSpec, n: int, device: torch.device) -> list[torch.Tensor]:
+    """A drifting stream (brightness/contrast change per batch: importance is non-zero)."""
+    gen = torch.Generator().manual_seed(0)
+    shape = (spec.batch_size, 3, spec.image_size, spec.image_size)
+    return [(torch.randn(shape, generator=gen) * (1 + 0.3 * (i % 3)) + 0.2 * i).to(device)
+            for i in range(n)]
+
+
+def run_model(spec: ModelSpec, batches: int, warmup: int, device: torch.device,
+              sigma: float | None = None) -> dict:
+    """Round-robin over the methods per batch; per-method walls, phases and units."""
+    methods = _build(spec, device, sigma)
+    sync = _syncer(device)
+    rec = {label: {"walls_ms": [], "units": [], **{k: [] for k in PHASES}} for label in methods}
+    results = {label: [] for label in methods}
+    xs = _stream(spec, batches + warmup, device)
+    for i, x in enumerate(tqdm(xs, desc=f"{spec.arch} {spec.image_size}px b{spec.batch_size}",
+                               file=sys.stderr, leave=False)):
+        for label, method in methods.items():
+            sync()
+            t0 = time.perf_counter()
+            res = method.step(x)
+            sync()
+            wall = (time.perf_counter() - t0) * 1e3
+            if i >= warmup:
+                rec[label]["walls_ms"].append(wall)
+                rec[label]["units"].append(int(res.units_updated))
+                results[label].append(res)
+    for label, method in methods.items():
+        method.close()  # parallel mode: the last update is finished and its times filled
+        for res in results[label]:
+            for k in PHASES:
+                rec[label][k].append(float(getattr(res.times, k)))
+    return _summary(spec, rec)
+
+
+def _median(v: list[float]) -> float:
+    return round(statistics.median(v), 3) if v else float("nan")
+
+
+def _summary(spec: ModelSpec, rec: dict) -> dict:
+    """Medians, ratios to source and Tent (of medians and per round), phases, units."""
+    med = {label: statistics.median(r["walls_ms"]) for label, r in rec.items()}
+    out = {}
+    for label, r in rec.items():
+        per_round = {ref: statistics.median(a / b for a, b in zip(
+            r["walls_ms"], rec[ref]["walls_ms"], strict=True)) for ref in ("source", "tent")}
+        out[label] = {
+            "median_ms": round(med[label], 3),
+            "x_inference": round(med[label] / med["source"], 4),
+            "x_tent": round(med[label] / med["tent"], 4),
+            "x_inference_per_round": round(per_round["source"], 4),
+            "x_tent_per_round": round(per_round["tent"], 4),
+            "phases_median_ms": {k: _median(r[k]) for k in PHASES},
+            "units_updated_median": statistics.median(r["units"]),
+            "adapted_share": round(sum(u > 0 for u in r["units"]) / len(r["units"]), 3),
+            "walls_ms": [round(w, 3) for w in r["walls_ms"]],
+        }
+    return {"arch": spec.arch, "image_size": spec.image_size, "batch_size": spec.batch_size,
+            "methods": out}
+
+
+def to_markdown(report: dict) -> str:
+    """One table per model, from the report JSON."""
+    lines = [f"Latency per batch, {report['device']}, {report['threads']} threads, "
+             f"{report['batches']} measured batches (median), one interleaved run per model.",
+             "Generated by `python benchmarks/bench_paper_ratios.py`.", ""]
+    for run in report["runs"]:
+        lines += [f"### {run['arch']} {run['image_size']} px, batch {run['batch_size']}", "",
+                  "| method | ms | × inference | × Tent | forward | plan | backward | "
+                  "reforward | units |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for label, m in run["methods"].items():
+            ph = m["phases_median_ms"]
+            lines.append(f"| {label} | {m['median_ms']:.1f} | {m['x_inference']:.2f} | "
+                         f"{m['x_tent']:.2f} | {ph['forward_ms']:.1f} | {ph['plan_ms']:.1f} | "
+                         f"{ph['backward_ms']:.1f} | {ph['reforward_ms']:.1f} | "
+                         f"{m['units_updated_median']:g} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    keep_freed_memory()  # as the tta CLI and the ROS entry points
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="resnet50:224:4,resnet18:224:8",
+                    help="comma list of arch:size:batch")
+    ap.add_argument("--batches", type=int, default=15, help="measured batches per model")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    ap.add_argument("--sigma", type=float, default=None, help="AdaShadow's sigma (default: "
+                    "its own default)")
+    ap.add_argument("--out", default="docs/results", help="folder for paper_ratios.json/.md "
+                    "('' : print only)")
+    args = ap.parse_args(argv)
+    try:
+        specs = [ModelSpec.parse(t) for t in args.models.split(",") if t.strip()]
+        device = torch.device(args.device)
+    except (ValueError, RuntimeError) as exc:
+        ap.error(str(exc))
+    if args.batches < 1 or args.warmup < 0:
+        ap.error(f"--batches must be >= 1 and --warmup >= 0, got {args.batches}, {args.warmup}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        ap.error(f"--device {args.device}: torch sees no CUDA device")
+    torch.set_num_threads(args.threads)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    report = {"device": name, "threads": args.threads, "batches": args.batches,
+              "warmup": args.warmup,
+              "runs": [run_model(s, args.batches, args.warmup, device, args.sigma)
+                       for s in specs]}
+    print(to_markdown(report))
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "paper_ratios.json").write_text(json.dumps(report, indent=1) + "\n")
+        (out / "paper_ratios.md").write_text(to_markdown(report) + "\n")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""Device plumbing checked on the CPU: the hot path reads values back to the host a fixed
+number of times per batch, whatever the depth of the net (each such read is a
+device-to-host round trip and a pipeline stall on a GPU), and never moves a model or its
+state between devices per batch; the result lives on the input's device."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from tta_core.methods import build_method
+from tta_core.model.zoo import build_model
+
+# Tensor methods that need the value on the host: on a GPU each one waits for the queue
+# (`.numpy()` is not counted: it raises on a CUDA tensor, so on the hot path it always
+# follows a `.cpu()`, which is)
+HOST_READS = frozenset({"item", "cpu", "tolist", "__float__", "__int__", "__bool__",
+                        "__index__"})
+# Host reads per batch each method may make, independent of depth: the step's scalars in
+# one transfer, plus each algorithm's data-dependent branch (EATA: any sample kept and
+# the counts it reports; SAR: the recovery check; CoTTA: the anchor's confidence, its
+# augmentation draws come from a host generator; LAME: its convergence test per
+# iteration, at most max_steps = 100, and the result)
+# AdaShadow: the importance vector for the planner, the scalars, and on the CPU only the
+# cancellation check of its fast channel statistics)
+BUDGET = {"source": 1, "bn_adapt": 1, "tent": 1, "adashadow": 3, "sar": 3, "eata": 7,
+          "cotta": 10, "lame": 101}
+SETTINGS = {"adashadow": {"sigma": 1.0}}  # a plan on every batch of both nets
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the host reads made on tensors while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count: Counter[str] = Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in HOST_READS:
+            self.count[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _reads_per_batch(method_name: str, arch: str, steps: int = 2) -> float:
+    torch.manual_seed(0)
+    method = build_method(method_name, build_model(arch, 10), input_shape=(3, 32, 32),
+                          arch=arch, **SETTINGS.get(method_name, {}))
+    xs = [torch.randn(4, 3, 32, 32) * (1 + 0.3 * i) + 0.2 * i for i in range(steps + 2)]
+    for x in xs[:2]:  # warm-up: lazy set-up (profiles, first plans) is not the hot path
+        method.step(x)
+    with HostReads() as reads:
+        for x in xs[2:]:
+            res = method.step(x)
+    method.close()
+    assert res.logits.device == xs[-1].device
+    return sum(reads.count.values()) / steps
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method_name", sorted(BUDGET))
+def test_host_reads_per_batch_are_few_and_independent_of_depth(method_name, one_thread):
+    shallow = _reads_per_batch(method_name, "small_resnet")
+    deep = _reads_per_batch(method_name, "resnet18")  # 2.5x the units of the small net
+    assert shallow <= BUDGET[method_name], (method_name, shallow)
+    if method_name != "lame":  # LAME's iterations to convergence depend on the features
+        assert deep == shallow, (method_name, shallow, deep)
+    else:
+        assert deep <= BUDGET[method_name], (method_name, deep)
+
+
+def test_the_loop_reads_loss_and_entropy_in_one_transfer():
+    torch.manual_seed(0)
+    method = build_method("tent", build_model("small_resnet", 10))
+    x = torch.randn(4, 3, 32, 32)
+    with HostReads() as reads:
+        res = method.step(x)
+    assert dict(reads.count) == {"tolist": 1}
+    logp = torch.log_softmax(res.logits, 1)
+    assert res.mean_entropy == pytest.approx(float(-(logp.exp() * logp).sum(1).mean()),
+                                             rel=1e-6)
+    assert res.loss > 0
+
+
+@pytest.mark.parametrize("method_name", ["tent", "adashadow"])
+def test_no_model_moves_between_devices_per_batch(method_name, monkeypatch):
+    torch.manual_seed(0)
+    method = build_method(method_name, build_model("small_resnet", 10),
+                          input_shape=(3, 32, 32), arch="small_resnet")
+    moves: list[str] = []
+    for name in ("to", "cuda", "cpu", "_apply"):
+        original = getattr(nn.Module, name)
+
+        def spy(self, *args, _name=name, _original=original, **kwargs):
+            moves.append(f"{type(self).__name__}.{_name}")
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(nn.Module, name, spy)
+    for i in range(3):
+        method.step(torch.randn(4, 3, 32, 32) + 0.3 * i)
+    method.close()
+    assert moves == []

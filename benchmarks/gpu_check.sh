@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The GPU check in one run (under 8 minutes on one GPU): the `cuda` tests, then the GPU
+# figures -- latency of source / bn_adapt / tent / adashadow (ResNet-50 224 px, batch 4)
+# with their ratios, saved-activation bytes and step time of tent, tent 4-bit and
+# adashadow under a memory budget, the served forward eager vs torch.compile, and the
+# Triton DAF kernels against the native path.
+#
+#   bash benchmarks/gpu_check.sh             on a machine with a CUDA GPU
+#   bash benchmarks/gpu_check.sh --dry-run   the same code paths on the CPU, tiny shapes
+#
+# Figures go to $GPU_CHECK_OUT (default docs/results/gpu; --dry-run: a temporary folder).
+# Uses build/env.sh when the checkout is set up, else the machine's python3 with the
+# checkout on PYTHONPATH (a bare GPU machine whose python3 holds torch and triton).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+dry=0
+case "${1:-}" in
+  --dry-run) dry=1 ;;
+  "") ;;
+  *) echo "gpu_check.sh: unknown argument '$1' (expected --dry-run or nothing)" >&2; exit 2 ;;
+esac
+
+if [[ -f build/env.sh ]]; then
+  # shellcheck disable=SC1091
+  . build/env.sh
+  py=python
+else
+  site=$(mktemp -d)
+  ln -s "$PWD/kernels" "$site/tta_kernels"  # the package the checkout installs as tta_kernels
+  export PYTHONPATH="$PWD:$site${PYTHONPATH:+:$PYTHONPATH}"
+  py=python3
+fi
+export PYTHONUNBUFFERED=1
+
+if (( dry )); then
+  device=cpu
+  out=${GPU_CHECK_OUT:-$(mktemp -d)}
+  tests=(-k "tent or elastic or indexed")
+  ratios=(--models resnet18:32:2 --batches 2 --warmup 1 --threads 1)
+  figures=(--arch resnet18 --image-size 32 --batch-size 2 --batches 2 --no-compile)
+  kernels=(--dry-run)
+else
+  device=${TTA_TEST_DEVICE:-cuda}
+  out=${GPU_CHECK_OUT:-docs/results/gpu}
+  "$py" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else
+    'gpu_check.sh: torch sees no CUDA device (use --dry-run on a machine without one)')"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+  tests=()
+  ratios=(--models resnet50:224:4 --batches 20 --warmup 5)
+  figures=()
+  kernels=()
+fi
+mkdir -p "$out"
+echo "== device $device, figures in $out"
+
+echo "== tests on $device"
+TTA_TEST_DEVICE=$device "$py" -m pytest -q -p no:cacheprovider test/unit/test_cuda.py \
+  ${tests[@]+"${tests[@]}"}
+if (( ! dry )); then  # the kernel tests marked cuda (the CPU ones run in the default suite)
+  "$py" -m pytest -q -p no:cacheprovider test/unit -m cuda
+fi
+
+echo "== latency: source / bn_adapt / tent / adashadow, one interleaved run"
+"$py" benchmarks/bench_paper_ratios.py --device "$device" --out "$out" "${ratios[@]}"
+
+echo "== saved activations, step time, served forward"
+"$py" benchmarks/gpu_figures.py --device "$device" --out "$out" ${figures[@]+"${figures[@]}"}
+
+if [[ -f benchmarks/bench_kernels.py ]]; then
+  echo "== DAF kernels: Triton vs native"
+  "$py" benchmarks/bench_kernels.py --device "$device" --out "$out" \
+    ${kernels[@]+"${kernels[@]}"}
+fi
+echo "== gpu_check.sh done"

@@ -1,0 +1,36 @@
+"""`benchmarks/gpu_check.sh --dry-run`: the GPU check's code paths on the CPU (tests with
+TTA_TEST_DEVICE=cpu, the latency and memory figures at tiny shapes), so the script a GPU
+run depends on is known to work before a GPU is lent."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+from helpers import ROOT
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_writes_its_figures(tmp_path):
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"],
+                          capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "GPU_CHECK_OUT": str(tmp_path)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "== gpu_check.sh done" in proc.stdout
+    ratios = json.loads((tmp_path / "paper_ratios.json").read_text())
+    methods = ratios["runs"][0]["methods"]
+    assert set(methods) == {"source", "bn_adapt", "tent", "adashadow", "adashadow parallel"}
+    assert methods["source"]["x_inference"] == 1.0 and methods["tent"]["x_tent"] == 1.0
+    figures = json.loads((tmp_path / "gpu_figures.json").read_text())
+    assert figures["memory"]["tent 4-bit"]["saved_share_of_tent"] < 0.5  # 4 of 32 bits + meta
+    assert (tmp_path / "paper_ratios.md").read_text().count("| adashadow") == 2
+
+
+def test_gpu_check_refuses_an_unknown_argument():
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--fast"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == ("gpu_check.sh: unknown argument '--fast' (expected "
+                                   "--dry-run or nothing)")

@@ -1,11 +1,16 @@
-/* DAF's per-element passes on the CPU (tta_kernels.native): quantize + bit-pack and
- * unpack + dequantize, in the format tta_kernels.reference defines. The per-group min/max
- * and scales come from PyTorch (so NaN handling and the reciprocal's rounding are PyTorch's);
- * these loops do the two float32 operations of each direction exactly as PyTorch's separate
- * kernels round them: compile with -ffp-contract=off and without -ffast-math. */
+/* DAF's passes on the CPU (tta_kernels.native), in the format tta_kernels.reference
+ * defines: fused quantize + bit-pack (per-group min/max, scales and codes in one read of
+ * each group, optionally with the 1-bit band mask of the same values), quantize + pack from
+ * given minima and reciprocals (the unfused baseline), unpack + dequantize, 1-bit masks.
+ * Every float32 operation is rounded as PyTorch's separate kernels round it: compile with
+ * -ffp-contract=off and without -ffast-math. -DDAF_PORTABLE leaves out the x86 intrinsics
+ * (the generic loops, as on ARM). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__) && !defined(DAF_PORTABLE)
+#include <immintrin.h>
+#endif
 
 #define MAGIC 8388608.0f /* 2**23: v + 2**23 rounds v (0 <= v < 2**22) half to even */
 
@@ -101,4 +106,163 @@ void daf_mask_unpack(const uint8_t *bits, int64_t n, float d, float l, float *ou
         float p = b * d;
         out[i] = p + l;
     }
+}
+
+/* ---- fused quantize + pack (one read of each group, DAF §3.2.3 on the CPU) ---------- */
+
+/* A row holding a NaN: its first NaN as both min and max (amin / amax propagate NaN). */
+static void row_nan(const float *row, float *mn, float *mx) {
+    int64_t i = 0;
+    while (row[i] == row[i]) ++i;
+    *mn = *mx = row[i];
+}
+
+#if defined(__AVX2__) && !defined(DAF_PORTABLE)
+/* Min and max of one row (len a multiple of 8) as torch.amin / amax give them (a NaN row:
+ * row_nan). AVX2: per 8-float lane min/max (vminps/vmaxps: a < b ? a : b, as the scalar loop), two
+ * accumulators, then a log2 tree over the lanes (DAF §3.2.1's tree, in one register). */
+static void row_minmax(const float *row, int64_t len, float *mn, float *mx) {
+    __m256 lo0 = _mm256_loadu_ps(row), hi0 = lo0, lo1 = lo0, hi1 = lo0;
+    __m256 bad = _mm256_cmp_ps(lo0, lo0, _CMP_UNORD_Q);
+    int64_t i = 8;
+    for (; i + 16 <= len; i += 16) {
+        const __m256 v = _mm256_loadu_ps(row + i), w = _mm256_loadu_ps(row + i + 8);
+        lo0 = _mm256_min_ps(v, lo0);
+        hi0 = _mm256_max_ps(v, hi0);
+        lo1 = _mm256_min_ps(w, lo1);
+        hi1 = _mm256_max_ps(w, hi1);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, w, _CMP_UNORD_Q));
+    }
+    if (i < len) {
+        const __m256 v = _mm256_loadu_ps(row + i);
+        lo0 = _mm256_min_ps(v, lo0);
+        hi0 = _mm256_max_ps(v, hi0);
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    if (_mm256_movemask_ps(bad)) {
+        row_nan(row, mn, mx);
+        return;
+    }
+    __m128 lo = _mm_min_ps(_mm256_castps256_ps128(_mm256_min_ps(lo0, lo1)),
+                           _mm256_extractf128_ps(_mm256_min_ps(lo0, lo1), 1));
+    __m128 hi = _mm_max_ps(_mm256_castps256_ps128(_mm256_max_ps(hi0, hi1)),
+                           _mm256_extractf128_ps(_mm256_max_ps(hi0, hi1), 1));
+    lo = _mm_min_ps(lo, _mm_movehl_ps(lo, lo));
+    hi = _mm_max_ps(hi, _mm_movehl_ps(hi, hi));
+    lo = _mm_min_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    hi = _mm_max_ss(hi, _mm_shuffle_ps(hi, hi, 1));
+    *mn = _mm_cvtss_f32(lo);
+    *mx = _mm_cvtss_f32(hi);
+}
+#else
+/* As above; portable: 8 independent lane minima (the compiler vectorises the compare-selects). */
+static void row_minmax(const float *row, int64_t len, float *mn, float *mx) {
+    float lo[8], hi[8];
+    int bad = 0;
+    for (int j = 0; j < 8; ++j) lo[j] = hi[j] = row[j];
+    for (int64_t i = 0; i < len; i += 8) {
+        for (int j = 0; j < 8; ++j) {
+            const float v = row[i + j];
+            lo[j] = v < lo[j] ? v : lo[j];
+            hi[j] = v > hi[j] ? v : hi[j];
+            bad |= v != v;
+        }
+    }
+    if (bad) {
+        row_nan(row, mn, mx);
+        return;
+    }
+    for (int j = 1; j < 8; ++j) {
+        lo[0] = lo[j] < lo[0] ? lo[j] : lo[0];
+        hi[0] = hi[j] > hi[0] ? hi[j] : hi[0];
+    }
+    *mn = lo[0];
+    *mx = hi[0];
+}
+#endif
+
+/* One row's codes from its min and reciprocal scale, packed (as daf_quantize_pack):
+ * one vectorised loop into the scratch row q, then the packing loop. */
+static void row_codes(const float *row, int64_t group, int bits, float m, float s,
+                      uint8_t *q, uint8_t *out) {
+    const int64_t per = 8 / bits, nbytes = group / per;
+    uint8_t *dst = per == 1 ? out : q;
+    for (int64_t i = 0; i < group; ++i) {
+        float t = (row[i] - m) * s;
+        t = t + MAGIC;
+        uint32_t u;
+        memcpy(&u, &t, 4);
+        dst[i] = (uint8_t)u;
+    }
+    if (per == 2) {
+        for (int64_t b = 0; b < nbytes; ++b)
+            out[b] = (uint8_t)(q[2 * b] | (q[2 * b + 1] << 4));
+    } else if (per == 4) {
+        for (int64_t b = 0; b < nbytes; ++b)
+            out[b] = (uint8_t)(q[4 * b] | (q[4 * b + 1] << 2) | (q[4 * b + 2] << 4) |
+                               (q[4 * b + 3] << 6));
+    }
+}
+
+/* Packed bits of lo < v < hi for len values (bit j of byte k: value 8k + j), the last
+ * byte zero-padded; NaN: 0. */
+static void row_mask(const float *row, int64_t len, float lo, float hi, uint8_t *out) {
+    int64_t k = 0;
+#if defined(__AVX2__) && !defined(DAF_PORTABLE)
+    const __m256 vlo = _mm256_set1_ps(lo), vhi = _mm256_set1_ps(hi);
+    for (; 8 * k + 8 <= len; ++k) {
+        const __m256 v = _mm256_loadu_ps(row + 8 * k);
+        const __m256 in = _mm256_and_ps(_mm256_cmp_ps(v, vlo, _CMP_GT_OQ),
+                                        _mm256_cmp_ps(v, vhi, _CMP_LT_OQ));
+        out[k] = (uint8_t)_mm256_movemask_ps(in);
+    }
+#endif
+    for (; 8 * k < len; ++k) {
+        uint32_t byte = 0;
+        const int64_t end = len - 8 * k < 8 ? len - 8 * k : 8;
+        for (int64_t j = 0; j < end; ++j) {
+            const float v = row[8 * k + j];
+            byte |= (uint32_t)((v > lo) & (v < hi)) << j;
+        }
+        out[k] = (uint8_t)byte;
+    }
+}
+
+/* Fused quantize + pack of flat x (n floats): per group of `group` (a multiple of 8) its
+ * min/max, scale and reciprocal exactly as tta_kernels.reference computes them
+ * (inv = (1 / rng) * L: PyTorch's scalar / tensor; scale = rng / L), then its codes, while
+ * the group is still in L1. The last group is padded with x[n - 1]. With `mask` not NULL,
+ * also the packed bits of lo < x < hi (ceil(n / 8) bytes; daf_mask_pack's layout) in the
+ * same pass. Returns 0, or -1 when the scratch row cannot be allocated. */
+int daf_quantize_pack_fused(const float *x, int64_t n, int64_t group, int bits,
+                            uint8_t *codes, float *mn, float *scale, float lo, float hi,
+                            uint8_t *mask) {
+    const int64_t G = (n + group - 1) / group, nbytes = group * bits / 8;
+    const float levels = (float)((1 << bits) - 1);
+    float *pad = malloc((size_t)group * (sizeof(float) + 1));
+    if (pad == NULL) return -1;
+    uint8_t *q = (uint8_t *)(pad + group);
+    for (int64_t g = 0; g < G; ++g) {
+        const float *row = x + g * group;
+        const int64_t valid = n - g * group < group ? n - g * group : group;
+        if (valid < group) {
+            memcpy(pad, row, (size_t)valid * sizeof(float));
+            for (int64_t i = valid; i < group; ++i) pad[i] = x[n - 1];
+            row = pad;
+        }
+        float a, b;
+        row_minmax(row, group, &a, &b);
+        const float rng = b - a;
+        float inv = 0.0f;
+        if (rng > 0.0f) {
+            const float r = 1.0f / rng;
+            inv = r * levels;
+        }
+        mn[g] = a;
+        scale[g] = rng / levels;
+        row_codes(row, group, bits, a, inv, q, codes + g * nbytes);
+        if (mask != NULL) row_mask(row, valid, lo, hi, mask + g * (group / 8));
+    }
+    free(pad);
+    return 0;
 }

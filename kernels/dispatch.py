@@ -9,13 +9,16 @@ CPU paths, measured on the 2-core development VM (1 thread; tta_kernels.cpu):
   ran at 2-4 ms, 4-8x faster than the ``reference``;
 - inside a ResNet-18/50 step the two were not distinguishable on the (loaded) VM: per-round
   step-time ratios ranged 0.99-3.17 (benchmarks/bench_daf.py runs both).
-- ``native`` (tta_kernels.native: the per-element passes in C, built once per machine with
-  its C compiler, ~0.3 s, cached) runs quantize + pack 2.4x and unpack + dequantize 4.6x
+- ``native`` (tta_kernels.native: C, built once per machine with its C compiler, ~0.3 s,
+  cached): quantize + pack is one fused pass (per-group min/max, scales and codes while the
+  group is in L1); its speed against the two-pass form and ``vectorised`` is measured by
+  benchmarks/bench_kernels.py (docs/results/kernels.md); unpack + dequantize runs 4.6x
   faster than ``vectorised`` at 4 bits (1 thread, 3.2 M floats).
 So ``native`` is the default, ``vectorised`` its fallback where no C compiler is found (no
 compile stall, nothing to build); ``TTA_KERNELS_CPU=vectorised|compiled|reference`` selects
 another. A build or compile failure warns once and falls back to ``vectorised``. 1-bit
-activation masks (tta_core.memory.packed) take the native path too (`native_masks`).
+activation masks (tta_core.memory.packed) take the native path too (`native_masks`), and
+`quantize_pack_mask` encodes a tensor both ways (1-bit band mask + quantized) in one pass.
 CUDA: the Triton kernels, imported on first CUDA use; if triton cannot be imported (or a
 launch fails), one warning and the vectorised path (plain torch ops run on CUDA too).
 Importing this package never needs a GPU or a compiler.
@@ -132,6 +135,21 @@ def unpack_dequantize(qt: Quantized, bits: int, group: int, n: int,
                       dtype: torch.dtype = torch.float32) -> Tensor:
     """Inverse of quantize_pack: the first n values (flat, dtype), on the fastest path."""
     return _run(1, qt.codes, (qt, bits, group, n, dtype))  # type: ignore[return-value]
+
+
+def quantize_pack_mask(x: Tensor, bits: int, group: int, band: tuple[float, float]
+                       ) -> tuple[Quantized, Tensor]:
+    """quantize_pack(x) and the packed bits of band[0] < x < band[1] (tta_core.memory.bits'
+    layout): in one fused C pass on the native path (float32 CPU x), else two passes."""
+    if x.dtype == torch.float32 and backend(x) == "native":
+        try:
+            return native.quantize_pack_mask(x, bits, group, band)
+        except ValueError:
+            raise
+        except Exception as exc:  # build/load failure: fall back
+            _DISABLED.add("native")
+            _notice("native", exc)
+    return quantize_pack(x, bits, group), reference.mask_bits(x, band)
 
 
 def group_minmax(x: Tensor, group: int) -> tuple[Tensor, Tensor]:

@@ -1,14 +1,20 @@
 """The ``native`` CPU path: DAF's per-element passes in C (daf_cpu.c) through ctypes.
 
-The vectorised PyTorch path spends ~9 passes over a tensor on quantize + pack (subtract,
-scale, round, narrow, shift/OR) and ~6 on unpack + dequantize; the C loops do each in one
-pass that the compiler vectorises for the machine it runs on (gcc -O3 -march=native).
-Measured on the development VM (1 thread, 3.2 M post-ReLU floats, 4 bits): quantize + pack
-0.28 vs 0.67 ms, unpack + dequantize 0.08 vs 0.38 ms (8 bits: 0.27 vs 0.54, 0.07 vs 0.23).
-The per-group min/max and the scales stay PyTorch's (amin/amax, reference.scales), so the
-bytes equal the reference's bit for bit (tests), NaN handling included; the C code rounds the
-same two float32 operations per direction as PyTorch's separate kernels (-ffp-contract=off:
-no fused multiply-add).
+`quantize_pack` is one fused pass (daf_quantize_pack_fused): for each group, its min/max
+(AVX2 min/max lanes reduced by a register tree; a portable loop elsewhere), the scales, then
+the codes and packing while the group is still in L1, so x is read from memory once instead
+of three times (amin, amax, quantize). `quantize_pack_mask` adds, in the same pass, the 1-bit
+band mask of the same tensor (a ReLU output saved as the ReLU's mask and as the next conv's
+quantized input). `quantize_pack_two_pass` keeps the unfused form (PyTorch amin/amax and
+scales, then daf_quantize_pack) as the baseline of benchmarks/bench_kernels.py.
+Both give the reference's bytes bit for bit (tests): the C code computes the scales as
+PyTorch does (inv = (1 / rng) * L, the reciprocal-then-multiply of PyTorch's scalar /
+tensor; scale = rng / L) and rounds the same float32 operations (-ffp-contract=off: no
+fused multiply-add); a group holding a NaN gets NaN min and scale, as amin/amax give. One
+difference in bits, not in value: a group whose min (or max) is a zero present with both
+signs may carry the other sign than the one PyTorch's reduction order picks (codes and
+decoded values are unaffected; torch.equal holds).
+Unpack + dequantize is one C pass as well (the vectorised PyTorch path takes ~6).
 
 The library is compiled on first use with the machine's C compiler (``CC``, default
 ``cc``) into a per-user cache (``TTA_KERNELS_CACHE``, default ``~/.cache/tta_kernels``),
@@ -35,7 +41,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .reference import Quantized, check_args, padded_groups, scales
+from .reference import Quantized, check_args, n_groups, padded_groups, scales
 
 SOURCE = Path(__file__).with_name("daf_cpu.c")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared")
@@ -61,10 +67,10 @@ def _cpu_id() -> str:
     return "\n".join(dict.fromkeys(keep))
 
 
-def library_path(compiler: str) -> Path:
-    """The cached library for this source, flags, compiler and CPU."""
+def library_path(compiler: str, extra: tuple[str, ...] = ()) -> Path:
+    """The cached library for this source, flags (FLAGS + extra), compiler and CPU."""
     key = hashlib.sha256(b"\0".join(s.encode() for s in (
-        SOURCE.read_text(), " ".join(FLAGS), compiler, platform.machine(), _cpu_id()))
+        SOURCE.read_text(), " ".join(FLAGS + extra), compiler, platform.machine(), _cpu_id()))
     ).hexdigest()[:16]
     return cache_dir() / f"libdaf_cpu-{key}.so"
 
@@ -77,17 +83,18 @@ def _compiler() -> str:
     return path
 
 
-def build() -> Path:
-    """Compile daf_cpu.c into the cache (atomic: a half-written file is never loaded)."""
+def build(extra: tuple[str, ...] = ()) -> Path:
+    """Compile daf_cpu.c into the cache (atomic: a half-written file is never loaded);
+    `extra` compiler flags, e.g. -DDAF_PORTABLE (no x86 intrinsics: the generic loops)."""
     cc = _compiler()
-    out = library_path(cc)
+    out = library_path(cc, extra)
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True,
+        proc = subprocess.run([cc, *FLAGS, *extra, "-o", tmp, str(SOURCE)], capture_output=True,
                               text=True, check=False, timeout=120)
         if proc.returncode != 0:
             first = (proc.stderr.strip().splitlines() or ["(no output)"])[0]
@@ -102,13 +109,21 @@ def build() -> Path:
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL:
     """The loaded library (built first if needed); RuntimeError when it cannot be."""
-    lib = ctypes.CDLL(str(build()))
+    return load(build())
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A built library with its functions' signatures declared."""
+    lib = ctypes.CDLL(str(path))
     lib.daf_quantize_pack.argtypes = [_P, _I, _I, ctypes.c_int, _P, _P, _P]
     lib.daf_unpack_dequantize.argtypes = [_P, _P, _P, _I, _I, ctypes.c_int, _P]
     lib.daf_quantize_pack.restype = lib.daf_unpack_dequantize.restype = ctypes.c_int
     lib.daf_mask_pack.argtypes = [_P, _I, ctypes.c_float, ctypes.c_float, _P]
     lib.daf_mask_unpack.argtypes = [_P, _I, ctypes.c_float, ctypes.c_float, _P]
     lib.daf_mask_pack.restype = lib.daf_mask_unpack.restype = None
+    lib.daf_quantize_pack_fused.argtypes = [_P, _I, _I, ctypes.c_int, _P, _P, _P,
+                                            ctypes.c_float, ctypes.c_float, _P]
+    lib.daf_quantize_pack_fused.restype = ctypes.c_int
     return lib
 
 
@@ -118,8 +133,9 @@ def _check_cpu(*tensors: Tensor) -> None:
             raise ValueError(f"the native DAF kernels run on CPU tensors, got {t.device}")
 
 
-def quantize_pack(x: Tensor, bits: int, group: int) -> Quantized:
-    """Quantize + pack (reference format): min/max and scales by PyTorch, the pass in C."""
+def quantize_pack_two_pass(x: Tensor, bits: int, group: int) -> Quantized:
+    """Quantize + pack with min/max and scales by PyTorch (amin, amax: two passes over x)
+    and the codes by one C pass: the unfused form, kept as the fused kernel's baseline."""
     check_args(bits, group)
     _check_cpu(x)
     g = padded_groups(x, group).contiguous()
@@ -131,6 +147,44 @@ def quantize_pack(x: Tensor, bits: int, group: int) -> Quantized:
                                    inv.data_ptr(), codes.data_ptr()):
         raise MemoryError("daf_quantize_pack could not allocate its scratch row")
     return Quantized(codes, mn, scale)
+
+
+def _fused(x: Tensor, bits: int, group: int, band: tuple[float, float] | None
+           ) -> tuple[Quantized, Tensor | None]:
+    """daf_quantize_pack_fused on flat x (float32 copy only if x is not already one)."""
+    check_args(bits, group)
+    _check_cpu(x)
+    if x.dim() != 1 or x.numel() == 0:
+        raise ValueError(f"expected a non-empty 1-D tensor, got shape {tuple(x.shape)}")
+    flat = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
+    n = flat.numel()
+    rows = n_groups(n, group)
+    codes = torch.empty(rows * group * bits // 8, dtype=torch.uint8)
+    mn, scale = torch.empty(rows), torch.empty(rows)
+    lo, hi = band if band is not None else (0.0, 0.0)
+    mask = torch.empty((n + 7) // 8, dtype=torch.uint8) if band is not None else None
+    if library().daf_quantize_pack_fused(
+            flat.data_ptr(), n, group, bits, codes.data_ptr(), mn.data_ptr(),
+            scale.data_ptr(), lo, hi, None if mask is None else mask.data_ptr()):
+        raise MemoryError("daf_quantize_pack_fused could not allocate its scratch row")
+    return Quantized(codes, mn, scale), mask
+
+
+def quantize_pack(x: Tensor, bits: int, group: int) -> Quantized:
+    """Fused quantize + pack (reference format): each group's min/max, scales and codes in
+    one C pass that reads the group once (§3.2.3), no amin/amax passes."""
+    return _fused(x, bits, group, None)[0]
+
+
+def quantize_pack_mask(x: Tensor, bits: int, group: int, band: tuple[float, float]
+                       ) -> tuple[Quantized, Tensor]:
+    """quantize_pack(x) and the packed bits of band[0] < x < band[1] (mask_pack's layout)
+    from one pass: a ReLU output's 1-bit mask and the next conv's quantized input."""
+    lo, hi = band
+    if not lo < hi:
+        raise ValueError(f"band must satisfy lo < hi, got {band!r}")
+    qt, mask = _fused(x, bits, group, (float(lo), float(hi)))
+    return qt, mask  # type: ignore[return-value]
 
 
 def unpack_dequantize(qt: Quantized, bits: int, group: int, n: int,

@@ -104,6 +104,27 @@ def quantize_pack(x: Tensor, bits: int, group: int) -> Quantized:
     return Quantized(pack_codes(q.to(torch.uint8), bits), mn, scale)
 
 
+def mask_bits(x: Tensor, band: tuple[float, float]) -> Tensor:
+    """Packed bits of band[0] < x < band[1] for flat x (NaN: 0): value 8k + j at bit j of
+    byte k, the last byte zero-padded (tta_core.memory.bits' layout)."""
+    lo, hi = band
+    inside = ((x > lo) & (x < hi)).to(torch.uint8)
+    pad = (-inside.numel()) % 8
+    if pad:
+        inside = torch.cat((inside, inside.new_zeros(pad)))
+    lanes = inside.view(-1, 8).to(torch.int32)
+    out = torch.zeros(lanes.shape[0], dtype=torch.int32, device=x.device)
+    for j in range(8):
+        out |= lanes[:, j] << j
+    return out.to(torch.uint8)
+
+
+def quantize_pack_mask(x: Tensor, bits: int, group: int, band: tuple[float, float]
+                       ) -> tuple[Quantized, Tensor]:
+    """quantize_pack(x) and mask_bits(x, band): a ReLU output's two encodings."""
+    return quantize_pack(x, bits, group), mask_bits(x, band)
+
+
 def unpack_dequantize(qt: Quantized, bits: int, group: int, n: int,
                       dtype: torch.dtype = torch.float32) -> Tensor:
     """The first n decoded values (flat, `dtype`)."""

@@ -1,6 +1,8 @@
-"""tta_kernels (DAF quantize + pack): exact integer round trips at 2/4/8 bits, every fast
-path equal to the pure-PyTorch reference bit for bit, Triton kernels checked in Triton's
-interpreter (and on CUDA when a GPU is present), import and fallback without GPU/compiler."""
+"""tta_kernels (DAF quantize + pack): exact integer round trips at 2/4/8 bits, every CPU
+path equal to the pure-PyTorch reference bit for bit (the fused C kernel and its mask
+variant included, NaN/inf groups and reciprocal-sensitive groups too), CUDA when a GPU is
+present, import and fallback without GPU/compiler. The Triton kernels in Triton's
+interpreter: test_kernels_triton.py."""
 
 from __future__ import annotations
 
@@ -12,11 +14,11 @@ import textwrap
 import pytest
 import torch
 import tta_kernels
-from helpers import ROOT
+from helpers import ROOT, kernel_checks
 from tta_kernels import cpu, dispatch, native, reference
 
 SHAPES = (1, 7, 128, 1000, 4096 + 5)
-GROUPS = (8, 64, 128)
+GROUPS = (8, 24, 64, 128)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -78,14 +80,16 @@ def test_vectorised_path_equals_reference_bit_for_bit(bits: int, n: int) -> None
 @pytest.mark.parametrize("bits", (2, 4, 8))
 @pytest.mark.parametrize("n", SHAPES)
 def test_native_path_equals_reference_bit_for_bit(bits: int, n: int) -> None:
-    """The C passes (tta_kernels.native, built with this machine's compiler) give the
-    reference's codes, minima, scales and decoded values exactly."""
+    """The C passes (tta_kernels.native, built with this machine's compiler: the fused
+    kernel and the two-pass baseline) give the reference's codes, minima, scales and decoded
+    values exactly."""
     for x in _inputs(n, n + 1):
         for group in GROUPS:
             ref = reference.quantize_pack(x, bits, group)
-            fast = native.quantize_pack(x, bits, group)
-            for a, b in zip(ref, fast, strict=True):
-                assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+            for fast in (native.quantize_pack(x, bits, group),
+                         native.quantize_pack_two_pass(x, bits, group)):
+                for a, b in zip(ref, fast, strict=True):
+                    assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
             dense = reference.unpack_dequantize(ref, bits, group, n, x.dtype)
             assert torch.equal(native.unpack_dequantize(ref, bits, group, n, x.dtype), dense)
 
@@ -112,6 +116,86 @@ def test_native_masks_equal_the_pytorch_packing(band: tuple[float, float]) -> No
         assert torch.equal(native.mask_unpack(got, n, lo, inside), ref), n
     assert dispatch.native_masks(torch.float32, torch.device("cpu"))
     assert not dispatch.native_masks(torch.float16, torch.device("cpu"))
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and values, NaN matching NaN."""
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(
+        a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def _special_inputs() -> list[torch.Tensor]:
+    """NaN and +-inf groups, reciprocal-sensitive groups (codes that change if L / rng is
+    computed as one division instead of PyTorch's (1 / rng) * L), signed zeros."""
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(9))
+    x[5], x[300], x[301], x[700] = float("nan"), float("inf"), -float("inf"), float("inf")
+    zeros = torch.zeros(200)
+    zeros[1::2] = -0.0
+    return [x, zeros, *(kernel_checks.reciprocal_sensitive(b, 8, rows=4) for b in (2, 4, 8))]
+
+
+@pytest.mark.parametrize("bits", (2, 4, 8))
+def test_fused_kernel_handles_nan_inf_and_reciprocal_sensitive_groups(bits: int) -> None:
+    """The fused C kernel computes min/max and both scales itself: NaN groups get NaN min
+    and scale and the reference's codes, inf groups and reciprocal-sensitive groups the
+    reference's bytes (the two-pass form, which takes PyTorch's scales, as well)."""
+    for x in _special_inputs():
+        ref = reference.quantize_pack(x, bits, 8)
+        for fast in (native.quantize_pack(x, bits, 8), native.quantize_pack_two_pass(x, bits, 8)):
+            assert all(_same(a, b) for a, b in zip(ref, fast, strict=True)), x[:4]
+    x = _special_inputs()[0]
+    assert native.quantize_pack(x, bits, 128).mn.isnan().tolist() == [True] + [False] * 7
+
+
+@pytest.mark.parametrize("band", ((0.0, float("inf")), (-1.0, 1.0)))
+def test_fused_mask_variant_gives_both_encodings_of_one_tensor(band: tuple[float, float]
+                                                               ) -> None:
+    """quantize_pack_mask: the reference's quantized bytes and tta_core.memory.bits' packing
+    of lo < x < hi (NaN: 0, tail byte zero-padded) from one pass; the dispatcher's
+    fallback (vectorised path) gives the same pair."""
+    from tta_core.memory.bits import pack_bits
+
+    for n in (1, 13, 1000, 4096 + 3):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 2
+        x[::17] = float("nan")
+        x[1::11] = band[0]
+        want = pack_bits((x > band[0]) & (x < band[1]))
+        assert torch.equal(reference.mask_bits(x, band), want)
+        for group in (8, 24, 128):
+            ref = reference.quantize_pack(x, 4, group)
+            qt, mask = native.quantize_pack_mask(x, 4, group, band)
+            assert torch.equal(mask, want) and all(
+                _same(a, b) for a, b in zip(ref, qt, strict=True)), (n, group)
+    qt, mask = tta_kernels.quantize_pack_mask(x, 2, 64, band)
+    assert torch.equal(mask, want) and torch.equal(qt.codes, reference.quantize_pack(
+        x, 2, 64).codes)
+    with pytest.raises(ValueError, match="band must satisfy lo < hi"):
+        native.quantize_pack_mask(x, 4, 8, (1.0, 1.0))
+
+
+def test_fused_mask_variant_falls_back_off_the_native_path(monkeypatch) -> None:
+    monkeypatch.setenv("TTA_KERNELS_CPU", "vectorised")
+    x = torch.relu(torch.randn(777, generator=torch.Generator().manual_seed(1)))
+    qt, mask = tta_kernels.quantize_pack_mask(x, 8, 128, (0.0, float("inf")))
+    assert all(torch.equal(a, b) for a, b in zip(qt, reference.quantize_pack(x, 8, 128),
+                                                 strict=True))
+    assert torch.equal(mask, reference.mask_bits(x, (0.0, float("inf"))))
+
+
+@pytest.mark.slow
+def test_portable_c_loops_equal_the_intrinsics_build(monkeypatch, tmp_path) -> None:
+    """daf_cpu.c built with -DDAF_PORTABLE (the generic loops a non-x86 target compiles)
+    gives the same bytes as the reference."""
+    monkeypatch.setenv("TTA_KERNELS_CACHE", str(tmp_path))
+    lib = native.load(native.build(("-DDAF_PORTABLE",)))
+    monkeypatch.setattr(native, "library", lambda: lib)
+    for x in [*_inputs(1000 + 5, 2), *_special_inputs()]:
+        for bits in (2, 4, 8):
+            for group in (8, 24, 128):
+                ref = reference.quantize_pack(x, bits, group)
+                qt, mask = native.quantize_pack_mask(x, bits, group, (0.0, float("inf")))
+                assert all(_same(a, b) for a, b in zip(ref, qt, strict=True)), (bits, group)
+                assert torch.equal(mask, reference.mask_bits(x, (0.0, float("inf"))))
 
 
 @pytest.mark.slow
@@ -189,30 +273,6 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_triton_kernels_equal_reference_in_the_interpreter() -> None:
-    """The Triton kernels' arithmetic, run by Triton's CPU interpreter (no GPU needed), on
-    seeded inputs. Measured: over 2000 random seeds at 8 bits / group 8 the interpreter
-    differed from the reference by one code step in 4 of 4000 tensors (one element each),
-    so bit-exactness on a GPU remains to be checked there (the CUDA test below)."""
-    code = """
-        import torch
-        from tta_kernels import reference as R, triton_kernels as T
-        torch.manual_seed(0)
-        for n in (1000, 4101):
-            for x in (torch.randn(n), torch.relu(torch.randn(n)) * 1e3, torch.full((n,), 2.0)):
-                for bits in (2, 4, 8):
-                    for group in (8, 128):
-                        r, t = R.quantize_pack(x, bits, group), T.quantize_pack(x, bits, group)
-                        assert all(torch.equal(a, b) for a, b in zip(r, t)), (n, bits, group)
-                        d = T.unpack_dequantize(r, bits, group, n, torch.float32)
-                        assert torch.equal(d, R.unpack_dequantize(r, bits, group, n))
-        print("ok")
-    """
-    proc = _python(code, TRITON_INTERPRET="1")
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
-
-
-@pytest.mark.slow
 def test_import_needs_no_gpu_and_missing_triton_falls_back_with_one_notice() -> None:
     code = """
         import sys, warnings
@@ -232,8 +292,8 @@ def test_import_needs_no_gpu_and_missing_triton_falls_back_with_one_notice() -> 
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_cuda_kernels_equal_reference_bit_for_bit() -> None:
+@pytest.mark.cuda
+def test_cuda_dispatch_equals_reference_bit_for_bit() -> None:
     assert dispatch.backend(torch.zeros(1, device="cuda")) == "triton"
     for n in SHAPES:
         for x in _inputs(n, n):

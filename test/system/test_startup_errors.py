@@ -131,6 +131,8 @@ IN_PROCESS = {
                                    "adashadow.sigma=nan"), ["sigma", "nan"]),
     "sigma_word": (lambda b: _bench(CARD, "--methods", "adashadow", "--set",
                                     "adashadow.sigma=big"), ["sigma", "'big'"]),
+    "device_word": (lambda b: _bench(CARD, "--device", "gpu"),
+                    ["device='gpu' is not a torch device"]),
 }
 HAVE_ROS = all(importlib.util.find_spec(m) is not None for m in ("rclpy", "tta_msgs"))
 ROS_CASES = {n for n in CASES if n.startswith(("perception", "scheduler", "bringup", "replay"))}

@@ -103,3 +103,21 @@ def test_no_model_moves_between_devices_per_batch(method_name, monkeypatch):
         method.step(torch.randn(4, 3, 32, 32) + 0.3 * i)
     method.close()
     assert moves == []
+
+
+def test_device_names_are_checked_once_with_one_line_errors(monkeypatch):
+    from tta_core.runtime.device import check_device
+
+    assert check_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"^device='gpu' is not a torch device \(cpu, cuda"):
+        check_device("gpu")
+    with pytest.raises(ValueError, match="^device='meta': only cpu and cuda devices"):
+        check_device("meta")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="^device='cuda' requested but CUDA is not available"):
+        check_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert check_device("cuda:0") == torch.device("cuda:0")
+    with pytest.raises(ValueError, match=r"^device='cuda:3': this machine has 1 CUDA device"):
+        check_device("cuda:3")

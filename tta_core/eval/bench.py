@@ -43,6 +43,7 @@ from tta_core.eval.streaming import (
 )
 from tta_core.methods import available_methods, build_method, method_class
 from tta_core.model.user_card import UserModel
+from tta_core.runtime.device import check_device
 from tta_core.runtime.gc_pauses import frozen_heap
 
 DEFAULT_METHODS: tuple[str, ...] = ("source", "bn_adapt", "tent", "eata", "sar", "cotta",
@@ -102,6 +103,7 @@ class BenchConfig:
                              f"{self.samples_per_domain} must be >= 1")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
+        check_device(self.device)
         check_budget_mib("memory_budget_mb", self.memory_budget_mb)
         if self.telemetry not in ("", "live") and not Path(self.telemetry).is_file():
             raise ValueError(f"telemetry {self.telemetry!r} is neither 'live' nor a "

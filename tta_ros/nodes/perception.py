@@ -66,6 +66,7 @@ from tta_core.io.image_msg import FrameLimits, Preprocess, one_line, to_tensor
 from tta_core.methods import available_methods, build_method
 from tta_core.model.source import load_source
 from tta_core.model.units import decompose
+from tta_core.runtime.device import check_device
 from tta_core.runtime.gc_pauses import freeze_startup_heap
 from tta_ros import ros_params
 from tta_ros.convert import (
@@ -158,17 +159,6 @@ class Counters:
             self.topic_batches += 1
         else:
             self.inline_batches += 1
-
-
-def check_device(name: str) -> torch.device:
-    """The torch device `name`, or a ValueError saying why it cannot be used."""
-    try:
-        dev = torch.device(name)
-    except RuntimeError as exc:
-        raise ValueError(f"device={name!r} is not a torch device: {exc}") from exc
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} requested but CUDA is not available")
-    return dev
 
 
 def build_warm(name: str, config: Mapping[str, Any], model: torch.nn.Module,

@@ -1,6 +1,8 @@
 """`activation_bits` (DAF) for tent and surgeon: the adaptation forward runs under the codec
 with quantized saves; gradients match the dense method's (cosine >= 0.999 at 8 bits,
->= 0.99 at 4 bits) on the shipped net and ResNet-18 at 64 px, with far fewer saved bytes."""
+>= 0.99 at 4 bits) on the shipped net and ResNet-18 at 64 px, with far fewer saved bytes.
+`activation_budget_mb` alone: dynamic widths per batch that hold the budget and follow a
+change made on the config."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from tta_core.memory import (
     profile_saves,
 )
 from tta_core.methods import build_method
+from tta_core.methods.tent import Tent, TentConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -177,10 +180,88 @@ def test_tent_activation_budget_keeps_saves_in_the_paged_arena() -> None:
 
 
 @pytest.mark.parametrize(("cfg", "match"), (
-    ({"activation_budget_mb": 1.0}, "needs activation_bits"),
+    ({"activation_budget_mb": -1.0}, "activation_budget_mb must be"),
     ({"activation_bits": 4, "activation_budget_mb": -1.0}, "activation_budget_mb must be"),
 ))
 def test_activation_budget_is_checked(cfg: dict, match: str) -> None:
     model, _ = MODELS["shipped"]()
     with pytest.raises(ValueError, match=match):
         build_method("tent", model, **cfg)
+
+
+# ---------------------------------------------------------------- dynamic widths
+class _TentAll(Tent):
+    """Tent's loop with every parameter trainable (what the dynamic widths must serve)."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        self.model.requires_grad_(True)
+
+
+def _dense_saved(model: nn.Module, x: torch.Tensor) -> int:
+    counter = SavedActivationCounter(model)
+    with torch.enable_grad(), counter:
+        entropy(model(x))
+    return counter.result.total
+
+
+def _all_grads(meth: Tent) -> torch.Tensor:
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).double().flatten()
+                      for p in meth.params])
+
+
+@pytest.mark.slow
+def test_dynamic_widths_hold_the_budget_and_follow_a_runtime_change() -> None:
+    """activation_budget_mb alone: per batch, 0/2/4/8 bits per unit (greedy) whose measured
+    saved bytes never exceed the budget; 0-bit units are frozen for that batch only; a
+    budget changed on the config holds from the next batch; at 30 % of the dense bytes the
+    gradient keeps cosine >= 0.99 to the dense one."""
+    model, x = MODELS["resnet18"]()
+    dense_bytes = _dense_saved(copy.deepcopy(model), x)
+    cfg = {"lr": 0.0, "lr_ref_batch": 0, "reforward": False}
+    dense = _TentAll(copy.deepcopy(model), TentConfig(**cfg))
+    dense.forward_and_adapt(x)
+    g_dense = _all_grads(dense)
+    meth = _TentAll(copy.deepcopy(model),
+                    TentConfig(**cfg, activation_budget_mb=0.12 * dense_bytes / 2**20))
+    for _ in range(2):
+        meth.optimizer.zero_grad(set_to_none=True)
+        s = meth.forward_and_adapt(x).stats
+        assert 0 < s["saved_bytes"] <= s["width_budget_bytes"] and s["within_width_budget"]
+        zero = [u for u, b in meth.codec.state.bits.items() if b == 0]
+        assert s["width_frozen_units"] == len(zero) > 0
+        mods = dict(meth.model.named_modules())
+        assert all(p.grad is None and p.requires_grad for u in zero
+                   for p in mods[u].parameters())
+    low_bits = s["width_mean_bits"]
+    meth.config.activation_budget_mb = 0.30 * dense_bytes / 2**20
+    meth.optimizer.zero_grad(set_to_none=True)
+    s = meth.forward_and_adapt(x).stats
+    assert s["width_budget_bytes"] == int(0.30 * dense_bytes)
+    assert s["saved_bytes"] <= s["width_budget_bytes"] and s["width_mean_bits"] > low_bits
+    meth.optimizer.zero_grad(set_to_none=True)
+    meth.forward_and_adapt(x)
+    assert cosine(g_dense, _all_grads(meth)) >= 0.99
+    meth.config.activation_budget_mb = None
+    with pytest.raises(ValueError, match=r"activation_budget_mb must be .* got None"):
+        meth.forward_and_adapt(x)
+
+
+def test_dynamic_widths_for_tent_choose_only_norm_widths() -> None:
+    """Tent (BN affine): frozen convs store nothing, each BN input gets 2/4/8 bits; the
+    step holds its budget and its BN gradient stays close to dense Tent's."""
+    model, x = MODELS["shipped"]()
+    dense, _ = _step_grads("tent", model, x)
+    _, full = _step_grads("tent", model, x, activation_bits=8)
+    meth = build_method("tent", copy.deepcopy(model), lr=0.0, lr_ref_batch=0,
+                        reforward=False, activation_budget_mb=0.7 * full["saved_bytes"] / 2**20)
+    for _ in range(2):
+        meth.optimizer.zero_grad(set_to_none=True)
+        s = meth.forward_and_adapt(x).stats
+        assert s["saved_bytes"] <= s["width_budget_bytes"] and s["within_width_budget"]
+    bits = meth.codec.state.bits
+    bns = {n for n, m in meth.model.named_modules() if isinstance(m, nn.BatchNorm2d)}
+    assert set(bits) == bns and set(bits.values()) <= {2, 4, 8}
+    assert s["width_frozen_units"] == 0
+    g = torch.cat([p.grad.double().flatten() for p in meth.params])
+    assert cosine(dense, g) >= 0.98

@@ -10,17 +10,21 @@ MemoryOptions by tta_core.runtime.capabilities.build_codec).
   per byte is narrowed a width (8 -> 4 -> 2 bits, never dropped), the new one included. A
   unit's worth is the RMS of its parameters' gradient in the previous step (SURGEON Eq. 4;
   1.0 before the first). What the arena cannot hold even at 2 bits is kept outside and
-  reported (`arena_overflow_bytes`); the 1-bit ReLU masks are not in the arena.
+  reported (`arena_overflow_bytes`); the 1-bit ReLU masks are not in the arena. A budget
+  changed at run time resizes the arena before the next forward (§3.4.4).
+- `activation_budget_mb` alone: dynamic widths (`dynamic.DynamicWidths`): per batch, 0/2/4/8
+  bits per unit from the greedy knapsack under the budget, importance a moving average.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from torch import nn
+from torch import Tensor, nn
 
 from tta_core.daf.arena import PagedArena
 from tta_core.daf.arena_codec import ArenaCodec
+from tta_core.daf.dynamic import DynamicWidths
 from tta_core.daf.plans import check_activation_bits, daf_plan
 from tta_core.memory import ActivationCodec
 from tta_core.memory.ledger import MIB
@@ -35,6 +39,17 @@ class DafCodec:
     hooks: what one step stored, and the gradient importance the arena ranks by."""
 
     codec: ActivationCodec
+    options: object = None  # the config: a changed budget resizes the arena
+
+    def before_forward(self, x: Tensor) -> None:
+        """Resize the arena when the config's budget changed since the last forward."""
+        if not isinstance(self.codec, ArenaCodec) or self.options is None:
+            return
+        budget = _check_budget(getattr(self.options, "activation_budget_mb", None))
+        if int(budget * MIB) != self.codec.arena.budget:
+            for key in list(self.codec.arena.table):
+                self.codec.arena.remove(key)
+            self.codec.arena.resize(int(budget * MIB))
 
     def __enter__(self) -> DafCodec:
         self.codec.__enter__()
@@ -58,21 +73,28 @@ class DafCodec:
             self.codec.importance.update(unit_importance(model))
 
 
-def build_codec(model: nn.Module, bits: int | None, budget_mb: float | None) -> DafCodec:
-    """The DAF codec of `bits` (8/4/2), in an arena of `budget_mb` MiB when given;
-    ValueError naming a bad width or budget."""
-    if bits is None:
-        raise ValueError(f"activation_budget_mb={budget_mb!r} needs activation_bits (8/4/2): "
-                         "the arena holds quantized saves")
-    check_activation_bits(bits)
-    if budget_mb is None:
-        return DafCodec(ActivationCodec(model, daf_plan(model, bits)))
+def _check_budget(budget_mb: object) -> float:
     if isinstance(budget_mb, bool) or not isinstance(budget_mb, int | float) \
             or not 0 < budget_mb < 1e6:
         raise ValueError(f"activation_budget_mb must be a number in (0, 1e6) MiB, got "
                          f"{budget_mb!r}")
-    arena = PagedArena(int(budget_mb * MIB), page_size=ARENA_PAGE_BYTES)
-    return DafCodec(ArenaCodec(model, daf_plan(model, bits), arena))
+    return float(budget_mb)
+
+
+def build_codec(model: nn.Module, options: object) -> DafCodec | DynamicWidths:
+    """The DAF codec a config's `activation_bits` (8/4/2) and `activation_budget_mb` ask
+    for (module doc); ValueError naming a bad width or budget. Both are read again before
+    each forward where they can change (the budget)."""
+    bits = getattr(options, "activation_bits", None)
+    budget_mb = getattr(options, "activation_budget_mb", None)
+    if bits is None:
+        _check_budget(budget_mb)
+        return DynamicWidths(model, options)
+    check_activation_bits(bits)
+    if budget_mb is None:
+        return DafCodec(ActivationCodec(model, daf_plan(model, bits)))
+    arena = PagedArena(int(_check_budget(budget_mb) * MIB), page_size=ARENA_PAGE_BYTES)
+    return DafCodec(ArenaCodec(model, daf_plan(model, bits), arena), options)
 
 
 def unit_importance(model: nn.Module) -> dict[str, float]:

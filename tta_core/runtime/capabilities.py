@@ -14,7 +14,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from torch import nn
+from torch import Tensor, nn
 
 from tta_core.runtime.options import option
 
@@ -29,15 +29,17 @@ class MemoryOptions:
         None, "DAF: store what the update saves for backward at 8, 4 or 2 bits (None: "
         "dense)", choices=(2, 4, 8), runtime=False)
     activation_budget_mb: float | None = option(
-        None, "DAF: hold those saves in one paged arena of this many MiB; when it is full "
-        "the save worth least per byte is narrowed (needs activation_bits)", low=0.0,
-        high=1e6, runtime=False)
+        None, "DAF memory budget of the saves, MiB: alone, widths 0/2/4/8 per unit are "
+        "chosen per batch under it (greedy, moving-average gradient importance); with "
+        "activation_bits, one paged arena of this size narrows the save worth least per "
+        "byte when full; a change holds from the next batch", low=0.0, high=1e6)
 
 
 @runtime_checkable
 class StepCodec(Protocol):
     """A saved-tensor codec a method's forward runs under (a context manager), with what
-    one step stored (`stats`) and a hook after the backward (`after_backward`)."""
+    one step stored (`stats`), a hook after the backward (`after_backward`) and one in
+    the plan phase before the forward (`before_forward`: widths for this batch)."""
 
     def __enter__(self) -> Any: ...
 
@@ -46,6 +48,8 @@ class StepCodec(Protocol):
     def stats(self) -> dict[str, float | int | bool]: ...
 
     def after_backward(self, model: nn.Module) -> None: ...
+
+    def before_forward(self, x: Tensor) -> None: ...
 
 
 def build_codec(model: nn.Module, options: object) -> StepCodec | None:
@@ -57,4 +61,4 @@ def build_codec(model: nn.Module, options: object) -> StepCodec | None:
     if bits is None and budget is None:
         return None
     module, _, name = CODEC_FACTORY.partition(":")
-    return getattr(importlib.import_module(module), name)(model, bits, budget)
+    return getattr(importlib.import_module(module), name)(model, options)

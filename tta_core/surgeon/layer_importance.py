@@ -8,8 +8,8 @@
 m_i is the element count of the layer's input (what it saves for ∂W); the sum in Eq. 5
 runs over every layer that ran (the official code sums over all conv/BN/linear modules,
 frozen or not), the normalisations and the max over the scored (trainable) layers.
-keep_i is clamped to [floor, 1]: Eq. 7 gives keep 0 to a layer with zero gradient, and
-keep 0 would store nothing (a zero ∂W), so the floor keeps a small fraction instead.
+keep_i is clamped to [floor, 1] (floor 0: Eq. 7 as written, the least important layer
+gets keep 0, no ∂W; the method freezes it for the batch).
 Without any signal (every I_i = 0, e.g. a single layer, where M = 0) every keep is 1.
 """
 
@@ -58,8 +58,8 @@ def layer_keep(gradient: Mapping[str, float], sizes: Mapping[str, int],
                floor: float) -> LayerImportance:
     """Keep ratios (Eqs. 5-7) of the layers in `gradient` (G_i of Eq. 4), with `sizes`
     the input element counts of every layer (Eq. 5's sum); keep clamped to [floor, 1]."""
-    if not 0 < floor <= 1:
-        raise ValueError(f"keep floor must be in (0, 1], got {floor}")
+    if not 0 <= floor <= 1:
+        raise ValueError(f"keep floor must be in [0, 1], got {floor}")
     memory = memory_importance(sizes)
     missing = sorted(set(gradient) - set(memory))
     if missing:

@@ -9,19 +9,26 @@ dense (exact ∂γ and ∂x; the official code prunes them for ∂γ but keeps a
 
 mode "faithful" (Algorithm 1): an extra forward/backward of the entropy on k random samples
 of the batch (official: 10; all of a smaller batch) gives the gradients of Eq. 4; it runs
-under the codec too (ReLU masks, frozen inputs; scored inputs at `importance_keep`, 1.0 =
-exact gradients), so at batch <= k its saved bytes stay near the adaptation pass's.
+under the codec too (ReLU masks, frozen inputs not stored; scored inputs at
+`importance_keep`), and with `importance_bits` (default 8, DAF packing; None: dense) what
+it keeps whole, BN inputs included, is stored per-group min-max quantized: gradient cosine
+~1 at 8 bits, and at batch <= k the pass saves ~0.3x what the adaptation pass does, so the
+step's peak is the adaptation pass's (§4.2 (ii) asks for a cheap pass; the official code
+runs it dense, 2.7x Tent's bytes on ResNet-18 b8).
 mode "robot": no extra pass; Eq. 4 uses the gradients of the previous update (lagged).
 They were computed under that update's pruning, which biases against pruned layers: on the
 shipped net (batch 16) uniform keep 0.05 shrinks conv gradient norms by 14-42 % and the
 fc's by 68 % (keep 0.5: <= 1 %, fc 18 %). The first step (and the first after set_units or
 a new input size) has no usable gradient yet: it is dense.
 
-Keep ratios are clamped to [keep_floor, 1] (default 0.05): Eq. 7 gives keep 0 to the least
-important layer, i.e. no ∂W at all. `units` restricts the update (and the keep ratios) to
-named units; the others are frozen. Eager PyTorch saves a conv/linear input even when the
-weight is frozen (no ∂W is computed, ∂x needs only the weight): frozen units' inputs are
-stored at FROZEN_KEEP (≈ the 1-bit bitmap alone), which changes no gradient.
+Keep ratios are clamped to [keep_floor, 1] (default 0, as Eq. 7 and the official code:
+keep_i = I_i / max I, 0 only for a layer of zero importance, which is then frozen for the
+batch, its input not stored; see the README for the measured keeps). `bn_grad: official`
+reproduces the official code's BN backward (running statistics from before the forward;
+tta_core.surgeon.bn_official) in both passes. `units` restricts the update (and the keep
+ratios) to named units; the others are frozen. Eager PyTorch saves a conv/linear input
+even when the weight is frozen (no ∂W is computed, ∂x needs only the weight): frozen
+units' inputs are stored at FROZEN_KEEP (≈ the 1-bit bitmap alone), which changes no gradient.
 
 `activation_bits` (8/4/2; DAF, tta_core.daf.plans): what SURGEON leaves dense is quantized
 too: BN inputs and the inputs of scored layers kept whole (keep 1) are stored per-group
@@ -42,7 +49,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -59,9 +66,11 @@ from tta_core.model.norms import NORM_NAMES, NORM_TYPES, set_bn_mode
 from tta_core.registry import register
 from tta_core.runtime.method import MethodConfig, Step, TTAMethod
 from tta_core.runtime.options import option
+from tta_core.surgeon.bn_official import official_bn_grad
 from tta_core.surgeon.layer_importance import LayerImportance, gradient_importance, layer_keep
 
 MODES = ("faithful", "robot")
+BN_GRADS = ("exact", "official")
 TRAINABLE = ("all", "norm")
 OFFICIAL_LR = {"norm": 1e-3, "all": 2.2e-5}  # Adam, CIFAR-10-C, batch 200 (official cfgs)
 OFFICIAL_BATCH = 200
@@ -82,15 +91,22 @@ class SurgeonConfig(MethodConfig):
                        "the previous update's (lagged) gradients", choices=MODES)
     trainable: str = option("all", "all: every weight (SURGEON); norm: BN/LN/GN affine "
                             "parameters (SURGEON (BN))", choices=TRAINABLE)
-    keep_floor: float = option(0.05, "lowest keep ratio of a layer's saved input (Eq. 7 "
-                               "gives 0 to the least important layer); in (0, 1]",
-                               low=0.0, high=1.0)
+    keep_floor: float = option(0.0, "lowest keep ratio of a layer's saved input (Eq. 7 "
+                               "gives 0 to the least important layer: frozen for the "
+                               "batch); in [0, 1]", low=0.0, high=1.0)
     importance_samples: int = option(10, "faithful mode: samples of the importance pass",
                                      low=1)
     # paper §4.2 (ii): e.g. 0.1; ReLU masks and frozen inputs are compressed either way
     importance_keep: float = option(1.0, "faithful mode: keep ratio of the scored layers' "
-                                    "inputs in the importance pass (1.0: exact gradients); "
-                                    "in (0, 1]", low=0.0, high=1.0)
+                                    "inputs in the importance pass (1.0 with "
+                                    "importance_bits None: exact gradients); in (0, 1]",
+                                    low=0.0, high=1.0)
+    importance_bits: int | None = option(
+        8, "faithful mode: store the importance pass's unpruned saves (BN inputs included) "
+        "at 8, 4 or 2 bits (DAF); None: dense", choices=(2, 4, 8))
+    bn_grad: str = option("exact", "BN backward: exact (batch statistics) or official (the "
+                          "official code's, with the running statistics from before the "
+                          "forward)", choices=BN_GRADS)
     css: bool = option(False, "certainty-based sample selection")
     css_margin: float = option(0.4, "css: a sample is selected when its entropy < css_margin "
                                "* ln C (> 0)", low=0.0)
@@ -120,7 +136,9 @@ class SurgeonConfig(MethodConfig):
             (self.mode in MODES, f"mode must be one of {MODES}, got {self.mode!r}"),
             (self.trainable in TRAINABLE,
              f"trainable must be one of {TRAINABLE}, got {self.trainable!r}"),
-            (0 < self.keep_floor <= 1, f"keep_floor must be in (0, 1], got {self.keep_floor}"),
+            (0 <= self.keep_floor <= 1, f"keep_floor must be in [0, 1], got {self.keep_floor}"),
+            (self.bn_grad in BN_GRADS,
+             f"bn_grad must be one of {BN_GRADS}, got {self.bn_grad!r}"),
             (self.importance_samples >= 1,
              f"importance_samples must be >= 1, got {self.importance_samples}"),
             (0 < self.importance_keep <= 1,
@@ -133,8 +151,9 @@ class SurgeonConfig(MethodConfig):
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
-        if self.activation_bits is not None:
-            check_activation_bits(self.activation_bits)
+        for bits in (self.activation_bits, self.importance_bits):
+            if bits is not None:
+                check_activation_bits(bits)
 
 
 def default_lr(trainable: str, ref_batch: int) -> float:
@@ -188,6 +207,7 @@ class Surgeon(TTAMethod):
         self._lagged: dict[str, float] | None = None  # robot: G_i of the last update
         self.last_keep: dict[str, float] = {}
         self.last_importance: LayerImportance | None = None
+        self._zero: list[nn.Parameter] = []
 
     # ------------------------------------------------------------ setup
     def configure_model(self) -> None:
@@ -195,7 +215,16 @@ class Surgeon(TTAMethod):
         cfg.check()
         if cfg.lr is None:
             cfg.lr = default_lr(cfg.trainable, cfg.lr_ref_batch)
-        set_bn_mode(self.model, cfg.bn_mode)
+        if cfg.bn_grad == "official":  # batch statistics; running ones kept and updated
+            if cfg.bn_mode != "batch":
+                raise ValueError(f"bn_grad 'official' needs bn_mode 'batch', got "
+                                 f"{cfg.bn_mode!r}")
+            self.model.eval()
+            for m in self.model.modules():
+                if isinstance(m, nn.modules.batchnorm._BatchNorm):
+                    m.train()
+        else:
+            set_bn_mode(self.model, cfg.bn_mode)
         self.model.requires_grad_(False)
         rows = unit_table(self.model)[1]
         self.unit_names = [name for name, _m, _k in rows]
@@ -276,26 +305,34 @@ class Surgeon(TTAMethod):
         sub = x[idx]
         params = [p for n in self.scored for p in self._cand[n]]
         keep = self.config.importance_keep
-        codec = ActivationCodec(self.model, self._plan({n: keep for n in self.scored}))
-        with torch.enable_grad(), self._size_hooks(sub), codec:
+        codec = ActivationCodec(self.model, self._plan({n: keep for n in self.scored},
+                                                       self.config.importance_bits))
+        with torch.enable_grad(), self._size_hooks(sub), codec, self._bn_grad():
             loss = softmax_entropy(self.model(sub)).mean()
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         by_param = {id(p): g for p, g in zip(params, grads, strict=True)}
         imp = self._keep(self._gradient_importance(by_param), sub)
         return imp, k, codec.result.total if codec.result else 0
 
-    def _plan(self, scored: dict[str, float] | None) -> CodecPlan:
-        """`scored` keep ratios for the prunable (conv/linear) scored units; frozen
-        conv/linear units FROZEN_KEEP (autograd saves their input although no ∂W is
-        computed: nothing reads it, ∂x needs only the weight); everything else dense."""
+    def _bn_grad(self) -> AbstractContextManager[None]:
+        """The official BN backward around a forward when `bn_grad` asks for it."""
+        return official_bn_grad(self.model, self.config.bn_grad == "official")
+
+    def _plan(self, scored: dict[str, float] | None, bits: int | None) -> CodecPlan:
+        """`scored` keep ratios for the prunable (conv/linear) scored units (keep 0: the
+        unit is frozen for the batch); frozen conv/linear units FROZEN_KEEP (autograd saves
+        their input although no ∂W is computed: nothing reads it, ∂x needs only the
+        weight) or 0 bits with DAF `bits`; everything else dense or at `bits`."""
+        if scored is None:  # no ratios yet: scored units dense
+            scored = dict.fromkeys(self.scored, 1.0)
+        live = {n: v for n, v in scored.items() if v > 0}
         keep: dict[str, float | str] = {
             n: FROZEN_KEEP for n, m in self._unit_mods.items()
-            if isinstance(m, _PRUNABLE) and n not in self.scored}
-        keep.update({n: v for n, v in (scored or {}).items()
-                     if isinstance(self._unit_mods[n], _PRUNABLE)})
-        bits = self.config.activation_bits
+            if isinstance(m, _PRUNABLE) and n not in live}
+        keep.update({n: v for n, v in live.items()
+                     if isinstance(self._unit_mods[n], _PRUNABLE) and v < 1.0})
         if bits is not None:  # DAF: frozen inputs dropped, unpruned inputs and BN quantized
-            pruned = {n: v for n, v in keep.items() if n in self.scored and v < 1.0}
+            pruned = {n: v for n, v in keep.items() if n in live and v < 1.0}
             return daf_plan(self.model, bits, keep=pruned, act_masks=self.config.act_masks)
         return CodecPlan(keep, DENSE, act_masks=self.config.act_masks)
 
@@ -304,7 +341,7 @@ class Surgeon(TTAMethod):
                        ) -> tuple[Tensor, Tensor, int, SavedBytes | None]:
         """Forward (+ augmented forward for CR) and loss under the codec."""
         codec = ActivationCodec(self.model, plan)
-        with torch.enable_grad(), self._size_hooks(x), codec:
+        with torch.enable_grad(), self._size_hooks(x), codec, self._bn_grad():
             logits = self.model(x)
             aug = None
             if self.config.cr:
@@ -321,11 +358,21 @@ class Surgeon(TTAMethod):
         elif self._lagged is not None and tuple(step.x.shape[1:]) in self._sizes:
             imp = self._keep(self._lagged, step.x)
         self.last_importance = imp
-        self._codec_plan = self._plan(imp.keep if imp is not None else None)
+        keep = imp.keep if imp is not None else None
+        self._zero = [p for n, v in (keep or {}).items() if v <= 0
+                      for p in self._cand[n] if p.requires_grad]
+        for p in self._zero:  # keep 0 (Eq. 7): no ∂W this batch; plan them as frozen
+            p.requires_grad_(False)
+        self._codec_plan = self._plan(keep, self.config.activation_bits)
 
     def forward(self, step: Step) -> None:
-        step.logits, step.loss, self._used, self._saved = self._adapt_forward(
-            step.x, self._codec_plan)
+        try:
+            step.logits, step.loss, self._used, self._saved = self._adapt_forward(
+                step.x, self._codec_plan)
+        finally:  # the recorded graph keeps them frozen for this batch
+            for p in self._zero:
+                p.requires_grad_(True)
+            self._zero = []
 
     def update(self, step: Step) -> None:
         """Backward and step when a sample is used (or CR is on); robot mode keeps this
@@ -334,9 +381,12 @@ class Surgeon(TTAMethod):
             return
         self.optimizer.zero_grad(set_to_none=True)
         step.loss.backward()
-        if self.config.mode == "robot":
-            self._lagged = self._gradient_importance(
+        if self.config.mode == "robot":  # a unit frozen by keep 0 keeps its last G
+            fresh = self._gradient_importance(
                 {id(p): p.grad for n in self.scored for p in self._cand[n]})
+            ran = {n for n in self.scored if any(p.grad is not None for p in self._cand[n])}
+            self._lagged = {n: g if n in ran or self._lagged is None
+                            else self._lagged.get(n, g) for n, g in fresh.items()}
         self.optimizer.step()
         step.adapted = True
 

@@ -210,7 +210,7 @@ def _changed_entries(before: dict, model: torch.nn.Module) -> dict[str, torch.Te
 
 def test_step_changes_only_selected_filters_and_write_back_only_kept_indices() -> None:
     m = build_method("elastic", gated(), lr=0.5, lr_ref_batch=0, rederive_every=0,
-                     entropy_jump=0.0)
+                     entropy_jump=0.0, master_update="averaging")
     m.step(batch(0))  # cuts the surrogates (the master adapts at 1.0)
     m.set_size(0.5)
     served = m.served[0.5]
@@ -244,6 +244,27 @@ def test_step_changes_only_selected_filters_and_write_back_only_kept_indices() -
                (f"{s.conv}.weight", f"{s.conv}.bias", f"{s.bn}.weight", f"{s.bn}.bias",
                 f"{s.next_conv}.weight")}
     assert all(not d.any() for k, d in diff.items() if k not in touched), "outside sites"
+
+
+def test_knowledge_update_moves_the_master_by_the_surrogates_change() -> None:
+    """master_update knowledge (default): a master without Θ* gets one fitted (orthonormal
+    relevances), so Eqs. 3-4 at the re-cut move the master by the surrogate's whole change
+    at the kept indices (2x the averaging rule's) and elsewhere only by float error."""
+    runs = {}
+    for mode in ("knowledge", "averaging"):
+        m = build_method("elastic", gated(), lr=0.5, lr_ref_batch=0, rederive_every=0,
+                         entropy_jump=0.0, master_update=mode, sizes=(1.0, 0.5), keep=0.5)
+        m.step(batch(0))
+        before = {k: p.detach().clone() for k, p in m.model.base.named_parameters()}
+        for i in range(1, 3):
+            m.step(batch(i))
+        m._derive(batch(9)[:1])
+        runs[mode] = {k: p.detach() - before[k] for k, p in m.model.base.named_parameters()}
+    for k, d in runs["averaging"].items():
+        assert torch.allclose(runs["knowledge"][k], 2 * d, atol=1e-5), k
+    assert any(bool((d.abs() > 1e-4).any()) for d in runs["averaging"].values())
+    with pytest.raises(ValueError, match="master_update must be one of"):
+        build_method("elastic", gated(), master_update="half")
 
 
 def test_master_adapts_in_place_only_at_selected_filters() -> None:

@@ -1,18 +1,26 @@
 """Model-card factory of ElasticDNN's gated master (tta_core.elasticdnn.gates): a card with
 ``factory: tta_core.elasticdnn.card:gated_master`` builds the base arch and gates it, so a gated
-checkpoint loads through the ordinary card route (`load_source`, `tta bench --model-card`)."""
+checkpoint loads through the ordinary card route (`load_source`, `tta bench --model-card`).
+A card with the kwarg ``knowledge`` (a share) also builds an empty domain knowledge Θ*
+(tta_core.elasticdnn.knowledge) for the checkpoint to fill in."""
 
 from __future__ import annotations
 
 from torch import nn
 
 from tta_core.elasticdnn.gates import make_gated
+from tta_core.elasticdnn.knowledge import attach_knowledge
 from tta_core.model.arch import build_architecture
 
 
 def gated_master(base_arch: str, num_classes: int, reduction: int = 4,
-                 base_kwargs: dict | None = None) -> nn.Module:
+                 base_kwargs: dict | None = None, knowledge: float | None = None
+                 ) -> nn.Module:
     """`base_arch` (a tta or torchvision arch, random weights) with FBS gates on its
-    block-internal convs; the card's checkpoint fills both in."""
-    return make_gated(build_architecture(base_arch, num_classes, kwargs=base_kwargs),
-                      reduction)
+    block-internal convs, and Θ* with `knowledge` share when given; the card's checkpoint
+    fills them in."""
+    master = make_gated(build_architecture(base_arch, num_classes, kwargs=base_kwargs),
+                        reduction)
+    if knowledge is not None:
+        attach_knowledge(master, float(knowledge), fit=False)
+    return master

@@ -9,19 +9,30 @@
    column belongs to a selected filter); every other parameter is frozen. Hooks zero the
    unselected gradient entries; an optimizer without weight decay (`filter_optimizer`) then
    leaves them bit-identical (SGD momentum and Adam moments of a zero gradient stay 0).
-4. `write_back`: the master takes, at the kept indices only, the average of itself and the
-   surrogate (the authors' rule), applied to the change: master += (surrogate - origin) / 2,
-   where origin is the surrogate at extraction; the folded BN change is divided by the gate
-   value it was folded with (channels whose gate was 0 keep the master's BN).
+4. `write_back`: the surrogate's change since extraction (the folded BN change divided by
+   the gate value it was folded with; channels whose gate was 0 keep the master's BN) goes
+   into the master at the kept indices, by `MASTER_UPDATES`:
+   - "knowledge" (the paper, §III-B3 Eqs. 3-4): per conv layer a surrogate changes, the
+     change in the master's format is stored into Θ* (Eq. 3) and the layer's filters are
+     rewritten from Θ* (Eq. 4), one layer at a time (tta_core.elasticdnn.knowledge); the
+     tensors Θ* does not hold (BN affine and statistics, conv biases) take the change;
+   - "averaging" (the authors' group's public code, not the paper): master += (surrogate -
+     origin) / 2, every tensor;
+   - "none": the master is not updated.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import torch
 from torch import Tensor, nn
 
 from tta_core.elasticdnn.gates import GatedModel
+from tta_core.elasticdnn.knowledge import require_knowledge
 from tta_core.elasticdnn.surrogate import Surrogate
+
+MASTER_UPDATES = ("knowledge", "averaging", "none")
 
 
 def im_loss(logits: Tensor) -> Tensor:
@@ -155,12 +166,11 @@ def _master_index(surrogate: Surrogate) -> dict[str, tuple[Tensor | None, Tensor
     return out
 
 
-@torch.no_grad()
-def write_back(master: GatedModel, surrogate: Surrogate) -> None:
-    """Average the surrogate's change into the master at the kept indices (module doc);
-    every other entry of the master stays bit-identical."""
+def _deltas(master: GatedModel, surrogate: Surrogate
+            ) -> Iterator[tuple[str, Tensor, Tensor | None, Tensor]]:
+    """(name in the master's base, kept rows, kept columns or None, change) of every
+    sliced tensor that changed, the folded BN change divided by its gate (module doc)."""
     current = dict(surrogate.model.named_parameters()) | dict(surrogate.model.named_buffers())
-    target = dict(master.base.named_parameters()) | dict(master.base.named_buffers())
     scale = {s.bn: surrogate.scale[s.conv] for s in surrogate.sites}
     for name, (r, c) in _master_index(surrogate).items():
         delta = current[name].detach() - surrogate.origin[name]
@@ -168,11 +178,44 @@ def write_back(master: GatedModel, surrogate: Surrogate) -> None:
         if module in scale and kind in ("weight", "bias"):  # folded gamma / beta
             g = scale[module].to(delta.dtype)
             delta = torch.where(g > 0, delta / torch.where(g > 0, g, 1), 0)
-        if not bool(delta.any()):
-            continue
+        if bool(delta.any()):
+            yield name, r, c, delta
+
+
+def check_master_update(mode: str) -> str:
+    """`mode` if it is one of MASTER_UPDATES; ValueError naming it otherwise."""
+    if mode not in MASTER_UPDATES:
+        raise ValueError(f"master_update must be one of {', '.join(MASTER_UPDATES)}, got "
+                         f"{mode!r}")
+    return mode
+
+
+@torch.no_grad()
+def write_back(master: GatedModel, surrogate: Surrogate, mode: str = "averaging") -> None:
+    """Update the master with the surrogate's change by `mode` (module doc); entries the
+    surrogate did not hold stay bit-identical, except that Eq. 4 rewrites every filter of
+    a knowledge layer the surrogate changed (each becomes w_i(j, :) Θ*_i)."""
+    check_master_update(mode)
+    if mode == "none":
+        return
+    kn = require_knowledge(master) if mode == "knowledge" else None
+    target = dict(master.base.named_parameters()) | dict(master.base.named_buffers())
+    for name, r, c, delta in _deltas(master, surrogate):
         dst = target[name]
         rr = r if r is not None else torch.arange(dst.shape[0])
+        module = name.rpartition(".")[0]
+        if kn is not None and name.endswith(".weight") and module in kn.layers:
+            full = torch.zeros_like(dst)
+            if c is None:
+                full[rr] = delta.to(dst.dtype)
+            else:
+                full[rr[:, None], c[None, :]] = delta.to(dst.dtype)
+            kn.store(module, full)  # Eq. 3
+            del full
+            kn.recall(module, dst)  # Eq. 4
+            continue
+        step = delta if kn is not None else delta / 2
         if c is None:
-            dst[rr] += (delta / 2).to(dst.dtype)
+            dst[rr] += step.to(dst.dtype)
         else:
-            dst[rr[:, None], c[None, :]] += (delta / 2).to(dst.dtype)
+            dst[rr[:, None], c[None, :]] += step.to(dst.dtype)

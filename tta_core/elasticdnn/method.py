@@ -15,7 +15,8 @@ prediction is that forward's (no reforward). No smaller size is served to make r
 an update: on the shipped stream updates did not raise accuracy (README, elastic section).
 
 Re-derivation: the surrogates are cut again from the master, after the ones that adapted
-were written back into it (the authors' averaging rule, kept indices only), when the
+updated it (`master_update`: the paper's Eqs. 3-4 through the domain knowledge Θ*, by
+default; the averaging of the authors' group's code; or none), when the
 served batches' mean entropy jumps (`entropy_jump` nats, per size: a new domain, the
 paper's trigger) or every `rederive_every` batches (a domain that drifts without a jump,
 and the master's own updates reach the surrogates). It runs after the batch's answer, only
@@ -51,6 +52,8 @@ from torch import Tensor
 
 from tta_core.api import PhaseClock, StepResult, mean_entropy
 from tta_core.elasticdnn.filter_update import (
+    MASTER_UPDATES,
+    check_master_update,
     filter_optimizer,
     filter_scores,
     im_loss,
@@ -59,6 +62,7 @@ from tta_core.elasticdnn.filter_update import (
     write_back,
 )
 from tta_core.elasticdnn.gates import GatedModel
+from tta_core.elasticdnn.knowledge import absorb, require_knowledge
 from tta_core.elasticdnn.serving import (
     DEFAULT_SIZES,
     Decision,
@@ -92,6 +96,10 @@ class ElasticConfig(MethodConfig, DeadlineConfig):
     mass: float = option(0.8, "filters trained: the fewest holding this share of the "
                          "score; in (0, 1]", low=0.0, high=1.0)
     adapt: bool = option(True, "adapt the served network (False: serve only)")
+    master_update: str = option("knowledge", "how an adapted surrogate updates the master "
+                                "at a re-cut: knowledge (the paper's Eqs. 3-4 through "
+                                "Θ*), averaging (master += change / 2), none",
+                                choices=MASTER_UPDATES)
     rederive_every: int = option(100, "re-derive the surrogates every this many batches "
                                  "(0: only on an entropy jump)", low=0)
     entropy_jump: float = option(0.3, "re-derive when the served batches' mean entropy "
@@ -112,6 +120,7 @@ class ElasticConfig(MethodConfig, DeadlineConfig):
         """ValueError naming the first bad value (deadline fields included)."""
         DeadlineConfig.validate(self)
         self.sizes = check_sizes(self.sizes)
+        check_master_update(self.master_update)
         if not 0.0 < self.mass <= 1.0:
             raise ValueError(f"mass must be in (0, 1], got {self.mass!r}")
         for name in ("rederive_every", "warmup_runs", "warmup_batch"):
@@ -171,6 +180,8 @@ class Elastic(TTAMethod):
             raise ValueError(f"elastic: {type(self.model).__name__} is not a gated master; "
                              "make one with `tta train-elastic` and pass its model card")
         self.config.validate()
+        if self.config.master_update == "knowledge":
+            require_knowledge(self.model, "elastic: the master")  # converts an old one
         super().configure_model()
         self.model.set_sparsity(0.0)
         cfg = self.config
@@ -371,10 +382,14 @@ class Elastic(TTAMethod):
     def _derive(self, sample: Tensor) -> None:
         """Write the adapted surrogates back into the master, then cut every size afresh
         from it on `sample` (1, C, H, W); filter masks are chosen again when each adapts."""
+        mode = self.config.master_update
+        if mode == "knowledge" and any(s.adapted and s.surrogate.keep >= 1.0
+                                       for s in self.served.values()):
+            absorb(self.model)  # the master adapted in place: its change into Θ* too
         for served in self.served.values():
             served.release()
             if served.adapted and served.surrogate.keep < 1.0:
-                write_back(self.model, served.surrogate)
+                write_back(self.model, served.surrogate, mode)
         self.served = {}
         for keep in self.plan.sizes:
             surrogate = (master_surrogate(self.model) if keep >= 1.0

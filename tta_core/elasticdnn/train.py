@@ -11,6 +11,15 @@ each step by the sandwich rule: the same batch at sparsity 0, two random sparsit
 the full network's (detached) predictions as well (in-place distillation, slimmable
 networks), plus an L1 penalty on the gate outputs.
 
+The domain knowledge Θ* (tta_core.elasticdnn.knowledge, §III-B1 Eq. 1) is fitted to the
+source's filters at the start and trained with the paper's second loss, `tie` x
+Σ_i Σ_j ‖θ_ij − Σ_k w_i(j,k) θ*_ik‖², added to every step (plain SGD, `knowledge_lr`): the filters
+are pulled towards their combinations and Θ*, w follow the filters. At the end Θ* is
+solved by least squares for the trained relevances (`retie`), driving the loss to float
+error when K = N. `knowledge_only` skips the training: Θ* is fitted to an existing gated
+master's filters (the loss's optimum for fixed filters: a checkpoint written before Θ*
+existed, converted).
+
 BatchNorm trains with batch statistics (as the test-time adaptation that serves the master
 and its surrogates normalises); only the sparsity-0 pass updates the running statistics, so
 the master in eval mode is the full network. Training with the source's running statistics
@@ -22,7 +31,7 @@ BN after a sparsified conv sees a much smaller input than its statistics expect.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -30,8 +39,9 @@ from torch import Tensor, nn
 
 from tta_core.data.preprocess import images_to_tensor
 from tta_core.data.signs import make_signs
-from tta_core.elasticdnn.gates import GatedModel, make_gated
-from tta_core.model.source import ModelCard, _augment, accuracy, load_source
+from tta_core.elasticdnn.gates import GatedModel, load_gated, make_gated
+from tta_core.elasticdnn.knowledge import attach_knowledge, knowledge_of
+from tta_core.model.source import ModelCard, _augment, accuracy, load_card, load_source
 
 VAL_SEED_OFFSET = 10_000  # the held-out signs of train_source: seed + 10000
 
@@ -58,6 +68,10 @@ class ElasticTrainConfig:
     pad: int = 2  # random translations, as train-source
     calibration_samples: int = 2048  # BN running statistics re-estimated at the end
     eval_sparsities: tuple[float, ...] = (0.0, 0.2, 0.5, 0.7, 0.8)
+    knowledge: float = 1.0  # Θ* share: K_i = ceil(share * N_i) (paper: 1); 0: no Θ*
+    tie: float = 1.0  # weight of the second loss (master-knowledge tie)
+    knowledge_lr: float = 0.1  # Θ* and relevances (plain SGD)
+    knowledge_only: bool = False  # source_card is a gated master: fit Θ* to it, no training
 
     def validate(self) -> None:
         """ValueError naming the first bad value."""
@@ -71,6 +85,17 @@ class ElasticTrainConfig:
             raise ValueError(f"stages must be sparsities in (0, 1), got {self.stages}")
         if not 0 <= self.distill <= 1:
             raise ValueError(f"distill must be in [0, 1], got {self.distill}")
+        if not 0 <= self.knowledge <= 1:
+            raise ValueError(f"knowledge must be a share in (0, 1] (0: none), got "
+                             f"{self.knowledge}")
+        if self.tie < 0 or self.knowledge_lr <= 0:
+            raise ValueError(f"tie must be >= 0 and knowledge_lr > 0, got {self.tie}, "
+                             f"{self.knowledge_lr}")
+        if 2 * self.tie * self.knowledge_lr >= 1:  # SGD on Θ* would overshoot the tie
+            raise ValueError(f"tie x knowledge_lr must be < 0.5, got {self.tie} x "
+                             f"{self.knowledge_lr}")
+        if self.knowledge_only and self.knowledge == 0:
+            raise ValueError("knowledge_only needs knowledge > 0")
 
 
 @dataclass
@@ -84,6 +109,7 @@ class ElasticTrainResult:
     batch_accuracy: dict[float, float] = field(default_factory=dict)  # BN batch statistics
     seconds: float = 0.0
     steps: int = 0
+    tie_loss: float = float("nan")  # the second loss at the end (NaN: no Θ*)
 
 
 def sandwich_loss(master: GatedModel, x: Tensor, y: Tensor, s_max: float,
@@ -119,7 +145,8 @@ def sandwich_loss(master: GatedModel, x: Tensor, y: Tensor, s_max: float,
 def _optimizers(master: GatedModel, cfg: ElasticTrainConfig, warmup: bool
                 ) -> list[torch.optim.Optimizer]:
     """Adam for the gates (their inputs' scale varies by layer: plain SGD diverged at
-    lr 0.05), SGD with momentum for the base after the warm-up (frozen during it)."""
+    lr 0.05), SGD with momentum for the base after the warm-up (frozen during it), plain
+    SGD for Θ* and the relevances when the master has them."""
     for p in master.base.parameters():
         p.requires_grad_(not warmup)
     opts: list[torch.optim.Optimizer] = [
@@ -127,6 +154,11 @@ def _optimizers(master: GatedModel, cfg: ElasticTrainConfig, warmup: bool
     if not warmup:
         opts.append(torch.optim.SGD(master.base.parameters(), lr=cfg.lr, momentum=0.9,
                                     nesterov=True))
+    kn = knowledge_of(master)
+    if kn is not None:
+        kn.requires_grad_(True)
+        # plain SGD: near the tie's optimum Adam's normalised steps undo it (measured)
+        opts.append(torch.optim.SGD(kn.parameters(), lr=cfg.knowledge_lr))
     return opts
 
 
@@ -138,14 +170,15 @@ def _phases(cfg: ElasticTrainConfig) -> list[tuple[str, float, int]]:
 
 
 def train_master(cfg: ElasticTrainConfig, progress: bool = True) -> ElasticTrainResult:
-    """Train a gated master from `cfg.source_card`'s checkpoint; see the module doc."""
-    from tqdm import tqdm
-
+    """Train a gated master and its Θ* from `cfg.source_card`'s checkpoint, or with
+    `knowledge_only` fit Θ* to the gated master it names; see the module doc."""
     cfg.validate()
     t0 = time.perf_counter()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
+    if cfg.knowledge_only:
+        return fit_knowledge(cfg, t0)
     source, card = load_source(cfg.source_card)
     train = make_signs(cfg.train_samples, card.image_size, seed=cfg.seed, progress=progress)
     xtr = images_to_tensor(train.images, card.mean, card.std)
@@ -153,9 +186,30 @@ def train_master(cfg: ElasticTrainConfig, progress: bool = True) -> ElasticTrain
     xva, yva = validation_set(card, cfg)
     source_acc = accuracy(source, xva, yva)
     master = make_gated(source, cfg.reduction)
+    if cfg.knowledge > 0:
+        attach_knowledge(master, cfg.knowledge)
+    steps = _train_phases(master, xtr, ytr, cfg, progress)
+    for p in master.parameters():
+        p.requires_grad_(True)
+    recalibrate_bn(master, xtr[:cfg.calibration_samples], cfg.batch_size)
+    return ElasticTrainResult(
+        master=master, card=card, source_accuracy=source_acc, steps=steps,
+        accuracy=sparsity_accuracy(master, xva, yva, cfg.eval_sparsities),
+        batch_accuracy=sparsity_accuracy(master, xva, yva, cfg.eval_sparsities, True),
+        seconds=time.perf_counter() - t0, tie_loss=retie(master))
+
+
+def _train_phases(master: GatedModel, xtr: Tensor, ytr: Tensor, cfg: ElasticTrainConfig,
+                  progress: bool) -> int:
+    """Warm-up and the sparsity stages (module doc); each step the sandwich rule's losses
+    plus `tie` x the second loss when the master has Θ*. Returns the step count."""
+    from tqdm import tqdm
+
     gen = torch.Generator().manual_seed(cfg.seed)
     per_epoch = -(-len(ytr) // cfg.batch_size)
     phases = _phases(cfg)
+    kn = knowledge_of(master)
+    clipped = [p for n, p in master.named_parameters() if not n.startswith("knowledge.")]
     steps = 0
     with tqdm(total=per_epoch * sum(p[2] for p in phases), desc="train-elastic",
               unit="step", disable=not progress) as bar:
@@ -169,20 +223,47 @@ def train_master(cfg: ElasticTrainConfig, progress: bool = True) -> ElasticTrain
                     master.zero_grad(set_to_none=True)
                     loss = sandwich_loss(master, _augment(xtr[idx], cfg.pad, gen), ytr[idx],
                                          s_max, cfg, gen)
-                    nn.utils.clip_grad_norm_(master.parameters(), cfg.clip)
+                    if kn is not None and cfg.tie > 0:
+                        tie = cfg.tie * kn.tie_loss(master.base)
+                        tie.backward()
+                        loss += float(tie.detach())
+                    nn.utils.clip_grad_norm_(clipped, cfg.clip)
                     for opt in opts:
                         opt.step()
                     steps += 1
                     bar.update(1)
                     bar.set_postfix_str(f"{name} loss {loss:.3f}")
-    for p in master.parameters():
-        p.requires_grad_(True)
-    recalibrate_bn(master, xtr[:cfg.calibration_samples], cfg.batch_size)
+    return steps
+
+
+def retie(master: GatedModel) -> float:
+    """Solve Θ* by least squares for the master's relevances and filters (the tie's
+    optimum for fixed w), freeze Θ*; returns the second loss after (NaN: no Θ*)."""
+    kn = knowledge_of(master)
+    if kn is None:
+        return float("nan")
+    kn.requires_grad_(False)
+    kn.solve(master.base)
+    with torch.no_grad():
+        return float(kn.tie_loss(master.base))
+
+
+def fit_knowledge(cfg: ElasticTrainConfig, t0: float) -> ElasticTrainResult:
+    """`knowledge_only`: the gated master of `cfg.source_card` with Θ* fitted to its
+    filters (share `cfg.knowledge`), its weights unchanged; the result's card is the base
+    card `save_gated` expects."""
+    master = load_gated(cfg.source_card)
+    gated = load_card(cfg.source_card)
+    attach_knowledge(master, cfg.knowledge)
+    base = replace(gated, arch=str(gated.kwargs["base_arch"]), factory="",
+                   kwargs=dict(gated.kwargs.get("base_kwargs") or {}),
+                   name=gated.name.removesuffix("_elastic"))
+    xva, yva = validation_set(base, cfg)
+    acc = sparsity_accuracy(master, xva, yva, cfg.eval_sparsities)
     return ElasticTrainResult(
-        master=master, card=card, source_accuracy=source_acc, steps=steps,
-        accuracy=sparsity_accuracy(master, xva, yva, cfg.eval_sparsities),
+        master=master, card=base, source_accuracy=acc[cfg.eval_sparsities[0]], accuracy=acc,
         batch_accuracy=sparsity_accuracy(master, xva, yva, cfg.eval_sparsities, True),
-        seconds=time.perf_counter() - t0)
+        seconds=time.perf_counter() - t0, tie_loss=retie(master))
 
 
 @torch.no_grad()

@@ -1,7 +1,10 @@
 """`tta train-elastic`: train ElasticDNN's gated master from a source checkpoint (gate
-warm-up, sandwich rule over staged max sparsity, L1 on the gates; tta_core.elasticdnn.train)
-and write `<out>.safetensors` + the model card `<out>.json`, which loads like any card
-(`tta bench --model-card <out>.json`, the elastic method)."""
+warm-up, sandwich rule over staged max sparsity, L1 on the gates) with its domain knowledge
+Θ* tied to the filters by the paper's second loss (tta_core.elasticdnn.train), and write
+`<out>.safetensors` + the model card `<out>.json`, which loads like any card
+(`tta bench --model-card <out>.json`, the elastic method). `--knowledge-only` instead fits
+Θ* to an existing gated master (`--source-card` a gated card; by default rewritten in
+place), its weights unchanged."""
 
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ DEFAULTS: dict[str, object] = {
     "source_card": Path("checkpoints/small_resnet_signs32.json"), "stages": (0.2, 0.5, 0.8),
     "warmup_epochs": 1, "stage_epochs": 2, "train_samples": 8000, "val_samples": 1000,
     "batch_size": 128, "lr": 0.005, "gate_lr": 1e-3, "l1": 1e-3, "clip": 5.0, "distill": 0.5,
-    "reduction": 4, "seed": 0, "threads": 2}
+    "reduction": 4, "seed": 0, "threads": 2, "knowledge": 1.0, "tie": 1.0,
+    "knowledge_lr": 0.1}
 
 
 def _sparsities(text: str) -> tuple[float, ...]:
@@ -40,15 +44,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="max sparsity of each joint-training stage, e.g. 0.2,0.5,0.8")
     for name in ("warmup_epochs", "stage_epochs", "train_samples", "val_samples",
                  "batch_size", "lr", "gate_lr", "l1", "clip", "distill", "reduction", "seed",
-                 "threads"):
+                 "threads", "knowledge", "tie", "knowledge_lr"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(getattr(d, name)),
                             default=getattr(d, name))
+    parser.add_argument("--knowledge-only", action="store_true",
+                        help="fit Θ* (share --knowledge) to the gated master --source-card "
+                        "names, no training (converts a checkpoint written before Θ*)")
+    parser.add_argument("--half", action="store_true",
+                        help="store float16 tensors (they load into the float32 model)")
     parser.add_argument("--no-progress", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
     """Train the gated master, save it with its card and print accuracy by sparsity."""
-    from tta_core.elasticdnn.gates import save_gated
+    from tta_core.elasticdnn.knowledge import save_master
     from tta_core.elasticdnn.train import ElasticTrainConfig, train_master
 
     cfg = ElasticTrainConfig(
@@ -56,25 +65,45 @@ def run(args: argparse.Namespace) -> int:
         stage_epochs=args.stage_epochs, train_samples=args.train_samples,
         val_samples=args.val_samples, batch_size=args.batch_size, lr=args.lr,
         gate_lr=args.gate_lr, l1=args.l1, clip=args.clip, distill=args.distill,
-        reduction=args.reduction, seed=args.seed, threads=args.threads)
+        reduction=args.reduction, seed=args.seed, threads=args.threads,
+        knowledge=args.knowledge, tie=args.tie, knowledge_lr=args.knowledge_lr,
+        knowledge_only=args.knowledge_only)
     try:
         cfg.validate()
     except ValueError as exc:
         raise SystemExit(f"train-elastic: {exc}") from None
     res = train_master(cfg, progress=not args.no_progress)
-    out = args.out or Path("checkpoints") / f"{res.card.name or res.card.arch}_elastic"
+    default = (args.source_card.with_suffix("") if cfg.knowledge_only
+               else Path("checkpoints") / f"{res.card.name or res.card.arch}_elastic")
+    out = args.out or default
     record = {"seconds": round(res.seconds, 1), "steps": res.steps,
-              "source_accuracy": res.source_accuracy,
+              "source_accuracy": res.source_accuracy, "tie_loss": res.tie_loss,
               "accuracy_by_sparsity": {f"{s:g}": a for s, a in res.accuracy.items()},
               "batch_stat_accuracy_by_sparsity": {f"{s:g}": a
                                                   for s, a in res.batch_accuracy.items()},
               "config": {k: str(v) for k, v in vars(cfg).items()}}
-    card_path = save_gated(res.master, out, res.card, clean_accuracy=res.accuracy[0.0],
-                           metadata={"train_elastic": json.dumps(record)})
+    card_path = save_master(res.master, out, res.card, clean_accuracy=res.accuracy[0.0],
+                            metadata=_metadata(args.source_card, cfg.knowledge_only, record),
+                            half=args.half)
     table = ", ".join(f"{s:g}: {a:.3f} / {res.batch_accuracy[s]:.3f}"
                       for s, a in res.accuracy.items())
     print(f"source accuracy {res.source_accuracy:.3f}; master by sparsity (running / batch "
-          f"BN statistics) {table} "
+          f"BN statistics) {table}; second loss (master-knowledge tie) {res.tie_loss:.3g} "
           f"({res.steps} steps, {res.seconds:.0f} s); wrote {out.with_suffix('.safetensors')} "
           f"and {card_path}")
     return 0
+
+
+def _metadata(source_card: Path, knowledge_only: bool, record: dict) -> dict[str, str]:
+    """Checkpoint metadata: this run's record; a knowledge-only fit keeps the gated
+    master's training record and adds its own."""
+    if not knowledge_only:
+        return {"train_elastic": json.dumps(record)}
+    import safetensors
+
+    from tta_core.model.source import load_card
+
+    weights = source_card.parent / load_card(source_card).checkpoint
+    with safetensors.safe_open(str(weights), "pt") as f:
+        old = dict(f.metadata() or {})
+    return {**old, "knowledge_fit": json.dumps(record)}

@@ -53,3 +53,24 @@ def test_perception_node_adapts_with_activation_bits_over_rclpy(ros_context) -> 
     finally:
         rig.close()
 
+
+
+def test_a_memory_budget_change_is_applied_live_where_a_codec_runs() -> None:
+    """`method.activation_budget_mb` reaches a running DAF codec without a rebuild (its
+    widths follow on the next batch); a method without a codec needs the rebuild."""
+    import torch
+
+    from tta_core.methods import build_method
+    from tta_core.model.zoo import build_model
+    from tta_ros.nodes.method_params import apply_live
+
+    torch.manual_seed(0)
+    method = build_method("tent", build_model("small_resnet", 10), activation_budget_mb=0.5)
+    x = torch.randn(4, 3, 32, 32)
+    first = method.step(x).stats["saved_bytes"]
+    assert apply_live(method, {"activation_budget_mb": 0.2}) == set()
+    assert method.config.activation_budget_mb == 0.2
+    after = method.step(x).stats["saved_bytes"]
+    assert after <= 0.2 * 2**20 < first
+    dense = build_method("tent", build_model("small_resnet", 10))
+    assert apply_live(dense, {"activation_budget_mb": 0.05}) == {"activation_budget_mb"}

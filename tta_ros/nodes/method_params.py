@@ -47,7 +47,9 @@ _TYPES = {"bool": Parameter.Type.BOOL, "int": Parameter.Type.INTEGER,
           "list[float]": Parameter.Type.DOUBLE_ARRAY, "list[str]": Parameter.Type.STRING_ARRAY}
 _UNSET = {"bool": False, "int": 0, "float": 0.0, "str": ""}
 _INT64 = 2**63 - 1
-LIVE = {"lr", "sigma", "keep", *DEADLINE_KEYS}  # fields a setter can take (apply_live)
+# fields a running method can take (apply_live); activation_budget_mb only where the
+# method already runs a DAF codec, which reads it before every batch
+LIVE = {"lr", "sigma", "keep", "activation_budget_mb", *DEADLINE_KEYS}
 _IS = {"bool": lambda v: isinstance(v, bool),
        "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
        "float": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
@@ -232,4 +234,9 @@ def apply_live(method: TTAMethodLike, changed: Mapping[str, Any]) -> set[str]:
     if "keep" in changed and isinstance(method, Resizable):
         method.set_size(changed["keep"])
         rest.discard("keep")
+    budget = changed.get("activation_budget_mb")
+    if budget is not None and getattr(method, "codec", None) is not None:
+        method.finish()  # the codec reads the config before the next batch's forward
+        method.config.activation_budget_mb = float(budget)
+        rest.discard("activation_budget_mb")
     return rest

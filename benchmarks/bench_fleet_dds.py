@@ -277,13 +277,14 @@ def choose_capacity(drv: Driver, cams: list[Cam], args: argparse.Namespace) -> d
     from tta_core.elasticdnn.fleet import equal_split, plan_fleet
 
     drv.set_scheduler(fleet_policy="plan", fleet_capacity=1024.0)
-    end = time.monotonic() + args.ready_timeout
+    end = time.monotonic() + (args.ready_timeout or math.inf)
     for c in cams:  # one camera at a time: each node times its sizes on a quiet machine
-        while drv.apps([c]) is None:
+        while drv.apps([c]) is None:  # drv.stream raises when a node process exited
             if time.monotonic() > end:
                 raise RuntimeError(f"no fleet report from every node within "
                                    f"{args.ready_timeout:g} s: {drv.waiting}")
             drv.stream([c], 0.5, None)
+        print(f"N={len(cams)} {c.ns} reports", file=sys.stderr, flush=True)
     apps = mean_apps(drv, cams, args.warm)
     split_min = len(apps) * max(a.load(min(a.options, key=lambda o: o.keep)) for a in apps)
     capacity = args.fixed_capacity or args.capacity * split_min
@@ -468,7 +469,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--settle", type=float, default=6.0, help="unscored seconds per round")
     ap.add_argument("--warm", type=float, default=8.0, help="warm-up after every node "
                     "reported, before the capacity is chosen")
-    ap.add_argument("--ready-timeout", type=float, default=90.0)
+    ap.add_argument("--ready-timeout", type=float, default=90.0, help="seconds to wait "
+                    "for every node's first fleet report (0: as long as the nodes live)")
     ap.add_argument("--period", type=float, default=0.5, help="scheduler fleet_period_s")
     ap.add_argument("--prefix", type=int, default=64, help="settle frames per camera")
     ap.add_argument("--track", type=int, default=1)

@@ -137,17 +137,18 @@ class Driver:
             return None
 
     def set_scheduler(self, **params: object) -> None:
-        """Set the scheduler's parameters (SetParameters); RuntimeError when refused."""
-        if not self.client.wait_for_service(timeout_sec=60.0):
-            self.alive()
-            raise RuntimeError(f"{SCHEDULER}/set_parameters not available within 60 s")
+        """Set the scheduler's parameters (SetParameters), once its service is up (waits as
+        long as the node processes live); RuntimeError when refused."""
+        while not self.client.wait_for_service(timeout_sec=1.0):
+            self.alive()  # raises when a node process exited: wait as long as they live
         req = SetParameters.Request(parameters=[Parameter(k, value=v).to_parameter_msg()
                                                 for k, v in params.items()])
         fut = self.client.call_async(req)
-        end = time.monotonic() + 10.0
-        while not fut.done() and time.monotonic() < end:
-            time.sleep(0.01)
-        res = fut.result() if fut.done() else None
+        done = threading.Event()
+        fut.add_done_callback(lambda _: done.set())
+        while not done.wait(1.0):
+            self.alive()  # the scheduler answers unless its process died
+        res = fut.result()
         if res is None or not all(r.successful for r in res.results):
             why = [r.reason for r in res.results] if res is not None else "no answer"
             raise RuntimeError(f"scheduler refused {params}: {why}")

@@ -22,9 +22,22 @@ def test_bench_fleet_dds_tiny_run(tmp_path: Path) -> None:
     cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_fleet_dds.py"), "--cameras", "2",
            "--rate-scale", "2", "--batch", "4", "--rounds", "1", "--seconds", "2",
            "--settle", "1.5", "--warm", "1", "--warmup-runs", "2", "--calibration", "",
-           "--fixed-capacity", "0.001", "--out", str(out)]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=90)
-    assert run.returncode == 0, run.stderr[-2000:]
+           "--fixed-capacity", "0.001", "--ready-timeout", "0", "--out", str(out)]
+    # no time limit of its own: the benchmark waits on readiness (every node's first
+    # report, the scheduler's service) as long as the node processes live, and fails as
+    # soon as one exits; its progress lines come in this order
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        stdout, stderr = proc.communicate()
+    finally:  # interrupted (pytest's own timeout): SIGTERM, the benchmark stops its nodes
+        if proc.poll() is None:
+            proc.terminate()
+            proc.communicate()
+    assert proc.returncode == 0, stderr[-2000:]
+    progress = [ln for ln in stderr.splitlines() if ln.startswith("N=2 ")]
+    assert [ln.split(" ", 2)[1] for ln in progress[:2]] == ["/cam1", "/cam2"], stderr[-2000:]
+    assert [ln.split()[3] for ln in progress[2:]] == ["plan", "equal_split"], progress
     sc = json.loads(out.read_text())["scenarios"]["2"]
     assert [r["arm"] for r in sc["rounds"]] == ["plan", "equal_split"]
     cams = {c["ns"]: c for c in sc["cameras"]}
@@ -38,7 +51,7 @@ def test_bench_fleet_dds_tiny_run(tmp_path: Path) -> None:
             # (the nodes' own choice would be the full one), and the nodes serve it
             assert r["served"][ns] and r["chosen"][ns], (r["arm"], ns)
             assert set(r["served"][ns]) == set(r["chosen"][ns]) == {0.3}, r
-    assert "| plan |" in run.stdout and "| equal_split |" in run.stdout
+    assert "| plan |" in stdout and "| equal_split |" in stdout
     for pid in sc["pids"]:  # every node process was stopped
         assert not Path(f"/proc/{pid}").exists() or _zombie(pid), pid
 

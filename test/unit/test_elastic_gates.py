@@ -18,6 +18,7 @@ from tta_core.elasticdnn.gates import (
     GATED_FACTORY,
     ChannelGate,
     GatedModel,
+    fold_extra_gates,
     kept_count,
     load_gated,
     make_gated,
@@ -201,3 +202,48 @@ def test_train_master_runs_and_moves_the_gates() -> None:
     assert not torch.equal(gate.fc2.weight, fresh.fc2.weight)  # trained away from 0
     with pytest.raises(ValueError, match="stages must be sparsities"):
         ElasticTrainConfig(stages=(0.9, 1.0)).validate()
+
+
+# ------------------------------------------------------------ scope "all": every conv gated
+def test_scope_all_gates_every_conv_followed_by_a_batchnorm() -> None:
+    m = make_gated(SmallResNet(num_classes=5), scope="all")
+    assert m.gated == ("conv1", "layer1.0.conv1", "layer1.0.conv2", "layer2.0.conv1",
+                       "layer2.0.conv2", "layer2.0.downsample.0", "layer3.0.conv1",
+                       "layer3.0.conv2", "layer3.0.downsample.0")
+    # the sliceable sites stay the block-internal ones; the extra ones pair conv and BN
+    assert [s.conv for s in m.sites] == ["layer1.0.conv1", "layer2.0.conv1", "layer3.0.conv1"]
+    assert [(s.bn, s.next_conv) for s in m.extra][:2] == [("bn1", ""), ("layer1.0.bn2", "")]
+    assert set(m.gates) == {n.replace(".", "_") for n in m.gated}
+    # torchvision: stem + every block conv + downsample convs
+    assert len(make_gated(tvm.resnet18(num_classes=5), scope="all").gated) == 1 + 16 + 3
+    assert len(make_gated(tvm.resnet50(num_classes=5), scope="all").gated) == 1 + 48 + 4
+    with pytest.raises(ValueError, match="gate scope 'every'"):
+        make_gated(SmallResNet(num_classes=5), scope="every")
+    with pytest.raises(ValueError, match="scope 'all' has no model card"):
+        save_gated(m, "unused", load_card(CARD))
+
+
+def test_scope_all_fresh_gates_compute_the_source_and_fold_into_a_surrogate() -> None:
+    from tta_core.elasticdnn.surrogate import extract_surrogate
+
+    src = small_source()
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(1))
+    master = make_gated(copy.deepcopy(src), scope="all").eval()
+    with torch.no_grad():
+        assert torch.equal(master(x), src(x))
+    randomize_gates(master).set_sparsity(0.5)
+    sur = extract_surrogate(master, x[:1], 0.5)  # folds the extra gates into its BNs
+    with torch.no_grad():
+        ref = master(x[:1])
+        after = sur.model.eval()(x[:1])
+        plain = master.plain_base()
+        fold_extra_gates(master, plain, x[:1], sur.master_sparsity)  # what the cut folded
+    assert torch.allclose(after, ref, atol=1e-4)
+    mods, folded = dict(plain.named_modules()), dict(sur.model.named_modules())
+    for site in master.extra:  # the extra gates' scales live in the surrogate's BNs
+        assert torch.equal(folded[site.bn].weight, mods[site.bn].weight)
+        assert not torch.equal(mods[site.bn].weight, dict(src.named_modules())[site.bn].weight)
+    # every extra gate zeroes half its channels (rounded down) on that sample
+    values = master.gate_values(x[:1])
+    for site in master.extra:
+        assert int((values[site.conv] > 0).sum()) <= math.ceil(values[site.conv].shape[1] / 2)

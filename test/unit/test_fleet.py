@@ -1,5 +1,6 @@
 """tta_core.elasticdnn.fleet: the multi-app size search equals brute force and respects every
-deadline and the shared capacity; equal split; infeasible instances; the confidence proxy."""
+deadline and the shared capacity, under the confidence objective and the paper's Eq. 8-11;
+equal split; infeasible instances; the confidence proxy."""
 
 from __future__ import annotations
 
@@ -16,10 +17,13 @@ from tta_core.elasticdnn.fleet import (
     App,
     AppOption,
     ConfidenceCalibration,
+    Objective,
     SizeProxy,
     equal_split,
     mean_confidence,
     plan_fleet,
+    retrain_shares,
+    window_accuracy,
 )
 
 
@@ -185,3 +189,112 @@ def test_calibration_fit_equals_scipy_isotonic_regression(pairs) -> None:
     # each pooled block's value at its knot; the points of a block share its value
     assert sorted(set(np.round(ref, 9))) == sorted(set(np.round(cal.accuracy, 9)))
     assert np.mean(a) == pytest.approx(np.mean(ref))
+
+
+# ------------------------------------------------------------ the paper's objective, Eq. 8-11
+def paper_brute_force(apps: list[App], capacity: float, t_max: float, slack: float
+                      ) -> float:
+    """Best Eq. 8 / t_max by plain enumeration, written from the equations: lambda_i =
+    s_i / sum s (Eq. 10), tau_i = T_i / lambda_i <= t_max (Eq. 11, times 1 + slack),
+    accuracy A during tau, Ã after; the serving limits as in brute_force."""
+    best = -math.inf
+    for combo in itertools.product(*(a.options for a in apps)):
+        pairs = list(zip(apps, combo, strict=True))
+        if not (all(o.forward_ms <= a.deadline_ms for a, o in pairs) and
+                sum(a.hz / a.batch_size * o.forward_ms / 1000 for a, o in pairs) <= capacity):
+            continue
+        total_s = sum(o.keep for o in combo)
+        taus = [o.retrain_s / (o.keep / total_s) for o in combo]
+        if any(tau > t_max * (1 + slack) for tau in taus):
+            continue
+        value = sum((o.accuracy * tau + o.accuracy_after * (t_max - tau)) / t_max
+                    for o, tau in zip(combo, taus, strict=True))
+        best = max(best, value)
+    return best
+
+
+@st.composite
+def retrain_instances(draw):
+    apps, capacity = draw(instances())
+    apps = [App(a.name, a.hz, a.deadline_ms, [
+        AppOption(o.keep, o.forward_ms, o.accuracy, draw(st.floats(0.0, 1.0)),
+                  draw(st.floats(0.0, 10.0))) for o in a.options], a.batch_size)
+        for a in apps]
+    return apps, capacity, draw(st.floats(0.5, 60.0))
+
+
+@pytest.mark.slow
+@settings(max_examples=200, deadline=None)
+@given(retrain_instances())
+def test_paper_objective_equals_brute_force(inst) -> None:
+    apps, capacity, t_max = inst
+    plan = plan_fleet(apps, capacity, Objective("paper", t_max))
+    strict = paper_brute_force(apps, capacity, t_max, -1e-9)  # feasible beyond rounding
+    loose = paper_brute_force(apps, capacity, t_max, 1e-6)
+    if strict > -math.inf:  # some combination is feasible beyond any rounding
+        assert plan.feasible
+    if loose == -math.inf:
+        assert not plan.feasible
+    if not plan.feasible:
+        return
+    assert strict - 1e-9 <= plan.accuracy <= loose + 1e-9
+    chosen = [next(o for o in a.options if o.keep == plan[a.name]) for a in apps]
+    lam = retrain_shares([o.keep for o in chosen])
+    assert sum(lam) == pytest.approx(1.0)
+    assert plan.retrain_shares == pytest.approx(dict(zip(plan, lam, strict=True)))
+    for o, x in zip(chosen, lam, strict=True):  # Eq. 11 holds for the chosen sizes
+        assert o.retrain_s / x <= t_max * (1 + 1e-6)
+    assert plan.accuracy == pytest.approx(sum(
+        window_accuracy(o, x, t_max) for o, x in zip(chosen, lam, strict=True)))
+
+
+def _two_apps() -> list[App]:
+    """a gains 0.4 (full) / 0.3 (half) from retraining, b 0.2 / 0.05; retraining takes 2 s
+    at full size, 1 s at half with the whole retraining resource."""
+    def opts(full: tuple[float, float], half: tuple[float, float]) -> list[AppOption]:
+        return [AppOption(1.0, 1.0, full[0], full[1], 2.0),
+                AppOption(0.5, 1.0, half[0], half[1], 1.0)]
+
+    return [App("a", 10, 100, opts((0.5, 0.9), (0.4, 0.7))),
+            App("b", 10, 100, opts((0.6, 0.8), (0.62, 0.6)))]
+
+
+def test_paper_objective_by_hand() -> None:
+    apps = _two_apps()
+    # confidence objective: A only, b's half size (0.62) beats its full one (0.6)
+    assert dict(plan_fleet(apps, 1.0)) == {"a": 1.0, "b": 0.5}
+    # t_max 10 s. (1, 1): lambda 1/2 each, tau 4 s: a 0.5*0.4 + 0.9*0.6 = 0.74, b 0.6*0.4
+    # + 0.8*0.6 = 0.72, 1.46. (1, 0.5): lambda 2/3, 1/3, tau 3 s each: a 0.5*0.3 + 0.9*0.7
+    # = 0.78, b 0.62*0.3 + 0.6*0.7 = 0.606, 1.386. (0.5, 1): 0.61 + 0.74 = 1.35.
+    # (0.5, 0.5): tau 2 s: 0.64 + 0.604 = 1.244.
+    plan = plan_fleet(apps, 1.0, Objective("paper", 10.0))
+    assert dict(plan) == {"a": 1.0, "b": 1.0} and plan.accuracy == pytest.approx(1.46)
+    assert plan.retrain_shares == pytest.approx({"a": 0.5, "b": 0.5})
+    # t_max 3.5 s: tau 4 s breaks Eq. 11; (1, 0.5): a 0.5*3/3.5 + 0.9*0.5/3.5, b 0.62*3/3.5
+    # + 0.6*0.5/3.5; (0.5, 1): 0.4*3/3.5 + 0.7*0.5/3.5 + 0.6*3/3.5 + 0.8*0.5/3.5 (less)
+    plan = plan_fleet(apps, 1.0, Objective("paper", 3.5))
+    assert dict(plan) == {"a": 1.0, "b": 0.5}
+    assert plan.accuracy == pytest.approx((1.5 + 0.45 + 1.86 + 0.3) / 3.5)
+    assert plan.retrain_shares == pytest.approx({"a": 2 / 3, "b": 1 / 3})
+    # t_max 2.5 s: only (0.5, 0.5) retrains in time (tau 2 s)
+    assert dict(plan_fleet(apps, 1.0, Objective("paper", 2.5))) == {"a": 0.5, "b": 0.5}
+    # t_max 1.5 s: nothing does; the smallest sizes, and why
+    late = plan_fleet(apps, 1.0, Objective("paper", 1.5))
+    assert not late.feasible and "Eq. 11" in late.reason and dict(late) == {"a": 0.5, "b": 0.5}
+    # without retraining times (T = 0) or gains (Ã = A) the objective is the confidence sum
+    flat = [App(a.name, a.hz, a.deadline_ms, [AppOption(o.keep, o.forward_ms, o.accuracy)
+                                              for o in a.options]) for a in apps]
+    assert dict(plan_fleet(flat, 1.0, Objective("paper", 3.5))) == {"a": 1.0, "b": 0.5}
+
+
+def test_paper_objective_refuses_bad_input() -> None:
+    with pytest.raises(ValueError, match="t_max_s"):
+        Objective("paper")
+    with pytest.raises(ValueError, match="'accuracy'"):
+        Objective("accuracy")
+    bad = [App("a", 1, 10, [AppOption(1.0, 1.0, 0.5, 0.6, -1.0)])]
+    with pytest.raises(ValueError, match="retrain_s of keep=1 must be"):
+        plan_fleet(bad, 1.0, Objective("paper", 5.0))
+    bad = [App("a", 1, 10, [AppOption(1.0, 1.0, 0.5, math.inf, 1.0)])]
+    with pytest.raises(ValueError, match="not finite"):
+        plan_fleet(bad, 1.0, Objective("paper", 5.0))

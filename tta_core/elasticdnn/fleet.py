@@ -9,10 +9,21 @@ the whole processor) and an accuracy estimate. A plan picks one size per app so 
     subject to forward_ms_i(size_i) <= deadline_ms_i                     for every app
                sum_i hz_i / batch_size_i * forward_ms_i(size_i) / 1000 <= capacity
 
-(`capacity` in processor-seconds per second: 1.0 = the whole processor). The paper solves
-its version (Eq. 8-11) by evolutionary search; the space is tiny (8 sizes ^ 4 apps = 4,096)
-so `plan_fleet` enumerates every combination (C^N <= MAX_COMBINATIONS, vectorised) and is
-exact. Ties: the larger accuracy, then the smaller load, then the first in product order.
+(`capacity` in processor-seconds per second: 1.0 = the whole processor). That is the
+default objective, `Objective("confidence")`. `Objective("paper", t_max_s)` maximises
+instead the paper's Eq. 8 over a retraining window t_max: app i at size j is retrained in
+T_ij seconds with all of the retraining resource, gets the share lambda_i = s_i / sum_a s_a
+of it (Eq. 10, s the kept share `keep`), so it retrains for tau_i = T_ij / lambda_i, which
+must fit the window (Eq. 11); its accuracy over the window is A_ij while it retrains and
+Ã_ij after (`window_accuracy`; A, Ã from tta_core.elasticdnn.accuracy_estimate, Eq. 5-7);
+the serving limits above still hold. Eq. 8 as printed weights A by (t_max - tau) and Ã by
+tau, which would reward retraining slowly; the text (accuracy averaged over the window,
+before and after retraining, after Ekya) is followed instead: A for tau, Ã for the rest.
+The retraining resource is its own (the paper's lambda: a share of the device given to
+retraining), separate from the serving capacity. The paper solves Eq. 8-11 by evolutionary
+search; the space is tiny (8 sizes ^ 4 apps = 4,096) so `plan_fleet` enumerates every
+combination (C^N <= MAX_COMBINATIONS, vectorised) and is exact under either objective.
+Ties: the larger objective, then the smaller load, then the first in product order.
 When nothing fits, every app gets its smallest size (least keep) and the plan says
 why (`feasible` False, `reason`), instead of raising.
 
@@ -47,11 +58,20 @@ _EPS = 1e-9  # slack of the capacity check (float sums)
 @dataclass(frozen=True)
 class AppOption:
     """One pipeline at one size: share of filters kept, forward ms per batch on the whole
-    processor, estimated accuracy (label-free proxy, 0..1)."""
+    processor, estimated accuracy (label-free proxy, 0..1). For the paper's objective also
+    the accuracy after retraining (Ã; NaN: no gain) and the retraining time with all of
+    the retraining resource (T, seconds)."""
 
     keep: float
     forward_ms: float
     accuracy: float
+    accuracy_after: float = math.nan
+    retrain_s: float = 0.0
+
+    @property
+    def after(self) -> float:
+        """Ã, the accuracy once retrained (the accuracy itself when not given)."""
+        return self.accuracy if math.isnan(self.accuracy_after) else self.accuracy_after
 
 
 @dataclass
@@ -83,9 +103,12 @@ class App:
             if not (math.isfinite(o.forward_ms) and o.forward_ms >= 0):
                 raise ValueError(f"app {self.name!r}: forward_ms of keep={o.keep:g} must be "
                                  f"a finite number >= 0, got {o.forward_ms!r}")
-            if not math.isfinite(o.accuracy):
+            if not (math.isfinite(o.accuracy) and math.isfinite(o.after)):
                 raise ValueError(f"app {self.name!r}: accuracy of keep={o.keep:g} is not "
-                                 f"finite ({o.accuracy!r})")
+                                 f"finite ({o.accuracy!r}, after retraining {o.after!r})")
+            if not (math.isfinite(o.retrain_s) and o.retrain_s >= 0):
+                raise ValueError(f"app {self.name!r}: retrain_s of keep={o.keep:g} must be "
+                                 f"a finite number >= 0, got {o.retrain_s!r}")
             if not 0 < o.keep <= 1:
                 raise ValueError(f"app {self.name!r}: keep={o.keep!r} outside (0, 1]")
 
@@ -99,11 +122,12 @@ class FleetPlan(Mapping[str, float]):
 
     sizes: dict[str, float]
     feasible: bool
-    accuracy: float  # sum of the chosen options' accuracy estimates
+    accuracy: float  # the objective's value: sum of accuracy estimates (paper: over t_max)
     load: float  # sum of the chosen options' loads (processor-seconds per second)
     reason: str = ""
     combinations: int = 0  # how many were enumerated
     shares: dict[str, float] = field(default_factory=dict)  # each app's load / capacity
+    retrain_shares: dict[str, float] = field(default_factory=dict)  # Eq. 10 (paper only)
 
     def __getitem__(self, name: str) -> float:
         return self.sizes[name]
@@ -141,48 +165,129 @@ def _smallest(app: App) -> AppOption:
 
 
 def _plan(apps: Sequence[App], chosen: Sequence[AppOption], capacity: float, feasible: bool,
-          reason: str = "", combinations: int = 0) -> FleetPlan:
+          reason: str = "", combinations: int = 0, objective: Objective | None = None
+          ) -> FleetPlan:
     loads = [a.load(o) for a, o in zip(apps, chosen, strict=True)]
+    value, shares = float(sum(o.accuracy for o in chosen)), {}
+    if objective is not None and objective.kind == "paper":
+        lam = retrain_shares([o.keep for o in chosen])
+        value = sum(window_accuracy(o, x, objective.t_max_s)
+                    for o, x in zip(chosen, lam, strict=True))
+        shares = {a.name: x for a, x in zip(apps, lam, strict=True)}
     return FleetPlan({a.name: o.keep for a, o in zip(apps, chosen, strict=True)}, feasible,
-                     float(sum(o.accuracy for o in chosen)), float(sum(loads)), reason,
-                     combinations, {a.name: ld / capacity for a, ld in zip(apps, loads,
-                                                                            strict=True)})
+                     float(value), float(sum(loads)), reason, combinations,
+                     {a.name: ld / capacity for a, ld in zip(apps, loads, strict=True)},
+                     shares)
 
 
-def _infeasible(apps: Sequence[App], capacity: float, combinations: int) -> FleetPlan:
+def _infeasible(apps: Sequence[App], capacity: float, combinations: int,
+                objective: Objective | None = None, serving_ok: bool = False) -> FleetPlan:
     """Every app at its smallest size, with the reason nothing fits."""
     chosen = [_smallest(a) for a in apps]
     late = [a for a, o in zip(apps, chosen, strict=True) if o.forward_ms > a.deadline_ms]
-    if late:
+    need = sum(a.load(o) for a, o in zip(apps, chosen, strict=True))
+    if serving_ok and objective is not None and objective.kind == "paper":
+        reason = (f"no combination that serves in time also retrains every app within "
+                  f"t_max {objective.t_max_s:g} s (Eq. 11)")
+    elif late:
         a = late[0]
         reason = (f"app {a.name!r}: no size meets its deadline {a.deadline_ms:g} ms "
                   f"(smallest forward {_smallest(a).forward_ms:g} ms)")
     else:
-        need = sum(a.load(o) for a, o in zip(apps, chosen, strict=True))
         reason = f"even the smallest sizes need load {need:.4g} > capacity {capacity:.4g}"
-    return _plan(apps, chosen, capacity, False, reason, combinations)
+    return _plan(apps, chosen, capacity, False, reason, combinations, objective)
 
 
-def plan_fleet(apps: Sequence[App], capacity: float = 1.0) -> FleetPlan:
-    """The exact best size per app (module docstring); ValueError when C^N exceeds
-    MAX_COMBINATIONS; infeasible instances: smallest sizes, `feasible` False."""
-    n = check_fleet(apps, capacity)
-    if n > MAX_COMBINATIONS:
-        raise ValueError(f"{n} size combinations ({' x '.join(str(len(a.options)) for a in apps)})"
-                         f" exceed the exhaustive search limit {MAX_COMBINATIONS}")
+@dataclass(frozen=True)
+class Objective:
+    """What a plan maximises. "confidence": the sum of the options' accuracy estimates.
+    "paper": Eq. 8 over the retraining window `t_max_s`, per app the mean accuracy over
+    the window (`window_accuracy`), with the retraining shares of Eq. 10 and the window
+    limit of Eq. 11 as constraints (module docstring)."""
+
+    kind: str = "confidence"
+    t_max_s: float = math.nan
+
+    def __post_init__(self) -> None:
+        if self.kind not in OBJECTIVES:
+            raise ValueError(f"objective {self.kind!r} is not one of {OBJECTIVES}")
+        if self.kind == "paper" and not (math.isfinite(self.t_max_s) and self.t_max_s > 0):
+            raise ValueError(f"the paper objective needs a retraining window t_max_s > 0, "
+                             f"got {self.t_max_s!r}")
+
+
+OBJECTIVES = ("confidence", "paper")
+
+
+def retrain_shares(keeps: Sequence[float]) -> list[float]:
+    """Eq. 10: each app's share of the retraining resource, lambda_i = s_i / sum_a s_a."""
+    total = float(sum(keeps))
+    return [float(k) / total for k in keeps]
+
+
+def window_accuracy(option: AppOption, share: float, t_max_s: float) -> float:
+    """One app's term of Eq. 8 divided by t_max: retraining takes tau = T / lambda
+    (Eq. 8, 11), served at A meanwhile and at Ã for the rest of the window:
+    (A * tau + Ã * (t_max - tau)) / t_max, tau capped at t_max."""
+    frac = min(option.retrain_s / share / t_max_s, 1.0)
+    return option.accuracy * frac + option.after * (1.0 - frac)
+
+
+def _along(values: Sequence[float], i: int, k: int) -> np.ndarray:
+    """`values` shaped to broadcast along axis i of k."""
+    shape = [1] * k
+    shape[i] = len(values)
+    return np.asarray(values, dtype=np.float64).reshape(shape)
+
+
+def _serving_grid(apps: Sequence[App], capacity: float
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per combination: sum of accuracies, total load, deadlines and capacity kept."""
     k = len(apps)
     acc = np.zeros([len(a.options) for a in apps])
     load = np.zeros_like(acc)
     ok = np.ones(acc.shape, dtype=bool)
-    for i, a in enumerate(apps):  # broadcast app i's per-option values along axis i
-        shape = [1] * k
-        shape[i] = len(a.options)
-        acc = acc + np.array([o.accuracy for o in a.options]).reshape(shape)
-        load = load + np.array([a.load(o) for o in a.options]).reshape(shape)
-        ok = ok & np.array([o.forward_ms <= a.deadline_ms for o in a.options]).reshape(shape)
-    ok &= load <= capacity * (1 + _EPS) + _EPS
+    for i, a in enumerate(apps):
+        acc = acc + _along([o.accuracy for o in a.options], i, k)
+        load = load + _along([a.load(o) for o in a.options], i, k)
+        ok = ok & _along([o.forward_ms <= a.deadline_ms for o in a.options], i, k).astype(bool)
+    return acc, load, ok & (load <= capacity * (1 + _EPS) + _EPS)
+
+
+def _paper_grid(apps: Sequence[App], t_max_s: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per combination: Eq. 8 / t_max (with Eq. 10's shares) and Eq. 11 kept."""
+    k = len(apps)
+    shape = [len(a.options) for a in apps]
+    total = np.zeros(shape)
+    for i, a in enumerate(apps):  # Eq. 10's denominator, sum of the chosen ratios
+        total = total + _along([o.keep for o in a.options], i, k)
+    value, ok = np.zeros(shape), np.ones(shape, dtype=bool)
+    for i, a in enumerate(apps):
+        tau = _along([o.retrain_s / o.keep for o in a.options], i, k) * total  # T / lambda
+        ok &= tau <= t_max_s * (1 + _EPS) + _EPS  # Eq. 11
+        frac = np.minimum(tau / t_max_s, 1.0)
+        value = value + _along([o.accuracy for o in a.options], i, k) * frac \
+            + _along([o.after for o in a.options], i, k) * (1.0 - frac)
+    return value, ok
+
+
+def plan_fleet(apps: Sequence[App], capacity: float = 1.0,
+               objective: Objective | None = None) -> FleetPlan:
+    """The exact best size per app (module docstring) under `objective` (default: the
+    confidence sum); ValueError when C^N exceeds MAX_COMBINATIONS; infeasible instances:
+    smallest sizes, `feasible` False."""
+    n = check_fleet(apps, capacity)
+    if n > MAX_COMBINATIONS:
+        raise ValueError(f"{n} size combinations ({' x '.join(str(len(a.options)) for a in apps)})"
+                         f" exceed the exhaustive search limit {MAX_COMBINATIONS}")
+    objective = objective or Objective()
+    acc, load, ok = _serving_grid(apps, capacity)
+    serving_ok = bool(ok.any())
+    if objective.kind == "paper":
+        acc, retrain_ok = _paper_grid(apps, objective.t_max_s)
+        ok &= retrain_ok
     if not ok.any():
-        return _infeasible(apps, capacity, n)
+        return _infeasible(apps, capacity, n, objective, serving_ok)
     flat = np.flatnonzero(ok.ravel())
     a_ok = acc.ravel()[flat]
     best = a_ok.max()
@@ -190,7 +295,7 @@ def plan_fleet(apps: Sequence[App], capacity: float = 1.0) -> FleetPlan:
     pick = tied[np.argmin(load.ravel()[tied])]  # argmin: the first of equal loads
     idx = np.unravel_index(pick, acc.shape)
     chosen = [a.options[int(j)] for a, j in zip(apps, idx, strict=True)]
-    return _plan(apps, chosen, capacity, True, "", n)
+    return _plan(apps, chosen, capacity, True, "", n, objective)
 
 
 def equal_split(apps: Sequence[App], capacity: float = 1.0) -> FleetPlan:

@@ -1,13 +1,19 @@
-"""The gated master of ElasticDNN: FBS channel gates on block-internal convs (Eq. 2).
+"""The gated master of ElasticDNN: FBS channel gates on its convs (Eq. 2).
 
 A gate reads the input of its conv, ``g = ReLU(fc2(ReLU(fc1(avgpool(|x|)))))`` (the
 authors' code: abs before pooling, a two-layer bottleneck, fc2's bias initialised to 1), and
 keeps per sample only the top ``ceil((1 - sparsity) * C)`` channels (winner-take-all), the
 rest set to 0.
 
-Only block-internal convs are gated (torchvision BasicBlock: conv1; Bottleneck: conv1 and
-conv2; tta's SmallResNet blocks: conv1), so every residual sum keeps its shape and a
-surrogate can drop the gated channels physically (tta_core.elasticdnn.surrogate).
+Scope "block" (the default): only block-internal convs are gated (torchvision BasicBlock:
+conv1; Bottleneck: conv1 and conv2; tta's SmallResNet blocks: conv1), so every residual sum
+keeps its shape and a surrogate can drop the gated channels physically
+(tta_core.elasticdnn.surrogate). Scope "all" gates, as the authors' code does, every conv
+followed by a BatchNorm: also the stem, the convs whose outputs enter a residual sum and
+the downsample convs (`extra_sites`). Those extra gates zero channels of a residual branch
+or shortcut; the channels stay in the sum, so a surrogate keeps them dense and holds the
+gate values of its sample as fixed scales (`fold_extra_gates`): no smaller network, only
+the masks. `sites` stays the sliceable block-internal ones under either scope.
 
 Where the gate multiplies: on the output of the conv's BatchNorm, i.e. ``g * BN(conv(x))``
 before the block's ReLU. Since ``g >= 0``, ``ReLU(g * y) = g * ReLU(y)``: the same as gating
@@ -25,6 +31,7 @@ the hooks is the dense network the surrogate is cut from.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -135,28 +142,59 @@ def find_sites(model: nn.Module) -> tuple[GateSite, ...]:
     return tuple(sites)
 
 
+GATE_SCOPES = ("block", "all")
+
+
+def extra_sites(model: nn.Module, block: tuple[GateSite, ...]) -> tuple[GateSite, ...]:
+    """The convs scope "all" gates beyond the block-internal `block` ones: every Conv2d whose
+    next module with parameters is an affine BatchNorm2d of its width (stem, residual
+    outputs, downsample); `next_conv` empty (their outputs are not sliced)."""
+    inner = {s.conv for s in block}
+    mods = [(n, m) for n, m in model.named_modules()
+            if isinstance(m, nn.Conv2d | nn.modules.batchnorm._BatchNorm | nn.Linear)]
+    out = []
+    for (name, m), (nxt_name, nxt) in itertools.pairwise(mods):
+        if (isinstance(m, nn.Conv2d) and name not in inner and isinstance(nxt, nn.BatchNorm2d)
+                and nxt.affine and nxt.num_features == m.out_channels):
+            out.append(GateSite(name, nxt_name, ""))
+    return tuple(out)
+
+
+def check_scope(scope: str) -> str:
+    """`scope`; ValueError naming it unless one of GATE_SCOPES."""
+    if scope not in GATE_SCOPES:
+        raise ValueError(f"gate scope {scope!r} is not one of {GATE_SCOPES}")
+    return scope
+
+
 def gate_key(conv: str) -> str:
     """ModuleDict key of a gated conv's gate ('layer1.0.conv1' -> 'layer1_0_conv1')."""
     return conv.replace(".", "_")
 
 
 class GatedModel(nn.Module):
-    """The master: `base` with a ChannelGate on each block-internal conv (`gated`)."""
+    """The master: `base` with a ChannelGate on each block-internal conv (`sites`), and with
+    scope "all" on every other conv followed by a BatchNorm too (`extra`); `gated`: all
+    gated convs in module order."""
 
-    def __init__(self, base: nn.Module, reduction: int = 4) -> None:
+    def __init__(self, base: nn.Module, reduction: int = 4, scope: str = "block") -> None:
         super().__init__()
         self.sites = find_sites(base)
+        self.scope = check_scope(scope)
+        self.extra = extra_sites(base, self.sites) if scope == "all" else ()
         self.base = base
-        self.gated: tuple[str, ...] = tuple(s.conv for s in self.sites)
+        order = {n: i for i, (n, _) in enumerate(base.named_modules())}
+        every = sorted(self.sites + self.extra, key=lambda s: order[s.conv])
+        self.gated: tuple[str, ...] = tuple(s.conv for s in every)
         self.reduction = reduction
         mods = dict(base.named_modules())
         self.gates = nn.ModuleDict({
             gate_key(s.conv): ChannelGate(mods[s.conv].in_channels, mods[s.conv].out_channels,
-                                          reduction) for s in self.sites})
+                                          reduction) for s in every})
         self._values: dict[str, Tensor] = {}  # last forward: gate values after WTA
         self._saliency: dict[str, Tensor] = {}  # last forward: before WTA
         self._hooks: list[tuple[str, str, int]] = []  # (module name, kind, handle id)
-        for s in self.sites:
+        for s in every:
             h1 = mods[s.conv].register_forward_hook(partial(self._gate_hook, s.conv))
             h2 = mods[s.bn].register_forward_hook(partial(self._scale_hook, s.conv))
             self._hooks += [(s.conv, "fwd", h1.id), (s.bn, "fwd", h2.id)]
@@ -221,10 +259,34 @@ class GatedModel(nn.Module):
         return base
 
 
-def make_gated(model: nn.Module, reduction: int = 4) -> GatedModel:
-    """`model` wrapped as a gated master (gates start at 1: same outputs as `model`);
-    ValueError naming the model when it is not a supported ResNet."""
-    return GatedModel(model, reduction)
+def make_gated(model: nn.Module, reduction: int = 4, scope: str = "block") -> GatedModel:
+    """`model` wrapped as a gated master (gates start at 1: same outputs as `model`) with
+    gates on its block-internal convs, or with scope "all" on every conv followed by a
+    BatchNorm; ValueError naming the model when it is not a supported ResNet."""
+    return GatedModel(model, reduction, scope)
+
+
+@torch.no_grad()
+def fold_extra_gates(master: GatedModel, model: nn.Module, sample: Tensor,
+                     sparsity: float) -> None:
+    """Scope "all": fix the extra gates (not sliced) of a surrogate `model` cut from
+    `master` at their values on `sample` (1, C, H, W) at `sparsity`, folded into each
+    gated conv's BatchNorm (g * BN(x) = (g * gamma) x_hat + g * beta): the surrogate then
+    computes what the master computes on `sample`. No-op for scope "block"."""
+    if not master.extra:
+        return
+    was_training = master.training
+    master.eval()
+    try:
+        with master.sparsity_set_to(check_sparsity(sparsity)):
+            values = master.gate_values(sample)
+    finally:
+        master.train(was_training)
+    mods = dict(model.named_modules())
+    for site in master.extra:
+        bn, g = mods[site.bn], values[site.conv][0]
+        bn.weight.mul_(g.to(bn.weight.dtype))
+        bn.bias.mul_(g.to(bn.bias.dtype))
 
 
 GATED_FACTORY = "tta_core.elasticdnn.card:gated_master"
@@ -237,6 +299,9 @@ def save_gated(master: GatedModel, path: str | Path, source_card: ModelCard,
     the factory tta_core.elasticdnn.card:gated_master with the base arch and the gate settings,
     so `load_source` / `tta bench --model-card` build the gated master like any model."""
     path = Path(path)
+    if master.scope != "block":
+        raise ValueError(f"save_gated: gate scope {master.scope!r} has no model card yet "
+                         "(the card factory builds block-internal gates)")
     if source_card.factory:
         raise ValueError(f"save_gated: the source card names a factory ({source_card.factory}); "
                          "only tta / torchvision archs can be gated by card")

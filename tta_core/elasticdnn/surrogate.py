@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from tta_core.elasticdnn.gates import GatedModel, GateSite, kept_count
+from tta_core.elasticdnn.gates import GatedModel, GateSite, fold_extra_gates, kept_count
 
 
 @dataclass
@@ -141,6 +141,8 @@ def extract_surrogate(master: GatedModel, sample: Tensor, keep: float) -> Surrog
         idx = _choose(values[site.conv][0], saliency[site.conv][0], keep)
         kept[site.conv], scale[site.conv] = idx, values[site.conv][0, idx].clone()
         _slice(model, site, idx, scale[site.conv])
+    with torch.no_grad():  # scope "all": the extra gates become fixed BN scales
+        fold_extra_gates(master, model, sample, min(sparsity, 1.0 - 1e-9))
     model.train(was_training)
     _match_format(model, master)
     return Surrogate(model=model, keep=float(keep), kept=kept, sites=master.sites,

@@ -64,6 +64,7 @@ setup(
             "predictor-bench = tta_core.cli.commands.predictor_bench",
             "profile = tta_core.cli.commands.profile",
             "train-corruption-encoder = tta_core.cli.commands.train_corruption_encoder",
+            "train-darda = tta_core.cli.commands.train_darda",
             "train-elastic = tta_core.cli.commands.train_elastic",
             "train-source = tta_core.cli.commands.train_source",
             "demo = tta_ros.commands.demo",

@@ -117,3 +117,44 @@ def test_method_with_a_bad_bank_path_starts_fresh(tmp_path, caplog) -> None:
     assert m.bank.names == [] and str(bad) in m.bank_error
     assert any("starting with an empty domain bank" in r.message for r in caplog.records)
     assert m.step(_batches()[0]).domain == "d0"
+
+
+_KILLED_SAVE = """
+import os, signal, sys, torch
+from tta_core.darda import store
+real = store.save_file
+def half_then_die(flat, name, metadata=None):
+    real(flat, name, metadata=metadata)
+    with open(name, "r+b") as f:  # a half-written temporary, then SIGKILL (no cleanup runs)
+        f.truncate(os.path.getsize(name) // 2)
+    os.kill(os.getpid(), signal.SIGKILL)
+store.save_file = half_then_die
+store.save_bank(sys.argv[1], {"t": torch.ones(64)}, {"new": True})
+"""
+
+
+def test_killed_save_keeps_the_old_bank_and_the_next_start_removes_its_temp(
+        trained, tmp_path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    from tta_core.darda.store import clean_stale_temps
+
+    m, _ = trained
+    path = tmp_path / "bank.safetensors"
+    m.save_bank(path)
+    before = path.read_bytes()
+    proc = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(path)], check=False)
+    assert proc.returncode == -signal.SIGKILL
+    temps = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+    assert len(temps) == 1 and temps[0].name.startswith(".bank.safetensors.")  # leaked
+    assert path.read_bytes() == before  # the previous bank is untouched and loadable
+    assert load_bank(path, {})[1]["domains"] == m.bank.names
+    live = tmp_path / f".bank.safetensors.{__import__('os').getpid()}.tmp"
+    live.write_bytes(b"in progress")  # a live process's save is never removed
+    m2 = _darda(bank_path=str(path))  # the next start
+    assert m2.bank_error == "" and sorted(m2.bank.names) == sorted(m.bank.names)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["bank.safetensors", live.name])
+    assert clean_stale_temps(path) == []
+    m2.close()

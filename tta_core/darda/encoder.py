@@ -99,6 +99,17 @@ class CorruptionEncoder(nn.Module):
         return F.normalize(self.head(pooled), dim=1)
 
 
+class RawCorruptionEncoder(CorruptionEncoder):
+    """Table 2's "w/o corruption extractor": h projects the corrupted image directly (the
+    extractor's input slot is zeros; trained with lambda_e = 0, g stays unused)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        g1, _ = diagonal_halves(x)
+        f = self.trunk(torch.cat([g1, torch.zeros_like(g1)], dim=1)).flatten(2)
+        pooled = torch.cat([f.mean(-1), torch.sqrt(f.var(-1, correction=0) + 1e-6)], dim=1)
+        return F.normalize(self.head(pooled), dim=1)
+
+
 def supcon_loss(z: Tensor, labels: Tensor, tau: float) -> Tensor:
     """Eq. 7 as standard SupCon: for each anchor, the mean log-probability of its positives
     (same label, not itself) among all other samples; averaged over anchors."""
@@ -131,16 +142,18 @@ def training_data(c: EncoderConfig, mean: tuple[float, ...], std: tuple[float, .
 
 
 def train_encoder(c: EncoderConfig, mean: tuple[float, ...], std: tuple[float, ...],
-                  log_every: int = 0) -> tuple[CorruptionEncoder, dict]:
+                  log_every: int = 0, cls: type[CorruptionEncoder] = CorruptionEncoder,
+                  data: tuple[Tensor, Tensor] | None = None) -> tuple[CorruptionEncoder, dict]:
     """Train g and h (Eq. 8) on the 15 corruptions; returns the encoder (eval mode) and a
-    report (losses, seconds)."""
+    report (losses, seconds). `cls`: RawCorruptionEncoder for the Table 2 ablation; `data`:
+    (images, corruption labels) already rendered (default: `training_data`)."""
     torch.manual_seed(c.seed)
     threads = torch.get_num_threads()
     torch.set_num_threads(c.threads)
     t0 = time.perf_counter()
     try:
-        x, y = training_data(c, mean, std)
-        enc = CorruptionEncoder(c)
+        x, y = training_data(c, mean, std) if data is None else data
+        enc = cls(c)
         opt = torch.optim.Adam(enc.parameters(), lr=c.lr)
         g = torch.Generator().manual_seed(c.seed)
         classes = int(y.max()) + 1

@@ -24,6 +24,7 @@ samples (DARDA Eq. 15). The bank is saved and loaded with `save_bank` / `load_ba
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -35,11 +36,14 @@ from torch import Tensor, nn
 from tta_core.api import StepResult, mean_entropy
 from tta_core.darda.bank import SOURCE, StateBank, adapted_tensors, last_linear
 from tta_core.darda.bn import BANK_BN_MODES, configure, refreshing
+from tta_core.darda.bundle import expect_for as bundle_expect
+from tta_core.darda.bundle import load_bundle
 from tta_core.darda.detector import Detection, DetectorConfig, DomainDetector
 from tta_core.darda.embedding import EmbeddingConfig
 from tta_core.darda.gate import AdaptGate, DomainGate, GateConfig
 from tta_core.darda.memory import BalancedMemory
-from tta_core.darda.store import load_bank, model_fingerprint, save_bank
+from tta_core.darda.paper import VARIANTS, Learnt, PaperConfig, PaperOnline
+from tta_core.darda.store import clean_stale_temps, load_bank, model_fingerprint, save_bank
 from tta_core.darda.switch import DomainSwitch, SwitchConfig, embedder_for
 from tta_core.errors import InputError, one_line
 from tta_core.model.robust_bn import RobustBN, batch_norm_layers
@@ -96,6 +100,24 @@ class DardaConfig(MethodConfig):
     reforward: bool = option(True, "predict with the updated model")
     bank_path: str = option("", "domain bank file: loaded at start when it exists (a bad "
                             "file: warning, fresh start); '': not kept", path="write")
+    # the paper's online phase (tta_core.darda.paper), used when bundle_path is set
+    bundle_path: str = option("", "offline bundle (`tta train-darda`): run the paper's "
+                              "online phase from it; '': the online-learnt domain bank",
+                              path="read")
+    variant: str = option("full", "paper: Table 2 variant", choices=VARIANTS)
+    shift_cos: float = option(0.9, "paper: a batch signature below this cosine to the "
+                              "running one is a corruption shift", low=-1.0, high=1.0)
+    phi_thresh: float = option(0.02, "paper: Eq. 15 runs once the memory bank's cosine "
+                               "variance to the centroid is below this", low=0.0)
+    max_wait: int = option(3, "paper: ... or this many batches after the shift", low=1)
+    context_momentum: float = option(0.5, "paper: Eq. 15 momentum m", low=0.0, high=1.0)
+    paper_lr: float = option(1e-3, "paper: SGD rate of the one Eq. 16 step", low=0.0)
+    learn_domains: bool = option(False, "paper + robot extension: learn and bank a "
+                                 "corruption far from every training one")
+    novelty_cos: float = option(0.95, "extension: a signature below this cosine to every "
+                                "training centroid is novel", low=-1.0, high=1.0)
+    deadline_ms: float = option(0.0, "paper: per-batch deadline (ms); the one adaptation "
+                                "waits for a batch where it fits (0: none)", low=0.0)
 
     def validate(self) -> None:
         """ValueError naming a bad field."""
@@ -116,9 +138,17 @@ class Darda(TTAMethod):
     config_cls = DardaConfig
     config: DardaConfig
 
+    def __new__(cls, model: nn.Module, config: DardaConfig | None = None) -> Darda:
+        """With a bundle_path, the paper's online phase (PaperDarda, below)."""
+        if cls is Darda and config is not None and config.bundle_path:
+            return super().__new__(PaperDarda)
+        return super().__new__(cls)
+
     def __init__(self, model: nn.Module, config: DardaConfig | None = None) -> None:
         super().__init__(model, config)
         self.bank_error = ""
+        if self.config.bank_path:
+            clean_stale_temps(self.config.bank_path)
         if self.config.bank_path and Path(self.config.bank_path).is_file():
             try:
                 self.load_bank(self.config.bank_path)
@@ -315,3 +345,137 @@ class Darda(TTAMethod):
             with torch.no_grad():
                 for k, t in self._live.items():
                     t.copy_(self._source[k])
+
+# ---------------------------------------------------------------------- the paper's online phase
+# `Darda(model, config)` builds PaperDarda when `config.bundle_path` is set; the registry
+# name stays "darda". Phases of one batch: forward = signature, shift detection and
+# bootstrapping (Eq. 10), the forward-only prediction and the memory bank admission
+# (Algorithm 1); backward = the one adaptation after a shift (Eq. 15 + Eq. 16) when its
+# trigger fires; reforward = the updated model's prediction of that batch. All BN layers
+# normalise with the sub-network's running statistics (eval mode); the BN affine and the
+# final dense layer are adapted. The machinery is tta_core.darda.paper.
+
+
+class PaperDarda(Darda):
+    """DARDA from an offline bundle (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, config: DardaConfig | None = None) -> None:
+        """With `bank_path`: the corruptions learnt by the extension are loaded from it
+        (a bad file: warning, none learnt)."""
+        TTAMethod.__init__(self, model, config)
+        self.bank_error = ""
+        path = self.config.bank_path
+        if path:
+            clean_stale_temps(path)
+        if path and Path(path).is_file():
+            try:
+                self.load_bank(path)
+            except InputError as exc:
+                self.bank_error = str(exc)
+                log.warning("%s; starting with no learnt corruption", exc)
+
+    def configure_model(self) -> None:
+        c = self.config
+        if len(c.input_shape) != 3:
+            raise ValueError(f"darda needs input_shape, one sample (C, H, W), got "
+                             f"{tuple(c.input_shape)}")
+        self.model.eval().requires_grad_(False)
+        self._bundle_expect = bundle_expect(self.model)
+        off = load_bundle(c.bundle_path, self.model)
+        if tuple(off.noise.shape[1:]) != tuple(c.input_shape):
+            raise ValueError(f"darda bundle {c.bundle_path}: noise of shape "
+                             f"{tuple(off.noise.shape[1:])}, the model takes "
+                             f"{tuple(c.input_shape)}")
+        self.paper = PaperOnline(self.model, off, PaperConfig(
+            variant=c.variant, shift_cos=c.shift_cos, phi_thresh=c.phi_thresh,
+            max_wait=c.max_wait, context_momentum=c.context_momentum, lr=c.paper_lr,
+            memory_capacity=c.memory_capacity, learn_domains=c.learn_domains,
+            novelty_cos=c.novelty_cos, max_domains=c.max_domains))
+        for p in self.paper.params:
+            p.requires_grad_(True)
+        self.backward_passes = 0
+        self._adapt_ms = self.paper.calibrate() if c.deadline_ms > 0 else 0.0
+
+    def collect_params(self) -> list[nn.Parameter]:
+        """None for the base optimizer: the one step uses PaperOnline's own SGD."""
+        return []
+
+    def current_domain(self) -> str:
+        """The sub-network (training corruption) or learnt domain in use."""
+        return self.paper.domain
+
+    def forward(self, step: Step) -> None:
+        proj, c = self.paper.signature(step.x)
+        step.stats["switched"] = self.paper.observe(c)
+        with torch.no_grad():
+            step.logits = self.model(step.x)
+        self.paper.remember(step.x, step.logits, proj)
+
+    def update(self, step: Step) -> None:
+        """The one adaptation after a shift, unless it would miss `deadline_ms`: its
+        cost (measured; calibrated at build) plus this batch's forward and reforward."""
+        fwd = step.phases.ms["forward"]
+        if self.config.deadline_ms > 0 and self.paper.pending \
+                and 2 * fwd + self._adapt_ms > self.config.deadline_ms:
+            step.stats["deferred"] = True
+            return
+        if self.paper.ready():
+            t0 = time.perf_counter()
+            step.stats["refreshed"] = True
+            step.adapted = self.paper.adapt()
+            self.backward_passes = self.paper.backward_passes
+            self._adapt_ms = 0.5 * self._adapt_ms + 0.5 * (time.perf_counter() - t0) * 1e3
+            with torch.no_grad():
+                step.out = self.model(step.x)
+
+    def post(self, step: Step) -> None:
+        """Nothing: the memory bank took the batch in the forward."""
+
+    def predict(self, step: Step) -> None:
+        if step.out is None:
+            step.out = step.logits
+
+    def step_result(self, step: Step) -> StepResult:
+        res = TTAMethod.step_result(self, step)
+        res.domain = self.paper.domain
+        res.stats.update({"backward": step.adapted, "shifts": self.paper.shifts,
+                          "memory": len(self.paper.memory),
+                          "learnt": len(self.paper.learnt)})
+        return res
+
+    def units_updated(self, step: Step) -> int:
+        return len(self.paper.params) if step.adapted else 0
+
+    def reset_state(self) -> None:
+        self.paper.fresh()
+        self.backward_passes = 0
+
+    def close(self) -> None:
+        """Nothing to release (no hooks)."""
+
+    def save_bank(self, path: str | Path) -> None:
+        """Write the corruptions the extension learnt (signature + adapted state each)."""
+        tensors = {}
+        for name, d in self.paper.learnt.items():
+            tensors[f"learnt/{name}/signature"] = d.signature
+            tensors.update({f"learnt/{name}/state/{k}": v for k, v in d.state.items()})
+        meta = {**self._bundle_expect, "kind": "paper", "learnt": list(self.paper.learnt),
+                "next_id": self.paper.next_id, "dim": int(self.paper.centroids.shape[1])}
+        save_bank(path, tensors, meta)
+
+    def load_bank(self, path: str | Path) -> None:
+        """Replace the learnt corruptions by a file's; InputError (one line) when it does
+        not fit this model or bundle."""
+        expect = {**self._bundle_expect, "kind": "paper",
+                  "dim": int(self.paper.centroids.shape[1])}
+        tensors, meta = load_bank(path, expect)
+        try:
+            learnt = {n: Learnt(tensors[f"learnt/{n}/signature"],
+                                {k: tensors[f"learnt/{n}/state/{k}"] for k in self.paper.live})
+                      for n in meta["learnt"]}
+            next_id = int(meta["next_id"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InputError(f"domain bank {path}: missing or bad entry {exc}") from None
+        self.paper.fresh()
+        self.paper.learnt.update(learnt)
+        self.paper.next_id = next_id

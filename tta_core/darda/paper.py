@@ -1,0 +1,227 @@
+"""DARDA's online phase as the paper builds it (§4.4-4.6), from an offline bundle.
+
+The darda method runs this when `bundle_path` names a bundle (`tta train-darda`). Per batch:
+
+1. corruption signature: the encoder h's projections of the samples (through the
+   extractor g; Table 2's "no_extractor" uses the encoder trained without it), their
+   normalised mean c;
+2. shift: c's cosine to the running signature of the ongoing corruption falls below
+   `shift_cos` (or the first batch); on a shift the sub-network closest to c by Eq. 10
+   (S^i . c, S^i = S(F^i) of the bootstrapped fingerprints) is copied into the model, and
+   C_cur becomes the nearest corruption centroid;
+3. the batch is predicted forward-only; its samples are offered to the memory bank
+   (Algorithm 1, tta_core.darda.corruption_memory) with their projections;
+4. once after each shift, when the bank's cosine variance to C_cur is below `phi_thresh`
+   (or `max_wait` batches after the shift): context-aware BN (Eq. 15: one forward of the
+   bank's samples, running statistics moved with momentum `context_momentum`), then one
+   adaptation step of the BN affine and the final dense layer on Eq. 16, exp(-S . C_bar),
+   with S computed from the fingerprint of the current model on the fixed noise and C_bar
+   the bank's mean projection; the batch is predicted again by the updated model.
+
+Table 2 variants (`variant`): full; no_extractor; no_bn_adapt (the bootstrapped
+sub-network only); bn_only (Eq. 15 without the step); bn_entropy (Eq. 15 + one entropy step
+on the bank's samples instead of Eq. 16).
+
+Robot extension (`learn_domains`, not in the paper): a corruption whose signature is
+farther than `novelty_cos` from every training centroid is learnt: after its one
+adaptation its state and running signature are banked (at most `max_domains`, LRU), and a
+later batch that matches it (cosine >= `novelty_cos`) loads that state instead of a
+bootstrapped one, with no backward pass. The darda method saves and loads them in its
+`bank_path` (tta_core.darda.method: PaperDarda).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tta_core.darda.bank import adapted_tensors, last_linear
+from tta_core.darda.bn import refreshing
+from tta_core.darda.corruption_memory import CorruptionMemory
+from tta_core.darda.offline import Offline
+from tta_core.darda.subnet import adaptation_loss, closest, fingerprint
+from tta_core.model.robust_bn import batch_norm_layers
+from tta_core.runtime import losses
+
+VARIANTS = ("full", "no_extractor", "no_bn_adapt", "bn_only", "bn_entropy")
+
+
+@dataclass
+class PaperConfig:
+    """Online settings of the paper's DARDA (fed by DardaConfig)."""
+
+    variant: str = "full"
+    shift_cos: float = 0.9
+    track: float = 0.2  # EMA rate of the running signature
+    phi_thresh: float = 0.02
+    max_wait: int = 3
+    context_momentum: float = 0.5
+    lr: float = 1e-3
+    memory_capacity: int = 64
+    min_similarity: float = 0.0
+    learn_domains: bool = False
+    novelty_cos: float = 0.95
+    max_domains: int = 16
+
+    def validate(self) -> None:
+        """ValueError naming the first bad field."""
+        if self.variant not in VARIANTS:
+            raise ValueError(f"darda variant {self.variant!r} not in {VARIANTS}")
+        for name in ("shift_cos", "novelty_cos", "min_similarity"):
+            if not -1.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"darda {name}={getattr(self, name)} not in [-1, 1]")
+        if not 0 < self.track <= 1 or not 0 <= self.context_momentum <= 1:
+            raise ValueError(f"darda track {self.track} (in (0, 1]) or context_momentum "
+                             f"{self.context_momentum} (in [0, 1]) out of range")
+        if self.max_wait < 1 or self.memory_capacity < 1 or self.max_domains < 1:
+            raise ValueError(f"darda max_wait {self.max_wait}, memory_capacity "
+                             f"{self.memory_capacity}, max_domains {self.max_domains} must "
+                             "be >= 1")
+
+
+@dataclass
+class Learnt:
+    """A corruption learnt online (the robot extension): signature and adapted state."""
+
+    signature: Tensor
+    state: dict[str, Tensor]
+
+
+class PaperOnline:
+    """The per-batch machinery of the module docstring (no TTAMethod plumbing here)."""
+
+    def __init__(self, model: nn.Module, off: Offline, cfg: PaperConfig) -> None:
+        cfg.validate()
+        self.model, self.off, self.cfg = model, off, cfg
+        self.live = adapted_tensors(model)
+        raw = cfg.variant == "no_extractor"
+        self.encoder = off.raw_encoder if raw else off.encoder
+        self.s = off.raw_s if raw else off.s
+        self.centroids = off.raw_centroids if raw else off.centroids
+        with torch.no_grad():
+            self.signatures = self.s(off.fingerprints)
+        self.noise = off.noise
+        self.bns = list(batch_norm_layers(model).values())
+        self.params = [t for k, t in self.live.items() if k.endswith((".weight", ".bias"))]
+        self.opt = torch.optim.SGD(self.params, lr=cfg.lr)
+        classes = int(model.get_submodule(last_linear(model)).out_features)
+        self.memory = CorruptionMemory(cfg.memory_capacity, classes, cfg.min_similarity)
+        self.learnt: OrderedDict[str, Learnt] = OrderedDict()
+        self.fresh()
+
+    def fresh(self) -> None:
+        """Forget the ongoing corruption, the memory bank and the learnt domains."""
+        self.running: Tensor | None = None
+        self.center = self.centroids[0]
+        self.domain, self.pending, self.waited, self.novel = "", False, 0, False
+        self.backward_passes, self.shifts, self.next_id = 0, 0, 0
+        self.memory.clear()
+        self.learnt.clear()
+        self.opt.state.clear()
+
+    def signature(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """(per-sample projections [B, dim], the batch's unit signature c)."""
+        with torch.no_grad():
+            proj = self.encoder(x)
+        return proj, F.normalize(proj.mean(0), dim=0)
+
+    def observe(self, c: Tensor) -> bool:
+        """Shift detection and bootstrapping (steps 2 of the module doc); True on a shift."""
+        if self.running is not None and float(self.running @ c) >= self.cfg.shift_cos:
+            self.running = F.normalize((1 - self.cfg.track) * self.running
+                                       + self.cfg.track * c, dim=0)
+            return False
+        self.running, self.shifts = c.clone(), self.shifts + 1
+        self.center = self.centroids[int(torch.argmax(self.centroids @ c))]
+        self.novel = self.cfg.learn_domains and float(self.center @ c) < self.cfg.novelty_cos
+        hit = self._learnt_match(c) if self.novel else ""
+        if hit:
+            self.domain, self.pending = hit, False
+            self.learnt.move_to_end(hit)
+            self._load(self.learnt[hit].state)
+        else:
+            i = closest(self.signatures, c)
+            self.domain, self.pending, self.waited = self.off.names[i], True, 0
+            self._load(self.off.states[self.off.names[i]])
+        self.opt.state.clear()
+        return True
+
+    def _learnt_match(self, c: Tensor) -> str:
+        best, name = -2.0, ""
+        for n, d in self.learnt.items():
+            sim = float(d.signature @ c)
+            if sim > best:
+                best, name = sim, n
+        return name if best >= self.cfg.novelty_cos else ""
+
+    def _load(self, state: dict[str, Tensor]) -> None:
+        with torch.no_grad():
+            for k, t in self.live.items():
+                t.copy_(state[k])
+
+    def remember(self, x: Tensor, logits: Tensor, proj: Tensor) -> None:
+        """Offer the batch to the memory bank (Algorithm 1)."""
+        self.memory.add(x, logits.argmax(1), proj, self.center)
+
+    def ready(self) -> bool:
+        """Whether the one adaptation of the ongoing corruption runs on this batch."""
+        if not self.pending or self.cfg.variant == "no_bn_adapt" or len(self.memory) < 2:
+            return False
+        self.waited += 1
+        return self.memory.similarity_variance(self.center) <= self.cfg.phi_thresh \
+            or self.waited >= self.cfg.max_wait
+
+    def adapt(self) -> bool:
+        """Eq. 15 from the bank, then one step (Eq. 16, or entropy); True if a backward ran."""
+        xs = self.memory.samples()
+        self.pending = False
+        with torch.no_grad(), refreshing(self.bns, self.cfg.context_momentum):
+            self.model(xs)
+        backward = self.cfg.variant in ("full", "no_extractor", "bn_entropy")
+        if backward:
+            self.opt.zero_grad(set_to_none=True)
+            with torch.enable_grad():
+                loss = self._loss(xs)
+                loss.backward()
+            self.opt.step()
+            self.backward_passes += 1
+        if self.novel:
+            self._bank()
+        return backward
+
+    def calibrate(self) -> float:
+        """Milliseconds of one adaptation on a full bank of noise (state restored): the
+        cost a deadline must leave room for before the first real one is measured."""
+        n = self.memory.quota * self.memory.num_classes
+        xs = self.noise.repeat(-(-n // len(self.noise)), 1, 1, 1)[:n]
+        saved = {k: t.detach().clone() for k, t in self.live.items()}
+        t0 = time.perf_counter()
+        with torch.no_grad(), refreshing(self.bns, self.cfg.context_momentum):
+            self.model(xs)
+        with torch.enable_grad():
+            self.s(fingerprint(self.model, self.noise)).sum().backward()
+        ms = (time.perf_counter() - t0) * 1e3
+        self.opt.zero_grad(set_to_none=True)
+        self._load(saved)
+        return ms
+
+    def _loss(self, xs: Tensor) -> Tensor:
+        if self.cfg.variant == "bn_entropy":
+            return losses.entropy_loss(self.model(xs))
+        s = self.s(fingerprint(self.model, self.noise))
+        return adaptation_loss(s, self.memory.mean_projection())
+
+    def _bank(self) -> None:
+        """Robot extension: keep the adapted state of a novel corruption."""
+        if len(self.learnt) >= self.cfg.max_domains:
+            self.learnt.popitem(last=False)
+        name = f"learnt{self.next_id}"
+        self.next_id += 1
+        self.learnt[name] = Learnt(self.running.clone(),
+                                   {k: t.detach().clone() for k, t in self.live.items()})
+        self.domain = name

@@ -2,7 +2,8 @@
 run over real DDS without hearing each other or other processes on the machine.
 
 Tiers: every test file lives in test/unit, test/ros or test/system, and gets that marker
-(`pytest -m unit`); a test marked `cuda` is skipped where torch sees no CUDA device; shared helpers are the `helpers` package (pytest.ini: pythonpath = test)."""
+(`pytest -m unit`); a test marked `cuda` is skipped where torch sees no CUDA device;
+shared helpers are the `helpers` package (pytest.ini: pythonpath = test)."""
 
 from __future__ import annotations
 

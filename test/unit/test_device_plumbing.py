@@ -111,10 +111,10 @@ def test_device_names_are_checked_once_with_one_line_errors(monkeypatch):
     assert check_device("cpu") == torch.device("cpu")
     with pytest.raises(ValueError, match=r"^device='gpu' is not a torch device \(cpu, cuda"):
         check_device("gpu")
-    with pytest.raises(ValueError, match="^device='meta': only cpu and cuda devices"):
+    with pytest.raises(ValueError, match=r"^device='meta': only cpu and cuda devices"):
         check_device("meta")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ValueError, match="^device='cuda' requested but CUDA is not available"):
+    with pytest.raises(ValueError, match=r"^device='cuda' requested but CUDA is not available"):
         check_device("cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -36,7 +36,7 @@ export PYTHONUNBUFFERED=1
 if (( dry )); then
   device=cpu
   out=${GPU_CHECK_OUT:-$(mktemp -d)}
-  tests=(-k "tent or elastic or indexed")
+  tests=(-k "quantized or indexed")
   ratios=(--models resnet18:32:2 --batches 2 --warmup 1 --threads 1)
   figures=(--arch resnet18 --image-size 32 --batch-size 2 --batches 2 --no-compile)
   kernels=(--dry-run)

@@ -326,16 +326,6 @@ def _check_trainable(staged: StagedModel, plan: planner.Plan, candidates: np.nda
                          f"(trainable={trainable!r}): {bad[:5]}")
 
 
-def _scalars(loss: Tensor | None, logits: Tensor) -> dict[str, float]:
-    """The batch's loss and mean prediction entropy, read from the device in one
-    transfer (each float() of a CUDA tensor is a host round trip)."""
-    entropy = losses.entropy_loss(logits.detach())
-    if loss is None:
-        return {"loss": math.nan, "mean_entropy": float(entropy)}
-    pair = torch.stack([loss.detach().float().reshape(()), entropy]).tolist()
-    return {"loss": pair[0], "mean_entropy": pair[1]}
-
-
 def _result(svc: PlanningService, fwd: _Forward, loss: Tensor | None, importance: np.ndarray,
             outcome: PlanOutcome | None, plan: planner.Plan, adapt: bool) -> StepResult:
     """The StepResult of a batch (times other than the forward filled in by the caller)."""
@@ -344,9 +334,10 @@ def _result(svc: PlanningService, fwd: _Forward, loss: Tensor | None, importance
                         outcome.no_room if outcome else "",
                         outcome.deadline_ms if outcome else math.nan,
                         bool(outcome and outcome.forward_misses), bool(outcome and outcome.skipped))
+    loss_value, entropy = losses.loss_and_entropy(loss, fwd.logits)
     return StepResult(
         logits=fwd.logits.detach(), times=PhaseTimes(fwd.forward_ms), plan=plan,
-        importance=importance, **_scalars(loss, fwd.logits), adapted=adapt,
+        importance=importance, loss=loss_value, mean_entropy=entropy, adapted=adapt,
         units_updated=int(np.count_nonzero(plan.update)) if adapt else 0,
         predicted_total_ms=float(plan.predicted_total_ms),
         budget_ms=float(outcome.deadline_ms if outcome and not math.isnan(outcome.deadline_ms)

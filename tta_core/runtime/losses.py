@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -40,3 +41,14 @@ def multilayer_kl_loss(
                          mu_e.float(), var_e.float(), eps)
         total = total + kl.mean()
     return total
+
+
+def loss_and_entropy(loss: Tensor | None, logits: Tensor) -> tuple[float, float]:
+    """A step's loss (NaN when None) and mean prediction entropy of `logits`, read from the
+    device in one transfer (each float() of a CUDA tensor is a host round trip)."""
+    entropy = entropy_loss(logits.detach())
+    if loss is None:
+        return math.nan, float(entropy)
+    pair = torch.stack([loss.detach().float().reshape(()), entropy]).tolist()
+    return pair[0], pair[1]
+

@@ -196,7 +196,10 @@ class TTAMethod:
     def step_result(self, step: Step) -> StepResult:
         """The StepResult of a finished step: its times, loss, prediction and stats."""
         out = step.out if step.out is not None else step.logits
-        loss, entropy = self._scalars(step, out)
+        if math.isnan(step.loss_value):
+            loss, entropy = losses.loss_and_entropy(step.loss, out)
+        else:  # the method read its loss already
+            loss, entropy = step.loss_value, losses.loss_and_entropy(None, out)[1]
         res = StepResult(logits=out.detach(), times=step.phases.times(), loss=loss,
                          mean_entropy=entropy, adapted=step.adapted,
                          units_updated=self.units_updated(step))
@@ -204,16 +207,6 @@ class TTAMethod:
             res.stats.update(self.codec.stats())
         res.stats.update(step.stats)
         return res
-
-    @staticmethod
-    def _scalars(step: Step, out: Tensor) -> tuple[float, float]:
-        """The step's loss and mean prediction entropy, read from the device in one
-        transfer (each float() of a CUDA tensor is a host round trip)."""
-        entropy = losses.entropy_loss(out.detach())
-        if not math.isnan(step.loss_value) or step.loss is None:
-            return step.loss_value, float(entropy)
-        loss, ent = torch.stack([step.loss.detach().float(), entropy]).tolist()
-        return loss, ent
 
     def reset_state(self) -> None:
         """Reset method state other than weights and optimizer (override when needed)."""

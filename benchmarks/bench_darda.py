@@ -22,6 +22,7 @@ import json
 import time
 from pathlib import Path
 
+import results
 import torch
 from torch import Tensor, nn
 
@@ -224,12 +225,23 @@ def summary(result: dict) -> list[str]:
 
 
 def write(result: dict, md: list[str], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    md = md[:4] + summary(result) + md[4:]
-    out.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    summary(result)
+    results.save(out.stem, result, out.parent)
     print("\n".join(md[4:]))
     print(f"wrote {out.with_suffix('.json')} and .md")
+
+
+def render(result: dict) -> str:
+    """The results page from the JSON: settings, deadline, oracle, Table 2 means, runs."""
+    md = header(result)
+    if "deadline" in result:
+        md += deadline_table(result["deadline"])
+    if "oracle" in result:
+        md += [oracle_table(result["oracle"]), ""]
+    md += summary(dict(result))
+    for key, rows in result["runs"].items():
+        md += [table(rows, key), ""]
+    return "\n".join(md) + "\n"
 
 
 def header(result: dict) -> list[str]:

@@ -40,6 +40,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import results
 import torch
 from torch import Tensor
 
@@ -228,9 +229,15 @@ def write_results(runs: list[ModeRun], mem: dict[str, int], meta: dict) -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     stem = "elastic_knowledge_" + Path(meta["card"]).stem.removesuffix("_elastic")
     data = {"meta": meta, "runs": [asdict(r) for r in runs], "peak_bytes": mem}
-    (OUT / f"{stem}.json").write_text(json.dumps(data, indent=1) + "\n")
-    (OUT / f"{stem}.md").write_text(markdown(runs, mem, meta))
+    results.save(stem, data, OUT)
     plot(runs, stem)
+
+
+def render(data: dict) -> str:
+    """The results page from the JSON `write_results` wrote."""
+    runs = [ModeRun(r["mode"], [Visit(**v) for v in r["visits"]], r["accuracy"], r["seconds"])
+            for r in data["runs"]]
+    return markdown(runs, data["peak_bytes"], data["meta"])
 
 
 def markdown(runs: list[ModeRun], mem: dict[str, int], meta: dict) -> str:

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import results
 import torch
 from torch import nn
 
@@ -522,8 +523,7 @@ def _write(out: dict, args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(text)
     if args.results:
-        Path(args.results).with_suffix(".json").write_text(text)
-        Path(args.results).with_suffix(".md").write_text(markdown(out))
+        results.save(Path(args.results).name, out, Path(args.results).parent)
     print(text)
     print(markdown(out))
     ok = all(math.isfinite(v) for runs in out["scenarios"].values() for r in runs

@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+import results
 import torch
 from torch import nn
 
@@ -196,9 +197,10 @@ def _write(out: dict, args: argparse.Namespace) -> None:
     print(f"gate scope: {', '.join(k for k in ('untuned', 'tuned') if k in out)} done",
           file=sys.stderr, flush=True)
     if args.results:
-        Path(args.results).with_suffix(".json").write_text(json.dumps(out, indent=1))
         if "tuned" in out:
-            Path(args.results).with_suffix(".md").write_text(markdown(out))
+            results.save(Path(args.results).name, out, Path(args.results).parent)
+        else:  # the first phase alone: JSON only (no page until the run is complete)
+            Path(args.results).with_suffix(".json").write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import results
 import torch
 from tta_kernels import cpu, native, reference
 
@@ -204,9 +205,7 @@ def main() -> None:
            "cuda_rows": cuda_rows(args.n, args.repeats) if args.device == "cuda" else []}
     print(json.dumps(res, indent=1))
     if not args.quick:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "kernels.json").write_text(json.dumps(res, indent=1) + "\n")
-        (args.out / "kernels.md").write_text(markdown(res))
+        results.save("kernels", res, args.out)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import results
 import torch
 from torch import nn
 from torchvision.models import resnet18, resnet50
@@ -136,9 +137,7 @@ def main() -> None:
            f"resnet50_{args.res}px_b4": bench(make(resnet50), 4, args.res),
            "meta": {"threads": args.threads, "torch": torch.__version__, "device": "cpu"}}
     print(json.dumps(res, indent=1))
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "like_for_like.json").write_text(json.dumps(res, indent=1) + "\n")
-    (OUT / "like_for_like.md").write_text(_markdown(res))
+    results.save("like_for_like", res, OUT)
 
 
 if __name__ == "__main__":

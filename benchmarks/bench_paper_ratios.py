@@ -20,7 +20,6 @@ otherwise run beside the next method's step and slow that one).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -28,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import results
 import torch
 from tqdm import tqdm
 
@@ -210,10 +210,7 @@ def main(argv: list[str] | None = None) -> dict:
                        for s in specs]}
     print(to_markdown(report))
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "paper_ratios.json").write_text(json.dumps(report, indent=1) + "\n")
-        (out / "paper_ratios.md").write_text(to_markdown(report) + "\n")
+        results.save("paper_ratios", report, Path(args.out))
     return report
 
 

@@ -20,6 +20,7 @@ import argparse
 import json
 from pathlib import Path
 
+import results
 import torch
 from torchvision.models import resnet18, resnet50
 
@@ -107,9 +108,7 @@ def main() -> None:
            f"resnet50_{args.res}px_b4": bench("resnet50", 4, args.res),
            "meta": {"threads": args.threads, "torch": torch.__version__, "device": "cpu"}}
     print(json.dumps(res, indent=1))
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "surgeon_peak.json").write_text(json.dumps(res, indent=1) + "\n")
-    (OUT / "surgeon_peak.md").write_text(_markdown(res))
+    results.save("surgeon_peak", res, OUT)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,72 @@
+"""docs/results and README's headline table are rendered from benchmark JSON, never typed:
+the committed pages equal what `python benchmarks/results.py` renders now, every results
+JSON has a page and its provenance, and a saved result is strict JSON."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import sys
+
+import pytest
+from helpers import ROOT
+
+pytestmark = [pytest.mark.system, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def results():
+    spec = importlib.util.spec_from_file_location("results", ROOT / "benchmarks" / "results.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["results"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_committed_pages_and_readme_equal_their_rendering(results) -> None:
+    stale = [str(p.relative_to(ROOT)) for p, text in results.expected_files().items()
+             if not p.exists() or p.read_text() != text]
+    assert stale == [], "run `python benchmarks/results.py` and commit: " + ", ".join(stale)
+
+
+def test_readme_headline_comes_from_the_json(results) -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert results.HEADLINE_BEGIN in readme and results.HEADLINE_END in readme
+    data = json.loads((results.RESULTS / f"{results.HEADLINE_STEM}.json").read_text())
+    block = readme.split(results.HEADLINE_BEGIN)[1].split(results.HEADLINE_END)[0]
+    assert block.strip() == results.headline(data).strip()
+    for run in data["runs"]:  # the figures a reader compares, found in the table as printed
+        assert f"{run['methods']['adashadow']['x_tent']:.2f}" in block
+
+
+def test_every_results_json_has_a_page_and_provenance(results) -> None:
+    jsons = sorted(results.RESULTS.glob("*.json"))
+    assert jsons
+    for path in jsons:
+        assert results.page_for(path.stem) is not None, path.name
+        prov = json.loads(path.read_text())["provenance"]
+        assert {"command", "machine", "date", "code"} <= prov.keys(), path.name
+
+
+def test_save_writes_strict_json_with_provenance_and_its_page(results, tmp_path) -> None:
+    data = json.loads((results.RESULTS / "paper_ratios.json").read_text())
+    data.pop("provenance")
+    path = results.save("paper_ratios", data, tmp_path, argv=["benchmarks/x.py", "--a", "1"])
+    saved = json.loads(path.read_text())
+    assert saved["provenance"]["command"].endswith("x.py --a 1")
+    page = (tmp_path / "paper_ratios.md").read_text()
+    assert page.startswith("---\n") and "x.py --a 1" in page
+    with pytest.raises(ValueError):
+        results.save("paper_ratios", {**data, "bad": math.nan}, tmp_path)
+
+
+def test_a_hand_edited_page_is_found_stale(results, tmp_path) -> None:
+    for name in ("paper_ratios.json", "paper_ratios.md"):
+        (tmp_path / name).write_text((results.RESULTS / name).read_text())
+    files = results.expected_files(tmp_path, tmp_path / "README.md")
+    assert files[tmp_path / "paper_ratios.md"] == (tmp_path / "paper_ratios.md").read_text()
+    (tmp_path / "paper_ratios.md").write_text("typed by hand\n")
+    stale = [p for p, text in results.expected_files(tmp_path, tmp_path / "README.md").items()
+             if not p.exists() or p.read_text() != text]
+    assert tmp_path / "paper_ratios.md" in stale

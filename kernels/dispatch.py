@@ -1,19 +1,14 @@
 """Backend choice of the DAF kernels: Triton on CUDA, a fast PyTorch path on CPU.
 
-CPU paths, measured on the 2-core development VM (1 thread; tta_kernels.cpu):
-- on 40 M floats (out of cache) at 8 / 4 / 2 bits, quantize + pack took 49 / 149 / 242 ms
-  ``compiled`` (the reference arithmetic under torch.compile: group count dynamic, group
-  size static; ~3 s to compile per function, width and group size, once per process)
-  against 201 / 392 / 646 ms ``vectorised`` (eager) and ~130 ms for a plain copy; unpack +
-  dequantize 126 / 209 / 185 vs 115 / 250 / 424 ms. On cache-resident 3.2 M floats both
-  ran at 2-4 ms, 4-8x faster than the ``reference``;
-- inside a ResNet-18/50 step the two were not distinguishable on the (loaded) VM: per-round
-  step-time ratios ranged 0.99-3.17 (benchmarks/bench_daf.py runs both).
-- ``native`` (tta_kernels.native: C, built once per machine with its C compiler, ~0.3 s,
-  cached): quantize + pack is one fused pass (per-group min/max, scales and codes while the
-  group is in L1); its speed against the two-pass form and ``vectorised`` is measured by
-  benchmarks/bench_kernels.py (docs/results/kernels.md); unpack + dequantize runs 4.6x
-  faster than ``vectorised`` at 4 bits (1 thread, 3.2 M floats).
+CPU paths (tta_kernels.cpu; their speeds: benchmarks/bench_kernels.py and bench_daf.py,
+docs/results/kernels.md):
+- ``native`` (tta_kernels.native: C, built once per machine with its C compiler, cached):
+  quantize + pack in one fused pass (per-group min/max, scales and codes while the group
+  is in L1), and unpack + dequantize;
+- ``vectorised``: the same arithmetic as eager PyTorch ops, several passes;
+- ``compiled``: the reference arithmetic under torch.compile (a compile of seconds per
+  function, width and group size, once per process; no faster inside a training step);
+- ``reference``: the readable oracle the others are tested bit for bit against.
 So ``native`` is the default, ``vectorised`` its fallback where no C compiler is found (no
 compile stall, nothing to build); ``TTA_KERNELS_CPU=vectorised|compiled|reference`` selects
 another. A build or compile failure warns once and falls back to ``vectorised``. 1-bit

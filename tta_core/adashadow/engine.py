@@ -66,10 +66,8 @@ class EngineConfig(PlanningConfig):
     # bn_batch_layers BN layers use batch statistics (they see the corruption first and
     # their batch statistics carry it), the others running statistics that each batch's
     # own forward moves toward its batch statistics (RoTTA's robust BN, momentum
-    # bn_momentum): the statistics of a few frames are noisy. Measured at batch 4 with
-    # lr 0 (statistics only), mean accuracy on the continual severity-5 stream: small net
-    # batch 35.3, robust with 0 / 1 / 2 / 3 / 4 batch layers 28.5 / 37.2 / 42.1 / 42.8 /
-    # 41.9 %; ResNet-18 w32 64 px batch 40.5, robust (3 / 5 / 9) 55.3 / 57.3 / 55.3 %.
+    # bn_momentum): the statistics of a few frames are noisy. The number of batch layers
+    # trades the two (`tta bench --set adashadow.bn_batch_layers=K` measures it).
     bn_mode: str = option("batch", "BN statistics: batch (Tent-style), source (eval) or "
                           "robust (first bn_batch_layers on batch statistics, the rest "
                           "RoTTA's robust BN)", choices=BN_MODES)
@@ -84,7 +82,7 @@ class EngineConfig(PlanningConfig):
     # "norm": only BN/LayerNorm units are candidates (their affine parameters, as Tent),
     # "all": every unit (the paper's layer-wise reading). Entropy minimisation on conv or
     # classifier weights with small batches collapses to one class within a few hundred
-    # batches (measured on the benchmark stream), so "norm" is the default.
+    # batches on the benchmark stream, so "norm" is the default.
     trainable: str = option("norm", "units a plan may update: norm (BN/LayerNorm affine "
                             "parameters, as Tent) or all (every unit)", choices=TRAINABLE)
     # "full" (the paper's pipeline): the forward records the autograd graph from the

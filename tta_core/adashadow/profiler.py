@@ -16,9 +16,8 @@ kernels do not cost inside a full backward what they cost in a sparse one (measu
 same conv backward node 25-35 % slower), so timings cut out of one full backward misjudge
 sparse plans: on this CPU "plans" cut the median error on random sparse plans from 7.2 %
 to 1.9 % (ResNet-50, 224 px, batch 4) and from 25.7 % to 10.1 % (small net, 64 px, batch
-64), at 2N extra forwards and backwards per repeat (the whole ResNet-50 profile at batch 4
-on one thread took 351 s with 3 repeats on the 2026-11-22 VM, about 20 min with 5 on the
-slower 2026-11-23 one). Median over `repeats` runs after one warm-up. A
+64), at 2N extra forwards and backwards per repeat (a ResNet-50 profile at batch 4 on one
+CPU thread takes minutes). Median over `repeats` runs after one warm-up. A
 single sparse-backward timing varies by ~5 % here (a shared 2-core VM), and the fit is
 exactly determined, so a plan's predicted time inherits that noise: on the small net (64
 px, batch 64) the spread of a fixed plan's prediction from profile to profile was 3.6 %

@@ -4,11 +4,10 @@ The planner's per-unit times (w, x, r) scale with MACs or with a profile of the 
 kernels. Two costs do not: the plan phase itself (the loss, the assessor, the predictor
 and the DP run after the forward and before any backward, on every batch) and a fixed
 part of every update (launching autograd, the loss head's gradient, the optimizer step,
-the reforward's call overhead). On the shipped 32 px net at batch 4 (1 thread) they are
-1.0 ms and 0.7 ms against a 4.9 ms budget: without them AdaShadow ran 1.38x over its
-budget on every batch. Both are measured on every batch, so the planner can leave room
-for them: `plan_ms` is added to T_f, `overhead_ms` is the planner's fixed cost of any
-non-empty plan (planner.PlanProblem.overhead_ms).
+the reforward's call overhead). On a small net they are a large share of a σ·T budget,
+and a planner blind to them overruns it on every batch. Both are measured on every
+batch, so the planner can leave room for them: `plan_ms` is added to T_f, `overhead_ms`
+is the planner's fixed cost of any non-empty plan (planner.PlanProblem.overhead_ms).
 
 Each is an EMA (weight `alpha` for the newest batch) started at the first measurement
 after `warmup` ignored ones (the first update of a run pays one-time allocations). A

@@ -212,13 +212,12 @@ class ForwardTimes:
 
 
 # LATE_SHEDS: a batch served without plan that starts late (a backlog) skips the robust-BN
-# statistics' update (~15 % of its forward) to catch up first. Without it a node whose
-# forward alone no longer kept up answered fewer frames in time than bn_adapt (ResNet-18
-# w32 at 140 Hz on the loaded VM: 0.8 vs 56.6 %; with it 84.8 %).
+# statistics' update (a share of its forward) to catch up first: without it a node whose
+# forward alone no longer keeps up answers fewer frames in time than bn_adapt.
 # THIN_ABOVE: when a served batch that moved the statistics filled more than this share of
 # its deadline, the following served batches move them every other batch only, at the
 # momentum of two (RobustBN.due): the statistics decay per batch as before, and half the
-# served batches lose the update's ~0.18 of the small net's ~1.65 ms at 2000 Hz.
+# served batches skip the update's cost when the deadline is nearly full.
 THIN_ABOVE = 0.7
 
 

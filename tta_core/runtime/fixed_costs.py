@@ -42,8 +42,7 @@ from dataclasses import dataclass, field
 #: (about its 99th percentile were it normal), once MARGIN_WARMUP batches were measured,
 #: and at least the MARGIN_QUANTILE of the last MARGIN_WINDOW residuals: timing noise is
 #: heavy-tailed (a preempted thread), and the EMA's short memory forgets a tail that
-#: comes every 50 batches (measured, small net, 1000 Hz: 98.4 % of batches in time with
-#: the EMA alone)
+#: comes every few dozen batches
 MARGIN_Z = 2.33
 MARGIN_WARMUP = 3
 MARGIN_QUANTILE = 0.99

@@ -50,8 +50,7 @@ class MethodConfig:
                        "each step runs at lr * batch / lr_ref_batch", low=0.0)
     # linear learning-rate scaling for small batches, as the EATA/SAR reference code does
     # (lr * batch / 64): with lr 5e-3 unscaled, Tent and EATA collapse below the source
-    # model at batch 4 on the benchmark stream (13.9 / 11.8 % vs 25.7 %); scaled they reach
-    # 34.0 / 33.4 %. 0 turns scaling off.
+    # model at batch 4 on the benchmark stream. 0 turns scaling off.
     lr_ref_batch: int = option(64, "batch size lr is meant at (linear scaling, as the EATA/SAR "
                                "code); 0: lr as given at every batch size", low=0)
     momentum: float = option(0.9, "SGD momentum", low=0.0)

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from tta_core.io import strict_json
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
 README = ROOT / "README.md"
@@ -161,20 +163,9 @@ def provenance(argv: list[str] | None = None) -> dict:
 
 # --- writing and rendering ----------------------------------------------------------------
 
-def _plain(obj: object) -> object:
-    """numpy/torch scalars and arrays as Python values (anything else is refused)."""
-    for attr in ("item", "tolist"):
-        if hasattr(obj, attr):
-            try:
-                return getattr(obj, attr)()
-            except (TypeError, ValueError):
-                continue
-    raise TypeError(f"results: {type(obj).__name__} is not JSON serialisable")
-
-
 def dumps(data: dict) -> str:
-    """Strict JSON (NaN and infinities refused), indented, one trailing newline."""
-    return json.dumps(data, indent=1, allow_nan=False, default=_plain) + "\n"
+    """Strict JSON (a NaN or infinity is written as null), indented, one trailing newline."""
+    return strict_json.dumps(data, indent=1) + "\n"
 
 
 def render_page(stem: str, data: dict) -> str:

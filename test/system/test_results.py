@@ -57,8 +57,9 @@ def test_save_writes_strict_json_with_provenance_and_its_page(results, tmp_path)
     assert saved["provenance"]["command"].endswith("x.py --a 1")
     page = (tmp_path / "paper_ratios.md").read_text()
     assert page.startswith("---\n") and "x.py --a 1" in page
-    with pytest.raises(ValueError):
-        results.save("paper_ratios", {**data, "bad": math.nan}, tmp_path)
+    path = results.save("paper_ratios", {**data, "unmeasured": math.nan}, tmp_path)
+    assert "NaN" not in path.read_text()  # strict readers refuse a bare NaN
+    assert json.loads(path.read_text(), parse_constant=pytest.fail)["unmeasured"] is None
 
 
 def test_a_hand_edited_page_is_found_stale(results, tmp_path) -> None:

@@ -6,6 +6,8 @@
 #   make test-fast  test/unit without `slow` (tta_core and kernels: no ROS, no CLI/colcon runs)
 #   make setup   only set up: .venv, pinned wheels, tta_msgs built, build/env.sh
 #   make lint    ruff over the Python sources, lint-imports over the contracts in .importlinter
+#   make docs    build the docs site into build/site (mkdocs --strict; reference pages:
+#                python scripts/gen_docs.py)
 
 PYTHON ?= python3
 VENV   := .venv
@@ -15,7 +17,7 @@ PREFIX := $(CURDIR)/$(BUILD)/install
 ENV    := $(BUILD)/env.sh
 MSGS   := $(wildcard msg/msg/*.msg)
 
-.PHONY: setup demo test test-fast lint clean
+.PHONY: setup demo test test-fast lint docs clean
 .DELETE_ON_ERROR:
 
 setup: $(ENV)
@@ -55,6 +57,9 @@ test-fast: $(ENV)
 
 lint: $(ENV)
 	. ./$(ENV) && ruff check . && lint-imports
+
+docs: $(ENV)
+	. ./$(ENV) && NO_MKDOCS_2_WARNING=1 mkdocs build --strict
 
 clean:
 	rm -rf $(BUILD) $(VENV) *.egg-info ros_package/*.egg-info

@@ -11,16 +11,23 @@ Figures: share of batches whose measured saved bytes <= budget; median step time
 dense over the measured batches (round-robin order); gradient cosine to dense (all
 parameters, 0 for units frozen by a 0-bit width), min and median; mean width.
 The first `--warmup` batches (moving average not filled yet) are run but not measured.
+
+Accuracy: `tta bench` (continual stream, severity 5, batch 16, 1 thread) of dense Tent and
+Tent with dynamic widths at `activation_budget_frac` = the first of --fracs (`tent@dyn`), on
+the shipped card and the ResNet-18 w32 card, --acc-samples samples per domain.
 Usage: python benchmarks/bench_dynamic_widths.py [--batches 6] [--warmup 2] [--threads 1]
+       [--acc-samples 64]
 Writes docs/results/dynamic_widths.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,12 +35,19 @@ import torch
 from torch import nn
 from torchvision.models import resnet18, resnet50
 
-from tta_core.memory import SavedActivationCounter
+from tta_core.cli import main as tta_main
+from tta_core.memory import ActivationCodec, SavedActivationCounter
 from tta_core.memory.ledger import MIB
+from tta_core.memory.packed import PackedMask
+from tta_core.memory.quant import PackedInt, PackedQuant
 from tta_core.methods.tent import Tent, TentConfig
 from tta_core.runtime import losses
 
-OUT = Path(__file__).resolve().parents[1] / "docs" / "results"
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "docs" / "results"
+BYTE_KINDS = ("codes wgrad", "codes other", "group min/scale", "ReLU masks", "pool indices",
+              "held dense", "total")
+CARDS = ("checkpoints/small_resnet_signs32.json", "checkpoints/resnet18_cifar_w32_signs64.json")
 
 
 class TentAll(Tent):
@@ -55,6 +69,44 @@ def _dense_bytes(model: nn.Module, x: torch.Tensor) -> int:
     with torch.enable_grad(), counter:
         losses.entropy_loss(meth.model(x))
     return counter.result.total
+
+
+class _Tally(ActivationCodec):
+    """The activation codec, with the bytes of each object it stores sorted by content."""
+
+    def __init__(self, target: nn.Module, plan: object) -> None:
+        super().__init__(target, plan)  # type: ignore[arg-type]
+        self.kinds: collections.Counter = collections.Counter()
+
+    def _store(self, t: torch.Tensor, enc: object, site: object, encode: object) -> object:
+        if self._lookup(t, enc) is not None:  # type: ignore[arg-type]
+            return super()._store(t, enc, site, encode)  # type: ignore[arg-type]
+        packed = super()._store(t, enc, site, encode)  # type: ignore[arg-type]
+        if isinstance(packed, PackedQuant):
+            codes, mn, scale = packed.qt
+            self.kinds[f"codes {site.role}"] += codes.untyped_storage().nbytes()  # type: ignore[attr-defined]
+            self.kinds["group min/scale"] += (mn.untyped_storage().nbytes()
+                                              + scale.untyped_storage().nbytes())
+        elif isinstance(packed, PackedMask):
+            self.kinds["ReLU masks"] += packed.nbytes
+        elif isinstance(packed, PackedInt):
+            self.kinds["pool indices"] += packed.nbytes
+        return packed
+
+
+def where_bytes_go(meth: Tent, x: torch.Tensor, dense_b: int) -> dict[str, float]:
+    """One more forward of a dynamic-widths method at the widths it picks for x: its saved
+    bytes by content, % of the dense bytes (codes of ∂W inputs / of BN and pooling inputs,
+    per-group min and scale, 1-bit ReLU masks, pooling indices, saves held as they are)."""
+    widths = meth.codec
+    widths.before_forward(x)
+    widths.codec = tally = _Tally(meth.model, widths.codec.plan)
+    with torch.enable_grad(), widths:
+        losses.entropy_loss(meth.model(x))
+    held = tally.result.total - sum(tally.kinds.values())
+    out = {k: round(100 * v / dense_b, 2) for k, v in sorted(tally.kinds.items())}
+    return {**out, "held dense": round(100 * held / dense_b, 2),
+            "total": round(100 * tally.result.total / dense_b, 2)}
 
 
 def _step(meth: Tent, x: torch.Tensor) -> tuple[float, dict, torch.Tensor]:
@@ -91,7 +143,9 @@ def bench(model: nn.Module, batch: int, res: int, fracs: list[float], batches: i
                 r["held"].append(bool(stats["within_width_budget"]))
                 r["cos"].append(float(g @ g_dense / (g.norm() * g_dense.norm())))
                 r["bits"].append(stats["width_mean_bits"])
-    return _summary(rec, dense_b, fracs)
+    out = _summary(rec, dense_b, fracs)
+    out["bytes_pct_of_dense"] = where_bytes_go(meths[f"dyn_{fracs[0]:g}"], xs[-1], dense_b)
+    return out
 
 
 def _summary(rec: dict, dense_b: int, fracs: list[float]) -> dict:
@@ -109,12 +163,33 @@ def _summary(rec: dict, dense_b: int, fracs: list[float]) -> dict:
     return out
 
 
+def accuracy(card: str, frac: float, samples: int, threads: int) -> dict:
+    """Mean accuracy (%) and saved-activation MiB per step (--measure-activations) of
+    dense Tent and `tent@dyn` (dynamic widths at `frac` of the dense bytes) on one card's
+    stream, from `tta bench`'s report."""
+    with tempfile.TemporaryDirectory() as out:
+        rc = tta_main(["bench", "--methods", "tent,tent@dyn", "--set",
+                       f"tent@dyn.activation_budget_frac={frac:g}", "--batch-size", "16",
+                       "--samples-per-domain", str(samples), "--threads", str(threads),
+                       "--model-card", str(ROOT / card), "--measure-activations",
+                       "--no-progress", "--out", out])
+        if rc:
+            raise RuntimeError(f"tta bench exited {rc} on {card}")
+        report = json.loads((Path(out) / "report.json").read_text())
+    rows = {r["method"]: r for r in report["summaries"]}
+    res = {m: {"mean_acc_pct": round(100 * rows[m]["mean_accuracy"], 2),
+               "saved_mib_mean": round(rows[m]["saved_mib_mean"], 3),
+               "saved_mib_max": round(rows[m]["saved_mib_max"], 3)} for m in ("tent", "tent@dyn")}
+    res["gap_points"] = round(res["tent"]["mean_acc_pct"] - res["tent@dyn"]["mean_acc_pct"], 2)
+    return {"budget_frac": frac, "samples_per_domain": samples, **res}
+
+
 def _markdown(res: dict) -> str:
     rows = ["| model | dense saved MiB | dense ms | budget | budget MiB | max saved MiB | "
             "budget held | step time / dense | grad cosine min / median | mean bits |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in res.items():
-        if name == "meta":
+        if name in ("meta", "accuracy"):
             continue
         for key, c in r.items():
             if key.startswith("dyn_"):
@@ -122,6 +197,23 @@ def _markdown(res: dict) -> str:
                             f"{float(key[4:]):.0%} | {c['budget_mib']} | {c['saved_mib_max']} "
                             f"| {c['budget_held_pct']} % | {c['time_ratio']} | "
                             f"{c['cos_min']} / {c['cos_median']} | {c['mean_bits']} |")
+    rows += ["", "Where the saved bytes go at the first budget (% of dense bytes, widths of the "
+             "last batch):", "", "| model | " + " | ".join(BYTE_KINDS) + " |",
+             "|---|" + "---|" * len(BYTE_KINDS)]
+    for name, r in res.items():
+        if "bytes_pct_of_dense" in r:
+            b = r["bytes_pct_of_dense"]
+            rows.append(f"| {name} | " + " | ".join(str(b.get(k, 0.0)) for k in BYTE_KINDS)
+                        + " |")
+    rows += ["", "Accuracy (`tta bench`, continual, severity 5, batch 16): dense Tent vs "
+             "Tent with dynamic widths (`tent@dyn`, `activation_budget_frac`).", "",
+             "| card | budget | samples / domain | tent mean acc % | tent@dyn mean acc % | "
+             "gap (points) | saved MiB max tent / tent@dyn |", "|---|---|---|---|---|---|---|"]
+    for card, a in res.get("accuracy", {}).items():
+        rows.append(f"| {card} | {a['budget_frac']:.0%} | {a['samples_per_domain']} | "
+                    f"{a['tent']['mean_acc_pct']} | {a['tent@dyn']['mean_acc_pct']} | "
+                    f"{a['gap_points']} | {a['tent']['saved_mib_max']} / "
+                    f"{a['tent@dyn']['saved_mib_max']} |")
     return "\n".join(rows) + "\n"
 
 
@@ -132,6 +224,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--res", type=int, default=224)
     ap.add_argument("--fracs", default="0.12,0.2")
+    ap.add_argument("--acc-samples", type=int, default=64,
+                    help="samples per domain of the accuracy runs (0: none)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     fracs = [float(f) for f in args.fracs.split(",")]
@@ -140,8 +234,12 @@ def main() -> None:
         torch.manual_seed(0)
         res[f"{arch}_{args.res}px_b{batch}"] = bench(make(num_classes=10).train(), batch,
                                                      args.res, fracs, args.batches, args.warmup)
+    if args.acc_samples:
+        res["accuracy"] = {Path(c).stem: accuracy(c, fracs[0], args.acc_samples, args.threads)
+                           for c in CARDS}
     res["meta"] = {"threads": args.threads, "batches": args.batches, "warmup": args.warmup,
-                   "torch": torch.__version__, "device": "cpu"}
+                   "acc_samples": args.acc_samples, "torch": torch.__version__,
+                   "device": "cpu"}
     print(json.dumps(res, indent=1))
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "dynamic_widths.json").write_text(json.dumps(res, indent=1) + "\n")

@@ -78,6 +78,9 @@ PAGES: tuple[Page, ...] = (
     Page("gate_scope", "bench_gate_scope", "markdown",
          "Gating block-internal convs vs every conv: accuracy and forward time",
          "python benchmarks/bench_gate_scope.py"),
+    Page("shutdown", "bench_shutdown", "markdown",
+         "SIGINT -> exit of every node, idle and with frames flowing",
+         "python benchmarks/bench_shutdown.py"),
 )
 
 

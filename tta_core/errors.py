@@ -11,8 +11,10 @@ instead. Any other exception is a bug and keeps its traceback.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 DEBUG_ENV = "TTA_DEBUG"
 
@@ -47,3 +49,25 @@ def one_line_errors(prog: str, debug: bool = False,
         if debug or debug_requested():
             raise
         raise SystemExit(f"{prog}: error: {one_line(exc)}") from None
+
+
+#: stat file type test -> what a path that is not a regular file is, for messages
+_FILE_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"),
+               (stat.S_ISBLK, "a block device"), (stat.S_ISFIFO, "a FIFO"),
+               (stat.S_ISSOCK, "a socket"))
+
+
+def require_file(path: str | Path, what: str, missing: str) -> None:
+    """Nothing when `path` is a regular file (or a link to one); FileNotFoundError(`missing`)
+    when nothing is there; InputError '<what> is not a regular file (a character device)'
+    when something else is (/dev/zero, a directory, a FIFO: reading those hangs, fills
+    memory or fails far from the cause)."""
+    path = Path(path)
+    if path.is_file():
+        return
+    try:
+        mode = path.stat().st_mode
+    except OSError:  # nothing there, or a link to nothing
+        raise FileNotFoundError(missing) from None
+    kind = next((k for test, k in _FILE_KINDS if test(mode)), "not a file")
+    raise InputError(f"{what} is not a regular file ({kind})")

@@ -19,20 +19,23 @@ Shutdown order (`run_nodes`, `spin`): rclpy is initialised without its signal ha
 which shut the context down the moment SIGINT/SIGTERM arrives, under a perception worker
 that is still publishing. Our handlers only stop the spin loop; then every node is
 destroyed (perception stops and joins its worker first) and only then is the context shut
-down; exit status 0. Start-up errors (bad model card, params file, parameter) are one line
-on stderr (TTA_DEBUG=1: the traceback).
+down; then the process ends without the interpreter's teardown of torch & co (`exit_now`),
+exit status 0. A signal during start-up ends it at once. Start-up errors (bad model card,
+params file, parameter) are one line on stderr (TTA_DEBUG=1: the traceback).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
+import os
 import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import rclpy
 import yaml
@@ -121,13 +124,22 @@ def parse_set(items: Sequence[str]) -> dict[str, dict[str, Any]]:
 
 
 @contextmanager
-def stop_on_signals(stop: threading.Event) -> Iterator[None]:
-    """SIGINT/SIGTERM set `stop` while inside (previous handlers restored on exit); off
-    the main thread, where Python cannot install handlers, nothing changes."""
+def stop_on_signals(stop: threading.Event,
+                    interrupt: threading.Event | None = None) -> Iterator[None]:
+    """SIGINT/SIGTERM set `stop` while inside (previous handlers restored on exit), and
+    raise KeyboardInterrupt while `interrupt` is set (start-up: stop at once, not after a
+    model load of seconds); off the main thread, where Python cannot install handlers,
+    nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in STOP_SIGNALS}
+
+    def on_signal(*_: object) -> None:
+        stop.set()
+        if interrupt is not None and interrupt.is_set():
+            raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
     try:
         yield
     finally:
@@ -158,22 +170,41 @@ def spin(nodes: Sequence[Node], executor: Executor,
 
 
 def run_nodes(prog: str, build: Callable[[], Sequence[Node]],
-              ros_args: Sequence[str] | None = None) -> int:
+              ros_args: Sequence[str] | None = None) -> NoReturn:
     """Init rclpy (ROS args `ros_args`, none of rclpy's signal handlers), build the nodes
-    (bad input: one line on stderr naming it, exit 1), spin them until SIGINT/SIGTERM."""
+    (bad input: one line on stderr naming it, exit 1), spin them until SIGINT/SIGTERM, then
+    leave the process at once (`exit_now`, exit status 0); a signal during start-up ends
+    it too, without waiting for the build."""
     keep_freed_memory()  # no page faults on every batch's activations (runtime.malloc_tuning)
-    stop = threading.Event()
-    with stop_on_signals(stop):  # a signal during start-up stops the nodes once built
-        rclpy.init(args=list(ros_args) if ros_args is not None else None,
-                   signal_handler_options=SignalHandlerOptions.NO)
+    stop, starting = threading.Event(), threading.Event()
+    starting.set()
+    with stop_on_signals(stop, interrupt=starting):
         try:
+            rclpy.init(args=list(ros_args) if ros_args is not None else None,
+                       signal_handler_options=SignalHandlerOptions.NO)
             with one_line_errors(prog, extra=(ParameterException,)):
                 nodes = build()
-        except BaseException:
+            starting.clear()
+        except KeyboardInterrupt:
             rclpy.try_shutdown()  # also destroys a half-built node the context tracks
+            exit_now(0)
+        except BaseException:
+            rclpy.try_shutdown()
             raise
         spin(nodes, SingleThreadedExecutor(), stop)
-    return 0
+    exit_now(0)
+
+
+def exit_now(status: int) -> NoReturn:
+    """End the process after the nodes and rclpy have shut down: atexit handlers run and
+    the std streams are flushed, but the interpreter's teardown of torch and the other
+    extension modules (1-3 s of finalization on a small CPU) is skipped, so Ctrl-C is
+    answered in well under a second (benchmarks/bench_shutdown.py)."""
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with suppress(Exception):
+            stream.flush()
+    os._exit(status)
 
 
 def node_main(node_cls: Callable[[], Node], argv: Sequence[str] | None = None) -> int:
@@ -197,8 +228,16 @@ def ros_args_namespace(argv: Sequence[str]) -> str:
     return ns
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m tta_ros.bringup", description=__doc__,
+def invoked_as(argv0: str) -> str:
+    """How the user started bringup, for usage and error lines: the installed console
+    script (`ros2 run tta_ros bringup`, argv[0] .../lib/tta_ros/bringup), else the module
+    (`python -m tta_ros.bringup`, argv[0] .../tta_ros/bringup.py)."""
+    return "ros2 run tta_ros bringup" if Path(argv0).name == "bringup" \
+        else "python -m tta_ros.bringup"
+
+
+def _parser(prog: str = "python -m tta_ros.bringup") -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=str(package_file("config/vehicle.yaml")),
                     help="node parameters (default: the shipped config/vehicle.yaml, in the "
@@ -220,7 +259,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     `--log-level`, ...) go to rclpy; `-r __ns:=NS` there also picks NS's params sections."""
     from rclpy.utilities import remove_ros_args
 
-    ap = _parser()
+    ap = _parser(invoked_as(sys.argv[0]))
     full = [ap.prog, *(sys.argv[1:] if argv is None else argv)]
     args = ap.parse_args(remove_ros_args(full)[1:])
     namespace = args.namespace or ros_args_namespace(full)

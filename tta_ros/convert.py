@@ -19,6 +19,7 @@ from tta_msgs.msg import AdaptationStatus, ClassPrediction, LayerImportance, Lay
 from tta_core.adashadow.planning import Plan, PlanOutcome
 from tta_core.api import StepResult
 from tta_core.io.image_msg import FrameLimits, check_size, decode_compressed, decode_image
+from tta_ros.frame_cdr import frame_problem
 
 #: a forward slower than this (ms) is not a measurement but a forged or broken message
 MAX_FORWARD_MS = 1e5
@@ -164,11 +165,16 @@ def decode_frame(data: bytes, kind: str, limits: FrameLimits) -> tuple[Any, np.n
     """One serialized frame of input `kind` ("raw": sensor_msgs/Image, "compressed":
     sensor_msgs/CompressedImage) -> (message, HxWx3 RGB array); ValueError in one line
     when it does not deserialize or decode (tta_core.io.image_msg says why). A raw frame
-    over the size limits is refused from its bytes, before deserialization."""
+    over the size limits is refused from its bytes, before deserialization, and so is a
+    frame whose lengths do not fit its bytes (tta_ros.frame_cdr: the C deserializer would
+    print a line to stderr for each)."""
     spec = FRAME_INPUTS[kind]
     size = peek_image_size(data) if kind == "raw" else None
     if size is not None:
         check_size(*size, limits)
+    if problem := frame_problem(data, kind):
+        raise ValueError(f"{len(data)} bytes do not deserialize as "
+                         f"{spec.msg_type.__name__} ({problem})")
     try:
         msg = deserialize_message(data, spec.msg_type)
     except Exception as exc:
@@ -205,8 +211,8 @@ def peak_memory_mb(device: torch.device) -> float:
 
 def status_msg(header: Header, batch_id: int, res: StepResult, *, method: str, mode: str,
                plan_id: int, reset: bool, frames_dropped: int,
-               peak_mb: float) -> AdaptationStatus:
-    """The AdaptationStatus of one batch."""
+               peak_mb: float, deadline_ms: float = math.nan) -> AdaptationStatus:
+    """The AdaptationStatus of one batch (`deadline_ms`: its deadline, NaN in sigma*T mode)."""
     t = res.times
     msg = AdaptationStatus(
         batch_id=batch_id, method=method, mode=mode, adapted=bool(res.adapted),
@@ -214,7 +220,7 @@ def status_msg(header: Header, batch_id: int, res: StepResult, *, method: str, m
         forward_ms=float(t.forward_ms), plan_ms=float(t.plan_ms),
         backward_ms=float(t.backward_ms), reforward_ms=float(t.reforward_ms),
         total_ms=float(t.total_ms), predicted_total_ms=float(res.predicted_total_ms),
-        budget_ms=float(res.budget_ms), loss=float(res.loss),
+        budget_ms=float(res.budget_ms), deadline_ms=float(deadline_ms), loss=float(res.loss),
         mean_entropy=float(res.mean_entropy), peak_memory_mb=float(peak_mb),
         frames_dropped=frames_dropped, reset=reset, domain=res.domain)
     msg.header = header

@@ -2,7 +2,8 @@
 
 The bag's images are published on the perception node's image topic (original stamps
 kept, so predictions join to ground truth by stamp); `predictions` and
-`adaptation_status` are collected; the result is the same report as `tta bench`
+`adaptation_status` are collected (and `layer_plan`, so the report names the layers each
+batch's plan updated); the result is the same report as `tta bench`
 (tta_core.eval.report) plus end-to-end latency image publish -> prediction received.
 
 Pacing: `real` keeps the bag's relative timing, `<hz>` a fixed rate, `max` as fast as
@@ -29,7 +30,7 @@ from rclpy.node import Node
 from rclpy.qos import QoSProfile
 from rclpy.signals import SignalHandlerOptions
 from sensor_msgs.msg import Image
-from tta_msgs.msg import AdaptationStatus, ClassPrediction
+from tta_msgs.msg import AdaptationStatus, ClassPrediction, LayerPlan
 
 from tta_core.eval.report import FrameRecord, RunRecord, report_dict, write_json_atomic
 from tta_core.eval.report_files import ReportFiles, write_report
@@ -58,6 +59,7 @@ class ReplayOptions:
     image_topic: str = "image"
     predictions_topic: str = "predictions"
     status_topic: str = "adaptation_status"
+    plan_topic: str = "layer_plan"
     overrides: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -104,6 +106,7 @@ class Collector:
         self.cond = threading.Condition()
         self.predictions: dict[int, tuple[ClassPrediction, float]] = {}
         self.statuses: dict[int, AdaptationStatus] = {}
+        self.plans: dict[int, tuple[str, ...]] = {}  # plan_id -> names of the units it updates
         self.published: dict[int, float] = {}  # stamp -> perf_counter at publish
 
     def on_prediction(self, msg: ClassPrediction) -> None:
@@ -115,6 +118,11 @@ class Collector:
         with self.cond:
             self.statuses[int(msg.batch_id)] = msg
             self.cond.notify_all()
+
+    def on_plan(self, msg: LayerPlan) -> None:
+        with self.cond:
+            self.plans[int(msg.plan_id)] = tuple(
+                n for n, u in zip(msg.unit_names, msg.update, strict=False) if u)
 
     def in_flight(self) -> int:
         return sum(1 for s in self.published if s not in self.predictions)
@@ -154,7 +162,7 @@ def build_run(frames: list[BagFrame], col: Collector, wall_s: float, method: str
               meta: dict[str, Any]) -> RunRecord:
     """Join published frames with their predictions and batch statuses (by stamp/batch)."""
     with col.cond:
-        preds, stats = dict(col.predictions), dict(col.statuses)
+        preds, stats, plans = dict(col.predictions), dict(col.statuses), dict(col.plans)
         published = dict(col.published)
     records, dropped = [], 0
     for f in frames:
@@ -173,8 +181,36 @@ def build_run(frames: list[BagFrame], col: Collector, wall_s: float, method: str
     if stats:
         method = next(iter(stats.values())).method or method
         meta = {**meta, "mode": next(iter(stats.values())).mode,
-                "plan_ids": sorted({int(s.plan_id) for s in stats.values()})[:1000]}
+                "plan_ids": sorted({int(s.plan_id) for s in stats.values()})[:1000],
+                "layer_updates": layer_updates(
+                    [stats[b] for b in sorted({r.batch_id for r in records}) if b in stats],
+                    plans)}
     return RunRecord(method, records, wall_s, peak, dropped, meta)
+
+
+def layer_updates(statuses: list[AdaptationStatus],
+                  plans: dict[int, tuple[str, ...]]) -> dict[str, Any]:
+    """Which layers the batches updated and how often (report.json `meta.layer_updates`,
+    tta_core.eval.report.layer_updates_markdown): per unit, the batches whose plan (a
+    LayerPlan received, by plan_id) updated it; a batch planned inline (plan_id 0) or
+    whose plan was not received counts in `unnamed` (its status gives only the count)."""
+    units: dict[str, int] = {}
+    adapted = unnamed = from_topic = 0
+    for st in statuses:
+        from_topic += int(st.plan_id) != 0
+        if not st.adapted:
+            continue
+        adapted += 1
+        names = plans.get(int(st.plan_id)) if int(st.plan_id) else None
+        if names is None:
+            unnamed += 1
+            continue
+        for n in names:
+            units[n] = units.get(n, 0) + 1
+    return {"batches": len(statuses), "adapted": adapted, "from_topic_plans": from_topic,
+            "unnamed": unnamed, "units": units,
+            "units_updated_mean": (sum(int(s.units_updated) for s in statuses)
+                                   / len(statuses)) if statuses else math.nan}
 
 
 class _Pacer:
@@ -221,6 +257,7 @@ class _Session:
                                       self.col.on_prediction, qos)
         self.node.create_subscription(AdaptationStatus, opts.status_topic,
                                       self.col.on_status, qos)
+        self.node.create_subscription(LayerPlan, opts.plan_topic, self.col.on_plan, qos)
         self.executor = SingleThreadedExecutor(context=context)  # see tta_ros.bringup
         for n in (self.node, *self.nodes):  # predictions are taken before planning work
             self.executor.add_node(n)

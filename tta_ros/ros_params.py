@@ -53,6 +53,22 @@ class ParamSpec:
                     from_value=float(self.low), to_value=float(self.high), step=0.0)]
         return d
 
+    def coerce(self, value: Any) -> Any:
+        """A start value given for this parameter in the default's type: an int where a
+        float is expected (`batch_timeout_s:=0`, YAML `rate_hz: 5`) becomes that float,
+        in lists too; ValueError naming the value for any other type."""
+        want = self.default
+        if _is_int(value) and isinstance(want, float):
+            return float(value)
+        if isinstance(value, list | tuple) and isinstance(want, list | tuple):
+            if want and isinstance(want[0], float):
+                return [float(v) if _is_int(v) else v for v in value]
+            return list(value)
+        if type(value) is not type(want) and not (_is_int(value) and _is_int(want)):
+            raise ValueError(f"{self.name}={value!r} is of type {type(value).__name__}, "
+                             f"expected {type(want).__name__}")
+        return value
+
     def check(self, value: Any) -> str:
         """'' when `value` is acceptable, else the reason (names the value)."""
         if isinstance(value, float) and not math.isfinite(value):
@@ -65,10 +81,42 @@ class ParamSpec:
         return ""
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def declare_all(node: Node, specs: Sequence[ParamSpec]) -> None:
-    """Declare every spec on `node` (values from overrides / params files win)."""
+    """Declare every spec on `node`; a value given at start (overrides, params files, -p)
+    wins, in the spec's type (ParamSpec.coerce: `0` for a float parameter is 0.0); run-time
+    changes take ints for floats too (accept_ints_for_floats)."""
+    given = node._parameter_overrides  # rclpy keeps the start values here for declarations
     for spec in specs:
-        node.declare_parameter(spec.name, spec.default, spec.descriptor())
+        value = spec.coerce(given[spec.name].value) if spec.name in given else spec.default
+        node.declare_parameter(spec.name, value, spec.descriptor(), ignore_override=True)
+    accept_ints_for_floats(node)
+
+
+#: (declared type, type given) -> conversion of a run-time value that loses nothing
+_WIDEN = {(Parameter.Type.DOUBLE, Parameter.Type.INTEGER): float,
+          (Parameter.Type.DOUBLE_ARRAY, Parameter.Type.INTEGER_ARRAY):
+              lambda v: [float(x) for x in v]}
+
+
+def accept_ints_for_floats(node: Node) -> None:
+    """Let run-time changes give an int for a float parameter (`ros2 param set /scheduler
+    sigma 1`: the CLI sends an INTEGER, which rclpy refuses for a DOUBLE parameter before
+    any on-set callback): a pre-set callback turns it into that float, for every declared
+    parameter of `node` (its own and method.*)."""
+    def widen(params: list[Parameter]) -> list[Parameter]:
+        out = []
+        for p in params:
+            declared = (Parameter.Type(node.describe_parameter(p.name).type)
+                        if node.has_parameter(p.name) else None)
+            conv = _WIDEN.get((declared, p.type_))
+            out.append(Parameter(p.name, declared, conv(p.value)) if conv else p)
+        return out
+
+    node.add_pre_set_parameters_callback(widen)
 
 
 def values(node: Node, specs: Iterable[ParamSpec]) -> dict[str, Any]:

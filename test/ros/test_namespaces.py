@@ -117,3 +117,30 @@ def _assert_diagnostics_namespaced(statuses: list) -> None:
         sorted({s.name for s in statuses})
     assert all(s.name.startswith(CARS) for s in statuses), sorted({s.name for s in statuses})
     assert all(s.hardware_id for s in statuses)
+
+
+def test_node_names_unique_under_launch_global_arguments() -> None:
+    """`ros2 launch` starts perception with the global `-r __node:=perception -r
+    __ns:=/car1`; those must not rename its intake node too (two /car1/perception)."""
+    import random
+
+    from tta_ros.nodes.perception import PerceptionNode
+
+    ctx = rclpy.context.Context()
+    rclpy.init(args=["perception_node", "--ros-args", "-r", "__node:=perception",
+                     "-r", "__ns:=/car1"], context=ctx, domain_id=random.randint(1, 200))
+    try:
+        node = PerceptionNode(context=ctx, parameter_overrides=[
+            rclpy.parameter.Parameter("model_card", value=str(CARD))])
+        probe = rclpy.create_node("probe", context=ctx, use_global_arguments=False)
+        want = [("perception", "/car1"), ("perception_intake", "/car1"), ("probe", "/")]
+        try:
+            assert wait_for(lambda: sorted(probe.get_node_names_and_namespaces()) == want,
+                            5.0), probe.get_node_names_and_namespaces()
+            assert node.intake.node.resolve_topic_name("image") == "/car1/image"
+            assert [s.topic_name for s in node.intake.node.subscriptions] == ["/car1/image"]
+        finally:
+            probe.destroy_node()
+            node.destroy_node()
+    finally:
+        ctx.try_shutdown()

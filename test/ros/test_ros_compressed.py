@@ -131,3 +131,59 @@ def test_compressed_input_follows_a_remapped_image_topic(ros_context) -> None:
         assert "deserialize as CompressedImage" in node.counters.last_rejection
     finally:
         node.destroy_node()
+
+
+def test_bombs_between_valid_frames_are_refused_and_every_valid_frame_answered(
+        ros_context) -> None:
+    """The three fuzz-case bombs (tiny files declaring 4000 x 4000 or 4096 x 4096 images)
+    and a small PNG whose stream inflates to 48 MB, sent between valid PNG frames: each
+    bomb refused undecoded and reported on /diagnostics (with the size it declared);
+    every valid frame answered."""
+    from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+    from helpers.bombs import bombs, zero_stream_bomb
+
+    node = PerceptionNode(context=ros_context, parameter_overrides=[
+        Parameter(k, value=v) for k, v in {
+            "model_card": str(CARD), "method": "source", "input": "compressed",
+            "batch_size": 4, "queue_size": 64, "num_threads": 1}.items()])
+    probe = rclpy.create_node("probe", context=ros_context)
+    preds: dict[int, ClassPrediction] = {}
+    diags: list[DiagnosticStatus] = []
+    rel = QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE)
+    probe.create_subscription(ClassPrediction, "predictions",
+                              lambda m: preds.__setitem__(m.header.stamp.sec, m), rel)
+    probe.create_subscription(DiagnosticArray, "/diagnostics",
+                              lambda m: diags.extend(m.status), rel)
+    pub = probe.create_publisher(CompressedImage, "image/compressed", qos_profile_sensor_data)
+    ex = SingleThreadedExecutor(context=ros_context)
+    for n in (node, probe):
+        ex.add_node(n)
+    thread = threading.Thread(target=ex.spin, daemon=True)
+    thread.start()
+    try:
+        assert wait_for(lambda: pub.get_subscription_count() > 0, 5.0)
+        valid = [cv2.imencode(".png", np.ascontiguousarray(img[..., ::-1]))[1].tobytes()
+                 for img in FRAMES[:12]]
+        bomb_list = [*bombs(), zero_stream_bomb()] * 3
+        for i, (data, b) in enumerate(zip(valid, bomb_list, strict=True)):
+            for stamp, fmt, payload in ((100 + i, "png", data), (500 + i, b.format, b.data)):
+                msg = CompressedImage(format=fmt, data=payload)
+                msg.header.stamp.sec = stamp
+                pub.publish(msg)
+            # each valid frame is answered although a bomb follows it at once
+            assert wait_for(lambda i=i: 100 + i in preds, 10.0), (i, b.name, sorted(preds))
+        assert wait_for(lambda: node.counters.rejected == len(bomb_list), 5.0)
+        assert node.counters.too_large == len(bomb_list)
+        assert not [s for s in preds if s >= 500]
+        assert wait_for(lambda: any("max_decode_bytes" in s.message for s in diags
+                                    if s.level == DiagnosticStatus.ERROR), 5.0)
+        refused = [s.message for s in diags if "max_decode_bytes" in s.message]
+        assert any("declares 4000x4000" in m or "declares 4096x4096" in m for m in refused)
+        assert wait_for(lambda: any(
+            {kv.key: kv.value for kv in s.values}.get("too_large") == str(len(bomb_list))
+            for s in diags if s.name.endswith("input")), 5.0)
+    finally:
+        ex.shutdown(timeout_sec=2.0)
+        thread.join(timeout=2.0)
+        node.destroy_node()
+        probe.destroy_node()

@@ -276,7 +276,12 @@ def test_perception_plans_inline_against_its_deadline(ros_context) -> None:
         assert "deadline_mode=fixed: the forward alone (" in plan.message
         values = {kv.key: kv.value for kv in plan.values}
         assert values["deadline_mode"] == "fixed"
-        assert values["speed"].startswith("no odometry on '/odom'")
+        assert "speed" not in values  # not a speed deadline: the odometry does not count
+        assert all(r.successful for r in node.set_parameters([
+            Parameter("method.deadline_mode", value="speed")]))
+        speed = next(s for s in perception_statuses(node) if s.name.endswith("planning"))
+        assert {kv.key: kv.value for kv in speed.values}["speed"].startswith(
+            "no odometry on '/odom'")
         node.speed.on_speed(7.5)
         speed = next(s for s in perception_statuses(node) if s.name.endswith("planning"))
         assert {kv.key: kv.value for kv in speed.values}["speed"] == "7.5 m/s"

@@ -175,12 +175,14 @@ def test_domains_reported_and_bank_kept_across_a_restart(ros_context, stream,
 
 
 def test_corrupt_bank_file_is_reported_in_one_line_and_the_node_serves(
-        ros_context, stream, tmp_path) -> None:
+        ros_context, stream, tmp_path, capfd) -> None:
     bank = tmp_path / "bank.safetensors"
     bank.write_bytes(b"not a safetensors file\nsecond line")
     run = Run(ros_context, bank, save_s=0.2)
     try:
         assert run.node.domain.bank_error and "\n" not in run.node.domain.bank_error
+        err = capfd.readouterr().err  # the node's log line only (tta_core's is muted)
+        assert sum(str(bank) in line for line in err.splitlines()) == 1, err
         domains = run.feed(stream.images[:2 * BATCH], 0)
         assert len(run.preds) == 2 * BATCH and all(domains)
         assert wait_for(lambda: any("domain bank not loaded" in s.message

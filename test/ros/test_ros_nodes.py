@@ -302,7 +302,7 @@ def test_resource_monitor_calibration_fills_expansion(ros_context, tmp_path) -> 
         for n in (plain, node, paper):
             n._on_sample()
         assert np.isnan(plain.last_sample.compute_expansion)
-        assert expansion_status(plain.sampler).level == DiagnosticStatus.STALE
+        assert expansion_status(plain.sampler).level == DiagnosticStatus.OK  # none: absent
         # default "share" model, T = 2 torch threads, C = the cores, n_off = 0 (old file)
         s = node.last_sample
         n = s.competing_processes if np.isfinite(s.competing_processes) else 0.0

@@ -105,11 +105,27 @@ def test_doctor_passes_in_the_project_environment():
     assert "tta_msgs" in proc.stdout and "all required checks passed" in proc.stdout
 
 
+def test_doctor_reports_a_missing_module_as_a_row_not_a_crash():
+    """tta_kernels unimportable (a workspace whose install folder is not sourced): the
+    table still prints, with that row MISSING and its fix, exit 1."""
+    code = ("import sys; sys.modules['tta_kernels'] = None; sys.argv = ['tta', 'doctor', "
+            "'--no-color']; import runpy; runpy.run_module('tta_core.cli', run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    line = next(s for s in proc.stdout.splitlines() if "tta_kernels" in s)
+    assert "MISSING" in line and "ModuleNotFoundError" in line
+    assert "some required checks FAILED" in proc.stdout
+
+
 def test_doctor_fails_and_names_the_fix_when_tta_msgs_is_hidden():
+    """Only the PYTHONPATH entries holding tta_msgs are dropped (in a colcon workspace
+    tta_kernels sits in another install folder and must stay importable)."""
     env = os.environ.copy()
     env["PYTHONPATH"] = os.pathsep.join(
-        p for p in env.get("PYTHONPATH", "").split(os.pathsep) if "tta_msgs" not in p
-        and "install" not in p
+        p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+        if p and not (Path(p) / "tta_msgs").exists()
     )
     proc = _doctor(env)
     assert proc.returncode == 1, proc.stdout

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import yaml
+from helpers import ROOT
 from rosbags.rosbag2 import Reader, StoragePlugin, Writer
 
 from tta_core.data.streams import domain_name
@@ -106,6 +107,48 @@ def test_metadata_is_what_ros2_bag_record_writes(tmp_path) -> None:
         assert r.ros_distro == "kilted"
         (conn,) = [c for c in r.connections if c.topic == IMAGE_TOPIC]
         assert conn.ext.offered_qos_profiles[0].depth == 5
+
+
+def _mcap_channels(path) -> dict[str, dict[str, str]]:
+    """topic -> channel metadata (MCAP map<string, string>) of an MCAP file's summary."""
+    from io import BytesIO
+
+    from rosbags.rosbag2.storage_mcap import McapReader, read_string
+
+    reader = McapReader(path)
+    reader.open()
+    try:
+        out = {}
+        for ch in reader.channels.values():
+            bio, meta = BytesIO(ch.metadata), {}
+            while bio.tell() < len(ch.metadata):
+                key = read_string(bio)
+                meta[key] = read_string(bio)
+            out[ch.topic] = meta
+        return out
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize("folder", ["tmp", "sample"])
+def test_mcap_channels_and_embedded_metadata_as_rosbag2_writes_them(tmp_path, folder) -> None:
+    """Each MCAP channel carries `topic_type_hash` (the topic's RIHS01 type description
+    hash, as in metadata.yaml) next to its QoS, and the bag metadata embedded in the file
+    names the same distro as metadata.yaml: in a new bag and in the shipped sample."""
+    path = tmp_path / "m" if folder == "tmp" else ROOT / "bags" / "signs32_sample"
+    if folder == "tmp":
+        write_bag(path, _frames(3), class_names=NAMES)
+    info = yaml.safe_load((path / "metadata.yaml").read_text())["rosbag2_bagfile_information"]
+    hashes = {t["topic_metadata"]["name"]: t["topic_metadata"]["type_description_hash"]
+              for t in info["topics_with_message_count"]}
+    channels = _mcap_channels(path / info["relative_file_paths"][0])
+    assert {t: m["topic_type_hash"] for t, m in channels.items()} == hashes
+    assert all(h.startswith("RIHS01_") and len(h) == 71 for h in hashes.values())
+    assert all(set(m) == {"offered_qos_profiles", "topic_type_hash"} for m in channels.values())
+    data = (path / info["relative_file_paths"][0]).read_bytes()
+    assert info["ros_distro"] == ROS_DISTRO
+    assert data.count(f"ros_distro: {ROS_DISTRO}".encode()) == 1
+    assert b"ros_distro: rosbags" not in data
 
 
 def test_message_definitions_found_in_an_installed_workspace(tmp_path, monkeypatch) -> None:

@@ -63,3 +63,26 @@ def test_adashadow_plans_and_steps_on_the_64px_card() -> None:
     for r in steps:
         assert 0 <= r.units_updated <= bn_units and len(r.importance) == len(staged.units)
         assert not np.asarray(r.plan.update)[[u.kind != "bn" for u in staged.units]].any()
+
+
+@pytest.mark.parametrize(("path", "kind"), [("/dev/zero", "a character device"),
+                                            ("/", "a directory")])
+def test_checkpoint_that_is_not_a_regular_file_is_named_so(path: str, kind: str) -> None:
+    """/dev/zero or a directory is not 'missing': it is there and not a file (reading
+    /dev/zero would never end)."""
+    import dataclasses
+
+    from tta_core.errors import InputError
+    from tta_core.model.source import load_card, load_model
+    from tta_core.model.weights import load_state_dict
+
+    card = dataclasses.replace(load_card(ROOT / "checkpoints" / "small_resnet_signs32.json"),
+                               checkpoint=path)
+    for load, what in ((lambda: load_model(card), f"checkpoint {path!r} named by the card"),
+                       (lambda: load_state_dict(path), f"weights file {path!r}"),
+                       (lambda: load_card(path), f"model card {path!r}")):
+        with pytest.raises(InputError) as info:
+            load()
+        assert str(info.value) == f"{what} is not a regular file ({kind})"
+    with pytest.raises(FileNotFoundError, match="is missing"):
+        load_model(dataclasses.replace(card, checkpoint="/no/such/file.safetensors"))

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from tta_core.adashadow.predictor import Calibration  # re-exported: load_calibration's type
+from tta_core.io.strict_json import dumps as json_dumps
 from tta_core.telemetry import BandwidthProbe, PerfSource, PsutilSource, SysfsSource
 from tta_core.telemetry.caches import cache_sizes
 
@@ -169,7 +170,7 @@ class CalibrationReport:
     def save(self, path: str | Path) -> None:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        path.write_text(json_dumps(self.to_dict(), indent=1) + "\n")
 
 
 def _nan_to_none(obj: Any) -> Any:

@@ -26,7 +26,7 @@ Fidelity as a value discount: the first-order loss decrease of a step along a co
 gradient g' is lr * <g, g'> = lr * |g| |g'| cos, so an importance predicted for the exact
 gradient is scaled by the measured cosine of the keep ratio (DEFAULT_FIDELITY: conv dW
 cosine at keep 1/0.5/0.3/0.1 with exact ReLU masks and dense BN inputs, small net, batch
-16, /work/shared/notes/memory-and-domains.md). One option per unit (keep fixed beforehand,
+16). One option per unit (keep fixed beforehand,
 e.g. by a SURGEON-style rule) makes the DP choose units only.
 
 Solver. Time is discretised exactly as planner.solve (same steps, same rounding). Memory:
@@ -42,7 +42,7 @@ fixed part exceeds its budget (it only grows as d falls) or every d' <= d has F_
 Rounding loses < 1 memory step per updated unit. DEFAULT_N_M = 128: on a ResNet-50
 profile (107 units) a binding memory budget at sigma = 1 solves in ~20-25 ms with 0.93-0.98
 of a 1024-step solve's objective (~1-2 ms at sigma = 0.33, where time prunes the sweep);
-benchmarks/bench_memory_planner.py, docs/api.md.
+benchmarks/bench_memory_planner.py.
 With B_m = inf the memory axis has one cell and each unit keeps its highest-fidelity
 option: the plan is planner.solve's (same updates, same strict tie-breaking) when that
 fidelity is 1. Ties: a non-empty plan only for a strictly positive objective.

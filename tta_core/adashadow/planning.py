@@ -11,7 +11,7 @@ The engine plans inline with it; `tta_ros`'s scheduler node wraps the same servi
 wiring, so a topic plan and an inline plan for the same importance, forward time and
 telemetry are the same plan. Pure Python + numpy; no torch model is needed at plan time.
 
-Which feedback needs what (see also docs/api.md):
+Which feedback needs what (see also docs/concepts.md):
 - forward feedback "uniform": the batch's measured forward only (works offline);
 - forward feedback "memory": a live telemetry pi1 (`set_expansion`); without one it falls
   back to "uniform" (pi1 = 1 would read unseen compute sharing as memory contention);

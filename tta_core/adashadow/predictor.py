@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tta_core.io.strict_json import dumps as json_dumps
+
 PROFILE_SCHEMA = "tta.unit_profile/1"
 
 
@@ -91,7 +93,7 @@ class UnitProfile:
         """Write the profile as JSON (parent folders are created)."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        path.write_text(json_dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
     def load(cls, path: str | Path) -> UnitProfile:

@@ -1,11 +1,12 @@
 """DAF's greedy two-budget bit allocation (§3.4.1): per unit, a width in {0, 2, 4, 8}
 maximising stored importance under a memory budget (bytes) and a time budget (ms).
 
-Value of unit i at width b: importance_i * FIDELITY[b]. Importance: gradient statistics,
-the RMS of the unit's last weight gradient (as SURGEON's Eq. 4: runtime.stats.
-gradient_rms), lagged by one update (the allocation is decided before the forward,
-so it cannot use this batch's gradient); AdaShadow's backprop-free KL was not wired in.
-FIDELITY orders the widths as the measured gradient cosines do (2 bits: 0.96, 4: 0.998,
+Value of unit i at width b: importance_i * FIDELITY[b] (or the unit's own table,
+`UnitChoice.fidelity`, when its widths act on the gradient differently). Importance:
+gradient statistics, the RMS of the unit's last weight gradient (as SURGEON's Eq. 4:
+runtime.stats.gradient_rms), lagged by one update (the allocation is decided before the
+forward, so it cannot use this batch's gradient); AdaShadow's backprop-free KL was not
+wired in. FIDELITY orders the widths as the measured gradient cosines do (2 bits: 0.96, 4: 0.998,
 8: 1.000 on the shipped net) and charges 2 bits more than its cosine alone, since its error
 compounds across layers; callers may pass their own table.
 
@@ -38,6 +39,11 @@ class UnitChoice:
     importance: float
     mem: Mapping[int, float]
     time: Mapping[int, float] = field(default_factory=dict)  # missing widths: 0 ms
+    fidelity: Mapping[int, float] | None = None  # this unit's own table (None: the caller's)
+
+    def fid(self, table: Mapping[int, float]) -> Mapping[int, float]:
+        """The fidelity table that values this unit: its own, else `table`."""
+        return table if self.fidelity is None else self.fidelity
 
     def cost(self, bits: int) -> tuple[float, float]:
         """(bytes, ms) at `bits`."""
@@ -58,16 +64,16 @@ def _evaluate(units: Sequence[UnitChoice], bits: Mapping[str, int],
               fidelity: Mapping[int, float]) -> Allocation:
     mem = sum(u.cost(bits[u.name])[0] for u in units)
     time = sum(u.cost(bits[u.name])[1] for u in units)
-    value = sum(u.importance * fidelity[bits[u.name]] for u in units)
+    value = sum(u.importance * u.fid(fidelity)[bits[u.name]] for u in units)
     return Allocation(dict(bits), value, mem, time)
 
 
 def _check(units: Sequence[UnitChoice], fidelity: Mapping[int, float]) -> None:
     for u in units:
-        bad = [b for b in u.mem if b not in fidelity]
+        bad = [b for b in u.mem if b not in u.fid(fidelity)]
         if not u.mem or bad:
             raise ValueError(f"unit {u.name!r}: widths {sorted(u.mem)} must be non-empty and "
-                             f"in the fidelity table {sorted(fidelity)}")
+                             f"in the fidelity table {sorted(u.fid(fidelity))}")
         if u.importance < 0:
             raise ValueError(f"unit {u.name!r}: importance must be >= 0, got {u.importance}")
 
@@ -76,11 +82,12 @@ def _upgrades(u: UnitChoice, cur: int, fidelity: Mapping[int, float]
               ) -> list[tuple[int, float, float, float]]:
     """(width, value gain, extra bytes, extra ms) of every higher width of u."""
     m0, t0 = u.cost(cur)
+    fid = u.fid(fidelity)
     out = []
     for b in sorted(u.mem):
         if b > cur:
             m, t = u.cost(b)
-            out.append((b, u.importance * (fidelity[b] - fidelity[cur]), m - m0, t - t0))
+            out.append((b, u.importance * (fid[b] - fid[cur]), m - m0, t - t0))
     return out
 
 

@@ -12,8 +12,10 @@ MemoryOptions by tta_core.runtime.capabilities.build_codec).
   1.0 before the first). What the arena cannot hold even at 2 bits is kept outside and
   reported (`arena_overflow_bytes`); the 1-bit ReLU masks are not in the arena. A budget
   changed at run time resizes the arena before the next forward (§3.4.4).
-- `activation_budget_mb` alone: dynamic widths (`dynamic.DynamicWidths`): per batch, 0/2/4/8
-  bits per unit from the greedy knapsack under the budget, importance a moving average.
+- `activation_budget_mb` and/or `activation_budget_frac` (a fraction of the batch's dense
+  saved bytes) without `activation_bits`: dynamic widths (`dynamic.DynamicWidths`): per
+  batch, 0/2/4/8 bits per unit from the greedy knapsack under the budget, importance a
+  moving average.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from torch import Tensor, nn
 
 from tta_core.daf.arena import PagedArena
 from tta_core.daf.arena_codec import ArenaCodec
-from tta_core.daf.dynamic import DynamicWidths
+from tta_core.daf.dynamic import DynamicWidths, budget_bytes
 from tta_core.daf.plans import check_activation_bits, daf_plan
 from tta_core.memory import ActivationCodec
 from tta_core.memory.ledger import MIB
@@ -88,8 +90,11 @@ def build_codec(model: nn.Module, options: object) -> DafCodec | DynamicWidths:
     bits = getattr(options, "activation_bits", None)
     budget_mb = getattr(options, "activation_budget_mb", None)
     if bits is None:
-        _check_budget(budget_mb)
+        budget_bytes(options, 1)  # the values alone; the dense bytes come per batch
         return DynamicWidths(model, options)
+    if getattr(options, "activation_budget_frac", None) is not None:
+        raise ValueError("activation_budget_frac takes no activation_bits (widths are chosen "
+                         f"per batch), got activation_bits={bits!r}")
     check_activation_bits(bits)
     if budget_mb is None:
         return DafCodec(ActivationCodec(model, daf_plan(model, bits)))

@@ -1,7 +1,8 @@
 """DAF's dynamic widths for any gradient method (§3.4.1 + Algorithm 3's moving average):
 per batch, each unit's saves get a width in {0, 2, 4, 8} bits from the greedy knapsack
-(bit_alloc.greedy_bits) under the method's memory budget (`activation_budget_mb`, read
-before every forward, so a change made at run time holds from the next batch on).
+(bit_alloc.greedy_bits) under the method's memory budget (`activation_budget_mb`, and/or
+`activation_budget_frac` times the batch's dense saved bytes, `dense_bytes`; read before
+every forward, so a change made at run time holds from the next batch on).
 
 Costs: bytes per unit and width from one profiled forward of a 2-sample slice per input
 shape (BN running statistics restored afterwards), scaled to the batch
@@ -11,9 +12,9 @@ indices, BN statistics, frozen units' inputs, which are not stored) is charged f
 
 Widths: a trainable conv/linear unit stores its input at 0 (not stored: the unit is frozen
 for this batch, no ∂W), 2, 4 or 8 bits; a norm unit (BN/LN) its input at 2, 4 or 8 (its ∂x
-needs it: never 0). A norm unit's width sets the error of the ∂x it sends to every unit
-before it, so its importance is its own plus that of every trainable unit before it in
-forward order (`unit_values`).
+needs it: never 0). A norm unit's width also sets the error of the ∂x it sends to every
+unit before it, so its importance is its own plus that of every trainable unit before it in
+forward order, each part valued by its own table (`unit_choices`, below).
 
 Importance (Algorithm 3's MA_i; the paper leaves the metric open): an exponential moving
 average of the unit's squared gradient norm, i.e. SURGEON's Eq. 4 statistic G_i squared
@@ -22,11 +23,21 @@ gradient cosine measures). Before a unit's first gradient it is the largest know
 when none is known): a unit never measured is given bits so that it gets measured. A unit
 frozen by a 0-bit width keeps its last average.
 
-Value of a width (`FIDELITY`): the share of a unit's gradient energy it keeps, cos² with
-cos the per-layer gradient cosine measured at that width (ResNet-18, all parameters,
-per-group 128 min-max: 2 bits 0.948, 4 bits 0.998, 8 bits 0.99999; 0 bits keeps nothing).
-bit_alloc's default table (2 bits: 0.6) makes freezing look cheap: on ResNet-18 64 px at
-12 % it froze conv1, half the gradient energy, and the cosine to dense fell to 0.57.
+Value of a width: the share of a gradient's energy it keeps, 1 - (relative squared error)
+of that gradient with only this unit's save quantized (ResNet-50 224 px b4 and ResNet-18,
+per-group 128 min-max; 0 bits keeps nothing):
+- `FIDELITY`, a conv/linear unit's ∂W: 2 bits 0.90, 4 bits 0.996 (measured 0.79-0.91 and
+  0.991-0.996);
+- `NORM_FIDELITY`, a norm unit's own ∂γ/∂β: 2 bits 0.78, 4 bits 0.991 (0.76-0.84,
+  0.988-0.991);
+- `upstream_fidelity`, the units before a norm unit: 1 - UPSTREAM_LOSS[b] / n with n the
+  values per statistic (B·H·W for BN). BN's ∂x reads its input only in the correction
+  term x̂·mean(g·x̂), whose error shrinks as 1/n: measured 2-bit losses 3e-5-5e-4 at
+  n = 784-12544 (ResNet-50 224 px) but 0.087 at n = 32 (ResNet-18 64 px, layer4); 4 bits
+  lose ~27x less. UPSTREAM_LOSS[2] = 3 bounds the worst of these.
+One table for both parts (a norm unit's own fidelity applied to every unit before it) makes
+every norm unit worth the whole network before it: on ResNet-50 at 12 % it put 29 of 53 BN
+inputs at 8 bits and froze 40 of 53 convs (cosine 0.989).
 """
 
 from __future__ import annotations
@@ -50,6 +61,8 @@ from tta_core.runtime import losses
 WGRAD_WIDTHS = (0, 2, 4, 8)
 NORM_WIDTHS = (2, 4, 8)
 FIDELITY = {0: 0.0, 2: 0.90, 4: 0.996, 8: 1.0}
+NORM_FIDELITY = {2: 0.78, 4: 0.991, 8: 1.0}
+UPSTREAM_LOSS = {2: 3.0, 4: 3.0 / 27, 8: 3.0 / (27 * 256)}  # x 1 / values per statistic
 PROFILE_SAMPLES = 2  # BatchNorm1d needs > 1 value per channel
 GROUP = 128
 
@@ -65,22 +78,42 @@ class WidthState:
     frozen_units: int = 0
 
 
-def batch_profile(model: nn.Module, x: Tensor) -> SaveProfile:
-    """The saves of a forward on x's batch, profiled on its first PROFILE_SAMPLES samples
-    and scaled up (module doc); the model's BN running statistics are left unchanged."""
-    n = min(PROFILE_SAMPLES, int(x.shape[0]))
+def _profile(model: nn.Module, x: Tensor) -> SaveProfile:
+    """profile_saves of a forward on x, the model's BN running statistics restored."""
     buffers = {k: v.clone() for k, v in model.named_buffers()}
     try:
-        prof = profile_saves(model, x[:n].detach(), losses.entropy_loss)
+        return profile_saves(model, x.detach(), losses.entropy_loss)
     finally:
         with torch.no_grad():
             for k, v in model.named_buffers():
                 v.copy_(buffers[k])
+
+
+def batch_profile(model: nn.Module, x: Tensor) -> SaveProfile:
+    """The saves of a forward on x's batch, profiled on its first PROFILE_SAMPLES samples
+    and scaled up (module doc); the model's BN running statistics are left unchanged."""
+    n = min(PROFILE_SAMPLES, int(x.shape[0]))
+    prof = _profile(model, x[:n])
     scale = math.ceil(int(x.shape[0]) / n)
     events = [dataclasses.replace(e, numel=e.numel * scale,
                                   storage_nbytes=e.storage_nbytes * scale)
               for e in prof.events]
     return SaveProfile(events, prof.unit_names, tuple(x.shape), prof.unit_kinds)
+
+
+def dense_bytes(model: nn.Module, x: Tensor) -> int:
+    """Dense saved bytes of a forward on x's batch: exact for batches of <= 2 * PROFILE_
+    SAMPLES, else the line through profiles of PROFILE_SAMPLES and 2 * PROFILE_SAMPLES
+    samples (saves such as BN's per-channel statistics do not grow with the batch, so
+    scaling one small profile overstates them: +9 % on ResNet-18 64 px)."""
+    b = int(x.shape[0])
+    dense = CodecPlan(act_masks=False)
+    n1, n2 = min(PROFILE_SAMPLES, b), min(2 * PROFILE_SAMPLES, b)
+    d2 = predicted_bytes(_profile(model, x[:n2]), dense).total
+    if n2 == b:
+        return d2
+    d1 = predicted_bytes(_profile(model, x[:n1]), dense).total
+    return round(d1 + (d2 - d1) * (b - n1) / (n2 - n1))
 
 
 def _varying(e: SaveEvent, kind: str) -> bool:
@@ -109,26 +142,67 @@ def unit_costs(profile: SaveProfile, widths: Mapping[str, tuple[int, ...]],
     return mem, max(0, fixed)
 
 
-def unit_values(order: list[str], kinds: Mapping[str, str], ma: Mapping[str, float]
-                ) -> dict[str, float]:
-    """Importance per unit in forward `order`: its own average, plus for a norm unit the
-    averages of every unit before it (module doc)."""
-    known = [v for v in ma.values() if v > 0]
-    default = max(known) if known else 1.0
-    own = {u: ma.get(u, default) for u in order}
-    out, before = {}, 0.0
-    for u in order:
-        out[u] = own[u] + (before if kinds[u] in NORM_KINDS else 0.0)
-        before += own[u]
+def upstream_fidelity(bits: int, count: float) -> float:
+    """Share of the gradient energy of the units before a norm unit that its input at
+    `bits` keeps, with `count` values per normalisation statistic (module doc)."""
+    return max(0.0, 1.0 - UPSTREAM_LOSS[bits] / count)
+
+
+def stat_counts(profile: SaveProfile, model: nn.Module, units: list[str]) -> dict[str, float]:
+    """Values per normalisation statistic of each norm unit in `units`: its saved input's
+    entries per channel (BN) or its normalized shape's entries (LN)."""
+    mods = dict(model.named_modules())
+    out: dict[str, float] = {}
+    for e in profile.events:
+        kind = profile.unit_kinds.get(e.unit, "")
+        if e.unit in units and e.unit not in out and kind in NORM_KINDS \
+                and _varying(e, kind):
+            mod = mods[e.unit]
+            out[e.unit] = (e.numel / mod.num_features if kind == "bn"
+                           else float(math.prod(mod.normalized_shape)))
     return out
 
 
-def budget_bytes(options: object) -> int:
-    """The options' `activation_budget_mb` in bytes; ValueError naming a bad value."""
+def unit_choices(order: list[str], kinds: Mapping[str, str], ma: Mapping[str, float],
+                 mem: Mapping[str, Mapping[int, float]], counts: Mapping[str, float]
+                 ) -> list[UnitChoice]:
+    """The knapsack items in forward `order`: a unit's importance is its own average; a
+    norm unit's also holds the averages of every unit before it, valued by its own table
+    that mixes NORM_FIDELITY (its own gradient) and upstream_fidelity (theirs; `counts`:
+    values per statistic, missing = unbounded)."""
+    known = [v for v in ma.values() if v > 0]
+    default = max(known) if known else 1.0
+    out, before = [], 0.0
+    for u in order:
+        own = ma.get(u, default)
+        if kinds[u] in NORM_KINDS and own + before > 0:
+            n = counts.get(u, math.inf)
+            fid = {b: (own * NORM_FIDELITY[b] + before * upstream_fidelity(b, n)) / (own + before)
+                   for b in mem[u]}
+            out.append(UnitChoice(u, own + before, mem[u], fidelity=fid))
+        else:
+            out.append(UnitChoice(u, own, mem[u]))
+        before += own
+    return out
+
+
+def budget_bytes(options: object, dense_bytes: int) -> int:
+    """The budget in bytes: `activation_budget_mb`, `activation_budget_frac` x dense_bytes
+    (the batch's dense saved bytes), the smaller of both when both are set; ValueError
+    naming a bad value."""
     mb = getattr(options, "activation_budget_mb", None)
-    if isinstance(mb, bool) or not isinstance(mb, int | float) or not 0 < mb < 1e6:
-        raise ValueError(f"activation_budget_mb must be a number in (0, 1e6) MiB, got {mb!r}")
-    return int(mb * MIB)
+    frac = getattr(options, "activation_budget_frac", None)
+    out = []
+    if mb is not None or frac is None:
+        if isinstance(mb, bool) or not isinstance(mb, int | float) or not 0 < mb < 1e6:
+            raise ValueError(f"activation_budget_mb must be a number in (0, 1e6) MiB, got "
+                             f"{mb!r}")
+        out.append(int(mb * MIB))
+    if frac is not None:
+        if isinstance(frac, bool) or not isinstance(frac, int | float) or not 0 < frac <= 1:
+            raise ValueError(f"activation_budget_frac must be a number in (0, 1], got {frac!r}")
+        out.append(int(frac * dense_bytes))
+    return min(out)
 
 
 def _plan(bits: Mapping[str, int]) -> CodecPlan:
@@ -137,7 +211,8 @@ def _plan(bits: Mapping[str, int]) -> CodecPlan:
 
 
 class DynamicWidths:
-    """StepCodec of dynamic DAF widths under `options.activation_budget_mb` (module doc)."""
+    """StepCodec of dynamic DAF widths under `options.activation_budget_mb` and/or
+    `activation_budget_frac` (module doc)."""
 
     def __init__(self, model: nn.Module, options: object, ema: float = 0.9) -> None:
         self.model, self.options, self.ema = model, options, ema
@@ -145,7 +220,8 @@ class DynamicWidths:
         self._kinds = {n: k for n, _m, k in rows}
         self._params = {n: list(m.parameters(recurse=False)) for n, m, _k in rows}
         self.ma: dict[str, float] = {}
-        self._costs: dict[tuple, tuple[dict[str, dict[int, float]], int, list[str]]] = {}
+        self._costs: dict[tuple, tuple] = {}  # (bytes per width, fixed, order, counts)
+        self._dense: dict[tuple, int] = {}  # dense saved bytes per key (fractions)
         self.state = WidthState()
         self.codec: ActivationCodec | None = None
         self._frozen: list[nn.Parameter] = []
@@ -174,11 +250,13 @@ class DynamicWidths:
             prof = batch_profile(self.model, x)
             mem, fixed = unit_costs(prof, widths, frozen)
             order = [u for u in prof.unit_names if u in widths]
-            self._costs[key] = (mem, fixed, order)
-        mem, fixed, order = self._costs[key]
-        budget = budget_bytes(self.options)
-        values = unit_values(order, self._kinds, self.ma)
-        choices = [UnitChoice(u, values[u], mem[u]) for u in order]
+            self._costs[key] = (mem, fixed, order, stat_counts(prof, self.model, order))
+        mem, fixed, order, counts = self._costs[key]
+        if getattr(self.options, "activation_budget_frac", None) is not None \
+                and key not in self._dense:
+            self._dense[key] = dense_bytes(self.model, x)
+        budget = budget_bytes(self.options, self._dense.get(key, 0))
+        choices = unit_choices(order, self._kinds, self.ma, mem, counts)
         alloc, fits = self._allocate(choices, budget - fixed)
         self.state = WidthState(alloc.bits, budget, int(fixed + alloc.mem), fits,
                                 sum(1 for b in alloc.bits.values() if b == 0))

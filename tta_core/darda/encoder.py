@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from tta_core.data.corruptions import CORRUPTIONS
 from tta_core.data.preprocess import images_to_tensor
 from tta_core.data.streams import StreamSpec, build_stream
+from tta_core.io.strict_json import dumps as json_dumps
 
 FORMAT = "tta-corruption-encoder"
 
@@ -185,7 +186,7 @@ def save_encoder(enc: CorruptionEncoder, path: str | Path) -> None:
     """Weights + config as safetensors (float32)."""
     state = {k: v.detach().contiguous() for k, v in enc.state_dict().items()}
     safetensors.torch.save_file(state, str(path), metadata={
-        "format": FORMAT, "config": json.dumps(asdict(enc.config))})
+        "format": FORMAT, "config": json_dumps(asdict(enc.config))})
 
 
 def load_encoder(path: str | Path) -> CorruptionEncoder:

@@ -30,7 +30,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from tta_core.errors import InputError, one_line
+from tta_core.errors import InputError, one_line, require_file
 
 FORMAT = "tta.domain_bank"
 VERSION = 1
@@ -123,8 +123,7 @@ def load_tensors(path: str | Path, expect: Mapping[str, Any], fmt: str, version:
                  what: str) -> tuple[dict[str, Tensor], dict]:
     """`load_bank` for any file format of this room; `what` names the file kind."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{what} {str(path)!r} not found")
+    require_file(path, f"{what} {str(path)!r}", f"{what} {str(path)!r} not found")
     tensors, header = _read(path, what)
     if header.get("format") != fmt:
         raise InputError(f"{what} {path}: format {header.get('format')!r}, expected "

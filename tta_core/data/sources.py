@@ -9,6 +9,11 @@ Kinds and layouts (LAYOUTS, also in `tta bench --help` and the README):
 Corruption streams take the 15 standard corruptions found in DIR, in the standard order,
 at one severity; labels are class indices (CIFAR-10 order; sorted class folder names).
 Images are resized to the model's input size.
+
+Every stream order of tta_core.data.streams works on this data (`order`): continual,
+mixed, dirichlet and recurring rearrange the continual stream (streams.arrange); gradual
+reads each corruption at severities 1 -> 5 -> 1 (ceil(n / 9) samples per level, the
+second visit of a level taking the next rows), so it needs a corruption layout.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import numpy as np
 from tta_core.data.corruptions import CORRUPTIONS
 from tta_core.data.layouts import DATA_KINDS, LAYOUTS
 from tta_core.data.loaders import load_cifar10c, load_image_folder
-from tta_core.data.streams import Stream
+from tta_core.data.streams import GRADUAL_LEVELS, ORDERS, Stream, arrange, domain_name
 from tta_core.errors import InputError, one_line
 
 
@@ -85,14 +90,55 @@ def _read(spec: DataSpec, image_size: int, severity: int, samples: int, seed: in
     return load_image_folder(spec.root, domains, image_size, seed, samples)
 
 
+def _gradual(spec: DataSpec, image_size: int, samples: int | None, seed: int) -> Stream:
+    """Each corruption found at severities GRADUAL_LEVELS (1 -> 5 -> 1), ceil(samples / 9)
+    per level; a level's second visit takes the next rows (the first again if too few)."""
+    if spec.kind == "folder":
+        raise InputError(f"--data {spec}: order 'gradual' steps through severities 1-5; "
+                         f"folder data has none (use cifar10c:DIR or imagenet-c:DIR)")
+    present = _present(spec)
+    per = -(-samples // len(GRADUAL_LEVELS)) if samples else None
+    pool: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    classes: tuple[str, ...] = ()
+    for sev in sorted(set(GRADUAL_LEVELS)):
+        take = 2 * per if per else None
+        st = _read(spec, image_size, sev, take, seed)
+        classes = st.class_names
+        for d in dict.fromkeys(st.domains.tolist()):
+            mask = st.domains == d
+            pool[d] = (st.images[mask], st.labels[mask])
+    images, labels, domains = [], [], []
+    for c in present:
+        visits: dict[int, int] = {}
+        for sev in GRADUAL_LEVELS:
+            d = domain_name(c, sev)
+            ims, labs = pool[d]
+            n = per or max(1, len(ims) // 2)
+            k = visits.get(sev, 0)
+            visits[sev] = k + 1
+            rows = (np.arange(k * n, (k + 1) * n)) % len(ims)
+            images.append(ims[rows])
+            labels.append(labs[rows])
+            domains += [d] * n
+    return Stream(np.concatenate(images), np.concatenate(labels), np.array(domains), classes,
+                  "gradual", seed)
+
+
 def load_data(spec: DataSpec, image_size: int, severity: int = 5,
-              samples_per_domain: int | None = None, seed: int = 0) -> Stream:
-    """The continual stream in `spec`'s folder, images at `image_size` px; one-line errors
-    (FileNotFoundError for a missing folder, InputError naming the expected layout)."""
+              samples_per_domain: int | None = None, seed: int = 0,
+              order: str = "continual") -> Stream:
+    """The stream in `spec`'s folder in `order` (module doc), images at `image_size` px;
+    one-line errors (FileNotFoundError for a missing folder, InputError naming the
+    expected layout or why the order does not fit the data)."""
+    if order not in ORDERS:
+        raise ValueError(f"--order {order!r}: choose from {', '.join(ORDERS)}")
     if not spec.root.is_dir():
         raise FileNotFoundError(f"--data {spec}: folder {str(spec.root)!r} not found")
     try:
-        return _read(spec, image_size, severity, samples_per_domain, seed)
+        if order == "gradual":
+            return _gradual(spec, image_size, samples_per_domain, seed)
+        return arrange(_read(spec, image_size, severity, samples_per_domain, seed), order,
+                       seed)
     except InputError:
         raise
     except (ValueError, FileNotFoundError) as exc:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 from PIL import Image
@@ -138,6 +139,15 @@ def dirichlet_labels(n: int, num_classes: int, alpha: float, slots: int,
     """`n` balanced labels ordered so classes cluster in time: each class's samples are
     spread over `slots` consecutive slots with Dirichlet(alpha) proportions."""
     labels = np.arange(n, dtype=np.int64) % num_classes
+    return labels[dirichlet_order(labels, num_classes, alpha, slots, rng)]
+
+
+def dirichlet_order(labels: np.ndarray, num_classes: int, alpha: float, slots: int,
+                    rng: np.random.Generator) -> np.ndarray:
+    """The permutation of `labels` (class indices < num_classes) that makes classes
+    cluster in time: each class's samples spread over `slots` consecutive slots with
+    Dirichlet(alpha) proportions (RoTTA / NOTE), ties broken at random."""
+    n = len(labels)
     slot_of = np.empty(n, dtype=np.int64)
     for c in range(num_classes):
         idx = np.flatnonzero(labels == c)
@@ -145,8 +155,7 @@ def dirichlet_labels(n: int, num_classes: int, alpha: float, slots: int,
         slot_of[idx] = np.minimum(
             np.searchsorted(np.cumsum(props), (np.arange(len(idx)) + 0.5) / len(idx)),
             slots - 1)
-    order = np.lexsort((rng.random(n), slot_of))
-    return labels[order]
+    return np.lexsort((rng.random(n), slot_of))
 
 
 def _plan_samples(spec: StreamSpec) -> tuple[np.ndarray, list[str | None], np.ndarray]:
@@ -222,3 +231,36 @@ def build_stream(spec: StreamSpec, progress: bool = False) -> Stream:
     return Stream(images, labels, domains, CLASS_NAMES[: spec.num_classes], spec.order,
                   spec.seed)
 
+
+def _blocks(domains: np.ndarray) -> list[tuple[int, int]]:
+    """(start, stop) of each run of equal domains, in stream order."""
+    cuts = [0, *(np.flatnonzero(domains[1:] != domains[:-1]) + 1).tolist(), len(domains)]
+    return list(pairwise(cuts))
+
+
+def arrange(stream: Stream, order: str, seed: int = 0, recurrences: int = 2,
+            dirichlet_alpha: float = 0.1, dirichlet_slots: int = 10) -> Stream:
+    """A continual stream (domains in consecutive blocks: a user's data) in `order`, by
+    the same rules as the synthetic orders (module doc): continual as is; mixed: the
+    samples shuffled (seed, as the synthetic one); dirichlet: each domain's samples
+    reordered so classes cluster in time (seed, domain index); recurring: the sequence
+    `recurrences` times, the same images again (a user's data has no fresh renders).
+    "gradual" needs each corruption at every severity: tta_core.data.sources reads it."""
+    if order not in ORDERS:
+        raise ValueError(f"unknown order {order!r}; choose from {', '.join(ORDERS)}")
+    if order == "gradual":
+        raise ValueError("order 'gradual' is read per severity (tta_core.data.sources), not "
+                         "arranged from one severity's stream")
+    idx = np.arange(len(stream))
+    if order == "mixed":
+        idx = np.random.default_rng([seed, 0x313]).permutation(len(stream))
+    elif order == "dirichlet":
+        c = len(stream.class_names)
+        idx = np.concatenate([a + dirichlet_order(stream.labels[a:b], c, dirichlet_alpha,
+                                                  dirichlet_slots,
+                                                  np.random.default_rng([seed, k, 0xD1]))
+                              for k, (a, b) in enumerate(_blocks(stream.domains))])
+    elif order == "recurring":
+        idx = np.tile(idx, recurrences)
+    return Stream(stream.images[idx], stream.labels[idx], stream.domains[idx],
+                  stream.class_names, order, seed)

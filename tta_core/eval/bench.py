@@ -31,6 +31,7 @@ from tta_core.errors import InputError
 from tta_core.eval.live_telemetry import LiveExpansion
 from tta_core.eval.report import FrameRecord, RunRecord, lr_markdown, summarize
 from tta_core.eval.report_files import ReportFiles, write_report
+from tta_core.eval.report_identity import samples_text
 from tta_core.eval.saved_memory import ActivationMeter, saved_note
 from tta_core.eval.streaming import (
     NODE_BATCH_WAIT_MS,
@@ -46,8 +47,8 @@ from tta_core.model.user_card import UserModel
 from tta_core.runtime.device import check_device
 from tta_core.runtime.gc_pauses import frozen_heap
 
-DEFAULT_METHODS: tuple[str, ...] = ("source", "bn_adapt", "tent", "eata", "sar", "cotta",
-                                    "lame", "adashadow")
+# (): every registered method that can run on the bench's model (runnable_methods)
+DEFAULT_METHODS: tuple[str, ...] = ()
 MODES = ("sequential", "parallel")
 DEFAULT_CARD = Path("checkpoints/small_resnet_signs32.json")
 
@@ -91,9 +92,12 @@ class BenchConfig:
         """Raise ValueError naming the first bad value."""
         known = set(available_methods())
         bad = [m for m in self.methods if method_base(m) not in known]
-        if bad or not self.methods:
-            raise ValueError(f"unknown method(s) {bad or self.methods}; "
-                             f"available: {sorted(known)}")
+        if bad:
+            raise ValueError(f"unknown method(s) {bad}; available: {sorted(known)}")
+        from tta_core.data.streams import ORDERS
+
+        if self.order not in ORDERS:
+            raise ValueError(f"order {self.order!r} not in {ORDERS}")
         if self.mode not in MODES:
             raise ValueError(f"mode {self.mode!r} not in {MODES}")
         if not 1 <= self.severity <= 5:
@@ -123,9 +127,6 @@ class BenchConfig:
             from tta_core.data.sources import parse_data
 
             parse_data(self.data)
-            if self.order != "continual":
-                raise ValueError(f"order {self.order!r}: --data streams are continual (the "
-                                 "other orders are the synthetic stream's)")
         if self.user_model is not None:
             self.user_model.check()
 
@@ -350,7 +351,7 @@ def batches_from_arrays(x: torch.Tensor, labels: np.ndarray, domains: Sequence[s
 def config_dict(cfg: BenchConfig) -> dict:
     """JSON-ready copy of the config."""
     d = asdict(cfg)
-    d["model_card"] = str(cfg.model_card)
+    d["model_card"] = None if cfg.user_model is not None else str(cfg.model_card)
     if cfg.user_model is not None:
         d["user_model"]["weights"] = str(cfg.user_model.weights)
     return d
@@ -373,9 +374,12 @@ def write_bench(runs: list[RunRecord], out: Path, cfg: BenchConfig,
     files = write_report(runs, out, title=title)
     text = files.markdown.read_text()
     clean = "–" if math.isnan(clean_accuracy) else f"{100 * clean_accuracy:.1f}%"
+    ran = runs[0].meta.get("ran") if runs else None
+    samples = (samples_text(ran["samples"]) if isinstance(ran, dict)
+               else f"{cfg.samples_per_domain} samples per domain")
     head = (f"{describe_inputs(cfg)}; clean accuracy {clean}; "
-            f"{cfg.samples_per_domain} samples per domain; torch threads {cfg.threads or 'all'}"
-            "\n\n")
+            f"{samples}; torch threads {cfg.threads or 'all'}"
+            + (f"; code {ran['code_version']}" if isinstance(ran, dict) else "") + "\n\n")
     text = (text.replace("Accuracy in %", head + "Accuracy in %", 1)
             + saved_note(cfg.measures_activations) + lr_markdown(runs))
     files.markdown.write_text(text)
@@ -420,6 +424,9 @@ def run_methods(stream: Sequence[Batch], make_model: Callable[[], nn.Module],
     cfg.validate()
     if not stream:
         raise ValueError("empty stream")
+    if not cfg.methods:
+        cfg = replace(cfg, methods=runnable_methods(make_model, tuple(stream[0].x.shape[1:]),
+                                                    cfg)[0])
     if cfg.threads > 0:
         torch.set_num_threads(cfg.threads)
     total = sum(len(b.labels) for b in stream) * len(cfg.methods)
@@ -466,7 +473,7 @@ def bench_inputs(cfg: BenchConfig, progress: bool = False
     size = (load_card(cfg.model_card).image_size if cfg.user_model is None
             else cfg.user_model.input_size)
     data = (load_data(parse_data(cfg.data), size, cfg.severity, cfg.samples_per_domain,
-                      cfg.seed) if cfg.data else None)
+                      cfg.seed, cfg.order) if cfg.data else None)
     card, base = _card(cfg, data.class_names if data is not None else ())
     check_card_model(card, base)
     if data is None and card.num_classes > len(CLASS_NAMES):
@@ -484,14 +491,88 @@ def bench_inputs(cfg: BenchConfig, progress: bool = False
     return card, (lambda: load_model(card, base)), stream
 
 
-def run_bench(cfg: BenchConfig, out: str | Path | None, progress: bool = True) -> BenchResult:
-    """Build the stream once, run every method from the checkpoint, write the report."""
+def runnable_methods(make_model: Callable[[], nn.Module], input_shape: tuple[int, ...],
+                     cfg: BenchConfig) -> tuple[tuple[str, ...], dict[str, str]]:
+    """Every registered method (tta_core.registry; source first, the rest by name) that
+    builds on the model with this bench's options, and for each one that does not, why
+    (its one-line error: e.g. elastic needs a gated master)."""
+    from tta_core.errors import one_line
+
+    names = sorted(available_methods(), key=lambda m: (m != "source", m))
+    model = make_model()
+    ok, left = [], {}
+    for name in names:
+        try:
+            meth = build_method(name, copy.deepcopy(model),
+                                **method_options(name, cfg, input_shape))
+            meth.close()
+        except Exception as exc:  # whatever stops it building: it cannot run here
+            left[name] = one_line(exc)
+            continue
+        ok.append(name)
+    return tuple(ok), left
+
+
+def model_identity(cfg: BenchConfig) -> dict[str, Any]:
+    """The model that ran: the --model spec and weights (path, sha256 prefix), or the model
+    card and its checkpoint."""
+    from tta_core.eval.report_identity import sha256_prefix
+    from tta_core.model.source import load_card
+
+    um = cfg.user_model
+    if um is not None:
+        w = Path(um.weights)
+        return {"model": um.model, "weights": str(w.resolve()), "weights_sha256":
+                sha256_prefix(w), "input_size": um.input_size, "kwargs": dict(um.kwargs)}
+    card = load_card(cfg.model_card)
+    ckpt = Path(cfg.model_card).parent / card.checkpoint
+    return {"model_card": str(cfg.model_card), "arch": card.arch,
+            "weights": str(ckpt.resolve()), "weights_sha256": sha256_prefix(ckpt)}
+
+
+def data_identity(cfg: BenchConfig) -> dict[str, Any]:
+    """The data that ran: kind, folder and its content identity (file count, bytes, listing
+    hash), or the synthetic stream's settings."""
+    common = {"order": cfg.order, "severity": cfg.severity, "seed": cfg.seed}
+    if not cfg.data:
+        return {"kind": "synthetic-signs", **common}
+    from tta_core.data.sources import parse_data
+    from tta_core.eval.report_identity import folder_identity
+
+    spec = parse_data(cfg.data)
+    return {"kind": spec.kind, **folder_identity(spec.root), **common}
+
+
+def ran_meta(cfg: BenchConfig, stream: Sequence[Batch],
+             left_out: dict[str, str]) -> dict[str, Any]:
+    """report.json `meta.ran`: samples used, model, data, code version, methods left out."""
+    from tta_core.eval.report_identity import code_version, samples_used
+
+    domains = [b.domain for b in stream for _ in range(len(b.labels))]
+    return {"samples": samples_used(domains, cfg.samples_per_domain),
+            "model": model_identity(cfg), "data": data_identity(cfg),
+            "code_version": code_version(), "methods_left_out": left_out}
+
+
+def run_bench(cfg: BenchConfig, out: str | Path | None, progress: bool = True,
+              log: Callable[[str], None] | None = None) -> BenchResult:
+    """Build the stream once, run every method from the checkpoint, write the report.
+    No methods in `cfg`: every one that can run on the model (`log` gets one line per
+    method left out, with the reason)."""
     cfg.validate()
     card, fresh, stream = bench_inputs(cfg, progress)
+    left: dict[str, str] = {}
+    if not cfg.methods:
+        names, left = runnable_methods(fresh, tuple(stream[0].x.shape[1:]), cfg)
+        for name, why in left.items():
+            (log or print)(f"{name} left out: it cannot run on this model ({why})")
+        cfg = replace(cfg, methods=names)
     runs = run_methods(stream, fresh, cfg, progress)
     clean = float(_card_get(card, "clean_accuracy", math.nan))
+    ran = ran_meta(cfg, stream, left)
     for r in runs:
         r.meta["config"] = config_dict(cfg)
+        r.meta["ran"] = ran
     if out is None:
         from tta_core.eval.report import markdown_table
 

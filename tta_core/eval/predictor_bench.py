@@ -39,7 +39,6 @@ tta_core.adashadow.expansion; what is specific to this bench:
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import platform
@@ -58,6 +57,7 @@ from tta_core.adashadow.calibration import BusyProcesses
 from tta_core.adashadow.expansion import MODELS, PI2_MODES, ExpansionModel, OfflineReference
 from tta_core.adashadow.predictor import Calibration, UnitProfile, planning_times, runtime_times
 from tta_core.adashadow.profiler import SPLITS
+from tta_core.io.strict_json import dumps as json_dumps
 from tta_core.model.units import StagedModel
 from tta_core.runtime.backward_feedback import BackwardFeedback
 from tta_core.runtime.losses import entropy_loss
@@ -580,7 +580,7 @@ def write_outputs(res: BenchResult, out_dir: str | Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "results.json", "markdown": out / "table.md",
              "plot": out / "errors.png"}
-    paths["json"].write_text(json.dumps(res.to_dict(), indent=1) + "\n")
+    paths["json"].write_text(json_dumps(res.to_dict(), indent=1) + "\n")
     if res.profile is not None:
         paths["profile"] = out / "profile.json"
         res.profile.save(paths["profile"])

@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from tta_core.io.strict_json import write_json
 
 PHASES: tuple[str, ...] = ("forward", "plan", "backward", "reforward")
 """Phases stacked in the latency plot, in pipeline order; `total` is reported alongside."""
@@ -284,33 +285,67 @@ def lr_markdown(runs: Sequence[RunRecord]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _clean(obj: object) -> object:
-    """JSON-safe copy: NaN/inf become null (strict JSON has no NaN)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {str(k): _clean(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_clean(v) for v in obj]
-    if isinstance(obj, Path):
-        return str(obj)
-    return obj
+def gain_over_source(summaries: Sequence[RunSummary]) -> dict[str, dict[str, float]]:
+    """Per method other than "source": its accuracy minus source's, in points (100 x share),
+    per domain source also ran and "mean" (mean over domains); {} without a source run."""
+    src = next((s for s in summaries if s.method == "source"), None)
+    if src is None:
+        return {}
+    out: dict[str, dict[str, float]] = {}
+    for s in summaries:
+        if s is src:
+            continue
+        gain = {d: 100 * (a - src.accuracy[d]) for d, a in s.accuracy.items()
+                if d in src.accuracy}
+        out[s.method] = {**gain, "mean": 100 * (s.mean_accuracy - src.mean_accuracy)}
+    return out
+
+
+def gain_markdown(summaries: Sequence[RunSummary]) -> str:
+    """Markdown table of `gain_over_source` ('' without a source run or another method)."""
+    gains = gain_over_source(summaries)
+    if not gains:
+        return ""
+    cols = list(next(iter(gains.values())))
+    lines = ["", "Accuracy gained over source, in points:", "",
+             "| method | " + " | ".join(cols) + " |", "|" + "---|" * (len(cols) + 1)]
+    lines += [f"| {m} | " + " | ".join(f"{g[c]:+.1f}" if c in g else "–" for c in cols) + " |"
+              for m, g in gains.items()]
+    return "\n".join(lines) + "\n"
+
+
+def layer_updates_markdown(runs: Sequence[RunRecord]) -> str:
+    """Which layers each run's batches updated and how often (run.meta["layer_updates"],
+    recorded by a replay: tta_ros.replay.layer_updates); '' when no run has it."""
+    lines: list[str] = []
+    for r in runs:
+        lu = r.meta.get("layer_updates")
+        if r.method == "source" or not isinstance(lu, dict) or not lu.get("batches"):
+            continue
+        n, units = int(lu["batches"]), dict(lu.get("units") or {})
+        lines += ["", f"Layers {r.method} updated: {int(lu['adapted'])} of {n} batches adapted "
+                  f"({100 * int(lu['adapted']) / n:.0f} %), "
+                  f"{float(lu.get('units_updated_mean') or 0):.1f} units per batch on average"
+                  + (f"; {int(lu['unnamed'])} adapted batch(es) planned inline, their units "
+                     "unnamed" if lu.get("unnamed") else "") + "."]
+        if units:
+            lines += ["", "| layer | batches updated | % of batches |", "|---|---|---|"]
+            lines += [f"| {u} | {k} | {100 * k / n:.0f} |" for u, k in units.items()]
+    return "\n".join(lines) + "\n" if lines else ""
 
 
 def write_json_atomic(path: Path, data: object) -> None:
-    """Write `data` as JSON to `path` via a temporary file, so a crash never leaves half a
-    file (used for the partial results flushed during a replay)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(_clean(data), indent=1))
-    os.replace(tmp, path)
+    """Write `data` as strict JSON (NaN -> null) to `path` via a temporary file, so a crash
+    never leaves half a file (used for the partial results flushed during a replay)."""
+    write_json(path, data)
 
 
 def report_dict(runs: Sequence[RunRecord], include_frames: bool = True) -> dict[str, object]:
     """JSON-ready content of a report: summaries, run metadata and (optionally) frames."""
+    summaries = [summarize(r) for r in runs if r.frames]
     return {
-        "summaries": [asdict(summarize(r)) for r in runs if r.frames],
+        "summaries": [asdict(s) for s in summaries],
+        "gain_over_source": gain_over_source(summaries),
         "runs": [
             {"method": r.method, "wall_s": r.wall_s, "peak_memory_mb": r.peak_memory_mb,
              "frames_dropped": r.frames_dropped, "meta": r.meta,

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from tta_core.eval.report import (
     RunRecord,
+    gain_markdown,
+    layer_updates_markdown,
     markdown_table,
     report_dict,
     summarize,
@@ -43,5 +45,6 @@ def write_report(runs: Sequence[RunRecord], out_dir: str | Path,
     write_json_atomic(json_path, report_dict(runs))
     md_path = out / "report.md"
     md_path.write_text(f"# {title}\n\nAccuracy in %, latency in ms.\n\n"
-                       + markdown_table(summaries))
+                       + markdown_table(summaries) + gain_markdown(summaries)
+                       + layer_updates_markdown(runs))
     return ReportFiles(json_path, md_path, write_plots(summaries, out))

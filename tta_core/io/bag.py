@@ -25,7 +25,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
+from io import BytesIO
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 from rosbags.interfaces import (
@@ -37,6 +39,7 @@ from rosbags.interfaces import (
     QosTime,
 )
 from rosbags.rosbag2 import Reader, ReaderError, StoragePlugin, Writer
+from rosbags.rosbag2.storage_mcap import Channel, McapWriter, write_channel, write_string
 from rosbags.serde import SerdeError
 from rosbags.typesys import Stores, get_types_from_msg, get_typestore
 from rosbags.typesys.store import Typestore
@@ -123,6 +126,36 @@ def stamp_ns(header: object) -> int:
 # ----------------------------------------------------------------------------- writing
 
 
+class Rosbag2McapWriter(McapWriter):
+    """rosbags' MCAP storage writing what rosbag2's own MCAP plugin writes: each channel's
+    metadata holds `topic_type_hash` (the type description hash, RIHS01_...) next to
+    `offered_qos_profiles`, and the bag metadata embedded in the file names ROS_DISTRO as
+    the recording distro (rosbags writes its own name there)."""
+
+    def add_connection(self, connection: object, offered_qos_profiles: str) -> None:
+        meta = BytesIO()
+        for key, value in (("offered_qos_profiles", offered_qos_profiles),
+                           ("topic_type_hash", connection.digest)):  # type: ignore[attr-defined]
+            write_string(meta, key)
+            write_string(meta, value)
+        c = connection
+        self.channels.append(Channel(c.id, c.msgtype, c.topic,  # type: ignore[attr-defined]
+                                     c.ext.serialization_format,  # type: ignore[attr-defined]
+                                     meta.getvalue()))
+        self.channel_stats[c.id] = 0  # type: ignore[attr-defined]
+        write_channel(self.chunk.bio, self.channels[-1], self.schemas)
+
+    def close(self, version: int, metadata: str) -> None:
+        super().close(version, _distro_named(metadata, ROS_DISTRO))
+
+
+class Rosbag2Writer(Writer):
+    """rosbags' Writer with Rosbag2McapWriter as its MCAP storage."""
+
+    STORAGE_PLUGINS = MappingProxyType({**Writer.STORAGE_PLUGINS,
+                                        StoragePlugin.MCAP: Rosbag2McapWriter})
+
+
 class BagWriter:
     """Appends frames (image + ground truth) to a new bag; use as a context manager."""
 
@@ -138,7 +171,7 @@ class BagWriter:
         self.rate_hz, self.start_ns, self.class_names = rate_hz, start_ns, tuple(class_names)
         self.store = tta_typestore()
         self.count = 0
-        self._writer = Writer(self.path, version=9, storage_plugin=STORAGES[storage])
+        self._writer = Rosbag2Writer(self.path, version=9, storage_plugin=STORAGES[storage])
 
     def __enter__(self) -> BagWriter:
         self._writer.open()
@@ -181,11 +214,16 @@ class BagWriter:
         return t_ns
 
 
+def _distro_named(text: str, distro: str) -> str:
+    """Bag metadata YAML with `ros_distro: rosbags` (what rosbags writes) naming `distro`."""
+    return re.sub(r"(?m)^(\s*ros_distro:) rosbags$", rf"\1 {distro}", text)
+
+
 def _set_ros_distro(metadata: Path, distro: str) -> None:
     """Name the recording distro in metadata.yaml as `ros2 bag record` does (rosbags writes
     `ros_distro: rosbags`); an atomic replace, the rest of the file byte-identical."""
     text = metadata.read_text()
-    fixed = re.sub(r"(?m)^(\s*ros_distro:) rosbags$", rf"\1 {distro}", text)
+    fixed = _distro_named(text, distro)
     tmp = metadata.with_suffix(".yaml.tmp")
     tmp.write_text(fixed)
     tmp.replace(metadata)

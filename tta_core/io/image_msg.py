@@ -22,6 +22,7 @@ width and height read from the JPEG/PNG header, before OpenCV decodes anything.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -103,6 +104,15 @@ class Preprocess:
                    tuple(float(v) for v in card.std))
 
 
+#: pixels of a 4K UHD frame (3840 x 2160)
+UHD_PIXELS = 3840 * 2160
+
+
+class FrameTooLarge(ValueError):
+    """A frame refused for what decoding it would cost (size, aspect, decode budget),
+    before any of it is decoded."""
+
+
 @dataclass(frozen=True)
 class FrameLimits:
     """What a frame may be before the decoder spends time or memory on it.
@@ -120,11 +130,20 @@ class FrameLimits:
     on): one frame with values far outside it would take over the batch statistics that
     BatchNorm shares across frames. Integer encodings are scaled into [0, 1] and need no
     range check.
+
+    Compressed frames (JPEG, PNG) also have a decode budget, `max_decode_bytes`: what
+    decoding the frame would write, read from its header before anything is decoded
+    (decoded_bytes: pixels x the larger of the decoded samples and the 8-bit RGB result).
+    A small file can declare a huge image (a 1.5 KB JPEG of 4000 x 4000, a 47 KB PNG of
+    zeros, a 16-bit RGBA PNG of 4096 x 4096: 0.5-3 s of decoding each); the default,
+    decode_budget(), is one 4K UHD RGB frame, what a camera feeding a classifier of up to
+    240 px needs.
     """
 
     float_range: tuple[float, float] = (0.0, 1.0)
     max_pixels: int = 4096 * 4096
     max_aspect: float = 20.0
+    max_decode_bytes: int = 3 * UHD_PIXELS
 
     def __post_init__(self) -> None:
         lo, hi = self.float_range
@@ -134,6 +153,17 @@ class FrameLimits:
             raise ValueError(f"max_pixels must be >= 1, got {self.max_pixels!r}")
         if not 1.0 <= self.max_aspect < float("inf"):
             raise ValueError(f"max_aspect must be finite and >= 1, got {self.max_aspect!r}")
+        if self.max_decode_bytes < 1:
+            raise ValueError(f"max_decode_bytes must be >= 1, got {self.max_decode_bytes!r}")
+
+
+def decode_budget(image_size: int) -> int:
+    """Default decode budget (bytes) of a compressed frame for a model of input side
+    `image_size`: one 4K UHD RGB frame (8-bit), or a frame 12 times the model's side in
+    each direction when that is larger (models over 240 px); far below the 4096 x 4096
+    16-bit RGBA (134 MB) a 130 KB PNG can declare."""
+    side = 12 * int(image_size)
+    return 3 * max(UHD_PIXELS, side * side)
 
 
 def quoted(value: object, limit: int = 16) -> str:
@@ -179,15 +209,16 @@ def _check_layout(msg: Any, spec: EncodingSpec, limits: FrameLimits) -> tuple[in
 
 
 def check_size(h: int, w: int, limits: FrameLimits) -> None:
-    """Non-zero size within limits.max_pixels and limits.max_aspect."""
+    """Non-zero size (else ValueError) within limits.max_pixels and limits.max_aspect
+    (else FrameTooLarge)."""
     if h <= 0 or w <= 0:
         raise ValueError(f"image has zero size: height={h} width={w}")
     if h * w > limits.max_pixels:
-        raise ValueError(f"image has {h * w} pixels (height={h} width={w}), more than "
-                         f"max_pixels={limits.max_pixels}")
+        raise FrameTooLarge(f"image has {h * w} pixels (height={h} width={w}), more "
+                            f"than max_pixels={limits.max_pixels}")
     if max(h, w) > limits.max_aspect * min(h, w):
-        raise ValueError(f"image aspect {max(h, w) / min(h, w):.4g} (height={h} width={w}) "
-                         f"exceeds max_aspect={limits.max_aspect:g}")
+        raise FrameTooLarge(f"image aspect {max(h, w) / min(h, w):.4g} (height={h} "
+                            f"width={w}) exceeds max_aspect={limits.max_aspect:g}")
 
 
 def _check_floats(pix: np.ndarray, limits: FrameLimits) -> None:
@@ -242,13 +273,102 @@ def compressed_codec(fmt: object) -> str:
     return codec
 
 
-def _png_size(buf: np.ndarray) -> tuple[int, int] | None:
-    """(height, width) from the IHDR chunk of a PNG, None when `buf` is not one."""
-    if buf.size < 24 or buf[:8].tobytes() != b"\x89PNG\r\n\x1a\n" \
+@dataclass(frozen=True)
+class CompressedHeader:
+    """What a JPEG/PNG header declares: size, channels and bits per sample."""
+
+    height: int
+    width: int
+    channels: int  # samples per pixel the decoder produces (a PNG palette: RGB, 3)
+    bits: int  # bits per sample (PNG 1-16, JPEG 8, 12 or 16)
+
+    @property
+    def decoded_bytes(self) -> int:
+        """Bytes decoding writes: pixels x the larger of the decoded samples (channels x
+        bytes per sample) and the 8-bit RGB result."""
+        sample = self.channels * (2 if self.bits > 8 else 1)
+        return self.height * self.width * max(sample, 3)
+
+    def describe(self) -> str:
+        return f"{self.width}x{self.height}, {self.channels} channel(s) of {self.bits} bits"
+
+
+#: PNG colour type -> samples per decoded pixel (grey, RGB, palette -> RGB, grey+alpha, RGBA)
+_PNG_CHANNELS = {0: 1, 2: 3, 3: 3, 4: 2, 6: 4}
+
+
+def png_header(buf: np.ndarray) -> CompressedHeader | None:
+    """The IHDR chunk of a PNG (size, colour type, bit depth), None when `buf` is not one."""
+    if buf.size < 26 or buf[:8].tobytes() != b"\x89PNG\r\n\x1a\n" \
             or buf[12:16].tobytes() != b"IHDR":
         return None
-    return int.from_bytes(buf[20:24].tobytes(), "big"), int.from_bytes(buf[16:20].tobytes(),
-                                                                      "big")
+    channels = _PNG_CHANNELS.get(int(buf[25]))
+    if channels is None:
+        return None
+    return CompressedHeader(int.from_bytes(buf[20:24].tobytes(), "big"),
+                            int.from_bytes(buf[16:20].tobytes(), "big"), channels,
+                            int(buf[24]))
+
+
+#: PNG colour type -> samples per pixel as stored (a palette index is one sample)
+_PNG_SAMPLES = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}
+#: Adam7 passes: first column, first row, column step, row step
+_ADAM7 = ((0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2),
+          (0, 1, 1, 2))
+
+
+def png_raw_bytes(buf: np.ndarray) -> int:
+    """Bytes of filtered scanlines the IHDR of PNG `buf` declares (a filter byte a row, rows
+    packed to whole bytes; each Adam7 pass on its own when interlaced): exactly what its
+    zlib stream must inflate to."""
+    w, h = (int.from_bytes(buf[i:i + 4].tobytes(), "big") for i in (16, 20))
+    pixel_bits = int(buf[24]) * _PNG_SAMPLES.get(int(buf[25]), 4)
+
+    def rows(n: int, width: int) -> int:
+        return n * (1 + (width * pixel_bits + 7) // 8) if n > 0 and width > 0 else 0
+
+    if buf.size < 29 or int(buf[28]) == 0:
+        return rows(h, w)
+    return sum(rows((h - y0 + dy - 1) // dy, (w - x0 + dx - 1) // dx)
+               for x0, y0, dx, dy in _ADAM7)
+
+
+def check_png_data(buf: np.ndarray) -> None:
+    """The image data (IDAT chunks, one zlib stream) of PNG `buf` must inflate to exactly
+    the scanlines its header declares. Inflates at most one byte more than declared: a
+    small image whose stream holds megabytes of zeros (libpng inflates all of it, ~0.1 s
+    for 47 KB) is refused (FrameTooLarge) once past its declared size; a cut or corrupt
+    stream is refused (ValueError) before libpng prints its error line."""
+    problem, too_long = _png_data_problem(buf)
+    if problem:
+        what = f"compressed png ({buf.size} bytes): {problem}"
+        raise FrameTooLarge(what) if too_long else ValueError(what)
+
+
+def _png_data_problem(buf: np.ndarray) -> tuple[str, bool]:
+    """What is wrong with the IDAT stream of `buf` ('' when nothing), and whether it is
+    that the stream inflates to more than declared."""
+    data, pos, idat = memoryview(buf), 8, []
+    while pos + 8 <= len(data):
+        length = int.from_bytes(data[pos:pos + 4], "big")
+        kind = bytes(data[pos + 4:pos + 8])
+        if pos + 12 + length > len(data):
+            return f"chunk {kind!r} cut off ({length} bytes declared)", False
+        if kind == b"IDAT":
+            idat.append(data[pos + 8:pos + 8 + length])
+        elif kind == b"IEND":
+            break
+        pos += 12 + length
+    want, inflater = png_raw_bytes(buf), zlib.decompressobj()
+    try:
+        out = len(inflater.decompress(b"".join(idat), want + 1))
+    except zlib.error as exc:
+        return f"image data is not a valid zlib stream ({exc})", False
+    if out > want or inflater.unconsumed_tail:
+        return f"image data inflates beyond the {want} bytes its header declares", True
+    if out < want or not inflater.eof:
+        return f"image data inflates to {out} of the {want} bytes its header declares", False
+    return "", False
 
 
 #: JPEG start-of-frame markers (baseline, progressive, lossless, arithmetic): not DHT (C4),
@@ -256,10 +376,10 @@ def _png_size(buf: np.ndarray) -> tuple[int, int] | None:
 _SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 
 
-def _jpeg_size(buf: np.ndarray, max_segments: int = 256) -> tuple[int, int] | None:
-    """(height, width) from the first start-of-frame segment of a JPEG, None when `buf`
-    is not one or has no frame header in its first `max_segments` segments (real files
-    have a few: APPn, DQT, DHT, COM)."""
+def jpeg_header(buf: np.ndarray, max_segments: int = 256) -> CompressedHeader | None:
+    """The first start-of-frame segment of a JPEG (precision, size, components), None when
+    `buf` is not one or has no frame header in its first `max_segments` segments (real
+    files have a few: APPn, DQT, DHT, COM)."""
     data, i = memoryview(buf), 2  # no copy
     if data[:2].tobytes() != b"\xff\xd8":
         return None
@@ -269,32 +389,55 @@ def _jpeg_size(buf: np.ndarray, max_segments: int = 256) -> tuple[int, int] | No
         if i + 2 >= len(data):
             return None
         marker, length = data[i], int.from_bytes(data[i + 1:i + 3], "big")
-        if marker in _SOF and i + 8 <= len(data):
-            return (int.from_bytes(data[i + 4:i + 6], "big"),
-                    int.from_bytes(data[i + 6:i + 8], "big"))
+        if marker in _SOF:
+            if i + 9 > len(data):
+                return None
+            return CompressedHeader(int.from_bytes(data[i + 4:i + 6], "big"),
+                                    int.from_bytes(data[i + 6:i + 8], "big"),
+                                    max(int(data[i + 8]), 1), int(data[i + 3]))
         if marker == 0xDA or length < 2:  # scan data before any frame header: broken
             return None
         i += 1 + length
     return None
 
 
+def check_budget(head: CompressedHeader, codec: str, limits: FrameLimits) -> None:
+    """Size and aspect (check_size), then the decode budget; FrameTooLarge naming the
+    declared size."""
+    check_size(head.height, head.width, limits)
+    if head.decoded_bytes > limits.max_decode_bytes:
+        raise FrameTooLarge(f"compressed {codec} declares {head.describe()}: "
+                            f"{head.decoded_bytes} bytes to decode, over "
+                            f"max_decode_bytes={limits.max_decode_bytes}")
+
+
 def decode_compressed(msg: Any, limits: FrameLimits = FrameLimits()) -> np.ndarray:
     """CompressedImage message (`format`, `data`) -> HxWx3 RGB uint8, like decode_image.
 
-    The format must be JPEG or PNG (compressed_codec). Width and height are read from the
-    file's header (PNG IHDR, JPEG start of frame) and checked against `limits` before
-    OpenCV decodes anything, so a small file declaring a huge image costs nothing; the
-    decoded image must then have that size. Grey, 16-bit and alpha images come out as
-    8-bit RGB (cv2.IMREAD_COLOR); EXIF orientation is ignored (cameras write none).
+    The format must be JPEG or PNG (compressed_codec). Size, channels and bit depth are
+    read from the file's header (PNG IHDR, JPEG start of frame) and checked against
+    `limits` (check_budget) before OpenCV decodes anything, so a small file declaring a
+    huge image costs microseconds; a PNG's stream must inflate to exactly the declared
+    scanlines (check_png_data) and a JPEG must end with its end-of-image marker (a cut
+    frame is refused, not decoded half grey); the decoded image must then have the
+    declared size. Grey,
+    16-bit and alpha images come out as 8-bit RGB (cv2.IMREAD_COLOR); EXIF orientation is
+    ignored (cameras write none).
     """
     codec = compressed_codec(msg.format)
     buf = _as_bytes(msg.data)
-    size = (_png_size if codec == "png" else _jpeg_size)(buf)
-    if size is None:
+    head = (png_header if codec == "png" else jpeg_header)(buf)
+    if head is None:
         raise ValueError(f"compressed image is not a readable {codec} ({buf.size} bytes, "
                          f"format {quoted(msg.format, 40)})")
-    h, w = size
-    check_size(h, w, limits)
+    h, w = head.height, head.width
+    check_budget(head, codec, limits)
+    if codec == "png":
+        check_png_data(buf)
+    elif not buf[-256:].tobytes().rstrip(b"\0").endswith(b"\xff\xd9"):  # zero padding ok
+        # cut off: libjpeg would fill the rest grey, print a warning and return the frame
+        raise ValueError(f"compressed jpeg ({buf.size} bytes, height={h} width={w}) ends "
+                         "without its end-of-image marker (cut off)")
     bgr = cv2.imdecode(buf, cv2.IMREAD_COLOR | cv2.IMREAD_IGNORE_ORIENTATION)
     if bgr is None:
         raise ValueError(f"compressed {codec} image ({buf.size} bytes, height={h} "

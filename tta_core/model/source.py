@@ -22,7 +22,8 @@ from torch import nn
 
 from tta_core.data.preprocess import images_to_tensor
 from tta_core.data.signs import make_signs
-from tta_core.errors import InputError
+from tta_core.errors import InputError, require_file
+from tta_core.io.strict_json import dumps as json_dumps
 from tta_core.model.arch import build_architecture, check_arch
 from tta_core.model.weights import load_into, load_state_dict
 from tta_core.model.zoo import build_model
@@ -165,7 +166,7 @@ def save_card(card: ModelCard, path: Path) -> None:
     """Write the card as JSON (atomically: temp file then rename)."""
     card.validate()
     tmp = Path(path).with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(asdict(card), indent=1) + "\n")
+    tmp.write_text(json_dumps(asdict(card), indent=1) + "\n")
     tmp.replace(path)
 
 
@@ -205,13 +206,15 @@ def _card_fields(raw: Any) -> str:
 def load_card(path: str | Path) -> ModelCard:
     """Read and validate a model card; InputError naming the file and the bad field."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"model card {str(path)!r} not found (make one with "
-                                "`tta train-source`)")
+    require_file(path, f"model card {str(path)!r}", f"model card {str(path)!r} not found "
+                 "(make one with `tta train-source`)")
     try:
         raw = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InputError(f"model card {path} is not valid JSON ({exc})") from None
+    if isinstance(raw, dict):  # strict JSON (tta_core.io.strict_json) writes NaN as null
+        floats = {n for n, f in ModelCard.__dataclass_fields__.items() if str(f.type) == "float"}
+        raw = {k: float("nan") if v is None and k in floats else v for k, v in raw.items()}
     problem = _card_fields(raw)
     if problem:
         raise InputError(f"model card {path}: {problem}")
@@ -233,8 +236,8 @@ def load_model(card: ModelCard, base_dir: str | Path = ".",
     """The card's model in eval mode with its checkpoint's weights (a relative checkpoint
     is found in `base_dir`, the card's folder); InputError naming the mismatching keys."""
     ckpt = Path(base_dir) / card.checkpoint
-    if not ckpt.is_file():
-        raise FileNotFoundError(f"checkpoint {str(ckpt)!r} named by the card is missing")
+    require_file(ckpt, f"checkpoint {str(ckpt)!r} named by the card",
+                 f"checkpoint {str(ckpt)!r} named by the card is missing")
     model = build_card_model(card)
     what = (f"checkpoint {str(ckpt)!r} does not fit arch {card.arch!r}"
             + (f" (factory {card.factory})" if card.factory else "")

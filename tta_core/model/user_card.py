@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from tta_core.errors import InputError, one_line
+from tta_core.errors import InputError, one_line, require_file
 from tta_core.model.arch import factory_kwargs, is_factory
 from tta_core.model.source import ModelCard, load_model
 
@@ -88,8 +88,8 @@ def make_card(user: UserModel, card_dir: Path | None = None) -> ModelCard:
     """The card of `user`'s model, for a card file written in `card_dir` (None: a card
     kept in memory, checkpoint absolute). Checks values, not weights (`check_card_model`)."""
     user.check()
-    if not Path(user.weights).is_file():
-        raise FileNotFoundError(f"weights file {str(user.weights)!r} not found")
+    require_file(user.weights, f"weights file {str(user.weights)!r}",
+                 f"weights file {str(user.weights)!r} not found")
     classes = user.classes()
     factory, arch, kwargs = "", user.model, dict(user.kwargs)
     if is_factory(user.model):

@@ -17,7 +17,7 @@ import torch
 from safetensors import SafetensorError
 from torch import nn
 
-from tta_core.errors import InputError, one_line
+from tta_core.errors import InputError, one_line, require_file
 
 SAFETENSORS_SUFFIX = ".safetensors"
 SHOWN_KEYS = 4  # keys named per kind of mismatch; the rest are counted
@@ -49,8 +49,7 @@ def load_state_dict(ckpt: str | Path) -> dict[str, Any]:
     """The state_dict in `ckpt` (CPU tensors): a `.safetensors` file, else a torch file read
     with weights_only loading; InputError naming the file when it is neither."""
     ckpt = Path(ckpt)
-    if not ckpt.is_file():
-        raise FileNotFoundError(f"weights file {str(ckpt)!r} not found")
+    require_file(ckpt, f"weights file {str(ckpt)!r}", f"weights file {str(ckpt)!r} not found")
     if ckpt.suffix == SAFETENSORS_SUFFIX:
         return read_safetensors(ckpt)
     try:

@@ -1,11 +1,11 @@
 """Typed capabilities a method config can take from the runtime, so that no method copies
 them: a saved-activation codec (memory budget as bit widths, DAF) for any gradient method.
 
-A config that mixes in `MemoryOptions` gets `activation_bits` / `activation_budget_mb`; the
-method base class (tta_core.runtime.method) builds the codec from them and runs its
-forward under it. The codec itself belongs to a paper room (DAF); the runtime names its
-factory by module path (`CODEC_FACTORY`) and imports it only when a codec is asked for, so
-the import layers stay papers -> runtime.
+A config that mixes in `MemoryOptions` gets `activation_bits` / `activation_budget_mb` /
+`activation_budget_frac`; the method base class (tta_core.runtime.method) builds the codec
+from them and runs its forward under it. The codec itself belongs to a paper room (DAF); the
+runtime names its factory by module path (`CODEC_FACTORY`) and imports it only when a codec
+is asked for, so the import layers stay papers -> runtime.
 """
 
 from __future__ import annotations
@@ -33,6 +33,10 @@ class MemoryOptions:
         "chosen per batch under it (greedy, moving-average gradient importance); with "
         "activation_bits, one paged arena of this size narrows the save worth least per "
         "byte when full; a change holds from the next batch", low=0.0, high=1e6)
+    activation_budget_frac: float | None = option(
+        None, "DAF memory budget of the saves as a fraction of the dense saved bytes of the "
+        "batch (e.g. 0.12): widths 0/2/4/8 per unit per batch as with activation_budget_mb "
+        "(with both, the smaller budget holds); not with activation_bits", low=0.0, high=1.0)
 
 
 @runtime_checkable
@@ -58,7 +62,7 @@ def build_codec(model: nn.Module, options: object) -> StepCodec | None:
     if not isinstance(options, MemoryOptions):
         return None
     bits, budget = options.activation_bits, options.activation_budget_mb
-    if bits is None and budget is None:
+    if bits is None and budget is None and options.activation_budget_frac is None:
         return None
     module, _, name = CODEC_FACTORY.partition(":")
     return getattr(importlib.import_module(module), name)(model, options)

@@ -46,6 +46,9 @@ def _python_checks() -> list[Check]:
         ("psutil", True, SETUP_FIX),
         ("imagecorruptions", True, "pip install imagecorruptions-imaug"),
         ("rosbags", True, "pip install rosbags"),
+        ("safetensors", True, "pip install safetensors"),
+        ("tta_kernels", True, SETUP_FIX + " (workspace: colcon build, source "
+         "install/setup.bash)"),
     ):
         ok, detail = _module_version(name)
         checks.append(Check(name, ok, required, detail, "" if ok else fix))

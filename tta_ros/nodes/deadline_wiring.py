@@ -94,6 +94,7 @@ class SpeedFeed:
         self._sub: Any = None
         self._latest: tuple[float, float] | None = None  # (time, speed)
         self.error = ""  # why no speed can come in ("" when subscribed)
+        self.admit: Callable[[float], bool] = lambda _speed: True  # plausibility gate
         self.topic = ""
         self.subscribe(topic, type_name)
 
@@ -130,8 +131,8 @@ class SpeedFeed:
             self.subscribe(value("odometry_topic"), value("odometry_type"))
 
     def on_speed(self, speed_mps: float, now: float | None = None) -> None:
-        """A speed reading (NaN is ignored)."""
-        if math.isfinite(speed_mps):
+        """A speed reading (NaN, or one `admit` refuses, is ignored)."""
+        if math.isfinite(speed_mps) and self.admit(speed_mps):
             self._latest = (self._now() if now is None else now, float(speed_mps))
 
     def speed(self, now: float | None = None) -> float | None:

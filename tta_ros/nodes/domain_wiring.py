@@ -25,8 +25,11 @@ install's share directory, unlike model_card: tta_ros.ros_params.resolve_output_
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +43,14 @@ from tta_core.io.image_msg import one_line
 from tta_ros.diagnostics import OK, WARN, status
 
 SERVICE_WAIT_S = 10.0  # a service call waits this long for the worker (a batch, a frame)
+#: tta_core loggers that warn about a bank file they could not load; the node reports the
+#: same error itself (DomainWiring.attach, on its own logger), so they are muted meanwhile
+BANK_LOGGERS = ("tta_core.darda.method",)
+
+
+class _BelowWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.WARNING
 
 
 @dataclass
@@ -87,6 +98,20 @@ class DomainWiring:
         return bool(self.path) and hasattr(self.method, "save_bank")
 
     # ---------------------------------------------------------------- method lifecycle
+    @staticmethod
+    @contextmanager
+    def loading() -> Iterator[None]:
+        """While a method is built: tta_core's own warning about a bank file it could not
+        load is muted, so the node's one line (attach) is the only one."""
+        mute, loggers = _BelowWarning(), [logging.getLogger(n) for n in BANK_LOGGERS]
+        for lg in loggers:
+            lg.addFilter(mute)
+        try:
+            yield
+        finally:
+            for lg in loggers:
+                lg.removeFilter(mute)
+
     def attach(self, method: Any, path: str) -> None:
         """A (re)built method and its bank file (absolute, '' for none): report a bank that
         could not be loaded, once."""

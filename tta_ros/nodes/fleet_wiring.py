@@ -53,6 +53,7 @@ from tta_core.elasticdnn.fleet import (
 )
 from tta_ros import ros_params
 from tta_ros.diagnostics import OK, WARN, status
+from tta_ros.nodes.plausibility import check_fleet_report
 from tta_ros.ros_params import ParamSpec
 
 FLEET_STATUS = "fleet"
@@ -232,8 +233,10 @@ class FleetScheduler:
         return self.node.get_clock().now().nanoseconds * 1e-9
 
     def on_report(self, ns: str, msg: FleetReport) -> None:
-        """A pipeline's report (kept with its arrival time)."""
-        self.reports[ns] = (self._now(), msg)
+        """A pipeline's report (kept with its arrival time) when plausible (the node's
+        `refusals` and `bounds`: plausibility.check_fleet_report)."""
+        if self.node.refusals.admit("FleetReport", check_fleet_report, msg, self.node.bounds):
+            self.reports[ns] = (self._now(), msg)
 
     def apps(self) -> list[App]:
         """One App per namespace from fresh reports; ValueError naming a missing one."""

@@ -53,8 +53,11 @@ class FrameIntake:
         the frames' message type (sensor_msgs Image or CompressedImage), taken serialized."""
         self.queue, self.backlog = queue, backlog
         self.gaps = SequenceGaps()
+        # No global ROS arguments: launch's `-r __node:=perception` would otherwise rename
+        # this node too (two /perception in the graph); namespace and topic come resolved.
         self.node = rclpy.create_node(f"{owner.get_name()}_intake", context=owner.context,
                                       namespace=owner.get_namespace(),
+                                      use_global_arguments=False,
                                       start_parameter_services=False)
         self.node.create_subscription(msg_type, topic, self._on_frame, qos, raw=True)
         self._executor = SingleThreadedExecutor(context=owner.context)

@@ -62,10 +62,18 @@ from tta_core.api import (
     WarmsUp,
 )
 from tta_core.errors import one_line as exc_line
-from tta_core.io.image_msg import FrameLimits, Preprocess, one_line, to_tensor
+from tta_core.io.image_msg import (
+    FrameLimits,
+    FrameTooLarge,
+    Preprocess,
+    decode_budget,
+    one_line,
+    to_tensor,
+)
 from tta_core.methods import available_methods, build_method
 from tta_core.model.source import load_source
 from tta_core.model.units import decompose
+from tta_core.runtime.deadline import DeadlineConfig, batch_deadline_ms
 from tta_core.runtime.device import check_device
 from tta_core.runtime.gc_pauses import freeze_startup_heap
 from tta_ros import ros_params
@@ -80,6 +88,7 @@ from tta_ros.convert import (
     status_msg,
 )
 from tta_ros.diagnostics import ERROR, HARDWARE_ID, OK, WARN, DiagnosticsPublisher, status
+from tta_ros.nodes import plausibility
 from tta_ros.nodes.deadline_wiring import ODOMETRY_PARAMS, SpeedFeed, resolve_topic
 from tta_ros.nodes.domain_wiring import DomainWiring
 from tta_ros.nodes.fleet_wiring import PERCEPTION_FLEET_PARAMS, PerceptionFleet
@@ -96,6 +105,14 @@ from tta_ros.nodes.perception_support import (
     FrameQueue,
     PlanGate,
     TelemetryFeed,
+)
+from tta_ros.nodes.plausibility import (
+    PLAUSIBILITY_PARAMS,
+    Bounds,
+    RateLimit,
+    Refusals,
+    check_speed,
+    check_telemetry,
 )
 from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
 
@@ -127,6 +144,10 @@ def param_specs() -> tuple[ParamSpec, ...]:
                   "(before decoding)", 1, 2**30, read_only=True),
         ParamSpec("max_aspect", 20.0, "frames whose long side exceeds this times the short "
                   "side are rejected (before decoding)", 1.0, 1e6, read_only=True),
+        ParamSpec("max_decode_bytes", 0, "compressed frames whose header declares more "
+                  "decoded bytes (pixels x channels x bytes per channel) are rejected before "
+                  "decoding; 0: one 4K UHD RGB frame, more for models over 240 px "
+                  "(image_msg.decode_budget)", 0, 2**34, read_only=True),
         ParamSpec("plan_source", "topic", "plans from layer_plan (topic) or solved here "
                   "(inline)", choices=("topic", "inline")),
         ParamSpec(FEED_TIMEOUT, 1.0, "side inputs older than this count as missing: an "
@@ -136,7 +157,7 @@ def param_specs() -> tuple[ParamSpec, ...]:
                   "fraction of ln(num_classes)", 0.0, 1.0),
         ParamSpec("reset_patience", 5, "divergence guard: batches above the limit", 1,
                   100000),
-        *ODOMETRY_PARAMS, *PERCEPTION_FLEET_PARAMS, HARDWARE_ID,
+        *ODOMETRY_PARAMS, *PERCEPTION_FLEET_PARAMS, *PLAUSIBILITY_PARAMS, HARDWARE_ID,
     )
 
 
@@ -146,6 +167,7 @@ class Counters:
 
     batches: int = 0
     rejected: int = 0
+    too_large: int = 0  # of the rejected: over a size or decode limit, refused undecoded
     last_rejection: str = ""
     step_errors: int = 0
     last_error: str = ""
@@ -198,6 +220,17 @@ def speed_text(feed: SpeedFeed) -> str:
     return f"{speed:.4g} m/s" if speed is not None else feed.describe()
 
 
+def batch_deadline(node: PerceptionNode, batch_size: int) -> float:
+    """AdaptationStatus.deadline_ms: the deadline of a batch of `batch_size` frames by the
+    method's deadline settings and the speed it was given (the whole deadline, before any
+    lateness; a plan from layer_plan was made against the scheduler's, kept in step by
+    config/vehicle.yaml); NaN in sigma*T mode or for a method without deadlines."""
+    cfg = getattr(node.method, "config", None)
+    if not isinstance(cfg, DeadlineConfig):
+        return math.nan
+    return batch_deadline_ms(cfg, batch_size, node.speed.speed())
+
+
 def status_mode(opts: MethodOptions) -> str:
     """AdaptationStatus.mode: parallel when the method adapts in the background."""
     return "parallel" if opts.get("mode") == "parallel" else "sequential"
@@ -220,13 +253,16 @@ def perception_statuses(node: PerceptionNode) -> list[DiagnosticStatus]:
     return [
         status("input", OK, "ok", {
             "received": q.received, "dropped": q.dropped, "rejected": c.rejected,
-            "queue": f"{len(q)}/{q.maxlen}", "last_rejection": c.last_rejection}),
+            "too_large": c.too_large,
+            "queue": f"{len(q)}/{q.maxlen}", "last_rejection": c.last_rejection,
+            **node.refusals.values()}),
         status("planning", WARN if planning_warn else OK,
                planning_message(node), {
                    "plan_source": p["plan_source"],
                    "topic_batches": c.topic_batches, "inline_batches": c.inline_batches,
                    "deadline_mode": opts.get("deadline_mode", "-"),
-                   "speed": speed_text(node.speed)}),
+                   **({"speed": speed_text(node.speed)}  # only where the speed counts
+                      if opts.get("deadline_mode") == "speed" else {})}),
         status("adaptation", ERROR if node.build_error else OK,
                node.build_error or f"{opts.method} ({status_mode(opts)})",
                {"batches": c.batches, "resets": node.guard.resets,
@@ -265,7 +301,7 @@ def publish_batch(node: PerceptionNode, frames: list[Any], logits: torch.Tensor,
     node.pub_status.publish(status_msg(
         header, batch_id, res, method=node.method.name, mode=status_mode(node.options),
         plan_id=plan_id, reset=reset, frames_dropped=int(node.queue.dropped),
-        peak_mb=peak_memory_mb(node.device)))
+        peak_mb=peak_memory_mb(node.device), deadline_ms=batch_deadline(node, len(frames))))
     imp = importance_msg(header, batch_id, node.model_name, node.unit_names, res,
                          len(frames))
     if imp is not None:
@@ -346,12 +382,17 @@ class PerceptionNode(Node):
         self.guard = DivergenceGuard(self.card.num_classes, self.p["reset_entropy_ratio"],
                                      self.p["reset_patience"])
         self.counters = Counters()
+        self.bounds = Bounds.from_params(self.p)  # plausibility of plans, telemetry, speed
+        self.refusals = Refusals(self.get_logger().warning)
+        self._rejection_diags = RateLimit(per_s=5)  # rejections published right away
         self._inline_fallback = False
         self._no_room = ""  # inline planning: why no trainable unit fits sigma * T
         self.telemetry = TelemetryFeed(self.p[FEED_TIMEOUT])
         self.speed = SpeedFeed(self, self.p["odometry_topic"], self.p["odometry_type"],
                                self.p[FEED_TIMEOUT],
                                lambda: self.get_clock().now().nanoseconds * 1e-9)
+        self.speed.admit = lambda v: self.refusals.admit("odometry", check_speed, v,
+                                                         self.bounds)
         self.add_on_set_parameters_callback(self._on_set_parameters)
         self.add_post_set_parameters_callback(self._after_set_parameters)
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
@@ -384,7 +425,8 @@ class PerceptionNode(Node):
             ros_params.resolve_data_path(self.p["model_card"]))
         self.pre = Preprocess.from_card(self.card)
         self.limits = FrameLimits(tuple(self.p["float_range"]), self.p["max_pixels"],
-                                  self.p["max_aspect"])
+                                  self.p["max_aspect"], self.p["max_decode_bytes"]
+                                  or decode_budget(self.pre.image_size))
         self.model_name = self.card.name or self.card.arch
 
     def _declare_method(self, name: str) -> MethodOptions:
@@ -429,8 +471,9 @@ class PerceptionNode(Node):
         model = copy.deepcopy(self.source_model).to(self.device)
         if self.method is not None:
             self.domain.save("method rebuilt")  # the rebuilt method loads it
-        method = build_warm(opts.method, config, model, int(self.p["batch_size"]),
-                            (3, s, s))
+        with self.domain.loading():  # a bad bank file: one line, from domain.attach
+            method = build_warm(opts.method, config, model, int(self.p["batch_size"]),
+                                (3, s, s))
         if self.method is not None:
             self.method.close()
         self.method = method
@@ -516,6 +559,8 @@ class PerceptionNode(Node):
         return min(self.queue.maxlen, 2 * int(self.p["batch_size"]))
 
     def _on_telemetry(self, msg: ResourceTelemetry) -> None:
+        if not self.refusals.admit("ResourceTelemetry", check_telemetry, msg, self.bounds):
+            return
         self.telemetry.on_reading(*telemetry_pis(msg.compute_expansion, msg.memory_expansion))
 
     def _on_plan(self, msg: LayerPlan) -> None:
@@ -523,8 +568,10 @@ class PerceptionNode(Node):
         if not isinstance(method, TakesPlan):
             return
         try:
+            plausibility.check_plan(msg, self.bounds)
             plan = check_plan(msg, self.model_name, self.unit_names, method.trainable)
         except ValueError as exc:  # the last good plan (or inline) goes on serving
+            self.refusals.refuse("LayerPlan", f"plan {msg.plan_id}: {exc}")
             self._diag_now("planning", WARN, f"plan {msg.plan_id} ignored: {exc}")
             return
         was_stale = self._inline_fallback
@@ -559,11 +606,21 @@ class PerceptionNode(Node):
                 xs.append(pix)
                 good.append(msg)
             except ValueError as exc:  # never batched; the reason is one short line
-                self.counters.rejected += 1
-                self.counters.last_rejection = one_line(exc)
-                self.get_logger().warning(f"frame rejected: {self.counters.last_rejection}")
-                self._diag_now("input", ERROR, f"frame rejected: {self.counters.last_rejection}")
+                self._count_rejection(exc)
         return xs, good
+
+    def _count_rejection(self, exc: ValueError) -> None:
+        """Count a refused frame; log why at most once a second and publish it on
+        /diagnostics for the first 5 of each second (a flood of bad frames costs no more
+        than their parse; the 1 Hz input status carries the count and the last reason)."""
+        c = self.counters
+        c.rejected += 1
+        c.too_large += isinstance(exc, FrameTooLarge)
+        c.last_rejection = one_line(exc)
+        self.get_logger().warning(f"frame rejected ({c.rejected} so far): "
+                                  f"{c.last_rejection}", throttle_duration_sec=1.0)
+        if self._rejection_diags.allow():
+            self._diag_now("input", ERROR, f"frame rejected: {c.last_rejection}")
 
     def _choose_plan(self) -> tuple[int, Plan | None]:
         """(plan_id, plan) for the next batch; (0, None) means plan inline."""

@@ -8,8 +8,10 @@ expansion of the latency predictor) with tta_core.adashadow.expansion (`expansio
 Unknown values stay NaN; the uint32 `competing_processes` field carries UNKNOWN_COUNT
 (2**32 - 1) when the count is unknown.
 /diagnostics carries one DiagnosticStatus per subsystem (cpu, memory, thermal, gpu, cache):
-OK / WARN / ERROR against the thresholds below, STALE when the subsystem is not measured;
-plus "sources" and "expansion" (model, pi_2 source, reference).
+OK / WARN / ERROR against the thresholds below; a subsystem this machine has no source for
+is OK with a message ("no GPU source", "no thermal zone", "no LLC counters"), and STALE only
+when a source it had stopped updating (diagnostic aggregators read STALE that way); plus
+"sources" and "expansion" (model, pi_2 source, reference; OK "no calibration" without one).
 """
 
 from __future__ import annotations
@@ -117,33 +119,58 @@ def _known(*xs: float) -> bool:
     return any(math.isfinite(x) for x in xs)
 
 
-def subsystem_statuses(s: ResourceSample, th: dict[str, float]) -> list[DiagnosticStatus]:
-    """One status per subsystem: cpu, memory, thermal, gpu, cache (STALE when unmeasured)."""
+# subsystem -> what the status says when the machine has no source for it
+ABSENT = {"cpu": "no CPU load source", "memory": "no memory source",
+          "thermal": "no thermal zone", "gpu": "no GPU source", "cache": "no LLC counters"}
+
+
+def _level(name: str, known: bool, seen: set[str], measured: int) -> tuple[int, str]:
+    """(level, message) of a subsystem without a value: OK naming the absent source when it
+    never had one, STALE when it had one that stopped updating. `measured`: its level
+    when known (message '' then: the caller writes the reading)."""
+    if known:
+        seen.add(name)
+        return measured, ""
+    if name in seen:
+        return STALE, f"{ABSENT[name].removeprefix('no ')} stopped updating"
+    return OK, ABSENT[name]
+
+
+def subsystem_statuses(s: ResourceSample, th: dict[str, float],
+                       seen: set[str] | None = None) -> list[DiagnosticStatus]:
+    """One status per subsystem: cpu, memory, thermal, gpu, cache. A subsystem without a
+    value is OK with a message when the machine has no source for it, STALE when it had
+    one (`seen`: the subsystems measured before, updated here) that stopped updating."""
+    seen = set() if seen is None else seen
     out = []
     cpu = s.cpu_percent
-    lvl = STALE if not _known(cpu) else WARN if cpu > th["cpu_warn_percent"] else OK
-    out.append(_status("cpu", lvl, "not measured" if lvl == STALE else f"load {cpu:.0f} %", {
+    lvl, msg = _level("cpu", _known(cpu), seen,
+                      WARN if _known(cpu) and cpu > th["cpu_warn_percent"] else OK)
+    out.append(_status("cpu", lvl, msg or f"load {cpu:.0f} %", {
         "cpu_percent": cpu, "cores": float(len(s.cpu_percent_per_core)),
         "cpu_freq_mhz": s.cpu_freq_mhz, "cpu_freq_max_mhz": s.cpu_freq_max_mhz,
         "competing_processes": s.competing_processes, "compute_expansion": s.compute_expansion}))
     mem_pct = 100.0 * s.mem_used_mb / s.mem_total_mb if s.mem_total_mb > 0 else math.nan
-    lvl = STALE if not _known(mem_pct) else WARN if mem_pct > th["mem_warn_percent"] else OK
-    out.append(_status("memory", lvl, "not measured" if lvl == STALE else f"{mem_pct:.0f} % used",
+    lvl, msg = _level("memory", _known(mem_pct), seen,
+                      WARN if _known(mem_pct) and mem_pct > th["mem_warn_percent"] else OK)
+    out.append(_status("memory", lvl, msg or f"{mem_pct:.0f} % used",
                        {"mem_used_mb": s.mem_used_mb, "mem_total_mb": s.mem_total_mb}))
     temps = [t for t in (s.cpu_temp_c, s.gpu_temp_c) if math.isfinite(t)]
     hot = max(temps) if temps else math.nan
-    lvl = (STALE if not temps else ERROR if hot > th["temp_error_c"]
-           else WARN if hot > th["temp_warn_c"] else OK)
-    out.append(_status("thermal", lvl, "no thermal zone" if lvl == STALE else f"max {hot:.1f} C",
+    lvl, msg = _level("thermal", bool(temps), seen, ERROR if hot > th["temp_error_c"]
+                      else WARN if hot > th["temp_warn_c"] else OK)
+    out.append(_status("thermal", lvl, msg or f"max {hot:.1f} C",
                        {"cpu_temp_c": s.cpu_temp_c, "gpu_temp_c": s.gpu_temp_c}))
     gpu_known = _known(s.gpu_percent, s.gpu_freq_mhz, s.gpu_mem_used_mb, s.gpu_temp_c)
-    out.append(_status("gpu", OK if gpu_known else STALE, "ok" if gpu_known else "no GPU source", {
+    lvl, msg = _level("gpu", gpu_known, seen, OK)
+    out.append(_status("gpu", lvl, msg or "ok", {
         "gpu_percent": s.gpu_percent, "gpu_freq_mhz": s.gpu_freq_mhz,
         "gpu_freq_max_mhz": s.gpu_freq_max_mhz, "gpu_mem_used_mb": s.gpu_mem_used_mb,
         "power_w": s.power_w}))
     hit = s.cache_hit_rate
-    lvl = STALE if not _known(hit) else WARN if hit < th["cache_warn_hit_rate"] else OK
-    out.append(_status("cache", lvl, "no LLC counters" if lvl == STALE else f"hit {hit:.2f}",
+    lvl, msg = _level("cache", _known(hit), seen,
+                      WARN if _known(hit) and hit < th["cache_warn_hit_rate"] else OK)
+    out.append(_status("cache", lvl, msg or f"hit {hit:.2f}",
                        {"cache_hit_rate": hit, "memory_expansion": s.memory_expansion}))
     return out
 
@@ -163,12 +190,13 @@ def probe_note(enabled: bool, cal: Calibration | None) -> str:
 def expansion_status(sampler: TelemetrySampler, note: str = "") -> DiagnosticStatus:
     """pi1/pi2 provenance: model, pi2 source, sharing factor and the offline reference.
 
-    STALE without a calibration, WARN on an expansion/probe error or an ignored probe.
+    OK without a calibration (nothing to compute: an absent optional source, not a stale
+    one), WARN on an expansion/probe error or an ignored probe.
     """
     model = sampler.expansion
     if not isinstance(model, ExpansionModel):  # None: the node had no calibration
         msg = "no calibration: pi1/pi2 not computed" + (f"; {note}" if note else "")
-        return _status("expansion", STALE, msg, {"model": "none"})
+        return _status("expansion", WARN if note else OK, msg, {"model": "none"})
     errors = [f"{k}: {v}" for k, v in sampler.errors.items() if k in ("expansion", "probe")]
     ex = sampler.last_expansion if isinstance(sampler.last_expansion, Expansion) else None
     ref = model.reference
@@ -208,6 +236,7 @@ class ResourceMonitorNode(Node):
                                         probe=probe,
                                         probe_interval_s=self.params["process_scan_s"])
         self.last_sample: ResourceSample | None = None
+        self.seen: set[str] = set()  # subsystems measured so far (STALE once they stop)
         self.samples_published = 0
         self.pub_telemetry = self.create_publisher(ResourceTelemetry, "telemetry", 10)
         self.diag = DiagnosticsPublisher(self)
@@ -251,7 +280,8 @@ class ResourceMonitorNode(Node):
         th = {k: self.get_parameter(k).value for k in
               ("cpu_warn_percent", "mem_warn_percent", "temp_warn_c", "temp_error_c",
                "cache_warn_hit_rate")}
-        self.diag.publish([*subsystem_statuses(self.last_sample, th), self._sources_status(),
+        self.diag.publish([*subsystem_statuses(self.last_sample, th, self.seen),
+                           self._sources_status(),
                            expansion_status(self.sampler, self.probe_note)])
 
     def _sources_status(self) -> DiagnosticStatus:

@@ -56,6 +56,7 @@ from tta_core.adashadow.planning import (
 from tta_ros import ros_params
 from tta_ros.convert import check_importance, plan_to_msg
 from tta_ros.diagnostics import HARDWARE_ID, OK, WARN, DiagnosticsPublisher, status
+from tta_ros.nodes import plausibility
 from tta_ros.nodes.deadline_wiring import (
     DEADLINE_KEYS,
     DEADLINE_PARAMS,
@@ -65,6 +66,14 @@ from tta_ros.nodes.deadline_wiring import (
     resolve_topic,
 )
 from tta_ros.nodes.fleet_wiring import SCHEDULER_FLEET_PARAMS, FleetScheduler
+from tta_ros.nodes.plausibility import (
+    PLAUSIBILITY_PARAMS,
+    Bounds,
+    Refusals,
+    check_speed,
+    check_status,
+    check_telemetry,
+)
 from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
 
 PARAMS: tuple[ParamSpec, ...] = (
@@ -102,6 +111,7 @@ PARAMS: tuple[ParamSpec, ...] = (
               "after the last plan [s] (0: forever)", 0.0, 3600.0),
     *DEADLINE_PARAMS,
     *SCHEDULER_FLEET_PARAMS,
+    *PLAUSIBILITY_PARAMS,
     HARDWARE_ID,
 )
 
@@ -156,10 +166,11 @@ def deadline_values(node: SchedulerNode) -> dict[str, str | int]:
     """The deadline part of the planning diagnostics."""
     svc, last = node.planning, node.last_outcome
     speed = node.speed.speed()
+    speed_value = {"speed_mps": f"{speed:.4g}" if speed is not None else "unknown"} \
+        if svc.config.deadline_mode == "speed" else {}  # only where the speed counts
     return {"deadline": svc.describe_deadline(),
             "deadline_ms": f"{last.deadline_ms:.4g}" if last is not None else "nan",
-            "speed_mps": f"{speed:.4g}" if speed is not None else "unknown",
-            "forward_misses": node.forward_misses}
+            **speed_value, "forward_misses": node.forward_misses}
 
 
 def memory_text(outcome: PlanOutcome, budget_mib: float | None) -> str:
@@ -193,8 +204,12 @@ class SchedulerNode(Node):
             fixed_cost_feedback=p["fixed_cost_feedback"], **deadline_settings(p),
             memory_budget_mb=p["memory_budget_mb"] or None), profile)
         self._card, self._save_costs = p["model_card"], None  # memory costs: on first use
+        self.bounds = Bounds.from_params(p)  # plausibility of every message taken in
+        self.refusals = Refusals(self.get_logger().warning)
         self.speed = SpeedFeed(self, p["odometry_topic"], p["odometry_type"],
                                p["odometry_timeout_s"], self._now)
+        self.speed.admit = lambda v: self.refusals.admit("odometry", check_speed, v,
+                                                         self.bounds)
         self.forward_misses = 0  # batches whose forward alone missed the deadline
         self._trainable = layout.trainable(p["trainable"])
         self.telemetry: ResourceTelemetry | None = None
@@ -246,12 +261,16 @@ class SchedulerNode(Node):
         return res
 
     def _on_telemetry(self, msg: ResourceTelemetry) -> None:
-        self.telemetry, self._tel_time = msg, self._now()
+        if self.refusals.admit("ResourceTelemetry", check_telemetry, msg, self.bounds):
+            self.telemetry, self._tel_time = msg, self._now()
 
     def _on_status(self, msg: AdaptationStatus) -> None:
         """Perception followed one of our plans: the service learns from what it measured.
         In parallel mode no reforward runs (its time is not part of the check). Every
-        status also carries the recognised domain, for the marker label."""
+        status also carries the recognised domain, for the marker label. An implausible
+        status is refused (plausibility.check_status): nothing learnt from it."""
+        if not self.refusals.admit("AdaptationStatus", check_status, msg, self.bounds):
+            return
         self.domain = msg.domain  # the marker label shows it
         outcome = self._outcomes.pop(int(msg.plan_id), None)
         if outcome is None:
@@ -283,6 +302,7 @@ class SchedulerNode(Node):
         """The service's plan for `imp` with the current telemetry (nothing published);
         ValueError naming the field when `imp` is not a valid message for this model."""
         lay = self.layout
+        plausibility.check_importance(imp, self.bounds)
         importance = check_importance(imp, lay.model_name, lay.unit_names)
         self._apply_telemetry()
         self.planning.set_speed(self.speed.speed())
@@ -305,8 +325,7 @@ class SchedulerNode(Node):
             outcome = self.plan_for(imp)
         except ValueError as exc:
             self.last_error = str(exc)
-            self.get_logger().warning(f"no plan for batch {imp.batch_id}: {exc}",
-                                      throttle_duration_sec=5.0)
+            self.refusals.refuse("LayerImportance", f"no plan for batch {imp.batch_id}: {exc}")
             self._publish_diagnostics()
             return
         self.last_error, self.no_room = "", outcome.no_room
@@ -319,8 +338,8 @@ class SchedulerNode(Node):
         cfg = self.planning.config
         deadline = (f"{outcome.deadline_ms:.1f} ms ({self.planning.describe_deadline()})"
                     if cfg.has_deadline else "")
-        msg = plan_to_msg(outcome, imp, self.plans_published,
-                          outcome.budget_share if deadline else cfg.sigma)
+        msg = plan_to_msg(outcome, imp, self.plans_published,  # sigma: a share, in (0, 1]
+                          min(outcome.budget_share, 1.0) if deadline else cfg.sigma)
         self._outcomes[self.plans_published] = outcome
         while len(self._outcomes) > 64:  # plans perception never followed
             del self._outcomes[next(iter(self._outcomes))]
@@ -345,7 +364,7 @@ class SchedulerNode(Node):
                           "backward_factor": f"{svc.backward_factor:.4g}",
                           "plan_phase_ms": f"{svc.plan_phase_ms:.4g}",
                           "update_overhead_ms": f"{svc.overhead_ms:.4g}",
-                          **deadline_values(self)})
+                          **deadline_values(self), **self.refusals.values()})
 
     def _publish_diagnostics(self) -> None:
         self.diag.publish([self._planning_status(), *self.fleet.statuses()])

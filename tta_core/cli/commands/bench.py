@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import sys
 import time
 from pathlib import Path
 
@@ -16,8 +17,8 @@ HELP = "benchmark TTA methods on a corruption stream: accuracy per domain, laten
 # Copies of tta_core.eval.bench's DEFAULT_METHODS, DEFAULT_CARD, MODES and BenchConfig
 # defaults: that module imports torch, and `tta bench --help` must not.
 # test/system/test_cli_fast.py checks that they are equal.
-DEFAULT_METHODS: tuple[str, ...] = ("source", "bn_adapt", "tent", "eata", "sar", "cotta",
-                                    "lame", "adashadow")
+# (): every registered method that can run on the model (tta_core.eval.bench.runnable_methods)
+DEFAULT_METHODS: tuple[str, ...] = ()
 DEFAULT_CARD = Path("checkpoints/small_resnet_signs32.json")
 MODES: tuple[str, ...] = ("sequential", "parallel")
 DEFAULTS: dict[str, object] = {"order": "continual", "severity": 5, "batch_size": 4,
@@ -76,9 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The bench options; defaults are BenchConfig's (copied in DEFAULTS)."""
     d = argparse.Namespace(**DEFAULTS)
     parser.add_argument("--methods", type=_methods, default=DEFAULT_METHODS,
-                        help=f"comma-separated (default {','.join(DEFAULT_METHODS)})")
+                        help="comma-separated (default: every registered method that can run "
+                             "on the model; one line names each left out and why)")
     parser.add_argument("--order", default=d.order,
-                        help="continual, gradual, mixed, dirichlet or recurring")
+                        help="continual, gradual, mixed, dirichlet or recurring (also for "
+                             "--data: recurring repeats the same images, gradual needs "
+                             "severities: cifar10c or imagenet-c)")
     parser.add_argument("--severity", type=int, default=d.severity, choices=range(1, 6))
     parser.add_argument("--batch-size", type=int, default=d.batch_size)
     parser.add_argument("--samples-per-domain", type=int, default=d.samples_per_domain)
@@ -137,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
 
     options: dict[str, dict] = {}
     for method, key, value in args.options:
-        if method not in args.methods:
+        if args.methods and method not in args.methods:
             raise SystemExit(f"--set {method}.{key}: {method!r} is not among --methods "
                              f"{','.join(args.methods)}")
         options.setdefault(method, {})[key] = value
@@ -155,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
                       measure_activations=args.measure_activations,
                       memory_budget_mb=args.memory_budget_mb)
     out = args.out or Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
-    result = run_bench(cfg, out, progress=not args.no_progress)
+    result = run_bench(cfg, out, progress=not args.no_progress,
+                       log=lambda line: print(f"tta bench: {line}", file=sys.stderr))
     print(result.markdown)
     if result.files is not None:
         print(f"wrote {result.files.json}, {result.files.markdown}, "

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from pathlib import Path
 
 from tta_core.cli.choices import ARCHS, SPLITS
+from tta_core.io.strict_json import dumps as json_dumps
 
 NAME = "profile"
 HELP = "measure per-unit forward/backward latency (AdaShadow offline profile) to JSON"
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     out = args.out or default_path(args.arch, device_name(device))
     out.parent.mkdir(parents=True, exist_ok=True)
     prof.save(out)
-    print(json.dumps({"out": str(out), "model": prof.model, "device": prof.device,
+    print(json_dumps({"out": str(out), "model": prof.model, "device": prof.device,
                       "units": len(prof.unit_names), "forward_ms": round(prof.forward_ms, 3),
                       "sum_r_ms": round(float(prof.r_ms.sum()), 3),
                       "sum_backward_ms": round(float((prof.w_ms + prof.x_ms).sum()), 3)}))

@@ -9,8 +9,9 @@ place), its weights unchanged."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
+
+from tta_core.io.strict_json import dumps as json_dumps
 
 NAME = "train-elastic"
 HELP = "train ElasticDNN's gated master (FBS gates, sandwich rule) from a source checkpoint"
@@ -98,7 +99,7 @@ def _metadata(source_card: Path, knowledge_only: bool, record: dict) -> dict[str
     """Checkpoint metadata: this run's record; a knowledge-only fit keeps the gated
     master's training record and adds its own."""
     if not knowledge_only:
-        return {"train_elastic": json.dumps(record)}
+        return {"train_elastic": json_dumps(record)}
     import safetensors
 
     from tta_core.model.source import load_card
@@ -106,4 +107,4 @@ def _metadata(source_card: Path, knowledge_only: bool, record: dict) -> dict[str
     weights = source_card.parent / load_card(source_card).checkpoint
     with safetensors.safe_open(str(weights), "pt") as f:
         old = dict(f.metadata() or {})
-    return {**old, "knowledge_fit": json.dumps(record)}
+    return {**old, "knowledge_fit": json_dumps(record)}

@@ -10,7 +10,7 @@ the default limits,
 the median ms of the perception node's whole path (tta_ros.convert.decode_frame:
 deserialize the CompressedImage, read the header, refuse; when rclpy is importable), and
 the median ms of cv2.imdecode on it (over --decode-repeats), for comparison; then a valid
-64 px PNG frame's decode time.
+64 px PNG frame's decode time. Writes docs/results/compressed_bombs.{json,md}.
 Usage: python benchmarks/bench_compressed_bombs.py [--repeats 200] [--decode-repeats 3]
 """
 
@@ -29,6 +29,7 @@ import cv2
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "test"))  # helpers.bombs
+import results
 from helpers.bombs import bombs, zero_stream_bomb
 
 from tta_core.io.image_msg import FrameLimits, FrameTooLarge, decode_compressed
@@ -95,6 +96,22 @@ def main() -> None:
     out["valid_png_64px_decode_ms"] = _median_ms(lambda: decode_compressed(valid),
                                                  args.repeats)
     print(json.dumps(out, indent=1))
+    results.save("compressed_bombs", out)
+
+
+def render(data: dict) -> str:
+    """One row per bomb: size, declared image, refuse ms (decoder, node path), decode ms."""
+    lines = [f"Default decode budget {data['max_decode_bytes']:,} bytes; medians, ms.", "",
+             "| bomb | bytes | declared | refuse | refuse, node path | cv2.imdecode |",
+             "|---|---:|---|---:|---:|---:|"]
+    for name, r in data.items():
+        if isinstance(r, dict):
+            node = r.get("node_path_refuse_ms")
+            lines.append(f"| {name} | {r['bytes']:,} | {r['declared']} | {r['refuse_ms']:.4f} "
+                         f"| {'–' if node is None else f'{node:.4f}'} | "
+                         f"{r['imdecode_ms']:.1f} |")
+    lines += ["", f"A valid 64 px PNG decodes in {data['valid_png_64px_decode_ms']:.3f} ms."]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

@@ -43,6 +43,16 @@ def small_args(out: Path) -> dict[str, list[str]]:
 
 
 SERVICES = ("python -m tta_ros.bringup",)
+# Commands of blocks not marked runnable (they set up, or need a system ROS 2 / network):
+# the test or script that runs each one, and a word that file must contain.
+ELSEWHERE: dict[str, tuple[str, str]] = {
+    "make demo": ("test/system/test_demo_adapts.py", "demo"),  # the target runs `tta demo`
+    "make test": (".ci/run", "make test"),  # CI itself
+    "rosdep install": ("test/system/test_packaging.py", "rosdep"),  # keys vs package.xml
+    "pip install": ("test/system/test_install_lines.py", "pip"),
+    "colcon build": ("test/system/test_colcon_workspace.py", "colcon"),
+    "source install/setup.bash": ("test/ros/test_launch_sync.py", "vehicle.launch.py"),
+}
 READY_LINES = 3  # bringup's three nodes each log "ready:"
 
 
@@ -98,6 +108,18 @@ def test_readme_links_stay_in_the_repository_and_resolve() -> None:
 def test_every_runnable_block_has_commands() -> None:
     assert _runnable("bash"), "README has no runnable bash block"
     assert _runnable("python"), "README has no runnable python block"
+
+
+def test_every_other_command_is_run_elsewhere() -> None:
+    """A bash block not marked runnable holds only commands another test runs."""
+    for b in blocks(_text()):
+        if b.lang != "bash" or b.runnable:
+            continue
+        for line in commands(b.body):
+            key = next((k for k in ELSEWHERE if line.startswith(k)), None)
+            assert key, f"README command run by no test: {line}"
+            path, word = ELSEWHERE[key]
+            assert word in (ROOT / path).read_text(), (line, path)
 
 
 def _env() -> dict[str, str]:

@@ -30,14 +30,17 @@ def test_committed_pages_and_readme_equal_their_rendering(results) -> None:
     assert stale == [], "run `python benchmarks/results.py` and commit: " + ", ".join(stale)
 
 
-def test_readme_headline_comes_from_the_json(results) -> None:
+def test_readme_blocks_come_from_the_json(results) -> None:
     readme = (ROOT / "README.md").read_text()
-    assert results.HEADLINE_BEGIN in readme and results.HEADLINE_END in readme
-    data = json.loads((results.RESULTS / f"{results.HEADLINE_STEM}.json").read_text())
-    block = readme.split(results.HEADLINE_BEGIN)[1].split(results.HEADLINE_END)[0]
-    assert block.strip() == results.headline(data).strip()
-    for run in data["runs"]:  # the figures a reader compares, found in the table as printed
-        assert f"{run['methods']['adashadow']['x_tent']:.2f}" in block
+    for name, (stem, render) in results.README_BLOCKS.items():
+        begin, end = results.markers(name)
+        assert begin in readme and end in readme, name
+        data = json.loads((results.RESULTS / f"{stem}.json").read_text())
+        block = readme.split(begin)[1].split(end)[0]
+        assert block.strip() == render(data).strip(), name
+    head = json.loads((results.RESULTS / "paper_ratios.json").read_text())
+    for run in head["runs"]:  # the figures a reader compares, found as printed
+        assert f"{run['methods']['adashadow']['x_tent']:.2f}" in readme
 
 
 def test_every_results_json_has_a_page_and_provenance(results) -> None:

@@ -123,7 +123,8 @@ def test_message_fields_match_design_contract():
                            "memory_expansion",
         AdaptationStatus: "header batch_id method mode adapted units_updated plan_id forward_ms "
                           "plan_ms backward_ms reforward_ms total_ms predicted_total_ms "
-                          "budget_ms deadline_ms loss mean_entropy peak_memory_mb frames_dropped reset domain",
+                          "budget_ms deadline_ms loss mean_entropy peak_memory_mb "
+                          "frames_dropped reset domain",
         ClassPrediction: "header batch_id label confidence class_name scores",
     }
     for cls, names in expect.items():

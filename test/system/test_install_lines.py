@@ -8,7 +8,9 @@ from __future__ import annotations
 import ast
 import re
 import sys
+from pathlib import Path
 
+import pytest
 from catkin_pkg.package import parse_package
 from helpers import CONFIG, ROOT
 
@@ -16,6 +18,7 @@ from tta_ros.launch_params import launch_nodes
 
 PACKAGE_XML = ROOT / "ros_package" / "package.xml"
 README = ROOT / "README.md"
+INSTALL_DOCS = (README, ROOT / "docs" / "how-to" / "ros-workspace.md")  # same install lines
 SOURCES = {"tta_core": ROOT / "tta_core", "tta_ros": ROOT / "tta_ros",
            "tta_kernels": ROOT / "kernels", "launch file": ROOT / "launch"}
 FIRST_PARTY = {"tta_core", "tta_ros", "tta_kernels", "__future__"}
@@ -50,9 +53,11 @@ def third_party_imports() -> dict[str, set[str]]:
     return found
 
 
-def readme_pip_names() -> set[str]:
-    """Distributions on the `pip install` lines of README's workspace block."""
-    block = README.read_text().split("## In a real ROS 2 workspace", 1)[1].split("```")[1]
+def readme_pip_names(doc: Path = README) -> set[str]:
+    """Distributions on the `pip install` lines of `doc`'s workspace block (the code
+    block that runs `rosdep install`)."""
+    blocks = doc.read_text().split("```")[1::2]
+    (block,) = [b for b in blocks if "rosdep install" in b]
     names: set[str] = set()
     for line in block.splitlines():
         m = re.match(r"\s*pip install (.*?)(\s+#.*)?$", line)
@@ -90,10 +95,12 @@ def test_every_third_party_import_is_installed_by_the_readme_lines() -> None:
     assert not missing, missing
 
 
-def test_the_pip_line_names_only_modules_without_a_key() -> None:
-    """README's pip line: exactly the modules rosdep cannot install."""
+@pytest.mark.parametrize("doc", INSTALL_DOCS, ids=lambda p: p.name)
+def test_the_pip_line_names_only_modules_without_a_key(doc: Path) -> None:
+    """The pip line (README, the workspace how-to): exactly the modules rosdep cannot
+    install."""
     used = set(third_party_imports())
-    assert readme_pip_names() == {PIP_NAME[m] for m in used & set(PIP_NAME)}
+    assert readme_pip_names(doc) == {PIP_NAME[m] for m in used & set(PIP_NAME)}
 
 
 def test_every_package_the_launch_file_starts_is_an_exec_depend() -> None:

@@ -63,6 +63,7 @@ setup(
             "model-card = tta_core.cli.commands.model_card",
             "predictor-bench = tta_core.cli.commands.predictor_bench",
             "profile = tta_core.cli.commands.profile",
+            "sweep = tta_core.cli.commands.sweep",
             "train-corruption-encoder = tta_core.cli.commands.train_corruption_encoder",
             "train-darda = tta_core.cli.commands.train_darda",
             "train-elastic = tta_core.cli.commands.train_elastic",

@@ -17,9 +17,9 @@ from tta_core.daf.bit_alloc import UnitChoice, brute_force_bits, greedy_bits
 from tta_core.daf.dynamic import (
     FIDELITY,
     NORM_FIDELITY,
-    upstream_fidelity,
     budget_bytes,
     unit_choices,
+    upstream_fidelity,
 )
 from tta_core.memory import SavedActivationCounter
 from tta_core.memory.ledger import MIB

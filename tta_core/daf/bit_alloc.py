@@ -100,45 +100,51 @@ def _score(gain: float, dm: float, dt: float, mem_tight: bool) -> tuple[float, f
 def greedy_bits(units: Sequence[UnitChoice], mem_budget: float,
                 time_budget: float = math.inf,
                 fidelity: Mapping[int, float] = FIDELITY) -> Allocation:
-    """The greedy allocation (module doc); ValueError if even the lowest widths don't fit."""
+    """The greedy allocation (module doc); ValueError if even the lowest widths don't fit.
+    Totals are kept up to date per upgrade and each unit's upgrades are tabled once (it
+    runs before every forward: ~100 units, hundreds of upgrades)."""
     _check(units, fidelity)
     bits = {u.name: min(u.mem) for u in units}
     alloc = _evaluate(units, bits, fidelity)
     if alloc.mem > mem_budget or alloc.time > time_budget:
         raise ValueError(f"lowest widths need {alloc.mem:.0f} B / {alloc.time:.3g} ms: over "
                          f"the budgets {mem_budget:.0f} B / {time_budget:.3g} ms")
+    table = [{cur: _upgrades(u, cur, fidelity) for cur in u.mem} for u in units]
+    mem, time = alloc.mem, alloc.time
     while True:
-        mem_left = (mem_budget - alloc.mem) / mem_budget if mem_budget > 0 else 0.0
-        time_left = ((time_budget - alloc.time) / time_budget
+        mem_left = (mem_budget - mem) / mem_budget if mem_budget > 0 else 0.0
+        time_left = ((time_budget - time) / time_budget
                      if math.isfinite(time_budget) and time_budget > 0 else math.inf)
         mem_tight = mem_left <= time_left
         best = None
-        for u in units:
-            for b, gain, dm, dt in _upgrades(u, bits[u.name], fidelity):
-                if gain <= 0 or alloc.mem + dm > mem_budget or alloc.time + dt > time_budget:
+        for u, ups in zip(units, table, strict=True):
+            for b, gain, dm, dt in ups[bits[u.name]]:
+                if gain <= 0 or mem + dm > mem_budget or time + dt > time_budget:
                     continue
                 key = _score(gain, dm, dt, mem_tight)
                 if best is None or key > best[0]:
-                    best = (key, u.name, b)
+                    best = (key, u.name, b, dm, dt)
         if best is None:
             break
         bits[best[1]] = best[2]
-        alloc = _evaluate(units, bits, fidelity)
-    return max(alloc, _best_single(units, mem_budget, time_budget, fidelity),
-               key=lambda a: a.value)
+        mem, time = mem + best[3], time + best[4]
+    return max(_evaluate(units, bits, fidelity),
+               _best_single(units, mem_budget, time_budget, fidelity), key=lambda a: a.value)
 
 
 def _best_single(units: Sequence[UnitChoice], mem_budget: float, time_budget: float,
                  fidelity: Mapping[int, float]) -> Allocation:
     """The best allocation that raises one unit above its lowest width (or none)."""
     base = {u.name: min(u.mem) for u in units}
-    best = _evaluate(units, base, fidelity)
+    start = _evaluate(units, base, fidelity)
+    best, choice = start.value, None
     for u in units:
-        for b in u.mem:
-            a = _evaluate(units, {**base, u.name: b}, fidelity)
-            if a.mem <= mem_budget and a.time <= time_budget and a.value > best.value:
-                best = a
-    return best
+        for b, gain, dm, dt in _upgrades(u, base[u.name], fidelity):
+            if start.mem + dm <= mem_budget and start.time + dt <= time_budget \
+                    and start.value + gain > best:
+                best, choice = start.value + gain, (u.name, b)
+    return start if choice is None else _evaluate(units, {**base, choice[0]: choice[1]},
+                                                  fidelity)
 
 
 def brute_force_bits(units: Sequence[UnitChoice], mem_budget: float,

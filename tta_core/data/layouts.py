@@ -1,7 +1,7 @@
 """The folder layouts `tta bench --data KIND:DIR` reads (no numpy: `tta bench --help`
 prints them without importing the loaders)."""
 
-DATA_KINDS: tuple[str, ...] = ("cifar10c", "imagenet-c", "folder")
+DATA_KINDS: tuple[str, ...] = ("cifar10c", "imagenet-c", "folder", "bag")
 LAYOUTS: dict[str, str] = {
     "cifar10c": "DIR/<corruption>.npy arrays (5*n, 32, 32, 3) uint8 holding severities 1-5 "
                 "in blocks of n, and DIR/labels.npy with their 5*n labels (CIFAR-10-C)",
@@ -9,4 +9,8 @@ LAYOUTS: dict[str, str] = {
                   "folder, since labels are positions in sorted order)",
     "folder": "DIR/<domain>/<class>/*.png|jpg|jpeg (domains in sorted order, labels are "
               "positions of the sorted class folder names)",
+    "bag": "a rosbag2 folder (MCAP or sqlite3) with sensor_msgs/Image on /camera/image_raw, "
+           "labels and domains from /ground_truth and /ground_truth/domain when recorded "
+           "(`tta make-bag` writes them; without them accuracy is agreement with the "
+           "unadapted model)",
 }

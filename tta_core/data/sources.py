@@ -79,6 +79,10 @@ def resize_images(images: np.ndarray, size: int) -> np.ndarray:
 
 
 def _read(spec: DataSpec, image_size: int, severity: int, samples: int, seed: int) -> Stream:
+    if spec.kind == "bag":
+        from tta_core.data.bag_source import load_bag_stream
+
+        return load_bag_stream(spec.root, image_size, samples)
     if spec.kind == "cifar10c":
         stream = load_cifar10c(spec.root, _present(spec), severity, samples)
         stream.images = resize_images(stream.images, image_size)
@@ -93,9 +97,9 @@ def _read(spec: DataSpec, image_size: int, severity: int, samples: int, seed: in
 def _gradual(spec: DataSpec, image_size: int, samples: int | None, seed: int) -> Stream:
     """Each corruption found at severities GRADUAL_LEVELS (1 -> 5 -> 1), ceil(samples / 9)
     per level; a level's second visit takes the next rows (the first again if too few)."""
-    if spec.kind == "folder":
+    if spec.kind in ("folder", "bag"):
         raise InputError(f"--data {spec}: order 'gradual' steps through severities 1-5; "
-                         f"folder data has none (use cifar10c:DIR or imagenet-c:DIR)")
+                         f"{spec.kind} data has none (use cifar10c:DIR or imagenet-c:DIR)")
     present = _present(spec)
     per = -(-samples // len(GRADUAL_LEVELS)) if samples else None
     pool: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -132,6 +136,9 @@ def load_data(spec: DataSpec, image_size: int, severity: int = 5,
     expected layout or why the order does not fit the data)."""
     if order not in ORDERS:
         raise ValueError(f"--order {order!r}: choose from {', '.join(ORDERS)}")
+    if spec.kind == "bag" and order == "dirichlet":
+        raise InputError(f"--data {spec}: order 'dirichlet' regroups by class; a bag's frames "
+                         "keep their recorded classes (use continual, mixed or recurring)")
     if not spec.root.is_dir():
         raise FileNotFoundError(f"--data {spec}: folder {str(spec.root)!r} not found")
     try:

@@ -481,14 +481,27 @@ def bench_inputs(cfg: BenchConfig, progress: bool = False
                          f"stream has at most {len(CLASS_NAMES)}: give --data KIND:DIR")
     if data is None:
         stream = build_stream(cfg, card, progress)
-    elif card.num_classes != len(data.class_names):
+    elif data.class_names and card.num_classes != len(data.class_names):
         raise InputError(f"the model has {card.num_classes} classes, --data {cfg.data} "
                          f"has {len(data.class_names)} ({', '.join(data.class_names[:5])}"
                          f"{', ...' if len(data.class_names) > 5 else ''})")
     else:
         stream = batches_from_arrays(images_to_input(data.images, card, cfg.device),
                                      data.labels, data.domains.tolist(), cfg.batch_size)
+        if (data.labels < 0).all():  # a recorded bag without ground truth
+            stream = label_by_source(stream, load_model(card, base))
     return card, (lambda: load_model(card, base)), stream
+
+
+def label_by_source(stream: list[Batch], model: nn.Module) -> list[Batch]:
+    """The stream with the unadapted model's predictions as labels: on data without ground
+    truth, accuracy becomes agreement with the source model (report.json meta.ran.data
+    says so)."""
+    model.eval()
+    with torch.no_grad():
+        for b in stream:
+            b.labels = model(b.x).argmax(1).cpu().numpy().astype(np.int64)
+    return stream
 
 
 def runnable_methods(make_model: Callable[[], nn.Module], input_shape: tuple[int, ...],
@@ -540,7 +553,13 @@ def data_identity(cfg: BenchConfig) -> dict[str, Any]:
     from tta_core.eval.report_identity import folder_identity
 
     spec = parse_data(cfg.data)
-    return {"kind": spec.kind, **folder_identity(spec.root), **common}
+    out = {"kind": spec.kind, **folder_identity(spec.root), **common}
+    if spec.kind == "bag":
+        from tta_core.io.bag import bag_info
+
+        out["labels"] = ("ground truth" if bag_info(spec.root).has_ground_truth else
+                         "source predictions (accuracy = agreement with the unadapted model)")
+    return out
 
 
 def ran_meta(cfg: BenchConfig, stream: Sequence[Batch],

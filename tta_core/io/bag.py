@@ -292,6 +292,8 @@ def _ground_truth(reader: Reader, store: Typestore) -> tuple[dict, dict]:
     labels: dict[int, tuple[int, str]] = {}
     domains: dict[int, str] = {}
     conns = [c for c in reader.connections if c.topic in (GT_TOPIC, DOMAIN_TOPIC)]
+    if not conns:  # rosbags reads every message when given no connection
+        return labels, domains
     for conn, _, raw in reader.messages(connections=conns):
         msg = store.deserialize_cdr(raw, conn.msgtype)
         if conn.topic == GT_TOPIC:

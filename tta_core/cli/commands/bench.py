@@ -7,9 +7,13 @@ import ast
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tta_core.cli.model_args import add_model_arguments, user_model
 from tta_core.data.layouts import LAYOUTS
+
+if TYPE_CHECKING:
+    from tta_core.eval.bench import BenchConfig
 
 NAME = "bench"
 HELP = "benchmark TTA methods on a corruption stream: accuracy per domain, latency, memory"
@@ -135,14 +139,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser, "your model (instead of --model-card)")
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the bench of the parsed options; print the report and the files written."""
-    from tta_core.eval.bench import BenchConfig, run_bench
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """The BenchConfig of the parsed options (also what `tta sweep` runs per cell)."""
+    from tta_core.eval.bench import BenchConfig
 
     options: dict[str, dict] = {}
     for method, key, value in args.options:
         if args.methods and method not in args.methods:
-            raise SystemExit(f"--set {method}.{key}: {method!r} is not among --methods "
+            raise ValueError(f"--set {method}.{key}: {method!r} is not among --methods "
                              f"{','.join(args.methods)}")
         options.setdefault(method, {})[key] = value
     um = user_model(args)
@@ -158,6 +162,14 @@ def run(args: argparse.Namespace) -> int:
                       stream_latency_ms=args.stream_latency_ms, data=args.data, user_model=um,
                       measure_activations=args.measure_activations,
                       memory_budget_mb=args.memory_budget_mb)
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the bench of the parsed options; print the report and the files written."""
+    from tta_core.eval.bench import run_bench
+
+    cfg = config_from_args(args)
     out = args.out or Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")
     result = run_bench(cfg, out, progress=not args.no_progress,
                        log=lambda line: print(f"tta bench: {line}", file=sys.stderr))

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -162,16 +161,6 @@ def markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=3_200_000)
@@ -199,7 +188,7 @@ def _args() -> argparse.Namespace:
 
 def main() -> None:
     args = _args()
-    res = {"n": args.n, "repeats": args.repeats, "cpu": _cpu_name(),
+    res = {"n": args.n, "repeats": args.repeats, "cpu": results.cpu_model(),
            "torch": torch.__version__, "device": args.device,
            "load_avg": os.getloadavg()[0], "cpu_rows": cpu_rows(args.n, args.repeats),
            "cuda_rows": cuda_rows(args.n, args.repeats) if args.device == "cuda" else []}

@@ -79,6 +79,12 @@ PAGES: tuple[Page, ...] = (
     Page("compressed_bombs", "bench_compressed_bombs", "render",
          "Compressed-image bombs: time to refuse from the header vs time to decode",
          "python benchmarks/bench_compressed_bombs.py"),
+    Page("sweep_readme", "bench_sweep", "render_readme",
+         "Accuracy and streaming accuracy per method over seeds, with confidence intervals",
+         "tta sweep config/sweeps/readme.yaml && python benchmarks/bench_sweep.py --readme"),
+    Page("sweep_speedup", "bench_sweep", "render_speedup",
+         "`tta sweep` on 2 Ray workers vs the sequential loop of the same bench runs",
+         "python benchmarks/bench_sweep.py"),
     Page("gate_scope", "bench_gate_scope", "markdown",
          "Gating block-internal convs vs every conv: accuracy and forward time",
          "python benchmarks/bench_gate_scope.py"),
@@ -135,7 +141,8 @@ def code_version() -> str:
         return "unknown"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -147,7 +154,7 @@ def _cpu_model() -> str:
 
 def machine() -> str:
     """The machine in one line: CPU model and cores, GPU when torch sees one."""
-    text = f"{_cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}"
+    text = f"{cpu_model()}, {os.cpu_count()} cores, {platform.system()} {platform.machine()}"
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available():
         text += f", GPU {torch.cuda.get_device_name(0)}"
@@ -243,9 +250,15 @@ def demo(data: dict) -> str:
     return renderer(page_for("demo"))(data).rstrip("\n")
 
 
+def sweep_table(data: dict) -> str:
+    """README's accuracy table: the readme sweep's page."""
+    return renderer(page_for("sweep_readme"))(data).rstrip("\n")
+
+
 #: README blocks: name -> (results JSON stem, render), between the markers of `markers`
 README_BLOCKS: dict[str, tuple[str, Callable[[dict], str]]] = {
-    "headline": ("paper_ratios", headline), "demo": ("demo", demo)}
+    "headline": ("paper_ratios", headline), "demo": ("demo", demo),
+    "sweep": ("sweep_readme", sweep_table)}
 
 
 def markers(name: str) -> tuple[str, str]:

@@ -52,6 +52,7 @@ ELSEWHERE: dict[str, tuple[str, str]] = {
     "pip install": ("test/system/test_install_lines.py", "pip"),
     "colcon build": ("test/system/test_colcon_workspace.py", "colcon"),
     "source install/setup.bash": ("test/ros/test_launch_sync.py", "vehicle.launch.py"),
+    "tta sweep": ("test/system/test_sweep.py", "sweep"),  # a minute of Ray cells
 }
 READY_LINES = 3  # bringup's three nodes each log "ready:"
 

@@ -36,13 +36,11 @@ per-group 128 min-max; 0 bits keeps nothing):
   n = 784-12544 (ResNet-50 224 px) but 0.087 at n = 32 (ResNet-18 64 px, layer4); 4 bits
   lose ~27x less. UPSTREAM_LOSS[2] = 3 bounds the worst of these.
 The tables were measured with groups of 128; the widths use GROUP = 256 entries per
-min/scale pair: at 12 % of the dense bytes, the min/scale pairs of groups of 128 take
-1.3-1.5 % of the dense bytes, and halving them buys more stored units than the coarser
-groups cost (gradient cosine 0.9977 vs 0.9970 on ResNet-50 224 px b4, 0.9984 vs 0.9977 on
-ResNet-18 224 px b8; 14 vs 22 frozen ResNet-50 units).
-One table for both parts (a norm unit's own fidelity applied to every unit before it) makes
-every norm unit worth the whole network before it: on ResNet-50 at 12 % it put 29 of 53 BN
-inputs at 8 bits and froze 40 of 53 convs (cosine 0.989).
+min/scale pair: under a tight budget the min/scale pairs are a visible share of it, and
+halving them buys more stored units than the coarser groups cost (bench_dynamic_widths.py).
+One table for both parts (a norm unit's own fidelity applied to every unit before it) would
+make every norm unit worth the whole network before it: the budget would go to BN inputs
+at 8 bits and freeze most convs.
 """
 
 from __future__ import annotations

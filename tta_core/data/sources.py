@@ -18,8 +18,10 @@ second visit of a level taking the next rows), so it needs a corruption layout.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -79,10 +81,6 @@ def resize_images(images: np.ndarray, size: int) -> np.ndarray:
 
 
 def _read(spec: DataSpec, image_size: int, severity: int, samples: int, seed: int) -> Stream:
-    if spec.kind == "bag":
-        from tta_core.data.bag_source import load_bag_stream
-
-        return load_bag_stream(spec.root, image_size, samples)
     if spec.kind == "cifar10c":
         stream = load_cifar10c(spec.root, _present(spec), severity, samples)
         stream.images = resize_images(stream.images, image_size)
@@ -130,10 +128,12 @@ def _gradual(spec: DataSpec, image_size: int, samples: int | None, seed: int) ->
 
 def load_data(spec: DataSpec, image_size: int, severity: int = 5,
               samples_per_domain: int | None = None, seed: int = 0,
-              order: str = "continual") -> Stream:
+              order: str = "continual",
+              bag_frames: Callable[[Path], Iterable[Any]] | None = None) -> Stream:
     """The stream in `spec`'s folder in `order` (module doc), images at `image_size` px;
     one-line errors (FileNotFoundError for a missing folder, InputError naming the
-    expected layout or why the order does not fit the data)."""
+    expected layout or why the order does not fit the data). `bag_frames` reads a bag's
+    frames (tta_core.io.bag.read_bag; tta_core.io imports this package, not the reverse)."""
     if order not in ORDERS:
         raise ValueError(f"--order {order!r}: choose from {', '.join(ORDERS)}")
     if spec.kind == "bag" and order == "dirichlet":
@@ -144,6 +144,13 @@ def load_data(spec: DataSpec, image_size: int, severity: int = 5,
     try:
         if order == "gradual":
             return _gradual(spec, image_size, samples_per_domain, seed)
+        if spec.kind == "bag":
+            from tta_core.data.bag_source import load_bag_stream
+
+            if bag_frames is None:
+                raise InputError(f"--data {spec}: no bag reader given (bag_frames)")
+            return arrange(load_bag_stream(bag_frames(spec.root), spec.root, image_size,
+                                           samples_per_domain), order, seed)
         return arrange(_read(spec, image_size, severity, samples_per_domain, seed), order,
                        seed)
     except InputError:

@@ -13,7 +13,7 @@ import copy
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from itertools import groupby
 from pathlib import Path
@@ -473,7 +473,7 @@ def bench_inputs(cfg: BenchConfig, progress: bool = False
     size = (load_card(cfg.model_card).image_size if cfg.user_model is None
             else cfg.user_model.input_size)
     data = (load_data(parse_data(cfg.data), size, cfg.severity, cfg.samples_per_domain,
-                      cfg.seed, cfg.order) if cfg.data else None)
+                      cfg.seed, cfg.order, _bag_frames) if cfg.data else None)
     card, base = _card(cfg, data.class_names if data is not None else ())
     check_card_model(card, base)
     if data is None and card.num_classes > len(CLASS_NAMES):
@@ -491,6 +491,13 @@ def bench_inputs(cfg: BenchConfig, progress: bool = False
         if (data.labels < 0).all():  # a recorded bag without ground truth
             stream = label_by_source(stream, load_model(card, base))
     return card, (lambda: load_model(card, base)), stream
+
+
+def _bag_frames(root: Path) -> Iterable[Any]:
+    """A recorded bag's frames, ground truth optional (`--data bag:DIR`)."""
+    from tta_core.io.bag import read_bag
+
+    return read_bag(root, require_ground_truth=False)
 
 
 def label_by_source(stream: list[Batch], model: nn.Module) -> list[Batch]:

@@ -29,7 +29,8 @@ ROSDEP_KEY = {"torch": "python3-torch", "torchvision": "python3-torchvision",
               "matplotlib": "python3-matplotlib", "tqdm": "python3-tqdm",
               "rich": "python3-rich", "rosbags": "python3-rosbags-pip"}
 # import name -> pip distribution, for the modules without a rosdep key
-PIP_NAME = {"imagecorruptions": "imagecorruptions-imaug", "safetensors": "safetensors"}
+PIP_NAME = {"imagecorruptions": "imagecorruptions-imaug", "safetensors": "safetensors",
+            "ray": "ray"}
 # tried at run time with a fallback where present: NVML / jtop telemetry, triton kernels
 OPTIONAL = {"pynvml", "jtop", "triton"}
 

@@ -62,7 +62,7 @@ ROSDEP_KEYS = {"torch": "python3-torch", "torchvision": "python3-torchvision",
 ROS_PACKAGES = {"rclpy", "rcl_interfaces", "ament_index_python", "launch", "launch_ros",
                 "std_msgs", "sensor_msgs", "diagnostic_msgs", "visualization_msgs",
                 "geometry_msgs", "builtin_interfaces", "nav_msgs", "std_srvs", "tta_msgs"}
-NO_KEY = {"imagecorruptions", "safetensors"}  # pip only (requirements/python.txt)
+NO_KEY = {"imagecorruptions", "safetensors", "ray"}  # pip only (requirements/python.txt)
 # telemetry sources tried at run time on NVIDIA / Jetson; triton: tta_kernels' CUDA kernels,
 # imported on first CUDA use with a fallback (tta_kernels.dispatch)
 OPTIONAL = {"pynvml", "jtop", "triton"}

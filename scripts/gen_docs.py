@@ -325,6 +325,15 @@ PAGES: dict[str, Callable[[], str]] = {
 }
 
 
+def shipped_roots() -> list[Path]:
+    """Where CLI defaults of shipped files resolve: the checkout, and the installed share
+    folder when the package runs from a colcon install (tta_ros.paths.package_file)."""
+    from tta_ros.paths import share_dir
+
+    share = share_dir()
+    return [ROOT] + ([share] if share is not None else [])
+
+
 def generate(out: Path) -> list[Path]:
     """Write every reference page into `out`; the paths written."""
     os.environ["COLUMNS"] = "100"  # argparse wraps usage to the terminal: make it fixed
@@ -332,7 +341,9 @@ def generate(out: Path) -> list[Path]:
     written = []
     for name, page in PAGES.items():
         path = out / name
-        text = page().replace(f"{ROOT}{os.sep}", "")  # defaults under the checkout: relative
+        text = page()
+        for prefix in shipped_roots():  # defaults of shipped files: relative to the package
+            text = text.replace(f"{prefix}{os.sep}", "")
         path.write_text(text.rstrip("\n") + "\n")
         written.append(path)
     return written

@@ -148,7 +148,7 @@ def test_no_file_links_outside_the_repository() -> None:
     for name in files:
         path = ROOT / name
         if path.suffix not in {".md", ".py", ".yml", ".yaml", ".txt", ".cfg", ".toml"} \
-                or not path.is_file() or path == Path(__file__):
+                or not path.is_file() or path.resolve() == Path(__file__).resolve():
             continue
         for i, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
             if OUTSIDE.search(line):

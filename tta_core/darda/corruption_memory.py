@@ -76,6 +76,15 @@ class CorruptionMemory:
             return True
         return False
 
+    def retarget(self, centroid: Tensor) -> int:
+        """A shift: drop the samples whose cosine to the new centroid is below
+        `min_similarity` (they represent the previous corruption, not the ongoing one);
+        returns how many were dropped."""
+        before = len(self)
+        self.slots = [[s for s in cls if float(s.proj @ centroid) >= self.min_similarity]
+                      for cls in self.slots]
+        return before - len(self)
+
     def samples(self) -> Tensor | None:
         """Stored samples as one batch (None when empty)."""
         xs = [s.x for cls in self.slots for s in cls]

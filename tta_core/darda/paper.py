@@ -148,6 +148,7 @@ class PaperOnline:
             i = closest(self.signatures, c)
             self.domain, self.pending, self.waited = self.off.names[i], True, 0
             self._load(self.off.states[self.off.names[i]])
+        self.memory.retarget(self.center)
         self.opt.state.clear()
         return True
 

@@ -77,6 +77,40 @@ def markdown(name: str, rows: list[Row], baseline: str, cells: list[dict[str, An
     return "\n".join(lines) + "\n"
 
 
+def _half_width(r: Row) -> float:
+    """The CI half-width in % (0 where one seed gives no interval)."""
+    return 0.0 if math.isnan(r.ci.half_width) else 100 * r.ci.half_width
+
+
+def _accuracy_bars(ax: Any, acc: list[Row]) -> None:
+    """Grouped bars: mean accuracy ± CI per condition, one bar per method."""
+    conds = list(dict.fromkeys(_condition_text(r.condition) for r in acc))
+    methods = list(dict.fromkeys(r.method for r in acc))
+    width = 0.8 / max(1, len(methods))
+    for j, meth in enumerate(methods):
+        rs = {_condition_text(r.condition): r for r in acc if r.method == meth}
+        shown = [c for c in conds if c in rs]
+        ax.bar([conds.index(c) + j * width for c in shown], [100 * rs[c].ci.mean for c in shown],
+               width, yerr=[_half_width(rs[c]) for c in shown], capsize=3, label=meth)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(conds))], conds, fontsize=7)
+    ax.set_ylabel("mean accuracy %")
+
+
+def _streaming_lines(ax: Any, stream: list[Row]) -> None:
+    """Streaming accuracy ± CI against the camera rate, one line per (condition, method)."""
+    keys = list(dict.fromkeys((_condition_text(r.condition), r.method) for r in stream))
+    one_condition = len(keys) == len({m for _, m in keys})
+    for cond, meth in keys:
+        rs = sorted((float(r.metric.split("@")[1][:-2]), r) for r in stream
+                    if r.method == meth and _condition_text(r.condition) == cond)
+        ax.errorbar([h for h, _ in rs], [100 * r.ci.mean for _, r in rs],
+                    yerr=[_half_width(r) for _, r in rs], capsize=3, marker="o",
+                    label=meth if one_condition else f"{meth} ({cond})")
+    ax.set_xscale("log")
+    ax.set_xlabel("camera frame rate, Hz")
+    ax.set_ylabel("streaming accuracy %")
+
+
 def plots(rows: list[Row], out: Path) -> list[Path]:
     """accuracy.png (mean accuracy ± CI per method and condition) and, when streaming ran,
     streaming.png (streaming accuracy vs frame rate with error bars)."""
@@ -85,45 +119,20 @@ def plots(rows: list[Row], out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    written = []
     acc = [r for r in rows if r.metric == "mean_accuracy"]
-    if acc:
-        conds = list(dict.fromkeys(_condition_text(r.condition) for r in acc))
-        methods = list(dict.fromkeys(r.method for r in acc))
-        fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(conds) * len(methods)), 3.5))
-        width = 0.8 / max(1, len(methods))
-        for j, meth in enumerate(methods):
-            rs = {_condition_text(r.condition): r for r in acc if r.method == meth}
-            xs = [i + j * width for i, c in enumerate(conds) if c in rs]
-            ys = [100 * rs[c].ci.mean for c in conds if c in rs]
-            err = [0 if math.isnan(rs[c].ci.half_width) else 100 * rs[c].ci.half_width
-                   for c in conds if c in rs]
-            ax.bar(xs, ys, width, yerr=err, capsize=3, label=meth)
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(conds))], conds, fontsize=7)
-        ax.set_ylabel("mean accuracy %")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        written.append(out / "accuracy.png")
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
     stream = [r for r in rows if r.metric.startswith("streaming@")]
-    if stream:
-        fig, ax = plt.subplots(figsize=(5.5, 3.5))
-        keys = list(dict.fromkeys((_condition_text(r.condition), r.method) for r in stream))
-        for cond, meth in keys:
-            rs = sorted((float(r.metric.split("@")[1][:-2]), r) for r in stream
-                        if r.method == meth and _condition_text(r.condition) == cond)
-            ax.errorbar([h for h, _ in rs], [100 * r.ci.mean for _, r in rs],
-                        yerr=[0 if math.isnan(r.ci.half_width) else 100 * r.ci.half_width
-                              for _, r in rs], capsize=3, marker="o",
-                        label=meth if len(keys) == len({m for _, m in keys}) else
-                        f"{meth} ({cond})")
-        ax.set_xscale("log")
-        ax.set_xlabel("camera frame rate, Hz")
-        ax.set_ylabel("streaming accuracy %")
+    n_bars = len({_condition_text(r.condition) for r in acc}) * len({r.method for r in acc})
+    figures = [("accuracy.png", acc, _accuracy_bars, (max(5, 1.2 * n_bars), 3.5)),
+               ("streaming.png", stream, _streaming_lines, (5.5, 3.5))]
+    written = []
+    for name, selected, draw, size in figures:
+        if not selected:
+            continue
+        fig, ax = plt.subplots(figsize=size)
+        draw(ax, selected)
         ax.legend(fontsize=7)
         fig.tight_layout()
-        written.append(out / "streaming.png")
+        written.append(out / name)
         fig.savefig(written[-1], dpi=120)
         plt.close(fig)
     return written

@@ -67,12 +67,12 @@ def _cpu_id() -> str:
     return "\n".join(dict.fromkeys(keep))
 
 
-def library_path(compiler: str, extra: tuple[str, ...] = ()) -> Path:
+def library_path(compiler: str, extra: tuple[str, ...] = (), source: Path = SOURCE) -> Path:
     """The cached library for this source, flags (FLAGS + extra), compiler and CPU."""
     key = hashlib.sha256(b"\0".join(s.encode() for s in (
-        SOURCE.read_text(), " ".join(FLAGS + extra), compiler, platform.machine(), _cpu_id()))
+        source.read_text(), " ".join(FLAGS + extra), compiler, platform.machine(), _cpu_id()))
     ).hexdigest()[:16]
-    return cache_dir() / f"libdaf_cpu-{key}.so"
+    return cache_dir() / f"lib{source.stem}-{key}.so"
 
 
 def _compiler() -> str:
@@ -83,22 +83,23 @@ def _compiler() -> str:
     return path
 
 
-def build(extra: tuple[str, ...] = ()) -> Path:
-    """Compile daf_cpu.c into the cache (atomic: a half-written file is never loaded);
-    `extra` compiler flags, e.g. -DDAF_PORTABLE (no x86 intrinsics: the generic loops)."""
+def build(extra: tuple[str, ...] = (), source: Path = SOURCE) -> Path:
+    """Compile `source` (daf_cpu.c) into the cache (atomic: a half-written file is never
+    loaded); `extra` compiler flags, e.g. -DDAF_PORTABLE (no x86 intrinsics: the generic
+    loops)."""
     cc = _compiler()
-    out = library_path(cc, extra)
+    out = library_path(cc, extra, source)
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *FLAGS, *extra, "-o", tmp, str(SOURCE)], capture_output=True,
+        proc = subprocess.run([cc, *FLAGS, *extra, "-o", tmp, str(source)], capture_output=True,
                               text=True, check=False, timeout=120)
         if proc.returncode != 0:
             first = (proc.stderr.strip().splitlines() or ["(no output)"])[0]
-            raise RuntimeError(f"{cc} failed on {SOURCE.name}: {first}")
+            raise RuntimeError(f"{cc} failed on {source.name}: {first}")
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -238,6 +239,7 @@ def main() -> int:
     """Build the library ahead of first use (make setup); prints its path."""
     try:
         print(build())
+        print(build(source=SOURCE.with_name("bn_stats.c")))  # robust BN's statistics pass
     except (RuntimeError, OSError) as exc:
         print(f"tta_kernels.native: not built ({exc}); the vectorised path will be used",
               file=sys.stderr)

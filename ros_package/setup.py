@@ -30,7 +30,7 @@ setup(
     packages=[*find_packages(include=["tta_core", "tta_core.*", "tta_ros", "tta_ros.*"]),
               "tta_kernels"],
     package_dir={"tta_kernels": "kernels"},
-    package_data={"tta_core": ["py.typed"], "tta_kernels": ["daf_cpu.c"]},
+    package_data={"tta_core": ["py.typed"], "tta_kernels": ["daf_cpu.c", "bn_stats.c"]},
     data_files=[
         ("share/ament_index/resource_index/packages", [f"resource/{PACKAGE}"]),
         (f"share/{PACKAGE}", ["package.xml"]),

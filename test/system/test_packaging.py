@@ -175,7 +175,8 @@ def test_wheel_holds_all_three_python_packages(wheel: Wheel) -> None:
     assert _sources(ROOT / "tta_ros", "tta_ros") <= wheel.names
     assert "tta_core/py.typed" in wheel.names
     kernels = _sources(ROOT / "kernels", "tta_kernels")  # kernels/ installs as tta_kernels
-    kernels.add("tta_kernels/daf_cpu.c")  # the native path's C source, built on first use
+    kernels |= {f"tta_kernels/{p.name}" for p in (ROOT / "kernels").glob("*.c")}  # C sources,
+    # built on first use
     assert kernels and kernels <= wheel.names
     for name in kernels:
         assert wheel.read(name) == (ROOT / "kernels" / name.split("/", 1)[1]).read_bytes(), name

@@ -1,0 +1,73 @@
+"""Robust BN's statistics pass in one C read (bn_stats.c).
+
+`update_stats(x, running_mean, running_var, momentum)` is torch.batch_norm_update_stats
+for an NCHW-contiguous float32 CPU tensor: the per-channel batch mean and biased variance,
+and the running statistics moved toward them (unbiased variance, PyTorch's momentum) when
+given. PyTorch's pass for that layout walks each channel with Welford's update, 4–10× the
+cost of reading x once; this one sums each row's values less its first value in float
+lanes per block, in double across blocks, and merges rows into channels with Chan et al.'s
+pairwise (mean, M2) update in double: no step subtracts two large sums, so a large mean
+with a small spread keeps its variance. Channels-last and CUDA tensors go to PyTorch,
+whose passes there are already one read. Built like the DAF kernels (tta_kernels.native).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from . import native
+
+SOURCE = Path(__file__).with_name("bn_stats.c")
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+
+
+def load(path: Path) -> ctypes.CDLL:
+    """A built bn_stats library with its function's signature declared."""
+    lib = ctypes.CDLL(str(path))
+    lib.bn_stats.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P, ctypes.c_float]
+    lib.bn_stats.restype = ctypes.c_int
+    return lib
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL | None:
+    """The loaded library (built first if needed), None where it cannot be built."""
+    try:
+        return load(native.build(source=SOURCE))
+    except (RuntimeError, OSError):
+        return None
+
+
+def _native_ok(x: Tensor, *stats: Tensor | None) -> bool:
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() >= 2
+            and x.numel() > 0 and x.is_contiguous()
+            and all(s is None or (s.dtype == torch.float32 and s.is_contiguous()
+                                  and s.numel() == x.shape[1]) for s in stats))
+
+
+#: below this many values PyTorch's pass costs less than the call into C
+MIN_NATIVE = 2048
+
+
+def update_stats(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
+                 momentum: float) -> tuple[Tensor, Tensor]:
+    """(batch mean, biased batch variance) per channel of `x`; the running statistics, when
+    both given, moved by `momentum` in place: torch.batch_norm_update_stats's contract (and
+    that function for what this kernel does not take)."""
+    ok = x.numel() >= MIN_NATIVE and _native_ok(x, running_mean, running_var)
+    lib = library() if ok else None
+    if lib is None:
+        return torch.batch_norm_update_stats(x, running_mean, running_var, momentum)
+    c = x.shape[1]
+    out = torch.empty(2, c)
+    move = running_mean is not None and running_var is not None
+    if lib.bn_stats(x.data_ptr(), x.shape[0], c, x[0, 0].numel(), out[0].data_ptr(),
+                    out[1].data_ptr(), running_mean.data_ptr() if move else None,
+                    running_var.data_ptr() if move else None, momentum):
+        raise MemoryError("bn_stats could not allocate its scratch sums")
+    return out[0], out[1]

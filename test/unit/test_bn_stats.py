@@ -1,0 +1,87 @@
+"""tta_kernels.bn_stats: robust BN's one-read statistics pass equals
+torch.batch_norm_update_stats (batch mean, biased variance, running statistics moved)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tta_kernels import bn_stats, native
+
+SHAPES = [(4, 8, 56, 56), (2, 3, 23, 29), (1, 16, 1, 600), (8, 32, 7, 7), (16, 6, 40)]
+
+
+def _input(shape: tuple[int, ...], mean: float, std: float, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g) * std + mean
+
+
+def _check(shape: tuple[int, ...], mean: float, std: float, momentum: float) -> None:
+    x = _input(shape, mean, std, sum(shape))
+    c = shape[1]
+    rm = torch.linspace(-0.5, 0.5, c) + mean
+    rv = torch.linspace(0.5, 2.0, c)
+    ref_m, ref_v = rm.clone(), rv.clone()
+    want = torch.batch_norm_update_stats(x, ref_m, ref_v, momentum)
+    got = bn_stats.update_stats(x, rm, rv, momentum)
+    exact = x.double().transpose(0, 1).reshape(c, -1)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6 * (1 + abs(mean)))
+    torch.testing.assert_close(got[1].double(), exact.var(1, unbiased=False), rtol=2e-5,
+                               atol=1e-12)
+    torch.testing.assert_close(rm, ref_m, rtol=1e-6, atol=1e-6 * (1 + abs(mean)))
+    torch.testing.assert_close(rv, ref_v, rtol=2e-5, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_equals_torch_update_stats_and_moves_running_stats(shape) -> None:
+    assert bn_stats.library() is not None, "bn_stats.c did not build here"
+    for mean, std in ((0.3, 0.5), (-2.0, 3.0)):
+        _check(shape, mean, std, 0.1)
+
+
+def test_large_mean_small_spread_keeps_the_variance() -> None:
+    """mean 500, std 0.01 (squares 2.5e9 × the variance): rows summed about their first
+    value and merged pairwise keep the variance where E[x²] − E[x]² would lose it all."""
+    _check((4, 8, 32, 32), 500.0, 0.01, 0.05)
+
+
+def test_without_running_stats_returns_batch_stats_only() -> None:
+    x = _input((4, 8, 30, 30), 0.2, 1.0, 3)
+    want = torch.batch_norm_update_stats(x, None, None, 0.0)
+    got = bn_stats.update_stats(x, None, None, 0.0)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=1e-7)
+
+
+def test_layouts_and_dtypes_it_does_not_take_go_to_torch(monkeypatch) -> None:
+    """Channels-last, float64, tiny tensors: PyTorch's pass (the C library is not called)."""
+    calls = []
+    real = bn_stats.library()
+    monkeypatch.setattr(bn_stats, "library", lambda: calls.append(1) or real)
+    for x in (_input((4, 8, 30, 30), 0.0, 1.0, 1).contiguous(memory_format=torch.channels_last),
+              _input((4, 8, 30, 30), 0.0, 1.0, 2).double(), _input((2, 3, 4, 4), 0.0, 1.0, 3)):
+        rm, rv = torch.zeros(8, dtype=x.dtype)[: x.shape[1]], torch.ones(x.shape[1], dtype=x.dtype)
+        want = torch.batch_norm_update_stats(x, rm.clone(), rv.clone(), 0.1)
+        got = bn_stats.update_stats(x, rm, rv, 0.1)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert calls == []
+    x = _input((4, 8, 30, 30), 0.0, 1.0, 4)
+    bn_stats.update_stats(x, None, None, 0.0)
+    assert calls == [1]
+
+
+def test_falls_back_to_torch_without_a_compiler(monkeypatch) -> None:
+    monkeypatch.setattr(bn_stats, "library", lambda: None)
+    x = _input((4, 8, 30, 30), 1.0, 2.0, 5)
+    want = torch.batch_norm_update_stats(x, None, None, 0.0)
+    assert all(torch.equal(a, b) for a, b in zip(bn_stats.update_stats(x, None, None, 0.0),
+                                                  want, strict=True))
+
+
+@pytest.mark.slow
+def test_portable_build_equals_torch(monkeypatch, tmp_path) -> None:
+    """bn_stats.c with -DDAF_PORTABLE (the plain loops a non-x86 target compiles)."""
+    monkeypatch.setenv("TTA_KERNELS_CACHE", str(tmp_path))
+    lib = bn_stats.load(native.build(("-DDAF_PORTABLE",), source=bn_stats.SOURCE))
+    monkeypatch.setattr(bn_stats, "library", lambda: lib)
+    for shape in SHAPES[:3]:
+        _check(shape, 0.3, 0.5, 0.1)

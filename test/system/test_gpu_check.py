@@ -13,6 +13,7 @@ from helpers import ROOT
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # ~75 s at load 2; the whole script's subprocesses at load 5: > 300 s
 def test_gpu_check_dry_run_writes_its_figures(tmp_path):
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"],
                           capture_output=True, text=True, cwd=ROOT,

@@ -8,7 +8,7 @@ so none of it belongs to one paper.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -79,8 +79,18 @@ def gaussian_kl(
 
 def gradient_rms(grads: Sequence[Tensor]) -> float:
     """Root mean square of the gradient entries of one layer (all its tensors)."""
-    n = sum(g.numel() for g in grads)
-    if n == 0:
-        raise ValueError("gradient importance of a layer without gradient entries")
-    sq = sum(float(torch.sum(g.detach().double() ** 2)) for g in grads)
-    return math.sqrt(sq / n)
+    return gradient_rms_many({"": grads})[""]
+
+
+def gradient_rms_many(layers: Mapping[str, Sequence[Tensor]]) -> dict[str, float]:
+    """gradient_rms of every layer, read back to the host in one transfer (one stall on a
+    GPU for the whole net instead of one per layer)."""
+    sizes = {name: sum(g.numel() for g in grads) for name, grads in layers.items()}
+    empty = [name for name, n in sizes.items() if n == 0]
+    if empty:
+        raise ValueError(f"gradient importance of a layer without gradient entries: {empty[0]!r}")
+    if not layers:
+        return {}
+    sq = torch.stack([sum(torch.sum(g.detach().double() ** 2) for g in grads)
+                      for grads in layers.values()]).tolist()
+    return {name: math.sqrt(v / sizes[name]) for name, v in zip(layers, sq, strict=True)}

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from tta_core.runtime.stats import gradient_rms
+from tta_core.runtime.stats import gradient_rms, gradient_rms_many
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,11 @@ class LayerImportance:
 def gradient_importance(grads: Sequence[Tensor]) -> float:
     """Eq. 4: root mean square of the gradient entries of one layer (all its tensors)."""
     return gradient_rms(grads)
+
+
+def gradient_importances(grads: Mapping[str, Sequence[Tensor]]) -> dict[str, float]:
+    """Eq. 4 of every layer, with one read back to the host for all of them."""
+    return gradient_rms_many(grads)
 
 
 def memory_importance(sizes: Mapping[str, int]) -> dict[str, float]:

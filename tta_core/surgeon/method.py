@@ -67,7 +67,7 @@ from tta_core.registry import register
 from tta_core.runtime.method import MethodConfig, Step, TTAMethod
 from tta_core.runtime.options import option
 from tta_core.surgeon.bn_official import official_bn_grad
-from tta_core.surgeon.layer_importance import LayerImportance, gradient_importance, layer_keep
+from tta_core.surgeon.layer_importance import LayerImportance, gradient_importances, layer_keep
 
 MODES = ("faithful", "robot")
 BN_GRADS = ("exact", "official")
@@ -193,6 +193,14 @@ def _candidates(mod: nn.Module, cfg: SurgeonConfig) -> list[nn.Parameter]:
             if cfg.biases or not pn.endswith("bias")]
 
 
+
+def fused_ok(params: list[nn.Parameter]) -> bool:
+    """Whether Adam's fused kernel takes `params` (floating point, CPU or CUDA): it keeps the
+    step counts on the device, where the other implementations read each one back to the
+    host per parameter and step."""
+    return bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda")
+                                for p in params)
+
 @register("surgeon")
 class Surgeon(TTAMethod):
     """Dynamic activation sparsity: per-layer keep ratios from gradient x memory importance."""
@@ -256,7 +264,8 @@ class Surgeon(TTAMethod):
     def setup_optimizer(self) -> torch.optim.Optimizer:
         """Adam, as the official configs (beta1 = config.momentum, 0.9)."""
         return torch.optim.Adam(self.params, lr=self.config.lr,
-                                betas=(self.config.momentum, 0.999), weight_decay=0.0)
+                                betas=(self.config.momentum, 0.999), weight_decay=0.0,
+                                fused=fused_ok(self.params))
 
     # ------------------------------------------------------------ importance
     @contextmanager
@@ -285,13 +294,9 @@ class Surgeon(TTAMethod):
 
     def _gradient_importance(self, grads: dict[int, Tensor | None]) -> dict[str, float]:
         """Eq. 4 per scored unit that ran; a parameter without gradient counts as zeros."""
-        out = {}
-        for name in self.scored:
-            gs = [grads.get(id(p)) for p in self._cand[name]]
-            gs = [g if g is not None else torch.zeros_like(p)
-                  for g, p in zip(gs, self._cand[name], strict=True)]
-            out[name] = gradient_importance(gs)
-        return out
+        return gradient_importances({
+            name: [g if (g := grads.get(id(p))) is not None else torch.zeros_like(p)
+                   for p in self._cand[name]] for name in self.scored})
 
     def _keep(self, gradient: dict[str, float], x: Tensor) -> LayerImportance:
         sizes = self._sizes[tuple(x.shape[1:])]

@@ -27,6 +27,7 @@ import argparse
 import collections
 import copy
 import json
+import os
 import statistics
 import tempfile
 import time
@@ -39,6 +40,7 @@ from torchvision.models import resnet18, resnet50
 
 from tta_core.cli import main as tta_main
 from tta_core.memory import ActivationCodec, SavedActivationCounter
+from tta_core.memory.codec import ReluMask
 from tta_core.memory.ledger import MIB
 from tta_core.memory.packed import PackedMask
 from tta_core.memory.quant import PackedInt, PackedQuant
@@ -88,7 +90,7 @@ class _Tally(ActivationCodec):
             self.kinds[f"codes {site.role}"] += codes.untyped_storage().nbytes()  # type: ignore[attr-defined]
             self.kinds["group min/scale"] += (mn.untyped_storage().nbytes()
                                               + scale.untyped_storage().nbytes())
-        elif isinstance(packed, PackedMask):
+        elif isinstance(packed, PackedMask | ReluMask):
             self.kinds["ReLU masks"] += packed.nbytes
         elif isinstance(packed, PackedInt):
             self.kinds["pool indices"] += packed.nbytes
@@ -218,6 +220,11 @@ def _markdown(res: dict) -> str:
                     f"{a['tent']['mean_acc_pct']} | {a['tent@dyn']['mean_acc_pct']} | "
                     f"{a['gap_points']} | {a['tent']['saved_mib_max']} / "
                     f"{a['tent@dyn']['saved_mib_max']} |")
+    load = res.get("meta", {}).get("load_avg_1m")
+    if load:
+        rows += ["", f"Machine load (1-minute average, 2 shared cores) at the start / end of "
+                 f"the timed steps: {load[0]} / {load[1]}; other jobs disturb the min ratios "
+                 "least."]
     return "\n".join(rows) + "\n"
 
 
@@ -232,16 +239,19 @@ def main() -> None:
                     help="samples per domain of the accuracy runs (0: none)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    load_start = os.getloadavg()[0]  # the VM is shared: the load the timings ran under
     fracs = [float(f) for f in args.fracs.split(",")]
     res = {}
     for arch, make, batch in (("resnet18", resnet18, 8), ("resnet50", resnet50, 4)):
         torch.manual_seed(0)
         res[f"{arch}_{args.res}px_b{batch}"] = bench(make(num_classes=10).train(), batch,
                                                      args.res, fracs, args.batches, args.warmup)
+    load_end = os.getloadavg()[0]
     if args.acc_samples:
         res["accuracy"] = {Path(c).stem: accuracy(c, fracs[0], args.acc_samples, args.threads)
                            for c in CARDS}
-    res["meta"] = {"threads": args.threads, "batches": args.batches, "warmup": args.warmup,
+    res["meta"] = {"load_avg_1m": [round(load_start, 2), round(load_end, 2)],
+                   "threads": args.threads, "batches": args.batches, "warmup": args.warmup,
                    "acc_samples": args.acc_samples, "torch": torch.__version__,
                    "device": "cpu"}
     print(json.dumps(res, indent=1))

@@ -47,9 +47,45 @@ int daf_quantize_pack(const float *x, int64_t G, int64_t group, int bits, const 
     return 0;
 }
 
+/* Values of a dequantized ReLU output made to agree with its exact mask (bit j of mask[k]:
+ * x[8k + j] > 0): set bit and value <= 0 (a positive x whose code rounded to the group's
+ * min 0) -> RELU_TINY; clear bit and value > 0 -> 0; every other value unchanged.
+ * RELU_TINY = 2**-64: its products with gradients vanish in any sum, yet are not
+ * denormals (FLT_MIN's would be: the conv backward would run at the CPU's slow denormal
+ * rate). */
+#define RELU_TINY 0x1p-64f
+static void relu_agree(float *o, const uint8_t *mask, int64_t len) {
+    for (int64_t k = 0; 8 * k < len; ++k) {
+        const uint32_t byte = mask[k];
+        const int64_t end = len - 8 * k < 8 ? len - 8 * k : 8;
+        float *v = o + 8 * k;
+        for (int64_t j = 0; j < end; ++j) {
+            const float a = v[j];
+            v[j] = (byte >> j) & 1 ? (a > 0.0f ? a : RELU_TINY) : (a > 0.0f ? 0.0f : a);
+        }
+    }
+}
+
+static int unpack_rows(const uint8_t *codes, const float *mn, const float *scale, int64_t G,
+                       int64_t group, int bits, const uint8_t *mask, int64_t n, float *out);
+
 /* codes as above -> out: G * group floats, q * scale + mn (product, then sum). */
 int daf_unpack_dequantize(const uint8_t *codes, const float *mn, const float *scale,
                           int64_t G, int64_t group, int bits, float *out) {
+    return unpack_rows(codes, mn, scale, G, group, bits, NULL, 0, out);
+}
+
+/* As daf_unpack_dequantize, then the first n values made to agree with a ReLU output's
+ * 1-bit mask (relu_agree), row by row while the row is in L1: value > 0 exactly where the
+ * mask is set, so one tensor serves the ReLU's backward and the next conv's ∂W. */
+int daf_unpack_dequantize_relu(const uint8_t *codes, const float *mn, const float *scale,
+                               int64_t G, int64_t group, int bits, const uint8_t *mask,
+                               int64_t n, float *out) {
+    return unpack_rows(codes, mn, scale, G, group, bits, mask, n, out);
+}
+
+static int unpack_rows(const uint8_t *codes, const float *mn, const float *scale, int64_t G,
+                       int64_t group, int bits, const uint8_t *mask, int64_t n, float *out) {
     const int64_t per = 8 / bits, nbytes = group / per;
     uint8_t *q = malloc((size_t)group);
     if (q == NULL) return -1;
@@ -76,6 +112,10 @@ int daf_unpack_dequantize(const uint8_t *codes, const float *mn, const float *sc
             float p = (float)q[i] * s;
             o[i] = p + m;
         }
+        if (mask != NULL && g * group < n) {
+            const int64_t len = n - g * group < group ? n - g * group : group;
+            relu_agree(o, mask + g * (group / 8), len);
+        }
     }
     free(q);
     return 0;
@@ -99,13 +139,29 @@ void daf_mask_pack(const float *x, int64_t n, float lo, float hi, uint8_t *out) 
     }
 }
 
-/* Inverse: out[i] = bit * d + l (product, then sum, as the PyTorch decode rounds it). */
+/* Inverse: out[i] = bit * d + l (product, then sum, as the PyTorch decode rounds it): each
+ * value is one of two, both computed once; a whole byte expands to 8 selects (AVX2: one
+ * compare and blend; a shift by the element index per value does not vectorise). */
 void daf_mask_unpack(const uint8_t *bits, int64_t n, float d, float l, float *out) {
-    for (int64_t i = 0; i < n; ++i) {
-        float b = (float)((bits[i >> 3] >> (i & 7)) & 1);
-        float p = b * d;
-        out[i] = p + l;
+    const float zero = 0.0f * d, one = 1.0f * d;
+    const float v0 = zero + l, v1 = one + l;
+    const int64_t full = n / 8;
+    int64_t k = 0;
+#if defined(__AVX2__) && !defined(DAF_PORTABLE)
+    const __m256i lane = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256 w0 = _mm256_set1_ps(v0), w1 = _mm256_set1_ps(v1);
+    for (; k < full; ++k) {
+        const __m256i b = _mm256_and_si256(_mm256_set1_epi32(bits[k]), lane);
+        const __m256 set = _mm256_castsi256_ps(_mm256_cmpeq_epi32(b, lane));
+        _mm256_storeu_ps(out + 8 * k, _mm256_blendv_ps(w0, w1, set));
     }
+#endif
+    for (; k < full; ++k) {
+        const uint32_t byte = bits[k];
+        float *o = out + 8 * k;
+        for (int j = 0; j < 8; ++j) o[j] = (byte >> j) & 1 ? v1 : v0;
+    }
+    for (int64_t i = 8 * full; i < n; ++i) out[i] = (bits[i >> 3] >> (i & 7)) & 1 ? v1 : v0;
 }
 
 /* ---- fused quantize + pack (one read of each group, DAF §3.2.3 on the CPU) ---------- */

@@ -132,6 +132,22 @@ def unpack_dequantize(qt: Quantized, bits: int, group: int, n: int,
     return _run(1, qt.codes, (qt, bits, group, n, dtype))  # type: ignore[return-value]
 
 
+def unpack_dequantize_relu(qt: Quantized, bits: int, group: int, n: int, mask: Tensor
+                           ) -> Tensor:
+    """unpack_dequantize (float32) of a ReLU output with its values made to agree with the
+    same tensor's exact 1-bit mask `mask` (reference.relu_agree): one C pass on the native
+    path, else the decode and then relu_agree."""
+    if backend(qt.codes) == "native":
+        try:
+            return native.unpack_dequantize_relu(qt, bits, group, n, mask)
+        except ValueError:
+            raise
+        except Exception as exc:  # build/load failure: fall back
+            _DISABLED.add("native")
+            _notice("native", exc)
+    return reference.relu_agree(unpack_dequantize(qt, bits, group, n), mask)
+
+
 def quantize_pack_mask(x: Tensor, bits: int, group: int, band: tuple[float, float]
                        ) -> tuple[Quantized, Tensor]:
     """quantize_pack(x) and the packed bits of band[0] < x < band[1] (tta_core.memory.bits'

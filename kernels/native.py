@@ -14,7 +14,9 @@ fused multiply-add); a group holding a NaN gets NaN min and scale, as amin/amax 
 difference in bits, not in value: a group whose min (or max) is a zero present with both
 signs may carry the other sign than the one PyTorch's reduction order picks (codes and
 decoded values are unaffected; torch.equal holds).
-Unpack + dequantize is one C pass as well (the vectorised PyTorch path takes ~6).
+Unpack + dequantize is one C pass as well (the vectorised PyTorch path takes ~6);
+`unpack_dequantize_relu` also makes a ReLU output's values agree with its exact mask in
+that pass, so one decoded tensor serves the next conv's ∂W and the ReLU's backward.
 
 The library is compiled on first use with the machine's C compiler (``CC``, default
 ``cc``) into a per-user cache (``TTA_KERNELS_CACHE``, default ``~/.cache/tta_kernels``),
@@ -125,6 +127,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib.daf_quantize_pack_fused.argtypes = [_P, _I, _I, ctypes.c_int, _P, _P, _P,
                                             ctypes.c_float, ctypes.c_float, _P]
     lib.daf_quantize_pack_fused.restype = ctypes.c_int
+    lib.daf_unpack_dequantize_relu.argtypes = [_P, _P, _P, _I, _I, ctypes.c_int, _P, _I, _P]
+    lib.daf_unpack_dequantize_relu.restype = ctypes.c_int
     return lib
 
 
@@ -191,6 +195,23 @@ def quantize_pack_mask(x: Tensor, bits: int, group: int, band: tuple[float, floa
 def unpack_dequantize(qt: Quantized, bits: int, group: int, n: int,
                       dtype: torch.dtype = torch.float32) -> Tensor:
     """Unpack + dequantize in C: the first n values (flat, dtype)."""
+    return _unpack(qt, bits, group, n, None).to(dtype)
+
+
+def unpack_dequantize_relu(qt: Quantized, bits: int, group: int, n: int, mask: Tensor
+                           ) -> Tensor:
+    """unpack_dequantize (float32) with each value made to agree with `mask` (mask_pack's
+    bits of x > 0, the same tensor's exact ReLU mask) in the same C pass: where the bit is
+    set a value <= 0 becomes 2**-64, where it is clear a value > 0 becomes 0 (as
+    reference.relu_agree)."""
+    if mask.dtype != torch.uint8 or mask.dim() != 1 or mask.numel() < (n + 7) // 8:
+        raise ValueError(f"mask must be 1-D uint8 covering n={n}, got {mask.dtype} "
+                         f"{tuple(mask.shape)}")
+    return _unpack(qt, bits, group, n, mask)
+
+
+def _unpack(qt: Quantized, bits: int, group: int, n: int, mask: Tensor | None) -> Tensor:
+    """The first n float32 values of daf_unpack_dequantize(_relu)."""
     check_args(bits, group)
     codes, mn, scale = (t.contiguous() for t in qt)
     _check_cpu(codes, mn, scale)
@@ -200,11 +221,19 @@ def unpack_dequantize(qt: Quantized, bits: int, group: int, n: int,
         raise ValueError(f"codes/mn/scale do not describe {rows} groups of {group} at {bits} "
                          f"bits (codes {codes.numel()}, scale {scale.numel()})")
     out = torch.empty(rows * group, dtype=torch.float32)
-    if library().daf_unpack_dequantize(codes.data_ptr(), mn.data_ptr(), scale.data_ptr(),
-                                       rows, group, bits, out.data_ptr()):
+    lib = library()
+    if mask is None:
+        rc = lib.daf_unpack_dequantize(codes.data_ptr(), mn.data_ptr(), scale.data_ptr(),
+                                       rows, group, bits, out.data_ptr())
+    else:
+        _check_cpu(mask)
+        mask = mask.contiguous()
+        rc = lib.daf_unpack_dequantize_relu(codes.data_ptr(), mn.data_ptr(), scale.data_ptr(),
+                                            rows, group, bits, mask.data_ptr(), n,
+                                            out.data_ptr())
+    if rc:
         raise MemoryError("daf_unpack_dequantize could not allocate its scratch row")
-    t = out[:n]
-    return t if dtype == torch.float32 else t.to(dtype)
+    return out[:n]
 
 
 def mask_pack(flat: Tensor, lo: float, hi: float) -> Tensor:

@@ -132,3 +132,21 @@ def unpack_dequantize(qt: Quantized, bits: int, group: int, n: int,
     q = unpack_codes(qt.codes, bits).view(-1, group).float()
     prod = q * qt.scale[:, None]
     return (prod + qt.mn[:, None]).reshape(-1)[:n].to(dtype)
+
+
+RELU_TINY = 2.0**-64  # positive, and its products with gradients are not denormals
+
+
+def relu_agree(values: Tensor, mask: Tensor) -> Tensor:
+    """Decoded values of a ReLU output (flat float32) made to agree with its exact mask
+    (mask_bits(x, (0, inf))): where the bit is set a value <= 0 (a positive x whose code
+    rounded to the group's min 0) becomes RELU_TINY, where it is clear a value > 0 becomes 0;
+    so value > 0 exactly where x > 0 (what the ReLU's backward reads) and every value stays
+    within half a step of x."""
+    n = values.numel()
+    shifts = torch.arange(8, dtype=torch.int32, device=mask.device)
+    bit = ((mask.to(torch.int32)[:, None] >> shifts) & 1).reshape(-1)[:n].bool()
+    pos = values > 0
+    tiny = torch.full_like(values, RELU_TINY)
+    return torch.where(bit, torch.where(pos, values, tiny),
+                       torch.where(pos, torch.zeros_like(values), values))

@@ -93,6 +93,28 @@ def test_a_unit_table_values_that_unit_in_greedy_and_brute_force() -> None:
         greedy_bits([UnitChoice("z", 1.0, {0: 0, 4: 1}, fidelity={0: 0.0, 8: 1.0})], 10)
 
 
+def test_tent_with_a_fraction_budget_stores_packed_saves_and_adapts_differently() -> None:
+    """`tent@dyn` (what `tta bench` compares with Tent) is not Tent in disguise: its saved
+    bytes are within the budget, far below dense Tent's (SavedActivationCounter), and after
+    one step at Tent's lr its BN weights differ from dense Tent's (the quantized saves
+    change the gradient) by a fraction of how far the step moved them."""
+    model, x = MODELS["shipped"]()
+    dense = build_method("tent", copy.deepcopy(model))
+    counter = SavedActivationCounter(copy.deepcopy(dense.model))
+    with torch.enable_grad(), counter:
+        entropy(counter.scope.model(x))
+    dyn = build_method("tent", copy.deepcopy(model), activation_budget_frac=0.12)
+    before = [p.detach().clone() for p in dense.params]
+    dense.forward_and_adapt(x)
+    s = dyn.forward_and_adapt(x).stats
+    assert 0 < s["saved_bytes"] <= s["width_budget_bytes"] < 0.2 * counter.result.total
+    gap = max(float((a - b).detach().abs().max())
+              for a, b in zip(dense.params, dyn.params, strict=True))
+    step = max(float((a.detach() - b).abs().max())
+               for a, b in zip(dense.params, before, strict=True))
+    assert 0.0 < gap < 0.5 * step
+
+
 class _TentAll(Tent):
     """Tent's loop with every parameter trainable."""
 

@@ -182,6 +182,30 @@ def test_fused_mask_variant_falls_back_off_the_native_path(monkeypatch) -> None:
     assert torch.equal(mask, reference.mask_bits(x, (0.0, float("inf"))))
 
 
+def test_relu_decode_agrees_with_the_exact_mask() -> None:
+    """unpack_dequantize_relu of a ReLU output: the reference decode made to agree with the
+    exact mask (set bit and value 0 -> 2**-64; NaN stays NaN), in one C pass bit for bit;
+    value > 0 exactly where x > 0, and within half a step of x as the plain decode is."""
+    g = torch.Generator().manual_seed(3)
+    for n in (5, 1001, 4096 + 3):
+        x = torch.relu(torch.randn(n, generator=g))
+        x[3::97] = 1e-6  # positives that round to the group's min 0
+        x[1::251] = float("nan")
+        mask = native.mask_pack(x, 0.0, float("inf"))
+        for bits in (2, 4, 8):
+            for group in (8, 24, 256):
+                qt = reference.quantize_pack(x, bits, group)
+                plain = reference.unpack_dequantize(qt, bits, group, n)
+                want = reference.relu_agree(plain, mask)
+                got = native.unpack_dequantize_relu(qt, bits, group, n, mask)
+                assert _same(got, want), (n, bits, group)
+                assert torch.equal(got > 0, x > 0)
+                moved = (got != plain) & ~plain.isnan()
+                assert torch.equal(got[moved], torch.full_like(got[moved], reference.RELU_TINY))
+    with pytest.raises(ValueError, match="mask must be 1-D uint8 covering n=16"):
+        native.unpack_dequantize_relu(qt, 2, 8, 16, torch.zeros(1, dtype=torch.uint8))
+
+
 @pytest.mark.slow
 def test_portable_c_loops_equal_the_intrinsics_build(monkeypatch, tmp_path) -> None:
     """daf_cpu.c built with -DDAF_PORTABLE (the generic loops a non-x86 target compiles)
@@ -196,6 +220,17 @@ def test_portable_c_loops_equal_the_intrinsics_build(monkeypatch, tmp_path) -> N
                 qt, mask = native.quantize_pack_mask(x, bits, group, (0.0, float("inf")))
                 assert all(_same(a, b) for a, b in zip(ref, qt, strict=True)), (bits, group)
                 assert torch.equal(mask, reference.mask_bits(x, (0.0, float("inf"))))
+    from tta_core.memory.bits import unpack_bits
+
+    for n in (1, 8, 13, 1001):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(n))
+        packed = native.mask_pack(x, 0.0, float("inf"))
+        want = unpack_bits(packed, n).float() * (0.5 - -1.0) + -1.0
+        assert torch.equal(native.mask_unpack(packed, n, -1.0, 0.5), want), n
+        qt = reference.quantize_pack(x.relu(), 2, 8)
+        plain = reference.unpack_dequantize(qt, 2, 8, n)
+        assert torch.equal(native.unpack_dequantize_relu(qt, 2, 8, n, packed),
+                           reference.relu_agree(plain, packed)), n
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ the tests measure the gap on random instances. It is always feasible.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from collections.abc import Mapping, Sequence
@@ -102,7 +103,8 @@ def greedy_bits(units: Sequence[UnitChoice], mem_budget: float,
                 fidelity: Mapping[int, float] = FIDELITY) -> Allocation:
     """The greedy allocation (module doc); ValueError if even the lowest widths don't fit.
     Totals are kept up to date per upgrade and each unit's upgrades are tabled once (it
-    runs before every forward: ~100 units, hundreds of upgrades)."""
+    runs before every forward: ~100 units, hundreds of upgrades); with a memory budget
+    only, a heap picks the same upgrades (`_greedy_heap`) instead of a scan per upgrade."""
     _check(units, fidelity)
     bits = {u.name: min(u.mem) for u in units}
     alloc = _evaluate(units, bits, fidelity)
@@ -110,6 +112,11 @@ def greedy_bits(units: Sequence[UnitChoice], mem_budget: float,
         raise ValueError(f"lowest widths need {alloc.mem:.0f} B / {alloc.time:.3g} ms: over "
                          f"the budgets {mem_budget:.0f} B / {time_budget:.3g} ms")
     table = [{cur: _upgrades(u, cur, fidelity) for cur in u.mem} for u in units]
+    if math.isinf(time_budget) and all(dm >= 0 for ups in table for cur in ups.values()
+                                       for _b, _g, dm, _t in cur):
+        bits = _greedy_heap(units, table, bits, alloc.mem, mem_budget)
+        return max(_evaluate(units, bits, fidelity),
+                   _best_single(units, mem_budget, time_budget, fidelity), key=lambda a: a.value)
     mem, time = alloc.mem, alloc.time
     while True:
         mem_left = (mem_budget - mem) / mem_budget if mem_budget > 0 else 0.0
@@ -130,6 +137,33 @@ def greedy_bits(units: Sequence[UnitChoice], mem_budget: float,
         mem, time = mem + best[3], time + best[4]
     return max(_evaluate(units, bits, fidelity),
                _best_single(units, mem_budget, time_budget, fidelity), key=lambda a: a.value)
+
+
+def _greedy_heap(units: Sequence[UnitChoice], table: list[dict], bits: dict[str, int],
+                 mem: float, mem_budget: float) -> dict[str, int]:
+    """The scan's greedy with only a memory budget and no upgrade that frees bytes, in
+    O(upgrades log upgrades): every key is then fixed (memory is always the tighter
+    resource) and an upgrade that does not fit never fits later (memory only grows), so
+    a heap of (key, unit index, width) pops the scan's choice, ties included."""
+    heap: list[tuple] = []
+
+    def push(i: int) -> None:
+        cur = bits[units[i].name]
+        for b, gain, dm, dt in table[i][cur]:
+            if gain > 0:
+                per_m, per_t = _score(gain, dm, dt, True)
+                heapq.heappush(heap, (-per_m, -per_t, i, b, cur, dm))
+
+    for i in range(len(units)):
+        push(i)
+    while heap:
+        _pm, _pt, i, b, cur, dm = heapq.heappop(heap)
+        name = units[i].name
+        if bits[name] != cur or mem + dm > mem_budget:
+            continue  # stale (the unit moved on) or never fits again
+        bits[name], mem = b, mem + dm
+        push(i)
+    return bits
 
 
 def _best_single(units: Sequence[UnitChoice], mem_budget: float, time_budget: float,

@@ -267,7 +267,11 @@ class DynamicWidths:
                         for p in self._params[u] if p.requires_grad]
         for p in self._frozen:
             p.requires_grad_(False)
-        self.codec = ActivationCodec(self.model, _plan({**frozen, **alloc.bits}))
+        plan = _plan({**frozen, **alloc.bits})
+        if self.codec is None:
+            self.codec = ActivationCodec(self.model, plan)
+        else:  # the same units: only the plan changes (building the codec walks the model)
+            self.codec.plan = plan
 
     @staticmethod
     def _allocate(choices: list[UnitChoice], budget: float) -> tuple[Allocation, bool]:

@@ -26,7 +26,13 @@ the source storage is alive (a weak reference to it): after a storage is freed, 
 allocator may hand its address to a new tensor of the same shape within the same forward,
 and a pointer-only key would then decode the wrong tensor. The cache is cleared at exit.
 The same tensor saved under two encodings (a ReLU output: mask for the ReLU, pruned values
-for the next conv) is stored once per encoding.
+for the next conv) is stored once per encoding. A float32 CPU ReLU output's mask is packed
+at the tensor's next save (`ReluMask`): when that save quantizes the same tensor, one fused
+pass gives both (tta_kernels.quantize_pack_mask). A ReLU output stored both as the ReLU's
+mask and quantized is decoded once for both (`_ReluDecode`): the dequantized values
+made to agree with the exact mask (tta_kernels.unpack_dequantize_relu: a positive value
+that rounded to the group's min 0 decodes to 2**-64), so the ReLU's gradient stays exact,
+the conv's input stays within half a step, and backward writes one tensor instead of two.
 
 torch.compile: refused (a clear RuntimeError while tracing; also at exit when tensors were
 saved but no unit module's hook ran, as for a compiled module). Compiled graphs save their
@@ -43,14 +49,17 @@ outside checkpointed regions. Put the codec around the forward only.
 from __future__ import annotations
 
 import numbers
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from tta_kernels import Quantized, native_masks, quantize_pack_mask, unpack_dequantize_relu
 
 from tta_core.memory.accounting import SavedTensorContext
-from tta_core.memory.packed import PackedMask, PackedPruned
+from tta_core.memory.packed import PackedMask, PackedPruned, _restore, memory_order
 from tta_core.memory.quant import (
     MIN_QUANT_NUMEL,
     NARROW,
@@ -161,6 +170,61 @@ class CodecPlan:
         return DENSE
 
 
+RELU_BAND = (0.0, float("inf"))
+
+
+@dataclass(eq=False)
+class ReluMask:
+    """A ReLU output's exact 1-bit mask (a PackedMask), packed at the tensor's next save:
+    by the fused pass when that save quantizes the same tensor, else alone (`settle`; also
+    at the end of the forward). Until then it holds the tensor, which the next op reads
+    anyway."""
+
+    t: Tensor | None
+    key: tuple
+    nbytes: int
+    mask: PackedMask | None = None
+
+    def settle(self) -> PackedMask:
+        """The packed mask (packed now if no fused pass made it)."""
+        if self.mask is None:
+            t, self.t = self.t, None
+            if t is None or t._version != self.key[3]:
+                raise RuntimeError("a ReLU output was modified in place before its next save: "
+                                   "its saved mask would not match the ReLU's result")
+            self.mask = PackedMask.encode(t, RELU_BAND)
+        return self.mask
+
+    def decode(self) -> Tensor:
+        """The mask's stand-in tensor (PackedMask.decode)."""
+        return self.settle().decode()
+
+
+@dataclass(eq=False)
+class _ReluDecode:
+    """The one decode of a ReLU output held as its mask and quantized: made by the first of
+    the two unpacks (the conv's, in backward order), handed to the second, then dropped.
+    Holds the encodings' tensors, not the encodings (they key a weak dictionary)."""
+
+    qt: Quantized
+    bits: int
+    group: int
+    mask: Tensor
+    shape: torch.Size
+    perm: tuple[int, ...]
+    out: Tensor | None = None
+
+    def take(self) -> Tensor:
+        """The decoded tensor: made now, or the one made for the other unpack."""
+        if self.out is not None:
+            out, self.out = self.out, None
+            return out
+        flat = unpack_dequantize_relu(self.qt, self.bits, self.group, self.shape.numel(),
+                                      self.mask)
+        self.out = _restore(flat, self.shape, self.perm)
+        return self.out
+
+
 class ActivationCodec(SavedTensorContext):
     """saved_tensors_hooks that store one forward's saves as the plan says (eager only)."""
 
@@ -173,9 +237,14 @@ class ActivationCodec(SavedTensorContext):
         self._cache: dict[tuple, tuple[StorageWeakRef, object]] = {}
         self._kinds = {name: kind for name, _m, kind in self.scope.units}
         self._modules = {name: mod for name, mod, _k in self.scope.units}
+        self._relu_masks: dict[tuple, PackedMask | ReluMask] = {}  # this forward's, by key
+        self._pending: ReluMask | None = None  # the last ReLU mask, until the next save
+        self.fused_masks = 0  # masks packed by the fused pass in the last forward
+        self._shared: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def __enter__(self) -> ActivationCodec:
         self._check_dropped()
+        self.fused_masks = 0
         super().__enter__()
         return self
 
@@ -193,6 +262,17 @@ class ActivationCodec(SavedTensorContext):
                                  "grad: freeze it before the forward")
 
     def _pack(self, t: Tensor, site: SaveSite) -> object:
+        packed = self._pack_one(t, site)
+        if self._pending is not None and self._pending is not packed:
+            self._settle_pending()  # this save did not take the last ReLU mask
+        return packed
+
+    def _settle_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.settle()
+
+    def _pack_one(self, t: Tensor, site: SaveSite) -> object:
         enc = self.plan.encoding(site.role, site.unit, t.element_size(),
                                  self._kinds.get(site.unit, ""), t.numel(),
                                  t.is_floating_point())
@@ -202,11 +282,34 @@ class ActivationCodec(SavedTensorContext):
             self.ledger.storage_index(t, site)
             return t
         if enc == MASK:
-            return self._store(t, enc, site, lambda: PackedMask.encode(t, site.band))
+            if site.band != RELU_BAND or t.dtype != torch.float32:
+                return self._store(t, enc, site, lambda: PackedMask.encode(t, site.band))
+            self._settle_pending()
+            key = self._key(t, MASK)
+            if native_masks(t.dtype, t.device):
+                mask = self._store(t, enc, site, lambda: ReluMask(t, key, (t.numel() + 7) // 8))
+                self._pending = mask if mask.mask is None else None  # type: ignore[union-attr]
+            else:
+                mask = self._store(t, enc, site, lambda: PackedMask.encode(t, site.band))
+            self._relu_masks[key] = mask  # type: ignore[assignment]
+            return mask
         if isinstance(enc, Quant):
-            return self._store(t, enc, site, lambda: encode_quant(t, enc))
+            return self._store(t, enc, site, lambda: self._quantize(t, enc))
         return self._store(t, enc, site,
                            lambda: PackedPruned.encode(t, float(enc), self.plan.sample))
+
+    def _quantize(self, t: Tensor, enc: Quant) -> object:
+        """encode_quant(t, enc); with the pending ReLU mask of this very tensor, both from
+        one fused pass (bit-identical to the separate passes: tta_kernels' tests)."""
+        pending = self._pending
+        if pending is None or not enc.bits or pending.key != self._key(t, MASK):
+            return encode_quant(t, enc)
+        flat, perm = memory_order(t.detach())
+        qt, bits = quantize_pack_mask(flat, enc.bits, enc.group, RELU_BAND)
+        pending.mask, pending.t, self._pending = PackedMask(bits, t.shape, perm, t.dtype,
+                                                            0.0, 1.0), None, None
+        self.fused_masks += 1
+        return PackedQuant(qt, t.shape, perm, t.dtype, enc.bits, enc.group)
 
     def _store(self, t: Tensor, enc: Encoding, site: SaveSite, encode: Callable[[], object]
                ) -> object:
@@ -217,7 +320,21 @@ class ActivationCodec(SavedTensorContext):
         packed = encode()
         self._cache[self._key(t, enc)] = (StorageWeakRef(t.untyped_storage()), packed)
         self.ledger.add(packed.nbytes, site)  # type: ignore[attr-defined]
+        if isinstance(packed, PackedQuant):
+            self._share_relu_decode(t, packed)
         return packed
+
+    def _share_relu_decode(self, t: Tensor, packed: PackedQuant) -> None:
+        """Link a quantized save to the ReLU mask of the very same tensor, if this forward
+        made one (and it is not linked yet): both then unpack to one _ReluDecode."""
+        mask = self._relu_masks.get(self._key(t, MASK))
+        if mask is None or mask in self._shared or self._lookup(t, MASK) is not mask \
+                or packed.dtype != torch.float32:
+            return
+        bits = mask.settle().bits if isinstance(mask, ReluMask) else mask.bits
+        shared = _ReluDecode(packed.qt, packed.bits, packed.group, bits, packed.shape,
+                             packed.perm)
+        self._shared[mask] = self._shared[packed] = shared
 
     @staticmethod
     def _key(t: Tensor, enc: Encoding) -> tuple:
@@ -231,7 +348,12 @@ class ActivationCodec(SavedTensorContext):
         return hit[1]
 
     def _unpack(self, packed: object) -> Tensor:
-        if isinstance(packed, PackedMask | PackedPruned | PackedQuant | Dropped | PackedInt):
+        if isinstance(packed, PackedMask | PackedQuant | ReluMask):
+            shared = self._shared.get(packed)
+            if shared is not None:
+                return shared.take()
+        if isinstance(packed, PackedMask | ReluMask | PackedPruned | PackedQuant | Dropped
+                      | PackedInt):
             return packed.decode()
         return packed  # type: ignore[return-value]
 
@@ -244,4 +366,6 @@ class ActivationCodec(SavedTensorContext):
         return out
 
     def _clear_batch(self) -> None:
+        self._settle_pending()
         self._cache.clear()
+        self._relu_masks.clear()

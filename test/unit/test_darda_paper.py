@@ -102,6 +102,17 @@ def test_algorithm1_memory_balances_classes_and_prefers_representative() -> None
     assert torch.allclose(mean, torch.tensor([[1.0, 0.0], [0.95, 0.31], [0.99, 0.14]]).mean(0))
 
 
+def test_a_shift_drops_the_samples_of_the_previous_corruption() -> None:
+    old, new = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])
+    mem = CorruptionMemory(capacity=8, num_classes=2, min_similarity=0.0)
+    proj = torch.tensor([[1.0, 0.0], [0.6, -0.8], [0.6, 0.8]])
+    mem.add(torch.arange(3.0)[:, None], torch.tensor([0, 1, 1]), proj, old)
+    assert len(mem) == 3
+    # cosines to the new centroid: 0, -0.8, 0.8; only -0.8 is below min_similarity 0
+    assert mem.retarget(new) == 1
+    assert sorted(mem.samples()[:, 0].tolist()) == [0.0, 2.0]
+
+
 def test_eq15_context_aware_bn_by_hand() -> None:
     bn = nn.BatchNorm2d(1).eval()
     bank = torch.tensor([1.0, 2.0, 3.0, 6.0]).view(4, 1, 1, 1)
@@ -194,6 +205,9 @@ def test_eq16_step_lowers_the_loss(bundle) -> None:
     with torch.no_grad():
         after = float(p._loss(p.memory.samples()))
     assert p.backward_passes == 1 and after < before
+    # the gradient reaches every BN gamma / beta and the dense layer through S
+    assert all(t.grad is not None and float(t.grad.abs().sum()) > 0 for t in p.params)
+    assert any(k.startswith("fc.") for k, t in p.live.items() if t.grad is not None)
 
 
 def test_a_deadline_that_leaves_no_room_defers_the_adaptation(bundle) -> None:

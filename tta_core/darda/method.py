@@ -110,6 +110,8 @@ class DardaConfig(MethodConfig):
     phi_thresh: float = option(0.02, "paper: Eq. 15 runs once the memory bank's cosine "
                                "variance to the centroid is below this", low=0.0)
     max_wait: int = option(3, "paper: ... or this many batches after the shift", low=1)
+    min_bank: int = option(1, "paper: ... and the bank holds at least this many samples "
+                           "of the ongoing corruption", low=1)
     context_momentum: float = option(0.5, "paper: Eq. 15 momentum m", low=0.0, high=1.0)
     paper_lr: float = option(1e-3, "paper: SGD rate of the one Eq. 16 step", low=0.0)
     learn_domains: bool = option(False, "paper + robot extension: learn and bank a "
@@ -388,7 +390,8 @@ class PaperDarda(Darda):
                              f"{tuple(c.input_shape)}")
         self.paper = PaperOnline(self.model, off, PaperConfig(
             variant=c.variant, shift_cos=c.shift_cos, phi_thresh=c.phi_thresh,
-            max_wait=c.max_wait, context_momentum=c.context_momentum, lr=c.paper_lr,
+            max_wait=c.max_wait, min_bank=c.min_bank, context_momentum=c.context_momentum,
+            lr=c.paper_lr,
             memory_capacity=c.memory_capacity, learn_domains=c.learn_domains,
             novelty_cos=c.novelty_cos, max_domains=c.max_domains))
         for p in self.paper.params:

@@ -8,15 +8,17 @@ The darda method runs this when `bundle_path` names a bundle (`tta train-darda`)
 2. shift: c's cosine to the running signature of the ongoing corruption falls below
    `shift_cos` (or the first batch); on a shift the sub-network closest to c by Eq. 10
    (S^i . c, S^i = S(F^i) of the bootstrapped fingerprints) is copied into the model, and
-   C_cur becomes the nearest corruption centroid;
+   C_cur becomes the nearest corruption centroid, and the memory bank drops its samples
+   below `min_similarity` to it (the previous corruption's);
 3. the batch is predicted forward-only; its samples are offered to the memory bank
    (Algorithm 1, tta_core.darda.corruption_memory) with their projections;
-4. once after each shift, when the bank's cosine variance to C_cur is below `phi_thresh`
-   (or `max_wait` batches after the shift): context-aware BN (Eq. 15: one forward of the
-   bank's samples, running statistics moved with momentum `context_momentum`), then one
-   adaptation step of the BN affine and the final dense layer on Eq. 16, exp(-S . C_bar),
-   with S computed from the fingerprint of the current model on the fixed noise and C_bar
-   the bank's mean projection; the batch is predicted again by the updated model.
+4. once after each shift, when the bank holds `min_bank` samples and its cosine variance
+   to C_cur is below `phi_thresh` (or `max_wait` batches after the shift): context-aware
+   BN (Eq. 15: one forward of the bank's samples, running statistics moved with
+   momentum `context_momentum`), then one adaptation step of the BN affine and the
+   final dense layer on Eq. 16, exp(-S . C_bar), with S computed from the fingerprint
+   of the current model on the fixed noise and C_bar the bank's mean projection; the batch
+   is predicted again by the updated model.
 
 Table 2 variants (`variant`): full; no_extractor; no_bn_adapt (the bootstrapped
 sub-network only); bn_only (Eq. 15 without the step); bn_entropy (Eq. 15 + one entropy step
@@ -60,6 +62,7 @@ class PaperConfig:
     track: float = 0.2  # EMA rate of the running signature
     phi_thresh: float = 0.02
     max_wait: int = 3
+    min_bank: int = 1
     context_momentum: float = 0.5
     lr: float = 1e-3
     memory_capacity: int = 64
@@ -174,7 +177,8 @@ class PaperOnline:
         if not self.pending or self.cfg.variant == "no_bn_adapt" or len(self.memory) < 2:
             return False
         self.waited += 1
-        return self.memory.similarity_variance(self.center) <= self.cfg.phi_thresh \
+        return (len(self.memory) >= self.cfg.min_bank
+                and self.memory.similarity_variance(self.center) <= self.cfg.phi_thresh) \
             or self.waited >= self.cfg.max_wait
 
     def adapt(self) -> bool:

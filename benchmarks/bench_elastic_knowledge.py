@@ -14,7 +14,7 @@ Per domain visit (the shift is known: oracle boundaries), as the collaborative t
      knowledge  (Eq. 3 then Eq. 4 through Θ*, layer by layer: the paper),
      averaging  (master += (surrogate - origin) / 2: the authors' group's code),
      none       (the master never changes).
-Printed and written to docs/results/elastic_knowledge_<card>.{json,md} and two plots
+Printed and written to docs/results/elastic_knowledge_<card>.{json,md} and plots
 (`_per_domain.png`: surrogate accuracy per visit; `_master.png`: the master's accuracy at
 each visit's first batch and over the visit, the accumulation learning curve).
 
@@ -22,8 +22,21 @@ Memory: peak bytes allocated by one master update (torch profiler allocation eve
 cumulative, from the surrogate of the last visit), knowledge layer by layer vs all layers'
 changes held at once vs averaging; and Θ*'s resident size.
 
+Per visit also: the surrogate on the visit's images before / after its own updates, the
+master on them before / after the update, ‖Δθ‖/‖θ‖ of the changed conv and BN tensors, and
+the master after the update on every seen domain's first-visit images (the per-domain
+learning curves, `_learning_curve.png`). Variants: `--epochs` passes over each visit (the
+retraining window), `--share` K < N (Θ* refitted, the master's filters rewritten at rank
+K), `--master-bn keep` (write_back's BN affine kept), `--seed`.
+
 Usage: python benchmarks/bench_elastic_knowledge.py [--card C] [--domains 8] [--visits 2]
-           [--samples-per-domain 128] [--threads 1]
+           [--samples-per-domain 128] [--epochs 1] [--share S] [--master-bn change]
+           [--seed 0] [--threads 1]
+  small card, 3 visits, 2 seeds:
+    for s in 0 1; do python benchmarks/bench_elastic_knowledge.py --card \
+        checkpoints/small_resnet_signs32_elastic.json --visits 3 --seed $s \
+        --partial /tmp/ek_s$s.json; done
+    python benchmarks/bench_elastic_knowledge.py --merge /tmp/ek_s0.json,/tmp/ek_s1.json
   one mode per process (each under 10 min on the r18 card), then merged:
     for m in knowledge averaging none; do python benchmarks/bench_elastic_knowledge.py \
         --samples-per-domain 64 --modes $m --partial /tmp/ek_$m.json; done
@@ -36,6 +49,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -47,6 +61,7 @@ from torch import Tensor
 from tta_core.data import streams
 from tta_core.data.corruptions import CORRUPTIONS
 from tta_core.elasticdnn.filter_update import (
+    MASTER_BN,
     _deltas,
     filter_optimizer,
     filter_scores,
@@ -56,7 +71,7 @@ from tta_core.elasticdnn.filter_update import (
     write_back,
 )
 from tta_core.elasticdnn.gates import GatedModel, load_gated
-from tta_core.elasticdnn.knowledge import require_knowledge
+from tta_core.elasticdnn.knowledge import attach_knowledge, require_knowledge
 from tta_core.elasticdnn.surrogate import Surrogate, extract_surrogate, highest_entropy_sample
 from tta_core.eval.bench import batches_from_arrays, images_to_input
 from tta_core.model.source import load_card
@@ -77,6 +92,13 @@ class Visit:
     master_probe: float  # the same, on the images of the domain's first visit
     surrogate: float
     images: int
+    surrogate_before: float = float("nan")  # fresh surrogate on the visit, before updating
+    surrogate_after: float = float("nan")  # the same images after its updates (no update)
+    master_after: float = float("nan")  # the master after this visit's update, same images
+    delta_conv: float = float("nan")  # ‖Δθ‖ / ‖θ‖ over the conv tensors the surrogate changed
+    delta_bn: float = float("nan")  # the same over the BN affine tensors (master's format)
+    # the master after this visit's update on each seen domain's first-visit images
+    seen: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -87,16 +109,17 @@ class ModeRun:
     visits: list[Visit] = field(default_factory=list)
     accuracy: float = 0.0  # surrogate, all images
     seconds: float = 0.0
+    seed: int = 0
 
 
-def segments(card_path: Path, domains: int, visits: int, n: int, batch: int
+def segments(card_path: Path, domains: int, visits: int, n: int, batch: int, seed: int = 0
              ) -> list[tuple[str, list[tuple[Tensor, Tensor]]]]:
     """The recurring stream cut into domain visits: (domain, [(x, y) batches])."""
     card = load_card(card_path)
     spec = streams.StreamSpec(order="recurring", severity=5, samples_per_domain=n,
                               image_size=card.image_size, num_classes=card.num_classes,
                               corruptions=CORRUPTIONS[:domains], recurrences=visits,
-                              seed=0)
+                              seed=seed)
     stream = streams.build_stream(spec)
     x = images_to_input(stream.images, card, "cpu")
     out: list[tuple[str, list[tuple[Tensor, Tensor]]]] = []
@@ -109,61 +132,94 @@ def segments(card_path: Path, domains: int, visits: int, n: int, batch: int
     return out
 
 
-@torch.no_grad()
 def master_accuracy(master: GatedModel, x: Tensor, y: Tensor) -> float:
     """Accuracy of the full master with BN on the batch's statistics (buffers restored)."""
-    buffers = {n: b.clone() for n, b in master.named_buffers()}
-    master.train()
-    acc = float((master(x).argmax(1) == y).float().mean())
-    master.eval()
-    for n, b in master.named_buffers():
+    return batch_stat_accuracy(master, [(x, y)])
+
+
+@torch.no_grad()
+def batch_stat_accuracy(model: torch.nn.Module, batches: list[tuple[Tensor, Tensor]]) -> float:
+    """Accuracy of `model` over `batches`, BN on each batch's statistics, nothing kept."""
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    was, hits, total = model.training, 0, 0
+    model.train()
+    for x, y in batches:
+        hits += int((model(x).argmax(1) == y).sum())
+        total += len(y)
+    model.train(was)
+    for n, b in model.named_buffers():
         b.copy_(buffers[n])
-    return acc
+    return hits / total
 
 
 def adapt_visit(master: GatedModel, batches: list[tuple[Tensor, Tensor]], keep: float,
-                mass: float, lr: float) -> tuple[Surrogate, int]:
-    """Cut, select filters and adapt a surrogate over one visit; (surrogate, hits)."""
+                mass: float, lr: float, epochs: int = 1) -> tuple[Surrogate, int, float, float]:
+    """Cut, select filters and adapt a surrogate over one visit, `epochs` passes (the
+    retraining window; the first pass predicts each batch before its update);
+    (surrogate, first-pass hits, its accuracy on the visit before / after updating)."""
     x0 = batches[0][0]
     sur = extract_surrogate(master, highest_entropy_sample(master, x0), keep)
+    before = batch_stat_accuracy(sur.model, batches)
     sur.model.train()
     mask_gradients(sur, select_filters(filter_scores(sur, x0), mass))
     opt = filter_optimizer(sur, lr)
     hits = 0
-    for x, y in batches:
-        logits = sur.model(x)
-        hits += int((logits.argmax(1) == y).sum())
-        opt.zero_grad(set_to_none=True)
-        im_loss(logits).backward()
-        opt.step()
-    return sur, hits
+    for epoch in range(epochs):
+        for x, y in batches:
+            logits = sur.model(x)
+            hits += int((logits.argmax(1) == y).sum()) if epoch == 0 else 0
+            opt.zero_grad(set_to_none=True)
+            im_loss(logits).backward()
+            opt.step()
+    return sur, hits, before, batch_stat_accuracy(sur.model, batches)
+
+
+@torch.no_grad()
+def delta_norms(master: GatedModel, sur: Surrogate) -> tuple[float, float]:
+    """‖Δθ‖ / ‖θ‖ of the surrogate's change in the master's format, over the conv tensors
+    and over the BN affine tensors it changed (the master's values at those entries)."""
+    target = dict(master.base.named_parameters())
+    sums = {4: [0.0, 0.0], 1: [0.0, 0.0]}
+    for name, r, c, delta in _deltas(master, sur):
+        if name not in target or delta.ndim not in sums:
+            continue
+        ref = target[name]
+        ref = ref[r] if r is not None else ref
+        ref = ref[:, c] if c is not None else ref
+        sums[delta.ndim][0] += float(delta.double().pow(2).sum())
+        sums[delta.ndim][1] += float(ref.double().pow(2).sum())
+    return tuple(math.sqrt(a / b) if b else 0.0 for a, b in (sums[4], sums[1]))
 
 
 def run_mode(master0: GatedModel, segs: list, mode: str, keep: float, mass: float,
-             lr: float) -> tuple[ModeRun, Surrogate, GatedModel]:
+             lr: float, epochs: int = 1, seed: int = 0, master_bn: str = "change"
+             ) -> tuple[ModeRun, Surrogate, GatedModel]:
     """One mode over the stream (module doc); also the last surrogate and the master it
     was cut from, for the memory measurement."""
     master = copy.deepcopy(master0).eval()
-    run, seen, hits, total = ModeRun(mode), {}, 0, 0
+    run, seen, hits, total = ModeRun(mode, seed=seed), {}, 0, 0
     probes: dict[str, list[tuple[Tensor, Tensor]]] = {}
     t0 = time.perf_counter()
     before = master
     for dom, batches in segs:
         seen[dom] = seen.get(dom, 0) + 1
         first = master_accuracy(master, *batches[0])
-        whole = sum(master_accuracy(master, x, y) * len(y) for x, y in batches)
+        whole = batch_stat_accuracy(master, batches)
         probe = probes.setdefault(dom, batches)
-        same = whole if probe is batches else sum(
-            master_accuracy(master, x, y) * len(y) for x, y in probe)
+        same = whole if probe is batches else batch_stat_accuracy(master, probe)
         before = copy.deepcopy(master)
-        sur, h = adapt_visit(master, batches, keep, mass, lr)
+        sur, h, s0, s1 = adapt_visit(master, batches, keep, mass, lr, epochs)
         n = sum(len(y) for _, y in batches)
-        run.visits.append(Visit(dom, seen[dom], first, whole / n,
-                                same / sum(len(y) for _, y in probe), h / n, n))
+        dconv, dbn = delta_norms(master, sur)
+        write_back(master, sur, mode, master_bn)
+        after = {d: batch_stat_accuracy(master, p) for d, p in probes.items()}
+        run.visits.append(Visit(dom, seen[dom], first, whole, same, h / n, n, s0, s1,
+                                batch_stat_accuracy(master, batches), dconv, dbn, after))
         hits, total = hits + h, total + n
-        write_back(master, sur, mode)
         print(f"  {mode:<9} {dom:<18} visit {seen[dom]}  master@first {100 * first:5.1f}%  "
-              f"surrogate {100 * h / n:5.1f}%", flush=True)
+              f"surrogate {100 * h / n:5.1f}% ({100 * s0:5.1f} -> {100 * s1:5.1f})  master "
+              f"{100 * whole:5.1f} -> {100 * run.visits[-1].master_after:5.1f}%  "
+              f"|dθ|/|θ| {dconv:.4f}", flush=True)
     run.accuracy, run.seconds = hits / total, time.perf_counter() - t0
     return run, sur, before
 
@@ -233,36 +289,73 @@ def write_results(runs: list[ModeRun], mem: dict[str, int], meta: dict) -> None:
     plot(runs, stem)
 
 
+def _run(r: dict) -> ModeRun:
+    return ModeRun(r["mode"], [Visit(**v) for v in r["visits"]], r["accuracy"], r["seconds"],
+                   r.get("seed", 0))
+
+
 def render(data: dict) -> str:
     """The results page from the JSON `write_results` wrote."""
-    runs = [ModeRun(r["mode"], [Visit(**v) for v in r["visits"]], r["accuracy"], r["seconds"])
-            for r in data["runs"]]
-    return markdown(runs, data["peak_bytes"], data["meta"])
+    return markdown([_run(r) for r in data["runs"]], data["peak_bytes"], data["meta"])
+
+
+def _visits(runs: list[ModeRun]) -> range:
+    return range(1, max(v.visit for r in runs for v in r.visits) + 1)
+
+
+def revisit_gains(run: ModeRun) -> dict[int, float]:
+    """Per visit k >= 2, the mean over domains of the master (no update) on the domain's
+    first-visit images at visit k minus at visit 1 (points x 0.01): accumulation."""
+    first = {v.domain: v.master_probe for v in run.visits if v.visit == 1}
+    out: dict[int, list[float]] = {}
+    for v in run.visits:
+        if v.visit > 1:
+            out.setdefault(v.visit, []).append(v.master_probe - first[v.domain])
+    return {k: _mean(g) for k, g in out.items()}
 
 
 def markdown(runs: list[ModeRun], mem: dict[str, int], meta: dict) -> str:
     """The tables of the module doc as markdown."""
+    ks = _visits(runs)
+    slash = " / ".join(str(k) for k in ks)
     lines = [f"# ElasticDNN master update ablation ({meta['card']})", "",
              f"Recurring stream: {meta['domains']} corruptions x {meta['visits']} visits, "
              f"severity 5, {meta['samples']} images per visit, batch {meta['batch']}, keep "
-             f"{meta['keep']}, mass {meta['mass']}, lr {meta['lr']}, {meta['threads']} "
-             "thread(s). Made by `python benchmarks/bench_elastic_knowledge.py`.", "",
-             "| master update | surrogate accuracy | master@first batch, visit 1 / 2 | "
-             "master over the visit, visit 1 / 2 | s |", "|---|---|---|---|---|"]
+             f"{meta['keep']}, mass {meta['mass']}, lr {meta['lr']}, "
+             f"{meta.get('epochs', 1)} pass(es) over each visit, Θ* share "
+             f"{meta.get('share', 1.0)}, master BN {meta.get('master_bn', 'change')}, "
+             f"{meta['threads']} thread(s). Made by "
+             "`python benchmarks/bench_elastic_knowledge.py`.", "",
+             "Revisit gain: the master (no update, BN batch statistics) on the images of a "
+             "domain's first visit, at the start of visit k minus at the start of visit 1, "
+             "mean over domains (points; the same images, so a gain is the master's).", "",
+             f"| master update | seed | surrogate accuracy | master@first batch, visit {slash} "
+             f"| revisit gain, visit {' / '.join(str(k) for k in ks[1:])} | surrogate on its "
+             "visit before -> after its updates | master on the visit before -> after the "
+             "update | ‖Δθ‖/‖θ‖ conv, BN | s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
-        f = {k: _mean([x.master_first for x in r.visits if x.visit == k]) for k in (1, 2)}
-        w = {k: _mean([x.master_visit for x in r.visits if x.visit == k]) for k in (1, 2)}
-        lines.append(f"| {r.mode} | {100 * r.accuracy:.1f} % | {100 * f[1]:.1f} / "
-                     f"{100 * f[2]:.1f} % | {100 * w[1]:.1f} / {100 * w[2]:.1f} % | "
-                     f"{r.seconds:.0f} |")
-    lines += ["", "Per visit: surrogate accuracy (master at the visit's first batch).", "",
-              "| visit | domain | " + " | ".join(r.mode for r in runs) + " |",
-              "|---|---|" + "---|" * len(runs)]
-    for i, v in enumerate(runs[0].visits):
+        f = " / ".join(f"{100 * _mean([x.master_first for x in r.visits if x.visit == k]):.1f}"
+                       for k in ks)
+        g = " / ".join(f"{100 * v:+.1f}" for v in revisit_gains(r).values())
+        vs = r.visits
+        lines.append(
+            f"| {r.mode} | {r.seed} | {100 * r.accuracy:.1f} % | {f} % | {g} | "
+            f"{100 * _mean([v.surrogate_before for v in vs]):.1f} -> "
+            f"{100 * _mean([v.surrogate_after for v in vs]):.1f} % | "
+            f"{100 * _mean([v.master_visit for v in vs]):.1f} -> "
+            f"{100 * _mean([v.master_after for v in vs]):.1f} % | "
+            f"{_mean([v.delta_conv for v in vs]):.4f}, {_mean([v.delta_bn for v in vs]):.4f} | "
+            f"{r.seconds:.0f} |")
+    first = [r for r in runs if r.seed == runs[0].seed]
+    lines += ["", f"Per visit (seed {runs[0].seed}): surrogate accuracy (master at the visit's "
+              "first batch).", "",
+              "| visit | domain | " + " | ".join(r.mode for r in first) + " |",
+              "|---|---|" + "---|" * len(first)]
+    for i, v in enumerate(first[0].visits):
         cells = " | ".join(f"{100 * r.visits[i].surrogate:.1f} "
-                           f"({100 * r.visits[i].master_first:.1f})" for r in runs)
+                           f"({100 * r.visits[i].master_first:.1f})" for r in first)
         lines.append(f"| {i + 1} | {v.domain} #{v.visit} | {cells} |")
-    lines += revisit_table(runs)
+    lines += revisit_table(first)
     lines += ["", "Peak bytes allocated by one master update (and resident sizes):", "",
               "| what | KiB |", "|---|---|"]
     lines += [f"| {k} | {v / 1024:.1f} |" for k, v in mem.items()]
@@ -270,25 +363,21 @@ def markdown(runs: list[ModeRun], mem: dict[str, int], meta: dict) -> str:
 
 
 def revisit_table(runs: list[ModeRun]) -> list[str]:
-    """Per domain, the master (no update) on the images of the domain's first visit, at
-    that visit -> at the revisit, per mode: accumulation shows as a gain (the same images,
-    so a gain is the master's, not easier samples)."""
+    """Per domain, the master (no update) on the images of the domain's first visit at each
+    visit, per mode: accumulation shows as a rise (the same images, so a gain is the
+    master's, not easier samples)."""
     lines = ["", "Accumulation: the master (no update, BN batch statistics) on the images of a "
-             "domain's first visit, at that visit -> at the revisit, %.", "",
+             "domain's first visit, at the start of each visit, %.", "",
              "| domain | " + " | ".join(r.mode for r in runs) + " |",
              "|---|" + "---|" * len(runs)]
-    rows = {r.mode: [] for r in runs}
     for dom in dict.fromkeys(v.domain for v in runs[0].visits):
-        cells = []
-        for r in runs:
-            v = {x.visit: x for x in r.visits if x.domain == dom}
-            if 1 in v and 2 in v:
-                rows[r.mode].append(v[2].master_probe - v[1].master_probe)
-                cells.append(f"{100 * v[1].master_probe:.1f} -> {100 * v[2].master_probe:.1f}")
-        if cells:
-            lines.append(f"| {dom} | " + " | ".join(cells) + " |")
-    lines.append("| mean gain (points) | " + " | ".join(
-        f"{100 * _mean(rows[r.mode]):+.1f}" for r in runs) + " |")
+        cells = [" -> ".join(f"{100 * x.master_probe:.1f}" for x in r.visits if x.domain == dom)
+                 for r in runs]
+        lines.append(f"| {dom} | " + " | ".join(cells) + " |")
+    gains = [revisit_gains(r) for r in runs]
+    lines.append("| mean gain (points), visit " + " / ".join(str(k) for k in gains[0]) + " | "
+                 + " | ".join(" / ".join(f"{100 * v:+.1f}" for v in g.values()) for g in gains)
+                 + " |")
     return lines
 
 
@@ -296,13 +385,28 @@ def _mean(v: list[float]) -> float:
     return sum(v) / len(v) if v else float("nan")
 
 
+def learning_curves(run: ModeRun) -> dict[str, tuple[list[int], list[float]]]:
+    """Per domain, the master on its first-visit images over the stream: at its first
+    visit (before the update) and after every later visit's update; (x, accuracy)."""
+    out: dict[str, tuple[list[int], list[float]]] = {}
+    for t, v in enumerate(run.visits):
+        if v.visit == 1:
+            out[v.domain] = ([t], [v.master_probe])
+        for dom, acc in v.seen.items():
+            out[dom][0].append(t + 1)
+            out[dom][1].append(acc)
+    return out
+
+
 def plot(runs: list[ModeRun], stem: str) -> None:
-    """Surrogate accuracy per visit, and the master's first-batch accuracy per visit."""
+    """Surrogate accuracy per visit, the master's first-batch accuracy per visit, and the
+    per-domain learning curves of the master (first seed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    runs = [r for r in runs if r.seed == runs[0].seed]
     for keys, name, title in (
             (("surrogate",), "per_domain", "surrogate accuracy per visit"),
             (("master_first", "master_probe"), "master",
@@ -321,6 +425,21 @@ def plot(runs: list[ModeRun], stem: str) -> None:
         fig.tight_layout()
         fig.savefig(OUT / f"{stem}_{name}.png", dpi=110)
         plt.close(fig)
+    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 4), sharey=True,
+                             squeeze=False)
+    for ax, r in zip(axes[0], runs, strict=True):
+        for dom, (x, y) in learning_curves(r).items():
+            ax.plot(x, [100 * a for a in y], marker=".", label=dom.split("/")[0])
+        for t, v in enumerate(r.visits):
+            if v.visit > 1 and v.domain == r.visits[0].domain:
+                ax.axvline(t, color="grey", lw=0.5)
+        ax.set_title(f"{r.mode}: master on each domain's first-visit images")
+        ax.set_xlabel("visits done (grey: a new round of domains)")
+    axes[0][0].set_ylabel("accuracy (%)")
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(OUT / f"{stem}_learning_curve.png", dpi=110)
+    plt.close(fig)
 
 
 def load_partials(paths: list[Path]) -> tuple[list[ModeRun], dict[str, int], dict]:
@@ -328,9 +447,7 @@ def load_partials(paths: list[Path]) -> tuple[list[ModeRun], dict[str, int], dic
     runs, mem, meta = [], {}, {}
     for p in paths:
         data = json.loads(p.read_text())
-        for r in data["runs"]:
-            runs.append(ModeRun(r["mode"], [Visit(**v) for v in r["visits"]], r["accuracy"],
-                                r["seconds"]))
+        runs += [_run(r) for r in data["runs"]]
         mem, meta = mem or data["peak_bytes"], meta or data["meta"]
     return runs, mem, meta
 
@@ -345,6 +462,15 @@ def main() -> None:
     ap.add_argument("--keep", type=float, default=0.3)
     ap.add_argument("--mass", type=float, default=0.8)
     ap.add_argument("--lr", type=float, default=1.25e-3)
+    ap.add_argument("--epochs", type=int, default=1,
+                    help="passes of the surrogate's retraining over each visit's images")
+    ap.add_argument("--share", type=float, default=None,
+                    help="refit Θ* with K = ceil(share·N) and rewrite the master's filters "
+                    "from it (rank K, Eq. 4) before the stream; default: the card's Θ*")
+    ap.add_argument("--master-bn", choices=MASTER_BN, default=MASTER_BN[0],
+                    help="knowledge update: BN affine and conv biases (outside Θ*) take the "
+                    "surrogate's change, or keep the master's")
+    ap.add_argument("--seed", type=int, default=0, help="stream and torch seed")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--partial", type=Path, default=None,
@@ -369,17 +495,25 @@ def run_all(args: argparse.Namespace) -> tuple[list[ModeRun], dict[str, int], di
     last surrogate."""
     torch.set_num_threads(args.threads)
     master = load_gated(args.card)
-    require_knowledge(master)
-    segs = segments(args.card, args.domains, args.visits, args.samples_per_domain, args.batch)
+    kn = require_knowledge(master)
+    if args.share is not None:
+        kn = attach_knowledge(master, args.share)
+        mods = dict(master.base.named_modules())
+        for layer in kn.layers:
+            kn.recall(layer, mods[layer].weight)
+    segs = segments(args.card, args.domains, args.visits, args.samples_per_domain, args.batch,
+                    args.seed)
     runs, last = [], None
     for mode in args.modes.split(","):
-        torch.manual_seed(0)
-        run, sur, before = run_mode(master, segs, mode, args.keep, args.mass, args.lr)
+        torch.manual_seed(args.seed)
+        run, sur, before = run_mode(master, segs, mode, args.keep, args.mass, args.lr,
+                                    args.epochs, args.seed, args.master_bn)
         runs.append(run)
         last = last or (sur, before)
     meta = {"card": args.card.name, "domains": args.domains, "visits": args.visits,
             "samples": args.samples_per_domain, "batch": args.batch, "keep": args.keep,
-            "mass": args.mass, "lr": args.lr, "threads": args.threads}
+            "mass": args.mass, "lr": args.lr, "epochs": args.epochs, "share": kn.share,
+            "master_bn": args.master_bn, "threads": args.threads}
     return runs, memory_rows(last[1], last[0]), meta
 
 

@@ -168,9 +168,34 @@ def test_absorb_keeps_an_in_place_change_with_orthonormal_relevances(master) -> 
     assert float(knowledge_of(m).tie_loss(m.base).detach()) < 1e-9
 
 
+def test_write_back_knowledge_keeping_the_masters_bn(master) -> None:
+    """master_bn "keep": Θ*'s filters move exactly as with "change", BN affine and conv
+    biases stay bit-identical, BN statistics still take the change."""
+    sur = adapted_surrogate(copy.deepcopy(master))
+    moved = {}
+    for how in ("change", "keep"):
+        m = copy.deepcopy(master)
+        write_back(m, sur, "knowledge", how)
+        moved[how] = m.base.state_dict()
+    origin = master.base.state_dict()
+    layers = {f"{n}.weight" for n in knowledge_of(master).layers}
+    params = dict(master.base.named_parameters())
+    moved_bn = [k for k in params if k.endswith(".bias") and k not in layers
+                and not torch.equal(moved["change"][k], origin[k])]
+    assert moved_bn  # the adapted surrogate changed some BN beta
+    for k, v in moved["keep"].items():
+        if k in layers or k not in params:  # filters in Θ*, BN buffers
+            assert torch.equal(v, moved["change"][k]), k
+        else:
+            assert torch.equal(v, origin[k]), k
+    assert any(not torch.equal(moved["keep"][k], origin[k]) for k in layers)
+
+
 def test_write_back_refuses_an_unknown_mode(master) -> None:
     with pytest.raises(ValueError, match=r"master_update must be one of .*got 'half'"):
         write_back(master, adapted_surrogate(copy.deepcopy(master), 0), "half")
+    with pytest.raises(ValueError, match=r"master_bn must be one of change, keep, got 'x'"):
+        write_back(master, adapted_surrogate(copy.deepcopy(master), 0), "knowledge", "x")
 
 
 @pytest.mark.parametrize("card", SHIPPED)

@@ -15,7 +15,9 @@
    - "knowledge" (the paper, §III-B3 Eqs. 3-4): per conv layer a surrogate changes, the
      change in the master's format is stored into Θ* (Eq. 3) and the layer's filters are
      rewritten from Θ* (Eq. 4), one layer at a time (tta_core.elasticdnn.knowledge); the
-     tensors Θ* does not hold (BN affine and statistics, conv biases) take the change;
+     tensors Θ* does not hold take the change (`master_bn` "change": BN affine and
+     statistics, conv biases) or keep the master's BN affine and conv biases ("keep": only
+     Θ*'s filters and the BN statistics move);
    - "averaging" (the authors' group's public code, not the paper): master += (surrogate -
      origin) / 2, every tensor;
    - "none": the master is not updated.
@@ -33,6 +35,7 @@ from tta_core.elasticdnn.knowledge import require_knowledge
 from tta_core.elasticdnn.surrogate import Surrogate
 
 MASTER_UPDATES = ("knowledge", "averaging", "none")
+MASTER_BN = ("change", "keep")  # knowledge update: what BN affine / conv biases do
 
 
 def im_loss(logits: Tensor) -> Tensor:
@@ -191,15 +194,19 @@ def check_master_update(mode: str) -> str:
 
 
 @torch.no_grad()
-def write_back(master: GatedModel, surrogate: Surrogate, mode: str = "averaging") -> None:
+def write_back(master: GatedModel, surrogate: Surrogate, mode: str = "averaging",
+               master_bn: str = "change") -> None:
     """Update the master with the surrogate's change by `mode` (module doc); entries the
     surrogate did not hold stay bit-identical, except that Eq. 4 rewrites every filter of
     a knowledge layer the surrogate changed (each becomes w_i(j, :) Θ*_i)."""
     check_master_update(mode)
+    if master_bn not in MASTER_BN:
+        raise ValueError(f"master_bn must be one of {', '.join(MASTER_BN)}, got {master_bn!r}")
     if mode == "none":
         return
     kn = require_knowledge(master) if mode == "knowledge" else None
-    target = dict(master.base.named_parameters()) | dict(master.base.named_buffers())
+    params = dict(master.base.named_parameters())
+    target = params | dict(master.base.named_buffers())
     for name, r, c, delta in _deltas(master, surrogate):
         dst = target[name]
         rr = r if r is not None else torch.arange(dst.shape[0])
@@ -214,6 +221,8 @@ def write_back(master: GatedModel, surrogate: Surrogate, mode: str = "averaging"
             del full
             kn.recall(module, dst)  # Eq. 4
             continue
+        if kn is not None and master_bn == "keep" and name in params:
+            continue  # BN affine, conv bias: outside Θ*, the master's kept
         step = delta if kn is not None else delta / 2
         if c is None:
             dst[rr] += step.to(dst.dtype)

@@ -8,8 +8,9 @@ PyTorch fallbacks (installed from the kernels/ folder).
 
 reference: the pure-PyTorch oracle and the format's definition; cpu: the vectorised (and a
 torch.compile) CPU path; triton_kernels: CUDA kernels, imported only on first CUDA use;
-dispatch: the choice, with one-warning fallbacks. Importing this package needs neither a
-GPU nor triton nor a C++ compiler.
+dispatch: the choice, with one-warning fallbacks; bn_stats: robust BN's statistics pass
+(batch mean/variance, running statistics moved) in one C read, PyTorch's pass elsewhere.
+Importing this package needs neither a GPU nor triton nor a C++ compiler.
 """
 
 from .dispatch import (

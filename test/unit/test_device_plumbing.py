@@ -27,9 +27,11 @@ HOST_READS = frozenset({"item", "cpu", "tolist", "__float__", "__int__", "__bool
 # iteration, at most max_steps = 100, and the result)
 # AdaShadow: the importance vector for the planner, the scalars, and on the CPU only the
 # cancellation check of its fast channel statistics; SURGEON: the scalars and Eq. 4 of
-# every layer in one transfer, Adam fused: its step counts stay on the device)
+# every layer in one transfer, Adam fused: its step counts stay on the device; DARDA: its
+# signature, detector and memory-bank decisions are made on the host, per batch not per
+# layer)
 BUDGET = {"source": 1, "bn_adapt": 1, "tent": 1, "adashadow": 3, "sar": 3, "eata": 7,
-          "cotta": 10, "lame": 101, "surgeon": 2}
+          "cotta": 10, "lame": 101, "surgeon": 2, "darda": 31}
 SETTINGS = {"adashadow": {"sigma": 1.0}}  # a plan on every batch of both nets
 
 

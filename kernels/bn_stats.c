@@ -5,7 +5,10 @@
    Each row (one sample's channel) is summed as d = x - x[row start] and d^2 in float lanes
    over blocks of BLOCK values, the blocks added in double; rows are merged into their
    channel with Chan et al.'s pairwise update (count, mean, M2) in double, so no step
-   subtracts two large sums. AVX2 lanes where available (-DDAF_PORTABLE: plain loops). */
+   subtracts two large sums. AVX2 lanes where available (-DDAF_PORTABLE: plain loops).
+   bn_stats_nhwc does the same for a channels-last activation (rows of c channels): each
+   channel is summed about its value in the first row, in float lanes across channels over
+   blocks of ROWS rows, the blocks added in double (PyTorch's pass there reads x twice). */
 #include <stdint.h>
 #include <stdlib.h>
 #if defined(__AVX2__) && !defined(DAF_PORTABLE)
@@ -13,6 +16,7 @@
 #endif
 
 #define BLOCK 512
+#define ROWS 64
 
 /* Sums of d = p[i] - k and d^2 over one block of len values, added to *sum, *sumsq. */
 static void block_sums(const float *p, int64_t len, float k, double *sum, double *sumsq) {
@@ -47,6 +51,17 @@ static void block_sums(const float *p, int64_t len, float k, double *sum, double
     *sumsq += q;
 }
 
+/* Moves the running statistics toward a batch's (mean, unbiased variance), PyTorch BN's
+   momentum convention. */
+static void move_running(int64_t c, const float *mean, const double *m2, int64_t count,
+                         float *running_mean, float *running_var, float momentum) {
+    for (int64_t j = 0; j < c; ++j) {
+        const double unbiased = count > 1 ? m2[j] / (double)(count - 1) : m2[j] / (double)count;
+        running_mean[j] = (1.0f - momentum) * running_mean[j] + momentum * mean[j];
+        running_var[j] = (1.0f - momentum) * running_var[j] + momentum * (float)unbiased;
+    }
+}
+
 /* x: n samples of c channels of hw values, NCHW-contiguous. mean/var: c floats out.
    running_mean/running_var: moved when not NULL. Returns 1 when its scratch cannot be
    allocated. */
@@ -68,15 +83,62 @@ int bn_stats(const float *x, int64_t n, int64_t c, int64_t hw, float *mean, floa
         }
     const int64_t count = n * hw;
     for (int64_t j = 0; j < c; ++j) {
-        const double v = acc[c + j] / (double)count;
         mean[j] = (float)acc[j];
-        var[j] = (float)v;
-        if (running_mean) {
-            const double unbiased = count > 1 ? acc[c + j] / (double)(count - 1) : v;
-            running_mean[j] = (1.0f - momentum) * running_mean[j] + momentum * mean[j];
-            running_var[j] = (1.0f - momentum) * running_var[j] + momentum * (float)unbiased;
+        var[j] = (float)(acc[c + j] / (double)count);
+    }
+    if (running_mean) move_running(c, mean, acc + c, count, running_mean, running_var, momentum);
+    free(acc);
+    return 0;
+}
+
+/* Float sums of d = x - k and d^2 per channel over `rows` rows of c values each, added
+   into s and q (c floats each). */
+static void rows_sums(const float *x, int64_t rows, int64_t c, const float *k, float *s,
+                      float *q) {
+    for (int64_t r = 0; r < rows; ++r) {
+        const float *row = x + r * c;
+        int64_t j = 0;
+#if defined(__AVX2__) && !defined(DAF_PORTABLE)
+        for (; j + 8 <= c; j += 8) {
+            const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(row + j), _mm256_loadu_ps(k + j));
+            _mm256_storeu_ps(s + j, _mm256_add_ps(_mm256_loadu_ps(s + j), d));
+            _mm256_storeu_ps(q + j, _mm256_add_ps(_mm256_loadu_ps(q + j), _mm256_mul_ps(d, d)));
+        }
+#endif
+        for (; j < c; ++j) {
+            const float d = row[j] - k[j];
+            s[j] += d;
+            q[j] += d * d;
         }
     }
+}
+
+/* x: n_rows rows of c channels, channels-last (NHWC-contiguous: n_rows = N*H*W).
+   mean/var: c floats out; running_mean/running_var moved when not NULL. Returns 1 when its
+   scratch cannot be allocated. */
+int bn_stats_nhwc(const float *x, int64_t n_rows, int64_t c, float *mean, float *var,
+                  float *running_mean, float *running_var, float momentum) {
+    double *acc = calloc((size_t)(2 * c), sizeof(double));  /* per channel: sum d, sum d^2 */
+    float *blk = malloc((size_t)(2 * c) * sizeof(float));
+    if (!acc || !blk) {
+        free(acc);
+        free(blk);
+        return 1;
+    }
+    for (int64_t r0 = 0; r0 < n_rows; r0 += ROWS) {
+        const int64_t rows = n_rows - r0 < ROWS ? n_rows - r0 : ROWS;
+        for (int64_t j = 0; j < 2 * c; ++j) blk[j] = 0.0f;
+        rows_sums(x + r0 * c, rows, c, x, blk, blk + c);
+        for (int64_t j = 0; j < 2 * c; ++j) acc[j] += blk[j];
+    }
+    for (int64_t j = 0; j < c; ++j) {
+        const double s = acc[j], m2 = acc[c + j] - s * s / (double)n_rows;
+        acc[c + j] = m2 > 0.0 ? m2 : 0.0;
+        mean[j] = (float)(x[j] + s / (double)n_rows);
+        var[j] = (float)(acc[c + j] / (double)n_rows);
+    }
+    if (running_mean) move_running(c, mean, acc + c, n_rows, running_mean, running_var, momentum);
     free(acc);
+    free(blk);
     return 0;
 }

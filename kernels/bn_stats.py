@@ -1,14 +1,17 @@
 """Robust BN's statistics pass in one C read (bn_stats.c).
 
 `update_stats(x, running_mean, running_var, momentum)` is torch.batch_norm_update_stats
-for an NCHW-contiguous float32 CPU tensor: the per-channel batch mean and biased variance,
-and the running statistics moved toward them (unbiased variance, PyTorch's momentum) when
-given. PyTorch's pass for that layout walks each channel with Welford's update, 4–10× the
-cost of reading x once; this one sums each row's values less its first value in float
-lanes per block, in double across blocks, and merges rows into channels with Chan et al.'s
-pairwise (mean, M2) update in double: no step subtracts two large sums, so a large mean
-with a small spread keeps its variance. Channels-last and CUDA tensors go to PyTorch,
-whose passes there are already one read. Built like the DAF kernels (tta_kernels.native).
+for a float32 CPU tensor, NCHW- or channels-last-contiguous: the per-channel batch mean and
+biased variance, and the running statistics moved toward them (unbiased variance,
+PyTorch's momentum) when given. PyTorch's pass walks each channel with Welford's update for
+NCHW (4–10× the cost of reading x once) and reads a channels-last x twice (mean, then
+variance); this one reads x once. NCHW: each row's values are summed less its first value
+in float lanes per block, in double across blocks, and rows merged into channels with Chan
+et al.'s pairwise (mean, M2) update in double. Channels-last: each channel is summed less
+its value in the first row, in float lanes across channels per block of rows, in double
+across blocks. No step subtracts two large sums, so a large mean with a small spread keeps
+its variance. CUDA tensors and other dtypes go to PyTorch. Built like the DAF kernels
+(tta_kernels.native).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ def load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.bn_stats.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P, ctypes.c_float]
     lib.bn_stats.restype = ctypes.c_int
+    lib.bn_stats_nhwc.argtypes = [_P, _I, _I, _P, _P, _P, _P, ctypes.c_float]
+    lib.bn_stats_nhwc.restype = ctypes.c_int
     return lib
 
 
@@ -43,11 +48,20 @@ def library() -> ctypes.CDLL | None:
         return None
 
 
-def _native_ok(x: Tensor, *stats: Tensor | None) -> bool:
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() >= 2
-            and x.numel() > 0 and x.is_contiguous()
-            and all(s is None or (s.dtype == torch.float32 and s.is_contiguous()
-                                  and s.numel() == x.shape[1]) for s in stats))
+def _layout(x: Tensor) -> str | None:
+    """"nchw" or "nhwc" where the C pass takes `x` (float32 CPU), else None."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() < 2 or x.numel() == 0:
+        return None
+    if x.is_contiguous():
+        return "nchw"
+    if x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last):
+        return "nhwc"
+    return None
+
+
+def _stats_ok(c: int, *stats: Tensor | None) -> bool:
+    return all(s is None or (s.dtype == torch.float32 and s.is_contiguous() and s.numel() == c)
+               for s in stats)
 
 
 #: below this many values PyTorch's pass costs less than the call into C
@@ -59,15 +73,21 @@ def update_stats(x: Tensor, running_mean: Tensor | None, running_var: Tensor | N
     """(batch mean, biased batch variance) per channel of `x`; the running statistics, when
     both given, moved by `momentum` in place: torch.batch_norm_update_stats's contract (and
     that function for what this kernel does not take)."""
-    ok = x.numel() >= MIN_NATIVE and _native_ok(x, running_mean, running_var)
-    lib = library() if ok else None
+    layout = _layout(x) if x.numel() >= MIN_NATIVE else None
+    lib = library() if layout and _stats_ok(x.shape[1], running_mean, running_var) else None
     if lib is None:
         return torch.batch_norm_update_stats(x, running_mean, running_var, momentum)
     c = x.shape[1]
     out = torch.empty(2, c)
     move = running_mean is not None and running_var is not None
-    if lib.bn_stats(x.data_ptr(), x.shape[0], c, x[0, 0].numel(), out[0].data_ptr(),
-                    out[1].data_ptr(), running_mean.data_ptr() if move else None,
-                    running_var.data_ptr() if move else None, momentum):
+    rm = running_mean.data_ptr() if move else None
+    rv = running_var.data_ptr() if move else None
+    if layout == "nchw":
+        failed = lib.bn_stats(x.data_ptr(), x.shape[0], c, x[0, 0].numel(), out[0].data_ptr(),
+                              out[1].data_ptr(), rm, rv, momentum)
+    else:  # channels-last: rows of c values
+        failed = lib.bn_stats_nhwc(x.data_ptr(), x.numel() // c, c, out[0].data_ptr(),
+                                   out[1].data_ptr(), rm, rv, momentum)
+    if failed:
         raise MemoryError("bn_stats could not allocate its scratch sums")
     return out[0], out[1]

@@ -15,20 +15,37 @@ def _input(shape: tuple[int, ...], mean: float, std: float, seed: int) -> torch.
     return torch.randn(shape, generator=g) * std + mean
 
 
-def _check(shape: tuple[int, ...], mean: float, std: float, momentum: float) -> None:
+def _check(shape: tuple[int, ...], mean: float, std: float, momentum: float,
+           channels_last: bool = False) -> None:
     x = _input(shape, mean, std, sum(shape))
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
     c = shape[1]
     rm = torch.linspace(-0.5, 0.5, c) + mean
     rv = torch.linspace(0.5, 2.0, c)
     ref_m, ref_v = rm.clone(), rv.clone()
     want = torch.batch_norm_update_stats(x, ref_m, ref_v, momentum)
+    start_m, start_v = rm.double(), rv.double()
     got = bn_stats.update_stats(x, rm, rv, momentum)
     exact = x.double().transpose(0, 1).reshape(c, -1)
-    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-6 * (1 + abs(mean)))
-    torch.testing.assert_close(got[1].double(), exact.var(1, unbiased=False), rtol=2e-5,
-                               atol=1e-12)
-    torch.testing.assert_close(rm, ref_m, rtol=1e-6, atol=1e-6 * (1 + abs(mean)))
-    torch.testing.assert_close(rv, ref_v, rtol=2e-5, atol=1e-12)
+    e_mean, e_var = exact.mean(1), exact.var(1, unbiased=False)
+    # against the exact (double) statistics; against PyTorch's too for NCHW (Welford):
+    # its channels-last pass sums in float, off by ~2e-6 relative on the mean and, at mean
+    # 500 / std 0.01, by 3e-4 on the variance, where this pass is within 2e-5
+    scale = 1e-6 * (1 + abs(mean))
+    torch.testing.assert_close(got[0].double(), e_mean, rtol=1e-6, atol=scale)
+    torch.testing.assert_close(got[1].double(), e_var, rtol=2e-5, atol=1e-12)
+    if not channels_last:
+        torch.testing.assert_close(got, want, rtol=2e-5, atol=scale)
+        torch.testing.assert_close(rv, ref_v, rtol=2e-5, atol=1e-12)
+    torch.testing.assert_close(rm.double(), (1 - momentum) * start_m + momentum * e_mean,
+                               rtol=1e-6, atol=scale)
+    torch.testing.assert_close(rv.double(), (1 - momentum) * start_v + momentum * exact.var(1),
+                               rtol=2e-5, atol=1e-12)
+
+
+# channels-last: more rows than one block (64), channel counts off the 8-lane width
+CL_SHAPES = [(4, 8, 56, 56), (2, 13, 23, 29), (1, 2050, 2, 3), (3, 64, 5, 7)]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -38,10 +55,17 @@ def test_equals_torch_update_stats_and_moves_running_stats(shape) -> None:
         _check(shape, mean, std, 0.1)
 
 
-def test_large_mean_small_spread_keeps_the_variance() -> None:
-    """mean 500, std 0.01 (squares 2.5e9 × the variance): rows summed about their first
-    value and merged pairwise keep the variance where E[x²] − E[x]² would lose it all."""
-    _check((4, 8, 32, 32), 500.0, 0.01, 0.05)
+@pytest.mark.parametrize("shape", CL_SHAPES)
+def test_channels_last_equals_torch_update_stats(shape) -> None:
+    for mean, std in ((0.3, 0.5), (-2.0, 3.0)):
+        _check(shape, mean, std, 0.1, channels_last=True)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_large_mean_small_spread_keeps_the_variance(channels_last) -> None:
+    """mean 500, std 0.01 (squares 2.5e9 × the variance): values summed about a value of
+    their own channel keep the variance where E[x²] − E[x]² would lose it all."""
+    _check((4, 8, 32, 32), 500.0, 0.01, 0.05, channels_last)
 
 
 def test_without_running_stats_returns_batch_stats_only() -> None:
@@ -53,11 +77,11 @@ def test_without_running_stats_returns_batch_stats_only() -> None:
 
 
 def test_layouts_and_dtypes_it_does_not_take_go_to_torch(monkeypatch) -> None:
-    """Channels-last, float64, tiny tensors: PyTorch's pass (the C library is not called)."""
+    """Strided views, float64, tiny tensors: PyTorch's pass (the C library is not called)."""
     calls = []
     real = bn_stats.library()
     monkeypatch.setattr(bn_stats, "library", lambda: calls.append(1) or real)
-    for x in (_input((4, 8, 30, 30), 0.0, 1.0, 1).contiguous(memory_format=torch.channels_last),
+    for x in (_input((4, 8, 30, 60), 0.0, 1.0, 1)[..., ::2],
               _input((4, 8, 30, 30), 0.0, 1.0, 2).double(), _input((2, 3, 4, 4), 0.0, 1.0, 3)):
         rm, rv = torch.zeros(8, dtype=x.dtype)[: x.shape[1]], torch.ones(x.shape[1], dtype=x.dtype)
         want = torch.batch_norm_update_stats(x, rm.clone(), rv.clone(), 0.1)
@@ -85,3 +109,5 @@ def test_portable_build_equals_torch(monkeypatch, tmp_path) -> None:
     monkeypatch.setattr(bn_stats, "library", lambda: lib)
     for shape in SHAPES[:3]:
         _check(shape, 0.3, 0.5, 0.1)
+    for shape in CL_SHAPES[:2]:
+        _check(shape, 0.3, 0.5, 0.1, channels_last=True)

@@ -78,16 +78,16 @@ def update_stats(x: Tensor, running_mean: Tensor | None, running_var: Tensor | N
     if lib is None:
         return torch.batch_norm_update_stats(x, running_mean, running_var, momentum)
     c = x.shape[1]
-    out = torch.empty(2, c)
+    mean, var = torch.empty(c), torch.empty(c)
     move = running_mean is not None and running_var is not None
     rm = running_mean.data_ptr() if move else None
     rv = running_var.data_ptr() if move else None
     if layout == "nchw":
-        failed = lib.bn_stats(x.data_ptr(), x.shape[0], c, x[0, 0].numel(), out[0].data_ptr(),
-                              out[1].data_ptr(), rm, rv, momentum)
+        failed = lib.bn_stats(x.data_ptr(), x.shape[0], c, x.numel() // (x.shape[0] * c),
+                              mean.data_ptr(), var.data_ptr(), rm, rv, momentum)
     else:  # channels-last: rows of c values
-        failed = lib.bn_stats_nhwc(x.data_ptr(), x.numel() // c, c, out[0].data_ptr(),
-                                   out[1].data_ptr(), rm, rv, momentum)
+        failed = lib.bn_stats_nhwc(x.data_ptr(), x.numel() // c, c, mean.data_ptr(),
+                                   var.data_ptr(), rm, rv, momentum)
     if failed:
         raise MemoryError("bn_stats could not allocate its scratch sums")
-    return out[0], out[1]
+    return mean, var

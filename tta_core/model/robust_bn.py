@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from tta_kernels.bn_stats import update_stats
+from tta_kernels.bn_stats import library, update_stats
 
 
 def batch_norm_layers(model: nn.Module) -> dict[str, _BatchNorm]:
@@ -59,6 +59,8 @@ class RobustBN:
         self.record = False
         self.recorded: dict[int, tuple[Tensor, Tensor]] = {}
         self._layers = list(layers)
+        if self._layers:
+            library()  # built (once per machine) or loaded now, not in a timed forward
         for bn in self._layers:  # a layer already under another controller: this one wins
             bn._tta_robust = self
             bn.__class__ = _robust_class(getattr(type(bn), "_tta_base", type(bn)))

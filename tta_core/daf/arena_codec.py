@@ -28,7 +28,7 @@ from torch import Tensor, nn
 
 from tta_core.daf.arena import PagedArena
 from tta_core.memory.codec import ActivationCodec, CodecPlan, Encoding
-from tta_core.memory.packed import _restore, memory_order
+from tta_core.memory.packed import memory_order, restore_layout
 from tta_core.memory.quant import PackedQuant, Quant
 from tta_core.memory.scope import SaveSite
 from tta_core.model.units import StagedModel
@@ -52,7 +52,7 @@ class ArenaRef:
         if flat is None:
             raise RuntimeError(f"arena entry {self.key} was freed before backward read it: "
                                "run backward before the next forward under this arena")
-        return _restore(flat, self.shape, self.perm)
+        return restore_layout(flat, self.shape, self.perm)
 
 
 class ArenaCodec(ActivationCodec):

@@ -59,7 +59,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from tta_kernels import Quantized, native_masks, quantize_pack_mask, unpack_dequantize_relu
 
 from tta_core.memory.accounting import SavedTensorContext
-from tta_core.memory.packed import PackedMask, PackedPruned, _restore, memory_order
+from tta_core.memory.packed import PackedMask, PackedPruned, memory_order, restore_layout
 from tta_core.memory.quant import (
     MIN_QUANT_NUMEL,
     NARROW,
@@ -221,7 +221,7 @@ class _ReluDecode:
             return out
         flat = unpack_dequantize_relu(self.qt, self.bits, self.group, self.shape.numel(),
                                       self.mask)
-        self.out = _restore(flat, self.shape, self.perm)
+        self.out = restore_layout(flat, self.shape, self.perm)
         return self.out
 
 

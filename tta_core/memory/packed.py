@@ -24,7 +24,9 @@ def memory_order(t: Tensor) -> tuple[Tensor, tuple[int, ...]]:
     return t.contiguous().reshape(-1), tuple(range(t.dim()))
 
 
-def _restore(flat: Tensor, shape: torch.Size, perm: tuple[int, ...]) -> Tensor:
+def restore_layout(flat: Tensor, shape: torch.Size, perm: tuple[int, ...]) -> Tensor:
+    """The tensor `memory_order` flattened, back in its shape and strides (a view of
+    `flat`)."""
     pshape = [shape[d] for d in perm]
     inverse = sorted(range(len(perm)), key=lambda i: perm[i])
     return flat.view(pshape).permute(inverse)
@@ -61,12 +63,12 @@ class PackedMask:
         """The stand-in tensor for the backward."""
         n = self.shape.numel()
         if native_masks(self.dtype, self.bits.device):
-            return _restore(native.mask_unpack(self.bits, n, self.lo, self.inside),
+            return restore_layout(native.mask_unpack(self.bits, n, self.lo, self.inside),
                             self.shape, self.perm)
         vals = unpack_bits(self.bits, n).to(self.dtype)
         if (self.lo, self.inside) != (0.0, 1.0):
             vals = vals * (self.inside - self.lo) + self.lo
-        return _restore(vals, self.shape, self.perm)
+        return restore_layout(vals, self.shape, self.perm)
 
     @property
     def nbytes(self) -> int:
@@ -109,7 +111,7 @@ class PackedPruned:
         """Dense tensor with zeros where entries were pruned."""
         mask = unpack_bits(self.bits, self.shape.numel())
         flat = self.values.new_zeros(mask.shape).masked_scatter_(mask, self.values)
-        return _restore(flat, self.shape, self.perm)
+        return restore_layout(flat, self.shape, self.perm)
 
     @property
     def nbytes(self) -> int:

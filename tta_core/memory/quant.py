@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from tta_kernels import Quantized, n_groups, packed_nbytes, quantize_pack, unpack_dequantize
 
-from tta_core.memory.packed import _restore, memory_order
+from tta_core.memory.packed import memory_order, restore_layout
 
 BIT_WIDTHS = (0, 2, 4, 8)
 STORED_BITS = (2, 4, 8)
@@ -65,7 +65,7 @@ class PackedQuant:
         """The dequantized tensor (original shape, strides and dtype)."""
         flat = unpack_dequantize(self.qt, self.bits, self.group, self.shape.numel(),
                                  self.dtype)
-        return _restore(flat, self.shape, self.perm)
+        return restore_layout(flat, self.shape, self.perm)
 
     @property
     def nbytes(self) -> int:

@@ -8,10 +8,7 @@
    subtracts two large sums. AVX2 lanes where available (-DDAF_PORTABLE: plain loops).
    bn_stats_nhwc does the same for a channels-last activation (rows of c channels): each
    channel is summed about its value in the first row, in float lanes across channels over
-   blocks of ROWS rows, the blocks added in double (PyTorch's pass there reads x twice).
-   `threads` > 1 splits the work between that many POSIX threads (channels for NCHW, rows
-   for channels-last), the caller's thread taking the first share. */
-#include <pthread.h>
+   blocks of ROWS rows, the blocks added in double (PyTorch's pass there reads x twice). */
 #include <stdint.h>
 #include <stdlib.h>
 #if defined(__AVX2__) && !defined(DAF_PORTABLE)
@@ -65,65 +62,25 @@ static void move_running(int64_t c, const float *mean, const double *m2, int64_t
     }
 }
 
-/* One share of the work of a call: channels [j0, j1) (NCHW) or rows [r0, r1) (NHWC). */
-typedef struct {
-    const float *x;
-    int64_t n, c, hw, lo, hi;
-    double *acc;  /* NCHW: per channel mean, M2 (shared, disjoint ranges); NHWC: own sums */
-    float *blk;   /* NHWC: scratch of 2c floats */
-} share_t;
-
-/* NCHW share: rows of channels [lo, hi) merged into their channel's (mean, M2). */
-static void *nchw_share(void *arg) {
-    const share_t *t = arg;
-    const int64_t c = t->c, hw = t->hw;
-    for (int64_t b = 0; b < t->n; ++b)
-        for (int64_t j = t->lo; j < t->hi; ++j) {
-            const float *row = t->x + (b * c + j) * hw;
-            double s = 0.0, q = 0.0;
-            for (int64_t i = 0; i < hw; i += BLOCK)
-                block_sums(row + i, hw - i < BLOCK ? hw - i : BLOCK, row[0], &s, &q);
-            const double row_mean = row[0] + s / (double)hw, row_m2 = q - s * s / (double)hw;
-            const double seen = (double)(b * hw), delta = row_mean - t->acc[j];
-            t->acc[j] += delta * (double)hw / (seen + (double)hw);
-            t->acc[c + j] += (row_m2 > 0.0 ? row_m2 : 0.0) + delta * delta * seen * (double)hw /
-                             (seen + (double)hw);
-        }
-    return NULL;
-}
-
-/* Runs fn on shares[0..threads): shares 1.. on their own threads (inline where a thread
-   cannot be started), share 0 on the caller's. */
-static void run_shares(void *(*fn)(void *), share_t *shares, int threads) {
-    pthread_t tid[64];
-    int started[64] = {0};
-    for (int t = 1; t < threads; ++t)
-        started[t] = pthread_create(&tid[t], NULL, fn, &shares[t]) == 0;
-    fn(&shares[0]);
-    for (int t = 1; t < threads; ++t) {
-        if (started[t]) pthread_join(tid[t], NULL);
-        else fn(&shares[t]);
-    }
-}
-
-static int clamp_threads(int threads, int64_t units) {
-    if (threads > 64) threads = 64;
-    if (threads > units) threads = (int)units;
-    return threads < 1 ? 1 : threads;
-}
-
 /* x: n samples of c channels of hw values, NCHW-contiguous. mean/var: c floats out.
    running_mean/running_var: moved when not NULL. Returns 1 when its scratch cannot be
    allocated. */
 int bn_stats(const float *x, int64_t n, int64_t c, int64_t hw, float *mean, float *var,
-             float *running_mean, float *running_var, float momentum, int threads) {
+             float *running_mean, float *running_var, float momentum) {
     double *acc = calloc((size_t)(2 * c), sizeof(double));  /* per channel: mean, M2 */
     if (!acc) return 1;
-    threads = clamp_threads(threads, c);
-    share_t shares[64];
-    for (int t = 0; t < threads; ++t)
-        shares[t] = (share_t){x, n, c, hw, c * t / threads, c * (t + 1) / threads, acc, NULL};
-    run_shares(nchw_share, shares, threads);
+    for (int64_t b = 0; b < n; ++b)
+        for (int64_t j = 0; j < c; ++j) {
+            const float *row = x + (b * c + j) * hw;
+            double s = 0.0, q = 0.0;
+            for (int64_t i = 0; i < hw; i += BLOCK)
+                block_sums(row + i, hw - i < BLOCK ? hw - i : BLOCK, row[0], &s, &q);
+            const double row_mean = row[0] + s / (double)hw, row_m2 = q - s * s / (double)hw;
+            const double seen = (double)(b * hw), delta = row_mean - acc[j];
+            acc[j] += delta * (double)hw / (seen + (double)hw);
+            acc[c + j] += (row_m2 > 0.0 ? row_m2 : 0.0) + delta * delta * seen * (double)hw /
+                          (seen + (double)hw);
+        }
     const int64_t count = n * hw;
     for (int64_t j = 0; j < c; ++j) {
         mean[j] = (float)acc[j];
@@ -156,43 +113,24 @@ static void rows_sums(const float *x, int64_t rows, int64_t c, const float *k, f
     }
 }
 
-/* NHWC share: rows [lo, hi) summed about the first row into its own (sum d, sum d^2). */
-static void *nhwc_share(void *arg) {
-    const share_t *t = arg;
-    const int64_t c = t->c;
-    for (int64_t r0 = t->lo; r0 < t->hi; r0 += ROWS) {
-        const int64_t rows = t->hi - r0 < ROWS ? t->hi - r0 : ROWS;
-        for (int64_t j = 0; j < 2 * c; ++j) t->blk[j] = 0.0f;
-        rows_sums(t->x + r0 * c, rows, c, t->x, t->blk, t->blk + c);
-        for (int64_t j = 0; j < 2 * c; ++j) t->acc[j] += t->blk[j];
-    }
-    return NULL;
-}
-
 /* x: n_rows rows of c channels, channels-last (NHWC-contiguous: n_rows = N*H*W).
    mean/var: c floats out; running_mean/running_var moved when not NULL. Returns 1 when its
    scratch cannot be allocated. */
 int bn_stats_nhwc(const float *x, int64_t n_rows, int64_t c, float *mean, float *var,
-                  float *running_mean, float *running_var, float momentum, int threads) {
-    threads = clamp_threads(threads, (n_rows + ROWS - 1) / ROWS);
-    /* per share: sum d, sum d^2 (double), then its float block scratch */
-    double *acc = calloc((size_t)(2 * c * threads), sizeof(double));
-    float *blk = malloc((size_t)(2 * c * threads) * sizeof(float));
+                  float *running_mean, float *running_var, float momentum) {
+    double *acc = calloc((size_t)(2 * c), sizeof(double));  /* per channel: sum d, sum d^2 */
+    float *blk = malloc((size_t)(2 * c) * sizeof(float));
     if (!acc || !blk) {
         free(acc);
         free(blk);
         return 1;
     }
-    share_t shares[64];
-    const int64_t blocks = (n_rows + ROWS - 1) / ROWS;
-    for (int t = 0; t < threads; ++t) {
-        const int64_t lo = blocks * t / threads * ROWS, hi = blocks * (t + 1) / threads * ROWS;
-        shares[t] = (share_t){x, 0, c, 0, lo, hi < n_rows ? hi : n_rows, acc + 2 * c * t,
-                              blk + 2 * c * t};
+    for (int64_t r0 = 0; r0 < n_rows; r0 += ROWS) {
+        const int64_t rows = n_rows - r0 < ROWS ? n_rows - r0 : ROWS;
+        for (int64_t j = 0; j < 2 * c; ++j) blk[j] = 0.0f;
+        rows_sums(x + r0 * c, rows, c, x, blk, blk + c);
+        for (int64_t j = 0; j < 2 * c; ++j) acc[j] += blk[j];
     }
-    run_shares(nhwc_share, shares, threads);
-    for (int t = 1; t < threads; ++t)
-        for (int64_t j = 0; j < 2 * c; ++j) acc[j] += acc[2 * c * t + j];
     for (int64_t j = 0; j < c; ++j) {
         const double s = acc[j], m2 = acc[c + j] - s * s / (double)n_rows;
         acc[c + j] = m2 > 0.0 ? m2 : 0.0;

@@ -10,9 +10,7 @@ in float lanes per block, in double across blocks, and rows merged into channels
 et al.'s pairwise (mean, M2) update in double. Channels-last: each channel is summed less
 its value in the first row, in float lanes across channels per block of rows, in double
 across blocks. No step subtracts two large sums, so a large mean with a small spread keeps
-its variance. Large tensors are split between torch.get_num_threads() threads (channels for
-NCHW: the same sums whatever the count; rows for channels-last, whose per-thread sums are
-added at the end). CUDA tensors and other dtypes go to PyTorch. Built like the DAF kernels
+its variance. CUDA tensors and other dtypes go to PyTorch. Built like the DAF kernels
 (tta_kernels.native).
 """
 
@@ -34,9 +32,9 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 def load(path: Path) -> ctypes.CDLL:
     """A built bn_stats library with its function's signature declared."""
     lib = ctypes.CDLL(str(path))
-    lib.bn_stats.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P, ctypes.c_float, ctypes.c_int]
+    lib.bn_stats.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P, ctypes.c_float]
     lib.bn_stats.restype = ctypes.c_int
-    lib.bn_stats_nhwc.argtypes = [_P, _I, _I, _P, _P, _P, _P, ctypes.c_float, ctypes.c_int]
+    lib.bn_stats_nhwc.argtypes = [_P, _I, _I, _P, _P, _P, _P, ctypes.c_float]
     lib.bn_stats_nhwc.restype = ctypes.c_int
     return lib
 
@@ -68,9 +66,6 @@ def _stats_ok(c: int, *stats: Tensor | None) -> bool:
 
 #: below this many values PyTorch's pass costs less than the call into C
 MIN_NATIVE = 2048
-#: from this many values on the pass is split between torch.get_num_threads() threads
-#: (below, starting a thread costs more than it saves)
-MIN_PARALLEL = 1 << 18
 
 
 def update_stats(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None,
@@ -87,13 +82,12 @@ def update_stats(x: Tensor, running_mean: Tensor | None, running_var: Tensor | N
     move = running_mean is not None and running_var is not None
     rm = running_mean.data_ptr() if move else None
     rv = running_var.data_ptr() if move else None
-    threads = torch.get_num_threads() if x.numel() >= MIN_PARALLEL else 1
     if layout == "nchw":
         failed = lib.bn_stats(x.data_ptr(), x.shape[0], c, x.numel() // (x.shape[0] * c),
-                              mean.data_ptr(), var.data_ptr(), rm, rv, momentum, threads)
+                              mean.data_ptr(), var.data_ptr(), rm, rv, momentum)
     else:  # channels-last: rows of c values
         failed = lib.bn_stats_nhwc(x.data_ptr(), x.numel() // c, c, mean.data_ptr(),
-                                   var.data_ptr(), rm, rv, momentum, threads)
+                                   var.data_ptr(), rm, rv, momentum)
     if failed:
         raise MemoryError("bn_stats could not allocate its scratch sums")
     return mean, var

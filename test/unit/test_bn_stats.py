@@ -68,26 +68,6 @@ def test_large_mean_small_spread_keeps_the_variance(channels_last) -> None:
     _check((4, 8, 32, 32), 500.0, 0.01, 0.05, channels_last)
 
 
-@pytest.mark.parametrize("threads", [2, 3])
-def test_split_between_threads(monkeypatch, threads) -> None:
-    """Shares of channels (NCHW: bit for bit the one-thread sums) or of rows (channels-last:
-    per-thread sums added) on `threads` threads, uneven splits included."""
-    x = _input((3, 13, 40, 41), 0.7, 2.0, 11)
-    alone = bn_stats.update_stats(x, None, None, 0.0)
-    monkeypatch.setattr(bn_stats, "MIN_PARALLEL", 0)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        assert all(torch.equal(a, b) for a, b in zip(bn_stats.update_stats(x, None, None, 0.0),
-                                                      alone, strict=True))
-        for shape in SHAPES[:2]:
-            _check(shape, 0.3, 0.5, 0.1)
-        for shape in CL_SHAPES:
-            _check(shape, -2.0, 3.0, 0.1, channels_last=True)
-    finally:
-        torch.set_num_threads(before)
-
-
 def test_without_running_stats_returns_batch_stats_only() -> None:
     x = _input((4, 8, 30, 30), 0.2, 1.0, 3)
     want = torch.batch_norm_update_stats(x, None, None, 0.0)

@@ -7,7 +7,10 @@ bn_mode robust), the online-learnt darda (no bundle) and the five Table 2 varian
 method: error %, accuracy of the first 5 batches after each shift, backward passes per
 new domain, forward MACs per sample (model + corruption encoder for the paper's darda),
 wall seconds. A recurring stream (the 4 unseen twice) measures the robot extension
-(`learn_domains`): backward passes on the second visits.
+(`learn_domains`): backward passes on the second visits. `--cifar10c-only`: a tiny
+CIFAR-10-C-layout folder (<corruption>.npy + labels.npy, written from the signs data into
+a temporary folder) read by `--data cifar10c:DIR`'s loader: backward passes per new domain
+on the 15 corruptions it can hold.
 
     python benchmarks/bench_darda.py --card checkpoints/small_resnet_signs32.json \\
         --bundle checkpoints/small_resnet_signs32_darda.safetensors [--quick]
@@ -19,15 +22,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import results
 import torch
 from torch import Tensor, nn
 
-from tta_core.data.corruptions import HELD_OUT
+from tta_core.data.corruptions import CORRUPTIONS, HELD_OUT, SEVERITIES, corrupt_batch
 from tta_core.data.preprocess import images_to_tensor
+from tta_core.data.signs import make_signs
+from tta_core.data.sources import load_data, parse_data
 from tta_core.data.streams import StreamSpec, build_stream
 from tta_core.methods import build_method
 from tta_core.model.source import load_source
@@ -50,6 +57,10 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--deadline-only", action="store_true", help="run the deadline part "
                     "and add it to --from-json's results")
+    ap.add_argument("--cifar10c-only", action="store_true", help="run the CIFAR-10-C-layout "
+                    "part and add it to --from-json's results")
+    ap.add_argument("--cifar10c-n", type=int, default=64, help="clean images per severity "
+                    "in the CIFAR-10-C-layout folder")
     ap.add_argument("--from-json", default="", help="rewrite the markdown (with the means) "
                     "from a JSON this script wrote, running nothing")
     return ap.parse_args()
@@ -139,7 +150,8 @@ def deadline_part(a: argparse.Namespace, card, result: dict) -> list[str]:
     for k in (4, 8):
         d = k * base
         free = run("darda:variant=full", a.card, data, a.bundle, d)
-        held = run(f"darda:variant=full;deadline_ms={d:.3f}", a.card, data, a.bundle, d)
+        held = run(f"darda:variant=full;deadline_mode=fixed;deadline_ms={d:.3f}", a.card,
+                   data, a.bundle, d)
         rows.append({"k": k, "deadline_ms": d, "free": free, "held": held})
     result["deadline"] = {"source_median_ms": base, "rows": rows}
     return deadline_table(result["deadline"])
@@ -147,14 +159,42 @@ def deadline_part(a: argparse.Namespace, card, result: dict) -> list[str]:
 
 def deadline_table(dl: dict) -> list[str]:
     lines = [f"### Deadline (IID seed 0; source median batch {dl['source_median_ms']:.1f} ms)",
-             "", "| deadline | darda full: on time | backward / domain | with deadline_ms: on "
-             "time | backward / domain |", "| --- | ---: | ---: | ---: | ---: |"]
+             "", "| deadline | darda full: on time | backward / domain | with deadline_mode "
+             "fixed: on time | backward / domain |", "| --- | ---: | ---: | ---: | ---: |"]
     for r in dl["rows"]:
         free, held = r["free"], r["held"]
         lines.append(f"| {r['k']} x = {r['deadline_ms']:.1f} ms | "
                      f"{100 * free['deadline_hit']:.1f} % | {free['backward_per_domain']:.2f} | "
                      f"{100 * held['deadline_hit']:.1f} % | {held['backward_per_domain']:.2f} |")
     return ["\n".join(lines), ""]
+
+
+def write_cifar10c(root: Path, n: int, seed: int = 11) -> None:
+    """A CIFAR-10-C-layout folder from the signs data: <corruption>.npy, (5n, 32, 32, 3)
+    uint8, severities 1-5 in blocks of the same n clean images, and labels.npy (5n)."""
+    clean = make_signs(n, 32, seed)
+    for name in CORRUPTIONS:
+        np.save(root / f"{name}.npy", np.concatenate(
+            [corrupt_batch(clean.images, name, sev, seed) for sev in SEVERITIES]))
+    np.save(root / "labels.npy", np.tile(clean.labels, len(SEVERITIES)))
+
+
+def cifar10c_part(a: argparse.Namespace, card, result: dict) -> list[str]:
+    """Backward passes per new domain on a CIFAR-10-C-layout stream (severity 5, the 15
+    corruptions the layout holds, continual), read by `--data cifar10c:DIR`'s loader."""
+    with tempfile.TemporaryDirectory() as tmp:
+        write_cifar10c(Path(tmp), a.cifar10c_n)
+        s = load_data(parse_data(f"cifar10c:{tmp}"), card.image_size, 5, a.cifar10c_n)
+        data = batches(s, card, a.batch)
+    rows = [run(spec, a.card, data, a.bundle)
+            for spec in ("bn_adapt", "darda:variant=full", "darda")]
+    result["cifar10c"] = {"n": a.cifar10c_n, "domains": len(CORRUPTIONS), "rows": rows}
+    return cifar10c_table(result["cifar10c"])
+
+
+def cifar10c_table(part: dict) -> list[str]:
+    return [table(part["rows"], f"CIFAR-10-C-layout `--data` stream ({part['domains']} "
+                  f"corruptions, severity 5, {part['n']} images each, continual)"), ""]
 
 
 def oracle(card_path: str, bundle: str, data) -> dict:
@@ -236,6 +276,8 @@ def render(result: dict) -> str:
     md = header(result)
     if "deadline" in result:
         md += deadline_table(result["deadline"])
+    if "cifar10c" in result:
+        md += cifar10c_table(result["cifar10c"])
     if "oracle" in result:
         md += [oracle_table(result["oracle"]), ""]
     md += summary(dict(result))
@@ -267,6 +309,10 @@ def main() -> None:
             md += deadline_part(a, load_source(a.card)[1], result)
         elif "deadline" in result:
             md += deadline_table(result["deadline"])
+        if a.cifar10c_only:
+            md += cifar10c_part(a, load_source(a.card)[1], result)
+        elif "cifar10c" in result:
+            md += cifar10c_table(result["cifar10c"])
         if "oracle" in result:
             md += [oracle_table(result["oracle"]), ""]
         for key, rows in result["runs"].items():

@@ -13,6 +13,7 @@ import torch
 from helpers import CARD
 from torch import nn
 
+from tta_core.api import DeadlineTunable
 from tta_core.darda.bn import refreshing
 from tta_core.darda.bundle import load_bundle, save_bundle
 from tta_core.darda.corruption_memory import CorruptionMemory
@@ -213,12 +214,52 @@ def test_eq16_step_lowers_the_loss(bundle) -> None:
 def test_a_deadline_that_leaves_no_room_defers_the_adaptation(bundle) -> None:
     path, _ = bundle
     m = build_method("darda", load_source(CARD)[0], input_shape=(3, 32, 32),
-                     bundle_path=str(path), max_wait=1, deadline_ms=1e-6,
-                     memory_format="contiguous")
-    assert m._adapt_ms > 0  # calibrated at build
-    res = [m.step(x) for x in _stream()]
-    assert not any(r.adapted for r in res) and all(r.stats.get("deferred") for r in res[1:])
-    assert m.paper.pending  # still owed, for a batch where it fits
+                     bundle_path=str(path), max_wait=1, deadline_mode="fixed",
+                     deadline_ms=1e-6, memory_format="contiguous")
+    assert isinstance(m, DeadlineTunable) and len(m.adapt_seen) == 1  # calibrated at build
+    res = [m.step(x) for x in _stream()[:4]]
+    assert not any(r.adapted for r in res) and all(r.stats["deferred"] for r in res)
+    assert m.paper.pending and m.deferred == 4  # still owed, for a batch where it fits
+    m.step(_stream()[4])  # the next corruption came first: that adaptation is skipped
+    assert m.skipped == 1 and m.paper.pending
+
+
+def test_the_adaptation_runs_on_the_first_batch_whose_slack_fits_it(bundle) -> None:
+    """Injected step costs and a fake clock (no wall-clock figure decides): a 100 s
+    deadline; the adaptation is predicted at 200 s (deferred), then at 10 ms (taken); with
+    99.995 s of the deadline spent on the clock, or gone to lateness, it waits again."""
+    path, _ = bundle
+    m = build_method("darda", load_source(CARD)[0], input_shape=(3, 32, 32),
+                     bundle_path=str(path), max_wait=1, memory_format="contiguous")
+    assert not m.adapt_seen  # no deadline: nothing calibrated, nothing deferred
+    m.set_deadline(deadline_mode="fixed", deadline_ms=1e5)
+    with pytest.raises(ValueError, match="deadline_mode"):
+        m.set_deadline(deadline_mode="soon")
+    now, tick = [0.0], [0.0]
+
+    def clock() -> float:
+        now[0] += tick[0]
+        return now[0]
+
+    m.clock = clock
+    xs = _stream()
+    m.adapt_seen.clear()
+    m.adapt_seen.append(2e5)
+    first = m.step(xs[0])
+    assert first.stats["deferred"] and not first.adapted and m.paper.pending
+    m.adapt_seen.append(10.0)  # the prediction is the most of the recent costs
+    assert m.step(xs[1]).stats["deferred"]
+    m.adapt_seen.clear()
+    m.adapt_seen.append(10.0)
+    tick[0] = 99.995  # each clock read advances 99.995 s: update starts that late
+    assert m.step(xs[2]).stats["deferred"]
+    tick[0] = 0.0
+    m.set_lateness(1e5 - 5.0)  # a backlog: 5 ms of the deadline left
+    assert m.step(xs[3]).stats["deferred"]
+    m.set_lateness(0.0)
+    taken = m.step(xs[3])
+    assert taken.adapted and "deferred" not in taken.stats and not m.paper.pending
+    assert m.deferred == 4 and m.backward_passes == 1 and len(m.adapt_seen) == 2
 
 
 def test_train_darda_options_default_to_the_offline_config() -> None:

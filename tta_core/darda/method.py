@@ -24,8 +24,10 @@ samples (DARDA Eq. 15). The bank is saved and loaded with `save_bank` / `load_ba
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,15 +50,28 @@ from tta_core.darda.switch import DomainSwitch, SwitchConfig, embedder_for
 from tta_core.errors import InputError, one_line
 from tta_core.model.robust_bn import RobustBN, batch_norm_layers
 from tta_core.registry import register
+from tta_core.runtime.deadline import (
+    DEADLINE_MODES,
+    DeadlineBudget,
+    DeadlineConfig,
+    apply_settings,
+)
+from tta_core.runtime.fixed_costs import FixedCosts
 from tta_core.runtime.method import MethodConfig, Step, TTAMethod
 from tta_core.runtime.options import option
 
 log = logging.getLogger(__name__)
 
 
+#: measured costs of the one adaptation kept to predict the next one (their maximum)
+ADAPT_WINDOW = 4
+
+
 @dataclass
-class DardaConfig(MethodConfig):
-    """DARDA settings; detector and gate defaults measured in benchmarks/bench_domain.py."""
+class DardaConfig(MethodConfig, DeadlineConfig):
+    """DARDA settings; detector and gate defaults measured in benchmarks/bench_domain.py.
+    The deadline fields (DeadlineConfig) are the paper's darda's: its one adaptation after
+    a shift waits for a batch where it fits; the online-learnt bank ignores them."""
 
     embed_layers: int = option(3, "BN inputs in the domain embedding (the layers up to "
                                "them stay frozen)", low=1)
@@ -118,8 +133,11 @@ class DardaConfig(MethodConfig):
                                  "corruption far from every training one")
     novelty_cos: float = option(0.95, "extension: a signature below this cosine to every "
                                 "training centroid is novel", low=-1.0, high=1.0)
-    deadline_ms: float = option(0.0, "paper: per-batch deadline (ms); the one adaptation "
-                                "waits for a batch where it fits (0: none)", low=0.0)
+    deadline_mode: str = option(
+        "sigma", "paper: what a batch's deadline is (the one adaptation waits for a batch "
+        "where it fits): sigma = none, fixed = deadline_ms, camera = the batch's frames at "
+        "camera_hz, speed = distance_per_decision_m at the vehicle's speed",
+        choices=DEADLINE_MODES)
 
     def validate(self) -> None:
         """ValueError naming a bad field."""
@@ -358,8 +376,20 @@ class Darda(TTAMethod):
 # final dense layer are adapted. The machinery is tta_core.darda.paper.
 
 
-class PaperDarda(Darda):
-    """DARDA from an offline bundle (see the module docstring)."""
+class PaperDarda(Darda, DeadlineBudget):
+    """DARDA from an offline bundle (see the module docstring).
+
+    Deadline (DeadlineConfig fields, as AdaShadow's; `set_deadline`, `set_speed`,
+    `set_lateness`): the one adaptation after a shift cannot be split, so it runs on the
+    first batch whose slack holds it: time spent so far + its predicted cost (the most of
+    its last ADAPT_WINDOW measured costs, calibrated at build) + the reforward (this
+    batch's forward) + the margin FixedCosts learnt from the scatter of whole batches
+    around their prediction <= what is left of the deadline. Until then it is deferred
+    (the batch is served forward-only); a shift before it ran skips it (`skipped`).
+    Capabilities (tta_core.api): DeadlineTunable."""
+
+    #: the time source of the deadline decisions (seconds; tests inject a fake one)
+    clock: Callable[[], float] = staticmethod(time.perf_counter)
 
     def __init__(self, model: nn.Module, config: DardaConfig | None = None) -> None:
         """With `bank_path`: the corruptions learnt by the extension are loaded from it
@@ -397,7 +427,46 @@ class PaperDarda(Darda):
         for p in self.paper.params:
             p.requires_grad_(True)
         self.backward_passes = 0
-        self._adapt_ms = self.paper.calibrate() if c.deadline_ms > 0 else 0.0
+        DeadlineConfig.validate(c)
+        self.fixed = FixedCosts()
+        self.adapt_seen: deque[float] = deque(maxlen=ADAPT_WINDOW)
+        self.deferred = self.skipped = 0
+        self._t0, self._predicted = 0.0, math.nan
+        if c.has_deadline:
+            self._calibrate()
+
+    def _calibrate(self) -> None:
+        """Time the adaptation on noise (twice: the first pays one-time set-up)."""
+        self.paper.calibrate()
+        self.adapt_seen.append(self.paper.calibrate())
+
+    # ------------------------------------------------------------ DeadlineTunable
+    def set_deadline(self, **settings: object) -> None:
+        """New deadline settings (DeadlineConfig fields) from the next batch on; ValueError
+        naming a bad one (nothing is changed then)."""
+        apply_settings(self.config, settings)
+        if self.config.has_deadline and not self.adapt_seen:
+            self._calibrate()
+
+    def predicted_adapt_ms(self, forward_ms: float) -> float:
+        """The one adaptation's predicted cost with its reforward (ms)."""
+        return max(self.adapt_seen, default=0.0) + forward_ms
+
+    def fits(self, step: Step, elapsed_ms: float) -> bool:
+        """Whether the one adaptation still fits this batch's deadline, `elapsed_ms` of
+        it spent (always without a deadline)."""
+        deadline, margin = self.budget_ms(len(step.x))
+        cost = self.predicted_adapt_ms(step.phases.ms["forward"])
+        return math.isnan(deadline) or elapsed_ms + cost + margin <= deadline
+
+    def forward_and_adapt(self, x: Tensor) -> StepResult:
+        """The base loop, timed whole on `clock` for the deadline margin."""
+        self._t0, self._predicted = self.clock(), math.nan
+        res = super().forward_and_adapt(x)
+        total = (self.clock() - self._t0) * 1e3
+        if not math.isnan(self._predicted):
+            self.fixed.update_total(self._predicted, total, res.times.forward_ms)
+        return res
 
     def collect_params(self) -> list[nn.Parameter]:
         """None for the base optimizer: the one step uses PaperOnline's own SGD."""
@@ -409,25 +478,28 @@ class PaperDarda(Darda):
 
     def forward(self, step: Step) -> None:
         proj, c = self.paper.signature(step.x)
+        owed = self.paper.pending
         step.stats["switched"] = self.paper.observe(c)
+        self.skipped += int(owed and step.stats["switched"])  # its adaptation never ran
         with torch.no_grad():
             step.logits = self.model(step.x)
         self.paper.remember(step.x, step.logits, proj)
 
     def update(self, step: Step) -> None:
-        """The one adaptation after a shift, unless it would miss `deadline_ms`: its
-        cost (measured; calibrated at build) plus this batch's forward and reforward."""
-        fwd = step.phases.ms["forward"]
-        if self.config.deadline_ms > 0 and self.paper.pending \
-                and 2 * fwd + self._adapt_ms > self.config.deadline_ms:
+        """The one adaptation after a shift when its trigger fires, unless it would miss
+        the deadline (class docstring: deferred to a later batch)."""
+        t0 = self.clock()
+        self._predicted = (t0 - self._t0) * 1e3
+        if self.paper.pending and not self.fits(step, self._predicted):
             step.stats["deferred"] = True
+            self.deferred += 1
             return
         if self.paper.ready():
-            t0 = time.perf_counter()
+            self._predicted += self.predicted_adapt_ms(step.phases.ms["forward"])
             step.stats["refreshed"] = True
             step.adapted = self.paper.adapt()
             self.backward_passes = self.paper.backward_passes
-            self._adapt_ms = 0.5 * self._adapt_ms + 0.5 * (time.perf_counter() - t0) * 1e3
+            self.adapt_seen.append((self.clock() - t0) * 1e3)
             with torch.no_grad():
                 step.out = self.model(step.x)
 
@@ -443,7 +515,8 @@ class PaperDarda(Darda):
         res.domain = self.paper.domain
         res.stats.update({"backward": step.adapted, "shifts": self.paper.shifts,
                           "memory": len(self.paper.memory),
-                          "learnt": len(self.paper.learnt)})
+                          "learnt": len(self.paper.learnt), "deferrals": self.deferred,
+                          "skipped": self.skipped})
         return res
 
     def units_updated(self, step: Step) -> int:
@@ -451,7 +524,7 @@ class PaperDarda(Darda):
 
     def reset_state(self) -> None:
         self.paper.fresh()
-        self.backward_passes = 0
+        self.backward_passes = self.deferred = self.skipped = 0
 
     def close(self) -> None:
         """Nothing to release (no hooks)."""

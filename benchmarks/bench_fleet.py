@@ -300,7 +300,7 @@ def _camera(master: GatedModel, card, i: int, cam: Camera, cal: ConfidenceCalibr
     rep = representation(master, head)
     hist = history_for(cam, past, args.history)
     a0 = np.array([m.proxy[cam.name, k] for k in args.sizes])
-    est_b, est_a = hist.estimate(rep, a0, np.clip(a0 + hist.gain_prior(rep), 0.0, 1.0))
+    est_b, est_a = hist.label_free(rep, a0)
     for j, k in enumerate(args.sizes):
         m.est[cam.name, k] = (float(est_b[j]), float(est_a[j]))
     return models
@@ -465,8 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         return _write(merge(args.merge), args)
     cal, prior, past = offline(master, card, args)
     if args.calibration_out:  # the perception node's fleet_calibration file
-        Path(args.calibration_out).write_text(json.dumps(
-            {**cal.to_dict(), "prior": {str(k): v for k, v in prior.items()}}, indent=1))
+        write_calibration(Path(args.calibration_out), cal, prior, past, args.sizes)
     out = {"gates": gates, "model": card.name or card.arch, "threads": args.threads,
            "bn": args.bn, "args": {k: v for k, v in vars(args).items() if k != "out"},
            "calibration": {**cal.to_dict(), "prior": prior},
@@ -504,6 +503,17 @@ def offline(master: GatedModel, card, args: argparse.Namespace
                       "before": p.before.tolist(), "after": p.after.tolist()}
                      for p in past]}))
     return cal, prior, past
+
+
+def write_calibration(path: Path, cal: ConfidenceCalibration, prior: dict[float, float],
+                      past: list[Past], sizes) -> None:
+    """A perception node's fleet_calibration file: the confidence -> accuracy map, the
+    prior, and the past domains for its Eq. 5-7 estimates (AccuracyHistory.from_records)."""
+    hist = AccuracyHistory()
+    for d in past:
+        hist.record(d.rep, d.before, d.after)
+    path.write_text(json.dumps({**cal.to_dict(), "prior": {str(k): v for k, v in prior.items()},
+                                "past": hist.to_records(sizes)}, indent=1))
 
 
 def merge(paths: list[str]) -> dict:

@@ -1,14 +1,16 @@
-"""Several cameras, one computer, over DDS (issue #22): fleet plan vs equal split, measured.
+"""Several cameras, one computer, over DDS (issue #22, #31): three fleet planners, measured.
 
 benchmarks/bench_fleet.py simulates the processor sharing; here it is real. For N = 2 and
 N = 4 cameras (bench_fleet.CAMERAS: rates, domains) the script starts, each in its own OS
 process (so they really share the machine's cores):
 
 - N perception nodes `/cam1/perception` .. `/camN/perception` (method `elastic` on the
-  gated card, serve-only by default (`--lr 0`): the fleet's load model counts forwards
-  only; one torch thread each; `deadline_mode: camera`; batch_timeout_s = the camera's
-  batch fill time, as tta_core.eval.bench.stream_batch_wait_ms);
-- one scheduler `/fleet_scheduler` in fleet mode over those namespaces;
+  gated card, retraining (`--lr`, 0: serve only) with `--retrain-steps` per retraining
+  (their fleet reports' T); one torch thread each; `deadline_mode: camera`;
+  batch_timeout_s = the camera's batch fill time, as
+  tta_core.eval.bench.stream_batch_wait_ms);
+- one scheduler `/fleet_scheduler` in fleet mode over those namespaces, `fleet_t_max_s`
+  = `--t-max`;
 
 and in this process one publisher per camera (its own domain and rate, frames stamped
 with `w<window>:<index>` in header.frame_id) and the consumer of every camera's
@@ -16,7 +18,8 @@ predictions (receive time on this process's monotonic clock, the publishers' clo
 
 Phases. Warm-up: frames flow at every rate with an unlimited capacity (every camera at
 its full size) until every node reports a forward time and an accuracy estimate per size
-in its fleet report (tta_msgs/FleetReport; one camera at a time: each node times its
+in its fleet report (with `--lr` > 0 and past domains, T, A and Ã too) (tta_msgs/FleetReport;
+one camera at a time: each node times its
 sizes at its first full batch, which on a machine busy with the other cameras gave
 non-monotone times), then
 `--warm` seconds of every camera. Capacity: from those reports (the loads the nodes
@@ -24,26 +27,39 @@ themselves predict, averaged over the `--warm` seconds), `--capacity` x the leas
 capacity at which the equal split is feasible (N x the largest load of one camera at its
 smallest size), as bench_fleet: the
 split must shrink the fast camera, the plan can move the slow cameras' slack to it. It
-is fixed for every round. Rounds: the arms alternate (plan, equal_split, plan, ...;
-`--rounds` each), switched by setting the scheduler's `fleet_policy` at run time (the
-perception processes stay up); each round streams `--settle` seconds (not scored: the
-plan settles, sizes are applied), then the scored window of `--seconds` (the SAME frames
-of each camera in every round), then a tail of frames until the last window frame's
-deadline has passed (the load stays on). Scoring: tta_core.eval.streaming.score_batches
-(the rule of the simulated benchmarks: frame i arrives at i / hz, deadline arrival +
-(2b - 1) / hz; strict: its own answer by then; streaming: the newest answer for a frame
-<= i available by then; never answered = wrong). Sizes: the perception nodes' `served`
-(the size their last batch ran at, from their fleet reports) and the scheduler's choice
-(its fleet status on /diagnostics), sampled during each window. CPU: each perception
-process's CPU seconds per second in the window.
+is fixed for every round. Rounds: the arms alternate (paper, confidence, equal_split,
+paper, ...; `--rounds` each), switched by setting the scheduler's `fleet_policy` /
+`fleet_objective` at run time (the perception processes stay up): `paper` plans Eq. 8-11
+with the T, A, Ã the nodes report (A, Ã: Eq. 5-7 on the calibration file's past domains,
+bench_fleet.past_domains; the scheduler falls back to confidence while a report lacks
+them, and the JSON records which objective each window was planned with), `confidence`
+the sum of the proxies, `equal_split` 1/N each; each round streams `--settle` seconds
+(not scored: the plan settles, sizes are applied), then the scored window of `--seconds`
+(the SAME frames of each camera in every round), then a tail of frames until the last
+window frame's deadline has passed (the load stays on). Scoring:
+tta_core.eval.streaming.score_batches (the rule of the simulated benchmarks: frame i
+arrives at i / hz, deadline arrival + (2b - 1) / hz; strict: its own answer by then;
+streaming: the newest answer for a frame <= i available by then; never answered =
+wrong). Sizes: the perception nodes' `served` (the size their last batch ran at, from
+their fleet reports) and the scheduler's choice (its fleet status on /diagnostics),
+sampled during each window. CPU: each perception process's CPU seconds per second in the
+window. `--seeds`: one fleet start per seed and N (the cameras' streams; the same frames
+for every arm).
 
-    flock -x /tmp/tta_cpu.lock timeout 700 python benchmarks/bench_fleet_dds.py \\
-        --cameras 2,4 --seed 0 --calibration runs/fleet_calibration.json
+Retraining: the nodes adapt (elastic: IM loss on the selected filters) on every batch
+whose forward and update fit its deadline, whatever the arm; the plan's retraining share
+(Eq. 10) is not a share of the processor here (the OS shares the cores between the
+processes): the arms differ in the sizes they choose, which is what is measured.
 
-Without `--calibration` the confidence -> accuracy calibration is fitted first, as
-bench_fleet does (bench_fleet.calibrate; written next to the JSON); `--calibration ''`
-uses the confidence itself. Output: a table per N, JSON (and a PNG when matplotlib is
-there) under runs/bench_fleet_dds/.
+    python benchmarks/bench_fleet_dds.py --cameras '' --out runs/fleet_dds/cal/result.json
+    timeout 700 python benchmarks/bench_fleet_dds.py --cameras 2 --seeds 0,1 \\
+        --calibration runs/fleet_dds/cal/fleet_calibration.json --results docs/results/fleet_dds
+
+Without `--calibration` the confidence -> accuracy calibration and the past domains are
+fitted first, as bench_fleet does (bench_fleet.offline; written next to the JSON);
+`--calibration ''` uses the confidence itself and no past domains (the paper arm then
+plans with confidence). Output: a table per N, JSON (and a PNG when matplotlib is there)
+under runs/bench_fleet_dds/, and with `--results` the results page.
 """
 
 from __future__ import annotations
@@ -72,12 +88,16 @@ from tta_core.eval.streaming import StreamBatch, StreamResult, score_batches
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_fleet import CAMERAS, calibrate, camera_stream  # noqa: E402
+import results  # noqa: E402
+from bench_fleet import CAMERAS, camera_stream, offline, write_calibration  # noqa: E402
 from fleet_dds_driver import SCHEDULER, Driver  # noqa: E402
 
 GATED = ROOT / "checkpoints" / "small_resnet_signs32_elastic.json"
 PLAIN = ROOT / "checkpoints" / "small_resnet_signs32.json"  # the scheduler's own model card
-ARMS = ("plan", "equal_split")
+ARMS = ("paper", "confidence", "equal_split")
+ARM_PARAMS = {"paper": {"fleet_policy": "plan", "fleet_objective": "paper"},
+              "confidence": {"fleet_policy": "plan", "fleet_objective": "confidence"},
+              "equal_split": {"fleet_policy": "equal_split"}}
 
 
 @dataclass
@@ -106,6 +126,7 @@ class Round:
     cpu: dict[str, float]
     late_ms: float  # the publishers' 99th-percentile lateness behind their schedule
     sent: dict[str, int] = field(default_factory=dict)
+    objective: list[str] = field(default_factory=list)  # what each plan maximised
 
 
 def cameras(card, n: int, args: argparse.Namespace) -> list[Cam]:
@@ -133,10 +154,12 @@ def params_file(path: Path, cams: list[Cam], args: argparse.Namespace, cal: str)
             "batch_timeout_s": stream_batch_wait_ms(c.hz, args.batch) / 1000.0,
             "method.camera_hz": c.hz, "method.deadline_mode": "camera",
             "plan_source": "inline", "reset_patience": 100000, "fleet_calibration": cal,
-            "method.warmup_runs": args.warmup_runs}}
+            "method.warmup_runs": args.warmup_runs,
+            "method.retrain_steps": args.retrain_steps}}
     doc[SCHEDULER] = {"ros__parameters": {
         "model_card": str(PLAIN), "fleet_namespaces": [c.ns for c in cams],
-        "fleet_capacity": 1024.0, "fleet_period_s": args.period, "fleet_policy": "plan"}}
+        "fleet_capacity": 1024.0, "fleet_period_s": args.period, "fleet_policy": "plan",
+        "fleet_t_max_s": args.t_max}}
     path.write_text(yaml.safe_dump(doc))
     return path
 
@@ -229,7 +252,7 @@ def to_batches(rows: list[tuple[int, float, int, int]], steps: dict[int, float]
 def run_round(drv: Driver, procs: dict, cams: list[Cam], arm: str, index: int,
               args: argparse.Namespace) -> Round:
     """One arm's round: policy, settle, scored window, tail; scored per camera."""
-    drv.set_scheduler(fleet_policy=arm)
+    drv.set_scheduler(**ARM_PARAMS[arm])
     drv.stream(cams, args.settle, None)
     pids = {**{key: p.pid for key, p in procs.items()}, "driver": os.getpid()}
     cpu0, t_cpu = {ns: cpu_seconds(pid) for ns, pid in pids.items()}, time.monotonic()
@@ -249,14 +272,15 @@ def run_round(drv: Driver, procs: dict, cams: list[Cam], arm: str, index: int,
                  {c.ns: drv.chosen[c.ns, index] for c in cams},
                  {c.ns: drv.forward[c.ns, index] for c in cams}, cpu,
                  float(np.percentile(late, 99)) if late else 0.0,
-                 {c.ns: len(c.window) for c in cams})
+                 {c.ns: len(c.window) for c in cams}, list(drv.objective[index]))
 
 
-def mean_apps(drv: Driver, cams: list[Cam], seconds: float) -> list:
+def mean_apps(drv: Driver, cams: list[Cam], seconds: float, paper: bool) -> tuple:
     """Every camera streaming for `seconds`: the nodes' reports sampled once a second,
     each size's forward time averaged (one report is a snapshot of a load EMA that
-    moves by ~10-20 % between batches on a shared machine)."""
-    from tta_core.elasticdnn.fleet import App, AppOption
+    moves by ~10-20 % between batches on a shared machine). (confidence apps, paper apps
+    or None); the other values are the last report's."""
+    from dataclasses import replace
 
     snaps = []
     for _ in range(max(1, round(seconds))):
@@ -264,28 +288,33 @@ def mean_apps(drv: Driver, cams: list[Cam], seconds: float) -> list:
         if (apps := drv.apps(cams)) is None:
             raise RuntimeError(f"a fleet report went missing: {drv.waiting}")
         snaps.append(apps)
-    last = snaps[-1]
-    return [App(a.name, a.hz, a.deadline_ms, [
-        AppOption(o.keep, float(np.mean([s[i].options[j].forward_ms for s in snaps])),
-                  o.accuracy) for j, o in enumerate(a.options)], a.batch_size)
-        for i, a in enumerate(last)]
+    fwd = [[float(np.mean([s[i].options[j].forward_ms for s in snaps]))
+            for j in range(len(a.options))] for i, a in enumerate(snaps[-1])]
+
+    def averaged(apps: list | None) -> list | None:
+        return None if apps is None else [replace(a, options=[
+            replace(o, forward_ms=fwd[i][j]) for j, o in enumerate(a.options)])
+            for i, a in enumerate(apps)]
+    return averaged(snaps[-1]), averaged(drv.apps(cams, paper=True) if paper else None)
 
 
-def choose_capacity(drv: Driver, cams: list[Cam], args: argparse.Namespace) -> dict:
-    """Warm up at an unlimited capacity until every node reports, then the capacity
-    (module docstring) from the loads the nodes predict; set on the scheduler."""
-    from tta_core.elasticdnn.fleet import equal_split, plan_fleet
+def choose_capacity(drv: Driver, cams: list[Cam], args: argparse.Namespace,
+                    paper: bool) -> dict:
+    """Warm up at an unlimited capacity until every node reports (`paper`: with the
+    paper objective's T, A, Ã too), then the capacity (module docstring) from the loads
+    the nodes predict; set on the scheduler."""
+    from tta_core.elasticdnn.fleet import Objective, equal_split, plan_fleet
 
     drv.set_scheduler(fleet_policy="plan", fleet_capacity=1024.0)
     end = time.monotonic() + (args.ready_timeout or math.inf)
     for c in cams:  # one camera at a time: each node times its sizes on a quiet machine
-        while drv.apps([c]) is None:  # drv.stream raises when a node process exited
-            if time.monotonic() > end:
+        while drv.apps([c]) is None or (paper and drv.apps([c], paper=True) is None):
+            if time.monotonic() > end:  # drv.stream raises when a node process exited
                 raise RuntimeError(f"no fleet report from every node within "
                                    f"{args.ready_timeout:g} s: {drv.waiting}")
             drv.stream([c], 0.5, None)
         print(f"N={len(cams)} {c.ns} reports", file=sys.stderr, flush=True)
-    apps = mean_apps(drv, cams, args.warm)
+    apps, paper_apps = mean_apps(drv, cams, args.warm, paper)
     split_min = len(apps) * max(a.load(min(a.options, key=lambda o: o.keep)) for a in apps)
     capacity = args.fixed_capacity or args.capacity * split_min
     drv.set_scheduler(fleet_capacity=capacity)
@@ -293,8 +322,12 @@ def choose_capacity(drv: Driver, cams: list[Cam], args: argparse.Namespace) -> d
             "full_load": sum(a.load(max(a.options, key=lambda o: o.keep)) for a in apps),
             "apps": {a.name: {"hz": a.hz, "deadline_ms": a.deadline_ms,
                               "options": [vars(o) for o in a.options]} for a in apps},
-            "offline": {"plan": dict(plan_fleet(apps, capacity)),
-                        "equal_split": dict(equal_split(apps, capacity))}}
+            "paper_apps": None if paper_apps is None else {
+                a.name: [vars(o) for o in a.options] for a in paper_apps},
+            "offline": {"paper": None if paper_apps is None else dict(plan_fleet(
+                paper_apps, capacity, Objective("paper", args.t_max))),
+                "confidence": dict(plan_fleet(apps, capacity)),
+                "equal_split": dict(equal_split(apps, capacity))}}
 
 
 def _mode(values: list[float]) -> float:
@@ -335,6 +368,7 @@ def summarise(rounds: list[Round], cams: list[Cam]) -> dict:
                 "cpu": float(np.mean([r.cpu[c.ns] for r in mine])),
                 "forward_ms_reported": _spread([f for r in mine for f in r.forward[c.ns]])}
         out[arm] = {"cameras": per, "rounds": len(mine),
+                    "objective": dict(Counter(o for r in mine for o in r.objective)),
                     "mean_streaming": float(np.mean([p["streaming"] for p in per.values()])),
                     "mean_strict": float(np.mean([p["strict"] for p in per.values()])),
                     "late_ms_p99": max(r.late_ms for r in mine),
@@ -347,7 +381,7 @@ def table(n: int, summary: dict, cap: dict) -> str:
     """Markdown table of one scenario."""
     lines = [f"\nN = {n}: capacity {cap['capacity']:.4g} (split feasible from "
              f"{cap['split_min']:.4g}; all full size {cap['full_load']:.4g}), "
-             f"offline plan {cap['offline']['plan']}, split {cap['offline']['equal_split']}",
+             "offline " + ", ".join(f"{k} {v}" for k, v in cap["offline"].items()),
              "| arm | camera | size chosen / served (agree) | streaming % | strict % | "
              "answered in time % | dropped % | cpu |", "|---|---|---|---|---|---|---|---|"]
     for arm, s in summary.items():
@@ -357,7 +391,8 @@ def table(n: int, summary: dict, cap: dict) -> str:
                          f" | {100 * p['streaming']:.1f} | {100 * p['strict']:.1f} | "
                          f"{100 * p['answered']:.1f} | {100 * p['dropped']:.1f} | "
                          f"{p['cpu']:.2f} |")
-        lines.append(f"| **{arm}** | mean | | **{100 * s['mean_streaming']:.1f}** | "
+        used = "/".join(f"{k} {v}" for k, v in s["objective"].items())
+        lines.append(f"| **{arm}** | mean | {used} | **{100 * s['mean_streaming']:.1f}** | "
                      f"{100 * s['mean_strict']:.1f} | | | all {s['cpu_total']:.2f} "
                      f"(driver {s['cpu_driver']:.2f}) |")
     return "\n".join(lines)
@@ -372,37 +407,46 @@ def scenario(n: int, card, args: argparse.Namespace, cal: str, run_dir: Path) ->
     env = {**os.environ, "ROS_DOMAIN_ID": str(domain), "OMP_NUM_THREADS": "1",
            "ROS_AUTOMATIC_DISCOVERY_RANGE": "LOCALHOST"}
     params = params_file(logs / "params.yaml", cams, args, cal)
+    load0 = os.getloadavg()[0]
     with processes(cams, params, env, logs) as procs, Driver(domain, cams) as drv:
         drv.alive = lambda: check_alive(procs, logs)
-        cap = choose_capacity(drv, cams, args)
+        cap = choose_capacity(drv, cams, args, args.lr > 0 and has_past(cal))
         rounds = []
         for r in range(args.rounds):
             for arm in ARMS:
                 t = time.monotonic()
                 rounds.append(run_round(drv, procs, cams, arm, len(rounds), args))
                 res = rounds[-1].results
-                print(f"N={n} round {r + 1}/{args.rounds} {arm:11s} "
+                print(f"N={n} seed {args.seed} round {r + 1}/{args.rounds} {arm:11s} "
                       f"{time.monotonic() - t:5.1f} s: streaming " + " ".join(
                           f"{ns} {100 * x.summary.streaming:.1f}%" for ns, x in res.items()),
                       file=sys.stderr, flush=True)
         pids = [p.pid for p in procs.values()]
     summary = summarise(rounds, cams)
     print(table(n, summary, cap), flush=True)
-    return {"cameras": [{"ns": c.ns, "name": c.name, "hz": c.hz, "domain": c.domain,
+    return {"seed": args.seed,
+            "cameras": [{"ns": c.ns, "name": c.name, "hz": c.hz, "domain": c.domain,
                          "window_frames": len(c.window)} for c in cams],
             "ros_domain_id": domain, "capacity": cap, "summary": summary,
-            "plan_minus_split": summary["plan"]["mean_streaming"]
-            - summary["equal_split"]["mean_streaming"],
+            "loadavg": [load0, os.getloadavg()[0]],
+            "mean_streaming": {arm: summary[arm]["mean_streaming"] for arm in ARMS},
             "rounds": [{"arm": r.arm, "index": r.index, "late_ms_p99": r.late_ms,
                         "cpu": r.cpu, "served": r.served, "chosen": r.chosen,
-                        "forward_ms": r.forward,
+                        "forward_ms": r.forward, "objective": r.objective,
                         "streams": {ns: vars(x.summary) for ns, x in r.results.items()}}
                        for r in rounds], "pids": pids}
 
 
+def has_past(cal: str) -> bool:
+    """Whether a fleet_calibration file has past domains (the Eq. 5-7 estimates)."""
+    return bool(cal) and bool(json.loads(Path(cal).read_text()).get("past"))
+
+
 def calibration_file(card, args: argparse.Namespace, run_dir: Path) -> str:
     """The perception nodes' fleet_calibration: `--calibration` as given, or fitted here
-    on bench_fleet's labelled calibration domains (bench_fleet.calibrate)."""
+    on bench_fleet's labelled calibration domains, with those as the past domains of the
+    Eq. 5-7 estimates (bench_fleet.offline, its defaults: prefix 64, BatchNorm on batch
+    statistics, retraining `--retrain-steps` steps at lr `--past-lr`)."""
     if args.calibration is not None:
         return str(Path(args.calibration).resolve()) if args.calibration else ""
     import torch
@@ -411,16 +455,18 @@ def calibration_file(card, args: argparse.Namespace, run_dir: Path) -> str:
     from tta_core.elasticdnn.serving import DEFAULT_SIZES
 
     torch.set_num_threads(1)
-    cal, prior = calibrate(load_gated(str(GATED)), card, DEFAULT_SIZES, args.batch,
-                           args.calibration_frames, "batch")
+    ns = argparse.Namespace(sizes=DEFAULT_SIZES, batch=args.batch, prefix=64, bn="batch",
+                            calibration_frames=args.calibration_frames, offline_cache="",
+                            retrain_steps=args.retrain_steps, retrain_lr=args.past_lr)
+    cal, prior, past = offline(load_gated(str(GATED)), card, ns)
     path = run_dir / "fleet_calibration.json"
-    path.write_text(json.dumps({**cal.to_dict(),
-                                "prior": {str(k): v for k, v in prior.items()}}, indent=1))
+    write_calibration(path, cal, prior, past, DEFAULT_SIZES)
     return str(path)
 
 
 def plot(out: dict, path: Path) -> None:
-    """Mean streaming accuracy per arm and N, one bar per round (when matplotlib is there)."""
+    """Mean streaming accuracy per arm and N: bars the mean over seeds, dots each seed's
+    (when matplotlib is there)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -428,19 +474,17 @@ def plot(out: dict, path: Path) -> None:
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for k, sc in enumerate(out["scenarios"].values()):
+    w = len(ARMS) + 1
+    for k, runs in enumerate(out["scenarios"].values()):
         for j, arm in enumerate(ARMS):
-            rounds = [r for r in sc["rounds"] if r["arm"] == arm]
-            vals = [100 * np.mean([s["streaming"] for s in r["streams"].values()])
-                    for r in rounds]
-            xs = [3 * k + j + 0.15 * (i - (len(vals) - 1) / 2) for i in range(len(vals))]
+            vals = [100 * r["mean_streaming"][arm] for r in runs]
+            xs = [w * k + j + 0.15 * (i - (len(vals) - 1) / 2) for i in range(len(vals))]
             ax.scatter(xs, vals, color=f"C{j}", label=arm if k == 0 else None)
-            ax.bar(3 * k + j, 100 * sc["summary"][arm]["mean_streaming"], color=f"C{j}",
-                   alpha=0.3)
-    ax.set_xticks([3 * k + 0.5 for k in range(len(out["scenarios"]))],
+            ax.bar(w * k + j, float(np.mean(vals)), color=f"C{j}", alpha=0.3)
+    ax.set_xticks([w * k + (len(ARMS) - 1) / 2 for k in range(len(out["scenarios"]))],
                   [f"{n} cameras" for n in out["scenarios"]])
     ax.set_ylabel("mean streaming accuracy %")
-    ax.set_title("fleet plan vs equal split over DDS (bars: mean, dots: rounds)")
+    ax.set_title("fleet planners over DDS (bars: mean, dots: seeds)")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -459,7 +503,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--warmup-runs", type=int, default=20, help="perception warmup_runs: "
                     "forwards per size its warm-up times (the fastest counts)")
-    ap.add_argument("--lr", type=float, default=0.0, help="elastic lr (0: serve only)")
+    ap.add_argument("--lr", type=float, default=1.25e-3, help="elastic lr (0: serve only; "
+                    "then no node reports a retraining time and the paper arm plans with "
+                    "confidence)")
+    ap.add_argument("--retrain-steps", type=int, default=20, help="elastic retrain_steps: "
+                    "update steps per retraining (the reports' T), and the past domains' "
+                    "retraining when the calibration is fitted here")
+    ap.add_argument("--past-lr", type=float, default=0.01, help="past domains' retraining "
+                    "lr when fitted here (bench_fleet --retrain-lr)")
+    ap.add_argument("--t-max", type=float, default=20.0, help="scheduler fleet_t_max_s: the "
+                    "paper objective's retraining window, seconds")
     ap.add_argument("--capacity", type=float, default=1.1, help="x the least capacity at "
                     "which the equal split is feasible")
     ap.add_argument("--fixed-capacity", type=float, default=0.0, help="this fleet_capacity "
@@ -477,8 +530,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--calibration", default=None, help="fleet_calibration file ('': the "
                     "confidence itself; default: fitted here)")
     ap.add_argument("--calibration-frames", type=int, default=128)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", default="0", help="comma-separated camera stream seeds (one "
+                    "fleet start per seed and N)")
     ap.add_argument("--out", default="", help="JSON path (default runs/bench_fleet_dds/...)")
+    ap.add_argument("--results", default="", help="also write <this>.json and <this>.md "
+                    "(results.save)")
     return ap.parse_args(argv)
 
 
@@ -493,15 +549,66 @@ def main(argv: list[str] | None = None) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     signal.signal(signal.SIGTERM, _interrupt)  # `timeout`, kill: the finally blocks run
     cal = calibration_file(card, args, run_dir)
-    out = {"args": vars(args), "calibration": cal, "model_card": str(GATED),
-           "cpus": os.cpu_count(), "scenarios": {}}
-    for n in (int(v) for v in args.cameras.split(",") if v):  # '': the calibration only
-        out["scenarios"][n] = scenario(n, card, args, cal, run_dir)
-        out_path.write_text(json.dumps(out, indent=1, default=float))
+    out = {"args": dict(vars(args)), "calibration": cal, "past_domains": has_past(cal),
+           "model_card": str(GATED), "cpus": os.cpu_count(), "scenarios": {}}
+    for seed in (int(v) for v in args.seeds.split(",")):
+        args.seed = seed
+        for n in (int(v) for v in args.cameras.split(",") if v):  # '': calibration only
+            out["scenarios"].setdefault(str(n), []).append(
+                scenario(n, card, args, cal, run_dir))
+            out_path.write_text(json.dumps(out, indent=1, default=float))
     if out["scenarios"]:
         plot(out, out_path.with_suffix(".png"))
+        print(markdown(out), flush=True)
+    if args.results:
+        results.save(Path(args.results).name, out, Path(args.results).parent)
     print(f"wrote {out_path}", file=sys.stderr)
     return 0
+
+
+def markdown(out: dict) -> str:
+    """Per N and seed: mean streaming accuracy per arm (mean over rounds and cameras), the
+    sizes each arm chose per camera, what the paper arm planned with; then the means."""
+    a = out["args"]
+    lines = [f"Fleet planners over DDS (`benchmarks/bench_fleet_dds.py`): {a['rounds']} "
+             f"round(s) per arm of {a['seconds']:g} s, the same frames in every round; "
+             f"camera rates x {a['rate_scale']:g}, batch {a['batch']}, elastic lr "
+             f"{a['lr']:g}, retrain_steps {a['retrain_steps']}, t_max {a['t_max']:g} s, "
+             f"capacity {a['capacity']:g} x the least the equal split needs; past domains "
+             f"for Eq. 5-7: {'yes' if out['past_domains'] else 'none'}. Mean streaming "
+             f"accuracy over the cameras, %.", "",
+             "| N | seed | " + " | ".join(ARMS) + " | paper planned with | sizes chosen "
+             "(paper / confidence / equal_split) |", "|---|---|" + "---|" * (len(ARMS) + 2)]
+    for n, runs in out["scenarios"].items():
+        for r in runs:
+            sm = r["summary"]
+            sizes = " / ".join(str([sm[arm]["cameras"][c["ns"]]["chosen"]
+                                    for c in r["cameras"]]) for arm in ARMS)
+            used = ", ".join(f"{k} {v}" for k, v in sm["paper"]["objective"].items())
+            lines.append(f"| {n} | {r['seed']} | " + " | ".join(
+                f"{100 * r['mean_streaming'][arm]:.1f}" for arm in ARMS)
+                + f" | {used} | {sizes} |")
+        lines.append(f"| {n} | **mean** | " + " | ".join(
+            f"**{100 * float(np.mean([r['mean_streaming'][arm] for r in runs])):.1f}**"
+            for arm in ARMS) + " | | |")
+    lines += ["", "Per round (the arms alternate), mean streaming accuracy over the cameras, "
+              "%; answered in time: the frames whose own answer met the deadline, mean over "
+              "cameras and rounds; load: the machine's 1-minute load average before / after "
+              "the run (2 cores, shared with other work).", "",
+              "| N | seed | arm | rounds | answered in time % | load |",
+              "|---|---|---|---|---|---|"]
+    for n, runs in out["scenarios"].items():
+        for r in runs:
+            load = "/".join(f"{v:.1f}" for v in r.get("loadavg", []))
+            for arm in ARMS:
+                rounds = [100 * float(np.mean([s["streaming"] for s in x["streams"].values()]))
+                          for x in r["rounds"] if x["arm"] == arm]
+                answered = 100 * float(np.mean([c["answered"] for c in
+                                                r["summary"][arm]["cameras"].values()]))
+                lines.append(f"| {n} | {r['seed']} | {arm} | "
+                             f"{', '.join(f'{v:.1f}' for v in rounds)} | {answered:.1f} | "
+                             f"{load} |")
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

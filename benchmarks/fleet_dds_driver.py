@@ -1,8 +1,8 @@
 """The benchmark's own ROS side for bench_fleet_dds.py: one publisher per camera, the
 consumer of every camera's predictions and step times, the reader of the nodes' fleet
 reports (tta_msgs/FleetReport: the sizes served, the forward per size) and of the
-scheduler's fleet status on /diagnostics (the sizes chosen), and the scheduler's
-parameters.
+scheduler's fleet status on /diagnostics (the sizes chosen, the objective planned with),
+and the scheduler's parameters.
 
 Everything runs on one node in its own rclpy context (the nodes' ROS domain), spun by an
 executor thread; frames are published from the caller's thread on an absolute schedule
@@ -73,6 +73,7 @@ class Driver:
         self.steps: dict[str, dict[int, float]] = defaultdict(dict)  # ns -> batch -> ms
         self.served: dict[tuple[str, int], list[float]] = defaultdict(list)
         self.chosen: dict[tuple[str, int], list[float]] = defaultdict(list)
+        self.objective: dict[int, list[str]] = defaultdict(list)  # window -> planned with
         # (ns, window) -> the node's predicted forward per size (largest first), per report
         self.forward: dict[tuple[str, int], list[list[float]]] = defaultdict(list)
         self.reports: dict[str, FleetReport] = {}  # latest fleet report per camera
@@ -119,18 +120,20 @@ class Driver:
             for kv in st.values:
                 if kv.key.startswith("keep "):
                     self.chosen[kv.key[5:], rec].append(float(kv.value))
+                elif kv.key == "objective":
+                    self.objective[rec].append(kv.value)
 
     # ------------------------------------------------------------ actions
-    def apps(self, cams: Sequence[Any]) -> list[App] | None:
-        """Every camera's App from its latest fleet report; None (and `waiting` says
-        which) while one is missing or incomplete."""
+    def apps(self, cams: Sequence[Any], paper: bool = False) -> list[App] | None:
+        """Every camera's App from its latest fleet report (`paper`: with T, A, Ã); None
+        (and `waiting` says which) while one is missing or incomplete."""
         try:
             out = []
             for c in cams:
                 msg = self.reports.get(c.ns)
                 if msg is None:
                     raise ValueError(f"{c.ns}: no fleet report yet")
-                out.append(app_from_report(c.ns, msg))
+                out.append(app_from_report(c.ns, msg, paper))
             return out
         except ValueError as exc:
             self.waiting = str(exc)

@@ -194,6 +194,20 @@ class Resizable(Protocol):
 
 
 @runtime_checkable
+class Retrains(Protocol):
+    """A Resizable method that retrains each size on the current domain (ElasticDNN's
+    retraining windows, §III-C2): `size_retrain_ms` predicts T per size, the time of its
+    retraining (a fixed number of update steps) with the whole processor, from measured
+    update steps of that size (ms, NaN: none measured); `domain_representation` is the
+    current domain's representation (mean penultimate feature vector of recent batches,
+    None before any), what Eq. 5 measures domain distances on."""
+
+    def size_retrain_ms(self) -> dict[float, float]: ...
+
+    def domain_representation(self) -> np.ndarray | None: ...
+
+
+@runtime_checkable
 class TakesTelemetry(Protocol):
     """Plans with live expansion factors (pi1, pi2) from telemetry; `clear_expansion`
     returns to offline factors when telemetry goes stale."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -295,3 +296,207 @@ def test_elastic_options_are_parameters_of_the_node() -> None:
     assert "method.warmup_runs" not in MethodOptions("tent").params
     model = load_source(ROOT / "checkpoints" / "small_resnet_signs32_elastic.json")[0]
     assert build_method("elastic", model, **opts.config()).config.warmup_runs == 7
+
+
+# ---------------------------------------------------------------- the paper objective
+# two pipelines, sizes 1.0 / 0.5, 10 Hz, batch 1: loads 0.5 / 0.2 each, capacity 0.75 (one
+# may run full). The proxy favours /a at full size; retraining gains only /b at full
+# size (Ã), so over a t_max window the paper objective gives /b the full size instead.
+PLANTED = {
+    "/a": {"forward_ms": [50.0, 20.0], "accuracy": [0.9, 0.6], "retrain_ms": [100.0, 40.0],
+           "accuracy_before": [0.9, 0.6], "accuracy_after": [0.9, 0.6]},
+    "/b": {"forward_ms": [50.0, 20.0], "accuracy": [0.8, 0.6], "retrain_ms": [100.0, 40.0],
+           "accuracy_before": [0.8, 0.6], "accuracy_after": [0.95, 0.6]},
+}
+T_MAX, CAPACITY, SIZES2 = 20.0, 0.75, [1.0, 0.5]
+
+
+def _brute_force(paper: bool) -> dict[str, float]:
+    """Every size pair: forward load within the capacity; confidence = sum of proxies;
+    paper = sum over apps of (A tau + Ã (t_max - tau)) / t_max, tau = T / lambda,
+    lambda = keep / sum of keeps, tau <= t_max."""
+    import itertools
+
+    best, best_val = None, -math.inf
+    for ja, jb in itertools.product(range(2), repeat=2):
+        pick = {"/a": ja, "/b": jb}
+        if sum(10.0 * PLANTED[ns]["forward_ms"][j] / 1000 for ns, j in pick.items()) > CAPACITY:
+            continue
+        total = sum(SIZES2[j] for j in pick.values())
+        val = 0.0
+        for ns, j in pick.items():
+            p = PLANTED[ns]
+            if not paper:
+                val += p["accuracy"][j]
+                continue
+            tau = p["retrain_ms"][j] / 1000 / (SIZES2[j] / total)
+            assert tau <= T_MAX
+            val += (p["accuracy_before"][j] * tau
+                    + p["accuracy_after"][j] * (T_MAX - tau)) / T_MAX
+        if val > best_val:
+            best, best_val = {ns: SIZES2[j] for ns, j in pick.items()}, val
+    return best
+
+
+def _report(ns: str, paper_fields: bool) -> FleetReport:
+    p = PLANTED[ns]
+    msg = FleetReport(sizes=SIZES2, forward_ms=p["forward_ms"], accuracy=p["accuracy"],
+                      hz=10.0, deadline_ms=100.0, batch_size=1, keep=0.0, served=math.nan)
+    if paper_fields:
+        msg.retrain_ms, msg.accuracy_before = p["retrain_ms"], p["accuracy_before"]
+        msg.accuracy_after = p["accuracy_after"]
+    return msg
+
+
+class _Warnings:
+    """The node's logger, counting its warnings."""
+
+    def __init__(self, logger) -> None:
+        self.logger, self.lines = logger, []
+
+    def warning(self, msg: str, **kw) -> None:
+        self.lines.append(msg)
+        self.logger.warning(msg, **kw)
+
+    def __getattr__(self, name: str):
+        return getattr(self.logger, name)
+
+
+def test_paper_objective_plans_with_the_received_retraining_estimates(ros_context) -> None:
+    """Planted FleetReports over DDS: under fleet_objective paper the scheduler falls back
+    to the confidence plan (one log line) while the reports lack T, A, Ã, and plans the
+    brute-force paper optimum once they carry them; confidence again when switched back."""
+    conf, paper = _brute_force(False), _brute_force(True)
+    assert conf == {"/a": 1.0, "/b": 0.5} and paper == {"/a": 0.5, "/b": 1.0}  # they differ
+    sched = SchedulerNode("fleet_scheduler", context=ros_context, parameter_overrides=[
+        Parameter("model_card", value=str(CARD)),
+        Parameter("fleet_namespaces", value=list(PLANTED)),
+        Parameter("fleet_capacity", value=CAPACITY), Parameter("fleet_period_s", value=0.05),
+        Parameter("fleet_objective", value="paper"), Parameter("fleet_t_max_s", value=T_MAX)])
+    log = _Warnings(sched.get_logger())
+    sched.get_logger = lambda: log
+    probe = rclpy.create_node("probe", context=ros_context)
+    pubs = {ns: probe.create_publisher(FleetReport, f"{ns}/{REPORT_TOPIC}", 10)
+            for ns in PLANTED}
+    ex = SingleThreadedExecutor(context=ros_context)
+    for n in (sched, probe):
+        ex.add_node(n)
+    thread = threading.Thread(target=ex.spin, daemon=True)
+    thread.start()
+    fields = {"on": False}
+
+    def publish() -> None:
+        for ns, pub in pubs.items():
+            pub.publish(_report(ns, fields["on"]))
+
+    def planned(sizes: dict[str, float], objective: str) -> Callable[[], bool]:
+        plans = sched.fleet.plans
+
+        def done() -> bool:  # a plan made after the call, with these sizes
+            last = sched.fleet.last
+            return (sched.fleet.plans > plans + 1 and last is not None
+                    and dict(last) == sizes and sched.fleet.objective == objective)
+        return done
+
+    try:
+        assert wait_for(planned(conf, "confidence"), 20.0, publish), sched.fleet.waiting
+        assert "no retraining time T" in sched.fleet.fallback
+        fleet_warnings = [ln for ln in log.lines if "fleet_objective paper" in ln]
+        assert len(fleet_warnings) == 1, log.lines  # said once, though planned many times
+        received = sched.fleet.reports["/b"][1]
+        assert list(received.retrain_ms) == [] and list(received.accuracy_after) == []
+        fields["on"] = True
+        assert wait_for(planned(paper, "paper"), 20.0, publish), (sched.fleet.last,
+                                                                  sched.fleet.fallback)
+        received = sched.fleet.reports["/b"][1]  # the new fields arrived over DDS
+        assert list(received.retrain_ms) == [100.0, 40.0]
+        assert list(received.accuracy_after) == pytest.approx([0.95, 0.6])
+        assert sched.fleet.fallback == "" and sched.fleet.last.retrain_shares == \
+            pytest.approx({"/a": 1 / 3, "/b": 2 / 3})
+        kv = {k.key: k.value for k in sched.fleet.statuses()[0].values}
+        assert kv["objective"] == "paper" and "fallback" not in kv
+        sched.set_parameters([Parameter("fleet_objective", value="confidence")])
+        assert wait_for(planned(conf, "confidence"), 20.0, publish)
+        bad = sched.set_parameters([Parameter("fleet_objective", value="oracle")])[0]
+        assert not bad.successful and "oracle" in bad.reason
+    finally:
+        ex.shutdown(timeout_sec=2.0)
+        thread.join(timeout=2.0)
+        for n in (sched, probe):
+            n.destroy_node()
+
+
+class RetrainingSource(SizedSource):
+    """SizedSource that also retrains (api.Retrains): planted T and representation."""
+
+    RETRAIN_MS: ClassVar[dict[float, float]] = {1.0: 300.0, 0.5: 120.0, 0.25: math.nan}
+
+    def size_retrain_ms(self) -> dict[float, float]:
+        return dict(self.RETRAIN_MS)
+
+    def domain_representation(self) -> np.ndarray | None:
+        return np.array([1.0, 2.0])
+
+
+def test_perception_fleet_reports_retraining_time_and_eq5_7_estimates(ros_context,
+                                                                      tmp_path) -> None:
+    """The report's T per size is the method's (tta_core.api.Retrains), A and Ã the Eq. 5-7
+    estimates from the calibration file's past domains: one past domain at distance 0
+    (all the weight) gives A = (proxy + its before) / 2, Ã = (min(proxy + its gain, 1) +
+    its after) / 2; without past domains they are NaN."""
+    import torch
+
+    from tta_core.methods import build_method
+    from tta_core.model.source import load_source
+    from tta_ros.nodes.fleet_wiring import PerceptionFleet
+
+    register("fleet_retrain_test")(RetrainingSource)
+    cal = tmp_path / "calibration.json"
+    past = {"representation": [1.0, 2.0], "before": {"1.0": 0.8, "0.5": 0.6, "0.25": 0.4},
+            "after": {"1.0": 0.9, "0.5": 0.8, "0.25": 0.4}}
+    cal.write_text(json.dumps({"confidence": [0.0, 1.0], "accuracy": [0.0, 1.0],
+                               "past": [past]}))
+    node = rclpy.create_node("fleet_probe", context=ros_context)
+    settings = {"keep": 0.5, "camera_hz": 20.0, "batch_size": 4}
+    try:
+        method = build_method("fleet_retrain_test", load_source(CARD)[0])
+        fleet = PerceptionFleet(node, str(cal), lambda: settings)
+        fleet.attach(method)
+        logits = torch.log(torch.tensor([[0.8, 0.2], [0.6, 0.4]]))  # mean confidence 0.7
+        fleet.on_batch({"size": 0.5, "confidence@0.25": 0.4, "confidence@1.0": 0.95}, logits)
+        msg = fleet.report()
+        assert list(msg.accuracy) == pytest.approx([0.95, 0.7, 0.4])
+        assert list(msg.retrain_ms[:2]) == [300.0, 120.0] and math.isnan(msg.retrain_ms[2])
+        assert list(msg.accuracy_before) == pytest.approx([(0.95 + 0.8) / 2, (0.7 + 0.6) / 2,
+                                                           (0.4 + 0.4) / 2])
+        assert list(msg.accuracy_after) == pytest.approx([(1.0 + 0.9) / 2, (0.9 + 0.8) / 2,
+                                                          (0.4 + 0.4) / 2])
+        bare = PerceptionFleet(node, "", lambda: settings)  # no past domains: unknown
+        bare.attach(method)
+        bare.on_batch({"size": 0.5}, logits)
+        msg = bare.report()
+        assert all(math.isnan(v) for v in [*msg.accuracy_before, *msg.accuracy_after])
+        with pytest.raises(ValueError, match="no retraining time T"):
+            app_from_report("/x", msg, paper=True)
+    finally:
+        _REGISTRY.pop("fleet_retrain_test", None)
+        node.destroy_node()
+
+
+def test_fleet_report_plausibility_of_the_paper_fields() -> None:
+    """Empty (an older sender) or one value per size, NaN allowed (unknown); a wrong
+    length or an out-of-range value is refused, naming the field."""
+    from tta_ros.nodes.plausibility import Bounds, Implausible, check_fleet_report
+
+    b = Bounds()
+    msg = _report("/b", False)
+    check_fleet_report(msg, b)  # no paper fields
+    msg = _report("/b", True)
+    msg.retrain_ms = [math.nan, 40.0]
+    check_fleet_report(msg, b)
+    msg.accuracy_after = [0.9]
+    with pytest.raises(Implausible, match="accuracy_after has 1 values for 2 sizes"):
+        check_fleet_report(msg, b)
+    msg.accuracy_after, msg.retrain_ms = [0.9, 0.6], [100.0, -1.0]
+    with pytest.raises(Implausible, match=r"retrain_ms\[1\]"):
+        check_fleet_report(msg, b)

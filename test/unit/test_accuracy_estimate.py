@@ -68,3 +68,38 @@ def test_history_estimates_a_new_domain_from_the_near_past_ones() -> None:
         h.estimate(np.zeros(3), [0.8, 0.6], [0.9, 0.8])
     with pytest.raises(ValueError, match="finite"):
         h.record(rep0, [0.5, math.nan], [0.5, 0.5])
+
+
+def test_label_free_estimate_from_the_proxy_and_past_gains() -> None:
+    """Initial A = the proxy, initial Ã = proxy + the weighted past gain (clipped), both
+    calibrated by Eq. 6-7; past domains at distances 1 and 2 (weights W1, W2)."""
+    h = AccuracyHistory()
+    h.record([1.0, 0.0], [0.6, 0.5], [0.8, 0.6])  # gains 0.2, 0.1
+    h.record([0.0, 2.0], [0.4, 0.3], [0.5, 0.9])  # gains 0.1, 0.6
+    proxy = [0.5, 0.8]
+    gain = np.array([W1 * 0.2 + W2 * 0.1, W1 * 0.1 + W2 * 0.6])
+    after0 = np.minimum(np.array(proxy) + gain, 1.0)
+    a, b = h.label_free([0.0, 0.0], proxy)
+    assert a == pytest.approx([0.25 + (W1 * 0.6 + W2 * 0.4) / 2,
+                               0.4 + (W1 * 0.5 + W2 * 0.3) / 2])
+    assert b == pytest.approx(after0 / 2 + np.array([W1 * 0.8 + W2 * 0.5,
+                                                      W1 * 0.6 + W2 * 0.9]) / 2)
+    assert b[1] == pytest.approx(0.5 + (W1 * 0.6 + W2 * 0.9) / 2)  # 0.8 + gain > 1: clipped
+    # unknown without a past domain, a proxy or a representation
+    for hist, rep, prox in ((AccuracyHistory(), [0.0, 0.0], proxy), (h, [0.0, 0.0],
+                            [0.5, math.nan]), (h, [math.nan, 0.0], proxy)):
+        a, b = hist.label_free(rep, prox)
+        assert np.isnan(a).all() and np.isnan(b).all() and a.shape == (2,)
+
+
+def test_history_records_round_trip_by_size() -> None:
+    h = AccuracyHistory()
+    h.record([1.0, 2.0], [0.6, 0.5], [0.8, 0.6])
+    records = h.to_records([1.0, 0.5])
+    assert records == [{"representation": [1.0, 2.0], "before": {"1.0": 0.6, "0.5": 0.5},
+                        "after": {"1.0": 0.8, "0.5": 0.6}}]
+    back = AccuracyHistory.from_records(records, [0.5, 1.0])  # another size order
+    assert back.domains[0].before.tolist() == [0.5, 0.6]
+    assert back.domains[0].after.tolist() == [0.6, 0.8]
+    with pytest.raises(ValueError, match=r"past domain 0: .*sizes \[1\.0, 0\.3\]"):
+        AccuracyHistory.from_records(records, [1.0, 0.3])

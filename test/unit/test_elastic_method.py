@@ -322,3 +322,56 @@ def test_keep_in_the_config_pins_the_size_from_the_first_batch() -> None:
     assert meth.config.keep is None
     with pytest.raises(ValueError, match=r"keep 0\.3 is not one of the sizes"):
         build_method("elastic", gated(), keep=0.3, sizes=(1.0, 0.5))
+
+
+def test_retrain_time_per_size_from_measured_update_steps() -> None:
+    """Retrains.size_retrain_ms: retrain_steps x (forward + update) of each size, the
+    update from that size's measured ratio; NaN for a size that never adapted."""
+    from tta_core.api import Retrains
+
+    m = build_method("elastic", gated(), deadline_mode="fixed", deadline_ms=1e5,
+                     retrain_steps=5)
+    assert isinstance(m, Retrains) and m.size_retrain_ms() == {}  # nothing timed yet
+    m.set_size(0.5)
+    for i in range(3):
+        assert m.step(batch(i)).adapted
+    t = m.size_retrain_ms()
+    assert math.isfinite(t[0.5]) and t[0.5] > 0
+    assert all(math.isnan(t[k]) for k in SIZES if k != 0.5)  # never adapted
+    times = m.plan.times  # planted: base 10 ms at batch 4, load 1.5, update 3 x forward
+    for k in SIZES:
+        times.set_base(k, 4, 10.0 * k)
+    times.load, times.update_ratio = 1.5, {0.5: 3.0, 1.0: 2.0}
+    t = m.size_retrain_ms()
+    assert t[0.5] == pytest.approx(5 * 5.0 * 1.5 * 4.0)  # 150 ms
+    assert t[1.0] == pytest.approx(5 * 10.0 * 1.5 * 3.0)  # 225 ms
+    assert math.isnan(t[0.7]) and math.isnan(t[0.3])
+    lr0 = build_method("elastic", gated(), deadline_mode="fixed", deadline_ms=1e5, lr=0.0)
+    lr0.step(batch(0))
+    assert all(math.isnan(v) for v in lr0.size_retrain_ms().values())  # serve only
+    with pytest.raises(ValueError, match=r"retrain_steps must be an integer >= 1, got 0"):
+        build_method("elastic", gated(), retrain_steps=0)
+
+
+def test_domain_representation_is_an_ema_of_served_penultimate_features() -> None:
+    """The served network's mean input to its last Linear layer, EMA weight REP_ALPHA
+    over batches; None before a batch and after a reset."""
+    from tta_core.elasticdnn.method import REP_ALPHA
+
+    m = build_method("elastic", gated(), deadline_mode="fixed", deadline_ms=1e5, lr=0.0)
+    assert m.domain_representation() is None
+    feats: list[torch.Tensor] = []
+    x0, x1 = batch(0), batch(1)
+    m.step(x0)  # the master serves (size 1.0, no update)
+    hook = m.model.base.fc.register_forward_hook(lambda _m, i, _o: feats.append(i[0]))
+    with torch.no_grad():
+        m.model.base(x0)
+        m.model.base(x1)
+    hook.remove()
+    r0 = feats[0].mean(0).double().numpy()
+    assert m.domain_representation() == pytest.approx(r0, rel=1e-5, abs=1e-6)
+    m.step(x1)
+    expected = (1 - REP_ALPHA) * r0 + REP_ALPHA * feats[1].mean(0).double().numpy()
+    assert m.domain_representation() == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    m.reset()
+    assert m.domain_representation() is None

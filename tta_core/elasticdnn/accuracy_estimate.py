@@ -25,8 +25,9 @@ and, after, that proxy plus the past domains' weighted retraining gain (`gain_pr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -129,3 +130,43 @@ class AccuracyHistory:
         if not (np.isfinite(out_b).all() and np.isfinite(out_a).all()):
             raise ValueError(f"accuracy estimate is not finite ({out_b}, {out_a})")
         return out_b, out_a
+
+    def label_free(self, representation: Sequence[float], proxy: Sequence[float]
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """(A, Ã) of the new domain from a label-free proxy per size (module docstring):
+        initial A the proxy, initial Ã the proxy plus the past domains' weighted
+        retraining gain (clipped to [0, 1]), both calibrated by Eq. 6-7. NaN arrays when
+        there is no past domain or the proxy or representation is not finite (unknown)."""
+        a0 = np.asarray(proxy, dtype=np.float64)
+        rep = np.asarray(representation, dtype=np.float64)
+        if not (self.domains and np.isfinite(a0).all() and np.isfinite(rep).all()):
+            return np.full(a0.shape, np.nan), np.full(a0.shape, np.nan)
+        return self.estimate(rep, a0, np.clip(a0 + self.gain_prior(rep), 0.0, 1.0))
+
+    @classmethod
+    def from_records(cls, records: Sequence[Mapping[str, Any]], sizes: Sequence[float]
+                     ) -> AccuracyHistory:
+        """Past domains from JSON records {"representation": [...], "before": {keep: acc},
+        "after": {keep: acc}} (a fleet_calibration file's "past"), each size of `sizes` in
+        that order; ValueError naming a record that lacks one."""
+        h = cls()
+        for i, r in enumerate(records):
+            try:
+                b, a = ({float(k): float(v) for k, v in r[key].items()}
+                        for key in ("before", "after"))
+                h.record(r["representation"], [b[float(k)] for k in sizes],
+                         [a[float(k)] for k in sizes])
+            except (KeyError, TypeError, AttributeError, ValueError) as exc:
+                raise ValueError(f"past domain {i}: needs 'representation' and 'before' / "
+                                 f"'after' accuracies for sizes {list(sizes)} ({exc!r})"
+                                 ) from None
+        return h
+
+    def to_records(self, sizes: Sequence[float]) -> list[dict[str, Any]]:
+        """The past domains as `from_records` reads them (arrays in `sizes` order)."""
+        return [{"representation": d.representation.tolist(),
+                 "before": {str(float(k)): float(v) for k, v in zip(sizes, d.before,
+                                                                    strict=True)},
+                 "after": {str(float(k)): float(v) for k, v in zip(sizes, d.after,
+                                                                   strict=True)}}
+                for d in self.domains]

@@ -47,6 +47,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -79,6 +80,8 @@ from tta_core.runtime.method import MethodConfig, TTAMethod
 from tta_core.runtime.options import option
 from tta_core.runtime.phases import Phases
 
+REP_ALPHA = 0.1  # EMA weight of the newest batch in the domain representation
+
 
 @dataclass
 class ElasticConfig(MethodConfig, DeadlineConfig):
@@ -108,6 +111,9 @@ class ElasticConfig(MethodConfig, DeadlineConfig):
                                "predictions; in (0, 1]", low=0.0, high=1.0)
     update_prior: float = option(4.0, "update / forward time before an update was measured "
                                  "(> 0)", low=0.0)
+    retrain_steps: int = option(20, "update steps a retraining on a new domain takes (the "
+                                "fleet's T per size: this many x the measured step time)",
+                                low=1)
     warmup_runs: int = option(2, "forwards per size timed at a new batch size (the fastest "
                               "counts; more: steadier times on a shared machine)", low=0)
     # surrogates cut from a blank sample: a size's time does not depend on which filters
@@ -123,6 +129,10 @@ class ElasticConfig(MethodConfig, DeadlineConfig):
         check_master_update(self.master_update)
         if not 0.0 < self.mass <= 1.0:
             raise ValueError(f"mass must be in (0, 1], got {self.mass!r}")
+        if (isinstance(self.retrain_steps, bool) or not isinstance(self.retrain_steps, int)
+                or self.retrain_steps < 1):
+            raise ValueError(f"retrain_steps must be an integer >= 1, got "
+                             f"{self.retrain_steps!r}")
         for name in ("rederive_every", "warmup_runs", "warmup_batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -169,7 +179,7 @@ def master_surrogate(master: GatedModel) -> Surrogate:
 class Elastic(TTAMethod):
     """Load-adaptive serving of a gated master (module doc).
 
-    Capabilities (tta_core.api): DeadlineTunable, Resizable."""
+    Capabilities (tta_core.api): DeadlineTunable, Resizable, Retrains."""
 
     config_cls = ElasticConfig
     config: ElasticConfig
@@ -191,6 +201,7 @@ class Elastic(TTAMethod):
         self.served: dict[float, Served] = {}
         self.since_derive = 0  # batches since the surrogates were cut
         self.pending = False  # a re-derivation is due
+        self.representation: Tensor | None = None  # EMA of mean penultimate features
         if len(cfg.input_shape) == 3 and cfg.warmup_batch > 0:
             self._warm_up_blank(tuple(cfg.input_shape))
 
@@ -228,6 +239,30 @@ class Elastic(TTAMethod):
         n = times.last_n or max((b for _, b in times.base), default=0)
         return self.plan.forward_ms(n) if n else {}
 
+    # ------------------------------------------------------------ Retrains
+    def size_retrain_ms(self) -> dict[float, float]:
+        """T per size (ms): retrain_steps x (forward + update) predicted at the last batch
+        size from the update steps measured on that size (warm-up or served batches); NaN
+        for a size whose update was never measured (e.g. lr 0: serve only)."""
+        times, steps = self.plan.times, self.config.retrain_steps
+        return {k: steps * f * (1.0 + times.update_ratio[k]) if k in times.update_ratio
+                else math.nan for k, f in self.size_forward_ms().items()}
+
+    def domain_representation(self) -> np.ndarray | None:
+        """The current domain's representation (Eq. 5): EMA (weight REP_ALPHA) over served
+        batches of the served network's mean penultimate feature vector (the input of its
+        last Linear layer); None before the first batch."""
+        r = self.representation
+        return None if r is None else r.double().cpu().numpy()
+
+    def _observe_domain(self, feats: list[Tensor]) -> None:
+        if not feats:
+            return
+        mean = feats[-1].detach().float().flatten(1).mean(0)
+        old = self.representation
+        self.representation = mean if old is None or old.shape != mean.shape else (
+            (1.0 - REP_ALPHA) * old + REP_ALPHA * mean)
+
     # ------------------------------------------------------------ DeadlineTunable
     def set_deadline(self, **settings: object) -> None:
         """New deadline settings (DeadlineConfig fields) from the next batch on; ValueError
@@ -264,11 +299,18 @@ class Elastic(TTAMethod):
                     d, self.plan.times.update_ms(d.keep, n)):
                 d = self.plan.without_update(d, n)  # no room to choose its filters first
         loss, probe_ms = math.nan, 0.0
-        if d.adapt:
-            logits, loss, probe_ms = self._adapt(served, x, phases)
-        else:
-            with phases("forward"), torch.no_grad():
-                logits = served.surrogate.model(x)
+        feats: list[Tensor] = []  # the served forward's penultimate features
+        hook = _head(served.surrogate.model).register_forward_hook(
+            lambda _m, inp, _o: feats.append(inp[0].detach()))
+        try:
+            if d.adapt:
+                logits, loss, probe_ms = self._adapt(served, x, phases)
+            else:
+                with phases("forward"), torch.no_grad():
+                    logits = served.surrogate.model(x)
+        finally:
+            hook.remove()
+        self._observe_domain(feats)
         busy = phases.ms["forward"] + phases.ms["backward"] - probe_ms
         self.plan.observe(d, n, busy, phases.ms["plan"] - setup_ms + probe_ms + busy)
         entropy = mean_entropy(logits)
@@ -411,6 +453,7 @@ class Elastic(TTAMethod):
         self.watch.clear()
         self.since_derive, self.pending = 0, False
         self.optimizer = None
+        self.representation = None
 
     def reset(self) -> None:
         """Restore the master bit for bit and forget surrogates, masks and the learnt
@@ -435,11 +478,18 @@ def _put_back(meth: Elastic, master: dict[str, Tensor], cut: dict[float, dict]) 
         meth.served[keep] = Served(served.surrogate)
     meth.watch.clear()
     meth.since_derive, meth.pending, meth.optimizer = 0, False, None
+    meth.representation = None
 
 
 def _snapshot(model: torch.nn.Module) -> dict[str, Tensor]:
     """A copy of `model`'s state_dict (parameters and buffers), to put back bit for bit."""
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _head(model: torch.nn.Module) -> torch.nn.Module:
+    """The network's last Linear layer (its classifier: its input is the penultimate
+    feature vector)."""
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear)][-1]
 
 
 def _entropies(logits: Tensor) -> Tensor:

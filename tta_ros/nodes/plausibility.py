@@ -155,7 +155,8 @@ def check_fleet_report(msg: Any, b: Bounds) -> None:
     """FleetReport: one forward time and accuracy per size, sizes and keep in (0, 1] (keep
     0: the method's choice), served in (0, 1] or NaN, forward times in (0,
     max_forward_ms], accuracy in [0, 1], hz in (0, 1000], deadline in (0, max_budget_ms],
-    batch_size in [1, max_batch_size]."""
+    batch_size in [1, max_batch_size]; retrain_ms (in (0, 1 h] or NaN), accuracy_before
+    and accuracy_after ([0, 1] or NaN) empty (an older sender) or one per size."""
     n = len(msg.sizes)
     for name in ("forward_ms", "accuracy"):
         if len(getattr(msg, name)) != n:
@@ -168,6 +169,12 @@ def check_fleet_report(msg: Any, b: Bounds) -> None:
     in_range("batch_size", msg.batch_size, 1, b.max_batch_size)
     in_range("keep", msg.keep, 0.0, 1.0)
     in_range("served", msg.served, 0.0, 1.0, low_open=True, nan_ok=True)
+    for name in ("retrain_ms", "accuracy_before", "accuracy_after"):
+        if len(getattr(msg, name)) not in (0, n):
+            raise Implausible(f"{name} has {len(getattr(msg, name))} values for {n} sizes")
+    all_in_range("retrain_ms", msg.retrain_ms, 0.0, 3.6e6, low_open=True, nan_ok=True)
+    all_in_range("accuracy_before", msg.accuracy_before, 0.0, 1.0, nan_ok=True)
+    all_in_range("accuracy_after", msg.accuracy_after, 0.0, 1.0, nan_ok=True)
 
 
 def check_speed(speed_mps: float, b: Bounds) -> None:

@@ -25,6 +25,7 @@ from torch import Tensor
 class _Slot:
     x: Tensor
     proj: Tensor
+    sim: float  # float(proj @ centroid) for the memory's current centroid
 
 
 class CorruptionMemory:
@@ -40,6 +41,7 @@ class CorruptionMemory:
         self.quota = max(1, self.capacity // self.num_classes)
         self.min_similarity = float(min_similarity)
         self.slots: list[list[_Slot]] = [[] for _ in range(self.num_classes)]
+        self._scored: Tensor | None = None  # the centroid the slots' `sim` is against
 
     def __len__(self) -> int:
         return sum(len(s) for s in self.slots)
@@ -50,28 +52,55 @@ class CorruptionMemory:
 
     def add(self, x: Tensor, pred: Tensor, proj: Tensor, centroid: Tensor) -> int:
         """Offer samples x [B, ...] with predicted classes [B] and projections [B, dim]
-        against the current centroid [dim]; returns how many were stored."""
+        against the current centroid [dim] (not modified in place while in use); returns
+        how many were stored."""
+        return self.add_reading(x, pred, proj, centroid)[0]
+
+    def add_reading(self, x: Tensor, pred: Tensor, proj: Tensor, centroid: Tensor,
+                    extra: Tensor | None = None) -> tuple[int, list[float]]:
+        """`add`, reading `extra` (a 1-D tensor, e.g. the batch's entropy) to the host in
+        the same transfer as the admission's inputs: (stored, extra's values)."""
         if not len(x) == len(pred) == len(proj):
             raise ValueError(f"x, pred and proj lengths differ: {len(x)}, {len(pred)}, "
                              f"{len(proj)}")
-        sims = (proj @ centroid).tolist()
+        self._rescore(centroid)
+        n = len(x)
+        kept = [proj[i].detach().clone() for i in range(n)]
+        pieces = [(proj @ centroid).double(), pred.double()]
+        if kept:  # a kept sample's score, computed as `_rescore` computes it
+            pieces.append(torch.stack([p @ centroid for p in kept]).double())
+        if extra is not None:
+            pieces.append(extra.reshape(-1).double())
+        values = torch.cat(pieces).tolist()
+        sims, classes, own = values[:n], values[n:2 * n], values[2 * n:3 * n]
         stored = 0
-        for i, (cls, sim) in enumerate(zip(pred.tolist(), sims, strict=True)):
-            if sim >= self.min_similarity and self._admit(int(cls), sim, centroid):
-                self.slots[int(cls)].append(_Slot(x[i].detach().clone(),
-                                                  proj[i].detach().clone()))
+        for i, (cls, sim) in enumerate(zip(classes, sims, strict=True)):
+            c = int(cls)
+            if sim >= self.min_similarity and self._admit(c, sim):
+                self.slots[c].append(_Slot(x[i].detach().clone(), kept[i], own[i]))
                 stored += 1
-        return stored
+        return stored, values[3 * n:]
 
-    def _admit(self, cls: int, sim: float, centroid: Tensor) -> bool:
+    def _rescore(self, centroid: Tensor) -> None:
+        """Score every stored sample against `centroid` (one read), unless already."""
+        if centroid is self._scored:
+            return
+        slots = [s for cls in self.slots for s in cls]
+        if slots:
+            for s, sim in zip(slots, torch.stack([s.proj @ centroid for s in slots])
+                              .tolist(), strict=True):
+                s.sim = sim
+        self._scored = centroid
+
+    def _admit(self, cls: int, sim: float) -> bool:
         """Make room for one sample of class `cls` with representativeness `sim`."""
         own = self.slots[cls]
         if len(own) < self.quota:
             if len(self) >= self.capacity:  # full bank: the fullest class gives one up
                 max(self.slots, key=len).pop(0)
             return True
-        worst = min(range(len(own)), key=lambda k: float(own[k].proj @ centroid))
-        if float(own[worst].proj @ centroid) < sim:
+        worst = min(range(len(own)), key=lambda k: own[k].sim)
+        if own[worst].sim < sim:
             own.pop(worst)
             return True
         return False
@@ -81,8 +110,8 @@ class CorruptionMemory:
         `min_similarity` (they represent the previous corruption, not the ongoing one);
         returns how many were dropped."""
         before = len(self)
-        self.slots = [[s for s in cls if float(s.proj @ centroid) >= self.min_similarity]
-                      for cls in self.slots]
+        self._rescore(centroid)
+        self.slots = [[s for s in cls if s.sim >= self.min_similarity] for cls in self.slots]
         return before - len(self)
 
     def samples(self) -> Tensor | None:

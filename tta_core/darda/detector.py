@@ -36,7 +36,8 @@ batches online: 93.3 % (seeds 0-3), the hysteresis bound. Tried and dropped: a p
 spread (young blur domains split), a high quantile for the threshold (see above), a test
 on the mean of the last few batches to separate similar corruptions (split domains).
 
-Deterministic (float64 on the CPU), O(domains x dim) per batch.
+Deterministic (float64 on the CPU), O(domains x dim) per batch; the scalars a batch's
+decision needs are read from their tensors in one transfer (`DomainDetector._scalars`).
 """
 
 from __future__ import annotations
@@ -112,6 +113,18 @@ class Detection:
     evicted: str = ""  # domain dropped (LRU) to make room for a new one
 
 
+@dataclass
+class _Scalars:
+    """A batch's decision inputs on the host (`DomainDetector._scalars`)."""
+
+    distances: list[float]
+    near: int  # nearest domain (-1: none known)
+    threshold: float
+    alone: tuple[int, float] = (-1, math.inf)  # vote target of this batch alone
+    pair: float = math.nan  # distance to the previous away batch
+    joined: tuple[int, float] = (-1, math.inf)  # vote target of the run with this batch
+
+
 def _calibrated(values: Tensor, q: float, margin: float, default: float, n_min: int) -> float:
     if values.numel() < n_min:
         return default
@@ -164,14 +177,15 @@ class DomainDetector:
     def _check(self, e: Tensor) -> Tensor:
         if e.ndim != 1 or e.numel() != self.dim:
             raise ValueError(f"embedding must be a vector of {self.dim}, got {tuple(e.shape)}")
-        return e.detach().to(F64, copy=False).cpu()
+        e = e.detach().to(F64, copy=False)
+        return e if e.device.type == "cpu" else e.cpu()
 
     def _absorb(self, j: int, batches: list[Batch]) -> None:
         for e, w in batches:
             self.table.absorb(j, e, w, self.batches)
 
     def _mature(self, j: int) -> bool:
-        return float(self.table.counts[j]) >= self.config.calib_after
+        return self.table.count(j) >= self.config.calib_after
 
     def _record(self, d: float) -> None:
         kept = torch.cat([self.own, torch.tensor([d], dtype=F64)])
@@ -215,10 +229,10 @@ class DomainDetector:
         w = None if within is None else self._check(within)
         self.batches += 1
         prev = self.current_name
-        d, thr = self.table.distances(e), self.threshold()
-        near = int(torch.argmin(d)) if d.numel() else -1
-        near_d = float(d[near]) if near >= 0 else math.nan
-        cur_d = float(d[self.current]) if self.current >= 0 else math.nan
+        s = self._scalars(e, w)
+        d, near, thr = s.distances, s.near, s.threshold
+        near_d = d[near] if near >= 0 else math.nan
+        cur_d = d[self.current] if self.current >= 0 else math.nan
         det = Detection(prev, prev, cur_d, self.names[near] if near >= 0 else "", near_d,
                         thr, near < 0 or near_d > thr)
         if self.current < 0:  # first batch: a known (enrolled or loaded) domain, else new
@@ -233,25 +247,60 @@ class DomainDetector:
                 self._record(cur_d)
             self._absorb(self.current, [(e, w)])
             return det
-        return self._vote(cand, (e, w), det)
+        return self._vote(cand, (e, w), det, s)
 
-    def _vote(self, cand: int, batch: Batch, det: Detection) -> Detection:
+    def _scalars(self, e: Tensor, w: Tensor | None) -> _Scalars:
+        """Everything a batch's decision reads, in one `tolist`: the distances to every
+        domain and the nearest, the novelty threshold's quantile, and for a vote (`_vote`)
+        the agreement with the previous away batch and the known domain other than the
+        active one nearest to the away batches' mean, with or without the earlier ones."""
+        c, t = self.config, self.table
+        d = t.distances(e)
+        n = d.numel()
+        pieces = [d]
+        if n:
+            pieces.append(torch.argmin(d).reshape(1).to(F64))
+        calibrated = self.own.numel() >= c.calib_min
+        if calibrated:
+            pieces.append(torch.quantile(self.own, c.novelty_quantile).reshape(1))
+        vote = n > 0 and 0 <= self.current < n
+        if vote:
+            alone = d.clone()  # the mean of this batch alone is this batch
+            alone[self.current] = math.inf
+            pieces.append(torch.argmin(alone).reshape(1).to(F64))
+        run = vote and bool(self._buffer)
+        if run:
+            last, w_last = self._buffer[-1]
+            dm = t.distances(torch.stack([x for x, _ in self._buffer] + [e]).mean(0))
+            dm[self.current] = math.inf
+            jm = torch.argmin(dm).reshape(1)
+            pieces += [t.pair_distances(last, w_last, e, w).reshape(1), jm.to(F64),
+                       dm.gather(0, jm)]
+        v = torch.cat(pieces).tolist() if len(pieces) > 1 else []  # none: nothing known
+        out = _Scalars(v[:n], int(v[n]) if n else -1, c.novelty_default)
+        k = n + 1 if n else 0
+        if calibrated:
+            out.threshold, k = c.novelty_margin * v[k], k + 1
+        if vote:
+            j = int(v[k])
+            out.alone, k = (j, math.inf if j == self.current else v[j]), k + 1
+        if run:
+            out.pair, out.joined = v[k], (int(v[k + 1]), v[k + 2])
+        return out
+
+    def _vote(self, cand: int, batch: Batch, det: Detection, s: _Scalars) -> Detection:
         """A batch away from the active domain; after `hysteresis` in a row, switch to the
         known domain nearest to their mean if it is within the threshold, else to a new one
         (so a run that alternates between a known candidate and NEW still switches)."""
-        if self._buffer:  # away batches must agree, or the run restarts from this one
-            (last, w_last), (e, w) = self._buffer[-1], batch
-            if self.table.pair_distance(last, w_last, e, w) > det.threshold:
-                self._streak, self._buffer = 0, []
+        joined = bool(self._buffer)
+        if joined and s.pair > det.threshold:  # away batches must agree, or the run
+            self._streak, self._buffer, joined = 0, [], False  # restarts from this one
         self._streak += 1
         self._buffer.append(batch)
         if self._streak < self.config.hysteresis and not self._sure(cand, det):
             return det
-        mean = torch.stack([e for e, _ in self._buffer]).mean(0)
-        d = self.table.distances(mean)
-        d[self.current] = math.inf
-        j = int(torch.argmin(d))
-        if float(d[j]) <= det.threshold:
+        j, dj = s.joined if joined else s.alone
+        if dj <= det.threshold:
             return self._switch(j, self._buffer, det)
         if self._streak < self.config.novel_hysteresis:
             return det

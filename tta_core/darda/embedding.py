@@ -91,35 +91,66 @@ def bn_layers_in_forward_order(model: nn.Module, probe: Tensor) -> list[str]:
 _CANCEL_RATIO = 1e3  # one-pass variance while mean^2 <= 1e3 var (as the assessor)
 
 
-def _per_sample_moments(v: Tensor) -> tuple[Tensor, Tensor]:
-    """Mean and population variance over the last dim of [B, C, N]. One pass with
-    vector_norm for the squares (no temporary: 3.5 ms for a 16x64x112x112 ResNet-18 stem
-    output on one core, var_mean 85 ms), two-pass where a channel would cancel."""
+@dataclass
+class Part:
+    """One embedded layer's (moments, within-batch spread or None) of a forward, on the
+    layer's device. `cancels`: a 0-dim bool, true when the one-pass variance of a channel
+    cancelled; `exact()` then recomputes the moments two-pass. The embedder reads every
+    part's flag and values in one transfer and calls `exact()` only on flagged parts."""
+
+    vec: Tensor
+    spread: Tensor | None
+    cancels: Tensor | None = None
+    exact: Callable[[], tuple[Tensor, Tensor | None]] | None = None
+
+
+def _one_pass(v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Mean and population variance over the last dim of [B, C, N] in one pass
+    (vector_norm for the squares, no temporary: 3.5 ms for a 16x64x112x112 ResNet-18 stem
+    output on one core, var_mean 85 ms), and whether a channel cancels (0-dim bool)."""
     n = v.shape[-1]
     mean = v.sum(-1) / n
     var = torch.linalg.vector_norm(v, dim=-1) ** 2 / n - mean * mean
-    if bool(((mean * mean > _CANCEL_RATIO * var) | (var <= 0)).any()):
-        d = v - mean.unsqueeze(-1)
-        shift = d.sum(-1) / n
-        var = torch.linalg.vector_norm(d, dim=-1) ** 2 / n - shift * shift
-        mean = mean + shift
-    return mean, var.clamp_min(0)
+    return mean, var, ((mean * mean > _CANCEL_RATIO * var) | (var <= 0)).any()
+
+
+def _two_pass(v: Tensor, mean: Tensor) -> tuple[Tensor, Tensor]:
+    """Corrected two-pass mean and variance of [B, C, N] from the one-pass mean."""
+    n = v.shape[-1]
+    d = v - mean.unsqueeze(-1)
+    shift = d.sum(-1) / n
+    var = torch.linalg.vector_norm(d, dim=-1) ** 2 / n - shift * shift
+    return mean + shift, var
+
+
+def _features(mean: Tensor, var: Tensor) -> tuple[Tensor, Tensor | None]:
+    """Batch mean of the per-sample [channel means, log-variances], its spread / B."""
+    feats = torch.cat([mean, torch.log(var.clamp_min(0) + LOG_EPS)], dim=1).double()
+    n = feats.shape[0]
+    return feats.mean(0), feats.var(0, correction=0) / n if n > 1 else None
+
+
+def moments_part(x: Tensor, per_sample: bool) -> Part:
+    """The moments of a [B, C, ...] tensor as a Part, float64 on x's device (`moments`)."""
+    x = x.detach()
+    if per_sample and x.ndim > 2:
+        v = x.float().flatten(2)
+        mean, var, cancels = _one_pass(v)
+        return Part(*_features(mean, var), cancels, lambda: _features(*_two_pass(v, mean)))
+    mean, var = channel_stats(x)
+    return Part(torch.cat([mean, torch.log(var.clamp_min(0) + LOG_EPS)]).double(), None)
 
 
 def moments(x: Tensor, per_sample: bool) -> tuple[Tensor, Tensor | None]:
     """([channel means, channel log-variances], within-batch spread of those or None) of a
     [B, C, ...] tensor, float64 on the CPU. Per sample: the log-variance is per sample and
-    averaged; the spread is the variance over the batch of the per-sample features / B."""
-    x = x.detach()
-    if per_sample and x.ndim > 2:
-        mean, var = _per_sample_moments(x.float().flatten(2))
-        feats = torch.cat([mean, torch.log(var + LOG_EPS)], dim=1).double()
-        n = feats.shape[0]
-        spread = feats.var(0, correction=0) / n if n > 1 else None
-        return feats.mean(0).cpu(), None if spread is None else spread.cpu()
-    mean, var = channel_stats(x)
-    out = torch.cat([mean, torch.log(var.clamp_min(0) + LOG_EPS)])
-    return out.double().cpu(), None
+    averaged; the spread is the variance over the batch of the per-sample features / B.
+    One pass, two-pass where a channel would cancel."""
+    part = moments_part(x, per_sample)
+    vec, spread = part.vec, part.spread
+    if part.cancels is not None and part.exact is not None and bool(part.cancels):
+        vec, spread = part.exact()
+    return vec.cpu(), None if spread is None else spread.cpu()
 
 
 RESIDUAL_SCALES = 2  # full and half resolution
@@ -142,15 +173,16 @@ def corruption_residual(x: Tensor) -> Tensor:
 
 
 def residual_moments(x: Tensor, per_sample: bool) -> tuple[Tensor, Tensor | None]:
-    """(batch mean of `corruption_residual`, its spread / B or None), on the CPU."""
+    """(batch mean of `corruption_residual`, its spread / B or None), on x's device."""
     return sample_moments(corruption_residual(x), per_sample)
 
 
 def sample_moments(f: Tensor, per_sample: bool) -> tuple[Tensor, Tensor | None]:
-    """(batch mean of per-sample features [B, F], their spread / B or None), on the CPU."""
+    """(batch mean of per-sample features [B, F], their spread / B or None), on f's
+    device."""
     n = f.shape[0]
     spread = f.var(0, correction=0) / n if per_sample and n > 1 else None
-    return f.mean(0).cpu(), None if spread is None else spread.cpu()
+    return f.mean(0), spread
 
 
 def embedding_from_stats(stats: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
@@ -159,6 +191,37 @@ def embedding_from_stats(stats: Sequence[tuple[Tensor, Tensor]]) -> Tensor:
     parts = [torch.cat([m.detach().reshape(-1), torch.log(v.detach().reshape(-1)
                         .clamp_min(0) + LOG_EPS)]) for m, v in stats]
     return torch.cat(parts).double().cpu()
+
+
+def read_parts(parts: Sequence[Part]) -> tuple[Tensor, Tensor | None]:
+    """(concatenated vectors, concatenated spreads or None when a part has none), float64
+    on the CPU, read from the device in one transfer (a second one only when a part's
+    one-pass variance cancelled and it was recomputed two-pass)."""
+    checked = [p for p in parts if p.cancels is not None]
+    flags = [p.cancels for p in checked]
+    host = _read([p.vec for p in parts], [p.spread for p in parts], flags)
+    redo = [p for p, bad in zip(checked, host[2], strict=True) if bad]
+    if redo:
+        for p in redo:
+            assert p.exact is not None
+            p.vec, p.spread = p.exact()
+            p.cancels = None
+        host = _read([p.vec for p in parts], [p.spread for p in parts], [])
+    return host[0], host[1]
+
+
+def _read(vecs: list[Tensor], spreads: list[Tensor | None], flags: list[Tensor]
+          ) -> tuple[Tensor, Tensor | None, list[bool]]:
+    """One `tolist` of the vectors, the spreads (when every part has one) and the flags."""
+    full = all(w is not None for w in spreads)
+    pieces = [v.reshape(-1) for v in vecs] + \
+        ([w.reshape(-1) for w in spreads if w is not None] if full else []) + \
+        [f.reshape(1).double() for f in flags]
+    values = torch.cat(pieces).tolist()
+    dim = sum(v.numel() for v in vecs)
+    vec = torch.tensor(values[:dim], dtype=torch.float64)
+    spread = torch.tensor(values[dim:2 * dim], dtype=torch.float64) if full else None
+    return vec, spread, [bool(f) for f in values[len(values) - len(flags):]]
 
 
 class DomainEmbedder:
@@ -183,13 +246,14 @@ class DomainEmbedder:
                              f"{type(model).__name__} has {len(order)}")
         self.layer_names: list[str] = order[: self.config.layers]
         modules = dict(model.named_modules())
-        self._parts: dict[str, tuple[Tensor, Tensor | None]] = {}
+        self._parts: dict[str, Part] = {}
         self._handles = [modules[n].register_forward_pre_hook(self._hook(n))
                          for n in self.layer_names]
         front = (["input"] if self.config.include_input else []) + \
             (["residual"] if self.config.residual else []) + \
             (["encoder"] if self.config.encoder else [])
-        self.encoder = load_encoder(self.config.encoder) if self.config.encoder else None
+        self.encoder = load_encoder(self.config.encoder).to(p.device) \
+            if self.config.encoder else None
         self._handles[:0] = [model.register_forward_pre_hook(self._hook(k)) for k in front]
         self.keys = front + self.layer_names
         self.enabled = True
@@ -205,20 +269,23 @@ class DomainEmbedder:
             if self.enabled and args and isinstance(args[0], Tensor):
                 t0 = time.perf_counter()
                 self._parts[key] = self._stat(key, args[0])
+                ready = key == self.keys[-1] and self.on_ready is not None
+                vec = self.embedding() if ready else None
                 self._ms += (time.perf_counter() - t0) * 1e3
-                if key == self.keys[-1] and self.on_ready is not None:
-                    self.on_ready(*self.embedding())
+                if vec is not None and self.on_ready is not None:
+                    self.on_ready(*vec)
         return hook
 
-    def _stat(self, key: str, x: Tensor) -> tuple[Tensor, Tensor | None]:
+    def _stat(self, key: str, x: Tensor) -> Part:
+        """One layer's part, left on the device (read with the others in `embedding`)."""
         if key == "residual":
-            return residual_moments(x, self.config.per_sample)
+            return Part(*residual_moments(x, self.config.per_sample))
         if key == "encoder":
             assert self.encoder is not None
             with torch.no_grad():
-                z = self.encoder(x.detach().float().cpu()).double()
-            return sample_moments(z, self.config.per_sample)
-        return moments(x, self.config.per_sample)
+                z = self.encoder(x.detach().float()).double()
+            return Part(*sample_moments(z, self.config.per_sample))
+        return moments_part(x, self.config.per_sample)
 
     def take_ms(self) -> float:
         """Milliseconds spent computing moments since the last call (then reset)."""
@@ -226,18 +293,15 @@ class DomainEmbedder:
         return ms
 
     def embedding(self) -> tuple[Tensor, Tensor | None]:
-        """The last forward's (embedding, within-batch spread or None), float64 on the CPU;
-        RuntimeError if a layer did not run."""
+        """The last forward's (embedding, within-batch spread or None), float64 on the CPU,
+        read from the device in one transfer (`read_parts`); RuntimeError if a layer did
+        not run."""
         missing = [k for k in self.keys if k not in self._parts]
         if missing:
             raise RuntimeError(f"layers {missing} did not run in the last forward")
         parts = [self._parts[k] for k in self.keys]
         self._parts.clear()
-        vec = torch.cat([v for v, _ in parts])
-        spreads = [w for _, w in parts]
-        if any(w is None for w in spreads):
-            return vec, None
-        return vec, torch.cat(spreads)  # type: ignore[arg-type]
+        return read_parts(parts)
 
     def close(self) -> None:
         """Remove the hooks."""

@@ -49,12 +49,24 @@ class BalancedMemory:
 
     def add(self, x: Tensor, logits: Tensor) -> int:
         """Offer each sample of batch x with its logits; returns how many were admitted."""
+        pred, ent = self.labels(logits)
+        values = torch.cat([pred.double(), ent.double()]).tolist()
+        n = len(pred)
+        return self.admit(x, [int(c) for c in values[:n]], values[n:])
+
+    def labels(self, logits: Tensor) -> tuple[Tensor, Tensor]:
+        """(predicted classes, entropies / ln(classes)) of a batch, on its device: what
+        `admit` takes once read to the host."""
         logp = torch.log_softmax(logits.detach().float(), dim=1)
         ent = -(logp.exp() * logp).sum(1) / math.log(self.num_classes)
-        pred = logp.argmax(1)
+        return logp.argmax(1), ent
+
+    def admit(self, x: Tensor, pred: list[int], uncertainty: list[float]) -> int:
+        """Offer each sample of batch x with its predicted class and uncertainty (`labels`,
+        on the host); returns how many were admitted."""
         admitted = 0
         for i in range(x.shape[0]):
-            cls, u = int(pred[i]), float(ent[i])
+            cls, u = pred[i], uncertainty[i]
             if self._make_room(cls, self.score(0, u)):
                 self.data[cls].append(_Item(x[i].detach().clone(), u))
                 admitted += 1

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from tta_core.api import StepResult, mean_entropy
+from tta_core.api import StepResult
 from tta_core.darda.bank import SOURCE, StateBank, adapted_tensors, last_linear
 from tta_core.darda.bn import BANK_BN_MODES, configure, refreshing
 from tta_core.darda.bundle import expect_for as bundle_expect
@@ -50,6 +50,7 @@ from tta_core.darda.switch import DomainSwitch, SwitchConfig, embedder_for
 from tta_core.errors import InputError, one_line
 from tta_core.model.robust_bn import RobustBN, batch_norm_layers
 from tta_core.registry import register
+from tta_core.runtime import losses
 from tta_core.runtime.deadline import (
     DEADLINE_MODES,
     DeadlineBudget,
@@ -199,6 +200,7 @@ class Darda(TTAMethod):
         if not any(p.requires_grad for p in self.model.parameters()):
             raise self.nothing_to_adapt("no BatchNorm affine after the embedding layers")
         self._rbn = RobustBN(self._upper, c.bn_momentum) if c.bn_mode == "bank" else None
+        self._known: tuple[float, float] | None = None  # (loss, entropy) read in post
         keep = set(upper)
         self._live = adapted_tensors(self.model, skip=lambda n: n not in keep)
         self._source = {k: v.detach().clone() for k, v in self._live.items()}
@@ -263,6 +265,7 @@ class Darda(TTAMethod):
         """The forward that also embeds the batch and recognises its domain (the switch
         may swap the banked state in); recorded only when the gate wants a backward."""
         grad = self.optimizer is not None and self.gate.wants_backward()
+        self._known = None
         self.switch.begin()
         with torch.set_grad_enabled(grad):
             step.logits = self.model(step.x)
@@ -276,25 +279,61 @@ class Darda(TTAMethod):
             self.backward_passes += 1
 
     def post(self, step: Step) -> None:
-        """The gate's record, memory bank admission and the Eq. 15 refresh."""
-        self.gate.record(mean_entropy(step.logits), step.adapted)
-        self._remember(step.x, step.logits, step.adapted)
+        """The gate's record, memory bank admission and the Eq. 15 refresh, their inputs
+        read from the device in one transfer (with the loss when the forward's logits are
+        the prediction: no reforward)."""
+        logits = step.logits.detach()
+        logp = torch.log_softmax(logits.float(), dim=1)
+        entropy = -(logp.exp() * logp).sum(1).mean()  # as mean_entropy and entropy_loss
+        pieces = [entropy.reshape(1).double()]
+        served = not (self.config.reforward and step.adapted)
+        if served and step.loss is not None:
+            pieces.append(step.loss.detach().reshape(1).double())
+        if self.memory is not None:
+            pred, unc = self.memory.labels(logits)
+            pieces += [pred.double(), unc.double()]
+        values = torch.cat(pieces).tolist()
+        self.gate.record(values[0], step.adapted)
+        loss = values[1] if served and step.loss is not None else math.nan
+        self._known = (loss, values[0]) if served else None
+        if self.memory is not None:
+            n = len(step.x)
+            rest = values[len(values) - 2 * n:]
+            self._remember(step.x, [int(c) for c in rest[:n]], rest[n:], step.adapted)
 
     def predict(self, step: Step) -> None:
         with self._quiet():
             super().predict(step)
 
     def step_result(self, step: Step) -> StepResult:
-        res = super().step_result(step)
+        res = self._result(step)
         res.domain = self.detector.current_name
         res.stats = self.switch.stats(step.adapted)
         return res
 
-    def _remember(self, x: Tensor, logits: Tensor, adapted: bool) -> None:
-        """Memory bank admission and the Eq. 15 refresh (bn_mode 'bank')."""
+    def _result(self, step: Step) -> StepResult:
+        """TTAMethod.step_result, without its read of the loss and mean entropy when they
+        were read with the batch's decisions (`_known`, for a prediction that is the
+        forward's logits)."""
+        known, self._known = self._known, None
+        out = step.out if step.out is not None else step.logits
+        if known is None or out is not step.logits or not math.isnan(step.loss_value):
+            return TTAMethod.step_result(self, step)
+        res = StepResult(logits=out.detach(), times=step.phases.times(), loss=known[0],
+                         mean_entropy=known[1], adapted=step.adapted,
+                         units_updated=self.units_updated(step))
+        if self.codec is not None:
+            res.stats.update(self.codec.stats())
+        res.stats.update(step.stats)
+        return res
+
+    def _remember(self, x: Tensor, pred: list[int], uncertainty: list[float],
+                  adapted: bool) -> None:
+        """Memory bank admission (the batch's predicted classes and uncertainties, read)
+        and the Eq. 15 refresh (bn_mode 'bank')."""
         if self.memory is None:
             return
-        self.memory.add(x.detach(), logits)
+        self.memory.admit(x.detach(), pred, uncertainty)
         self._since_refresh += 1
         if not adapted or len(self.memory) < self.memory.capacity // 2 \
                 or self._since_refresh < self.config.refresh_every:
@@ -427,6 +466,7 @@ class PaperDarda(Darda, DeadlineBudget):
         for p in self.paper.params:
             p.requires_grad_(True)
         self.backward_passes = 0
+        self._known: tuple[float, float] | None = None  # (loss, entropy) read in forward
         DeadlineConfig.validate(c)
         self.fixed = FixedCosts()
         self.adapt_seen: deque[float] = deque(maxlen=ADAPT_WINDOW)
@@ -477,13 +517,17 @@ class PaperDarda(Darda, DeadlineBudget):
         return self.paper.domain
 
     def forward(self, step: Step) -> None:
+        self._known = None
         proj, c = self.paper.signature(step.x)
         owed = self.paper.pending
         step.stats["switched"] = self.paper.observe(c)
         self.skipped += int(owed and step.stats["switched"])  # its adaptation never ran
         with torch.no_grad():
             step.logits = self.model(step.x)
-        self.paper.remember(step.x, step.logits, proj)
+        # the mean entropy a forward-only batch reports, read with the admission's inputs
+        entropy = losses.entropy_loss(step.logits.detach())
+        self._known = (math.nan, self.paper.remember(step.x, step.logits, proj,
+                                                     entropy.reshape(1))[0])
 
     def update(self, step: Step) -> None:
         """The one adaptation after a shift when its trigger fires, unless it would miss
@@ -511,7 +555,7 @@ class PaperDarda(Darda, DeadlineBudget):
             step.out = step.logits
 
     def step_result(self, step: Step) -> StepResult:
-        res = TTAMethod.step_result(self, step)
+        res = self._result(step)
         res.domain = self.paper.domain
         res.stats.update({"backward": step.adapted, "shifts": self.paper.shifts,
                           "memory": len(self.paper.memory),

@@ -46,7 +46,7 @@ from tta_core.darda.bank import adapted_tensors, last_linear
 from tta_core.darda.bn import refreshing
 from tta_core.darda.corruption_memory import CorruptionMemory
 from tta_core.darda.offline import Offline
-from tta_core.darda.subnet import adaptation_loss, closest, fingerprint
+from tta_core.darda.subnet import adaptation_loss, closest_index, fingerprint
 from tta_core.model.robust_bn import batch_norm_layers
 from tta_core.runtime import losses
 
@@ -134,31 +134,44 @@ class PaperOnline:
         return proj, F.normalize(proj.mean(0), dim=0)
 
     def observe(self, c: Tensor) -> bool:
-        """Shift detection and bootstrapping (steps 2 of the module doc); True on a shift."""
-        if self.running is not None and float(self.running @ c) >= self.cfg.shift_cos:
+        """Shift detection and bootstrapping (steps 2 of the module doc); True on a shift.
+        What a shift decides is computed with the cosine to the running signature and read
+        with it in one transfer."""
+        k = torch.argmax(self.centroids @ c).reshape(1)
+        pieces = [k, closest_index(self.signatures, c).reshape(1)]
+        tracking = self.running is not None
+        if tracking:
+            pieces.append((self.running @ c).reshape(1))
+        if self.cfg.learn_domains:  # the nearest centroid's cosine, each learnt one's
+            pieces.append((self.centroids.index_select(0, k)[0] @ c).reshape(1))
+            pieces += [(d.signature @ c).reshape(1) for d in self.learnt.values()]
+        v = torch.cat([t.double() for t in pieces]).tolist()
+        if tracking and v[2] >= self.cfg.shift_cos:  # the same corruption
             self.running = F.normalize((1 - self.cfg.track) * self.running
                                        + self.cfg.track * c, dim=0)
             return False
         self.running, self.shifts = c.clone(), self.shifts + 1
-        self.center = self.centroids[int(torch.argmax(self.centroids @ c))]
-        self.novel = self.cfg.learn_domains and float(self.center @ c) < self.cfg.novelty_cos
-        hit = self._learnt_match(c) if self.novel else ""
+        self.center = self.centroids[int(v[0])]
+        sims = v[3 if tracking else 2:]  # learn_domains: the cosines
+        self.novel = self.cfg.learn_domains and sims[0] < self.cfg.novelty_cos
+        hit = self._learnt_match(sims[1:]) if self.novel else ""
         if hit:
             self.domain, self.pending = hit, False
             self.learnt.move_to_end(hit)
             self._load(self.learnt[hit].state)
         else:
-            i = closest(self.signatures, c)
+            i = int(v[1])
             self.domain, self.pending, self.waited = self.off.names[i], True, 0
             self._load(self.off.states[self.off.names[i]])
         self.memory.retarget(self.center)
         self.opt.state.clear()
         return True
 
-    def _learnt_match(self, c: Tensor) -> str:
+    def _learnt_match(self, sims: list[float]) -> str:
+        """The learnt corruption most similar to the batch (`sims`: cosines of the learnt
+        signatures, in order), '' when none reaches novelty_cos."""
         best, name = -2.0, ""
-        for n, d in self.learnt.items():
-            sim = float(d.signature @ c)
+        for n, sim in zip(self.learnt, sims, strict=True):
             if sim > best:
                 best, name = sim, n
         return name if best >= self.cfg.novelty_cos else ""
@@ -168,9 +181,11 @@ class PaperOnline:
             for k, t in self.live.items():
                 t.copy_(state[k])
 
-    def remember(self, x: Tensor, logits: Tensor, proj: Tensor) -> None:
-        """Offer the batch to the memory bank (Algorithm 1)."""
-        self.memory.add(x, logits.argmax(1), proj, self.center)
+    def remember(self, x: Tensor, logits: Tensor, proj: Tensor,
+                 extra: Tensor | None = None) -> list[float]:
+        """Offer the batch to the memory bank (Algorithm 1); `extra` (1-D) is read to the
+        host with the admission's inputs, its values returned."""
+        return self.memory.add_reading(x, logits.argmax(1), proj, self.center, extra)[1]
 
     def ready(self) -> bool:
         """Whether the one adaptation of the ongoing corruption runs on this batch."""

@@ -129,10 +129,15 @@ def subnet_loss(s: Tensor, c: Tensor, a: Tensor, lambda_r: float = 0.5,
 
 def closest(signatures: Tensor, c: Tensor) -> int:
     """Eq. 10's choice: row i of `signatures` [d, dim] maximising S^i . c."""
+    return int(closest_index(signatures, c))
+
+
+def closest_index(signatures: Tensor, c: Tensor) -> Tensor:
+    """`closest` as a 0-dim tensor on the device (not read back)."""
     if signatures.ndim != 2 or c.ndim != 1 or signatures.shape[1] != c.numel():
         raise ValueError(f"signatures [d, dim] and c [dim] expected, got "
                          f"{tuple(signatures.shape)} and {tuple(c.shape)}")
-    return int(torch.argmax(signatures @ c))
+    return torch.argmax(signatures @ c)
 
 
 def adaptation_loss(s: Tensor, c_bar: Tensor) -> Tensor:

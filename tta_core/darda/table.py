@@ -43,8 +43,21 @@ class DomainTable:
         self.centroids = torch.zeros(0, self.dim, dtype=F64)
         self.spreads = torch.zeros(0, self.dim, dtype=F64)
         self.within = torch.zeros(0, self.dim, dtype=F64)
-        self.counts = torch.zeros(0, dtype=F64)
+        self._counts: list[float] = []  # batches per domain, on the host (no read to branch)
         self.last_used = torch.zeros(0, dtype=torch.int64)
+
+    @property
+    def counts(self) -> Tensor:
+        """Batches absorbed per domain (float64)."""
+        return torch.tensor(self._counts, dtype=F64)
+
+    @counts.setter
+    def counts(self, value: Tensor) -> None:
+        self._counts = [float(c) for c in value.tolist()]
+
+    def count(self, j: int) -> float:
+        """Batches absorbed by domain j."""
+        return self._counts[j]
 
     def __len__(self) -> int:
         return len(self.names)
@@ -63,34 +76,35 @@ class DomainTable:
         z = torch.zeros(1, self.dim, dtype=F64)
         for f in self.FIELDS:
             setattr(self, f, torch.cat([getattr(self, f), z]))
-        self.counts = torch.cat([self.counts, torch.zeros(1, dtype=F64)])
+        self._counts.append(0.0)
         self.last_used = torch.cat([self.last_used, torch.tensor([now])])
         return len(self.names) - 1
 
     def remove(self, j: int) -> str:
         """Drop row j; returns its name."""
         keep = [i for i in range(len(self.names)) if i != j]
-        for f in (*self.FIELDS, "counts", "last_used"):
+        for f in (*self.FIELDS, "last_used"):
             setattr(self, f, getattr(self, f)[keep])
+        self._counts.pop(j)
         return self.names.pop(j)
 
     def absorb(self, j: int, e: Tensor, within: Tensor | None, now: int) -> None:
         """EW mean/variance update of domain j with e (exact running mean while young)."""
-        n = float(self.counts[j])
+        n = self._counts[j]
         w = max(1.0 / (n + 1.0), self.alpha)
         delta = e - self.centroids[j]
         self.centroids[j] += w * delta
         self.spreads[j] = (1.0 - w) * (self.spreads[j] + w * delta * delta)
         if within is not None:
             self.within[j] += w * (within - self.within[j])
-        self.counts[j] = n + 1.0
+        self._counts[j] = n + 1.0
         self.last_used[j] = now
 
     def pooled_spread(self) -> Tensor | None:
         """S of all domains with >= 2 batches, weighted by (capped) count; None if none."""
-        w = (self.counts - 1).clamp(min=0, max=1.0 / self.alpha)
-        if float(w.sum()) <= 0:
+        if all(c <= 1.0 for c in self._counts):  # every weight below is 0
             return None
+        w = (self.counts - 1).clamp(min=0, max=1.0 / self.alpha)
         return (w[:, None] * self.spreads).sum(0) / w.sum()
 
     def variances(self) -> Tensor:
@@ -117,10 +131,15 @@ class DomainTable:
                       ) -> float:
         """Distance between two batches, standardised by their within-batch spreads (the
         pooled spread when a batch has none): about 1 or less for the same domain."""
+        return float(self.pair_distances(a, wa, b, wb))
+
+    def pair_distances(self, a: Tensor, wa: Tensor | None, b: Tensor, wb: Tensor | None
+                       ) -> Tensor:
+        """`pair_distance` as a 0-dim tensor (not read back)."""
         pool = self.pooled_spread()
         fallback = pool if pool is not None else torch.ones(self.dim, dtype=F64)
         v = (fallback if wa is None else wa) + (fallback if wb is None else wb)
-        return float(((a - b) ** 2 / v.clamp_min(self.var_floor)).mean().sqrt())
+        return ((a - b) ** 2 / v.clamp_min(self.var_floor)).mean().sqrt()
 
     def lru(self, exclude: int) -> int:
         """Row of the least recently used domain other than `exclude`."""

@@ -46,6 +46,7 @@ from tta_core.memory.packed import PackedMask
 from tta_core.memory.quant import PackedInt, PackedQuant
 from tta_core.methods.tent import Tent, TentConfig
 from tta_core.runtime import losses
+from tta_core.runtime.malloc_tuning import keep_freed_memory
 
 ROOT = Path(__file__).resolve().parents[1]
 BYTE_KINDS = ("codes wgrad", "codes other", "group min/scale", "ReLU masks", "pool indices",
@@ -229,6 +230,7 @@ def _markdown(res: dict) -> str:
 
 
 def main() -> None:
+    keep_freed_memory()  # as the tta CLI and the ROS entry points
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batches", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)

@@ -5,7 +5,7 @@ bank scores. The values and decisions are those of a read per scalar."""
 from __future__ import annotations
 
 import torch
-from test_device_plumbing import HostReads
+from helpers.host_reads import HostReads
 
 from tta_core.darda.corruption_memory import CorruptionMemory
 from tta_core.darda.detector import DetectorConfig, DomainDetector

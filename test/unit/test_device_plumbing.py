@@ -5,24 +5,17 @@ state between devices per batch; the result lives on the input's device."""
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 from helpers import ROOT
+from helpers.host_reads import HostReads
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from tta_core.methods import build_method
 from tta_core.model.source import load_source
 from tta_core.model.zoo import build_model
 from tta_core.runtime.method import TTAMethod
 
-# Tensor methods that need the value on the host: on a GPU each one waits for the queue
-# (`.numpy()` is not counted: it raises on a CUDA tensor, so on the hot path it always
-# follows a `.cpu()`, which is)
-HOST_READS = frozenset({"item", "cpu", "tolist", "__float__", "__int__", "__bool__",
-                        "__index__"})
 # Host reads per batch each method may make, independent of depth: the step's scalars in
 # one transfer, plus each algorithm's data-dependent branch (EATA: any sample kept and
 # the counts it reports; SAR: the recovery check; CoTTA: the anchor's confidence, its
@@ -46,20 +39,6 @@ PAPER = {"small_resnet": ("small_resnet_signs32.json", "small_resnet_signs32_dar
          "resnet18": ("resnet18_cifar_w32_signs64.json",
                       "resnet18_cifar_w32_signs64_darda.safetensors")}
 PAPER_BUDGET = 5
-
-
-class HostReads(TorchFunctionMode):
-    """Counts the host reads made on tensors while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count: Counter[str] = Counter()
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in HOST_READS:
-            self.count[name] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _reads_per_batch(method_name: str, arch: str, steps: int = 2) -> float:

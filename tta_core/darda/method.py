@@ -200,7 +200,6 @@ class Darda(TTAMethod):
         if not any(p.requires_grad for p in self.model.parameters()):
             raise self.nothing_to_adapt("no BatchNorm affine after the embedding layers")
         self._rbn = RobustBN(self._upper, c.bn_momentum) if c.bn_mode == "bank" else None
-        self._known: tuple[float, float] | None = None  # (loss, entropy) read in post
         keep = set(upper)
         self._live = adapted_tensors(self.model, skip=lambda n: n not in keep)
         self._source = {k: v.detach().clone() for k, v in self._live.items()}
@@ -265,7 +264,6 @@ class Darda(TTAMethod):
         """The forward that also embeds the batch and recognises its domain (the switch
         may swap the banked state in); recorded only when the gate wants a backward."""
         grad = self.optimizer is not None and self.gate.wants_backward()
-        self._known = None
         self.switch.begin()
         with torch.set_grad_enabled(grad):
             step.logits = self.model(step.x)
@@ -295,7 +293,8 @@ class Darda(TTAMethod):
         values = torch.cat(pieces).tolist()
         self.gate.record(values[0], step.adapted)
         loss = values[1] if served and step.loss is not None else math.nan
-        self._known = (loss, values[0]) if served else None
+        if served:  # the prediction is the forward's: step_result reads nothing more
+            step.loss_value, step.entropy_value = loss, values[0]
         if self.memory is not None:
             n = len(step.x)
             rest = values[len(values) - 2 * n:]
@@ -306,25 +305,9 @@ class Darda(TTAMethod):
             super().predict(step)
 
     def step_result(self, step: Step) -> StepResult:
-        res = self._result(step)
+        res = super().step_result(step)
         res.domain = self.detector.current_name
         res.stats = self.switch.stats(step.adapted)
-        return res
-
-    def _result(self, step: Step) -> StepResult:
-        """TTAMethod.step_result, without its read of the loss and mean entropy when they
-        were read with the batch's decisions (`_known`, for a prediction that is the
-        forward's logits)."""
-        known, self._known = self._known, None
-        out = step.out if step.out is not None else step.logits
-        if known is None or out is not step.logits or not math.isnan(step.loss_value):
-            return TTAMethod.step_result(self, step)
-        res = StepResult(logits=out.detach(), times=step.phases.times(), loss=known[0],
-                         mean_entropy=known[1], adapted=step.adapted,
-                         units_updated=self.units_updated(step))
-        if self.codec is not None:
-            res.stats.update(self.codec.stats())
-        res.stats.update(step.stats)
         return res
 
     def _remember(self, x: Tensor, pred: list[int], uncertainty: list[float],
@@ -466,7 +449,6 @@ class PaperDarda(Darda, DeadlineBudget):
         for p in self.paper.params:
             p.requires_grad_(True)
         self.backward_passes = 0
-        self._known: tuple[float, float] | None = None  # (loss, entropy) read in forward
         DeadlineConfig.validate(c)
         self.fixed = FixedCosts()
         self.adapt_seen: deque[float] = deque(maxlen=ADAPT_WINDOW)
@@ -517,7 +499,6 @@ class PaperDarda(Darda, DeadlineBudget):
         return self.paper.domain
 
     def forward(self, step: Step) -> None:
-        self._known = None
         proj, c = self.paper.signature(step.x)
         owed = self.paper.pending
         step.stats["switched"] = self.paper.observe(c)
@@ -525,9 +506,10 @@ class PaperDarda(Darda, DeadlineBudget):
         with torch.no_grad():
             step.logits = self.model(step.x)
         # the mean entropy a forward-only batch reports, read with the admission's inputs
+        # (an adapted batch's reforward drops it: update)
         entropy = losses.entropy_loss(step.logits.detach())
-        self._known = (math.nan, self.paper.remember(step.x, step.logits, proj,
-                                                     entropy.reshape(1))[0])
+        step.entropy_value = self.paper.remember(step.x, step.logits, proj,
+                                                 entropy.reshape(1))[0]
 
     def update(self, step: Step) -> None:
         """The one adaptation after a shift when its trigger fires, unless it would miss
@@ -546,6 +528,7 @@ class PaperDarda(Darda, DeadlineBudget):
             self.adapt_seen.append((self.clock() - t0) * 1e3)
             with torch.no_grad():
                 step.out = self.model(step.x)
+            step.entropy_value = math.nan  # of the forward's logits, not the reforward's
 
     def post(self, step: Step) -> None:
         """Nothing: the memory bank took the batch in the forward."""
@@ -555,7 +538,7 @@ class PaperDarda(Darda, DeadlineBudget):
             step.out = step.logits
 
     def step_result(self, step: Step) -> StepResult:
-        res = self._result(step)
+        res = TTAMethod.step_result(self, step)  # not Darda's: no online detector here
         res.domain = self.paper.domain
         res.stats.update({"backward": step.adapted, "shifts": self.paper.shifts,
                           "memory": len(self.paper.memory),

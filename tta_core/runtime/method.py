@@ -78,6 +78,9 @@ class Step:
     logits: Tensor | None = None  # the forward's output (with grad while adapting)
     loss: Tensor | None = None  # the adaptation objective; None: no update this batch
     loss_value: float = float("nan")  # the loss reported (default: float(loss))
+    # the prediction's mean entropy, set with loss_value (NaN there: no loss) by a method
+    # that read both with values of its own (one host read less); NaN: step_result reads it
+    entropy_value: float = float("nan")
     adapted: bool = False  # an optimizer step ran
     out: Tensor | None = None  # the prediction returned
     stats: dict[str, float | int | bool] = field(default_factory=dict)
@@ -195,7 +198,9 @@ class TTAMethod:
     def step_result(self, step: Step) -> StepResult:
         """The StepResult of a finished step: its times, loss, prediction and stats."""
         out = step.out if step.out is not None else step.logits
-        if math.isnan(step.loss_value):
+        if not math.isnan(step.entropy_value):  # the method read both already
+            loss, entropy = step.loss_value, step.entropy_value
+        elif math.isnan(step.loss_value):
             loss, entropy = losses.loss_and_entropy(step.loss, out)
         else:  # the method read its loss already
             loss, entropy = step.loss_value, losses.loss_and_entropy(None, out)[1]

@@ -39,7 +39,7 @@ class RobustBN:
     (RoTTA RBN: mu <- (1 - m) mu + m mu_batch, same for the variance, the batch variance
     unbiased as PyTorch's BN keeps it), in one read of the layer's input
     (tta_kernels.bn_stats.update_stats: torch.batch_norm_update_stats's contract, in C for
-    NCHW CPU tensors, PyTorch's own pass elsewhere).
+    NCHW and channels-last float32 CPU tensors, PyTorch's own pass elsewhere).
 
     The layers' class is swapped for a subclass whose forward does the update (undone by
     `close`), not given a forward pre-hook: any hook sends a module down PyTorch's slow

@@ -8,8 +8,9 @@ each config takes one `forward_and_adapt` at lr 0 (weights fixed, so gradients c
   dyn_<f>     the same with `activation_budget_mb` = f x the dense saved bytes (measured by
               SavedActivationCounter on the first batch): widths 0/2/4/8 per unit per batch
 Figures: share of batches whose measured saved bytes <= budget; step time ratio to dense
-over the measured batches (round-robin order): of the medians, and of the minima (the VM is
-shared: other jobs only ever slow a step down); gradient cosine to dense (all
+over the measured batches (the order of the configs rotated per batch): of the medians, the
+median of the per-batch ratios, and of the minima (the VM is shared: other jobs only ever
+slow a step down); gradient cosine to dense (all
 parameters, 0 for units frozen by a 0-bit width), min and median; mean width.
 The first `--warmup` batches (moving average not filled yet) are run but not measured.
 
@@ -132,14 +133,14 @@ def bench(model: nn.Module, batch: int, res: int, fracs: list[float], batches: i
             **cfg, activation_budget_mb=f * dense_b / MIB))
     rec: dict[str, dict[str, list]] = {k: {"ms": [], "held": [], "cos": [], "bits": [],
                                            "saved": []} for k in meths}
+    keys = list(meths)
     for i, x in enumerate(xs):
-        g_dense = None
-        for key, meth in meths.items():
-            ms, stats, g = _step(meth, x)
-            if key == "dense":
-                g_dense = g
-            if i < warmup:
-                continue
+        order = keys[i % len(keys):] + keys[:i % len(keys)]  # rotated: no config always first
+        steps = {key: _step(meths[key], x) for key in order}
+        if i < warmup:
+            continue
+        g_dense = steps["dense"][2]
+        for key, (ms, stats, g) in steps.items():
             r = rec[key]
             r["ms"].append(ms)
             r["saved"].append(stats.get("saved_bytes", 0))
@@ -163,6 +164,8 @@ def _summary(rec: dict, dense_b: int, fracs: list[float]) -> dict:
             "budget_held_pct": round(100 * sum(r["held"]) / len(r["held"]), 1),
             "time_ratio": round(statistics.median(r["ms"]) / dense_ms, 3),
             "time_ratio_min": round(min(r["ms"]) / min(rec["dense"]["ms"]), 3),
+            "time_ratio_per_round": round(statistics.median(
+                a / b for a, b in zip(r["ms"], rec["dense"]["ms"], strict=True)), 3),
             "cos_min": round(min(r["cos"]), 4), "cos_median": round(statistics.median(r["cos"]), 4),
             "mean_bits": round(statistics.mean(r["bits"]), 2)}
     return out
@@ -191,7 +194,8 @@ def accuracy(card: str, frac: float, samples: int, threads: int) -> dict:
 
 def _markdown(res: dict) -> str:
     rows = ["| model | dense saved MiB | dense ms | budget | budget MiB | max saved MiB | "
-            "budget held | step time / dense (median, min) | grad cosine min / median | "
+            "budget held | step time / dense (medians, per round, minima) | "
+            "grad cosine min / median | "
             "mean bits |",
             "|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in res.items():
@@ -202,6 +206,7 @@ def _markdown(res: dict) -> str:
                 rows.append(f"| {name} | {r['dense_saved_mib']} | {r['dense_ms']} | "
                             f"{float(key[4:]):.0%} | {c['budget_mib']} | {c['saved_mib_max']} "
                             f"| {c['budget_held_pct']} % | {c['time_ratio']}, "
+                            f"{c.get('time_ratio_per_round', '–')}, "
                             f"{c.get('time_ratio_min', '–')} | "
                             f"{c['cos_min']} / {c['cos_median']} | {c['mean_bits']} |")
     rows += ["", "Where the saved bytes go at the first budget (% of dense bytes, widths of the "

@@ -42,6 +42,8 @@ METHODS = {  # label: (registered method, settings)
     "tent": ("tent", {}),
     "adashadow": ("adashadow", {}),
     "adashadow parallel": ("adashadow", {"mode": "parallel"}),
+    # robust BN in RoTTA's order (move, then normalise: two reads of each layer input)
+    "adashadow bn_lag=False": ("adashadow", {"bn_lag": False}),
 }
 
 

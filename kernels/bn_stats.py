@@ -11,7 +11,12 @@ et al.'s pairwise (mean, M2) update in double. Channels-last: each channel is su
 its value in the first row, in float lanes across channels per block of rows, in double
 across blocks. No step subtracts two large sums, so a large mean with a small spread keeps
 its variance. CUDA tensors and other dtypes go to PyTorch. Built like the DAF kernels
-(tta_kernels.native).
+(tta_kernels.native), with OpenMP where the compiler has it: channels (NCHW) or runs of row
+blocks (channels-last) are split among torch.get_num_threads() threads.
+
+`normalise_update(x, running_mean, running_var, momentum, weight, bias, eps)` writes
+eval-mode BN of x with the running statistics as they are in the same read, then moves
+them: robust BN with a one-batch lag (RobustBN.lag) at the cost of a plain eval BN.
 """
 
 from __future__ import annotations
@@ -32,9 +37,10 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 def load(path: Path) -> ctypes.CDLL:
     """A built bn_stats library with its function's signature declared."""
     lib = ctypes.CDLL(str(path))
-    lib.bn_stats.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P, ctypes.c_float]
+    f, tail = ctypes.c_float, [_P, _P, _P, ctypes.c_float, ctypes.c_int]  # out .. threads
+    lib.bn_stats.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P, f, *tail]
     lib.bn_stats.restype = ctypes.c_int
-    lib.bn_stats_nhwc.argtypes = [_P, _I, _I, _P, _P, _P, _P, ctypes.c_float]
+    lib.bn_stats_nhwc.argtypes = [_P, _I, _I, _P, _P, _P, _P, f, *tail]
     lib.bn_stats_nhwc.restype = ctypes.c_int
     return lib
 
@@ -42,10 +48,12 @@ def load(path: Path) -> ctypes.CDLL:
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The loaded library (built first if needed), None where it cannot be built."""
-    try:
-        return load(native.build(source=SOURCE))
-    except (RuntimeError, OSError):
-        return None
+    for extra in (("-fopenmp",), ()):  # OpenMP splits a pass among torch's threads
+        try:
+            return load(native.build(extra=extra, source=SOURCE))
+        except (RuntimeError, OSError):
+            continue
+    return None
 
 
 def _layout(x: Tensor) -> str | None:
@@ -77,17 +85,48 @@ def update_stats(x: Tensor, running_mean: Tensor | None, running_var: Tensor | N
     lib = library() if layout and _stats_ok(x.shape[1], running_mean, running_var) else None
     if lib is None:
         return torch.batch_norm_update_stats(x, running_mean, running_var, momentum)
+    mean, var, _ = _run(lib, layout, x, running_mean, running_var, momentum, None)
+    return mean, var
+
+
+def normalise_update(x: Tensor, running_mean: Tensor, running_var: Tensor, momentum: float,
+                     weight: Tensor | None, bias: Tensor | None, eps: float
+                     ) -> tuple[Tensor, Tensor, Tensor] | None:
+    """Eval-mode BN of `x` with the running statistics as they are, and those statistics
+    then moved toward the batch's, in one read of `x`: (output in x's layout, batch mean,
+    biased batch variance). None where the kernel does not take these tensors (the caller
+    runs the two passes)."""
+    layout = _layout(x) if x.numel() >= MIN_NATIVE else None
+    if not (layout and _stats_ok(x.shape[1], running_mean, running_var, weight, bias)):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    out = torch.empty_like(x)
+    mean, var, _ = _run(lib, layout, x, running_mean, running_var, momentum,
+                        (out, weight, bias, eps))
+    return out, mean, var
+
+
+def _run(lib: ctypes.CDLL, layout: str, x: Tensor, running_mean: Tensor | None,
+         running_var: Tensor | None, momentum: float,
+         apply: tuple[Tensor, Tensor | None, Tensor | None, float] | None
+         ) -> tuple[Tensor, Tensor, None]:
     c = x.shape[1]
     mean, var = torch.empty(c), torch.empty(c)
     move = running_mean is not None and running_var is not None
     rm = running_mean.data_ptr() if move else None
     rv = running_var.data_ptr() if move else None
+    out, weight, bias, eps = apply if apply else (None, None, None, 0.0)
+    tail = (out.data_ptr() if out is not None else None,
+            weight.data_ptr() if weight is not None else None,
+            bias.data_ptr() if bias is not None else None, eps, torch.get_num_threads())
     if layout == "nchw":
         failed = lib.bn_stats(x.data_ptr(), x.shape[0], c, x.numel() // (x.shape[0] * c),
-                              mean.data_ptr(), var.data_ptr(), rm, rv, momentum)
+                              mean.data_ptr(), var.data_ptr(), rm, rv, momentum, *tail)
     else:  # channels-last: rows of c values
         failed = lib.bn_stats_nhwc(x.data_ptr(), x.numel() // c, c, mean.data_ptr(),
-                                   var.data_ptr(), rm, rv, momentum)
+                                   var.data_ptr(), rm, rv, momentum, *tail)
     if failed:
         raise MemoryError("bn_stats could not allocate its scratch sums")
-    return mean, var
+    return mean, var, None

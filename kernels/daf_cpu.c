@@ -55,7 +55,21 @@ int daf_quantize_pack(const float *x, int64_t G, int64_t group, int bits, const 
  * rate). */
 #define RELU_TINY 0x1p-64f
 static void relu_agree(float *o, const uint8_t *mask, int64_t len) {
-    for (int64_t k = 0; 8 * k < len; ++k) {
+    int64_t k = 0;
+#if defined(__AVX2__) && !defined(DAF_PORTABLE)
+    /* eight values per mask byte: lane j selects on bit j, the same two choices */
+    const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256 zero = _mm256_setzero_ps(), tiny = _mm256_set1_ps(RELU_TINY);
+    for (; 8 * k + 8 <= len; ++k) {
+        const __m256i bit = _mm256_and_si256(_mm256_set1_epi32(mask[k]), lane_bit);
+        const __m256 set = _mm256_castsi256_ps(_mm256_cmpeq_epi32(bit, lane_bit));
+        const __m256 a = _mm256_loadu_ps(o + 8 * k);
+        const __m256 pos = _mm256_cmp_ps(a, zero, _CMP_GT_OQ);
+        const __m256 if_set = _mm256_blendv_ps(tiny, a, pos), if_clear = _mm256_blendv_ps(a, zero, pos);
+        _mm256_storeu_ps(o + 8 * k, _mm256_blendv_ps(if_clear, if_set, set));
+    }
+#endif
+    for (; 8 * k < len; ++k) {
         const uint32_t byte = mask[k];
         const int64_t end = len - 8 * k < 8 ? len - 8 * k : 8;
         float *v = o + 8 * k;
@@ -63,6 +77,32 @@ static void relu_agree(float *o, const uint8_t *mask, int64_t len) {
             const float a = v[j];
             v[j] = (byte >> j) & 1 ? (a > 0.0f ? a : RELU_TINY) : (a > 0.0f ? 0.0f : a);
         }
+    }
+}
+
+/* 2-bit codes of nbytes bytes -> q (4 per byte, low bits first). */
+static void unpack2(const uint8_t *in, int64_t nbytes, uint8_t *q) {
+    int64_t b = 0;
+#if defined(__AVX2__) && !defined(DAF_PORTABLE)
+    const __m128i three = _mm_set1_epi8(3);
+    for (; b + 16 <= nbytes; b += 16) {
+        const __m128i v = _mm_loadu_si128((const __m128i *)(in + b));
+        const __m128i c0 = _mm_and_si128(v, three), c1 = _mm_and_si128(_mm_srli_epi16(v, 2), three);
+        const __m128i c2 = _mm_and_si128(_mm_srli_epi16(v, 4), three);
+        const __m128i c3 = _mm_and_si128(_mm_srli_epi16(v, 6), three);
+        const __m128i lo01 = _mm_unpacklo_epi8(c0, c1), hi01 = _mm_unpackhi_epi8(c0, c1);
+        const __m128i lo23 = _mm_unpacklo_epi8(c2, c3), hi23 = _mm_unpackhi_epi8(c2, c3);
+        _mm_storeu_si128((__m128i *)(q + 4 * b), _mm_unpacklo_epi16(lo01, lo23));
+        _mm_storeu_si128((__m128i *)(q + 4 * b + 16), _mm_unpackhi_epi16(lo01, lo23));
+        _mm_storeu_si128((__m128i *)(q + 4 * b + 32), _mm_unpacklo_epi16(hi01, hi23));
+        _mm_storeu_si128((__m128i *)(q + 4 * b + 48), _mm_unpackhi_epi16(hi01, hi23));
+    }
+#endif
+    for (; b < nbytes; ++b) {
+        q[4 * b] = in[b] & 3;
+        q[4 * b + 1] = (in[b] >> 2) & 3;
+        q[4 * b + 2] = (in[b] >> 4) & 3;
+        q[4 * b + 3] = in[b] >> 6;
     }
 }
 
@@ -99,12 +139,7 @@ static int unpack_rows(const uint8_t *codes, const float *mn, const float *scale
                 q[2 * b + 1] = in[b] >> 4;
             }
         } else {
-            for (int64_t b = 0; b < nbytes; ++b) {
-                q[4 * b] = in[b] & 3;
-                q[4 * b + 1] = (in[b] >> 2) & 3;
-                q[4 * b + 2] = (in[b] >> 4) & 3;
-                q[4 * b + 3] = in[b] >> 6;
-            }
+            unpack2(in, nbytes, q);
         }
         float *o = out + g * group;
         const float s = scale[g], m = mn[g];

@@ -111,3 +111,48 @@ def test_portable_build_equals_torch(monkeypatch, tmp_path) -> None:
         _check(shape, 0.3, 0.5, 0.1)
     for shape in CL_SHAPES[:2]:
         _check(shape, 0.3, 0.5, 0.1, channels_last=True)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_normalise_update_is_eval_bn_then_the_same_statistics(channels_last, threads) -> None:
+    """One read: the output is eval-mode BN with the running statistics as they were, the
+    batch and moved statistics those of update_stats (bit for bit, same thread count);
+    channel counts off the 8- and 16-lane widths, with and without an affine."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _check_normalise(channels_last)
+    finally:
+        torch.set_num_threads(old)
+
+
+def _check_normalise(channels_last: bool) -> None:
+    shapes = CL_SHAPES if channels_last else SHAPES[:4]
+    for shape, affine in ((s, k % 2 == 0) for k, s in enumerate([*shapes, (2, 40, 9, 9)])):
+        x = _input(shape, 0.3, 2.0, sum(shape))
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        c = shape[1]
+        rm, rv = torch.linspace(-0.5, 0.5, c), torch.linspace(0.5, 2.0, c)
+        w, b = (torch.linspace(0.5, 1.5, c), torch.linspace(-1, 1, c)) if affine else (None,) * 2
+        want = torch.nn.functional.batch_norm(x, rm, rv, w, b, False, 0.0, 1e-5)
+        ref_m, ref_v = rm.clone(), rv.clone()
+        stats = bn_stats.update_stats(x, ref_m, ref_v, 0.1)
+        got = bn_stats.normalise_update(x, rm, rv, 0.1, w, b, 1e-5)
+        assert got is not None
+        torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-5)
+        assert got[0].is_contiguous(memory_format=torch.channels_last if channels_last
+                                    else torch.contiguous_format)
+        assert torch.equal(got[1], stats[0]) and torch.equal(got[2], stats[1])
+        assert torch.equal(rm, ref_m) and torch.equal(rv, ref_v)
+
+
+def test_normalise_update_declines_what_the_kernel_does_not_take() -> None:
+    x = _input((4, 8, 30, 30), 0.0, 1.0, 6)
+    rm, rv = torch.zeros(8), torch.ones(8)
+    assert bn_stats.normalise_update(x.double(), rm.double(), rv.double(), 0.1, None, None,
+                                     1e-5) is None
+    assert bn_stats.normalise_update(x[..., ::2], rm, rv, 0.1, None, None, 1e-5) is None
+    assert bn_stats.normalise_update(x, rm, rv, 0.1, torch.ones(7), None, 1e-5) is None
+    assert torch.equal(rm, torch.zeros(8))  # nothing moved

@@ -207,3 +207,63 @@ def test_robust_layers_hold_no_hooks_copy_independently_and_get_their_class_back
     assert type(bns[1]) is not torch.nn.BatchNorm2d
     second.close()
     assert all(type(b) is torch.nn.BatchNorm2d and not hasattr(b, "_tta_robust") for b in bns)
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_lag_normalises_with_the_statistics_before_the_batch_in_one_read(
+        channels_last: bool, monkeypatch) -> None:
+    """bn_lag: each robust layer's output is eval-mode BN with its running statistics as
+    they were before the batch, which then move by RoTTA's rule; without a gradient that
+    is one call of the fused kernel per layer, with one (the recorded graph) the two
+    passes in the same order, and the input's gradient flows."""
+    from tta_core.model import robust_bn as rb
+
+    calls = []
+    fused = rb.normalise_update
+    monkeypatch.setattr(rb, "normalise_update", lambda *a: calls.append(1) or fused(*a))
+    model = _model().eval()
+    bns = _bns(model)
+    rbn = rb.RobustBN(bns, 0.1, lag=True)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    g = torch.Generator().manual_seed(2)
+    for grad in (False, True):
+        calls.clear()
+        for bn in bns:
+            before = bn.running_mean.clone(), bn.running_var.clone()
+            x = (torch.randn(4, bn.num_features, 16, 16, generator=g) * 2 + 0.5)
+            x = x.contiguous(memory_format=fmt).requires_grad_(grad)
+            want = nn.functional.batch_norm(x.detach(), *before, bn.weight.detach(),
+                                            bn.bias.detach(), False, 0.0, bn.eps)
+            with torch.set_grad_enabled(grad):
+                y = bn(x)
+            torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+            v, m = torch.var_mean(x.detach(), dim=(0, 2, 3), correction=1)
+            torch.testing.assert_close(bn.running_mean, 0.9 * before[0] + 0.1 * m)
+            torch.testing.assert_close(bn.running_var, 0.9 * before[1] + 0.1 * v)
+            if grad:
+                y.sum().backward()
+                scale = bn.weight.detach() / torch.sqrt(before[1] + bn.eps)
+                torch.testing.assert_close(x.grad, scale.view(1, -1, 1, 1).expand_as(x))
+        assert len(calls) == (0 if grad else len(bns))
+    rbn.close()
+
+
+def test_lag_records_the_statistics_the_layer_normalised_by() -> None:
+    """The unit-statistics collector maps the batch statistics through the running ones
+    the layer used: with the lag, those from before the move."""
+    from tta_core.model.robust_bn import RobustBN
+
+    model = _model().eval()
+    bn = _bns(model)[-1]
+    before = bn.running_mean.clone(), bn.running_var.clone()
+    rbn = RobustBN([bn], 0.1, lag=True)
+    rbn.record = True
+    x = torch.randn(4, bn.num_features, 16, 16) + 1.0
+    with torch.no_grad():
+        bn(x)
+    mean, var, used_mean, used_var = rbn.recorded[id(bn)]
+    assert torch.equal(used_mean, before[0]) and torch.equal(used_var, before[1])
+    v, m = torch.var_mean(x, dim=(0, 2, 3), correction=0)
+    torch.testing.assert_close((mean, var), (m, v), rtol=1e-5, atol=1e-6)
+    assert not torch.equal(bn.running_mean, before[0])  # and they moved after
+    rbn.close()

@@ -9,8 +9,9 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
-from tta_kernels.bn_stats import library, update_stats
+from tta_kernels.bn_stats import library, normalise_update, update_stats
 
 
 def batch_norm_layers(model: nn.Module) -> dict[str, _BatchNorm]:
@@ -46,18 +47,26 @@ class RobustBN:
     call path, 0.1 ms per small-net forward at batch 16 for 6 layers (2.5 %) even when
     the hook does nothing, which is what a batch served without update pays over
     bn_adapt. `isinstance`, state_dict and deepcopy see ordinary BN layers (a copy gets
-    its own controller)."""
+    its own controller).
 
-    def __init__(self, layers: Sequence[_BatchNorm], momentum: float) -> None:
+    lag: normalise with the statistics as they were before this batch, then move them (a
+    one-batch lag on the momentum-m share of the batch), so a layer whose output needs no
+    gradient is normalised and its statistics taken in one read of its input
+    (tta_kernels.bn_stats.normalise_update), the cost of a plain eval-mode BN; RoTTA's
+    order (lag False) reads the input twice."""
+
+    def __init__(self, layers: Sequence[_BatchNorm], momentum: float, lag: bool = False
+                 ) -> None:
         if not 0.0 <= momentum <= 1.0:
             raise ValueError(f"bn momentum must be in [0, 1], got {momentum}")
-        self.momentum, self.enabled = float(momentum), True
+        self.momentum, self.enabled, self.lag = float(momentum), True, bool(lag)
         self.stride, self.weight, self._count = 1, 1, 0
         # record: keep each layer's batch (mean, biased var) of a forward in `recorded`
-        # (by id of the layer), the statistics the update computes anyway; AdaShadow's
-        # unit-statistics collector reads them instead of a pass of its own per layer
+        # (by id of the layer), the statistics the update computes anyway, with the
+        # running (mean, var) the layer normalised by; AdaShadow's unit-statistics
+        # collector reads them instead of a pass of its own per layer
         self.record = False
-        self.recorded: dict[int, tuple[Tensor, Tensor]] = {}
+        self.recorded: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
         self._layers = list(layers)
         if self._layers:
             library()  # built (once per machine) or loaded now, not in a timed forward
@@ -72,21 +81,57 @@ class RobustBN:
         self._count += 1
         return self.stride if self._count % self.stride == 0 else 0
 
-    def update(self, bn: _BatchNorm, x: Tensor) -> None:
+    def _move(self) -> bool:
+        return self.enabled and self.momentum != 0.0
+
+    def _momentum(self) -> float:
+        return 1.0 - (1.0 - self.momentum) ** self.weight  # weight 1: self.momentum
+
+    def update(self, bn: _BatchNorm, x: Tensor,
+               used: tuple[Tensor, Tensor] | None = None) -> None:
         """Move `bn`'s running statistics toward those of the batch `x` (when enabled);
-        keep the batch statistics when recording."""
+        keep the batch statistics when recording, with `used`, the running statistics `bn`
+        normalised by (None: the moved ones, RoTTA's order)."""
         if bn.training:
             return
-        move = self.enabled and self.momentum != 0.0
+        move = self._move()
         if not (move or self.record):
             return
-        momentum = 1.0 - (1.0 - self.momentum) ** self.weight  # weight 1: self.momentum
         with torch.no_grad():  # one pass: the batch statistics, the buffers moved
             stats = update_stats(x.detach(), bn.running_mean if move else None,
                                  bn.running_var if move else None,
-                                 momentum if move else 0.0)
+                                 self._momentum() if move else 0.0)
         if self.record:
-            self.recorded[id(bn)] = stats
+            self.recorded[id(bn)] = (*stats, *(used or (bn.running_mean, bn.running_var)))
+
+    def forward(self, bn: _BatchNorm, x: Tensor) -> Tensor:
+        """`bn`'s output for `x`, its statistics moved (and recorded) in the order `lag`
+        says: in one read where nothing needs a gradient, else base forward and update."""
+        if not self.lag:
+            self.update(bn, x)
+            return bn._tta_base.forward(bn, x)
+        if bn.training or not (self._move() or self.record):
+            return bn._tta_base.forward(bn, x)
+        grad = _needs_grad(bn, x)
+        # copies of the statistics it normalises by: for the record, and for a backward,
+        # which would otherwise read the buffers the update moves in place after it
+        used = ((bn.running_mean.clone(), bn.running_var.clone()) if self.record or grad
+                else None)
+        fused = None
+        if not grad:
+            with torch.no_grad():
+                fused = normalise_update(x, bn.running_mean, bn.running_var,
+                                         self._momentum() if self._move() else 0.0,
+                                         bn.weight, bn.bias, bn.eps)
+        if fused is None:  # two passes, in the same order
+            y = (F.batch_norm(x, *used, bn.weight, bn.bias, False, 0.0, bn.eps) if grad
+                 else bn._tta_base.forward(bn, x))
+            self.update(bn, x, used)
+            return y
+        y, mean, var = fused
+        if used is not None:
+            self.recorded[id(bn)] = (mean, var, *used)
+        return y
 
     def close(self) -> None:
         """Give the layers their own class back."""
@@ -101,8 +146,13 @@ _ROBUST_CLASSES: dict[type, type] = {}
 
 
 def _robust_forward(self: _BatchNorm, x: Tensor) -> Tensor:
-    self._tta_robust.update(self, x)
-    return self._tta_base.forward(self, x)
+    return self._tta_robust.forward(self, x)
+
+
+def _needs_grad(bn: _BatchNorm, x: Tensor) -> bool:
+    """Whether autograd would record `bn`'s output for `x`."""
+    return torch.is_grad_enabled() and (x.requires_grad or any(
+        p is not None and p.requires_grad for p in (bn.weight, bn.bias)))
 
 
 def _robust_class(base: type) -> type:

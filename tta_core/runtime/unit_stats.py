@@ -50,11 +50,12 @@ def _bn_output_stats(bn: _BatchNorm, var_x: Tensor) -> Stats:
     return beta.clone(), gamma * gamma * var_x / (var_x + bn.eps)
 
 
-def _eval_bn_output_stats(bns: list[_BatchNorm], means: list[Tensor], vars_: list[Tensor]
-                          ) -> list[Stats]:
+def _eval_bn_output_stats(bns: list[_BatchNorm], means: list[Tensor], vars_: list[Tensor],
+                          run_means: list[Tensor], run_vars: list[Tensor]) -> list[Stats]:
     """Stats of BN(x) per layer when eval-mode BNs normalise x (batch stats `means`, biased
-    `vars_`) by their running statistics: a per-channel affine map of x. One dispatch per
-    operation for all layers (torch._foreach_*), not ~6 small ops per layer."""
+    `vars_`) by running statistics (`run_means`, `run_vars`): a per-channel affine map of
+    x. One dispatch per operation for all layers (torch._foreach_*), not ~6 small ops per
+    layer."""
     if not bns:
         return []
     with torch.no_grad():
@@ -62,10 +63,10 @@ def _eval_bn_output_stats(bns: list[_BatchNorm], means: list[Tensor], vars_: lis
                   for bn, m in zip(bns, means, strict=True)]
         betas = [bn.bias.detach() if bn.bias is not None else torch.zeros_like(m)
                  for bn, m in zip(bns, means, strict=True)]
-        scale = torch._foreach_add([bn.running_var for bn in bns], [bn.eps for bn in bns])
+        scale = torch._foreach_add(run_vars, [bn.eps for bn in bns])
         torch._foreach_rsqrt_(scale)
         torch._foreach_mul_(scale, gammas)
-        out_mean = torch._foreach_sub(means, [bn.running_mean for bn in bns])
+        out_mean = torch._foreach_sub(means, run_means)
         torch._foreach_mul_(out_mean, scale)
         torch._foreach_add_(out_mean, betas)
         out_var = torch._foreach_mul(vars_, scale)
@@ -254,15 +255,15 @@ class UnitStatsCollector:
             if p.robust is not None:
                 recorded = p.robust.recorded.pop(id(bn), None)
                 if recorded is not None:
-                    stats[p.conv] = recorded
+                    stats[p.conv] = recorded[:2]
                     robust.append((p.bn, bn, recorded))
                 continue
             n = batch_size * p.spatial
             var = bn.running_var * ((n - 1) / n) if n > 1 else torch.zeros_like(bn.running_var)
             stats[p.conv] = (bn.running_mean.clone(), var)
             stats[p.bn] = stats[p.conv] if self.bn_input else _bn_output_stats(bn, var)
-        out = _eval_bn_output_stats([bn for _, bn, _ in robust], [r[0] for _, _, r in robust],
-                                    [r[1] for _, _, r in robust])
+        columns = ([r[k] for _, _, r in robust] for k in range(4))  # mean, var, running ones
+        out = _eval_bn_output_stats([bn for _, bn, _ in robust], *columns)
         for (i, _, _), st in zip(robust, out, strict=True):
             stats[i] = st
         missing = [units[i].name for i, s in enumerate(stats) if s is None]

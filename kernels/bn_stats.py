@@ -48,12 +48,10 @@ def load(path: Path) -> ctypes.CDLL:
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL | None:
     """The loaded library (built first if needed), None where it cannot be built."""
-    for extra in (("-fopenmp",), ()):  # OpenMP splits a pass among torch's threads
-        try:
-            return load(native.build(extra=extra, source=SOURCE))
-        except (RuntimeError, OSError):
-            continue
-    return None
+    try:
+        return load(native.build_threaded(SOURCE))
+    except (RuntimeError, OSError):
+        return None
 
 
 def _layout(x: Tensor) -> str | None:

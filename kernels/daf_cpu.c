@@ -8,9 +8,21 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #if defined(__AVX2__) && !defined(DAF_PORTABLE)
 #include <immintrin.h>
 #endif
+
+/* This OpenMP thread's index (0 without OpenMP): picks its slice of the scratch. */
+static inline int thread_index(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
 
 #define MAGIC 8388608.0f /* 2**23: v + 2**23 rounds v (0 <= v < 2**22) half to even */
 
@@ -107,12 +119,14 @@ static void unpack2(const uint8_t *in, int64_t nbytes, uint8_t *q) {
 }
 
 static int unpack_rows(const uint8_t *codes, const float *mn, const float *scale, int64_t G,
-                       int64_t group, int bits, const uint8_t *mask, int64_t n, float *out);
+                       int64_t group, int bits, const uint8_t *mask, int64_t n, float *out,
+                       int threads);
 
-/* codes as above -> out: G * group floats, q * scale + mn (product, then sum). */
+/* codes as above -> out: G * group floats, q * scale + mn (product, then sum). Groups are
+ * split among `threads` OpenMP threads (each group's values do not depend on the split). */
 int daf_unpack_dequantize(const uint8_t *codes, const float *mn, const float *scale,
-                          int64_t G, int64_t group, int bits, float *out) {
-    return unpack_rows(codes, mn, scale, G, group, bits, NULL, 0, out);
+                          int64_t G, int64_t group, int bits, float *out, int threads) {
+    return unpack_rows(codes, mn, scale, G, group, bits, NULL, 0, out, threads);
 }
 
 /* As daf_unpack_dequantize, then the first n values made to agree with a ReLU output's
@@ -120,16 +134,20 @@ int daf_unpack_dequantize(const uint8_t *codes, const float *mn, const float *sc
  * mask is set, so one tensor serves the ReLU's backward and the next conv's ∂W. */
 int daf_unpack_dequantize_relu(const uint8_t *codes, const float *mn, const float *scale,
                                int64_t G, int64_t group, int bits, const uint8_t *mask,
-                               int64_t n, float *out) {
-    return unpack_rows(codes, mn, scale, G, group, bits, mask, n, out);
+                               int64_t n, float *out, int threads) {
+    return unpack_rows(codes, mn, scale, G, group, bits, mask, n, out, threads);
 }
 
 static int unpack_rows(const uint8_t *codes, const float *mn, const float *scale, int64_t G,
-                       int64_t group, int bits, const uint8_t *mask, int64_t n, float *out) {
+                       int64_t group, int bits, const uint8_t *mask, int64_t n, float *out,
+                       int threads) {
     const int64_t per = 8 / bits, nbytes = group / per;
-    uint8_t *q = malloc((size_t)group);
-    if (q == NULL) return -1;
+    if (threads < 1) threads = 1;
+    uint8_t *scratch = malloc((size_t)(group * threads));  /* a code row per thread */
+    if (scratch == NULL) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t g = 0; g < G; ++g) {
+        uint8_t *q = scratch + group * thread_index();
         const uint8_t *in = codes + g * nbytes;
         if (per == 1) {
             memcpy(q, in, (size_t)group);
@@ -152,7 +170,7 @@ static int unpack_rows(const uint8_t *codes, const float *mn, const float *scale
             relu_agree(o, mask + g * (group / 8), len);
         }
     }
-    free(q);
+    free(scratch);
     return 0;
 }
 
@@ -324,16 +342,21 @@ static void row_mask(const float *row, int64_t len, float lo, float hi, uint8_t 
  * (inv = (1 / rng) * L: PyTorch's scalar / tensor; scale = rng / L), then its codes, while
  * the group is still in L1. The last group is padded with x[n - 1]. With `mask` not NULL,
  * also the packed bits of lo < x < hi (ceil(n / 8) bytes; daf_mask_pack's layout) in the
- * same pass. Returns 0, or -1 when the scratch row cannot be allocated. */
+ * same pass. Groups are split among `threads` OpenMP threads. Returns 0, or -1 when the
+ * scratch rows cannot be allocated. */
 int daf_quantize_pack_fused(const float *x, int64_t n, int64_t group, int bits,
                             uint8_t *codes, float *mn, float *scale, float lo, float hi,
-                            uint8_t *mask) {
+                            uint8_t *mask, int threads) {
     const int64_t G = (n + group - 1) / group, nbytes = group * bits / 8;
     const float levels = (float)((1 << bits) - 1);
-    float *pad = malloc((size_t)group * (sizeof(float) + 1));
-    if (pad == NULL) return -1;
-    uint8_t *q = (uint8_t *)(pad + group);
+    if (threads < 1) threads = 1;
+    /* per thread: a padded row (floats) and a code row (bytes) */
+    float *scratch = malloc((size_t)(group * threads) * (sizeof(float) + 1));
+    if (scratch == NULL) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (int64_t g = 0; g < G; ++g) {
+        float *pad = scratch + group * thread_index();
+        uint8_t *q = (uint8_t *)(scratch + group * threads) + group * thread_index();
         const float *row = x + g * group;
         const int64_t valid = n - g * group < group ? n - g * group : group;
         if (valid < group) {
@@ -354,6 +377,6 @@ int daf_quantize_pack_fused(const float *x, int64_t n, int64_t group, int bits,
         row_codes(row, group, bits, a, inv, q, codes + g * nbytes);
         if (mask != NULL) row_mask(row, valid, lo, hi, mask + g * (group / 8));
     }
-    free(pad);
+    free(scratch);
     return 0;
 }

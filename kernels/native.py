@@ -23,8 +23,9 @@ The library is compiled on first use with the machine's C compiler (``CC``, defa
 keyed by the source, the flags, the compiler and the CPU, so a copied cache never runs code
 built for another CPU; ``make setup`` builds it ahead (``python -m tta_kernels.native``).
 Without a compiler, `library()` raises and the dispatcher falls back to the vectorised path
-with one warning. Single-threaded: the vectorised path may win with several torch threads
-on large tensors; choose with ``TTA_KERNELS_CPU``.
+with one warning. Built with OpenMP where the compiler has it: a pass over a large tensor
+splits its groups among torch's intra-op threads (``threads``); the paths are chosen with
+``TTA_KERNELS_CPU``.
 """
 
 from __future__ import annotations
@@ -109,25 +110,44 @@ def build(extra: tuple[str, ...] = (), source: Path = SOURCE) -> Path:
     return out
 
 
+def build_threaded(source: Path = SOURCE) -> Path:
+    """build() with OpenMP where the compiler has it, else without."""
+    try:
+        return build(("-fopenmp",), source)
+    except RuntimeError:
+        return build(source=source)
+
+
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL:
     """The loaded library (built first if needed); RuntimeError when it cannot be."""
-    return load(build())
+    return load(build_threaded())
+
+
+#: below this many values a pass runs on one thread (waking others costs more)
+MIN_THREADED = 1 << 16
+
+
+def threads(n: int) -> int:
+    """OpenMP threads for a pass over n values: torch's intra-op count for large ones."""
+    return torch.get_num_threads() if n >= MIN_THREADED else 1
 
 
 def load(path: Path) -> ctypes.CDLL:
     """A built library with its functions' signatures declared."""
     lib = ctypes.CDLL(str(path))
     lib.daf_quantize_pack.argtypes = [_P, _I, _I, ctypes.c_int, _P, _P, _P]
-    lib.daf_unpack_dequantize.argtypes = [_P, _P, _P, _I, _I, ctypes.c_int, _P]
+    lib.daf_unpack_dequantize.argtypes = [_P, _P, _P, _I, _I, ctypes.c_int, _P,
+                                          ctypes.c_int]
     lib.daf_quantize_pack.restype = lib.daf_unpack_dequantize.restype = ctypes.c_int
     lib.daf_mask_pack.argtypes = [_P, _I, ctypes.c_float, ctypes.c_float, _P]
     lib.daf_mask_unpack.argtypes = [_P, _I, ctypes.c_float, ctypes.c_float, _P]
     lib.daf_mask_pack.restype = lib.daf_mask_unpack.restype = None
     lib.daf_quantize_pack_fused.argtypes = [_P, _I, _I, ctypes.c_int, _P, _P, _P,
-                                            ctypes.c_float, ctypes.c_float, _P]
+                                            ctypes.c_float, ctypes.c_float, _P, ctypes.c_int]
     lib.daf_quantize_pack_fused.restype = ctypes.c_int
-    lib.daf_unpack_dequantize_relu.argtypes = [_P, _P, _P, _I, _I, ctypes.c_int, _P, _I, _P]
+    lib.daf_unpack_dequantize_relu.argtypes = [_P, _P, _P, _I, _I, ctypes.c_int, _P, _I, _P,
+                                               ctypes.c_int]
     lib.daf_unpack_dequantize_relu.restype = ctypes.c_int
     return lib
 
@@ -170,7 +190,7 @@ def _fused(x: Tensor, bits: int, group: int, band: tuple[float, float] | None
     mask = torch.empty((n + 7) // 8, dtype=torch.uint8) if band is not None else None
     if library().daf_quantize_pack_fused(
             flat.data_ptr(), n, group, bits, codes.data_ptr(), mn.data_ptr(),
-            scale.data_ptr(), lo, hi, None if mask is None else mask.data_ptr()):
+            scale.data_ptr(), lo, hi, None if mask is None else mask.data_ptr(), threads(n)):
         raise MemoryError("daf_quantize_pack_fused could not allocate its scratch row")
     return Quantized(codes, mn, scale), mask
 
@@ -224,13 +244,14 @@ def _unpack(qt: Quantized, bits: int, group: int, n: int, mask: Tensor | None) -
     lib = library()
     if mask is None:
         rc = lib.daf_unpack_dequantize(codes.data_ptr(), mn.data_ptr(), scale.data_ptr(),
-                                       rows, group, bits, out.data_ptr())
+                                       rows, group, bits, out.data_ptr(),
+                                       threads(rows * group))
     else:
         _check_cpu(mask)
         mask = mask.contiguous()
         rc = lib.daf_unpack_dequantize_relu(codes.data_ptr(), mn.data_ptr(), scale.data_ptr(),
                                             rows, group, bits, mask.data_ptr(), n,
-                                            out.data_ptr())
+                                            out.data_ptr(), threads(rows * group))
     if rc:
         raise MemoryError("daf_unpack_dequantize could not allocate its scratch row")
     return out[:n]
@@ -267,8 +288,8 @@ def mask_unpack(bits: Tensor, n: int, lo: float, inside: float) -> Tensor:
 def main() -> int:
     """Build the library ahead of first use (make setup); prints its path."""
     try:
-        print(build())
-        print(build(source=SOURCE.with_name("bn_stats.c")))  # robust BN's statistics pass
+        print(build_threaded())
+        print(build_threaded(SOURCE.with_name("bn_stats.c")))  # robust BN's statistics pass
     except (RuntimeError, OSError) as exc:
         print(f"tta_kernels.native: not built ({exc}); the vectorised path will be used",
               file=sys.stderr)

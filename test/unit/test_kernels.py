@@ -338,3 +338,23 @@ def test_cuda_dispatch_equals_reference_bit_for_bit() -> None:
                 assert all(torch.equal(a, b.cpu()) for a, b in zip(ref, got, strict=True))
                 back = tta_kernels.unpack_dequantize(got, bits, 128, n, torch.float32)
                 assert torch.equal(back.cpu(), reference.unpack_dequantize(ref, bits, 128, n))
+
+
+@pytest.mark.parametrize("bits", (2, 4, 8))
+def test_native_passes_split_among_threads_give_the_same_bytes(bits: int) -> None:
+    """Above native.MIN_THREADED values a pass splits its groups among torch's threads
+    (OpenMP): encoding, mask and the ReLU decode are the bytes of the one-thread pass."""
+    n = native.MIN_THREADED * 2 + 37
+    x = torch.relu(torch.randn(n, generator=torch.Generator().manual_seed(bits))) * 5
+    x[11::1009] = float("nan")
+    runs = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        assert native.threads(n) == threads
+        qt, mask = native.quantize_pack_mask(x, bits, 256, (0.0, float("inf")))
+        runs.append((*qt, mask, native.unpack_dequantize(qt, bits, 256, n),
+                     native.unpack_dequantize_relu(qt, bits, 256, n, mask)))
+    torch.set_num_threads(1)  # as the one_thread fixture set it
+    assert all(_same(a, b) for a, b in zip(*runs, strict=True))
+    ref = reference.quantize_pack(x, bits, 256)
+    assert all(_same(a, b) for a, b in zip(ref, runs[1][:3], strict=True))

@@ -22,11 +22,12 @@ def test_gpu_check_dry_run_writes_its_figures(tmp_path):
     assert "== gpu_check.sh done" in proc.stdout
     ratios = json.loads((tmp_path / "paper_ratios.json").read_text())
     methods = ratios["runs"][0]["methods"]
-    assert set(methods) == {"source", "bn_adapt", "tent", "adashadow", "adashadow parallel"}
+    assert set(methods) == {"source", "bn_adapt", "tent", "adashadow", "adashadow parallel",
+                            "adashadow bn_lag=False"}
     assert methods["source"]["x_inference"] == 1.0 and methods["tent"]["x_tent"] == 1.0
     figures = json.loads((tmp_path / "gpu_figures.json").read_text())
     assert figures["memory"]["tent 4-bit"]["saved_share_of_tent"] < 0.5  # 4 of 32 bits + meta
-    assert (tmp_path / "paper_ratios.md").read_text().count("| adashadow") == 2
+    assert (tmp_path / "paper_ratios.md").read_text().count("| adashadow") == 3
 
 
 def test_gpu_check_refuses_an_unknown_argument():

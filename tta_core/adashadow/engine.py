@@ -77,7 +77,7 @@ class EngineConfig(PlanningConfig):
                                   "statistics", low=0)
     # bn_lag: each layer normalises with its statistics before this batch's move, which
     # lets a layer outside the recorded graph do both in one read of its input
-    # (RobustBN.lag); False: RoTTA's order, two reads (+11 % of a ResNet-50 forward)
+    # (RobustBN.lag); False: RoTTA's order, two reads (README: Deviations)
     bn_lag: bool = option(True, "robust BN: normalise with the statistics before this "
                           "batch moves them (one read of the layer input); False: move "
                           "first, as RoTTA (two reads)")

@@ -183,7 +183,7 @@ static void rows_sums(const float *x, float *out, int64_t rows, int64_t c, int64
 
 /* x: n_rows rows of c channels, channels-last (NHWC-contiguous: n_rows = N*H*W).
    mean/var: c floats out; running_mean/running_var moved when not NULL; out, weight, bias,
-   eps, threads as bn_stats (each thread takes a range of channels, in whole cache lines).
+   eps, threads as bn_stats (each thread takes an equal run of row blocks).
    Returns 1 when its scratch cannot be allocated. */
 int bn_stats_nhwc(const float *x, int64_t n_rows, int64_t c, float *mean, float *var,
                   float *running_mean, float *running_var, float momentum, float *out,

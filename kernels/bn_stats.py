@@ -12,7 +12,7 @@ its value in the first row, in float lanes across channels per block of rows, in
 across blocks. No step subtracts two large sums, so a large mean with a small spread keeps
 its variance. CUDA tensors and other dtypes go to PyTorch. Built like the DAF kernels
 (tta_kernels.native), with OpenMP where the compiler has it: channels (NCHW) or runs of row
-blocks (channels-last) are split among torch.get_num_threads() threads.
+blocks (channels-last) are split among torch's threads (native.threads).
 
 `normalise_update(x, running_mean, running_var, momentum, weight, bias, eps)` writes
 eval-mode BN of x with the running statistics as they are in the same read, then moves
@@ -83,8 +83,7 @@ def update_stats(x: Tensor, running_mean: Tensor | None, running_var: Tensor | N
     lib = library() if layout and _stats_ok(x.shape[1], running_mean, running_var) else None
     if lib is None:
         return torch.batch_norm_update_stats(x, running_mean, running_var, momentum)
-    mean, var, _ = _run(lib, layout, x, running_mean, running_var, momentum, None)
-    return mean, var
+    return _run(lib, layout, x, running_mean, running_var, momentum, None)
 
 
 def normalise_update(x: Tensor, running_mean: Tensor, running_var: Tensor, momentum: float,
@@ -101,15 +100,15 @@ def normalise_update(x: Tensor, running_mean: Tensor, running_var: Tensor, momen
     if lib is None:
         return None
     out = torch.empty_like(x)
-    mean, var, _ = _run(lib, layout, x, running_mean, running_var, momentum,
-                        (out, weight, bias, eps))
+    mean, var = _run(lib, layout, x, running_mean, running_var, momentum,
+                     (out, weight, bias, eps))
     return out, mean, var
 
 
 def _run(lib: ctypes.CDLL, layout: str, x: Tensor, running_mean: Tensor | None,
          running_var: Tensor | None, momentum: float,
          apply: tuple[Tensor, Tensor | None, Tensor | None, float] | None
-         ) -> tuple[Tensor, Tensor, None]:
+         ) -> tuple[Tensor, Tensor]:
     c = x.shape[1]
     mean, var = torch.empty(c), torch.empty(c)
     move = running_mean is not None and running_var is not None
@@ -118,7 +117,7 @@ def _run(lib: ctypes.CDLL, layout: str, x: Tensor, running_mean: Tensor | None,
     out, weight, bias, eps = apply if apply else (None, None, None, 0.0)
     tail = (out.data_ptr() if out is not None else None,
             weight.data_ptr() if weight is not None else None,
-            bias.data_ptr() if bias is not None else None, eps, torch.get_num_threads())
+            bias.data_ptr() if bias is not None else None, eps, native.threads(x.numel()))
     if layout == "nchw":
         failed = lib.bn_stats(x.data_ptr(), x.shape[0], c, x.numel() // (x.shape[0] * c),
                               mean.data_ptr(), var.data_ptr(), rm, rv, momentum, *tail)
@@ -127,4 +126,4 @@ def _run(lib: ctypes.CDLL, layout: str, x: Tensor, running_mean: Tensor | None,
                                    var.data_ptr(), rm, rv, momentum, *tail)
     if failed:
         raise MemoryError("bn_stats could not allocate its scratch sums")
-    return mean, var, None
+    return mean, var

@@ -86,6 +86,19 @@ def update_stats(x: Tensor, running_mean: Tensor | None, running_var: Tensor | N
     return _run(lib, layout, x, running_mean, running_var, momentum, None)
 
 
+def _takes(x: Tensor, *stats: Tensor | None) -> tuple[ctypes.CDLL, str] | None:
+    """(library, layout) where the C pass takes `x` with these per-channel tensors."""
+    layout = _layout(x) if x.numel() >= MIN_NATIVE else None
+    lib = library() if layout and _stats_ok(x.shape[1], *stats) else None
+    return (lib, layout) if lib is not None else None
+
+
+def fusable(x: Tensor, *stats: Tensor | None) -> bool:
+    """Whether `normalise_update` takes `x` with these per-channel tensors (running mean,
+    running variance, weight, bias; None where absent)."""
+    return _takes(x, *stats) is not None
+
+
 def normalise_update(x: Tensor, running_mean: Tensor, running_var: Tensor, momentum: float,
                      weight: Tensor | None, bias: Tensor | None, eps: float
                      ) -> tuple[Tensor, Tensor, Tensor] | None:
@@ -93,15 +106,11 @@ def normalise_update(x: Tensor, running_mean: Tensor, running_var: Tensor, momen
     then moved toward the batch's, in one read of `x`: (output in x's layout, batch mean,
     biased batch variance). None where the kernel does not take these tensors (the caller
     runs the two passes)."""
-    layout = _layout(x) if x.numel() >= MIN_NATIVE else None
-    if not (layout and _stats_ok(x.shape[1], running_mean, running_var, weight, bias)):
-        return None
-    lib = library()
-    if lib is None:
+    takes = _takes(x, running_mean, running_var, weight, bias)
+    if takes is None:
         return None
     out = torch.empty_like(x)
-    mean, var = _run(lib, layout, x, running_mean, running_var, momentum,
-                     (out, weight, bias, eps))
+    mean, var = _run(*takes, x, running_mean, running_var, momentum, (out, weight, bias, eps))
     return out, mean, var
 
 

@@ -69,6 +69,32 @@ def test_reforward_reuse_equals_full_forward(arch: str, size: int, bn_mode: str)
     eng.close()
 
 
+def test_reforward_replays_the_first_updated_layers_input() -> None:
+    """§4 reuse at the layer: the first updated unit a BN fed by its stage's first conv,
+    the reforward does not run that conv (it replays the conv's output, kept from the
+    forward by robust BN) and predicts what the reforward from the stage input does."""
+    logits, conv_calls = {}, {}
+    x = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(1))
+    for replay in (True, False):
+        staged = _staged("resnet18", 64, "source")
+        if not replay:
+            for u in staged.units:
+                u.producer = None
+        eng = AdaShadowEngine(staged, EngineConfig(lr=0.05, bn_mode="robust"))
+        st = staged.stages[3]
+        conv, bn = staged.units[st.first_unit], staged.units[st.first_unit + 1]
+        assert bn.kind == "bn" and bn.producer == (conv.index if replay else None)
+        calls: list[int] = []
+        conv.module.register_forward_hook(lambda *_a, calls=calls: calls.append(1))
+        later = [u.index for u in staged.units[bn.index:] if u.kind == "bn"]
+        res = eng.step(x, plan=_plan(len(staged.units), later[::2]))
+        assert res.adapted
+        logits[replay], conv_calls[replay] = res.logits, len(calls)
+        eng.close()
+    assert conv_calls == {True: 1, False: 2}
+    torch.testing.assert_close(logits[True], logits[False], rtol=0.0, atol=1e-5)
+
+
 @pytest.mark.parametrize("graph", ["lazy", "full"])
 def test_reuse_starts_at_first_updated_stage(graph: str) -> None:
     staged = _staged("small_resnet", 32)

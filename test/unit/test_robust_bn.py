@@ -213,9 +213,9 @@ def test_robust_layers_hold_no_hooks_copy_independently_and_get_their_class_back
 def test_lag_normalises_with_the_statistics_before_the_batch_in_one_read(
         channels_last: bool, monkeypatch) -> None:
     """bn_lag: each robust layer's output is eval-mode BN with its running statistics as
-    they were before the batch, which then move by RoTTA's rule; without a gradient that
-    is one call of the fused kernel per layer, with one (the recorded graph) the two
-    passes in the same order, and the input's gradient flows."""
+    they were before the batch, which then move by RoTTA's rule, in one call of the fused
+    kernel per layer, inside the recorded graph too; there the gradients of the input and
+    the affine parameters are eval-mode BN's with the statistics before the move."""
     from tta_core.model import robust_bn as rb
 
     calls = []
@@ -241,16 +241,63 @@ def test_lag_normalises_with_the_statistics_before_the_batch_in_one_read(
             torch.testing.assert_close(bn.running_mean, 0.9 * before[0] + 0.1 * m)
             torch.testing.assert_close(bn.running_var, 0.9 * before[1] + 0.1 * v)
             if grad:
-                y.sum().backward()
-                scale = bn.weight.detach() / torch.sqrt(before[1] + bn.eps)
-                torch.testing.assert_close(x.grad, scale.view(1, -1, 1, 1).expand_as(x))
+                w = torch.randn(y.shape, generator=g).contiguous(memory_format=fmt)
+                bn.weight.grad = bn.bias.grad = None
+                (y * w).sum().backward()
+                ref = [t.detach().clone().requires_grad_() for t in (x, bn.weight, bn.bias)]
+                (nn.functional.batch_norm(ref[0], *before, ref[1], ref[2], False, 0.0, bn.eps)
+                 * w).sum().backward()
+                for got, r in zip((x.grad, bn.weight.grad, bn.bias.grad), ref, strict=True):
+                    torch.testing.assert_close(got, r.grad, rtol=1e-4, atol=1e-4)
+        assert len(calls) == len(bns)
+    rbn.close()
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize("track", [False, True])
+def test_batch_statistics_layers_give_train_mode_bn(channels_last: bool, track: bool,
+                                                    monkeypatch) -> None:
+    """A layer on batch statistics under the controller gives PyTorch's train-mode BN:
+    its output and, when tracked (the collector's carriers), its running statistics and
+    count; one statistics pass per layer without a gradient, PyTorch's own with one."""
+    from tta_core.model import robust_bn as rb
+
+    calls = []
+    stats = rb.update_stats
+    monkeypatch.setattr(rb, "update_stats", lambda *a: calls.append(1) or stats(*a))
+    bns, refs = _bns(_model())[:3], _bns(_model())[:3]
+    for bn in (*bns, *refs):
+        if track:
+            bn.train()
+            bn.momentum = 0.3
+        else:
+            rb.use_batch_stats(bn)
+    rbn = rb.RobustBN(bns, 0.1, lag=True)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    g = torch.Generator().manual_seed(3)
+    for grad in (False, True):
+        calls.clear()
+        for bn, ref in zip(bns, refs, strict=True):
+            x = (torch.randn(4, bn.num_features, 16, 16, generator=g) * 2 + 0.5)
+            x = x.contiguous(memory_format=fmt)
+            with torch.set_grad_enabled(grad):
+                y, want = bn(x.clone().requires_grad_(grad)), ref(x.clone().requires_grad_(grad))
+            torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+            assert y.is_contiguous(memory_format=fmt)
+            if track:
+                for a, b in ((bn.running_mean, ref.running_mean),
+                             (bn.running_var, ref.running_var)):
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+                assert int(bn.num_batches_tracked) == int(ref.num_batches_tracked)
         assert len(calls) == (0 if grad else len(bns))
     rbn.close()
 
 
-def test_lag_records_the_statistics_the_layer_normalised_by() -> None:
+@pytest.mark.parametrize("grad", [False, True])
+def test_lag_records_the_statistics_the_layer_normalised_by(grad: bool) -> None:
     """The unit-statistics collector maps the batch statistics through the running ones
-    the layer used: with the lag, those from before the move."""
+    the layer used: with the lag, those from before the move (inside the recorded graph
+    too)."""
     from tta_core.model.robust_bn import RobustBN
 
     model = _model().eval()
@@ -259,9 +306,11 @@ def test_lag_records_the_statistics_the_layer_normalised_by() -> None:
     rbn = RobustBN([bn], 0.1, lag=True)
     rbn.record = True
     x = torch.randn(4, bn.num_features, 16, 16) + 1.0
-    with torch.no_grad():
-        bn(x)
+    with torch.set_grad_enabled(grad):
+        y = bn(x.clone().requires_grad_(grad))
+    assert y.requires_grad == grad
     mean, var, used_mean, used_var = rbn.recorded[id(bn)]
+    assert not mean.requires_grad
     assert torch.equal(used_mean, before[0]) and torch.equal(used_var, before[1])
     v, m = torch.var_mean(x, dim=(0, 2, 3), correction=0)
     torch.testing.assert_close((mean, var), (m, v), rtol=1e-5, atol=1e-6)

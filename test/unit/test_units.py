@@ -119,3 +119,37 @@ def test_unsupported_model_rejected() -> None:
         decompose(nn.Sequential(nn.Linear(3, 2)), (3,))
     with pytest.raises(ValueError, match="mobilenet_v2"):
         decompose(build_model("small_resnet", 10), (3, 32, 32), arch="mobilenet_v2")
+
+
+class _ConvReluBn(nn.Module):
+    """conv -> bn -> conv, then an in-place op before the second bn."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4)
+        self.c2, self.b2 = nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.b1(self.c1(x))
+        return self.b2(self.c2(h).mul_(2.0))
+
+
+def test_producers_are_the_layers_whose_output_a_unit_reads_unchanged() -> None:
+    """Unit.producer (the reforward replays its output, §4 reuse): the conv that feeds a
+    BN directly; none when the output was changed in place on the way, none for a unit
+    fed through a reshape (the classifier after the pooling)."""
+    from tta_core.model.units import _owners, _producers, _trace
+
+    model = _ConvReluBn()
+    records = _trace(model, _owners(model, []), (3, 8, 8))
+    assert [r.name for r in records] == ["c1", "b1", "c2", "b2"]
+    assert _producers(records) == [None, 0, 1, None]  # b2 reads c2's output doubled
+    model, size = _model("resnet18")
+    staged = decompose(model, (3, size, size))
+    by_name = {u.name: u for u in staged.units}
+    for u in staged.units:
+        if u.kind == "bn":  # every torchvision ResNet BN reads its conv's output
+            conv = u.name.rsplit(".", 1)[0] + ".0" if "downsample" in u.name else \
+                u.name.replace("bn", "conv")
+            assert u.producer == by_name[conv].index, u.name
+    assert by_name["fc"].producer is None and by_name["conv1"].producer is None

@@ -15,8 +15,8 @@ import math
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -142,8 +142,8 @@ class EngineConfig(PlanningConfig):
 
 def robust_bn(model: nn.Module, config: EngineConfig) -> RobustBN:
     """bn_mode "robust": the first bn_batch_layers BN layers switched to batch statistics,
-    RoTTA robust-BN hooks on the others, disabled until a batch's own forward enables them
-    (no layer, no hook in the other modes)."""
+    RoTTA's robust BN on the others, disabled until a batch's own forward enables it; the
+    controller runs all of them (no layer in the other modes)."""
     if config.bn_mode != "robust":
         return RobustBN([], config.bn_momentum, config.bn_lag)
     layers = [m for m in model.modules() if isinstance(m, _BatchNorm)]
@@ -151,7 +151,7 @@ def robust_bn(model: nn.Module, config: EngineConfig) -> RobustBN:
         raise ValueError("bn_mode 'robust' needs BatchNorm layers with running statistics")
     for bn in layers[:config.bn_batch_layers]:
         use_batch_stats(bn)
-    rbn = RobustBN(layers[config.bn_batch_layers:], config.bn_momentum, config.bn_lag)
+    rbn = RobustBN(layers, config.bn_momentum, config.bn_lag)
     rbn.enabled = False
     return rbn
 
@@ -267,6 +267,7 @@ class _Forward:
     forward_ms: float
     grad_stage: int  # first stage whose forward recorded the autograd graph
     memory: MemoryPlan | None = None  # the plan's keeps and predicted bytes (memory budget)
+    unit_inputs: dict = field(default_factory=dict)  # robust-BN layer inputs (RobustBN.inputs)
 
 
 class _Background:
@@ -311,11 +312,19 @@ def _loss(kind: str, fwd: _Forward, history) -> Tensor | None:
 def _reforward(staged: StagedModel, x: Tensor, fwd: _Forward, first_updated: int,
                reuse: bool) -> Tensor:
     """The prediction after the update: from the first updated unit's stage input
-    (`reuse`, §4) or a full forward."""
-    stage = staged.units[first_updated].stage
+    (`reuse`, §4), the unit's producer in that stage replaced by its output from the
+    forward where it was kept (the reforward then skips every layer before the first
+    updated one that is not on the way to it), or a full forward."""
+    unit = staged.units[first_updated]
+    kept = fwd.unit_inputs.get(id(unit.module))
+    replay = None
+    if kept is not None and unit.producer is not None and \
+            staged.units[unit.producer].stage == unit.stage:
+        replay = (unit.producer, kept.detach())
     with torch.no_grad():
         if reuse:
-            return staged.forward_from(stage, fwd.stage_inputs[stage].detach())
+            return staged.forward_from(unit.stage, fwd.stage_inputs[unit.stage].detach(),
+                                       replay)
         return staged.model(x)
 
 
@@ -427,17 +436,25 @@ class AdaShadowEngine:
             logits, stats, inputs = self._recorded_forward(x, grad_stage)
         ms = phases.ms["forward"]
         self._fwd.note(ms, int(x.shape[0]))
-        return _Forward(logits, stats, inputs, ms, grad_stage)
+        kept, self._rbn.inputs = self._rbn.inputs, {}
+        return _Forward(logits, stats, inputs, ms, grad_stage, unit_inputs=kept)
 
     def _recorded_forward(self, x: Tensor, grad_stage: int
                           ) -> tuple[Tensor, list, list]:
         """Logits, the units' statistics and the cached stage inputs of one forward."""
         self._stage_inputs[0] = x
         self._grad_stage = grad_stage
+        codec = self.tail.recording(self._grad_from(grad_stage))  # memory budget, DAF
+        # the recorded layers' inputs are kept for the reforward where the graph keeps
+        # them anyway (not under a codec, which stores them packed)
+        self._rbn.keep_inputs = self.config.reuse and isinstance(codec, nullcontext)
         # restores the grad mode on exit (the stage hooks switch it on mid-forward)
-        with _own_forward(self._collector, self._rbn), torch.set_grad_enabled(grad_stage == 0), \
-                self.tail.recording(self._grad_from(grad_stage)):  # memory budget: codec
-            logits = self.staged.model(x)
+        try:
+            with _own_forward(self._collector, self._rbn), \
+                    torch.set_grad_enabled(grad_stage == 0), codec:
+                logits = self.staged.model(x)
+        finally:
+            self._rbn.keep_inputs = False
         stats = self._collector.collect(x.shape[0])
         inputs, self._stage_inputs = self._stage_inputs, [None] * len(self._stage_inputs)
         return logits, stats, inputs
@@ -534,9 +551,13 @@ class AdaShadowEngine:
             update = np.asarray(plan.update, dtype=bool)
             adapt = loss is not None and bool(update.any())
             self._fwd.planned(adapt or outcome is None)  # an external plan is never held back
-            if adapt:  # keep only the stage input the reforward needs (§4 reuse)
-                keep = self.staged.units[int(np.flatnonzero(update)[0])].stage
-                fwd.stage_inputs = [t if i == keep else None
+            first = self.staged.units[int(np.flatnonzero(update)[0])] if adapt else None
+            # keep only the inputs the reforward needs (§4 reuse; parallel: none)
+            reforward = first is not None and self.config.mode != "parallel"
+            fwd.unit_inputs = {k: t for k, t in fwd.unit_inputs.items()
+                               if reforward and k == id(first.module)}
+            if adapt:
+                fwd.stage_inputs = [t if i == first.stage else None
                                     for i, t in enumerate(fwd.stage_inputs)]
             res = _result(self.planning, fwd, loss, importance, outcome, plan, adapt)
         measured = Measured(fwd.forward_ms, phases.ms["plan"], adapt,

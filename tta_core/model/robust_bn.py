@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
-from tta_kernels.bn_stats import library, normalise_update, update_stats
+from tta_kernels.bn_stats import fusable, library, normalise_update, update_stats
 
 
 def batch_norm_layers(model: nn.Module) -> dict[str, _BatchNorm]:
@@ -50,10 +50,11 @@ class RobustBN:
     its own controller).
 
     lag: normalise with the statistics as they were before this batch, then move them (a
-    one-batch lag on the momentum-m share of the batch), so a layer whose output needs no
-    gradient is normalised and its statistics taken in one read of its input
-    (tta_kernels.bn_stats.normalise_update), the cost of a plain eval-mode BN; RoTTA's
-    order (lag False) reads the input twice."""
+    one-batch lag on the momentum-m share of the batch), so a layer is normalised and its
+    statistics taken in one read of its input (tta_kernels.bn_stats.normalise_update), the
+    cost of a plain eval-mode BN, inside the recorded graph too (_LaggedEvalBN); RoTTA's
+    order (lag False) reads the input twice. Layers on batch statistics (train mode) may
+    be given too: they take them in one read and normalise in a second."""
 
     def __init__(self, layers: Sequence[_BatchNorm], momentum: float, lag: bool = False
                  ) -> None:
@@ -67,6 +68,10 @@ class RobustBN:
         # collector reads them instead of a pass of its own per layer
         self.record = False
         self.recorded: dict[int, tuple[Tensor, Tensor, Tensor, Tensor]] = {}
+        # keep_inputs: keep each layer's input that the recorded graph saves anyway (by id
+        # of the layer), for a reforward that starts at that layer (AdaShadow §4 reuse)
+        self.keep_inputs = False
+        self.inputs: dict[int, Tensor] = {}
         self._layers = list(layers)
         if self._layers:
             library()  # built (once per machine) or loaded now, not in a timed forward
@@ -106,30 +111,37 @@ class RobustBN:
 
     def forward(self, bn: _BatchNorm, x: Tensor) -> Tensor:
         """`bn`'s output for `x`, its statistics moved (and recorded) in the order `lag`
-        says: in one read where nothing needs a gradient, else base forward and update."""
+        says: lagged, in one read of `x` (inside the recorded graph too, _LaggedEvalBN);
+        RoTTA's order, or where the kernel does not take `x`, update and base forward. A
+        layer on batch statistics (train mode) normalises by them, in two reads."""
+        if bn.training:
+            return _batch_stats_forward(bn, x)
+        grad = _needs_grad(bn, x)
+        if grad and self.keep_inputs:
+            self.inputs[id(bn)] = x
         if not self.lag:
             self.update(bn, x)
             return bn._tta_base.forward(bn, x)
-        if bn.training or not (self._move() or self.record):
+        if not (self._move() or self.record):
             return bn._tta_base.forward(bn, x)
-        grad = _needs_grad(bn, x)
         # copies of the statistics it normalises by: for the record, and for a backward,
         # which would otherwise read the buffers the update moves in place after it
         used = ((bn.running_mean.clone(), bn.running_var.clone()) if self.record or grad
                 else None)
-        fused = None
+        momentum, fused = self._momentum() if self._move() else 0.0, None
         if not grad:
             with torch.no_grad():
-                fused = normalise_update(x, bn.running_mean, bn.running_var,
-                                         self._momentum() if self._move() else 0.0,
+                fused = normalise_update(x, bn.running_mean, bn.running_var, momentum,
                                          bn.weight, bn.bias, bn.eps)
+        elif fusable(x, bn.running_mean, bn.running_var, bn.weight, bn.bias):
+            fused = _LaggedEvalBN.apply(x, bn.weight, bn.bias, *used, bn, momentum)
         if fused is None:  # two passes, in the same order
             y = (F.batch_norm(x, *used, bn.weight, bn.bias, False, 0.0, bn.eps) if grad
                  else bn._tta_base.forward(bn, x))
             self.update(bn, x, used)
             return y
         y, mean, var = fused
-        if used is not None:
+        if self.record:
             self.recorded[id(bn)] = (mean, var, *used)
         return y
 
@@ -142,11 +154,60 @@ class RobustBN:
         self._layers = []
 
 
+class _LaggedEvalBN(torch.autograd.Function):
+    """A lagged robust-BN layer inside the recorded graph in one read of its input: the
+    fused kernel's eval-mode BN with the statistics before this batch (`mean`, `var`:
+    copies, as the kernel moves the buffers), the buffers moved; the backward is PyTorch's
+    eval-mode BN backward with those copies. Outputs (y, batch mean, biased batch
+    variance); only y carries a gradient."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor | None, bias: Tensor | None,
+                mean: Tensor, var: Tensor, bn: _BatchNorm, momentum: float
+                ) -> tuple[Tensor, Tensor, Tensor]:
+        y, batch_mean, batch_var = normalise_update(x, bn.running_mean, bn.running_var,
+                                                    momentum, weight, bias, bn.eps)
+        ctx.save_for_backward(x, weight, mean, var)
+        ctx.eps, ctx.affine = bn.eps, (weight is not None, bias is not None)
+        ctx.mark_non_differentiable(batch_mean, batch_var)
+        return y, batch_mean, batch_var
+
+    @staticmethod
+    def backward(ctx, grad_y: Tensor, _gm: Tensor, _gv: Tensor
+                 ) -> tuple[Tensor | None, ...]:
+        x, weight, mean, var = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        mask = [need[0], need[1] and ctx.affine[0], need[2] and ctx.affine[1]]
+        gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
+            grad_y, x, weight, mean, var, None, None, False, ctx.eps, mask)
+        return gx, gw, gb, None, None, None, None
+
+
 _ROBUST_CLASSES: dict[type, type] = {}
 
 
 def _robust_forward(self: _BatchNorm, x: Tensor) -> Tensor:
     return self._tta_robust.forward(self, x)
+
+
+def _batch_stats_forward(bn: _BatchNorm, x: Tensor) -> Tensor:
+    """Train-mode BN (batch statistics; running ones, when tracked, moved by the layer's
+    momentum) where no gradient is needed: the statistics in one read (update_stats), then
+    eval-mode BN with them, two reads of `x` against PyTorch's three on channels-last
+    input. The base forward elsewhere (a gradient, a cumulative average, one value per
+    channel, which it refuses)."""
+    track = bn.track_running_stats and bn.running_mean is not None
+    if (_needs_grad(bn, x) or (track and bn.momentum is None)
+            or x.dim() < 2 or x.numel() <= x.shape[1]):
+        return bn._tta_base.forward(bn, x)
+    bn._check_input_dim(x)
+    with torch.no_grad():
+        if track:
+            bn.num_batches_tracked.add_(1)
+        mean, var = update_stats(x, bn.running_mean if track else None,
+                                 bn.running_var if track else None,
+                                 float(bn.momentum) if track else 0.0)
+        return F.batch_norm(x, mean, var, bn.weight, bn.bias, False, 0.0, bn.eps)
 
 
 def _needs_grad(bn: _BatchNorm, x: Tensor) -> bool:

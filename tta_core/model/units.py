@@ -9,7 +9,8 @@ Per-unit MACs and bytes give eta_l = compute time / memory time of the latency p
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -47,6 +48,9 @@ class Unit:
     bytes_moved: int
     eta: float
     tensors: list[nn.Parameter] = field(default_factory=list, repr=False, compare=False)
+    # the unit whose output is this unit's input, unchanged (_producers): the reforward
+    # from this unit replays that output instead of running the producer (§4)
+    producer: int | None = None
 
     def parameters(self) -> list[nn.Parameter]:
         """The model parameters this unit owns (what is updated when it is selected)."""
@@ -78,13 +82,44 @@ class StagedModel:
         """Per unit: index of the first unit of its stage."""
         return np.array([self.stages[u.stage].first_unit for u in self.units], dtype=np.int64)
 
-    def forward_from(self, stage: int, x: Tensor) -> Tensor:
-        """Run stages[stage:] on x (x is the input of that stage)."""
+    def forward_from(self, stage: int, x: Tensor,
+                     replay: tuple[int, Tensor] | None = None) -> Tensor:
+        """Run stages[stage:] on x (x is the input of that stage). `replay` (unit, output):
+        that unit's module returns `output` instead of computing it (the input of the
+        first updated layer kept from the forward, AdaShadow §4)."""
         if not 0 <= stage < len(self.stages):
             raise ValueError(f"stage {stage} out of range 0..{len(self.stages) - 1}")
-        for st in self.stages[stage:]:
-            x = st.module(x)
+        with self._replaying(replay):
+            for st in self.stages[stage:]:
+                x = st.module(x)
         return x
+
+    @contextmanager
+    def _replaying(self, replay: tuple[int, Tensor] | None) -> Iterator[None]:
+        if replay is None:
+            yield
+            return
+        mod = self.units[replay[0]].module
+        slots = [(parent, name) for parent in self.model.modules()
+                 for name, child in parent._modules.items() if child is mod]
+        for parent, name in slots:
+            parent._modules[name] = _Replay(replay[1])
+        try:
+            yield
+        finally:
+            for parent, name in slots:
+                parent._modules[name] = mod
+
+
+class _Replay(nn.Module):
+    """Stands in for a module during a reforward: returns its output from the forward."""
+
+    def __init__(self, out: Tensor) -> None:
+        super().__init__()
+        self.out = out
+
+    def forward(self, *_args: object, **_kwargs: object) -> Tensor:
+        return self.out
 
 
 # ---------------------------------------------------------------- stage wrappers
@@ -231,6 +266,7 @@ class _Record:
     part: str  # "" | "in" | "out"
     x: Tensor
     y: Tensor
+    versions: tuple[int, int] = (0, 0)  # of x and y when the hook saw them
 
 
 def _trace(model: nn.Module, owners: dict[str, nn.Module], input_shape) -> list[_Record]:
@@ -241,7 +277,8 @@ def _trace(model: nn.Module, owners: dict[str, nn.Module], input_shape) -> list[
     def post(name: str, mod: nn.Module, part: str) -> Callable:
         def hook(m, args, out):
             y = out[0] if isinstance(out, tuple) else out
-            records.append(_Record(name, mod, _kind(mod), part, args[0][:1], y[:1]))
+            records.append(_Record(name, mod, _kind(mod), part, args[0][:1], y[:1],
+                                   (args[0]._version, y._version)))
         return hook
 
     def pre_attn(name: str, mod: nn.Module) -> Callable:
@@ -329,8 +366,26 @@ def decompose(model: nn.Module, input_shape: tuple[int, ...], arch: str | None =
         stage = _stage_of(rec.name, stage_list)
         units.append(_make_unit(len(units), rec, stage, tensors, flops, cache_bw))
     _check_coverage(model, units)
+    for u, producer in zip(units, _producers(records), strict=True):
+        u.producer = producer
     stages = _build_stages(stage_list, units)
     return StagedModel(arch or family, model, stages, units, tuple(input_shape))
+
+
+def _producers(records: list[_Record]) -> list[int | None]:
+    """Per record: the one just before it in execution order when its output is this
+    one's input, unchanged (same storage, shape and strides, not modified in place since:
+    a conv feeding its BN); None otherwise, and for a module that runs more than once."""
+    runs: dict[int, int] = {}
+    for r in records:
+        runs[id(r.module)] = runs.get(id(r.module), 0) + 1
+    out: list[int | None] = [None] * len(records)
+    for i, (prev, rec) in enumerate(itertools.pairwise(records), start=1):
+        if (prev.part == rec.part == "" and runs[id(prev.module)] == 1
+                and prev.y.data_ptr() == rec.x.data_ptr() and prev.y.shape == rec.x.shape
+                and prev.y.stride() == rec.x.stride() and prev.versions[1] == rec.versions[0]):
+            out[i] = i - 1
+    return out
 
 
 def _check_coverage(model: nn.Module, units: list[Unit]) -> None:

@@ -68,10 +68,15 @@ static void block_sums(const float *p, float *o, int64_t len, float k, float a, 
 }
 
 /* Moves the running statistics toward a batch's (mean, unbiased variance), PyTorch BN's
-   momentum convention. */
+   momentum convention; old (2c floats, or NULL) receives them as they were. */
 static void move_running(int64_t c, const float *mean, const double *m2, int64_t count,
-                         float *running_mean, float *running_var, float momentum) {
+                         float *running_mean, float *running_var, float momentum,
+                         float *old) {
     for (int64_t j = 0; j < c; ++j) {
+        if (old) {
+            old[j] = running_mean[j];
+            old[c + j] = running_var[j];
+        }
         const double unbiased = count > 1 ? m2[j] / (double)(count - 1) : m2[j] / (double)count;
         running_mean[j] = (1.0f - momentum) * running_mean[j] + momentum * mean[j];
         running_var[j] = (1.0f - momentum) * running_var[j] + momentum * (float)unbiased;
@@ -93,11 +98,12 @@ static void affine(int64_t c, const float *running_mean, const float *running_va
    running_mean/running_var: moved when not NULL. out (NULL: statistics only): x normalised
    by eval-mode BN with the running statistics as they were before this call (weight, bias
    NULL where the layer has none), written in the same read. threads: channels are split
-   among this many OpenMP threads (each channel's sums do not depend on the split). Returns 1
-   when its scratch cannot be allocated. */
+   among this many OpenMP threads (each channel's sums do not depend on the split). old
+   (2c floats, or NULL): the running statistics before the move. Returns 1 when its scratch
+   cannot be allocated. */
 int bn_stats(const float *x, int64_t n, int64_t c, int64_t hw, float *mean, float *var,
              float *running_mean, float *running_var, float momentum, float *out,
-             const float *weight, const float *bias, float eps, int threads) {
+             const float *weight, const float *bias, float eps, int threads, float *old) {
     double *acc = calloc((size_t)(2 * c), sizeof(double));  /* per channel: mean, M2 */
     float *ab = out ? malloc((size_t)(2 * c) * sizeof(float)) : NULL;
     if (!acc || (out && !ab)) {
@@ -127,7 +133,8 @@ int bn_stats(const float *x, int64_t n, int64_t c, int64_t hw, float *mean, floa
         mean[j] = (float)acc[j];
         var[j] = (float)(acc[c + j] / (double)count);
     }
-    if (running_mean) move_running(c, mean, acc + c, count, running_mean, running_var, momentum);
+    if (running_mean)
+        move_running(c, mean, acc + c, count, running_mean, running_var, momentum, old);
     free(acc);
     free(ab);
     return 0;
@@ -185,11 +192,12 @@ static void rows_sums(const float *x, float *out, int64_t rows, int64_t c, int64
 
 /* x: n_rows rows of c channels, channels-last (NHWC-contiguous: n_rows = N*H*W).
    mean/var: c floats out; running_mean/running_var moved when not NULL; out, weight, bias,
-   eps, threads as bn_stats (each thread takes an equal run of row blocks).
+   eps, threads, old as bn_stats (each thread takes an equal run of row blocks).
    Returns 1 when its scratch cannot be allocated. */
 int bn_stats_nhwc(const float *x, int64_t n_rows, int64_t c, float *mean, float *var,
                   float *running_mean, float *running_var, float momentum, float *out,
-                  const float *weight, const float *bias, float eps, int threads) {
+                  const float *weight, const float *bias, float eps, int threads,
+                  float *old) {
     double *acc = calloc((size_t)(2 * c), sizeof(double));  /* per channel: sum d, sum d^2 */
     float *ab = malloc((size_t)(2 * c) * sizeof(float));  /* a, then b */
     if (!acc || !ab) {
@@ -243,7 +251,8 @@ int bn_stats_nhwc(const float *x, int64_t n_rows, int64_t c, float *mean, float 
         mean[j] = (float)(x[j] + s / (double)n_rows);
         var[j] = (float)(acc[c + j] / (double)n_rows);
     }
-    if (running_mean) move_running(c, mean, acc + c, n_rows, running_mean, running_var, momentum);
+    if (running_mean)
+        move_running(c, mean, acc + c, n_rows, running_mean, running_var, momentum, old);
     free(acc);
     free(ab);
     return 0;

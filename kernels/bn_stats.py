@@ -16,7 +16,8 @@ blocks (channels-last) are split among torch's threads (native.threads).
 
 `normalise_update(x, running_mean, running_var, momentum, weight, bias, eps)` writes
 eval-mode BN of x with the running statistics as they are in the same read, then moves
-them: robust BN with a one-batch lag (RobustBN.lag) at the cost of a plain eval BN.
+them (handing back the old ones on request): robust BN with a one-batch lag
+(RobustBN.lag) at the cost of a plain eval BN.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 def load(path: Path) -> ctypes.CDLL:
     """A built bn_stats library with its function's signature declared."""
     lib = ctypes.CDLL(str(path))
-    f, tail = ctypes.c_float, [_P, _P, _P, ctypes.c_float, ctypes.c_int]  # out .. threads
+    f, tail = ctypes.c_float, [_P, _P, _P, ctypes.c_float, ctypes.c_int, _P]  # out .. old
     lib.bn_stats.argtypes = [_P, _I, _I, _I, _P, _P, _P, _P, f, *tail]
     lib.bn_stats.restype = ctypes.c_int
     lib.bn_stats_nhwc.argtypes = [_P, _I, _I, _P, _P, _P, _P, f, *tail]
@@ -79,11 +80,10 @@ def update_stats(x: Tensor, running_mean: Tensor | None, running_var: Tensor | N
     """(batch mean, biased batch variance) per channel of `x`; the running statistics, when
     both given, moved by `momentum` in place: torch.batch_norm_update_stats's contract (and
     that function for what this kernel does not take)."""
-    layout = _layout(x) if x.numel() >= MIN_NATIVE else None
-    lib = library() if layout and _stats_ok(x.shape[1], running_mean, running_var) else None
-    if lib is None:
+    takes = _takes(x, running_mean, running_var)
+    if takes is None:
         return torch.batch_norm_update_stats(x, running_mean, running_var, momentum)
-    return _run(lib, layout, x, running_mean, running_var, momentum, None)
+    return _run(*takes, x, running_mean, running_var, momentum, None)
 
 
 def _takes(x: Tensor, *stats: Tensor | None) -> tuple[ctypes.CDLL, str] | None:
@@ -100,39 +100,43 @@ def fusable(x: Tensor, *stats: Tensor | None) -> bool:
 
 
 def normalise_update(x: Tensor, running_mean: Tensor, running_var: Tensor, momentum: float,
-                     weight: Tensor | None, bias: Tensor | None, eps: float
-                     ) -> tuple[Tensor, Tensor, Tensor] | None:
+                     weight: Tensor | None, bias: Tensor | None, eps: float,
+                     keep_old: bool = False) -> tuple[Tensor, ...] | None:
     """Eval-mode BN of `x` with the running statistics as they are, and those statistics
     then moved toward the batch's, in one read of `x`: (output in x's layout, batch mean,
-    biased batch variance). None where the kernel does not take these tensors (the caller
-    runs the two passes)."""
+    biased batch variance), and with `keep_old` the running mean and variance as they were
+    (what the output was normalised by). None where the kernel does not take these tensors
+    (the caller runs the two passes)."""
     takes = _takes(x, running_mean, running_var, weight, bias)
     if takes is None:
         return None
     out = torch.empty_like(x)
-    mean, var = _run(*takes, x, running_mean, running_var, momentum, (out, weight, bias, eps))
-    return out, mean, var
+    return out, *_run(*takes, x, running_mean, running_var, momentum,
+                      (out, weight, bias, eps), keep_old)
 
 
 def _run(lib: ctypes.CDLL, layout: str, x: Tensor, running_mean: Tensor | None,
          running_var: Tensor | None, momentum: float,
-         apply: tuple[Tensor, Tensor | None, Tensor | None, float] | None
-         ) -> tuple[Tensor, Tensor]:
+         apply: tuple[Tensor, Tensor | None, Tensor | None, float] | None,
+         keep_old: bool = False) -> tuple[Tensor, ...]:
     c = x.shape[1]
-    mean, var = torch.empty(c), torch.empty(c)
     move = running_mean is not None and running_var is not None
+    keep_old = keep_old and move
+    stats = torch.empty(4 if keep_old else 2, c)  # mean, var (, old mean, old var): one alloc
     rm = running_mean.data_ptr() if move else None
     rv = running_var.data_ptr() if move else None
     out, weight, bias, eps = apply if apply else (None, None, None, 0.0)
     tail = (out.data_ptr() if out is not None else None,
             weight.data_ptr() if weight is not None else None,
-            bias.data_ptr() if bias is not None else None, eps, native.threads(x.numel()))
+            bias.data_ptr() if bias is not None else None, eps, native.threads(x.numel()),
+            stats[2].data_ptr() if keep_old else None)
     if layout == "nchw":
         failed = lib.bn_stats(x.data_ptr(), x.shape[0], c, x.numel() // (x.shape[0] * c),
-                              mean.data_ptr(), var.data_ptr(), rm, rv, momentum, *tail)
+                              stats[0].data_ptr(), stats[1].data_ptr(), rm, rv, momentum,
+                              *tail)
     else:  # channels-last: rows of c values
-        failed = lib.bn_stats_nhwc(x.data_ptr(), x.numel() // c, c, mean.data_ptr(),
-                                   var.data_ptr(), rm, rv, momentum, *tail)
+        failed = lib.bn_stats_nhwc(x.data_ptr(), x.numel() // c, c, stats[0].data_ptr(),
+                                   stats[1].data_ptr(), rm, rv, momentum, *tail)
     if failed:
         raise MemoryError("bn_stats could not allocate its scratch sums")
-    return mean, var
+    return tuple(stats.unbind(0))

@@ -130,7 +130,8 @@ def test_normalise_update_is_eval_bn_then_the_same_statistics(channels_last, thr
 
 def _check_normalise(channels_last: bool) -> None:
     shapes = CL_SHAPES if channels_last else SHAPES[:4]
-    for shape, affine in ((s, k % 2 == 0) for k, s in enumerate([*shapes, (2, 40, 9, 9)])):
+    for k, shape in enumerate([*shapes, (2, 40, 9, 9)]):
+        affine = k % 2 == 0
         x = _input(shape, 0.3, 2.0, sum(shape))
         if channels_last:
             x = x.contiguous(memory_format=torch.channels_last)
@@ -140,8 +141,11 @@ def _check_normalise(channels_last: bool) -> None:
         want = torch.nn.functional.batch_norm(x, rm, rv, w, b, False, 0.0, 1e-5)
         ref_m, ref_v = rm.clone(), rv.clone()
         stats = bn_stats.update_stats(x, ref_m, ref_v, 0.1)
-        got = bn_stats.normalise_update(x, rm, rv, 0.1, w, b, 1e-5)
-        assert got is not None
+        before = rm.clone(), rv.clone()
+        got = bn_stats.normalise_update(x, rm, rv, 0.1, w, b, 1e-5, k % 2 == 1)
+        assert got is not None and len(got) == (5 if k % 2 == 1 else 3)
+        if k % 2 == 1:  # keep_old: the statistics the output was normalised by
+            assert torch.equal(got[3], before[0]) and torch.equal(got[4], before[1])
         torch.testing.assert_close(got[0], want, rtol=1e-5, atol=1e-5)
         assert got[0].is_contiguous(memory_format=torch.channels_last if channels_last
                                     else torch.contiguous_format)

@@ -124,25 +124,25 @@ class RobustBN:
             return bn._tta_base.forward(bn, x)
         if not (self._move() or self.record):
             return bn._tta_base.forward(bn, x)
-        # copies of the statistics it normalises by: for the record, and for a backward,
-        # which would otherwise read the buffers the update moves in place after it
-        used = ((bn.running_mean.clone(), bn.running_var.clone()) if self.record or grad
-                else None)
         momentum, fused = self._momentum() if self._move() else 0.0, None
         if not grad:
             with torch.no_grad():
                 fused = normalise_update(x, bn.running_mean, bn.running_var, momentum,
-                                         bn.weight, bn.bias, bn.eps)
+                                         bn.weight, bn.bias, bn.eps, self.record)
         elif fusable(x, bn.running_mean, bn.running_var, bn.weight, bn.bias):
-            fused = _LaggedEvalBN.apply(x, bn.weight, bn.bias, *used, bn, momentum)
-        if fused is None:  # two passes, in the same order
-            y = (F.batch_norm(x, *used, bn.weight, bn.bias, False, 0.0, bn.eps) if grad
-                 else bn._tta_base.forward(bn, x))
-            self.update(bn, x, used)
-            return y
-        y, mean, var = fused
-        if self.record:
-            self.recorded[id(bn)] = (mean, var, *used)
+            fused = _LaggedEvalBN.apply(x, bn.weight, bn.bias, bn, momentum)
+        if fused is not None:  # (y, batch mean, var, running mean, var it normalised by)
+            if self.record:
+                self.recorded[id(bn)] = tuple(fused[1:5])
+            return fused[0]
+        # two passes, in the same order; copies of the statistics it normalises by: for the
+        # record, and for a backward, which would otherwise read the buffers the update
+        # moves in place after it
+        used = ((bn.running_mean.clone(), bn.running_var.clone()) if self.record or grad
+                else None)
+        y = (F.batch_norm(x, *used, bn.weight, bn.bias, False, 0.0, bn.eps) if grad
+             else bn._tta_base.forward(bn, x))
+        self.update(bn, x, used)
         return y
 
     def close(self) -> None:
@@ -156,31 +156,29 @@ class RobustBN:
 
 class _LaggedEvalBN(torch.autograd.Function):
     """A lagged robust-BN layer inside the recorded graph in one read of its input: the
-    fused kernel's eval-mode BN with the statistics before this batch (`mean`, `var`:
-    copies, as the kernel moves the buffers), the buffers moved; the backward is PyTorch's
-    eval-mode BN backward with those copies. Outputs (y, batch mean, biased batch
-    variance); only y carries a gradient."""
+    fused kernel's eval-mode BN with the statistics before this batch, the buffers moved;
+    the backward is PyTorch's eval-mode BN backward with the statistics before the move
+    (the kernel hands them back). Outputs (y, batch mean, biased batch variance, running
+    mean and variance used); only y carries a gradient."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor | None, bias: Tensor | None,
-                mean: Tensor, var: Tensor, bn: _BatchNorm, momentum: float
-                ) -> tuple[Tensor, Tensor, Tensor]:
-        y, batch_mean, batch_var = normalise_update(x, bn.running_mean, bn.running_var,
-                                                    momentum, weight, bias, bn.eps)
-        ctx.save_for_backward(x, weight, mean, var)
+                bn: _BatchNorm, momentum: float) -> tuple[Tensor, ...]:
+        y, *stats = normalise_update(x, bn.running_mean, bn.running_var, momentum, weight,
+                                     bias, bn.eps, True)
+        ctx.save_for_backward(x, weight, stats[2], stats[3])
         ctx.eps, ctx.affine = bn.eps, (weight is not None, bias is not None)
-        ctx.mark_non_differentiable(batch_mean, batch_var)
-        return y, batch_mean, batch_var
+        ctx.mark_non_differentiable(*stats)
+        return (y, *stats)
 
     @staticmethod
-    def backward(ctx, grad_y: Tensor, _gm: Tensor, _gv: Tensor
-                 ) -> tuple[Tensor | None, ...]:
+    def backward(ctx, grad_y: Tensor, *_stats: Tensor) -> tuple[Tensor | None, ...]:
         x, weight, mean, var = ctx.saved_tensors
         need = ctx.needs_input_grad
         mask = [need[0], need[1] and ctx.affine[0], need[2] and ctx.affine[1]]
         gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
             grad_y, x, weight, mean, var, None, None, False, ctx.eps, mask)
-        return gx, gw, gb, None, None, None, None
+        return gx, gw, gb, None, None
 
 
 _ROBUST_CLASSES: dict[type, type] = {}

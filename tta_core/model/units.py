@@ -77,6 +77,9 @@ class StagedModel:
     stages: list[Stage]
     units: list[Unit]
     input_shape: tuple[int, ...] = ()  # one sample, as given to decompose
+    # per unit: where its module sits in its parents (forward_from's replay), found once
+    _slots: dict[int, list[tuple[nn.Module, str]]] = field(default_factory=dict, repr=False,
+                                                          compare=False)
 
     def stage_start(self) -> np.ndarray:
         """Per unit: index of the first unit of its stage."""
@@ -100,8 +103,11 @@ class StagedModel:
             yield
             return
         mod = self.units[replay[0]].module
-        slots = [(parent, name) for parent in self.model.modules()
-                 for name, child in parent._modules.items() if child is mod]
+        slots = self._slots.get(replay[0], [])
+        if not slots or any(parent._modules.get(name) is not mod for parent, name in slots):
+            slots = self._slots[replay[0]] = [
+                (parent, name) for parent in self.model.modules()
+                for name, child in parent._modules.items() if child is mod]
         for parent, name in slots:
             parent._modules[name] = _Replay(replay[1])
         try:

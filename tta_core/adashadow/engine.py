@@ -267,7 +267,7 @@ class _Forward:
     forward_ms: float
     grad_stage: int  # first stage whose forward recorded the autograd graph
     memory: MemoryPlan | None = None  # the plan's keeps and predicted bytes (memory budget)
-    unit_inputs: dict = field(default_factory=dict)  # robust-BN layer inputs (RobustBN.inputs)
+    unit_inputs: dict[int, Tensor] = field(default_factory=dict)  # RobustBN.inputs, by id
 
 
 class _Background:

@@ -75,42 +75,14 @@ def _eval_bn_output_stats(bns: list[_BatchNorm], means: list[Tensor], vars_: lis
 
 
 def find_conv_bn_pairs(staged: StagedModel) -> list[_Pair]:
-    """Conv units immediately followed (in forward order) by a BN that consumes their output.
-
-    Verified on one probe forward (batch 2, no grad) by tensor identity, not assumed from
-    names, so unusual wiring simply falls back to hooks.
-    """
+    """Conv units whose output the next unit, a BatchNorm2d, reads unchanged: its
+    `Unit.producer`, traced by `decompose` by tensor identity, not assumed from names, so
+    unusual wiring simply falls back to hooks."""
     units = staged.units
-    seen: dict[int, tuple[Tensor, int]] = {}
-    pairs: list[_Pair] = []
-    handles = []
-
-    def conv_hook(i: int):
-        def hook(_m, _args, out):
-            seen[i] = (out, out[0].numel() // out.shape[1])
-        return hook
-
-    def bn_hook(j: int):
-        def hook(_m, args):
-            prev = seen.get(j - 1)
-            if prev is not None and args and args[0] is prev[0]:
-                pairs.append(_Pair(j - 1, j, prev[1]))
-        return hook
-
-    for u in units:
-        if u.kind == "conv" and u.index + 1 < len(units) and units[u.index + 1].kind == "bn":
-            handles.append(u.module.register_forward_hook(conv_hook(u.index)))
-        elif u.kind == "bn" and isinstance(u.module, nn.BatchNorm2d):
-            handles.append(u.module.register_forward_pre_hook(bn_hook(u.index)))
-    p = next(staged.model.parameters())
-    probe = torch.zeros((2, *staged.input_shape), dtype=p.dtype, device=p.device)
-    try:
-        with torch.no_grad():
-            staged.model(probe)
-    finally:
-        for h in handles:
-            h.remove()
-    return pairs
+    return [_Pair(u.producer, u.index, u.macs_fwd // (2 * u.module.num_features))
+            for u in units  # a BN unit's macs_fwd: 2 per value of its (per-sample) input
+            if u.kind == "bn" and isinstance(u.module, nn.BatchNorm2d)
+            and u.producer is not None and units[u.producer].kind == "conv"]
 
 
 def source_seeds(staged: StagedModel, source_bn: dict[str, Stats],

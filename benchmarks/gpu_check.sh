@@ -54,22 +54,34 @@ fi
 mkdir -p "$out"
 echo "== device $device, figures in $out"
 
-echo "== tests on $device"
-TTA_TEST_DEVICE=$device "$py" -m pytest -q -p no:cacheprovider test/unit/test_cuda.py \
-  ${tests[@]+"${tests[@]}"}
-if (( ! dry )); then  # the kernel tests marked cuda (the CPU ones run in the default suite)
-  "$py" -m pytest -q -p no:cacheprovider test/unit -m cuda
+failed=()
+part() {  # run one part; a failure is reported at the end, the later parts still run
+  local name=$1 start=$SECONDS
+  shift
+  echo "== $name"
+  if "$@"; then
+    echo "== $name: ok in $((SECONDS - start)) s"
+  else
+    echo "== $name: FAILED (exit $?) after $((SECONDS - start)) s"
+    failed+=("$name")
+  fi
+}
+
+part "tests on $device" env TTA_TEST_DEVICE="$device" "$py" -m pytest -q -p no:cacheprovider \
+  test/unit/test_cuda.py ${tests[@]+"${tests[@]}"}
+if (( ! dry )); then  # the kernel tests marked cuda (their CPU tests run in the default suite)
+  part "kernel tests marked cuda" "$py" -m pytest -q -p no:cacheprovider -m cuda \
+    test/unit/test_kernels.py test/unit/test_kernels_triton.py
 fi
+part "latency: source / bn_adapt / tent / adashadow, one interleaved run" \
+  "$py" benchmarks/bench_paper_ratios.py --device "$device" --out "$out" "${ratios[@]}"
+part "saved activations, step time, served forward" \
+  "$py" benchmarks/gpu_figures.py --device "$device" --out "$out" ${figures[@]+"${figures[@]}"}
+part "DAF kernels: Triton vs native" \
+  "$py" benchmarks/bench_kernels.py --device "$device" --out "$out" ${kernels[@]+"${kernels[@]}"}
 
-echo "== latency: source / bn_adapt / tent / adashadow, one interleaved run"
-"$py" benchmarks/bench_paper_ratios.py --device "$device" --out "$out" "${ratios[@]}"
-
-echo "== saved activations, step time, served forward"
-"$py" benchmarks/gpu_figures.py --device "$device" --out "$out" ${figures[@]+"${figures[@]}"}
-
-if [[ -f benchmarks/bench_kernels.py ]]; then
-  echo "== DAF kernels: Triton vs native"
-  "$py" benchmarks/bench_kernels.py --device "$device" --out "$out" \
-    ${kernels[@]+"${kernels[@]}"}
+if (( ${#failed[@]} )); then
+  printf 'gpu_check.sh: failed: %s\n' "${failed[@]}" >&2
+  exit 1
 fi
 echo "== gpu_check.sh done"

@@ -13,13 +13,14 @@ tta_kernels.dispatch, which guards the import; tests also run them in Triton's i
 
 Bit-exact with the reference by construction: the reciprocal is computed as PyTorch's
 ``L / rng`` is, ``(1 / rng) * L`` (reciprocal, then multiply), and ``scale = rng / L``, both
-IEEE divisions (fdiv with ieee_rounding: Triton's '/' may lower to an approximate one);
+IEEE divisions (div_rn: Triton's '/' and fdiv may lower to an approximate one);
 rounding half to even (as torch.round) is DAF's 2**23 trick (§3.3.1): for 0 <= v < 2**23,
 v + 2**23 is rounded by the float add to the nearest even integer, whose float32 bits are
 0x4B000000 + that integer; kernels run with enable_fp_fusion=False, so the decode's product
 and sum are two roundings (no FMA contraction), as in the reference. Packing sums the
 shifted codes of a byte, which equals their OR since the lanes never overlap. A group
-holding a NaN gets NaN min and scale (as amin / amax), the NaN's bits not preserved; a
+holding a NaN gets NaN min and scale (as amin / amax), the NaN's bits not preserved, and
+code 0 for a NaN value (the reference's on x86; a GPU's canonical NaN has other bits); a
 zero min or max present with both signs may carry either sign (as in tta_kernels.native).
 """
 
@@ -57,11 +58,11 @@ def _quantize_pack_kernel(x_ptr, codes_ptr, mn_ptr, scale_ptr, n, groups,
     mx = tl.where(bad > 0, float("nan"), mx)
     rng = mx - mn  # scales as reference.scales: rng / L, (1 / rng) * L or 0
     levels = (1 << BITS) - 1.0
-    recip = tl.fdiv(1.0 + tl.zeros_like(rng), tl.where(rng > 0, rng, 1.0), ieee_rounding=True)
+    recip = tl.div_rn(1.0 + tl.zeros_like(rng), tl.where(rng > 0, rng, 1.0))
     inv = tl.where(rng > 0, recip * levels, 0.0)
-    scale = tl.fdiv(rng, levels + tl.zeros_like(rng), ieee_rounding=True)
+    scale = tl.div_rn(rng, levels + tl.zeros_like(rng))
     v = (x - mn[:, None, None]) * inv[:, None, None] + 8388608.0  # the 2**23 trick
-    q = v.to(tl.int32, bitcast=True) - 0x4B000000
+    q = tl.where(v == v, v.to(tl.int32, bitcast=True) - 0x4B000000, 0)  # NaN: code 0
     byte = tl.sum(q << (lane[None, None, :] * BITS), axis=2)
     tl.store(codes_ptr + rows[:, None] * NB + bcol[None, :], byte.to(tl.uint8),
              mask=ok[:, None])
@@ -124,11 +125,11 @@ def _quantize_given_kernel(x_ptr, mn_ptr, mx_ptr, codes_ptr, scale_ptr, n,
     mn = tl.load(mn_ptr + g)
     rng = tl.load(mx_ptr + g) - mn
     levels = (1 << BITS) - 1.0
-    recip = tl.fdiv(1.0 + tl.zeros_like(rng), tl.where(rng > 0, rng, 1.0), ieee_rounding=True)
+    recip = tl.div_rn(1.0 + tl.zeros_like(rng), tl.where(rng > 0, rng, 1.0))
     inv = tl.where(rng > 0, recip * levels, 0.0)
-    scale = tl.fdiv(rng, levels + tl.zeros_like(rng), ieee_rounding=True)
+    scale = tl.div_rn(rng, levels + tl.zeros_like(rng))
     v = (x.to(tl.float32) - mn) * inv + 8388608.0
-    q = v.to(tl.int32, bitcast=True) - 0x4B000000
+    q = tl.where(v == v, v.to(tl.int32, bitcast=True) - 0x4B000000, 0)  # NaN: code 0
     byte = tl.sum(q << (lane[None, :] * BITS), axis=1)
     first = blk * BLOCK + bcol * PER
     tl.store(codes_ptr + (g * GROUP + first) // PER, byte.to(tl.uint8), mask=first < GROUP)

@@ -74,13 +74,15 @@ def reciprocal_sensitive(bits: int, group: int, rows: int = 2) -> torch.Tensor:
 
 
 def inputs(n: int, seed: int) -> list[torch.Tensor]:
-    """Gaussian, post-ReLU x 1e3, constant, and Gaussian with a NaN and an inf (n values
-    each)."""
+    """Gaussian, post-ReLU x 1e3, constant, and Gaussian with NaNs (x86's and a GPU's
+    canonical bits) and an inf (n values each)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g)
     nan = x.clone()
     nan[2 * n // 3] = float("inf")
     nan[n // 3] = float("nan")
+    gpu_nan = torch.tensor(0x7FFFFFFF, dtype=torch.int32).view(torch.float32)
+    nan[min(n // 3 + 1, n - 1)] = gpu_nan  # a GPU's canonical NaN
     return [x, torch.relu(x) * 1e3, torch.full((n,), 2.0), nan]
 
 

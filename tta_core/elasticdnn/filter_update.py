@@ -90,13 +90,12 @@ def select_filters(scores: dict[str, Tensor], mass: float = 0.8) -> dict[str, Te
         torch.zeros(0, dtype=torch.float64)
     if (flat < 0).any() or not torch.isfinite(flat).all():
         raise ValueError("filter scores must be finite and >= 0")
-    chosen = torch.zeros(len(flat), dtype=torch.bool)
+    chosen = torch.zeros(len(flat), dtype=torch.bool, device=flat.device)
     total = float(flat.sum())
     if total > 0:
         order = torch.argsort(flat, descending=True, stable=True)
         csum = torch.cumsum(flat[order], 0)
-        n = int(torch.searchsorted(csum, torch.tensor(mass * total * (1 - 1e-12),
-                                                      dtype=torch.float64))) + 1
+        n = int(torch.searchsorted(csum, flat.new_tensor(mass * total * (1 - 1e-12)))) + 1
         chosen[order[:min(n, len(flat))]] = True
     out, start = {}, 0
     for name in names:

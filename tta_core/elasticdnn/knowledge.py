@@ -104,7 +104,7 @@ class DomainKnowledge(nn.Module):
             flat = weight.reshape(len(weight), -1).double()
             u, s, vh = torch.linalg.svd(flat, full_matrices=True)
             k = self.relevances(n).shape[1]
-            sv = torch.zeros(k, dtype=flat.dtype)
+            sv = flat.new_zeros(k)
             sv[:min(k, len(s))] = s[:k]
             theta = (sv[:, None] * vh[:k]) if k <= vh.shape[0] else torch.cat(
                 [sv[:vh.shape[0], None] * vh, flat.new_zeros(k - vh.shape[0], vh.shape[1])])

@@ -170,9 +170,10 @@ def master_surrogate(master: GatedModel) -> Surrogate:
     """The master as a size-1.0 'surrogate': its own (gated) base, every filter kept, so
     the filter-update functions train it in place."""
     mods = dict(master.base.named_modules())
-    kept = {s.conv: torch.arange(mods[s.conv].out_channels) for s in master.sites}
+    kept = {s.conv: torch.arange(mods[s.conv].out_channels, device=mods[s.conv].weight.device)
+            for s in master.sites}
     return Surrogate(model=master.base, keep=1.0, kept=kept, sites=master.sites,
-                     scale={c: torch.ones(len(i)) for c, i in kept.items()})
+                     scale={c: torch.ones(len(i), device=i.device) for c, i in kept.items()})
 
 
 @register("elastic")

@@ -81,6 +81,16 @@ def test_winner_take_all_keeps_the_top_channels_of_each_sample(sparsity) -> None
         assert torch.equal(row[keep], orig[keep])
 
 
+def test_winner_take_all_breaks_ties_by_the_lower_channel() -> None:
+    """A fresh master's gates are all 1: the kept channels must not depend on the device's
+    topk (CPU and CUDA break ties differently), so the first k channels win."""
+    g = torch.ones(3, 10)
+    g[1, 7] = 2.0  # one clear winner, then ties
+    out = winner_take_all(g, 0.6)
+    assert out[0].nonzero().view(-1).tolist() == [0, 1, 2, 3]
+    assert out[1].nonzero().view(-1).tolist() == [0, 1, 2, 7]
+
+
 def test_kept_count_is_not_fooled_by_float_error() -> None:
     assert 1 - (1 - 0.3) != 0.3 and kept_count(1 - (1 - 0.3), 10) == 3
     assert kept_count(0.3, 64) == 20 and kept_count(0.01, 8) == 1 and kept_count(1.0, 8) == 8

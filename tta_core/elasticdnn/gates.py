@@ -58,11 +58,13 @@ def kept_count(share: float, channels: int) -> int:
 
 
 def winner_take_all(g: Tensor, sparsity: float) -> Tensor:
-    """`g` (N, C) with all but each row's top ceil((1 - sparsity) * C) values set to 0."""
+    """`g` (N, C) with all but each row's top ceil((1 - sparsity) * C) values set to 0;
+    ties go to the lower channel index on every device (a stable sort: topk breaks them
+    differently on CPU and CUDA, and a fresh master's gates are all tied at 1)."""
     k = kept_count(1.0 - sparsity, g.shape[1])
     if k >= g.shape[1]:
         return g
-    top = torch.topk(g, k, dim=1).indices
+    top = torch.sort(g, dim=1, descending=True, stable=True).indices[:, :k]
     mask = torch.zeros_like(g, dtype=torch.bool).scatter_(1, top, True)
     return torch.where(mask, g, torch.zeros_like(g))
 

@@ -71,7 +71,7 @@ part "tests on $device" env TTA_TEST_DEVICE="$device" "$py" -m pytest -q -p no:c
   test/unit/test_cuda.py ${tests[@]+"${tests[@]}"}
 if (( ! dry )); then  # the kernel tests marked cuda (their CPU tests run in the default suite)
   part "kernel tests marked cuda" "$py" -m pytest -q -p no:cacheprovider -m cuda \
-    test/unit/test_kernels.py test/unit/test_kernels_triton.py test/unit/test_bn_triton.py
+    test/unit/test_kernels.py test/unit/test_kernels_triton.py
 fi
 part "latency: source / bn_adapt / tent / adashadow, one interleaved run" \
   "$py" benchmarks/bench_paper_ratios.py --device "$device" --out "$out" "${ratios[@]}"

@@ -10,8 +10,7 @@ in float lanes per block, in double across blocks, and rows merged into channels
 et al.'s pairwise (mean, M2) update in double. Channels-last: each channel is summed less
 its value in the first row, in float lanes across channels per block of rows, in double
 across blocks. No step subtracts two large sums, so a large mean with a small spread keeps
-its variance. Other dtypes go to PyTorch, CUDA tensors too, except normalise_update's
-(tta_kernels.bn_triton: one Triton kernel). Built like the DAF kernels
+its variance. CUDA tensors and other dtypes go to PyTorch. Built like the DAF kernels
 (tta_kernels.native), with OpenMP where the compiler has it: channels (NCHW) or runs of row
 blocks (channels-last) are split among torch's threads (native.threads).
 
@@ -25,9 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import warnings
 from pathlib import Path
-from types import ModuleType
 
 import torch
 from torch import Tensor
@@ -99,23 +96,7 @@ def _takes(x: Tensor, *stats: Tensor | None) -> tuple[ctypes.CDLL, str] | None:
 def fusable(x: Tensor, *stats: Tensor | None) -> bool:
     """Whether `normalise_update` takes `x` with these per-channel tensors (running mean,
     running variance, weight, bias; None where absent)."""
-    if x.is_cuda:
-        mod = cuda_pass()
-        return mod is not None and mod.takes(x, *stats)
     return _takes(x, *stats) is not None
-
-
-@functools.lru_cache(maxsize=1)
-def cuda_pass() -> ModuleType | None:
-    """tta_kernels.bn_triton (the CUDA pass), or None (one warning) where triton cannot
-    load; imported on the first CUDA tensor only."""
-    try:
-        from . import bn_triton
-    except Exception as exc:  # any import failure means: no Triton
-        warnings.warn(f"tta_kernels: no Triton for robust BN on CUDA ({exc}); PyTorch's "
-                      "passes", RuntimeWarning, stacklevel=2)
-        return None
-    return bn_triton
 
 
 def normalise_update(x: Tensor, running_mean: Tensor, running_var: Tensor, momentum: float,
@@ -126,11 +107,6 @@ def normalise_update(x: Tensor, running_mean: Tensor, running_var: Tensor, momen
     biased batch variance), and with `keep_old` the running mean and variance as they were
     (what the output was normalised by). None where the kernel does not take these tensors
     (the caller runs the two passes)."""
-    if x.is_cuda:
-        if not fusable(x, running_mean, running_var, weight, bias):
-            return None
-        return cuda_pass().normalise_update(x, running_mean, running_var, momentum, weight,
-                                            bias, eps, keep_old)
     takes = _takes(x, running_mean, running_var, weight, bias)
     if takes is None:
         return None

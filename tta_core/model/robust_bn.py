@@ -135,11 +135,11 @@ class RobustBN:
             if self.record:
                 self.recorded[id(bn)] = tuple(fused[1:5])
             return fused[0]
-        # two passes, in the same order; copies of the statistics it normalises by: for the
-        # record, and for a backward, which would otherwise read the buffers the update
-        # moves in place after it
-        used = ((bn.running_mean.clone(), bn.running_var.clone()) if self.record or grad
-                else None)
+        # two passes, in the same order; a copy of the statistics it normalises by (one
+        # launch for both: on a GPU the launches are the cost): for the record, and for a
+        # backward, which would otherwise read the buffers the update moves in place after it
+        used = (tuple(torch.stack((bn.running_mean, bn.running_var)).unbind(0))
+                if self.record or grad else None)
         y = (F.batch_norm(x, *used, bn.weight, bn.bias, False, 0.0, bn.eps) if grad
              else bn._tta_base.forward(bn, x))
         self.update(bn, x, used)
@@ -176,8 +176,9 @@ class _LaggedEvalBN(torch.autograd.Function):
         x, weight, mean, var = ctx.saved_tensors
         need = ctx.needs_input_grad
         mask = [need[0], need[1] and ctx.affine[0], need[2] and ctx.affine[1]]
+        none = x.new_empty(0)  # eval mode: no saved batch statistics (CUDA wants them empty)
         gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
-            grad_y, x, weight, mean, var, None, None, False, ctx.eps, mask)
+            grad_y, x, weight, mean, var, none, none, False, ctx.eps, mask)
         return gx, gw, gb, None, None
 
 

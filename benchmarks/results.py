@@ -34,6 +34,7 @@ from tta_core.io import strict_json
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "docs" / "results"
 README = ROOT / "README.md"
+GPU = "gpu"  # the GPU check's folder under RESULTS (benchmarks/gpu_check.sh)
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,8 @@ PAGES: tuple[Page, ...] = (
 
 def page_for(stem: str) -> Page | None:
     """The page family a JSON stem belongs to (None: not a results page)."""
-    return next((p for p in PAGES if fnmatch.fnmatch(stem, p.pattern)), None)
+    name = stem.rpartition("/")[2]  # gpu/paper_ratios: the GPU check's page of the family
+    return next((p for p in PAGES if fnmatch.fnmatch(name, p.pattern)), None)
 
 
 def _module(name: str) -> ModuleType:
@@ -248,6 +250,37 @@ def headline(data: dict) -> str:
     return "\n".join(lines)
 
 
+def gpu_table(data: dict) -> str:
+    """README's GPU table: the GPU check's latency run (gpu/paper_ratios.json), with its
+    memory and served-forward figures (gpu/gpu_figures.json) when present."""
+    lines = ["| model | method | ms | × inference | × Tent | units updated | "
+             "batches adapted |", "|---|---|---:|---:|---:|---:|---:|"]
+    for run in data["runs"]:
+        model = f"{run['arch']} {run['image_size']} px, batch {run['batch_size']}"
+        for label, m in run["methods"].items():
+            lines.append(f"| {model} | {label} | {m['median_ms']:.1f} | "
+                         f"{m['x_inference']:.2f} | {m['x_tent']:.2f} | "
+                         f"{m['units_updated_median']:g} | {m['adapted_share']:.0%} |")
+    lines += ["", f"{data['device']}, eager PyTorch in float32, median of {data['batches']} "
+              "batches after each method's warm-up, one interleaved run ([phases]"
+              f"(docs/results/{GPU}/paper_ratios.md), `bash benchmarks/gpu_check.sh`)."]
+    for run in data["runs"]:
+        why = run["methods"].get("adashadow", {}).get("no_room", "")
+        if why:
+            lines += ["", f"AdaShadow at its default σ, {run['arch']}: {why}."]
+    figures = RESULTS / GPU / "gpu_figures.json"
+    if figures.exists():
+        f = json.loads(figures.read_text())
+        mem = "; ".join(f"{k} {v['saved_mib']:.1f} MiB in {v['step_ms']:.1f} ms"
+                        for k, v in f["memory"].items())
+        sf = f["served_forward"]
+        lines += ["", f"Saved activations of one update and its step time ({f['arch']} "
+                  f"{f['image_size']} px, batch {f['batch_size']}): {mem}. Served forward: "
+                  f"eager {sf['eager_ms']:.2f} ms, torch.compile with CUDA graphs "
+                  f"{sf.get('compiled_ms', float('nan')):.2f} ms."]
+    return "\n".join(lines)
+
+
 def demo(data: dict) -> str:
     """README's demo figures: the demo page's tables."""
     return renderer(page_for("demo"))(data).rstrip("\n")
@@ -261,7 +294,7 @@ def sweep_table(data: dict) -> str:
 #: README blocks: name -> (results JSON stem, render), between the markers of `markers`
 README_BLOCKS: dict[str, tuple[str, Callable[[dict], str]]] = {
     "headline": ("paper_ratios", headline), "demo": ("demo", demo),
-    "sweep": ("sweep_readme", sweep_table)}
+    "sweep": ("sweep_readme", sweep_table), "gpu": ("gpu/paper_ratios", gpu_table)}
 
 
 def markers(name: str) -> tuple[str, str]:
@@ -287,7 +320,9 @@ def readme_blocks(text: str, folder: Path) -> str:
 
 def expected_files(folder: Path = RESULTS, readme: Path = README) -> dict[Path, str]:
     """Every generated file and the text it should have."""
-    stems = sorted(p.stem for p in folder.glob("*.json") if page_for(p.stem))
+    found = [*folder.glob("*.json"), *folder.glob(f"{GPU}/*.json")]
+    stems = sorted(str(p.relative_to(folder).with_suffix("")) for p in found
+                   if page_for(p.stem))
     files = {folder / f"{s}.md": render_page(s, json.loads((folder / f"{s}.json").read_text()))
              for s in stems}
     files[folder / "README.md"] = index(stems)

@@ -264,17 +264,17 @@ def gpu_table(data: dict) -> str:
     lines += ["", f"{data['device']}, eager PyTorch in float32, median of {data['batches']} "
               "batches after each method's warm-up, one interleaved run ([phases]"
               f"(docs/results/{GPU}/paper_ratios.md), `bash benchmarks/gpu_check.sh`)."]
-    for run in data["runs"]:
+    for run in data["runs"]:  # same paragraph: why AdaShadow left batches unadapted
         why = run["methods"].get("adashadow", {}).get("no_room", "")
         if why:
-            lines += ["", f"AdaShadow at its default σ, {run['arch']}: {why}."]
+            lines.append(f"AdaShadow at its default σ, {run['arch']}: {why}.")
     figures = RESULTS / GPU / "gpu_figures.json"
     if figures.exists():
         f = json.loads(figures.read_text())
         mem = "; ".join(f"{k} {v['saved_mib']:.1f} MiB in {v['step_ms']:.1f} ms"
                         for k, v in f["memory"].items())
         sf = f["served_forward"]
-        lines += ["", f"Saved activations of one update and its step time ({f['arch']} "
+        lines += [f"Saved activations of one update and its step time ({f['arch']} "
                   f"{f['image_size']} px, batch {f['batch_size']}): {mem}. Served forward: "
                   f"eager {sf['eager_ms']:.2f} ms, torch.compile with CUDA graphs "
                   f"{sf.get('compiled_ms', float('nan')):.2f} ms."]

@@ -6,13 +6,14 @@ their fixed costs first (AdaShadow's `warm_up`) do so on a noise batch before th
 as the perception node does at start.
 
 Prints per method the median wall time per batch, its ratio to inference (source) and to
-Tent (of the medians, and the median of the per-round ratios), the median phase times and
-the units updated; writes `<out>/paper_ratios.json` and `.md` (README's latency figures
-come from it). Default: torchvision ResNet-50 224 px batch 4 and ResNet-18 224 px batch 8,
-2 threads, random weights, σ = 0.33 (AdaShadow's default). The parallel mode's time is
-its answer (forward and plan); its background update is waited for after the timing, before
-the next method steps, as a camera's idle time between frames would absorb it (it would
-otherwise run beside the next method's step and slow that one).
+Tent (of the medians with a 95 % bootstrap interval over the rounds, and the median of the
+per-round ratios), the median phase times and the units updated; writes
+`<out>/paper_ratios.json` and `.md` (README's latency figures come from it). Default:
+torchvision ResNet-50 224 px batch 4 and ResNet-18 224 px batch 8, 2 threads, random
+weights, σ = 0.33 (AdaShadow's default). The parallel mode's time is its answer (forward
+and plan); its background update is waited for after the timing, before the next method
+steps, as a camera's idle time between frames would absorb it (it would otherwise run
+beside the next method's step and slow that one).
 
     python benchmarks/bench_paper_ratios.py                      # the README's run
     python benchmarks/bench_paper_ratios.py --device cuda        # on a GPU
@@ -22,6 +23,7 @@ otherwise run beside the next method's step and slow that one).
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import sys
 import time
@@ -29,13 +31,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import results
 import torch
+from scipy import stats
 from tqdm import tqdm
 
 from tta_core.api import WarmsUp
 from tta_core.methods import build_method
 from tta_core.model.zoo import build_model
+from tta_core.runtime.gc_pauses import frozen_heap
 from tta_core.runtime.malloc_tuning import keep_freed_memory
 
 PHASES = ("forward_ms", "plan_ms", "backward_ms", "reforward_ms")
@@ -117,8 +122,21 @@ def run_model(spec: ModelSpec, batches: int, warmup: int, device: torch.device,
            for label in methods}
     results = {label: [] for label in methods}
     xs = _stream(spec, batches + warmup, device)
-    for i, x in enumerate(tqdm(xs, desc=f"{spec.arch} {spec.image_size}px b{spec.batch_size}",
-                               file=sys.stderr, leave=False)):
+    with frozen_heap():  # as the node serves: full collections skip the start-up objects
+        _interleave(methods, xs, warmup, sync, rec, results,
+                    f"{spec.arch} {spec.image_size}px b{spec.batch_size}")
+    for label, method in methods.items():
+        method.close()  # parallel mode: the last update is finished and its times filled
+        for res in results[label]:
+            for k in PHASES:
+                rec[label][k].append(float(getattr(res.times, k)))
+    return _summary(spec, rec, next(iter(methods.values())).format.format)
+
+
+def _interleave(methods: dict, xs: list[torch.Tensor], warmup: int, sync: Callable[[], None],
+                rec: dict, results: dict, desc: str) -> None:
+    """Every method steps each batch in turn, walls and results recorded after `warmup`."""
+    for i, x in enumerate(tqdm(xs, desc=desc, file=sys.stderr, leave=False)):
         # the order rotates per batch: no method always follows the same one (Tent frees
         # hundreds of MiB, a parallel update ends: what runs next would always pay)
         labels = list(methods)
@@ -136,29 +154,46 @@ def run_model(spec: ModelSpec, batches: int, warmup: int, device: torch.device,
                 if res.planning is not None and res.planning.no_room:
                     rec[label]["no_room"] = res.planning.no_room  # the last batch's reason
                 results[label].append(res)
-    for label, method in methods.items():
-        method.close()  # parallel mode: the last update is finished and its times filled
-        for res in results[label]:
-            for k in PHASES:
-                rec[label][k].append(float(getattr(res.times, k)))
-    return _summary(spec, rec, next(iter(methods.values())).format.format)
 
 
 def _median(v: list[float]) -> float:
     return round(statistics.median(v), 3) if v else float("nan")
 
 
+def ratio_interval(walls: list[float], ref: list[float], level: float = 0.95
+                   ) -> tuple[float, float]:
+    """Percentile bootstrap interval of median(walls) / median(ref), rounds resampled in
+    pairs (a round's two times share its load): how far the ratio of one run can be from
+    the machine's, on a machine whose load changes under the run. NaN below 3 rounds."""
+    if len(walls) < 3:
+        return math.nan, math.nan
+    res = stats.bootstrap((np.asarray(walls), np.asarray(ref)), _ratio_of_medians,
+                          paired=True, vectorized=True, confidence_level=level,
+                          n_resamples=2000, method="percentile", rng=np.random.default_rng(0))
+    return float(res.confidence_interval.low), float(res.confidence_interval.high)
+
+
+def _ratio_of_medians(a: np.ndarray, b: np.ndarray, axis: int = -1) -> np.ndarray:
+    return np.median(a, axis=axis) / np.median(b, axis=axis)
+
+
 def _summary(spec: ModelSpec, rec: dict, fmt: str) -> dict:
-    """Medians, ratios to source and Tent (of medians and per round), phases, units."""
+    """Medians, ratios to source and Tent (of medians with their 95 % bootstrap interval,
+    and per round), phases, units."""
     med = {label: statistics.median(r["walls_ms"]) for label, r in rec.items()}
     out = {}
     for label, r in rec.items():
         per_round = {ref: statistics.median(a / b for a, b in zip(
             r["walls_ms"], rec[ref]["walls_ms"], strict=True)) for ref in ("source", "tent")}
+        ci = {ref: [round(v, 4) for v in (ratio_interval(r["walls_ms"], rec[ref]["walls_ms"])
+                                          if ref != label else (math.nan, math.nan))]
+              for ref in ("source", "tent")}  # NaN (null in the JSON): its own reference
         out[label] = {
             "median_ms": round(med[label], 3),
             "x_inference": round(med[label] / med["source"], 4),
             "x_tent": round(med[label] / med["tent"], 4),
+            "x_inference_ci95": ci["source"],
+            "x_tent_ci95": ci["tent"],
             "x_inference_per_round": round(per_round["source"], 4),
             "x_tent_per_round": round(per_round["tent"], 4),
             "phases_median_ms": {k: _median(r[k]) for k in PHASES},
@@ -173,9 +208,14 @@ def _summary(spec: ModelSpec, rec: dict, fmt: str) -> dict:
 
 def to_markdown(report: dict) -> str:
     """One table per model, from the report JSON."""
+    intervals = any("x_inference_ci95" in m for run in report["runs"]
+                    for m in run["methods"].values())
     lines = [f"Latency per batch, {report['device']}, {report['threads']} threads, "
              f"{report['batches']} measured batches (median), one interleaved run per model, "
-             "each method warmed up as a node starts it (`warm_up`).",
+             "each method warmed up as a node starts it (`warm_up`)." + (
+                 " Ratios are of medians, with their 95 % bootstrap interval over the rounds "
+                 "in brackets: the spread one run has on a machine whose load changes under "
+                 "it." if intervals else ""),
              "Generated by `python benchmarks/bench_paper_ratios.py`.", ""]
     for run in report["runs"]:
         lines += [f"### {run['arch']} {run['image_size']} px, batch {run['batch_size']} "
@@ -184,8 +224,9 @@ def to_markdown(report: dict) -> str:
                   "reforward | units |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for label, m in run["methods"].items():
             ph = m["phases_median_ms"]
-            lines.append(f"| {label} | {m['median_ms']:.1f} | {m['x_inference']:.2f} | "
-                         f"{m['x_tent']:.2f} | {ph['forward_ms']:.1f} | {ph['plan_ms']:.1f} | "
+            ratios = (results.with_interval(m, "x_inference"), results.with_interval(m, "x_tent"))
+            lines.append(f"| {label} | {m['median_ms']:.1f} | {ratios[0]} | {ratios[1]} | "
+                         f"{ph['forward_ms']:.1f} | {ph['plan_ms']:.1f} | "
                          f"{ph['backward_ms']:.1f} | {ph['reforward_ms']:.1f} | "
                          f"{m['units_updated_median']:g} |")
         lines.append("")
@@ -198,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="resnet50:224:4,resnet18:224:8",
                     help="comma list of arch:size:batch")
-    ap.add_argument("--batches", type=int, default=15, help="measured batches per model")
+    ap.add_argument("--batches", type=int, default=40, help="measured batches per model")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")

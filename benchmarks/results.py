@@ -19,6 +19,7 @@ import datetime as dt
 import fnmatch
 import importlib.util
 import json
+import math
 import os
 import platform
 import re
@@ -235,6 +236,14 @@ def index(stems: list[str]) -> str:
 
 # --- README blocks ------------------------------------------------------------------------
 
+def with_interval(method: dict, key: str) -> str:
+    """A ratio with its 95 % interval (`key`_ci95) when the report has one: 1.31 (1.24–1.42)."""
+    lo, hi = method.get(f"{key}_ci95") or (None, None)  # absent, or null: no interval
+    text = f"{method[key]:.2f}"
+    known = all(v is not None and math.isfinite(v) for v in (lo, hi))
+    return f"{text} ({lo:.2f}–{hi:.2f})" if known else text
+
+
 def headline(data: dict) -> str:
     """README's results table: AdaShadow's cost against inference and Tent per model."""
     lines = ["| model | AdaShadow ms | × inference | × Tent | units updated |",
@@ -242,11 +251,11 @@ def headline(data: dict) -> str:
     for run in data["runs"]:
         m = run["methods"]["adashadow"]
         lines.append(f"| {run['arch']} {run['image_size']} px, batch {run['batch_size']} | "
-                     f"{m['median_ms']:.1f} | {m['x_inference']:.2f} | {m['x_tent']:.2f} | "
-                     f"{m['units_updated_median']:g} |")
+                     f"{m['median_ms']:.1f} | {with_interval(m, 'x_inference')} | "
+                     f"{with_interval(m, 'x_tent')} | {m['units_updated_median']:g} |")
     lines += ["", f"{data['device']}, {data['threads']} threads, median of {data['batches']} "
-              "batches, one interleaved run ([all methods and phases]"
-              "(docs/results/paper_ratios.md))."]
+              "batches, one interleaved run, 95 % bootstrap interval over its rounds in "
+              "brackets ([all methods and phases](docs/results/paper_ratios.md))."]
     return "\n".join(lines)
 
 
@@ -259,7 +268,7 @@ def gpu_table(data: dict) -> str:
         model = f"{run['arch']} {run['image_size']} px, batch {run['batch_size']}"
         for label, m in run["methods"].items():
             lines.append(f"| {model} | {label} | {m['median_ms']:.1f} | "
-                         f"{m['x_inference']:.2f} | {m['x_tent']:.2f} | "
+                         f"{with_interval(m, 'x_inference')} | {with_interval(m, 'x_tent')} | "
                          f"{m['units_updated_median']:g} | {m['adapted_share']:.0%} |")
     lines += ["", f"{data['device']}, eager PyTorch in float32, median of {data['batches']} "
               "batches after each method's warm-up, one interleaved run ([phases]"

@@ -9,6 +9,7 @@ import json
 import math
 import sys
 
+import numpy as np
 import pytest
 from helpers import ROOT
 
@@ -74,3 +75,29 @@ def test_a_hand_edited_page_is_found_stale(results, tmp_path) -> None:
     stale = [p for p, text in results.expected_files(tmp_path, tmp_path / "README.md").items()
              if not p.exists() or p.read_text() != text]
     assert tmp_path / "paper_ratios.md" in stale
+
+
+
+@pytest.fixture(scope="module")
+def bench(results):
+    spec = importlib.util.spec_from_file_location(
+        "bench_paper_ratios", ROOT / "benchmarks" / "bench_paper_ratios.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_paper_ratios"] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_ratio_interval_covers_the_ratio_and_widens_with_the_load(results, bench) -> None:
+    rng = np.random.default_rng(1)
+    ref = list(100.0 + rng.uniform(0, 5, 60))
+    steady = bench.ratio_interval([1.3 * v for v in ref], ref)
+    assert steady == pytest.approx((1.3, 1.3))  # a round's load cancels in the ratio
+    noisy = [1.3 * v + w for v, w in zip(ref, rng.exponential(40, 60), strict=True)]
+    lo, hi = bench.ratio_interval(noisy, ref)
+    assert lo < float(np.median(noisy) / np.median(ref)) < hi and hi - lo > 0.05
+    assert all(math.isnan(v) for v in bench.ratio_interval(ref[:2], ref[:2]))
+    row = {"x_inference": 1.31, "x_inference_ci95": [1.24, 1.42], "x_tent": 1.0,
+           "x_tent_ci95": [None, None]}  # its own reference: null in the JSON
+    assert results.with_interval(row, "x_inference") == "1.31 (1.24–1.42)"
+    assert results.with_interval(row, "x_tent") == "1.00"

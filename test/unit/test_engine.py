@@ -281,6 +281,23 @@ def test_graph_is_recorded_only_from_the_lowest_feasible_stage() -> None:
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 
 
+@pytest.mark.parametrize("graph", ["full", "lazy"])
+def test_forward_keeps_stage_inputs_only_where_a_plan_can_start(graph: str) -> None:
+    """Full graph: the stage inputs below the recorded graph (no plan can start a
+    reforward there) are not held by the forward; lazy (a plan may start anywhere): all."""
+    staged = _staged("resnet18", 64)
+    eng = AdaShadowEngine(staged, EngineConfig(sigma=0.5, fixed_cost_feedback=0.0,
+                                               graph=graph))
+    x = torch.randn(4, 3, 64, 64)
+    eng.step(x)  # a measured forward: the graph floor is known
+    stage = eng._grad_stage_for(None)
+    n = len(staged.stages)
+    assert stage == n if graph == "lazy" else 0 < stage < n
+    _, _, inputs = eng._recorded_forward(x, stage)
+    kept = [i for i, t in enumerate(inputs) if t is not None]
+    assert kept == list(range(0 if graph == "lazy" else stage, n))
+
+
 def test_config_validation() -> None:
     staged = _staged("small_resnet", 32)
     with pytest.raises(ValueError, match="mode"):

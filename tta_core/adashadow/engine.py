@@ -393,6 +393,11 @@ class AdaShadowEngine:
         self.clock = PhaseClock(self.params[0].device)  # times every phase (CUDA: synced)
         self._stage_inputs: list = [None] * len(staged.stages)
         self._grad_stage = 0
+        # lowest stage whose input the forward keeps: a plan cannot start its reforward
+        # below the recorded graph, so the inputs of the stages below are freed as the
+        # forward goes on instead of being held until the plan phase (lazy: a plan may
+        # start anywhere, all are kept)
+        self._keep_from = 0
         self._fwd = ForwardTimes()
         if profile is not None:
             self._fwd.note(profile.forward_ms, profile.batch_size)
@@ -414,7 +419,7 @@ class AdaShadowEngine:
 
     # ------------------------------------------------------------ hooks
     def _cache_stage_input(self, s: int, t: Tensor) -> None:
-        if self._collector.capture:
+        if self._collector.capture and s >= self._keep_from:
             self._stage_inputs[s] = t
             if s == self._grad_stage:  # stages from here on may be updated: record them
                 torch.set_grad_enabled(True)
@@ -441,9 +446,10 @@ class AdaShadowEngine:
 
     def _recorded_forward(self, x: Tensor, grad_stage: int
                           ) -> tuple[Tensor, list, list]:
-        """Logits, the units' statistics and the cached stage inputs of one forward."""
-        self._stage_inputs[0] = x
-        self._grad_stage = grad_stage
+        """Logits, the units' statistics and the cached stage inputs of one forward (None
+        below the recorded graph, where no plan can start)."""
+        self._grad_stage, self._keep_from = grad_stage, 0 if self.lazy else grad_stage
+        self._stage_inputs[0] = x if self._keep_from == 0 else None
         codec = self.tail.recording(self._grad_from(grad_stage))  # memory budget, DAF
         # the recorded layers' inputs are kept for the reforward where the graph keeps
         # them anyway (not under a codec, which stores them packed)

@@ -239,7 +239,7 @@ def main(argv: list[str] | None = None) -> dict:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="resnet50:224:4,resnet18:224:8",
                     help="comma list of arch:size:batch")
-    ap.add_argument("--batches", type=int, default=40, help="measured batches per model")
+    ap.add_argument("--batches", type=int, default=100, help="measured batches per model")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")

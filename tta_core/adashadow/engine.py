@@ -1,11 +1,12 @@
 """The per-batch AdaShadow pipeline: forward → plan → sparse backward → reforward.
 
 AdaShadow §4: the forward collects each unit's output statistics for the assessor and
-caches every stage's input; the scheduler picks units within sigma·T; the backward asks
-autograd only for the selected units' parameters, so nothing below the deepest selected
-unit is differentiated; the reforward restarts from the cached input of the first updated
-unit's stage (memory-I/O-aware computation reuse). Modes (§5.4): "sequential" predicts on
-the reforward, "parallel" returns the forward logits and adapts in a background thread.
+caches the input of every stage a plan can start at; the scheduler picks units within
+sigma·T; the backward asks autograd only for the selected units' parameters, so nothing
+below the deepest selected unit is differentiated; the reforward restarts from the cached
+input of the first updated unit's stage (memory-I/O-aware computation reuse). Modes (§5.4):
+"sequential" predicts on the reforward, "parallel" returns the forward logits and adapts in
+a background thread.
 """
 
 from __future__ import annotations

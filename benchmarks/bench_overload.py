@@ -21,7 +21,6 @@ import random
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -33,6 +32,8 @@ from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from rclpy.serialization import serialize_message
 from sensor_msgs.msg import Image
 from tta_msgs.msg import AdaptationStatus, ClassPrediction
+
+from tta_ros.spinning import SpinThread
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -62,8 +63,7 @@ class Camera:
         self._serialized: list[bytes] = []
         self.ex = SingleThreadedExecutor(context=ctx)
         self.ex.add_node(self.node)
-        self.thread = threading.Thread(target=self.ex.spin, daemon=True)
-        self.thread.start()
+        self.spin = SpinThread(self.ex)
 
     def _on_pred(self, msg: ClassPrediction) -> None:
         self.answered += 1
@@ -92,8 +92,7 @@ class Camera:
         self.sent += 1
 
     def close(self) -> None:
-        self.ex.shutdown(timeout_sec=2.0)
-        self.thread.join(timeout=2.0)
+        self.spin.stop()  # after the running callback: no callback on a destroyed node
         self.node.destroy_node()
 
 

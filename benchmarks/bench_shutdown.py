@@ -70,6 +70,8 @@ class Camera:
         from sensor_msgs.msg import Image
         from tta_msgs.msg import ClassPrediction
 
+        from tta_ros.spinning import SpinThread
+
         self.ctx = rclpy.context.Context()
         rclpy.init(context=self.ctx, domain_id=domain)
         self.node = rclpy.create_node("bench_camera", context=self.ctx)
@@ -85,8 +87,7 @@ class Camera:
             self.node.create_timer(1.0 / CAMERA_HZ, self._publish)
         self.ex = SingleThreadedExecutor(context=self.ctx)
         self.ex.add_node(self.node)
-        self.thread = threading.Thread(target=self.ex.spin, daemon=True)
-        self.thread.start()
+        self.spin = SpinThread(self.ex)
 
     def _on_prediction(self, _msg: object) -> None:
         self.predictions += 1
@@ -96,8 +97,7 @@ class Camera:
         self.pub.publish(self.frame)
 
     def close(self) -> None:
-        self.ex.shutdown(timeout_sec=2.0)
-        self.thread.join(timeout=2.0)
+        self.spin.stop()  # after the running callback: no callback on a destroyed node
         self.node.destroy_node()
         self.ctx.try_shutdown()
 

@@ -31,6 +31,7 @@ from tta_msgs.msg import AdaptationStatus, ClassPrediction, FleetReport
 
 from tta_core.elasticdnn.fleet import App
 from tta_ros.nodes.fleet_wiring import FLEET_STATUS, REPORT_QOS, REPORT_TOPIC, app_from_report
+from tta_ros.spinning import SpinThread
 
 SCHEDULER = "/fleet_scheduler"
 
@@ -81,15 +82,15 @@ class Driver:
         self.alive: Callable[[], None] = lambda: None  # raises when a node process died
         self.ex = SingleThreadedExecutor(context=self.ctx)
         self.ex.add_node(self.node)
-        self.thread = threading.Thread(target=self.ex.spin, daemon=True)
+        self.spin: SpinThread | None = None
 
     def __enter__(self) -> Driver:
-        self.thread.start()
+        self.spin = SpinThread(self.ex)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.ex.shutdown(timeout_sec=2.0)
-        self.thread.join(timeout=2.0)
+        if self.spin is not None:
+            self.spin.stop()  # after the running callback: no callback on a destroyed node
         self.node.destroy_node()
         self.ctx.try_shutdown()
 

@@ -36,6 +36,7 @@ from tta_core.eval.report import FrameRecord, RunRecord, report_dict, write_json
 from tta_core.eval.report_files import ReportFiles, write_report
 from tta_core.io.bag import BagFrame, read_bag, stamp_ns
 from tta_ros.paths import package_file
+from tta_ros.spinning import SpinThread
 
 STATUS_PHASES = {"forward": "forward_ms", "plan": "plan_ms", "backward": "backward_ms",
                  "reforward": "reforward_ms", "total": "total_ms"}
@@ -261,15 +262,7 @@ class _Session:
         self.executor = SingleThreadedExecutor(context=context)  # see tta_ros.bringup
         for n in (self.node, *self.nodes):  # predictions are taken before planning work
             self.executor.add_node(n)
-        self.thread = threading.Thread(target=self._spin, daemon=True)
-        self.thread.start()
-
-    def _spin(self) -> None:
-        try:
-            self.executor.spin()
-        except Exception:  # context shut down under the executor
-            if self.context.ok():
-                raise
+        self.spin = SpinThread(self.executor, name="tta-replay")
 
     def _param(self, name: str, default: int) -> int:
         for n in self.nodes:
@@ -314,8 +307,7 @@ class _Session:
             + (" (is it running? try without --external)" if opts.external else ""))
 
     def close(self) -> None:
-        self.executor.shutdown(timeout_sec=2.0)
-        self.thread.join(timeout=2.0)  # no callback may run on a node being destroyed
+        self.spin.stop()  # after the running callback: no callback on a destroyed node
         for n in (*self.nodes, self.node):
             n.destroy_node()
 

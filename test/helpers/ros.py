@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 
@@ -24,6 +23,7 @@ from visualization_msgs.msg import MarkerArray
 from helpers import CARD, CONFIG, wait_for
 from tta_core.io.image_msg import array_to_image_fields
 from tta_ros.bringup import build_nodes
+from tta_ros.spinning import SpinThread
 
 
 def image_msg(sec: int, rgb: np.ndarray | None = None, encoding: str = "rgb8", *,
@@ -67,8 +67,7 @@ class Rig:
         self.ex = SingleThreadedExecutor(context=ctx)  # as tta_ros.bringup.main
         for n in [*self.nodes, self.probe]:
             self.ex.add_node(n)
-        self.thread = threading.Thread(target=self.ex.spin, daemon=True)
-        self.thread.start()
+        self.spin = SpinThread(self.ex)
         wait_for(lambda: self.pub.get_subscription_count() > 0, 5.0)
 
     def _rec(self, key: str) -> Callable:
@@ -88,8 +87,7 @@ class Rig:
             time.sleep(gap_s)
 
     def close(self) -> None:
-        self.ex.shutdown(timeout_sec=2.0)
-        self.thread.join(timeout=2.0)  # no callback may run on a node being destroyed
+        self.spin.stop()  # after the running callback: no callback on a destroyed node
         for n in [*self.nodes, self.probe]:
             try:
                 n.destroy_node()

@@ -8,7 +8,6 @@ deadline mode only, and AdaptationStatus.deadline_ms carries the batch's deadlin
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
@@ -26,6 +25,7 @@ from sensor_msgs.msg import Image  # noqa: E402
 from tta_msgs.msg import AdaptationStatus  # noqa: E402
 
 from tta_core.runtime.deadline import DeadlineConfig, batch_deadline_ms  # noqa: E402
+from tta_ros.spinning import SpinThread  # noqa: E402
 
 OK, STALE = DiagnosticStatus.OK, DiagnosticStatus.STALE
 NO_SOURCES = [Parameter("enable_perf", value=False), Parameter("enable_nvml", value=False),
@@ -50,8 +50,7 @@ class _Spun:
         self.ex = SingleThreadedExecutor(context=ros_context)
         for n in self.nodes:
             self.ex.add_node(n)
-        self.thread = threading.Thread(target=self.ex.spin, daemon=True)
-        self.thread.start()
+        self.spin = SpinThread(self.ex)
 
     def _on_diag(self, arr: DiagnosticArray) -> None:
         for st in arr.status:
@@ -59,8 +58,7 @@ class _Spun:
             self.seen.append(st)
 
     def close(self) -> None:
-        self.ex.shutdown(timeout_sec=2.0)
-        self.thread.join(timeout=2.0)
+        self.spin.stop()  # after the running callback: no callback on a destroyed node
         for n in self.nodes:
             n.destroy_node()
 

@@ -7,7 +7,6 @@ config/vehicle.yaml plus its namespace's overrides.
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -27,6 +26,7 @@ from tta_msgs.msg import (  # noqa: E402
 )
 
 from tta_ros.bringup import build_nodes  # noqa: E402
+from tta_ros.spinning import SpinThread  # noqa: E402
 
 CARS = ("/car1", "/car2")
 OUTPUTS = (("pred", ClassPrediction, "predictions"), ("status", AdaptationStatus,
@@ -65,14 +65,12 @@ def fleet(ros_context):
     ex = SingleThreadedExecutor(context=ros_context)
     for n in [*nodes["/car1"], *nodes["/car2"], probe]:
         ex.add_node(n)
-    thread = threading.Thread(target=ex.spin, daemon=True)
-    thread.start()
+    spin = SpinThread(ex)
     try:
         assert wait_for(lambda: all(p.get_subscription_count() == 1 for p in pubs.values()), 5)
         yield nodes, pubs, got
     finally:
-        ex.shutdown(timeout_sec=2.0)
-        thread.join(timeout=2.0)
+        spin.stop()  # after the running callback: no callback on a destroyed node
         for n in [*nodes["/car1"], *nodes["/car2"], probe]:
             n.destroy_node()
 

@@ -11,8 +11,6 @@ ones), a few labels for JPEG quality 95 (lossy).
 
 from __future__ import annotations
 
-import threading
-
 import cv2
 import numpy as np
 import pytest
@@ -28,6 +26,7 @@ from tta_msgs.msg import ClassPrediction  # noqa: E402
 from tta_core.data.signs import make_signs  # noqa: E402
 from tta_core.io.image_msg import array_to_image_fields  # noqa: E402
 from tta_ros.nodes.perception import PerceptionNode  # noqa: E402
+from tta_ros.spinning import SpinThread  # noqa: E402
 
 N = 64
 FRAMES = make_signs(N, image_size=64, seed=21).images  # camera-like 64 px sign frames
@@ -58,8 +57,7 @@ class TwoInputs:
         self.ex = SingleThreadedExecutor(context=ctx)
         for n in [*self.nodes.values(), self.probe]:
             self.ex.add_node(n)
-        self.thread = threading.Thread(target=self.ex.spin, daemon=True)
-        self.thread.start()
+        self.spin = SpinThread(self.ex)
         assert wait_for(lambda: self.pub_raw.get_subscription_count() > 0
                         and self.pub_cmp.get_subscription_count() > 0, 5.0)
 
@@ -82,8 +80,7 @@ class TwoInputs:
                 if first <= s < first + N}
 
     def close(self) -> None:
-        self.ex.shutdown(timeout_sec=2.0)
-        self.thread.join(timeout=2.0)
+        self.spin.stop()  # after the running callback: no callback on a destroyed node
         for n in [*self.nodes.values(), self.probe]:
             n.destroy_node()
 
@@ -158,8 +155,7 @@ def test_bombs_between_valid_frames_are_refused_and_every_valid_frame_answered(
     ex = SingleThreadedExecutor(context=ros_context)
     for n in (node, probe):
         ex.add_node(n)
-    thread = threading.Thread(target=ex.spin, daemon=True)
-    thread.start()
+    spin = SpinThread(ex)
     try:
         assert wait_for(lambda: pub.get_subscription_count() > 0, 5.0)
         valid = [cv2.imencode(".png", np.ascontiguousarray(img[..., ::-1]))[1].tobytes()
@@ -183,7 +179,6 @@ def test_bombs_between_valid_frames_are_refused_and_every_valid_frame_answered(
             {kv.key: kv.value for kv in s.values}.get("too_large") == str(len(bomb_list))
             for s in diags if s.name.endswith("input")), 5.0)
     finally:
-        ex.shutdown(timeout_sec=2.0)
-        thread.join(timeout=2.0)
+        spin.stop()  # after the running callback: no callback on a destroyed node
         node.destroy_node()
         probe.destroy_node()

@@ -11,7 +11,6 @@ runs on geometry_msgs/TwistStamped (odometry_type), the other message it can tak
 from __future__ import annotations
 
 import importlib.util
-import threading
 import time
 from collections.abc import Callable
 
@@ -32,6 +31,7 @@ from visualization_msgs.msg import MarkerArray  # noqa: E402
 
 from tta_core.adashadow.predictor import UnitProfile  # noqa: E402
 from tta_ros.nodes.scheduler import SchedulerNode  # noqa: E402
+from tta_ros.spinning import SpinThread  # noqa: E402
 
 HAVE_NAV_MSGS = importlib.util.find_spec("nav_msgs") is not None
 N_UNITS = 19  # the card's units; BN units are the odd ones, 1..17
@@ -254,8 +254,7 @@ def test_perception_plans_inline_against_its_deadline(ros_context) -> None:
     ex = SingleThreadedExecutor(context=ros_context)
     for nd in (node, probe):
         ex.add_node(nd)
-    thread = threading.Thread(target=ex.spin, daemon=True)
-    thread.start()
+    spin = SpinThread(ex)
     i = 0
 
     def fed(done: Callable[[], bool]) -> bool:
@@ -293,8 +292,7 @@ def test_perception_plans_inline_against_its_deadline(ros_context) -> None:
         # 1 or 2 frames at 0.5 Hz, less the few ms the batch waited
         assert any(abs(statuses[-1].budget_ms - b) < 100.0 for b in (2000.0, 4000.0))
     finally:
-        ex.shutdown(timeout_sec=2.0)
-        thread.join(timeout=2.0)
+        spin.stop()  # after the running callback: no callback on a destroyed node
         node.destroy_node()
         probe.destroy_node()
 

@@ -8,7 +8,6 @@ fog/5 (tta_core.data.streams), sent one batch at a time (8 frames, each waiting 
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 
@@ -31,6 +30,7 @@ from visualization_msgs.msg import MarkerArray  # noqa: E402
 from tta_core.data.streams import StreamSpec, build_stream  # noqa: E402
 from tta_ros.nodes.domain_wiring import DomainWiring  # noqa: E402
 from tta_ros.nodes.perception import PerceptionNode  # noqa: E402
+from tta_ros.spinning import SpinThread  # noqa: E402
 
 BATCH = 8
 PER_DOMAIN = 64  # 8 batches per corruption
@@ -70,8 +70,7 @@ class Run:
         self.ex = SingleThreadedExecutor(context=ctx)
         for n in (self.node, self.probe):
             self.ex.add_node(n)
-        self.thread = threading.Thread(target=self.ex.spin, daemon=True)
-        self.thread.start()
+        self.spin = SpinThread(self.ex)
         # both ends matched before the first frame: a best-effort frame sent while only
         # the writer knows the reader is dropped, and the batch would close short
         assert wait_for(lambda: self.pub.get_subscription_count() > 0
@@ -126,8 +125,7 @@ class Run:
         return [s for s in self.diag if s.name.endswith(": domain")]
 
     def stop(self) -> None:
-        self.ex.shutdown(timeout_sec=2.0)
-        self.thread.join(timeout=2.0)
+        self.spin.stop()  # after the running callback: no callback on a destroyed node
         self.node.destroy_node()
         self.probe.destroy_node()
 

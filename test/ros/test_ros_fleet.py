@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from tta_ros.diagnostics import OK, WARN  # noqa: E402
 from tta_ros.nodes.fleet_wiring import REPORT_TOPIC, app_from_report  # noqa: E402
 from tta_ros.nodes.perception import PerceptionNode, perception_statuses  # noqa: E402
 from tta_ros.nodes.scheduler import SchedulerNode  # noqa: E402
+from tta_ros.spinning import SpinThread  # noqa: E402
 
 CAMS = {"/cam1": 30.0, "/cam2": 10.0}  # camera_hz
 PRIOR = {1.0: 0.9, 0.5: 0.8, 0.25: 0.6}  # source accuracy per size
@@ -118,8 +118,7 @@ def test_fleet_sizes_reach_each_namespaced_perception_node(ros_context, sized_me
     nodes = [*perc.values(), sched, probe]
     for n in nodes:
         ex.add_node(n)
-    thread = threading.Thread(target=ex.spin, daemon=True)
-    thread.start()
+    spin = SpinThread(ex)
     rng = np.random.default_rng(0)
 
     def frames() -> None:
@@ -165,8 +164,7 @@ def test_fleet_sizes_reach_each_namespaced_perception_node(ros_context, sized_me
         res = perc["/cam1"].set_parameters([Parameter("method.keep", value=0.6)])[0]
         assert not res.successful and "method.keep=0.6 is no size" in res.reason
     finally:
-        ex.shutdown(timeout_sec=2.0)
-        thread.join(timeout=2.0)
+        spin.stop()  # after the running callback: no callback on a destroyed node
         for n in nodes:
             n.destroy_node()
 
@@ -262,8 +260,7 @@ def test_elastic_on_the_gated_card_serves_the_pinned_size(ros_context) -> None:
     ex = SingleThreadedExecutor(context=ros_context)
     for n in (node, probe):
         ex.add_node(n)
-    thread = threading.Thread(target=ex.spin, daemon=True)
-    thread.start()
+    spin = SpinThread(ex)
     rng = np.random.default_rng(0)
 
     def frame() -> None:
@@ -278,8 +275,7 @@ def test_elastic_on_the_gated_card_serves_the_pinned_size(ros_context) -> None:
         assert msg.keep == 0.5 and list(msg.sizes) == [1.0, 0.7, 0.5, 0.3]
         assert all(math.isfinite(v) for v in msg.forward_ms)
     finally:
-        ex.shutdown(timeout_sec=2.0)
-        thread.join(timeout=2.0)
+        spin.stop()  # after the running callback: no callback on a destroyed node
         for n in (node, probe):
             n.destroy_node()
 
@@ -381,8 +377,7 @@ def test_paper_objective_plans_with_the_received_retraining_estimates(ros_contex
     ex = SingleThreadedExecutor(context=ros_context)
     for n in (sched, probe):
         ex.add_node(n)
-    thread = threading.Thread(target=ex.spin, daemon=True)
-    thread.start()
+    spin = SpinThread(ex)
     fields = {"on": False}
 
     def publish() -> None:
@@ -420,8 +415,7 @@ def test_paper_objective_plans_with_the_received_retraining_estimates(ros_contex
         bad = sched.set_parameters([Parameter("fleet_objective", value="oracle")])[0]
         assert not bad.successful and "oracle" in bad.reason
     finally:
-        ex.shutdown(timeout_sec=2.0)
-        thread.join(timeout=2.0)
+        spin.stop()  # after the running callback: no callback on a destroyed node
         for n in (sched, probe):
             n.destroy_node()
 

@@ -5,7 +5,6 @@ qualified, namespace included) and carries a hardware_id, so two vehicles on one
 from __future__ import annotations
 
 import socket
-import threading
 import time
 
 import pytest
@@ -24,6 +23,7 @@ from tta_ros.diagnostics import DiagnosticsPublisher, node_hardware_id, status  
 from tta_ros.nodes.perception import PerceptionNode  # noqa: E402
 from tta_ros.nodes.resource_monitor import ResourceMonitorNode  # noqa: E402
 from tta_ros.nodes.scheduler import SchedulerNode, plan_markers  # noqa: E402
+from tta_ros.spinning import SpinThread  # noqa: E402
 
 NODES = (("resource_monitor", ResourceMonitorNode), ("scheduler", SchedulerNode),
          ("perception", PerceptionNode))
@@ -46,15 +46,13 @@ def _statuses_of_three(ctx, namespace: str, common: dict) -> dict[str, list[Diag
     ex = SingleThreadedExecutor(context=ctx)
     for n in [*nodes, probe]:
         ex.add_node(n)
-    thread = threading.Thread(target=ex.spin, daemon=True)
-    thread.start()
+    spin = SpinThread(ex)
     fqns = [n.get_fully_qualified_name() for n in nodes]
     try:
         wait_for(lambda: all(any(s.name.startswith(f"{f}: ") for s in list(got))
                              for f in fqns), 10.0)
     finally:
-        ex.shutdown(timeout_sec=2.0)
-        thread.join(timeout=2.0)
+        spin.stop()  # after the running callback: no callback on a destroyed node
         for n in [*nodes, probe]:
             n.destroy_node()
     return {f: [s for s in got if s.name.startswith(f"{f}: ")] for f in fqns}

@@ -33,6 +33,7 @@ from tta_core.io.image_msg import array_to_image_fields  # noqa: E402
 from tta_ros.nodes.perception import perception_statuses  # noqa: E402
 from tta_ros.nodes.perception_support import PlanGate  # noqa: E402
 from tta_ros.nodes.scheduler import SchedulerNode  # noqa: E402
+from tta_ros.spinning import SpinThread  # noqa: E402
 
 
 @pytest.fixture
@@ -558,8 +559,7 @@ def test_telemetry_topic_reaches_inline_planning(ros_context) -> None:
     ex = SingleThreadedExecutor(context=ros_context)
     for nd in (node, probe):
         ex.add_node(nd)
-    thread = threading.Thread(target=ex.spin, daemon=True)
-    thread.start()
+    spin = SpinThread(ex)
     try:
         assert wait_for(lambda: pub_img.get_subscription_count() > 0, 5.0)
         tel = ResourceTelemetry(compute_expansion=2.0, memory_expansion=float("nan"))
@@ -576,8 +576,7 @@ def test_telemetry_topic_reaches_inline_planning(ros_context) -> None:
         assert wait_for(lambda: fed((2.0, 1.0, True)), 10.0)
         assert wait_for(lambda: fed((1.0, 1.0, False)), 10.0)  # no telemetry for > 0.5 s
     finally:
-        ex.shutdown(timeout_sec=2.0)
-        thread.join(timeout=2.0)
+        spin.stop()  # after the running callback: no callback on a destroyed node
         node.destroy_node()
         probe.destroy_node()
 

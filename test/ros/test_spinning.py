@@ -14,10 +14,18 @@ from rclpy.executors import SingleThreadedExecutor  # noqa: E402
 from tta_ros.spinning import SpinThread  # noqa: E402
 
 
+def _spun(ctx, name: str, callback) -> tuple:
+    """A node whose 10 ms timer runs `callback`, spun by a SpinThread."""
+    node = rclpy.create_node(name, context=ctx)
+    node.create_timer(0.01, callback)
+    ex = SingleThreadedExecutor(context=ctx)
+    ex.add_node(node)
+    return node, SpinThread(ex)
+
+
 def test_stop_waits_for_the_running_callback_then_shuts_down(ros_context, monkeypatch) -> None:
     errors: list[BaseException] = []
     monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
-    node = rclpy.create_node("spin_probe", context=ros_context)
     entered, release, order = threading.Event(), threading.Event(), []
 
     def slow() -> None:  # the first call blocks until the test releases it
@@ -26,10 +34,7 @@ def test_stop_waits_for_the_running_callback_then_shuts_down(ros_context, monkey
             assert release.wait(60.0)
             order.append("callback done")
 
-    node.create_timer(0.01, slow)
-    ex = SingleThreadedExecutor(context=ros_context)
-    ex.add_node(node)
-    spin = SpinThread(ex)
+    node, spin = _spun(ros_context, "spin_probe", slow)
     try:
         assert entered.wait(30.0)
         stopper = threading.Thread(target=lambda: order.append(("stopped", spin.stop())))
@@ -48,17 +53,13 @@ def test_stop_waits_for_the_running_callback_then_shuts_down(ros_context, monkey
 
 
 def test_stop_with_a_timeout_reports_a_callback_still_running(ros_context) -> None:
-    node = rclpy.create_node("spin_probe_hung", context=ros_context)
     entered, release = threading.Event(), threading.Event()
 
     def hung() -> None:
         entered.set()
         release.wait(60.0)
 
-    node.create_timer(0.01, hung)
-    ex = SingleThreadedExecutor(context=ros_context)
-    ex.add_node(node)
-    spin = SpinThread(ex)
+    node, spin = _spun(ros_context, "spin_probe_hung", hung)
     try:
         assert entered.wait(30.0)
         assert spin.stop(timeout_s=0.05) is False  # the callback holds it: executor left up

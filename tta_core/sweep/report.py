@@ -71,10 +71,24 @@ def markdown(name: str, rows: list[Row], baseline: str, cells: list[dict[str, An
                     vals.append(fmt_diff(r) if r else "")
             lines.append(f"| {meth} | " + " | ".join(vals) + " |")
         lines.append("")
+    lines += _nodes(cells)
     if failed:
         lines += ["## Failed cells", "", "| cell | error |", "|---|---|"]
         lines += [f"| `{' '.join(c.get('argv', []))}` | {c.get('error', '')} |" for c in failed]
     return "\n".join(lines) + "\n"
+
+
+def _nodes(cells: list[dict[str, Any]]) -> list[str]:
+    """A table of the Ray nodes that ran the cells and how many each, when more than one."""
+    count: dict[tuple[str, str, str], int] = defaultdict(int)
+    for c in cells:
+        n = c.get("node") or {}
+        if n.get("id"):
+            count[(n["id"], n.get("ip", ""), n.get("host", ""))] += 1
+    if len(count) < 2:
+        return []
+    return ["## Ray nodes", "", "| node | IP | host | cells |", "|---|---|---|---:|",
+            *(f"| `{i[:12]}` | {ip} | {host} | {k} |" for (i, ip, host), k in count.items()), ""]
 
 
 def _half_width(r: Row) -> float:

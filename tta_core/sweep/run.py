@@ -6,7 +6,8 @@ arguments, the identity of its data (content of a `--data` folder) and the code 
 the same cell on the same data and code is never run twice. Results are written by the
 driver as each task finishes (tmp + rename), so a killed sweep loses only the cells in
 flight. A cell that fails is recorded with its one-line error (`status: failed`) and the
-others go on; `retry_failed` runs failed cells again.
+others go on; `retry_failed` runs failed cells again. Each result names the Ray node that
+ran it (`node`: id, IP, host name), so a sweep on a cluster says where each cell ran.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import hashlib
 import io
 import json
 import os
+import socket
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -80,10 +82,22 @@ def cell_key(cell: Cell, cwd: Path, code: str) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def node() -> dict[str, str]:
+    """The Ray node this process runs on: its id, IP and host name (empty outside Ray)."""
+    import ray
+
+    if not ray.is_initialized():
+        return {}
+    return {"id": ray.get_runtime_context().get_node_id(),
+            "ip": ray.util.get_node_ip_address(), "host": socket.gethostname()}
+
+
 def run_cell(bench: BenchCLI, argv: Sequence[str], out: str, cwd: str) -> dict[str, Any]:
-    """One bench run (in a Ray worker): the kept figures, or the one-line error."""
+    """One bench run (in a Ray worker): the kept figures, or the one-line error, and the
+    node that ran it."""
     os.chdir(cwd)
     t0 = time.perf_counter()
+    where = node()
     try:
         from tta_core.eval.bench import run_bench
 
@@ -91,10 +105,11 @@ def run_cell(bench: BenchCLI, argv: Sequence[str], out: str, cwd: str) -> dict[s
         with contextlib.redirect_stdout(io.StringIO()):
             run_bench(cfg, out, progress=False, log=lambda _line: None)
     except Exception as exc:  # any failure of the cell is its result
-        return {"status": "failed", "error": one_line(exc), "seconds": time.perf_counter() - t0}
+        return {"status": "failed", "error": one_line(exc), "seconds": time.perf_counter() - t0,
+                "node": where}
     report = json.loads((Path(out) / "report.json").read_text())
     stream = Path(out) / "streaming.json"
-    return {"status": "done", "seconds": time.perf_counter() - t0,
+    return {"status": "done", "seconds": time.perf_counter() - t0, "node": where,
             "summaries": [{k: s.get(k) for k in KEEP} for s in report["summaries"]],
             "streaming": ([{k: r[k] for k in ("method", "hz", "strict", "streaming",
                                               "answered", "deadline_met")}

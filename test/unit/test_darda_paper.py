@@ -34,10 +34,11 @@ from tta_core.model.source import load_source
 I2 = torch.eye(2)
 
 
-def test_eq9_cm_loss_same_and_other_pairs() -> None:
+def test_eq9_cm_loss_diagonal_and_off_diagonal_pairs() -> None:
     c = torch.tensor([[0.6, 0.8], [1.0, 0.0]])  # S.C^T = [[.6, 1], [.8, 0]]
-    assert float(cm_loss(I2, c, "same")) == pytest.approx(math.exp(-0.6) + math.exp(0.0))
-    assert float(cm_loss(I2, c, "other")) == pytest.approx(math.exp(-1.0) + math.exp(-0.8))
+    assert float(cm_loss(I2, c, "diagonal")) == pytest.approx(math.exp(-0.6) + math.exp(0.0))
+    assert float(cm_loss(I2, c, "off_diagonal")) == pytest.approx(math.exp(-1.0)
+                                                                  + math.exp(-0.8))
     with pytest.raises(ValueError, match="pairs"):
         cm_loss(I2, c, "all")
 

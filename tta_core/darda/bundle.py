@@ -5,8 +5,12 @@ Tensors: `subnet/<corruption>/<state key>` (the sub-networks), `accuracy` (a_ij)
 (`encoder/...`), the encoder without extractor (`raw_encoder/...`) and the two S
 (`s/...`, `raw_s/...`). Metadata (JSON): the model fingerprint and the adapted tensors'
 names and shapes (a bundle of another model is refused in one line), the corruption names,
-the encoder and S configs, the offline config and its report. Written atomically by
-tta_core.darda.store; nothing is unpickled. A load followed by a save gives the same bytes.
+the encoder and S configs, `offline` (every OfflineConfig field), `data` (where the
+labelled images came from: rendered signs, or the folder with its meta.json fingerprint;
+the training corruptions, images per corruption, own-corruption accuracy a_ii) and the
+report (with the Eq. 16 probe). Bundles written before `offline` / `data` existed load
+with both empty. Written atomically by tta_core.darda.store; nothing is unpickled. A load
+followed by a save gives the same bytes.
 """
 
 from __future__ import annotations
@@ -51,7 +55,8 @@ def save_bundle(off: Offline, model: nn.Module, path: str | Path) -> None:
                         ("s", off.s), ("raw_s", off.raw_s)):
         tensors.update(_prefixed(prefix, mod))
     meta = {**expect_for(model), "names": off.names, "encoder": asdict(off.encoder.config),
-            "s": asdict(off.s.config), "report": off.report}
+            "s": asdict(off.s.config), "report": off.report, "offline": off.config,
+            "data": off.data}
     save_tensors(path, tensors, meta, FORMAT, VERSION)
 
 
@@ -76,7 +81,9 @@ def load_bundle(path: str | Path, model: nn.Module) -> Offline:
         raw_s = _module(tensors, "raw_s", SubnetEncoder(scfg))
         off = Offline(names, states, tensors["accuracy"], tensors["noise"],
                       tensors["fingerprints"], enc, raw, tensors["centroids"],
-                      tensors["raw_centroids"], s, raw_s, dict(meta.get("report", {})))
+                      tensors["raw_centroids"], s, raw_s, dict(meta.get("report", {})),
+                      dict(meta.get("offline") or {}), dict(meta.get("data") or {}))
+        off.offline_config()  # a recorded config must be one
     except KeyError as exc:
         raise InputError(f"darda bundle {path}: missing entry {exc}") from None
     except (ValueError, TypeError, RuntimeError) as exc:

@@ -6,9 +6,10 @@
   sub-network state gives a different response to the same input;
 - S (`SubnetEncoder`): a shallow MLP from F to the unit sphere of the corruption latent
   space (the encoder h's, tta_core.darda.encoder);
-- Eq. 9 `cm_loss`: sum of exp(-S^i . C^j) over the pairs; `pairs="same"` (i = j, each
-  sub-network pulled to its own corruption centroid, the reading that works) or
-  `pairs="other"` (the printed indicator i != j, kept for the ablation);
+- Eq. 9 `cm_loss`: sum of exp(-S^i . C^j) over the pairs; `pairs="off_diagonal"` (the
+  printed indicator i != j: each signature pulled toward the other corruptions'
+  centroids) or `pairs="diagonal"` (i = j: each signature pulled onto its own centroid,
+  where S learns to copy the centroids and Eq. 16 starts at its floor);
 - Eq. 10 `pi_matrix`: softmax_j of S^i . C^j / sum_k S^k . C^k (denominator floored at 1);
 - Eq. 11 `alpha_matrix`: softmax_j of log(1/(1 - a_ij)) / sum_k log(1/(1 - a_ik)) from
   the accuracy a_ij of sub-network i on corruption j;
@@ -19,7 +20,9 @@
   with the batch's corruption signature (the row-wise normaliser of Eq. 10 is shared by
   every i, so the arg max over i of pi_ij is that of S^i . C^j);
 - Eq. 16 `adaptation_loss`: exp(-S . C_bar), C_bar the mean corruption projection of the
-  memory bank's samples.
+  memory bank's samples; with S a unit vector its floor is exp(-|C_bar|), reached when S
+  points along C_bar, where its gradient vanishes; `eq16_gradient` measures the loss and
+  the gradient norm w.r.t. the adapted parameters at a sub-network state.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-PAIRS = ("same", "other")
+PAIRS = ("off_diagonal", "diagonal")  # Eq. 9 as printed (i != j), and i = j
 
 
 def noise_batch(shape: tuple[int, ...], count: int, seed: int) -> Tensor:
@@ -86,14 +89,15 @@ def _check_pair(s: Tensor, c: Tensor) -> None:
                          f"{tuple(c.shape)}")
 
 
-def cm_loss(s: Tensor, c: Tensor, pairs: str = "same") -> Tensor:
-    """Eq. 9: sum over (i, j) of exp(-S^i . C^j), over i = j ("same") or i != j ("other")."""
+def cm_loss(s: Tensor, c: Tensor, pairs: str = "off_diagonal") -> Tensor:
+    """Eq. 9: sum of exp(-S^i . C^j) over i != j ("off_diagonal", as printed) or over
+    i = j ("diagonal")."""
     _check_pair(s, c)
     if pairs not in PAIRS:
         raise ValueError(f"cm_loss pairs {pairs!r} not in {PAIRS}")
     e = torch.exp(-(s @ c.T))
     eye = torch.eye(len(s), dtype=torch.bool, device=s.device)
-    return e[eye].sum() if pairs == "same" else e[~eye].sum()
+    return e[eye].sum() if pairs == "diagonal" else e[~eye].sum()
 
 
 def pi_matrix(s: Tensor, c: Tensor, floor: float = 1.0) -> Tensor:
@@ -122,7 +126,7 @@ def reg_loss(pi: Tensor, alpha: Tensor) -> Tensor:
 
 
 def subnet_loss(s: Tensor, c: Tensor, a: Tensor, lambda_r: float = 0.5,
-                pairs: str = "same") -> Tensor:
+                pairs: str = "off_diagonal") -> Tensor:
     """Eq. 13: L_m = L_CM + lambda_r L_r (0 < lambda_r < 1 in the paper)."""
     return cm_loss(s, c, pairs) + lambda_r * reg_loss(pi_matrix(s, c), alpha_matrix(a))
 
@@ -146,3 +150,36 @@ def adaptation_loss(s: Tensor, c_bar: Tensor) -> Tensor:
         raise ValueError(f"S and C_bar must be vectors of one size, got {tuple(s.shape)} and "
                          f"{tuple(c_bar.shape)}")
     return torch.exp(-(s * c_bar).sum())
+
+
+@dataclass
+class Eq16Probe:
+    """Eq. 16 at one sub-network state for one C_bar."""
+
+    loss: float  # L_u = exp(-S . C_bar)
+    floor: float  # exp(-|C_bar|): the least L_u of any unit S
+    dot: float  # S . C_bar
+    grad_norm: float  # L2 norm of dL_u / d(adapted parameters), all tensors together
+
+
+def eq16_gradient(model: nn.Module, params: list[Tensor], s_enc: nn.Module, noise: Tensor,
+                  c_bar: Tensor) -> Eq16Probe:
+    """Eq. 16's loss and its gradient norm w.r.t. `params` (the adapted BN affine and dense
+    tensors of `model`, in its current state and mode) for the fingerprint on `noise`
+    through `s_enc` (S); nothing is updated and the tensors' requires_grad flags are restored."""
+    if not params:
+        raise ValueError("eq16_gradient needs at least one adapted parameter")
+    flags = [p.requires_grad for p in params]
+    try:
+        for p in params:
+            p.requires_grad_(True)
+        with torch.enable_grad():
+            sig = s_enc(fingerprint(model, noise))
+            loss = adaptation_loss(sig, c_bar)
+            grads = torch.autograd.grad(loss, params, allow_unused=True)
+    finally:
+        for p, f in zip(params, flags, strict=True):
+            p.requires_grad_(f)
+    sq = sum(float(g.double().pow(2).sum()) for g in grads if g is not None)
+    return Eq16Probe(float(loss.detach()), float(torch.exp(-c_bar.norm())),
+                     float((sig.detach() * c_bar).sum()), sq ** 0.5)

@@ -51,8 +51,9 @@ def _unnormalise(x: torch.Tensor, card) -> np.ndarray:
 def test_eq9_diagonal_and_off_diagonal_by_hand() -> None:
     s = torch.eye(2)
     c = torch.tensor([[0.6, 0.8], [1.0, 0.0]])  # S.C^T = [[.6, 1], [.8, 0]]
-    assert float(cm_loss(s, c, "diagonal")) == pytest.approx(math.exp(-0.6) + math.exp(0.0))
-    assert float(cm_loss(s, c)) == pytest.approx(math.exp(-1.0) + math.exp(-0.8))  # printed
+    assert float(cm_loss(s, c)) == pytest.approx(math.exp(-0.6) + math.exp(0.0))  # i = j
+    assert float(cm_loss(s, c, "off_diagonal")) == pytest.approx(math.exp(-1.0)
+                                                                 + math.exp(-0.8))  # printed
     with pytest.raises(ValueError, match="pairs"):
         cm_loss(s, c, "same")
 
@@ -197,13 +198,13 @@ def test_train_darda_data_flag_end_to_end(tmp_path, capsys) -> None:
     out = tmp_path / "b.safetensors"
     tiny = ["--epochs", "1", "--batch", "8", "--noise-count", "2", "--s-hidden", "8",
             "--s-steps", "5", "--encoder-steps", "2", "--threads", "1", "--eval-samples",
-            "2", "--probe-batch", "2", "--cm-pairs", "diagonal"]
+            "2", "--probe-batch", "2", "--cm-pairs", "off_diagonal"]
     assert main(["train-darda", "--data", f"cifar10c:{root}", "--out", str(out), *tiny]) == 0
     text = capsys.readouterr().out
     assert "Eq. 16 at the pick" in text and "offline config: " in text
     model, _ = load_source(CARD)
     back = load_bundle(out, model)
-    assert back.config["samples"] == 4 and back.config["cm_pairs"] == "diagonal"  # 6 - 2
+    assert back.config["samples"] == 4 and back.config["cm_pairs"] == "off_diagonal"  # 6 - 2
     assert back.data["source"]["root"] == str(root.resolve())
     printed = json.loads(text.split("offline config: ")[1].splitlines()[0])
     assert printed == back.config
@@ -211,3 +212,27 @@ def test_train_darda_data_flag_end_to_end(tmp_path, capsys) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["train-darda", "--data", f"cifar10c:{root}", "--out", str(out), *tiny])
     assert "fog.npy not found" in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_eq9_readings_at_the_pick_on_a_tiny_setup() -> None:
+    """i = j: S copies the centroids, Eq. 10 picks the own sub-network and Eq. 16 starts
+    near its floor (a small, non-zero gradient); i != j (printed): S^i leaves its own
+    centroid, so Eq. 10 over the signatures no longer picks the own sub-network, and at
+    the nearest centroid's sub-network Eq. 16 sits well above its floor."""
+    torch.set_num_threads(1)
+    reps = {}
+    for pairs in ("diagonal", "off_diagonal"):
+        cfg = OfflineConfig(corruptions=("gaussian_noise", "fog", "contrast", "pixelate"),
+                            samples=16, eval_samples=8, epochs=1, batch=8, noise_count=2,
+                            s_hidden=8, s_steps=200, encoder_steps=30, threads=1,
+                            probe_batch=4, cm_pairs=pairs)
+        model, card = load_source(CARD)
+        reps[pairs] = run_offline(model, 32, tuple(card.mean), tuple(card.std), cfg).report["s"]
+    diag, off = reps["diagonal"], reps["off_diagonal"]
+    assert diag["own_pick"] == 1.0 and diag["eq16"]["pick_own"] == 1.0
+    assert diag["eq16"]["grad_norm"] > 0
+    assert off["own_pick"] < 1.0 and off["eq16_centroid_pick"]["pick_own"] == 1.0
+    gap = {k: r["eq16_centroid_pick"]["loss"] - r["eq16_centroid_pick"]["floor"]
+           for k, r in reps.items()}
+    assert gap["off_diagonal"] > 2 * gap["diagonal"] >= 0
+    assert off["eq16_centroid_pick"]["grad_norm"] > 2 * diag["eq16_centroid_pick"]["grad_norm"]

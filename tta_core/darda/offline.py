@@ -13,8 +13,9 @@ From a source model and labelled images of the d_s training corruptions:
   on Eq. 13 (tta_core.darda.subnet; Eq. 9's pairs: `cm_pairs`), one S per latent space
   (with and without extractor);
 - the Eq. 16 probe (`eq16_probe`): on each evaluation batch of each training corruption,
-  the sub-network Eq. 10 picks from the batch's signature, Eq. 16's loss against its floor
-  and its gradient norm w.r.t. the adapted parameters there (the online step's start).
+  the sub-network Eq. 10 picks from the batch's signature (and, for comparison, the one of
+  the nearest centroid), Eq. 16's loss against its floor and its gradient norm w.r.t. the
+  adapted parameters there (the online step's start).
 
 The labelled images are the built-in signs rendered under the training corruptions, or a
 folder's (tta_core.darda.offline_data: `run_offline(..., data=folder_data(...))`).
@@ -82,7 +83,10 @@ class OfflineConfig:
     lambda_r: float = 0.5
     encoder_steps: int = 200
     threads: int = 2
-    cm_pairs: str = "off_diagonal"  # Eq. 9's pairs (tta_core.darda.subnet.PAIRS)
+    # Eq. 9's pairs (tta_core.darda.subnet.PAIRS): i = j, because the printed i != j pulls
+    # S^i away from its own centroid and Eq. 10's pick over the S^i then never chooses
+    # the corruption's own sub-network; "off_diagonal" is the printed reading
+    cm_pairs: str = "diagonal"
     probe_batch: int = 64  # evaluation images per batch of the Eq. 16 probe
 
     def validate(self) -> None:
@@ -257,18 +261,26 @@ def train_s(fps: Tensor, cents: Tensor, acc: Tensor, cfg: OfflineConfig
                "pick_dot": float(torch.stack([dots[i, j] for j, i in enumerate(picks)]).mean())}
 
 
+PICKS = ("signature", "centroid")
+
+
 def eq16_probe(model: nn.Module, live: dict[str, Tensor], states: list[dict[str, Tensor]],
                s: SubnetEncoder, encoder: CorruptionEncoder, fps: Tensor, noise: Tensor,
-               held: Labelled, acc: Tensor, batch: int) -> dict[str, Any]:
+               held: Labelled, acc: Tensor, batch: int, pick: str = "signature",
+               cents: Tensor | None = None) -> dict[str, Any]:
     """Eq. 16 where the online step starts, on each evaluation batch (`batch` images; one
-    batch of all when a corruption has fewer) of each training corruption j: the
-    sub-network i Eq. 10 picks from the batch's signature is loaded, C_bar is the batch's
-    mean projection; means of L_u, its floor exp(-|C_bar|), S . C_bar and the gradient norm
-    w.r.t. the adapted parameters, the share of batches picking their own sub-network and
-    the mean a_ij of the picks (against a_jj)."""
+    batch of all when a corruption has fewer) of each training corruption j: the picked
+    sub-network i is loaded, C_bar is the batch's mean projection; means of L_u, its floor
+    exp(-|C_bar|), S . C_bar and the gradient norm w.r.t. the adapted parameters, the share
+    of batches picking their own sub-network and the mean a_ij of the picks (against a_jj).
+    `pick`: "signature" (Eq. 10: the largest S^i . c, what the online phase does) or
+    "centroid" (the sub-network of the nearest centroid C^i, `cents`: §3's "infer the
+    closest domain t, select theta_t")."""
+    if pick not in PICKS or (pick == "centroid" and cents is None):
+        raise ValueError(f"eq16_probe pick {pick!r} not in {PICKS} (centroid needs cents)")
     params = [t for k, t in live.items() if k.endswith((".weight", ".bias"))]
     with torch.no_grad():
-        sig = s(fps)
+        sig = s(fps) if pick == "signature" else cents
     rows: list[tuple[int, int, Any]] = []
     for j in range(len(states)):
         hj = held.only(j)
@@ -371,10 +383,10 @@ def _offline(model: nn.Module, mean: tuple[float, ...], std: tuple[float, ...],
     s, s_rep = train_s(fps, cents, acc, cfg)
     raw_s, raw_rep = train_s(fps, raw_cents, acc, cfg)
     _say(log, t0, f"S trained: own pick {s_rep['own_pick']:.2f} (raw {raw_rep['own_pick']:.2f})")
-    s_rep["eq16"] = eq16_probe(model, live, states, s, encoder, fps, noise, held, acc,
-                               cfg.probe_batch)
-    raw_rep["eq16"] = eq16_probe(model, live, states, raw_s, raw, fps, noise, held, acc,
-                                 cfg.probe_batch)
+    for rep, s_enc, enc, cs in ((s_rep, s, encoder, cents), (raw_rep, raw_s, raw, raw_cents)):
+        for pick, key in zip(PICKS, ("eq16", "eq16_centroid_pick"), strict=True):
+            rep[key] = eq16_probe(model, live, states, s_enc, enc, fps, noise, held, acc,
+                                  cfg.probe_batch, pick, cs)
     _say(log, t0, f"Eq. 16 at the pick: loss {s_rep['eq16']['loss']:.4f} (floor "
                   f"{s_rep['eq16']['floor']:.4f}), gradient norm {s_rep['eq16']['grad_norm']:.3g}")
     names = list(cfg.corruptions)

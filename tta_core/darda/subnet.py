@@ -6,10 +6,12 @@
   sub-network state gives a different response to the same input;
 - S (`SubnetEncoder`): a shallow MLP from F to the unit sphere of the corruption latent
   space (the encoder h's, tta_core.darda.encoder);
-- Eq. 9 `cm_loss`: sum of exp(-S^i . C^j) over the pairs; `pairs="off_diagonal"` (the
-  printed indicator i != j: each signature pulled toward the other corruptions'
-  centroids) or `pairs="diagonal"` (i = j: each signature pulled onto its own centroid,
-  where S learns to copy the centroids and Eq. 16 starts at its floor);
+- Eq. 9 `cm_loss`: sum of exp(-S^i . C^j) over the pairs; `pairs="diagonal"` (i = j,
+  the default: each signature pulled onto its own centroid; S learns to copy the
+  centroids, so Eq. 10's pick over the signatures finds the own sub-network, and Eq. 16
+  starts near its floor on a training corruption) or `pairs="off_diagonal"` (the printed
+  indicator i != j: each signature pulled toward the other corruptions' centroids, away
+  from its own, so Eq. 10's arg max over i picks sub-networks of other corruptions);
 - Eq. 10 `pi_matrix`: softmax_j of S^i . C^j / sum_k S^k . C^k (denominator floored at 1);
 - Eq. 11 `alpha_matrix`: softmax_j of log(1/(1 - a_ij)) / sum_k log(1/(1 - a_ik)) from
   the accuracy a_ij of sub-network i on corruption j;
@@ -33,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-PAIRS = ("off_diagonal", "diagonal")  # Eq. 9 as printed (i != j), and i = j
+PAIRS = ("diagonal", "off_diagonal")  # Eq. 9 over i = j, and as printed (i != j)
 
 
 def noise_batch(shape: tuple[int, ...], count: int, seed: int) -> Tensor:
@@ -89,7 +91,7 @@ def _check_pair(s: Tensor, c: Tensor) -> None:
                          f"{tuple(c.shape)}")
 
 
-def cm_loss(s: Tensor, c: Tensor, pairs: str = "off_diagonal") -> Tensor:
+def cm_loss(s: Tensor, c: Tensor, pairs: str = "diagonal") -> Tensor:
     """Eq. 9: sum of exp(-S^i . C^j) over i != j ("off_diagonal", as printed) or over
     i = j ("diagonal")."""
     _check_pair(s, c)
@@ -126,7 +128,7 @@ def reg_loss(pi: Tensor, alpha: Tensor) -> Tensor:
 
 
 def subnet_loss(s: Tensor, c: Tensor, a: Tensor, lambda_r: float = 0.5,
-                pairs: str = "off_diagonal") -> Tensor:
+                pairs: str = "diagonal") -> Tensor:
     """Eq. 13: L_m = L_CM + lambda_r L_r (0 < lambda_r < 1 in the paper)."""
     return cm_loss(s, c, pairs) + lambda_r * reg_loss(pi_matrix(s, c), alpha_matrix(a))
 

@@ -23,15 +23,15 @@ OFFLINE_DEFAULTS: dict[str, int | float | str] = {
     "samples": 256, "eval_samples": 128, "severity": 5, "seed": 101, "epochs": 10,
     "batch": 32, "lr": 5e-3, "noise_count": 4, "noise_seed": 7, "s_hidden": 64,
     "s_steps": 800, "s_lr": 5e-3, "lambda_r": 0.5, "encoder_steps": 200, "threads": 2,
-    "cm_pairs": "off_diagonal", "probe_batch": 64}
-CM_PAIRS = ("off_diagonal", "diagonal")  # tta_core.darda.subnet.PAIRS
+    "cm_pairs": "diagonal", "probe_batch": 64}
+CM_PAIRS = ("diagonal", "off_diagonal")  # tta_core.darda.subnet.PAIRS
 FOLDER_SAMPLES = 2000  # --samples with --data when not given (fewer if the folder is smaller)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The card, the data, the output bundle, an encoder to reuse, the offline settings."""
     parser.add_argument("--model-card", type=Path, default=DEFAULT_CARD)
-    parser.add_argument("--data", default="",
+    parser.add_argument("--data", default="", metavar="cifar10c:DIR",
                         help="cifar10c:DIR: fit on DIR/<corruption>.npy of the 15 training "
                              "corruptions (default: render the built-in signs)")
     parser.add_argument("--out", type=Path, default=None,
@@ -52,7 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                      "--eval-samples)")
         elif name == "cm_pairs":
             parser.add_argument(flag, choices=CM_PAIRS, default=default,
-                                help="Eq. 9's pairs: i != j as printed, or i = j")
+                                help="Eq. 9's pairs: i = j, or i != j as printed (which "
+                                     "Eq. 10's pick over the signatures does not suit)")
+        elif name == "probe_batch":
+            parser.add_argument(flag, type=int, default=default,
+                                help="evaluation images per batch of the Eq. 16 probe (loss "
+                                     "and gradient norm at the picked sub-network)")
         else:
             parser.add_argument(flag, type=type(default), default=default)
 

@@ -60,6 +60,7 @@ setup(
             "calibrate = tta_core.cli.commands.calibrate",
             "doctor = tta_core.cli.commands.doctor",
             "make-bag = tta_core.cli.commands.make_bag",
+            "make-benchmark = tta_core.cli.commands.make_benchmark",
             "model-card = tta_core.cli.commands.model_card",
             "predictor-bench = tta_core.cli.commands.predictor_bench",
             "profile = tta_core.cli.commands.profile",

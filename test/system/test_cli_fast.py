@@ -19,6 +19,7 @@ from tta_core.cli import build_parser, discover, model_args
 from tta_core.cli import choices as cli_choices
 from tta_core.cli.commands import (
     bench,
+    make_benchmark,
     predictor_bench,
     train_corruption_encoder,
     train_elastic,
@@ -114,10 +115,13 @@ def _config_defaults(config: type) -> dict[str, Any]:
 
 
 # (command, its config class, the defaults it copies, options whose default differs on
-# purpose: bench --model-card None means "DEFAULT_CARD unless --model is given")
+# purpose: bench --model-card None means "DEFAULT_CARD unless --model is given";
+# bench --corruptions "" is the config's () (the standard set), parsed when the cell runs;
+# train-source's sample counts None mean "the config default, or all rows with --data")
 CONFIGS = [
-    ("bench", "tta_core.eval.bench:BenchConfig", bench.DEFAULTS, {"model_card"}),
-    ("train-source", "tta_core.model.source:TrainConfig", train_source.DEFAULTS, set()),
+    ("bench", "tta_core.eval.bench:BenchConfig", bench.DEFAULTS, {"model_card", "corruptions"}),
+    ("train-source", "tta_core.model.source:TrainConfig", train_source.DEFAULTS,
+     {"train_samples", "val_samples"}),
     ("train-elastic", "tta_core.elasticdnn.train:ElasticTrainConfig", train_elastic.DEFAULTS,
      set()),
     ("train-corruption-encoder", "tta_core.darda.encoder:EncoderConfig",
@@ -137,8 +141,18 @@ def test_option_defaults_equal_the_config_defaults(command: str, config: str,
     parsed = _parsed_defaults(command, [])
     shared = set(parsed) & set(real) - differ
     assert len(shared) >= 5, shared  # the options really are named like the fields
-    assert set(copied) <= shared
+    assert set(copied) - differ <= shared
     assert {k: parsed[k] for k in shared} == {k: real[k] for k in shared}
+    assert {k: copied[k] for k in copied} == {k: real[k] for k in copied}
+
+
+def test_make_benchmark_defaults_equal_the_config_defaults():
+    from tta_core.data.benchmark import BenchmarkConfig
+
+    real = _config_defaults(BenchmarkConfig)
+    parsed = _parsed_defaults("make-benchmark", [])
+    assert make_benchmark.DEFAULTS == {k: real[k] for k in make_benchmark.DEFAULTS}
+    assert {k: parsed[k] for k in make_benchmark.DEFAULTS} == make_benchmark.DEFAULTS
 
 
 def test_encoder_options_cover_every_config_field():

@@ -43,6 +43,25 @@ def test_repeatable_options_and_flags_become_arguments() -> None:
                            "--stream-hz", "250,1000", "--threads"]
 
 
+def test_a_set_reaches_only_the_cells_of_the_method_it_names() -> None:
+    """Variants of one method configured in one base: each cell gets its own entries, a
+    cell of another method none (its bench would refuse a --set for a method it lacks)."""
+    spec = _spec(base={"set": ["darda@full.variant=full", "darda@bn.variant=bn_only",
+                               "darda@full.bundle_path=b.safetensors"]},
+                 grid={"methods": ["darda@full", "darda@bn", "tent"]})
+    by_method = {c.method: c for c in spec.cells()}
+    assert by_method["darda@full"].as_dict["set"] == ["darda@full.variant=full",
+                                                      "darda@full.bundle_path=b.safetensors"]
+    assert by_method["darda@bn"].argv() == ["--set", "darda@bn.variant=bn_only",
+                                            "--methods", "darda@bn"]
+    assert "set" not in by_method["tent"].as_dict
+    # a variant's entries name the variant: its cells compare with the others'
+    assert {c.condition for c in spec.cells()} == {()}
+    sigma = _spec(grid={"methods": ["adashadow"], "set": [["adashadow.sigma=0.3"],
+                                                         ["adashadow.sigma=0.5"]]})
+    assert len({c.condition for c in sigma.cells()}) == 2  # a plain method's set is a condition
+
+
 def test_condition_holds_everything_but_method_and_seed() -> None:
     a, b = _spec(grid={"methods": ["x", "y"], "seed": [0, 1], "severity": [3]}).cells()[:2]
     assert a.condition == b.condition == (("severity", 3),)

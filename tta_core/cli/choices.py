@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 # tta_core.model.zoo.ARCHS: the zoo's architectures, in its order
-ARCHS: tuple[str, ...] = ("small_resnet", "resnet18_cifar", "resnet18_cifar_w32",
+ARCHS: tuple[str, ...] = ("small_resnet", "resnet26_cifar", "resnet18_cifar", "resnet18_cifar_w32",
                           "resnet18_cifar_w16", "resnet18", "resnet50", "mobilenet_v2",
                           "vit_b_16")
 # tta_core.adashadow.profiler.SPLITS: how a unit's backward divides into dw and dx

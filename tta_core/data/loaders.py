@@ -3,13 +3,16 @@
 - CIFAR-10-C (Hendrycks & Dietterich 2019), public layout: `<root>/<corruption>.npy` of
   shape (5 * n, 32, 32, 3) uint8 holding severities 1..5 in consecutive blocks of n
   (n = 10000 in the release; smaller files are accepted when the length divides by 5),
-  and `<root>/labels.npy` with the matching labels.
+  and `<root>/labels.npy` with the matching labels. The class names are CIFAR-10's unless
+  `<root>/meta.json` lists others (`class_names`: the benchmark tta makes,
+  tta_core.data.benchmark, writes one).
 - Image-folder domains (NICO++ style): `<root>/<domain>/<class>/*.{png,jpg,jpeg}`; classes
   are the union of class folder names, sorted; domains in the order given (or sorted).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -59,7 +62,22 @@ def load_cifar10c(root: str | Path, corruptions: Sequence[str] = CORRUPTIONS,
         labels.append(labels_all[sl])
         domains += [domain_name(name, severity)] * take
     return Stream(np.concatenate(images), np.concatenate(labels), np.array(domains),
-                  CIFAR10_CLASSES, "continual", 0)
+                  cifar_class_names(root), "continual", 0)
+
+
+def cifar_class_names(root: str | Path) -> tuple[str, ...]:
+    """The class names of a CIFAR-10-C layout folder: meta.json's `class_names` when the
+    folder has one (a benchmark made by tta), else CIFAR-10's."""
+    path = Path(root) / "meta.json"
+    if not path.is_file():
+        return CIFAR10_CLASSES
+    try:
+        names = json.loads(path.read_text()).get("class_names")
+    except (json.JSONDecodeError, AttributeError):
+        raise ValueError(f"{str(path)!r} is not a JSON object") from None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or not names:
+        raise ValueError(f"{str(path)!r}: class_names must be a list of strings")
+    return tuple(names)
 
 
 def _read_image(path: Path, image_size: int) -> np.ndarray:

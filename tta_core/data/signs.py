@@ -5,6 +5,12 @@ size with PIL and cached in memory; every image then places the template on a ra
 background (smooth noise, gradient or clutter) under a random scale, rotation, perspective
 warp and lighting. Image `i` of a dataset with seed `s` depends only on (s, i), so the same
 seed always gives identical bytes, whatever the batch split.
+
+`SignStyle` holds the ranges every image draws from. `DEFAULT_STYLE` is the shipped small
+benchmark's (the default cards, bags and tests were made with it, byte for byte);
+`BENCHMARK_STYLE` is the CIFAR-scale benchmark's (`tta_core.data.benchmark`): smaller and
+more tilted signs, textured scenes, cast shadows, occluders and a second sign cut by the
+border, so that a ResNet trained on 50,000 images is not perfect on clean test images.
 """
 
 from __future__ import annotations
@@ -74,6 +80,51 @@ _DIGITS = {
     "0": "abcdef", "1": "bc", "2": "abged", "3": "abgcd", "4": "fgbc", "5": "afgcd",
     "6": "afgedc", "7": "abc", "8": "abcdefg", "9": "abcdfg",
 }
+
+
+@dataclass(frozen=True)
+class SignStyle:
+    """What varies between images of one class, as ranges drawn per image.
+
+    scale: the sign's half-size as a fraction of the image side; rotation_deg: the largest
+    in-plane tilt; shift: the largest centre offset (fraction of the side); perspective:
+    the largest corner jitter (fraction of the half-size); fade: the largest blend of the
+    paint towards its own grey; gain: the global light gain; backgrounds: kinds drawn
+    uniformly (noise, gradient, clutter, texture); shadow / occlusion / distractor: the
+    probability of a cast shadow, an occluding blob over the sign, a second sign cut by
+    the image border; occlusion_size: the occluder's size as a fraction of the sign's.
+    """
+
+    scale: tuple[float, float] = (0.28, 0.46)
+    rotation_deg: float = 15.0
+    shift: float = 0.12
+    perspective: float = 0.12
+    fade: float = 0.3
+    gain: tuple[float, float] = (0.55, 1.3)
+    backgrounds: tuple[str, ...] = ("noise", "gradient", "clutter")
+    shadow: float = 0.0
+    occlusion: float = 0.0
+    occlusion_size: tuple[float, float] = (0.25, 0.6)
+    distractor: float = 0.0
+
+    def __post_init__(self) -> None:
+        lo, hi = self.scale
+        if not 0 < lo <= hi <= 1:
+            raise ValueError(f"scale must satisfy 0 < low <= high <= 1, got {self.scale}")
+        bad = [b for b in self.backgrounds if b not in BACKGROUNDS]
+        if bad or not self.backgrounds:
+            raise ValueError(f"backgrounds {self.backgrounds!r}: choose from {BACKGROUNDS}")
+        for name in ("shadow", "occlusion", "distractor"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} is a probability, got {getattr(self, name)}")
+
+
+BACKGROUNDS: tuple[str, ...] = ("noise", "gradient", "clutter", "texture")
+DEFAULT_STYLE = SignStyle()
+BENCHMARK_STYLE = SignStyle(scale=(0.17, 0.46), rotation_deg=30.0, shift=0.18,
+                            perspective=0.22, fade=0.45, gain=(0.35, 1.45),
+                            backgrounds=BACKGROUNDS, shadow=0.35, occlusion=0.4,
+                            occlusion_size=(0.25, 0.7), distractor=0.3)
 
 
 @dataclass
@@ -244,9 +295,25 @@ def _homography(src: np.ndarray, dst: np.ndarray) -> tuple[float, ...]:
     return tuple(np.linalg.solve(a, b))
 
 
-def _background(rng: np.random.Generator, n: int) -> np.ndarray:
-    """Float (n, n, 3) background in [0, 255]: smooth noise, gradient or clutter."""
-    kind = rng.integers(3)
+def _texture(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Float (n, n, 3) fine texture: oriented stripes over per-pixel grain, two colours
+    (foliage, brick, asphalt at a distance)."""
+    c0, c1 = rng.uniform(0, 255, 3), rng.uniform(0, 255, 3)
+    a = rng.uniform(0, math.pi)
+    freq = rng.uniform(0.15, 0.9)
+    yy, xx = np.mgrid[0:n, 0:n].astype(np.float32)
+    wave = 0.5 + 0.5 * np.sin(freq * (math.cos(a) * xx + math.sin(a) * yy) + rng.uniform(0, 6.3))
+    grain = rng.uniform(0, 1, (n, n)).astype(np.float32)
+    mix = np.clip(0.6 * wave + 0.4 * grain, 0, 1)[..., None]
+    return (c0 * (1 - mix) + c1 * mix).astype(np.float32)
+
+
+def _background(rng: np.random.Generator, n: int,
+                kinds: tuple[str, ...] = DEFAULT_STYLE.backgrounds) -> np.ndarray:
+    """Float (n, n, 3) background in [0, 255] of a kind drawn from `kinds`."""
+    kind = BACKGROUNDS.index(kinds[int(rng.integers(len(kinds)))])
+    if kind == 3:
+        return _texture(rng, n)
     if kind == 0:  # smooth colour noise: a coarse grid upsampled bilinearly
         g = int(rng.integers(2, 6))
         coarse = rng.integers(0, 256, (g, g, 3), dtype=np.uint8)
@@ -267,22 +334,24 @@ def _background(rng: np.random.Generator, n: int) -> np.ndarray:
     return img
 
 
-def _sign_quad(rng: np.random.Generator, n: int) -> np.ndarray:
+def _sign_quad(rng: np.random.Generator, n: int,
+               style: SignStyle = DEFAULT_STYLE) -> np.ndarray:
     """Output-image corners of the warped sign: scale, rotation, shift and perspective."""
-    half = rng.uniform(0.28, 0.46) * n
-    ang = math.radians(rng.uniform(-15, 15))
+    half = rng.uniform(*style.scale) * n
+    ang = math.radians(rng.uniform(-style.rotation_deg, style.rotation_deg))
     c, s = math.cos(ang), math.sin(ang)
-    centre = n / 2 + rng.uniform(-0.12, 0.12, 2) * n
+    centre = n / 2 + rng.uniform(-style.shift, style.shift, 2) * n
     square = np.array([[-1, -1], [1, -1], [1, 1], [-1, 1]], dtype=np.float64) * half
     rot = square @ np.array([[c, s], [-s, c]])
-    jitter = rng.uniform(-0.12, 0.12, (4, 2)) * half
+    jitter = rng.uniform(-style.perspective, style.perspective, (4, 2)) * half
     return rot + jitter + centre
 
 
-def _lighting(img: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+def _lighting(img: np.ndarray, rng: np.random.Generator,
+              gain_range: tuple[float, float] = DEFAULT_STYLE.gain) -> np.ndarray:
     """Global gain, colour cast, a linear shading ramp and gamma (no blur or noise)."""
     n = img.shape[0]
-    gain = rng.uniform(0.55, 1.3) * rng.uniform(0.9, 1.1, 3)
+    gain = rng.uniform(*gain_range) * rng.uniform(0.9, 1.1, 3)
     a = rng.uniform(0, 2 * math.pi)
     t = np.linspace(-0.5, 0.5, n, dtype=np.float32)
     ramp = 1.0 + rng.uniform(0, 0.5) * (math.cos(a) * t[None, :] + math.sin(a) * t[:, None])
@@ -291,22 +360,83 @@ def _lighting(img: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     return 255.0 * np.power(np.clip(out, 0, 255) / 255.0, gamma)
 
 
-def render_sign(label: int, rng: np.random.Generator, image_size: int = 32) -> np.ndarray:
+def _warp(label: int, quad: np.ndarray, n: int) -> np.ndarray:
+    """The template of class `label` warped onto `quad`: float RGBA (n, n, 4)."""
+    tmpl = _templates(2 * n)[label]
+    t = float(2 * n)
+    src = np.array([[0, 0], [t, 0], [t, t], [0, t]], dtype=np.float64)
+    coeffs = _homography(src, quad)
+    return np.asarray(tmpl.transform((n, n), Image.Transform.PERSPECTIVE, coeffs,
+                                     Image.Resampling.BILINEAR), dtype=np.float32)
+
+
+def _paint(img: np.ndarray, warped: np.ndarray, fade: float) -> np.ndarray:
+    """`warped`'s sign over `img`, its paint blended towards its own grey by `fade`."""
+    alpha = warped[..., 3:] / 255.0
+    sign = warped[..., :3] * (1 - fade) + warped[..., :3].mean(-1, keepdims=True) * fade
+    return img * (1 - alpha) + sign * alpha
+
+
+def _distractor(img: np.ndarray, label: int, rng: np.random.Generator) -> np.ndarray:
+    """A second sign of another class, mostly outside the image, behind the main one."""
+    n = img.shape[0]
+    other = int((label + rng.integers(1, len(SIGN_CLASSES))) % len(SIGN_CLASSES))
+    half = rng.uniform(0.25, 0.4) * n
+    side = rng.integers(4)
+    along = rng.uniform(0.1, 0.9) * n
+    out = rng.uniform(0.55, 0.9) * half  # centre this far beyond the border
+    cx, cy = [(-out, along), (n + out, along), (along, -out), (along, n + out)][side]
+    square = np.array([[-1, -1], [1, -1], [1, 1], [-1, 1]], dtype=np.float64) * half
+    return _paint(img, _warp(other, square + np.array([cx, cy]), n), rng.uniform(0.0, 0.4))
+
+
+def _occlude(img: np.ndarray, quad: np.ndarray, style: SignStyle,
+             rng: np.random.Generator) -> np.ndarray:
+    """An ellipse of flat or background colour (a branch, a pole, another car) over part
+    of the sign: its centre inside the sign's quad, its size a fraction of the sign's."""
+    n = img.shape[0]
+    size = float(np.ptp(quad[:, 0]) + np.ptp(quad[:, 1])) / 2
+    w = rng.uniform(*style.occlusion_size) * size
+    h = rng.uniform(*style.occlusion_size) * size
+    t = rng.uniform(0, 1, 2)
+    cx, cy = quad.mean(0) + (t - 0.5) * (quad.max(0) - quad.min(0)) * 0.8
+    yy, xx = np.mgrid[0:n, 0:n].astype(np.float32) + 0.5
+    mask = ((xx - cx) / (w / 2)) ** 2 + ((yy - cy) / (h / 2)) ** 2 <= 1
+    out = img.copy()
+    out[mask] = rng.uniform(0, 255, 3)
+    return out
+
+
+def _shadow(img: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """A hard cast shadow: the pixels on one side of a random line darkened."""
+    n = img.shape[0]
+    a = rng.uniform(0, 2 * math.pi)
+    yy, xx = np.mgrid[0:n, 0:n].astype(np.float32) - n / 2
+    side = math.cos(a) * xx + math.sin(a) * yy > rng.uniform(-0.3, 0.3) * n
+    out = img.copy()
+    out[side] *= rng.uniform(0.3, 0.65)
+    return out
+
+
+def render_sign(label: int, rng: np.random.Generator, image_size: int = 32,
+                style: SignStyle = DEFAULT_STYLE) -> np.ndarray:
     """One (image_size, image_size, 3) uint8 image of class `label` drawn with `rng`."""
     if not 0 <= label < len(SIGN_CLASSES):
         raise ValueError(f"label {label} out of range 0..{len(SIGN_CLASSES) - 1}")
     n = image_size
-    tmpl = _templates(2 * n)[label]
-    t = float(2 * n)
-    src = np.array([[0, 0], [t, 0], [t, t], [0, t]], dtype=np.float64)
-    coeffs = _homography(src, _sign_quad(rng, n))
-    warped = np.asarray(tmpl.transform((n, n), Image.Transform.PERSPECTIVE, coeffs,
-                                       Image.Resampling.BILINEAR), dtype=np.float32)
-    alpha = warped[..., 3:] / 255.0
-    fade = rng.uniform(0.0, 0.3)  # weathered paint: blend towards its own grey
-    sign = warped[..., :3] * (1 - fade) + warped[..., :3].mean(-1, keepdims=True) * fade
-    img = _background(rng, n) * (1 - alpha) + sign * alpha
-    return np.clip(_lighting(img, rng) + 0.5, 0, 255).astype(np.uint8)
+    quad = _sign_quad(rng, n, style)
+    warped = _warp(label, quad, n)
+    fade = rng.uniform(0.0, style.fade)  # weathered paint: blend towards its own grey
+    img = _background(rng, n, style.backgrounds)
+    # the extras draw after everything the default style draws: its bytes stay the same
+    if style.distractor and rng.uniform() < style.distractor:
+        img = _distractor(img, label, rng)
+    img = _paint(img, warped, fade)
+    if style.occlusion and rng.uniform() < style.occlusion:
+        img = _occlude(img, quad, style, rng)
+    if style.shadow and rng.uniform() < style.shadow:
+        img = _shadow(img, rng)
+    return np.clip(_lighting(img, rng, style.gain) + 0.5, 0, 255).astype(np.uint8)
 
 
 def balanced_labels(n: int, num_classes: int, seed: int) -> np.ndarray:
@@ -316,7 +446,7 @@ def balanced_labels(n: int, num_classes: int, seed: int) -> np.ndarray:
 
 
 def make_signs(n: int, image_size: int = 32, seed: int = 0, num_classes: int | None = None,
-               progress: bool = False) -> SignDataset:
+               progress: bool = False, style: SignStyle = DEFAULT_STYLE) -> SignDataset:
     """Generate `n` balanced sign images; image i is drawn with rng([seed, i]) only."""
     if n < 0:
         raise ValueError(f"n must be >= 0, got {n}")
@@ -333,5 +463,6 @@ def make_signs(n: int, image_size: int = 32, seed: int = 0, num_classes: int | N
 
         it = tqdm(it, desc=f"signs {image_size}px", unit="img", leave=False)
     for i in it:
-        images[i] = render_sign(int(labels[i]), np.random.default_rng([seed, i]), image_size)
+        images[i] = render_sign(int(labels[i]), np.random.default_rng([seed, i]), image_size,
+                                style)
     return SignDataset(images, labels, CLASS_NAMES[:k], image_size, seed)

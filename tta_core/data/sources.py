@@ -7,7 +7,9 @@ Kinds and layouts (LAYOUTS, also in `tta bench --help` and the README):
 - imagenet-c:DIR — the ImageNet-C release: DIR/<corruption>/<severity>/<class>/*.JPEG;
 - folder:DIR     — any domains: DIR/<domain>/<class>/*.png|jpg|jpeg.
 Corruption streams take the 15 standard corruptions found in DIR, in the standard order,
-at one severity; labels are class indices (CIFAR-10 order; sorted class folder names).
+at one severity (or the corruptions asked for, in their order: `corruptions`, e.g. the 4
+held-out ones a benchmark made by `tta make-benchmark` also holds); labels are class
+indices (CIFAR-10 order, or meta.json's class names; sorted class folder names).
 Images are resized to the model's input size.
 
 Every stream order of tta_core.data.streams works on this data (`order`): continual,
@@ -18,14 +20,14 @@ second visit of a level taking the next rows), so it needs a corruption layout.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from tta_core.data.corruptions import CORRUPTIONS
+from tta_core.data.corruptions import ALL_CORRUPTIONS, CORRUPTIONS, HELD_OUT
 from tta_core.data.layouts import DATA_KINDS, LAYOUTS
 from tta_core.data.loaders import load_cifar10c, load_image_folder
 from tta_core.data.streams import GRADUAL_LEVELS, ORDERS, Stream, arrange, domain_name
@@ -56,12 +58,41 @@ def _listing(root: Path, n: int = 6) -> str:
     return ", ".join(names[:n]) + (", ..." if len(names) > n else "") if names else "nothing"
 
 
-def _present(spec: DataSpec) -> list[str]:
-    """The standard corruptions found in the folder, in the standard order."""
+CORRUPTION_SETS: dict[str, tuple[str, ...]] = {"standard": CORRUPTIONS, "held-out": HELD_OUT,
+                                               "all": ALL_CORRUPTIONS}
+
+
+def parse_corruptions(text: str) -> tuple[str, ...]:
+    """'' -> () (the standard ones found); 'held-out' / 'standard' / 'all' -> that set;
+    'fog,snow' -> those, in that order. ValueError naming an unknown name."""
+    text = text.strip()
+    if not text:
+        return ()
+    if text in CORRUPTION_SETS:
+        return CORRUPTION_SETS[text]
+    names = tuple(c.strip() for c in text.split(",") if c.strip())
+    bad = [c for c in names if c not in ALL_CORRUPTIONS]
+    if bad or not names or len(set(names)) < len(names):
+        raise ValueError(f"--corruptions {text!r}: expected {', '.join(CORRUPTION_SETS)} or "
+                         f"distinct names from {', '.join(ALL_CORRUPTIONS)}"
+                         + (f" (unknown: {', '.join(bad)})" if bad else ""))
+    return names
+
+
+def _present(spec: DataSpec, wanted: Sequence[str] = ()) -> list[str]:
+    """The corruptions to read: `wanted` (each must be in the folder), else the standard
+    corruptions found, in the standard order."""
     def found(c: str) -> bool:
         p = spec.root / c
         return p.with_suffix(".npy").is_file() if spec.kind == "cifar10c" else p.is_dir()
 
+    if wanted:
+        missing = [c for c in wanted if not found(c)]
+        if missing:
+            what = "file" if spec.kind == "cifar10c" else "folder"
+            raise InputError(f"--data {spec}: no {what} for corruption(s) "
+                             f"{', '.join(missing)} (found {_listing(spec.root)})")
+        return list(wanted)
     present = [c for c in CORRUPTIONS if found(c)]
     if not present:
         what = "file such as fog.npy" if spec.kind == "cifar10c" else "folder such as fog/"
@@ -80,31 +111,33 @@ def resize_images(images: np.ndarray, size: int) -> np.ndarray:
                      for im in images])
 
 
-def _read(spec: DataSpec, image_size: int, severity: int, samples: int, seed: int) -> Stream:
+def _read(spec: DataSpec, image_size: int, severity: int, samples: int, seed: int,
+          wanted: Sequence[str] = ()) -> Stream:
     if spec.kind == "cifar10c":
-        stream = load_cifar10c(spec.root, _present(spec), severity, samples)
+        stream = load_cifar10c(spec.root, _present(spec, wanted), severity, samples)
         stream.images = resize_images(stream.images, image_size)
         return stream
     if spec.kind == "imagenet-c":
-        domains = [f"{c}/{severity}" for c in _present(spec)]
+        domains = [f"{c}/{severity}" for c in _present(spec, wanted)]
     else:
         domains = None
     return load_image_folder(spec.root, domains, image_size, seed, samples)
 
 
-def _gradual(spec: DataSpec, image_size: int, samples: int | None, seed: int) -> Stream:
+def _gradual(spec: DataSpec, image_size: int, samples: int | None, seed: int,
+             wanted: Sequence[str] = ()) -> Stream:
     """Each corruption found at severities GRADUAL_LEVELS (1 -> 5 -> 1), ceil(samples / 9)
     per level; a level's second visit takes the next rows (the first again if too few)."""
     if spec.kind in ("folder", "bag"):
         raise InputError(f"--data {spec}: order 'gradual' steps through severities 1-5; "
                          f"{spec.kind} data has none (use cifar10c:DIR or imagenet-c:DIR)")
-    present = _present(spec)
+    present = _present(spec, wanted)
     per = -(-samples // len(GRADUAL_LEVELS)) if samples else None
     pool: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     classes: tuple[str, ...] = ()
     for sev in sorted(set(GRADUAL_LEVELS)):
         take = 2 * per if per else None
-        st = _read(spec, image_size, sev, take, seed)
+        st = _read(spec, image_size, sev, take, seed, present)
         classes = st.class_names
         for d in dict.fromkeys(st.domains.tolist()):
             mask = st.domains == d
@@ -129,8 +162,10 @@ def _gradual(spec: DataSpec, image_size: int, samples: int | None, seed: int) ->
 def load_data(spec: DataSpec, image_size: int, severity: int = 5,
               samples_per_domain: int | None = None, seed: int = 0,
               order: str = "continual",
-              bag_frames: Callable[[Path], Iterable[Any]] | None = None) -> Stream:
-    """The stream in `spec`'s folder in `order` (module doc), images at `image_size` px;
+              bag_frames: Callable[[Path], Iterable[Any]] | None = None,
+              corruptions: Sequence[str] = ()) -> Stream:
+    """The stream in `spec`'s folder in `order` (module doc), images at `image_size` px,
+    of `corruptions` (default: the standard ones found; not for folder or bag data);
     one-line errors (FileNotFoundError for a missing folder, InputError naming the
     expected layout or why the order does not fit the data). `bag_frames` reads a bag's
     frames (tta_core.io.bag.read_bag; tta_core.io imports this package, not the reverse)."""
@@ -141,9 +176,12 @@ def load_data(spec: DataSpec, image_size: int, severity: int = 5,
                          "keep their recorded classes (use continual, mixed or recurring)")
     if not spec.root.is_dir():
         raise FileNotFoundError(f"--data {spec}: folder {str(spec.root)!r} not found")
+    if corruptions and spec.kind in ("folder", "bag"):
+        raise InputError(f"--data {spec}: --corruptions picks corruption files or folders; "
+                         f"{spec.kind} data has domains, not corruptions")
     try:
         if order == "gradual":
-            return _gradual(spec, image_size, samples_per_domain, seed)
+            return _gradual(spec, image_size, samples_per_domain, seed, corruptions)
         if spec.kind == "bag":
             from tta_core.data.bag_source import load_bag_stream
 
@@ -151,8 +189,8 @@ def load_data(spec: DataSpec, image_size: int, severity: int = 5,
                 raise InputError(f"--data {spec}: no bag reader given (bag_frames)")
             return arrange(load_bag_stream(bag_frames(spec.root), spec.root, image_size,
                                            samples_per_domain), order, seed)
-        return arrange(_read(spec, image_size, severity, samples_per_domain, seed), order,
-                       seed)
+        return arrange(_read(spec, image_size, severity, samples_per_domain, seed,
+                             corruptions), order, seed)
     except InputError:
         raise
     except (ValueError, FileNotFoundError) as exc:

@@ -79,6 +79,8 @@ class BenchConfig:
     stream_latency_ms: float | None = None
     # the stream: "" the synthetic signs; else KIND:DIR of the user's data (data.sources)
     data: str = ""
+    # the corruptions streamed, in order; () the 15 standard ones (found in --data)
+    corruptions: tuple[str, ...] = ()
     # the user's model (arch or factory, weights, input size, normalisation) instead of
     # model_card (model.user_card); None: model_card
     user_model: UserModel | None = None
@@ -127,6 +129,10 @@ class BenchConfig:
             from tta_core.data.sources import parse_data
 
             parse_data(self.data)
+        if self.corruptions:
+            from tta_core.data.sources import parse_corruptions
+
+            parse_corruptions(",".join(self.corruptions))
         if self.user_model is not None:
             self.user_model.check()
 
@@ -406,7 +412,8 @@ def build_stream(cfg: BenchConfig, card: object, progress: bool = False,
     object seen over `track_length` frames."""
     from tta_core.data import streams
 
-    spec = streams.StreamSpec(order=cfg.order, severity=cfg.severity,
+    extra = {"corruptions": cfg.corruptions} if cfg.corruptions else {}
+    spec = streams.StreamSpec(order=cfg.order, severity=cfg.severity, **extra,
                               samples_per_domain=cfg.samples_per_domain,
                               image_size=int(_card_get(card, "image_size", 32)), seed=cfg.seed,
                               num_classes=int(_card_get(card, "num_classes", 16)),
@@ -473,7 +480,7 @@ def bench_inputs(cfg: BenchConfig, progress: bool = False
     size = (load_card(cfg.model_card).image_size if cfg.user_model is None
             else cfg.user_model.input_size)
     data = (load_data(parse_data(cfg.data), size, cfg.severity, cfg.samples_per_domain,
-                      cfg.seed, cfg.order, _bag_frames) if cfg.data else None)
+                      cfg.seed, cfg.order, _bag_frames, cfg.corruptions) if cfg.data else None)
     card, base = _card(cfg, data.class_names if data is not None else ())
     check_card_model(card, base)
     if data is None and card.num_classes > len(CLASS_NAMES):
@@ -553,7 +560,8 @@ def model_identity(cfg: BenchConfig) -> dict[str, Any]:
 def data_identity(cfg: BenchConfig) -> dict[str, Any]:
     """The data that ran: kind, folder and its content identity (file count, bytes, listing
     hash), or the synthetic stream's settings."""
-    common = {"order": cfg.order, "severity": cfg.severity, "seed": cfg.seed}
+    common = {"order": cfg.order, "severity": cfg.severity, "seed": cfg.seed,
+              **({"corruptions": list(cfg.corruptions)} if cfg.corruptions else {})}
     if not cfg.data:
         return {"kind": "synthetic-signs", **common}
     from tta_core.data.sources import parse_data

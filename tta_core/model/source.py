@@ -1,4 +1,12 @@
-"""Train the source model on clean synthetic signs and describe it with a model card.
+"""Train the source model and describe it with a model card.
+
+Training data: the built-in clean synthetic signs, or a CIFAR-10-C layout folder's clean
+splits (`TrainConfig.data = "cifar10c:DIR"`: DIR/train.npy and train_labels.npy to train
+on, DIR/test.npy and test_labels.npy to measure the card's clean accuracy; what
+`tta make-benchmark` writes). Training saves its whole state (weights, optimizer,
+schedule, random generator) after every epoch to `<out>.train.safetensors`; a run started
+again with the same configuration resumes after the last finished epoch, so a long run
+can be stopped at any point. The state file is removed once the card is written.
 
 The card (JSON next to the checkpoint) is what every consumer reads: architecture, classes,
 input size and normalisation, clean accuracy, seed. The architecture is a tta arch, a
@@ -29,7 +37,8 @@ from tta_core.model.weights import load_into, load_state_dict
 from tta_core.model.zoo import build_model
 
 __all__ = ["CARD_SCHEMA", "ModelCard", "TrainConfig", "build_card_model", "load_card",
-           "load_model", "load_source", "load_state_dict", "save_card", "train_source"]
+           "load_model", "load_source", "load_state_dict", "save_card", "train_source",
+           "train_state_path", "training_data"]
 
 CARD_SCHEMA = "tta.model_card/1"
 
@@ -56,6 +65,7 @@ class ModelCard:
     # `kwargs` exactly; arch then only names the architecture
     factory: str = ""
     kwargs: dict = field(default_factory=dict)  # JSON keyword arguments of the builder
+    data: str = ""  # what it was trained on: '' (the built-in signs) or 'cifar10c:DIR'
 
     def validate(self) -> None:
         """ValueError naming the first inconsistent field."""
@@ -73,13 +83,16 @@ class ModelCard:
 
 @dataclass
 class TrainConfig:
-    """Source training on CPU in minutes (defaults: small_resnet, 32 px)."""
+    """Source training on CPU in minutes (defaults: small_resnet, 32 px, built-in signs).
+
+    With `data` ('cifar10c:DIR') the sample counts cap the folder's splits (0: all rows)."""
 
     arch: str = "small_resnet"
     image_size: int = 32
     epochs: int = 6
     train_samples: int = 8000
     val_samples: int = 1000
+    data: str = ""
     batch_size: int = 128
     lr: float = 0.05
     weight_decay: float = 5e-4
@@ -112,47 +125,173 @@ def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor, batch: int = 51
     return hits / max(len(y), 1)
 
 
-def train_source(cfg: TrainConfig, out: Path, progress: bool = True) -> ModelCard:
-    """Train, evaluate on a held-out seed, save `<out>.pt` + `<out>.json`; return the card."""
+Split = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, tuple[str, ...]]
+
+
+def training_data(cfg: TrainConfig, progress: bool = False) -> Split:
+    """(train images, labels, validation images, labels, class names) of `cfg`."""
+    if not cfg.data:
+        train = make_signs(cfg.train_samples, cfg.image_size, seed=cfg.seed, progress=progress)
+        val = make_signs(cfg.val_samples, cfg.image_size, seed=cfg.seed + 10_000,
+                         progress=progress)
+        return train.images, train.labels, val.images, val.labels, train.class_names
+    from tta_core.data.loaders import cifar_class_names
+    from tta_core.data.sources import resize_images
+
+    kind, _, root = cfg.data.partition(":")
+    if kind != "cifar10c" or not root:
+        raise InputError(f"--data {cfg.data!r}: expected cifar10c:DIR (a folder with "
+                         "train.npy, train_labels.npy, test.npy, test_labels.npy)")
+    folder = Path(root).expanduser()
+    arrays = []
+    for stem, cap in (("train", cfg.train_samples), ("test", cfg.val_samples)):
+        imgs = _npy(folder / f"{stem}.npy", cfg.data)
+        labs = _npy(folder / f"{stem}_labels.npy", cfg.data).astype(np.int64)
+        if imgs.ndim != 4 or imgs.shape[-1] != 3 or imgs.dtype != np.uint8 \
+                or len(imgs) != len(labs):
+            raise InputError(f"--data {cfg.data!r}: {stem}.npy {imgs.shape} {imgs.dtype} with "
+                             f"{len(labs)} labels; expected (N, H, W, 3) uint8 and N labels")
+        take = len(labs) if cap <= 0 else min(cap, len(labs))
+        arrays += [resize_images(np.array(imgs[:take]), cfg.image_size), labs[:take]]
+    names = cifar_class_names(folder)
+    top = int(max(arrays[1].max(), arrays[3].max()))
+    if top >= len(names) or min(arrays[1].min(), arrays[3].min()) < 0:
+        raise InputError(f"--data {cfg.data!r}: labels reach {top}, but {len(names)} class "
+                         "names are known (meta.json's class_names, else CIFAR-10's)")
+    return arrays[0], arrays[1], arrays[2], arrays[3], names
+
+
+def _npy(path: Path, data: str) -> np.ndarray:
+    if not path.is_file():
+        raise InputError(f"--data {data!r}: {path.name} not found in {str(path.parent)!r}")
+    return np.load(path, mmap_mode="r", allow_pickle=False)
+
+
+def _config_json(cfg: TrainConfig) -> str:
+    return json.dumps(asdict(cfg), sort_keys=True)
+
+
+def train_state_path(out: Path) -> Path:
+    """Where `train_source(cfg, out)` keeps its per-epoch state."""
+    return Path(out).with_suffix(".train.safetensors")
+
+
+def _save_state(path: Path, cfg: TrainConfig, epoch: int, model: nn.Module,
+                opt: torch.optim.Optimizer, sched: Any, gen: torch.Generator,
+                history: list[dict]) -> None:
+    """Weights, momentum buffers and generator state as tensors; the rest as metadata."""
+    import safetensors.torch
+
+    tensors = {f"model/{k}": v.detach().contiguous() for k, v in model.state_dict().items()}
+    for i, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                tensors[f"opt/{i}/{k}"] = v.contiguous()
+    tensors["generator"] = gen.get_state()
+    meta = {"config": _config_json(cfg), "epoch": str(epoch), "history": json.dumps(history),
+            "scheduler": json.dumps(sched.state_dict()),
+            "param_groups": json.dumps([{k: v for k, v in g.items() if k != "params"}
+                                        for g in opt.state_dict()["param_groups"]])}
+    tmp = path.with_name(path.name + ".tmp")
+    safetensors.torch.save_file(tensors, str(tmp), metadata=meta)
+    tmp.replace(path)
+
+
+def _load_state(path: Path, cfg: TrainConfig, model: nn.Module, opt: torch.optim.Optimizer,
+                sched: Any, gen: torch.Generator) -> tuple[int, list[dict]]:
+    """Restore a saved state into the live objects; (epochs done, history)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if meta.get("config") != _config_json(cfg):
+        raise InputError(f"training state {str(path)!r} was made with another configuration "
+                         f"({meta.get('config')}); delete it or write to another --out")
+    model.load_state_dict({k[6:]: v for k, v in tensors.items() if k.startswith("model/")})
+    state = opt.state_dict()
+    for key, v in tensors.items():
+        if key.startswith("opt/"):
+            _, i, name = key.split("/", 2)
+            state["state"].setdefault(int(i), {})[name] = v
+    for group, saved in zip(state["param_groups"], json.loads(meta["param_groups"]),
+                            strict=True):
+        group.update(saved)
+    opt.load_state_dict(state)
+    sched.load_state_dict(json.loads(meta["scheduler"]))
+    gen.set_state(tensors["generator"])
+    return int(meta["epoch"]), json.loads(meta["history"])
+
+
+def _epoch(model: nn.Module, xtr: torch.Tensor, ytr: torch.Tensor, cfg: TrainConfig,
+           opt: torch.optim.Optimizer, sched: Any, gen: torch.Generator,
+           step_done: Callable[[float], object]) -> float:
+    """One epoch of SGD over a fresh permutation; the mean training loss."""
+    model.train()
+    perm = torch.randperm(len(ytr), generator=gen)
+    total = 0.0
+    for i in range(0, len(ytr), cfg.batch_size):
+        idx = perm[i:i + cfg.batch_size]
+        loss = nn.functional.cross_entropy(model(_augment(xtr[idx], cfg.pad, gen)), ytr[idx])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        sched.step()
+        total += float(loss.detach()) * len(idx)
+        step_done(float(loss.detach()))
+    return total / len(ytr)
+
+
+def train_source(cfg: TrainConfig, out: Path, progress: bool = True,
+                 log: Callable[[str], None] | None = None) -> ModelCard:
+    """Train (resuming from `<out>.train.safetensors` when present), evaluate on the
+    held-out split, save `<out>.pt` + `<out>.json`; return the card. `log` receives one
+    line per finished epoch."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
-    train = make_signs(cfg.train_samples, cfg.image_size, seed=cfg.seed, progress=progress)
-    val = make_signs(cfg.val_samples, cfg.image_size, seed=cfg.seed + 10_000, progress=progress)
-    flat = train.images.reshape(-1, 3).astype(np.float64) / 255.0
+    images, labels, val_images, val_labels, names = training_data(cfg, progress)
+    flat = images.reshape(-1, 3).astype(np.float64) / 255.0
     mean, std = flat.mean(0).tolist(), flat.std(0).tolist()
-    xtr, ytr = images_to_tensor(train.images, mean, std), torch.from_numpy(train.labels)
-    xva, yva = images_to_tensor(val.images, mean, std), torch.from_numpy(val.labels)
-    model = build_model(cfg.arch, len(train.class_names))
+    xtr, ytr = images_to_tensor(images, mean, std), torch.from_numpy(labels)
+    xva, yva = images_to_tensor(val_images, mean, std), torch.from_numpy(val_labels)
+    model = build_model(cfg.arch, len(names))
     steps = cfg.epochs * -(-len(ytr) // cfg.batch_size)
     opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9, nesterov=True,
                           weight_decay=cfg.weight_decay)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=steps)
     gen = torch.Generator().manual_seed(cfg.seed)
-    bar = _progress(steps, progress)
-    for epoch in range(cfg.epochs):
-        model.train()
-        perm = torch.randperm(len(ytr), generator=gen)
-        for i in range(0, len(ytr), cfg.batch_size):
-            idx = perm[i:i + cfg.batch_size]
-            loss = nn.functional.cross_entropy(model(_augment(xtr[idx], cfg.pad, gen)), ytr[idx])
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            opt.step()
-            sched.step()
-            bar.update(1)
-            bar.set_postfix(epoch=epoch + 1, loss=f"{loss.detach().item():.3f}")
-    bar.close()
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    card = ModelCard(arch=cfg.arch, num_classes=len(train.class_names),
-                     class_names=list(train.class_names), image_size=cfg.image_size,
-                     mean=mean, std=std, checkpoint=out.with_suffix(".pt").name,
+    state_path = train_state_path(out)
+    done, history = 0, []
+    if state_path.is_file():
+        done, history = _load_state(state_path, cfg, model, opt, sched, gen)
+        if log:
+            log(f"resumed {state_path} after epoch {done} of {cfg.epochs}")
+    bar = _progress(steps, progress)
+    bar.update(done * -(-len(ytr) // cfg.batch_size))
+    for epoch in range(done, cfg.epochs):
+        loss = _epoch(model, xtr, ytr, cfg, opt, sched, gen,
+                      lambda v, e=epoch + 1: (bar.update(1),
+                                              bar.set_postfix(epoch=e, loss=f"{v:.3f}")))
+        history.append({"epoch": epoch + 1, "loss": loss,
+                        "val_accuracy": accuracy(model, xva, yva)})
+        _save_state(state_path, cfg, epoch + 1, model, opt, sched, gen, history)
+        if log:
+            log(f"epoch {epoch + 1}/{cfg.epochs}: loss {history[-1]['loss']:.4f}, held-out "
+                f"accuracy {history[-1]['val_accuracy']:.4f} (state in {state_path})")
+    bar.close()
+    card = ModelCard(arch=cfg.arch, num_classes=len(names), class_names=list(names),
+                     image_size=cfg.image_size, mean=mean, std=std,
+                     checkpoint=out.with_suffix(".pt").name,
                      clean_accuracy=accuracy(model, xva, yva), seed=cfg.seed,
-                     epochs=cfg.epochs, train_samples=cfg.train_samples,
-                     name=f"{cfg.arch}_signs{cfg.image_size}")
+                     epochs=cfg.epochs, train_samples=len(ytr),
+                     name=out.stem if cfg.data else f"{cfg.arch}_signs{cfg.image_size}",
+                     data=cfg.data)
     torch.save(model.state_dict(), out.with_suffix(".pt"))
     save_card(card, out.with_suffix(".json"))
+    state_path.unlink(missing_ok=True)
     return card
 
 

@@ -89,8 +89,15 @@ def resnet18_cifar(num_classes: int, width: int = 64) -> SmallResNet:
     return SmallResNet(num_classes=num_classes, width=width, blocks=(2, 2, 2, 2))
 
 
+def resnet26_cifar(num_classes: int, width: int = 16) -> SmallResNet:
+    """CIFAR ResNet-26 (He et al. 2016's 6n+2 family, n = 4): 3x3 stem, 3 stages x 4 basic
+    blocks of 16-32-64 channels, 0.37 M parameters; the CIFAR-scale benchmark's source net."""
+    return SmallResNet(num_classes=num_classes, width=width, blocks=4)
+
+
 _BUILDERS: dict[str, Callable[[int], nn.Module]] = {
     "small_resnet": lambda n: SmallResNet(num_classes=n),
+    "resnet26_cifar": lambda n: resnet26_cifar(n),
     "resnet18_cifar": lambda n: resnet18_cifar(n, width=64),
     "resnet18_cifar_w32": lambda n: resnet18_cifar(n, width=32),
     "resnet18_cifar_w16": lambda n: resnet18_cifar(n, width=16),

@@ -13,6 +13,10 @@ cartesian product gives the cells, exclusions, and the baseline of the paired te
     exclude:                      # drop the cells that match every key of an entry
       - {methods: tent, batch-size: 16}
 
+A `set` entry (`METHOD.KEY=VALUE`) reaches only the cells whose methods include METHOD,
+so one base can configure several variants of a method (`methods: [darda@full,
+darda@bn_only]` with `set: [darda@full.variant=full, darda@bn_only.variant=bn_only]`).
+
 Keys are `tta bench` option names (dashes or underscores). Values: a scalar, `true` for a
 flag, a list for a repeatable option (`set: [adashadow.sigma=0.5, ...]`); under `grid`
 each value is one level. Keys are checked here (one-line errors naming the key); values
@@ -55,8 +59,19 @@ class Cell:
 
     @property
     def condition(self) -> tuple[tuple[str, Any], ...]:
-        """Everything but the method and the seed: what a comparison holds fixed."""
-        return tuple((k, _hashable(v)) for k, v in self.options if k not in UNIT_KEYS)
+        """Everything but the method and the seed: what a comparison holds fixed. The
+        `set` entries of a named variant (`METHOD@NAME.KEY=VALUE`) belong to its method,
+        not to the condition: a variant is compared with the other methods."""
+        out = []
+        for k, v in self.options:
+            if k == "set":
+                v = [e for e in (v if isinstance(v, list | tuple) else [v])
+                     if "@" not in str(e).partition("=")[0].rpartition(".")[0]]
+                if not v:
+                    continue
+            if k not in UNIT_KEYS:
+                out.append((k, _hashable(v)))
+        return tuple(out)
 
     def argv(self) -> list[str]:
         """`tta bench` arguments of this cell."""
@@ -91,8 +106,19 @@ class SweepSpec:
             point = {**self.base, **dict(zip((k for k, _ in axes), values, strict=True))}
             if any(_matches(point, ex) for ex in self.exclude):
                 continue
+            if "set" in point and "methods" in point:
+                point["set"] = _sets_for(point["set"], point["methods"])
+                if not point["set"]:
+                    del point["set"]
             cells.append(Cell(tuple(point.items())))
         return cells
+
+
+def _sets_for(sets: Any, methods: Any) -> list[str]:
+    """The `set` entries whose METHOD is one of the cell's `methods`."""
+    names = set(methods if isinstance(methods, list | tuple) else str(methods).split(","))
+    entries = sets if isinstance(sets, list | tuple) else [sets]
+    return [e for e in entries if str(e).partition("=")[0].rpartition(".")[0] in names]
 
 
 def _matches(point: Mapping[str, Any], rule: Mapping[str, Any]) -> bool:

@@ -99,6 +99,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              + ". Corruption data: the standard corruptions found, in the "
                              "standard order, at --severity; --samples-per-domain per domain; "
                              "images resized to the model's input size")
+    parser.add_argument("--corruptions", default="", metavar="NAMES|held-out|standard|all",
+                        help="the corruptions streamed, in this order (default: the 15 "
+                             "standard ones; held-out: speckle_noise, gaussian_blur, spatter, "
+                             "saturate, the 4 that DARDA's offline phase never sees)")
     parser.add_argument("--mode", choices=MODES, default=d.mode,
                         help="sequential: predict after the update; parallel: predict first")
     parser.add_argument("--seed", type=int, default=d.seed)
@@ -141,6 +145,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The BenchConfig of the parsed options (also what `tta sweep` runs per cell)."""
+    from tta_core.data.sources import parse_corruptions
     from tta_core.eval.bench import BenchConfig
 
     options: dict[str, dict] = {}
@@ -159,7 +164,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                       seed=args.seed, threads=args.threads, device=args.device,
                       method_options=options, telemetry=args.telemetry,
                       stream_hz=args.stream_hz, stream_track=args.stream_track,
-                      stream_latency_ms=args.stream_latency_ms, data=args.data, user_model=um,
+                      stream_latency_ms=args.stream_latency_ms, data=args.data,
+                      corruptions=parse_corruptions(args.corruptions), user_model=um,
                       measure_activations=args.measure_activations,
                       memory_budget_mb=args.memory_budget_mb)
     return cfg

@@ -1,4 +1,8 @@
-"""`tta train-source`: train the source model on clean synthetic signs (CPU, minutes).
+"""`tta train-source`: train the source model on clean synthetic signs (CPU, minutes), or
+on a folder's clean splits with `--data cifar10c:DIR` (what `tta make-benchmark` writes).
+
+Every epoch saves the training state next to the output (`<out>.train.safetensors`); the
+same command run again resumes after the last finished epoch.
 
 `--safetensors` stores the weights as `<out>.safetensors` (no pickle at all) instead of a
 torch file; `--half` stores them as float16 (half the file, for checkpoints shipped in
@@ -19,8 +23,7 @@ if TYPE_CHECKING:
     from tta_core.model.source import ModelCard, TrainConfig
 
 NAME = "train-source"
-HELP = "train the source model on clean synthetic traffic signs; write checkpoint + card"
-VAL_SEED_OFFSET = 10_000  # train_source's held-out signs: seed + 10000
+HELP = "train the source model (synthetic signs or --data cifar10c:DIR); write checkpoint + card"
 # TrainConfig's defaults of the options below (tta_core.model.source imports torch);
 # test/system/test_cli_fast.py checks that they are equal
 DEFAULTS: dict[str, object] = {"arch": "small_resnet", "image_size": 32, "epochs": 6,
@@ -34,8 +37,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", choices=ARCHS, default=d.arch)
     parser.add_argument("--image-size", type=int, default=d.image_size, choices=(32, 64, 96))
     parser.add_argument("--epochs", type=int, default=d.epochs)
-    parser.add_argument("--train-samples", type=int, default=d.train_samples)
-    parser.add_argument("--val-samples", type=int, default=d.val_samples)
+    parser.add_argument("--data", default="",
+                        help="cifar10c:DIR: train on DIR/train.npy, measure on DIR/test.npy "
+                             "(default: the built-in synthetic signs)")
+    parser.add_argument("--train-samples", type=int, default=None,
+                        help=f"training images (default {d.train_samples}; with --data all)")
+    parser.add_argument("--val-samples", type=int, default=None,
+                        help=f"held-out images (default {d.val_samples}; with --data all)")
     parser.add_argument("--batch-size", type=int, default=d.batch_size)
     parser.add_argument("--lr", type=float, default=d.lr)
     parser.add_argument("--seed", type=int, default=d.seed)
@@ -53,13 +61,12 @@ def rewrite_checkpoint(card_path: Path, cfg: TrainConfig, half: bool,
                        to_safetensors: bool) -> ModelCard:
     """Rewrite the card's checkpoint: float16 floating tensors when `half`, as a
     `.safetensors` file (the torch file removed) when `to_safetensors`. With `half` the clean
-    accuracy is measured again on the held-out signs of `train_source`."""
+    accuracy is measured again on the held-out split of `train_source`."""
     import safetensors.torch
     import torch
 
     from tta_core.data.preprocess import images_to_tensor
-    from tta_core.data.signs import make_signs
-    from tta_core.model.source import accuracy, load_source, save_card
+    from tta_core.model.source import accuracy, load_source, save_card, training_data
     from tta_core.model.weights import SAFETENSORS_SUFFIX
 
     card_path = Path(card_path)
@@ -78,9 +85,9 @@ def rewrite_checkpoint(card_path: Path, cfg: TrainConfig, half: bool,
     save_card(card, card_path)
     if half:
         model, card = load_source(card_path)
-        val = make_signs(cfg.val_samples, cfg.image_size, seed=cfg.seed + VAL_SEED_OFFSET)
-        x = images_to_tensor(val.images, card.mean, card.std)
-        card.clean_accuracy = accuracy(model, x, torch.from_numpy(val.labels))
+        *_, val_images, val_labels, _names = training_data(cfg)
+        x = images_to_tensor(val_images, card.mean, card.std)
+        card.clean_accuracy = accuracy(model, x, torch.from_numpy(val_labels))
         save_card(card, card_path)
     return card
 
@@ -89,16 +96,21 @@ def run(args: argparse.Namespace) -> int:
     """Train, optionally rewrite the checkpoint, print the clean accuracy and files."""
     from tta_core.model.source import TrainConfig, train_source
 
-    for name in ("epochs", "train_samples", "val_samples", "batch_size"):
+    for name in ("train_samples", "val_samples"):  # with --data: all rows unless given
+        if getattr(args, name) is None:
+            setattr(args, name, 0 if args.data else DEFAULTS[name])
+        elif getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    for name in ("epochs", "batch_size"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     cfg = TrainConfig(arch=args.arch, image_size=args.image_size, epochs=args.epochs,
                       train_samples=args.train_samples, val_samples=args.val_samples,
                       batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                      threads=args.threads)
+                      threads=args.threads, data=args.data)
     out = args.out or Path("checkpoints") / f"{args.arch}_signs{args.image_size}"
     t0 = time.perf_counter()
-    card = train_source(cfg, out, progress=not args.no_progress)
+    card = train_source(cfg, out, progress=not args.no_progress, log=print)
     if args.half or args.safetensors:
         fp32 = card.clean_accuracy
         card = rewrite_checkpoint(out.with_suffix(".json"), cfg, args.half, args.safetensors)

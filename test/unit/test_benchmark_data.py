@@ -192,3 +192,20 @@ def test_training_data_errors_name_the_folder(tmp_path):
     (tmp_path / "meta.json").write_text(json.dumps({"class_names": ["a", "b", "c"]}))
     with pytest.raises(ValueError, match="labels reach 30, but 3 class names"):
         training_data(TrainConfig(data=f"cifar10c:{tmp_path}"))
+
+
+def test_iid_order_shuffles_each_domain_by_seed_and_keeps_the_domains(folder):
+    spec = parse_data(f"cifar10c:{folder}")
+    plain = load_data(spec, 32, severity=3)
+    a, b = (load_data(spec, 32, severity=3, seed=s, order="iid") for s in (0, 1))
+    assert a.domains.tolist() == plain.domains.tolist()
+    assert not np.array_equal(a.images, b.images)
+    for d in ("fog/3", "contrast/3"):  # the same images of each domain, reordered
+        rows = plain.domains == d
+        key = lambda im: sorted(x.tobytes() for x in im)  # noqa: E731
+        assert key(a.images[rows]) == key(plain.images[rows])
+        assert not np.array_equal(a.images[rows], plain.images[rows])
+    held = load_data(spec, 32, corruptions=("speckle_noise", "fog"), order="iid")
+    assert list(dict.fromkeys(held.domains.tolist())) == ["speckle_noise/5", "fog/5"]
+    with pytest.raises(ValueError, match="no file for corruption"):
+        load_data(spec, 32, corruptions=("snow",))

@@ -7,7 +7,11 @@ Orders
 - mixed:     the continual samples shuffled, so the domain changes every sample;
 - dirichlet: continual domains, labels temporally correlated by a Dirichlet split of each
              class over time slots (RoTTA / NOTE's non-i.i.d. protocol);
-- recurring: the continual sequence repeated `recurrences` times with fresh images.
+- recurring: the continual sequence repeated `recurrences` times with fresh images;
+- iid:       continual domains, each domain's samples in a seeded random order (DARDA's
+             i.i.d. protocol; for the synthetic stream, whose samples are drawn per seed
+             anyway, the same as continual; for a user's data, where continual keeps the
+             file order, it makes the seed choose the order).
 
 Tracks (`track_length` k > 1, for the streaming benchmark): each object is seen over k
 consecutive frames, like a sign a vehicle approaches: a domain's samples are ceil(n / k)
@@ -32,7 +36,7 @@ from PIL import Image
 from tta_core.data.corruptions import CORRUPTIONS, check, corrupt_image
 from tta_core.data.signs import CLASS_NAMES, balanced_labels, render_sign
 
-ORDERS: tuple[str, ...] = ("continual", "gradual", "mixed", "dirichlet", "recurring")
+ORDERS: tuple[str, ...] = ("continual", "gradual", "mixed", "dirichlet", "recurring", "iid")
 CLEAN = "clean"
 GRADUAL_LEVELS: tuple[int, ...] = (1, 2, 3, 4, 5, 4, 3, 2, 1)
 TRACK_ZOOM = 0.25  # a track's last frame shows its object 1.25x larger than its first
@@ -243,7 +247,8 @@ def arrange(stream: Stream, order: str, seed: int = 0, recurrences: int = 2,
     """A continual stream (domains in consecutive blocks: a user's data) in `order`, by
     the same rules as the synthetic orders (module doc): continual as is; mixed: the
     samples shuffled (seed, as the synthetic one); dirichlet: each domain's samples
-    reordered so classes cluster in time (seed, domain index); recurring: the sequence
+    reordered so classes cluster in time (seed, domain index); iid: each domain's samples
+    shuffled (seed, domain index); recurring: the sequence
     `recurrences` times, the same images again (a user's data has no fresh renders).
     "gradual" needs each corruption at every severity: tta_core.data.sources reads it."""
     if order not in ORDERS:
@@ -262,5 +267,8 @@ def arrange(stream: Stream, order: str, seed: int = 0, recurrences: int = 2,
                               for k, (a, b) in enumerate(_blocks(stream.domains))])
     elif order == "recurring":
         idx = np.tile(idx, recurrences)
+    elif order == "iid":
+        idx = np.concatenate([a + np.random.default_rng([seed, k, 0x11D]).permutation(b - a)
+                              for k, (a, b) in enumerate(_blocks(stream.domains))])
     return Stream(stream.images[idx], stream.labels[idx], stream.domains[idx],
                   stream.class_names, order, seed)

@@ -84,9 +84,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated (default: every registered method that can run "
                              "on the model; one line names each left out and why)")
     parser.add_argument("--order", default=d.order,
-                        help="continual, gradual, mixed, dirichlet or recurring (also for "
+                        help="continual, gradual, mixed, dirichlet, recurring or iid (also for "
                              "--data: recurring repeats the same images, gradual needs "
-                             "severities: cifar10c or imagenet-c)")
+                             "severities: cifar10c or imagenet-c; iid shuffles each domain "
+                             "by --seed, where continual keeps the data's order)")
     parser.add_argument("--severity", type=int, default=d.severity, choices=range(1, 6))
     parser.add_argument("--batch-size", type=int, default=d.batch_size)
     parser.add_argument("--samples-per-domain", type=int, default=d.samples_per_domain)

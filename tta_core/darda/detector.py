@@ -38,11 +38,30 @@ on the mean of the last few batches to separate similar corruptions (split domai
 
 Deterministic (float64 on the CPU), O(domains x dim) per batch; the scalars a batch's
 decision needs are read from their tensors in one transfer (`DomainDetector._scalars`).
+
+Shift test (`ShiftTest`, both darda variants): which domain a batch belongs to is the
+detector's question; *whether the stream changed* is a change-point test of its own, so
+that a shift between two corruptions the domain table merges (three noises in one domain)
+is still perceived. Its reference is the current segment (the batches since the last
+shift, the latest `window`); a batch is *away* when
+
+    s = mean_i (e_i - m_i)^2 / (W_i (1 + 1/n)),  W = (n W_seg + n0 W_stream) / (n + n0),
+
+exceeds `threshold` (m: the reference's mean, W_seg its batches' mean within-batch spread,
+W_stream the stream's, n0 = `prior_weight`: the spread of a reference of a few batches of
+4 samples is itself uncertain). `confirm` away batches in a row are a shift (the new
+segment starts with them); an away batch followed by one that is not is an outlier and
+joins the reference. A segment is tested once it has `min_reference` batches (a reference
+of one or two batches flagged its own next batches: measured on blur segments, alarms
+every other batch). Without within-batch spreads (batches of one sample, pooled moments)
+the reference's own batch-to-batch variance stands in for W. `score_shifts`
+(tta_core.eval.shifts) measures recall and false alarms against known shift points.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -356,3 +375,124 @@ class DomainDetector:
         self.current = int(meta["current"]) if -1 <= int(meta["current"]) < n else -1
         self.batches, self.next_id = int(meta["batches"]), int(meta["next_id"])
         self._streak, self._buffer = 0, []
+
+
+# ---------------------------------------------------------------------- the shift test
+@dataclass
+class ShiftConfig:
+    """Change-point test settings (module docstring, "Shift test"; defaults measured in
+    benchmarks/bench_darda_realtime.py)."""
+
+    threshold: float = 3.0  # mean standardised square above which a batch is away
+    confirm: int = 2  # away batches in a row that make a shift
+    min_reference: int = 3  # batches of a segment before it is tested
+    window: int = 16  # latest batches of the segment in the reference
+    prior_weight: float = 2.0  # pseudo-count of the stream's within-batch spread
+    dims: int = 0  # leading embedding dimensions read (0: all)
+    var_floor: float = 1e-12
+
+    def validate(self) -> None:
+        """ValueError naming the first bad field."""
+        checks = [("threshold", self.threshold > 0), ("confirm", self.confirm >= 1),
+                  ("min_reference", self.min_reference >= 1),
+                  ("window", self.window >= self.min_reference),
+                  ("prior_weight", self.prior_weight >= 0), ("dims", self.dims >= 0),
+                  ("var_floor", self.var_floor > 0)]
+        for name, ok in checks:
+            if not ok:
+                raise ValueError(f"shift test {name}={getattr(self, name)!r} is out of range")
+
+
+@dataclass
+class ShiftDecision:
+    """What one batch did to the shift test."""
+
+    score: float  # s of the module docstring (NaN: not tested, the segment is too young)
+    away: bool  # s above the threshold
+    shift: bool  # the confirm-th away batch in a row: the stream changed
+
+
+class ShiftTest:
+    """Online change-point test on batch embeddings (module docstring, "Shift test")."""
+
+    def __init__(self, config: ShiftConfig | None = None) -> None:
+        self.config = config if config is not None else ShiftConfig()
+        self.config.validate()
+        self.fresh()
+
+    def fresh(self) -> None:
+        """Forget the stream: no segment, no spreads seen."""
+        self._ref: deque[Batch] = deque(maxlen=self.config.window)
+        self._away: list[Batch] = []
+        self._within_sum: Tensor | None = None
+        self._within_n = 0
+        self._last: Batch | None = None
+        self.batches = 0
+        self.shifts = 0
+
+    @property
+    def segment_batches(self) -> int:
+        """Batches in the reference (at most `window`)."""
+        return len(self._ref)
+
+    def _cut(self, e: Tensor, w: Tensor | None) -> Batch:
+        d = self.config.dims
+        e = e.detach().to(F64).reshape(-1)
+        w = None if w is None else w.detach().to(F64).reshape(-1)
+        if d:
+            e, w = e[:d], (None if w is None else w[:d])
+        return e, w
+
+    def score(self, e: Tensor, w: Tensor | None = None) -> float:
+        """s of `e` against the current segment (NaN while it has < min_reference batches),
+        without changing anything."""
+        return self._score(self._cut(e, w))
+
+    def _score(self, batch: Batch) -> float:
+        c, n = self.config, len(self._ref)
+        if n < c.min_reference:
+            return math.nan
+        es = torch.stack([b[0] for b in self._ref])
+        ws = [b[1] for b in self._ref]
+        if all(x is not None for x in ws) and self._within_sum is not None:
+            seg = torch.stack(ws).mean(0)  # type: ignore[arg-type]
+            stream = self._within_sum / self._within_n
+            var = (n * seg + c.prior_weight * stream) / (n + c.prior_weight)
+        else:  # no within-batch spreads: the reference's batch-to-batch variance
+            var = es.var(0)
+        var = (var * (1.0 + 1.0 / n)).clamp_min(c.var_floor)
+        return float(((batch[0] - es.mean(0)) ** 2 / var).mean())
+
+    def _take(self, batches: list[Batch]) -> None:
+        for b in batches:
+            self._ref.append(b)
+            if b[1] is not None:
+                self._within_sum = b[1].clone() if self._within_sum is None \
+                    else self._within_sum + b[1]
+                self._within_n += 1
+
+    def observe(self, e: Tensor, w: Tensor | None = None) -> ShiftDecision:
+        """Test one batch embedding (`w`: its within-batch spread, if known) and update the
+        segment."""
+        batch = self._last = self._cut(e, w)
+        self.batches += 1
+        s = self._score(batch)
+        if math.isnan(s) or s <= self.config.threshold:
+            self._take([*self._away, batch])  # an outlier joins the reference
+            self._away = []
+            return ShiftDecision(s, False, False)
+        self._away.append(batch)
+        if len(self._away) < self.config.confirm:
+            return ShiftDecision(s, True, False)
+        self.restart()
+        self.shifts += 1
+        return ShiftDecision(s, True, True)
+
+    def restart(self) -> None:
+        """A new segment from the last batch observed: the away batches up to it (or that
+        batch alone when it was not away) are its reference (a shift decided elsewhere:
+        the paper's cosine rule, a domain switch)."""
+        start = self._away or ([self._last] if self._last is not None else [])
+        self._ref.clear()
+        self._away = []
+        self._take(start)

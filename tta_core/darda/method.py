@@ -13,16 +13,30 @@ A new domain starts from the nearest known domain's state. The detection, bank a
 are tta_core.darda.switch's DomainSwitch (shared with adashadow's `domain_bank`).
 
 Adaptation (Tent's entropy, SGD on the upper BN affine [+ the classifier with
-`adapt_fc`]) runs only until the domain is stable (tta_core.darda.gate); then batches are
-served forward-only. SGD momentum is reset on every switch (not banked: see
-tta_core.darda.bank). With bn_mode "bank" the upper BN layers normalise with the domain's
-running statistics (robust BN) and are refreshed from a label-balanced memory of recent
-samples (DARDA Eq. 15). The bank is saved and loaded with `save_bank` / `load_bank`
+`adapt_fc`]) runs only after a perceived shift: a domain switch or a shift the shift test
+(tta_core.darda.detector.ShiftTest) confirms inside the active domain, `per_shift`
+backward passes each (`gate_policy` "shift", tta_core.darda.gate; "stable": until the
+domain's entropy settles); then batches are served forward-only. SGD momentum is reset on
+every switch (not banked: see tta_core.darda.bank). With bn_mode "bank" the upper BN
+layers normalise with the domain's running statistics (robust BN) and are refreshed from
+a label-balanced memory of recent samples (DARDA Eq. 15), once per perceived shift when
+the memory is half full. The bank is saved and loaded with `save_bank` / `load_bank`
 (safetensors, tta_core.darda.store).
+
+Deadline (DeadlineConfig fields, as AdaShadow's; `tta bench --stream-hz` sets camera
+mode): an owed backward pass runs on a batch only if the time spent + the predicted
+adapted step (the most of its last ADAPT_WINDOW measured costs; before one is measured
+ADAPT_FACTOR x the forward-only step, or `warm_up`'s measurement on noise) + the learnt
+timing margin fit what is left of the deadline; otherwise the batch is served
+forward-only and the pass stays owed (`deferred`) until a batch where it fits or the next
+shift (`skipped`). The Eq. 15 refresh waits the same way. `StepResult.stats` of every
+batch: `shift` (perceived here), `reason` (why its backward pass ran: "new_domain",
+"shift", "drift"; "" none), `deferred`.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -40,13 +54,13 @@ from tta_core.darda.bank import SOURCE, StateBank, adapted_tensors, last_linear
 from tta_core.darda.bn import BANK_BN_MODES, configure, refreshing
 from tta_core.darda.bundle import expect_for as bundle_expect
 from tta_core.darda.bundle import load_bundle
-from tta_core.darda.detector import Detection, DetectorConfig, DomainDetector
-from tta_core.darda.embedding import EmbeddingConfig
-from tta_core.darda.gate import AdaptGate, DomainGate, GateConfig
+from tta_core.darda.detector import Detection, DetectorConfig, DomainDetector, ShiftConfig
+from tta_core.darda.embedding import DomainEmbedder, EmbeddingConfig
+from tta_core.darda.gate import NEW_DOMAIN, POLICIES, SHIFT, AdaptGate, DomainGate, GateConfig
 from tta_core.darda.memory import BalancedMemory
 from tta_core.darda.paper import VARIANTS, Learnt, PaperConfig, PaperOnline
 from tta_core.darda.store import clean_stale_temps, load_bank, model_fingerprint, save_bank
-from tta_core.darda.switch import DomainSwitch, SwitchConfig, embedder_for
+from tta_core.darda.switch import DomainSwitch, SwitchConfig, embedder_for, shift_dims
 from tta_core.errors import InputError, one_line
 from tta_core.model.robust_bn import RobustBN, batch_norm_layers
 from tta_core.registry import register
@@ -66,13 +80,17 @@ log = logging.getLogger(__name__)
 
 #: measured costs of the one adaptation kept to predict the next one (their maximum)
 ADAPT_WINDOW = 4
+#: before an adapted step was measured: its cost in forward-only steps (forward with
+#: grad + backward + reforward)
+ADAPT_FACTOR = 3.0
 
 
 @dataclass
 class DardaConfig(MethodConfig, DeadlineConfig):
-    """DARDA settings; detector and gate defaults measured in benchmarks/bench_domain.py.
-    The deadline fields (DeadlineConfig) are the paper's darda's: its one adaptation after
-    a shift waits for a batch where it fits; the online-learnt bank ignores them."""
+    """DARDA settings; detector defaults measured in benchmarks/bench_domain.py, the shift
+    test's and the gate's in benchmarks/bench_darda_realtime.py. The deadline fields
+    (DeadlineConfig): an owed backward pass (or the paper's one adaptation) waits for a
+    batch where it fits."""
 
     embed_layers: int = option(3, "BN inputs in the domain embedding (the layers up to "
                                "them stay frozen)", low=1)
@@ -93,9 +111,19 @@ class DardaConfig(MethodConfig, DeadlineConfig):
     novelty_margin: float = option(1.5, "detector: a batch farther than this times the "
                                    "threshold from every domain is novel (> 0)", low=0.0)
     max_domains: int = option(32, "detector: most domains kept in the bank", low=2)
-    min_adapt: int = option(6, "gate: batches a domain adapts at least", low=1)
-    max_adapt: int = option(16, "gate: batches a domain adapts at most (>= min_adapt)",
-                            low=1)
+    gate_policy: str = option("shift", "gate: 'shift' = per_shift backward passes after "
+                              "each perceived shift (DARDA: adapt once per perceived "
+                              "corruption), 'stable' = until the domain's entropy settles "
+                              "(min_adapt / max_adapt)", choices=POLICIES)
+    per_shift: int = option(1, "gate: backward passes after each perceived shift", low=1)
+    shift_threshold: float = option(3.0, "shift test: a batch whose mean standardised "
+                                    "square distance to its segment exceeds this is away "
+                                    "(tta_core.darda.detector.ShiftTest)", low=0.0)
+    shift_confirm: int = option(2, "shift test: away batches in a row that make a shift",
+                                low=1)
+    min_adapt: int = option(6, "gate 'stable': batches a domain adapts at least", low=1)
+    max_adapt: int = option(16, "gate 'stable': batches a domain adapts at most (>= "
+                            "min_adapt)", low=1)
     stable_tol: float = option(0.1, "gate: a domain is stable when its entropy moves less "
                                "than this", low=0.0)
     drift_tol: float = option(0.25, "gate: a stable domain adapts again when its entropy "
@@ -107,8 +135,8 @@ class DardaConfig(MethodConfig, DeadlineConfig):
                           "or the batch's (batch)", choices=BANK_BN_MODES)
     bn_momentum: float = option(0.05, "robust BN momentum (bn_mode bank)", low=0.0,
                                 high=1.0)
-    refresh: bool = option(True, "refresh the statistics from the memory bank (Eq. 15, "
-                           "bn_mode bank)")
+    refresh: bool = option(False, "refresh the statistics from the memory bank (Eq. 15, "
+                           "bn_mode bank; gate 'shift': once per perceived shift)")
     refresh_momentum: float = option(0.5, "refresh: momentum of the refreshed statistics",
                                      low=0.0, high=1.0)
     refresh_every: int = option(4, "refresh: every this many batches", low=1)
@@ -122,7 +150,8 @@ class DardaConfig(MethodConfig, DeadlineConfig):
                               path="read")
     variant: str = option("full", "paper: Table 2 variant", choices=VARIANTS)
     shift_cos: float = option(0.9, "paper: a batch signature below this cosine to the "
-                              "running one is a corruption shift", low=-1.0, high=1.0)
+                              "running one is a corruption shift at once (the shift test "
+                              "perceives the others)", low=-1.0, high=1.0)
     phi_thresh: float = option(0.02, "paper: Eq. 15 runs once the memory bank's cosine "
                                "variance to the centroid is below this", low=0.0)
     max_wait: int = option(3, "paper: ... or this many batches after the shift", low=1)
@@ -135,9 +164,9 @@ class DardaConfig(MethodConfig, DeadlineConfig):
     novelty_cos: float = option(0.95, "extension: a signature below this cosine to every "
                                 "training centroid is novel", low=-1.0, high=1.0)
     deadline_mode: str = option(
-        "sigma", "paper: what a batch's deadline is (the one adaptation waits for a batch "
-        "where it fits): sigma = none, fixed = deadline_ms, camera = the batch's frames at "
-        "camera_hz, speed = distance_per_decision_m at the vehicle's speed",
+        "sigma", "what a batch's deadline is (an owed backward pass or adaptation waits for "
+        "a batch where it fits): sigma = none, fixed = deadline_ms, camera = the batch's "
+        "frames at camera_hz, speed = distance_per_decision_m at the vehicle's speed",
         choices=DEADLINE_MODES)
 
     def validate(self) -> None:
@@ -150,14 +179,26 @@ class DardaConfig(MethodConfig, DeadlineConfig):
             raise ValueError(f"darda embed_layers {self.embed_layers}, memory_capacity "
                              f"{self.memory_capacity}, refresh_every {self.refresh_every} "
                              "must be >= 1")
+        if self.gate_policy not in POLICIES:
+            raise ValueError(f"darda gate_policy {self.gate_policy!r} not in {POLICIES}")
+        DeadlineConfig.validate(self)
+
+    def shift_config(self, dims: int = 0) -> ShiftConfig:
+        """The shift test these settings make (reading the embedding's first `dims`)."""
+        return ShiftConfig(threshold=self.shift_threshold, confirm=self.shift_confirm,
+                           dims=dims)
 
 
 @register("darda")
-class Darda(TTAMethod):
-    """Domain bank TTA: detect, swap, adapt until stable. Capabilities: ReportsDomain."""
+class Darda(TTAMethod, DeadlineBudget):
+    """Domain bank TTA: detect, swap, adapt after a perceived shift. Capabilities:
+    ReportsDomain, DeadlineTunable, WarmsUp (tta_core.api)."""
 
     config_cls = DardaConfig
     config: DardaConfig
+
+    #: the time source of the deadline decisions (seconds; tests inject a fake one)
+    clock: Callable[[], float] = staticmethod(time.perf_counter)
 
     def __new__(cls, model: nn.Module, config: DardaConfig | None = None) -> Darda:
         """With a bundle_path, the paper's online phase (PaperDarda, below)."""
@@ -176,6 +217,13 @@ class Darda(TTAMethod):
             except InputError as exc:
                 self.bank_error = str(exc)
                 log.warning("%s; starting with an empty domain bank", exc)
+
+    def _deadline_state(self) -> None:
+        """What the deadline decisions learn (both variants)."""
+        self.fixed = FixedCosts()
+        self.adapt_seen: deque[float] = deque(maxlen=ADAPT_WINDOW)
+        self.deferred = self.skipped = 0
+        self._t0, self._predicted = 0.0, math.nan
 
     def configure_model(self) -> None:
         c = self.config
@@ -199,7 +247,10 @@ class Darda(TTAMethod):
         self.num_classes = int(self.model.get_submodule(fc).out_features) if fc else 0
         if not any(p.requires_grad for p in self.model.parameters()):
             raise self.nothing_to_adapt("no BatchNorm affine after the embedding layers")
-        self._rbn = RobustBN(self._upper, c.bn_momentum) if c.bn_mode == "bank" else None
+        # lagged (normalise, then move the statistics, in one read of the input): an
+        # upper layer costs what an eval-mode BN does
+        self._rbn = RobustBN(self._upper, c.bn_momentum, lag=True) \
+            if c.bn_mode == "bank" else None
         keep = set(upper)
         self._live = adapted_tensors(self.model, skip=lambda n: n not in keep)
         self._source = {k: v.detach().clone() for k, v in self._live.items()}
@@ -208,8 +259,14 @@ class Darda(TTAMethod):
             DetectorConfig(hysteresis=c.hysteresis, confident=c.confident,
                            novelty_quantile=c.novelty_quantile,
                            novelty_margin=c.novelty_margin, max_domains=c.max_domains),
-            GateConfig(c.min_adapt, c.max_adapt, tol=c.stable_tol, drift_tol=c.drift_tol),
-            c.init_from), source=self._source, on_switch=self._on_switch)
+            GateConfig(c.min_adapt, c.max_adapt, tol=c.stable_tol, drift_tol=c.drift_tol,
+                       policy=c.gate_policy, per_shift=c.per_shift),
+            c.init_from, c.shift_config(shift_dims(self.model, self.embedder,
+                                                    c.input_shape[0]))),
+            source=self._source, on_switch=self._on_switch)
+        self._deadline_state()
+        self._serve_ms = math.nan  # EMA of forward-only steps (ms)
+        self.refresh_seen: deque[float] = deque(maxlen=ADAPT_WINDOW)
         self._fresh()
 
     def _fresh(self) -> None:
@@ -218,6 +275,8 @@ class Darda(TTAMethod):
         use_memory = c.bn_mode == "bank" and c.refresh and self.num_classes >= 2
         self.memory = BalancedMemory(c.memory_capacity, self.num_classes) if use_memory else None
         self.backward_passes, self._since_refresh = 0, 0
+        self._refresh_owed = False
+        self.deferred = self.skipped = 0
 
     @property
     def detector(self) -> DomainDetector:
@@ -234,13 +293,20 @@ class Darda(TTAMethod):
         """When to adapt."""
         return self.switch.gate
 
-    def _on_switch(self, _det: Detection) -> None:
-        """Inside the forward, after the swap: reset what is not banked."""
+    @property
+    def shift_policy(self) -> bool:
+        """Backward passes (and the Eq. 15 refresh) owed per perceived shift."""
+        return self.gate.shift_policy
+
+    def _on_switch(self, _det: Detection | None) -> None:
+        """Inside the forward, after a swap or a shift inside the domain: reset what is not
+        banked; the Eq. 15 refresh is owed to the new segment."""
         if self.optimizer is not None:
             self.optimizer.state.clear()  # momentum reset, not banked
         if self.memory is not None:
             self.memory.clear()
         self._since_refresh = 0
+        self._refresh_owed = self.shift_policy and self.memory is not None
 
     @contextmanager
     def _quiet(self) -> Iterator[None]:
@@ -259,17 +325,96 @@ class Darda(TTAMethod):
         """The active domain's name ('' before the first batch)."""
         return self.detector.current_name
 
+    # ------------------------------------------------------------ the deadline
+    def set_deadline(self, **settings: object) -> None:
+        """New deadline settings (DeadlineConfig fields) from the next batch on; ValueError
+        naming a bad one (nothing is changed then)."""
+        apply_settings(self.config, settings)
+
+    def elapsed_ms(self) -> float:
+        """Time spent on the batch so far (`clock`)."""
+        return (self.clock() - self._t0) * 1e3
+
+    def fits(self, step: Step, cost_ms: float) -> bool:
+        """Whether work predicted at `cost_ms` still fits this batch's deadline after the
+        time spent so far and the learnt margin (always without a deadline)."""
+        deadline, margin = self.budget_ms(len(step.x))
+        return math.isnan(deadline) or self.elapsed_ms() + cost_ms + margin <= deadline
+
+    def predicted_step_ms(self) -> float:
+        """An adapted step's predicted cost (ms): the most of the last measured ones,
+        else ADAPT_FACTOR forward-only steps (0 before any batch)."""
+        if self.adapt_seen:
+            return max(self.adapt_seen)
+        return 0.0 if math.isnan(self._serve_ms) else ADAPT_FACTOR * self._serve_ms
+
+    def forward_and_adapt(self, x: Tensor) -> StepResult:
+        """The base loop, timed whole on `clock`: the step costs and the deadline margin."""
+        self._t0, self._predicted = self.clock(), math.nan
+        res = super().forward_and_adapt(x)
+        total = (self.clock() - self._t0) * 1e3
+        if not math.isnan(self._predicted):
+            self.fixed.update_total(self._predicted, total, res.times.forward_ms)
+        self._measured(res, total)
+        return res
+
+    def _measured(self, res: StepResult, total_ms: float) -> None:
+        """Fold a finished step's cost into the predictions (extension)."""
+        if res.adapted:
+            self.adapt_seen.append(total_ms)
+        elif not res.stats.get("refreshed"):
+            ema = self._serve_ms
+            self._serve_ms = total_ms if math.isnan(ema) else 0.8 * ema + 0.2 * total_ms
+
+    def warm_up(self, x: Tensor) -> None:
+        """Measure an adapted step on `x` (noise; twice, the first pays one-time set-up)
+        for the deadline's first prediction; weights, statistics, optimizer, detector and
+        gate are left as they were."""
+        if self.optimizer is None:
+            return
+        state = copy.deepcopy(self.model.state_dict())
+        opt = copy.deepcopy(self.optimizer.state_dict())
+        ms = 0.0
+        for _ in range(2):
+            t0 = self.clock()
+            with self._quiet(), torch.enable_grad():
+                loss = self.loss(self.model(x))
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                self.optimizer.step()
+                with torch.no_grad():
+                    self.model(x)
+            ms = (self.clock() - t0) * 1e3
+        self.model.load_state_dict(state)
+        self.optimizer.load_state_dict(opt)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.adapt_seen.append(ms)
+
     # ------------------------------------------------------------------ one batch
     def forward(self, step: Step) -> None:
         """The forward that also embeds the batch and recognises its domain (the switch
-        may swap the banked state in); recorded only when the gate wants a backward."""
+        may swap the banked state in); recorded only when the gate wants a backward and
+        the adapted step fits the deadline (else `deferred`)."""
         grad = self.optimizer is not None and self.gate.wants_backward()
+        if grad:
+            cost = self.predicted_step_ms()
+            if not self.fits(step, cost):
+                grad = False
+                step.stats["deferred"] = True
+                self.deferred += 1
+            else:
+                self._predicted = cost
+        owed = self.gate.skipped
         self.switch.begin()
         with torch.set_grad_enabled(grad):
             step.logits = self.model(step.x)
         self.switch.take()  # RuntimeError if the embedding layers did not run
+        self.skipped += self.gate.skipped - owed
         if grad and self.gate.wants_backward():  # a switch may have made it stable
             step.loss = self.loss(step.logits)
+            step.stats["reason"] = self.gate.reason
+        else:
+            self._predicted = math.nan
 
     def update(self, step: Step) -> None:
         super().update(step)
@@ -287,7 +432,8 @@ class Darda(TTAMethod):
         served = not (self.config.reforward and step.adapted)
         if served and step.loss is not None:
             pieces.append(step.loss.detach().reshape(1).double())
-        if self.memory is not None:
+        admit = self.memory is not None and (self._refresh_owed or not self.shift_policy)
+        if admit:
             pred, unc = self.memory.labels(logits)
             pieces += [pred.double(), unc.double()]
         values = torch.cat(pieces).tolist()
@@ -295,10 +441,10 @@ class Darda(TTAMethod):
         loss = values[1] if served and step.loss is not None else math.nan
         if served:  # the prediction is the forward's: step_result reads nothing more
             step.loss_value, step.entropy_value = loss, values[0]
-        if self.memory is not None:
+        if admit:  # gate 'shift': only while the Eq. 15 refresh is owed
             n = len(step.x)
             rest = values[len(values) - 2 * n:]
-            self._remember(step.x, [int(c) for c in rest[:n]], rest[n:], step.adapted)
+            self._remember(step, [int(c) for c in rest[:n]], rest[n:])
 
     def predict(self, step: Step) -> None:
         with self._quiet():
@@ -307,24 +453,42 @@ class Darda(TTAMethod):
     def step_result(self, step: Step) -> StepResult:
         res = super().step_result(step)
         res.domain = self.detector.current_name
-        res.stats = self.switch.stats(step.adapted)
+        res.stats = {**self.switch.stats(step.adapted), **res.stats}
+        res.stats.setdefault("reason", "")
+        res.stats.setdefault("deferred", False)
         return res
 
-    def _remember(self, x: Tensor, pred: list[int], uncertainty: list[float],
-                  adapted: bool) -> None:
+    def _remember(self, step: Step, pred: list[int], uncertainty: list[float]) -> None:
         """Memory bank admission (the batch's predicted classes and uncertainties, read)
-        and the Eq. 15 refresh (bn_mode 'bank')."""
+        and the Eq. 15 refresh (bn_mode 'bank'): gate 'shift', once per perceived shift when
+        the memory is half full and the refresh fits the deadline (the refresh before the
+        reforward's: reforward_ms is this batch's forward again); gate 'stable', every
+        refresh_every adapted batches."""
         if self.memory is None:
             return
-        self.memory.admit(x.detach(), pred, uncertainty)
+        self.memory.admit(step.x.detach(), pred, uncertainty)
         self._since_refresh += 1
-        if not adapted or len(self.memory) < self.memory.capacity // 2 \
-                or self._since_refresh < self.config.refresh_every:
+        if len(self.memory) < self.memory.capacity // 2:
             return
+        if self.shift_policy:
+            if not self._refresh_owed:
+                return
+            per_sample = step.phases.ms["forward"] / max(len(step.x), 1)
+            cost = max(self.refresh_seen, default=per_sample * len(self.memory))
+            if step.adapted and self.config.reforward:
+                cost += step.phases.ms["forward"]
+            if not self.fits(step, cost):
+                step.stats["refresh_deferred"] = True
+                return
+        elif not step.adapted or self._since_refresh < self.config.refresh_every:
+            return
+        t0 = self.clock()
         xs = self.memory.samples()
         with self._quiet(), torch.no_grad(), refreshing(self._upper, self.config.refresh_momentum):
             self.model(xs)
-        self._since_refresh = 0
+        self.refresh_seen.append((self.clock() - t0) * 1e3)
+        step.stats["refreshed"] = True
+        self._since_refresh, self._refresh_owed = 0, False
 
     def reset_state(self) -> None:
         self._fresh()
@@ -390,16 +554,21 @@ class Darda(TTAMethod):
 
 # ---------------------------------------------------------------------- the paper's online phase
 # `Darda(model, config)` builds PaperDarda when `config.bundle_path` is set; the registry
-# name stays "darda". Phases of one batch: forward = signature, shift detection and
-# bootstrapping (Eq. 10), the forward-only prediction and the memory bank admission
+# name stays "darda". Phases of one batch: forward = signature, then inside the forward
+# (the first BN layer's pre-hook, before any sub-network tensor is read) shift detection
+# and bootstrapping (Eq. 10), the forward-only prediction and the memory bank admission
 # (Algorithm 1); backward = the one adaptation after a shift (Eq. 15 + Eq. 16) when its
 # trigger fires; reforward = the updated model's prediction of that batch. All BN layers
 # normalise with the sub-network's running statistics (eval mode); the BN affine and the
 # final dense layer are adapted. The machinery is tta_core.darda.paper.
 
 
-class PaperDarda(Darda, DeadlineBudget):
+class PaperDarda(Darda):
     """DARDA from an offline bundle (see the module docstring).
+
+    Shift: the signature's cosine rule (`shift_cos`) or the shift test (ShiftTest on the
+    state-independent embedding: input moments, corruption residual, the first BN layer's
+    input; read by hooks in the same forward).
 
     Deadline (DeadlineConfig fields, as AdaShadow's; `set_deadline`, `set_speed`,
     `set_lateness`): the one adaptation after a shift cannot be split, so it runs on the
@@ -408,10 +577,7 @@ class PaperDarda(Darda, DeadlineBudget):
     batch's forward) + the margin FixedCosts learnt from the scatter of whole batches
     around their prediction <= what is left of the deadline. Until then it is deferred
     (the batch is served forward-only); a shift before it ran skips it (`skipped`).
-    Capabilities (tta_core.api): DeadlineTunable."""
-
-    #: the time source of the deadline decisions (seconds; tests inject a fake one)
-    clock: Callable[[], float] = staticmethod(time.perf_counter)
+    Capabilities (tta_core.api): DeadlineTunable, WarmsUp."""
 
     def __init__(self, model: nn.Module, config: DardaConfig | None = None) -> None:
         """With `bank_path`: the corruptions learnt by the extension are loaded from it
@@ -433,6 +599,7 @@ class PaperDarda(Darda, DeadlineBudget):
         if len(c.input_shape) != 3:
             raise ValueError(f"darda needs input_shape, one sample (C, H, W), got "
                              f"{tuple(c.input_shape)}")
+        DeadlineConfig.validate(c)
         self.model.eval().requires_grad_(False)
         self._bundle_expect = bundle_expect(self.model)
         off = load_bundle(c.bundle_path, self.model)
@@ -445,15 +612,19 @@ class PaperDarda(Darda, DeadlineBudget):
             max_wait=c.max_wait, min_bank=c.min_bank, context_momentum=c.context_momentum,
             lr=c.paper_lr,
             memory_capacity=c.memory_capacity, learn_domains=c.learn_domains,
-            novelty_cos=c.novelty_cos, max_domains=c.max_domains))
+            novelty_cos=c.novelty_cos, max_domains=c.max_domains, shift=c.shift_config()))
         for p in self.paper.params:
             p.requires_grad_(True)
+        # the shift test's embedding: read in the first BN layer's pre-hook, where the
+        # shift is decided and a sub-network swapped in before any of its tensors is used
+        self.embedder = DomainEmbedder(self.model, c.input_shape,
+                                       EmbeddingConfig(1, True, c.per_sample, True),
+                                       on_ready=self._on_embedding)
+        self.embedder.enabled = False
+        self._c: Tensor | None = None
+        self._switched: bool | None = None
         self.backward_passes = 0
-        DeadlineConfig.validate(c)
-        self.fixed = FixedCosts()
-        self.adapt_seen: deque[float] = deque(maxlen=ADAPT_WINDOW)
-        self.deferred = self.skipped = 0
-        self._t0, self._predicted = 0.0, math.nan
+        self._deadline_state()
         if c.has_deadline:
             self._calibrate()
 
@@ -461,6 +632,14 @@ class PaperDarda(Darda, DeadlineBudget):
         """Time the adaptation on noise (twice: the first pays one-time set-up)."""
         self.paper.calibrate()
         self.adapt_seen.append(self.paper.calibrate())
+
+    def warm_up(self, x: Tensor) -> None:
+        """Time the adaptation afresh (the process is warm now): its first prediction."""
+        self.adapt_seen.clear()
+        self._calibrate()
+
+    def _measured(self, res: StepResult, total_ms: float) -> None:
+        """Nothing: the adaptation's cost is measured in `update`."""
 
     # ------------------------------------------------------------ DeadlineTunable
     def set_deadline(self, **settings: object) -> None:
@@ -474,22 +653,6 @@ class PaperDarda(Darda, DeadlineBudget):
         """The one adaptation's predicted cost with its reforward (ms)."""
         return max(self.adapt_seen, default=0.0) + forward_ms
 
-    def fits(self, step: Step, elapsed_ms: float) -> bool:
-        """Whether the one adaptation still fits this batch's deadline, `elapsed_ms` of
-        it spent (always without a deadline)."""
-        deadline, margin = self.budget_ms(len(step.x))
-        cost = self.predicted_adapt_ms(step.phases.ms["forward"])
-        return math.isnan(deadline) or elapsed_ms + cost + margin <= deadline
-
-    def forward_and_adapt(self, x: Tensor) -> StepResult:
-        """The base loop, timed whole on `clock` for the deadline margin."""
-        self._t0, self._predicted = self.clock(), math.nan
-        res = super().forward_and_adapt(x)
-        total = (self.clock() - self._t0) * 1e3
-        if not math.isnan(self._predicted):
-            self.fixed.update_total(self._predicted, total, res.times.forward_ms)
-        return res
-
     def collect_params(self) -> list[nn.Parameter]:
         """None for the base optimizer: the one step uses PaperOnline's own SGD."""
         return []
@@ -498,13 +661,25 @@ class PaperDarda(Darda, DeadlineBudget):
         """The sub-network (training corruption) or learnt domain in use."""
         return self.paper.domain
 
+    def _on_embedding(self, vec: Tensor, within: Tensor | None) -> None:
+        """Inside the batch's forward, before the first BN layer: shift and bootstrap."""
+        self.embedder.enabled = False
+        assert self._c is not None
+        self._switched = self.paper.observe(self._c, vec, within)
+
     def forward(self, step: Step) -> None:
-        proj, c = self.paper.signature(step.x)
-        owed = self.paper.pending
-        step.stats["switched"] = self.paper.observe(c)
-        self.skipped += int(owed and step.stats["switched"])  # its adaptation never ran
-        with torch.no_grad():
-            step.logits = self.model(step.x)
+        proj, self._c = self.paper.signature(step.x)
+        owed, self._switched = self.paper.pending, None
+        self.embedder.enabled = True
+        try:
+            with torch.no_grad():
+                step.logits = self.model(step.x)
+        finally:
+            self.embedder.enabled = False
+        if self._switched is None:
+            raise RuntimeError("the shift test's embedding layer did not run in the forward")
+        step.stats["switched"] = step.stats["shift"] = self._switched
+        self.skipped += int(owed and self._switched)  # its adaptation never ran
         # the mean entropy a forward-only batch reports, read with the admission's inputs
         # (an adapted batch's reforward drops it: update)
         entropy = losses.entropy_loss(step.logits.detach())
@@ -516,14 +691,18 @@ class PaperDarda(Darda, DeadlineBudget):
         the deadline (class docstring: deferred to a later batch)."""
         t0 = self.clock()
         self._predicted = (t0 - self._t0) * 1e3
-        if self.paper.pending and not self.fits(step, self._predicted):
+        forward_ms = step.phases.ms["forward"]
+        if self.paper.pending and not self.fits(step, self.predicted_adapt_ms(forward_ms)):
             step.stats["deferred"] = True
             self.deferred += 1
             return
         if self.paper.ready():
-            self._predicted += self.predicted_adapt_ms(step.phases.ms["forward"])
+            self._predicted += self.predicted_adapt_ms(forward_ms)
             step.stats["refreshed"] = True
+            reason = NEW_DOMAIN if self.paper.novel else SHIFT
             step.adapted = self.paper.adapt()
+            if step.adapted:
+                step.stats["reason"] = reason
             self.backward_passes = self.paper.backward_passes
             self.adapt_seen.append((self.clock() - t0) * 1e3)
             with torch.no_grad():
@@ -543,7 +722,8 @@ class PaperDarda(Darda, DeadlineBudget):
         res.stats.update({"backward": step.adapted, "shifts": self.paper.shifts,
                           "memory": len(self.paper.memory),
                           "learnt": len(self.paper.learnt), "deferrals": self.deferred,
-                          "skipped": self.skipped})
+                          "skipped": self.skipped, "shift_score": self.paper.shift_score})
+        res.stats.setdefault("reason", "")
         return res
 
     def units_updated(self, step: Step) -> int:
@@ -554,7 +734,8 @@ class PaperDarda(Darda, DeadlineBudget):
         self.backward_passes = self.deferred = self.skipped = 0
 
     def close(self) -> None:
-        """Nothing to release (no hooks)."""
+        """Remove the shift test's embedding hooks."""
+        self.embedder.close()
 
     def save_bank(self, path: str | Path) -> None:
         """Write the corruptions the extension learnt (signature + adapted state each)."""

@@ -6,7 +6,10 @@ The darda method runs this when `bundle_path` names a bundle (`tta train-darda`)
    extractor g; Table 2's "no_extractor" uses the encoder trained without it), their
    normalised mean c;
 2. shift: c's cosine to the running signature of the ongoing corruption falls below
-   `shift_cos` (or the first batch); on a shift the sub-network closest to c by Eq. 10
+   `shift_cos`, or the shift test (tta_core.darda.detector.ShiftTest, `shift`) confirms a
+   change of the batch embedding (the darda method reads it in the forward: input moments,
+   corruption residual, the first BN layer's input, none of which the swapped state
+   touches), or the first batch; on a shift the sub-network closest to c by Eq. 10
    (S^i . c, S^i = S(F^i) of the bootstrapped fingerprints) is copied into the model, and
    C_cur becomes the nearest corruption centroid, and the memory bank drops its samples
    below `min_similarity` to it (the previous corruption's);
@@ -34,6 +37,7 @@ bootstrapped one, with no backward pass. The darda method saves and loads them i
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -45,6 +49,7 @@ from torch import Tensor, nn
 from tta_core.darda.bank import adapted_tensors, last_linear
 from tta_core.darda.bn import refreshing
 from tta_core.darda.corruption_memory import CorruptionMemory
+from tta_core.darda.detector import ShiftConfig, ShiftTest
 from tta_core.darda.offline import Offline
 from tta_core.darda.subnet import adaptation_loss, closest_index, fingerprint
 from tta_core.model.robust_bn import batch_norm_layers
@@ -70,9 +75,12 @@ class PaperConfig:
     learn_domains: bool = False
     novelty_cos: float = 0.95
     max_domains: int = 16
+    shift: ShiftConfig | None = None  # the shift test on batch embeddings (None: none)
 
     def validate(self) -> None:
         """ValueError naming the first bad field."""
+        if self.shift is not None:
+            self.shift.validate()
         if self.variant not in VARIANTS:
             raise ValueError(f"darda variant {self.variant!r} not in {VARIANTS}")
         for name in ("shift_cos", "novelty_cos", "min_similarity"):
@@ -115,11 +123,15 @@ class PaperOnline:
         classes = int(model.get_submodule(last_linear(model)).out_features)
         self.memory = CorruptionMemory(cfg.memory_capacity, classes, cfg.min_similarity)
         self.learnt: OrderedDict[str, Learnt] = OrderedDict()
+        self.shift_test = ShiftTest(cfg.shift) if cfg.shift is not None else None
         self.fresh()
 
     def fresh(self) -> None:
         """Forget the ongoing corruption, the memory bank and the learnt domains."""
         self.running: Tensor | None = None
+        self.shift_score = math.nan  # the shift test's score of the last batch
+        if self.shift_test is not None:
+            self.shift_test.fresh()
         self.center = self.centroids[0]
         self.domain, self.pending, self.waited, self.novel = "", False, 0, False
         self.backward_passes, self.shifts, self.next_id = 0, 0, 0
@@ -133,10 +145,15 @@ class PaperOnline:
             proj = self.encoder(x)
         return proj, F.normalize(proj.mean(0), dim=0)
 
-    def observe(self, c: Tensor) -> bool:
-        """Shift detection and bootstrapping (steps 2 of the module doc); True on a shift.
-        What a shift decides is computed with the cosine to the running signature and read
-        with it in one transfer."""
+    def observe(self, c: Tensor, e: Tensor | None = None, w: Tensor | None = None) -> bool:
+        """Shift detection and bootstrapping (steps 2 of the module doc) from the batch's
+        signature `c` and, for the shift test, its embedding `e` (`w`: within-batch
+        spread); True on a shift. What a shift decides is computed with the cosine to the
+        running signature and read with it in one transfer."""
+        test = self.shift_test if e is not None else None
+        decided = test.observe(e, w) if test is not None else None
+        self.shift_score = decided.score if decided is not None else math.nan
+        confirmed = decided is not None and decided.shift
         k = torch.argmax(self.centroids @ c).reshape(1)
         pieces = [k, closest_index(self.signatures, c).reshape(1)]
         tracking = self.running is not None
@@ -146,10 +163,12 @@ class PaperOnline:
             pieces.append((self.centroids.index_select(0, k)[0] @ c).reshape(1))
             pieces += [(d.signature @ c).reshape(1) for d in self.learnt.values()]
         v = torch.cat([t.double() for t in pieces]).tolist()
-        if tracking and v[2] >= self.cfg.shift_cos:  # the same corruption
+        if tracking and v[2] >= self.cfg.shift_cos and not confirmed:  # the same corruption
             self.running = F.normalize((1 - self.cfg.track) * self.running
                                        + self.cfg.track * c, dim=0)
             return False
+        if test is not None and not confirmed:  # the cosine rule decided: a new segment
+            test.restart()
         self.running, self.shifts = c.clone(), self.shifts + 1
         self.center = self.centroids[int(v[0])]
         sims = v[3 if tracking else 2:]  # learn_domains: the cosines

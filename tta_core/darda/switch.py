@@ -7,6 +7,14 @@ on a switch, the bank copies that domain's state into the live tensors (O(state 
 the batch is already predicted by the recognised state. `on_switch(detection)` lets the
 method reset what is not banked (optimizer momentum, a memory bank). A new domain starts
 from the nearest known domain's state (`init_from="nearest"`) or the source state.
+
+With a shift test (`SwitchConfig.shift`, tta_core.darda.detector.ShiftTest; darda's
+default) the stream is also tested for a change inside the active domain: a shift between
+two corruptions the table merges is perceived (the gate owes it its passes,
+`on_switch(None)` resets the method). A batch *perceives a shift* (`stats["shift"]`) when
+the detector switched domain or the test confirmed a shift, unless one was perceived fewer
+than `confirm` batches before (the detector's hysteresis and the test's confirmation may
+take the same shift on consecutive batches); a domain switch restarts the test's segment.
 """
 
 from __future__ import annotations
@@ -22,8 +30,20 @@ from torch.optim import Optimizer
 
 from tta_core.api import PhaseTimes, StepResult, mean_entropy
 from tta_core.darda.bank import SOURCE, StateBank, adapted_tensors
-from tta_core.darda.detector import Detection, DetectorConfig, DomainDetector
-from tta_core.darda.embedding import DomainEmbedder, EmbeddingConfig
+from tta_core.darda.detector import (
+    Detection,
+    DetectorConfig,
+    DomainDetector,
+    ShiftConfig,
+    ShiftDecision,
+    ShiftTest,
+)
+from tta_core.darda.embedding import (
+    RESIDUAL_FEATURES,
+    RESIDUAL_SCALES,
+    DomainEmbedder,
+    EmbeddingConfig,
+)
 from tta_core.darda.gate import AdaptGate, GateConfig
 
 
@@ -34,12 +54,15 @@ class SwitchConfig:
     detector: DetectorConfig
     gate: GateConfig
     init_from: str = "nearest"  # state of a new domain: "nearest" known one, or "source"
+    shift: ShiftConfig | None = None  # the shift test inside a domain (None: none)
 
     def validate(self) -> None:
         """ValueError naming a bad field."""
         if self.init_from not in ("nearest", SOURCE):
             raise ValueError(f"init_from {self.init_from!r} not in ('nearest', 'source')")
         self.detector.validate()
+        if self.shift is not None:
+            self.shift.validate()
 
 
 def embedder_for(model: nn.Module, input_shape: Sequence[int],
@@ -49,12 +72,27 @@ def embedder_for(model: nn.Module, input_shape: Sequence[int],
     return DomainEmbedder(model, input_shape, config)
 
 
+def shift_dims(model: nn.Module, embedder: DomainEmbedder, channels: int,
+               layers: int = 1) -> int:
+    """Leading dimensions of `embedder`'s embedding that the shift test reads: the input's
+    moments, the corruption residual, the learnt encoder (those it has) and the first
+    `layers` BN inputs (the first one's input, conv1's output, is state-independent in both
+    darda variants; measured in benchmarks/bench_darda_realtime.py); `channels`: the
+    input's."""
+    c, c_in = embedder.config, int(channels)
+    dims = (2 * c_in if c.include_input else 0) + \
+        (RESIDUAL_SCALES * RESIDUAL_FEATURES * c_in if c.residual else 0) + \
+        (embedder.encoder.config.dim if embedder.encoder is not None else 0)
+    modules = dict(model.named_modules())
+    return dims + sum(2 * int(modules[n].num_features) for n in embedder.layer_names[:layers])
+
+
 class DomainSwitch:
     """Detect the domain of each batch inside the forward and swap the banked state."""
 
     def __init__(self, embedder: DomainEmbedder, live: dict[str, Tensor],
                  config: SwitchConfig, source: dict[str, Tensor] | None = None,
-                 on_switch: Callable[[Detection], None] | None = None) -> None:
+                 on_switch: Callable[[Detection | None], None] | None = None) -> None:
         """`embedder`: hooks on the model (`embedder_for` builds one; its `on_ready` is
         taken over); `live`: the tensors banked per domain (bank.adapted_tensors);
         `source`: their source values (default: a copy of the live values now)."""
@@ -73,7 +111,12 @@ class DomainSwitch:
         self.detector = DomainDetector(self.embedder.dim, c.detector)
         self.bank = StateBank(self.live, c.detector.max_domains, source=self.source)
         self.gate = AdaptGate(c.gate)
+        self.shift_test = ShiftTest(c.shift) if c.shift is not None else None
         self.last: Detection | None = None
+        self.last_shift: ShiftDecision | None = None
+        self.perceived = False  # the last batch perceived a shift
+        self.perceived_total = 0
+        self._since_shift = 1 << 30  # batches since the last perceived shift
         self.detect_ms = 0.0
 
     @property
@@ -85,7 +128,7 @@ class DomainSwitch:
         """Before a batch's forward: clear the last detection and the timers, arm the
         embedding for that forward (and no other: an adapter's reforward from a cached
         stage input runs only the later hooks)."""
-        self.last, self.detect_ms = None, 0.0
+        self.last, self.last_shift, self.perceived, self.detect_ms = None, None, False, 0.0
         self.embedder.take_ms()
         self.embedder.enabled = True
 
@@ -110,6 +153,8 @@ class DomainSwitch:
         t0 = time.perf_counter()
         self.embedder.enabled = False  # once per batch: not in reforwards of its tail
         det = self.detector.observe(vec, within)
+        test = self.shift_test
+        dec = test.observe(vec, within) if test is not None else None
         if det.evicted:
             if det.evicted in self.bank.states:
                 self.bank.drop(det.evicted)
@@ -117,20 +162,35 @@ class DomainSwitch:
         if det.switched:
             near = det.nearest if self.config.init_from == "nearest" else ""
             self.bank.activate(det.domain, near if near in self.bank.states else SOURCE)
-            self.gate.switch(det.domain)
+            self.gate.switch(det.domain, det.created)
             if self.on_switch is not None:
                 self.on_switch(det)
-        self.last = det
+            if test is not None and dec is not None and not dec.shift:
+                test.restart()
+        elif dec is not None and dec.shift:
+            self.gate.shift()
+            if self.on_switch is not None:
+                self.on_switch(None)
+        self._since_shift += 1
+        if det.switched or (dec is not None and dec.shift):
+            gap = self.config.shift.confirm if self.config.shift is not None else 1
+            self.perceived = self._since_shift >= gap or self.detector.batches == 1
+            self.perceived_total += self.perceived
+            self._since_shift = 0
+        self.last, self.last_shift = det, dec
         self.detect_ms += (time.perf_counter() - t0) * 1e3 + self.embedder.take_ms()
 
     def stats(self, backward: bool) -> dict:
         """StepResult.stats of the last batch (moments + detection + swap in detect_ms)."""
         det = self.take()
-        return {"backward": backward, "switched": det.switched, "novel": det.novel,
-                "created": det.created, "distance": det.distance,
-                "nearest_distance": det.nearest_distance, "threshold": det.threshold,
-                "detect_ms": self.detect_ms, "domains": len(self.detector.names),
-                "stable": not self.gate.wants_backward()}
+        out = {"backward": backward, "switched": det.switched, "novel": det.novel,
+               "created": det.created, "distance": det.distance,
+               "nearest_distance": det.nearest_distance, "threshold": det.threshold,
+               "detect_ms": self.detect_ms, "domains": len(self.detector.names),
+               "stable": not self.gate.wants_backward(), "shift": self.perceived}
+        if self.last_shift is not None:
+            out["shift_score"] = self.last_shift.score
+        return out
 
     def close(self) -> None:
         """Remove the embedding hooks."""

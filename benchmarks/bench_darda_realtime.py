@@ -1,0 +1,200 @@
+"""DARDA in real time: shift recall, false alarms, backward passes per true shift, and the
+share of frames answered by their deadline on a stream at a camera rate.
+
+The stream is `tta bench`'s (synthetic signs, continual order, the 15 corruptions at
+severity 5, `--samples-per-domain` each; or `--data KIND:DIR`), cut into batches that never
+straddle a domain change, so the true shift points are the batches whose domain label
+differs from the previous batch's (tta_core.eval.shifts). Each darda variant steps through
+it offline (every batch waited for): per batch its `stats["shift"]` (a shift perceived),
+`stats["backward"]` and `stats["reason"]` are scored against the labels. Then every method
+runs in streaming mode (`tta bench --stream-hz`'s `stream_method`: the node's keep-latest
+queue, camera deadline at the rate) at each rate of `--hz`; the rate where bn_adapt still
+answers >= 99 % of the frames is the one the acceptance reads DARDA at.
+
+    python benchmarks/bench_darda_realtime.py --batch-sizes 4,16 --hz 60,120,240 \\
+        [--card checkpoints/small_resnet_signs32.json] [--seeds 0,1] [--out FILE.json]
+
+Variants: `darda` (the online-learnt domain bank), `darda@paper` (the paper's online phase
+from `--bundle`, default the card's `<stem>_darda.safetensors` when it exists). `--set
+M.KEY=VALUE` as `tta bench` (e.g. darda.gate_policy=stable: the gate before this
+change). Prints one table per batch size; `--out` writes the figures as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tta_core.eval.bench import (
+    BenchConfig,
+    bench_inputs,
+    method_base,
+    method_options,
+    stream_method,
+)
+from tta_core.eval.shifts import score_shifts
+from tta_core.methods import build_method
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--card", default=str(ROOT / "checkpoints" / "small_resnet_signs32.json"))
+    ap.add_argument("--bundle", default="", help="the paper's bundle ('': the card's "
+                    "<stem>_darda.safetensors if present; 'none': no paper variant)")
+    ap.add_argument("--data", default="", help="tta bench --data KIND:DIR")
+    ap.add_argument("--batch-sizes", default="4,16")
+    ap.add_argument("--samples-per-domain", type=int, default=40)
+    ap.add_argument("--seeds", default="0")
+    ap.add_argument("--hz", default="", help="stream rates (comma list); '': offline only")
+    ap.add_argument("--stream-methods", default="bn_adapt,darda,darda@paper,adashadow")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--set", action="append", default=[], metavar="M.KEY=VALUE")
+    ap.add_argument("--out", default="")
+    return ap.parse_args()
+
+
+def _value(raw: str) -> Any:
+    for cast in (int, float):
+        try:
+            return cast(raw)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(raw.lower(), raw)
+
+
+def overrides(sets: list[str], bundle: str) -> dict[str, dict[str, Any]]:
+    """Per-method options: --set values, the paper variant's bundle."""
+    out: dict[str, dict[str, Any]] = {}
+    for item in sets:
+        key, _, raw = item.partition("=")
+        name, _, field = key.partition(".")
+        out.setdefault(name, {})[field] = _value(raw)
+    if bundle:
+        out.setdefault("darda@paper", {}).setdefault("bundle_path", bundle)
+    return out
+
+
+def perceived_shift(stats: dict) -> bool:
+    """A batch's perceived shift (`shift`; code without it: a domain switch, `switched`)."""
+    return bool(stats.get("shift", stats.get("switched", False)))
+
+
+def offline(name: str, cfg: BenchConfig, fresh, stream) -> dict[str, Any]:
+    """One variant over the stream, every batch waited for: its shift score and accuracy."""
+    torch.manual_seed(cfg.seed)
+    meth = build_method(method_base(name), fresh(),
+                        **method_options(name, cfg, tuple(stream[0].x.shape[1:])))
+    perceived, backward, reasons, right, n, ms = [], [], [], 0, 0, []
+    for b in stream:
+        t0 = time.perf_counter()
+        res = meth.step(b.x)
+        ms.append((time.perf_counter() - t0) * 1e3)
+        perceived.append(perceived_shift(res.stats))
+        backward.append(bool(res.adapted))
+        reasons.append(str(res.stats.get("reason", "")))
+        right += int((res.logits.argmax(1).cpu().numpy() == b.labels).sum())
+        n += len(b.labels)
+    meth.close()
+    score = score_shifts([b.domain for b in stream], perceived, backward, reasons)
+    ms.sort()
+    return {**score.to_dict(), "accuracy": right / n, "step_ms_p50": ms[len(ms) // 2],
+            "deferred": getattr(meth, "deferred", 0), "skipped": getattr(meth, "skipped", 0)}
+
+
+def streaming(name: str, cfg: BenchConfig, fresh, stream, hz: float) -> dict[str, Any]:
+    """One method in streaming mode at `hz`: answered / strict shares, deadline met and,
+    for darda, its backward passes and shifts on the batches the schedule formed."""
+    seen: list[tuple[bool, bool, str]] = []
+
+    def note(res: Any) -> None:
+        seen.append((perceived_shift(res.stats), bool(res.adapted),
+                     str(res.stats.get("reason", ""))))
+
+    r = stream_method(name, fresh(), stream, cfg, hz, on_step=note)
+    s = r.summary
+    out = {"hz": hz, "answered": s.answered, "strict": s.strict, "dropped": s.dropped,
+           "deadline_met": s.deadline_met, "batches": s.batches,
+           "backward": sum(a for _, a, _ in seen),
+           "reasons": {k: sum(1 for _, a, why in seen if a and why == k)
+                       for k in sorted({why for _, a, why in seen if a})}}
+    if method_base(name) == "darda":
+        out["perceived"] = sum(p for p, _, _ in seen)
+    return out
+
+
+def fmt(v: float, spec: str = ".1f") -> str:
+    return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def main() -> None:
+    a = parse()
+    torch.set_num_threads(a.threads)
+    bundle = a.bundle
+    if not bundle:
+        guess = Path(a.card).with_name(f"{Path(a.card).stem}_darda.safetensors")
+        bundle = str(guess) if guess.is_file() else ""
+    bundle = "" if bundle == "none" else bundle
+    opts = overrides(a.set, bundle)
+    variants = ["darda", *(["darda@paper"] if bundle else [])]
+    stream_methods = [m for m in a.stream_methods.split(",") if m and
+                      (m != "darda@paper" or bundle)]
+    rates = [float(h) for h in a.hz.split(",") if h]
+    report: dict[str, Any] = {"card": a.card, "bundle": bundle, "data": a.data,
+                              "samples_per_domain": a.samples_per_domain, "options": opts,
+                              "runs": []}
+    for bs in (int(b) for b in a.batch_sizes.split(",")):
+        for seed in (int(s) for s in a.seeds.split(",")):
+            cfg = BenchConfig(methods=tuple(dict.fromkeys(variants + stream_methods)),
+                              batch_size=bs, samples_per_domain=a.samples_per_domain,
+                              model_card=Path(a.card), seed=seed, threads=a.threads,
+                              data=a.data, method_options=opts)
+            _, fresh, stream = bench_inputs(cfg)
+            run: dict[str, Any] = {"batch_size": bs, "seed": seed, "batches": len(stream),
+                                   "offline": {}, "streaming": {}}
+            print(f"\n## batch {bs}, seed {seed}: {len(stream)} batches, "
+                  f"{sum(len(b.labels) for b in stream)} frames")
+            print("\n| variant | recall % | missed | false alarms | perceived | backward % of "
+                  "batches | backward per true shift | reasons | deferred | accuracy % | "
+                  "step ms p50 |\n|---|---|---|---|---|---|---|---|---|---|---|")
+            for v in variants:
+                o = offline(v, replace(cfg), fresh, stream)
+                run["offline"][v] = o
+                print(f"| {v} | {fmt(100 * o['recall'])} ({o['detected']}/{o['true_shifts']})"
+                      f" | {', '.join(o['missed']) or '–'} | {o['false_alarms']} | "
+                      f"{o['perceived']} | {fmt(100 * o['backward_share'])} | "
+                      f"{fmt(o['backward_per_shift'], '.2f')} | "
+                      f"{', '.join(f'{k} {c}' for k, c in o['reasons'].items()) or '–'} | "
+                      f"{o['deferred']} | {fmt(100 * o['accuracy'])} | "
+                      f"{fmt(o['step_ms_p50'], '.2f')} |")
+            if rates:
+                print("\n| method | " + " | ".join(f"{h:g} Hz answered % (backward)"
+                                                  for h in rates) + " |")
+                print("|---|" + "---|" * len(rates))
+                for m in stream_methods:
+                    rows = [streaming(m, cfg, fresh, stream, h) for h in rates]
+                    run["streaming"][m] = rows
+                    print(f"| {m} | " + " | ".join(
+                        f"{fmt(100 * r['answered'])} ({r['backward']})" for r in rows) + " |")
+                base = run["streaming"].get("bn_adapt")
+                if base:
+                    ok = [r["hz"] for r in base if r["answered"] >= 0.99]
+                    run["bn_adapt_max_hz"] = max(ok) if ok else None
+                    print(f"\nhighest rate where bn_adapt answers >= 99 %: "
+                          f"{fmt(run['bn_adapt_max_hz'], 'g')} Hz")
+            report["runs"].append(run)
+    if a.out:
+        Path(a.out).write_text(json.dumps(report, indent=1, default=float) + "\n")
+        print(f"\nwrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -14,8 +14,8 @@ import pytest
 from tta_core import __version__
 from tta_core.cli import ENTRY_POINT_GROUP, build_parser, main
 
-CORE_COMMANDS = {"bench", "calibrate", "doctor", "make-bag", "model-card", "predictor-bench",
-                 "profile", "sweep", "train-corruption-encoder", "train-darda",
+CORE_COMMANDS = {"bench", "calibrate", "doctor", "make-bag", "make-benchmark", "model-card",
+                 "predictor-bench", "profile", "sweep", "train-corruption-encoder", "train-darda",
                  "train-elastic", "train-source"}
 
 

@@ -218,9 +218,15 @@ def test_a_deadline_that_leaves_no_room_defers_the_adaptation(bundle) -> None:
                      bundle_path=str(path), max_wait=1, deadline_mode="fixed",
                      deadline_ms=1e-6, memory_format="contiguous")
     assert isinstance(m, DeadlineTunable) and len(m.adapt_seen) == 1  # calibrated at build
+    m.clock = lambda: 0.0  # only the injected costs below decide
+    m.adapt_seen.clear()
+    m.adapt_seen.append(1e6)
     res = [m.step(x) for x in _stream()[:4]]
     assert not any(r.adapted for r in res) and all(r.stats["deferred"] for r in res)
     assert m.paper.pending and m.deferred == 4  # still owed, for a batch where it fits
+    # batches 2-4 had no room for the detection either: served plain by the sub-network
+    assert [bool(r.stats.get("plain")) for r in res] == [False, True, True, True]
+    m.set_deadline(deadline_ms=1e3)  # room for the detection, not for the adaptation
     m.step(_stream()[4])  # the next corruption came first: that adaptation is skipped
     assert m.skipped == 1 and m.paper.pending
 
@@ -255,6 +261,7 @@ def test_the_adaptation_runs_on_the_first_batch_whose_slack_fits_it(bundle) -> N
     tick[0] = 99.995  # each clock read advances 99.995 s: update starts that late
     assert m.step(xs[2]).stats["deferred"]
     tick[0] = 0.0
+    m.plain_seen.clear()  # those steps measured 100 s each on the fake clock: forgotten
     m.set_lateness(1e5 - 5.0)  # a backlog: 5 ms of the deadline left
     assert m.step(xs[3]).stats["deferred"]
     m.set_lateness(0.0)

@@ -191,6 +191,26 @@ def test_an_owed_pass_never_runs_in_a_step_whose_deadline_is_spent() -> None:
     spent = m.step(xs[2])
     assert spent.stats["deferred"] and not spent.adapted and m.gate.wants_backward()
     tick[0] = 0.0
+    m.plain_seen.clear()  # that step measured seconds on the fake clock: inject 1 ms
+    m.plain_seen.append(1.0)
     taken = m.step(xs[3])
     assert taken.adapted and not taken.stats["deferred"] and taken.stats["reason"] == NEW_DOMAIN
     assert m.deferred == 2 and not m.gate.wants_backward()
+
+
+def test_a_batch_without_room_for_its_detection_is_served_plain() -> None:
+    """The deadline left (lateness) below the forward-only step's predicted cost: the
+    batch is served by the active state without detection (the detector and the shift
+    test never see it), and counted; with room again, detection resumes."""
+    m = _darda(deadline_mode="fixed", deadline_ms=100.0)
+    m.clock = lambda: 0.0  # every step measures 0 ms: only injected costs decide
+    xs = [x for x, _ in _segments((1.0,), 3)]
+    assert m.step(xs[0]).stats["detected"]
+    m.plain_seen.append(20.0)
+    seen = m.detector.batches
+    m.set_lateness(90.0)
+    plain = m.step(xs[1])
+    assert not plain.stats["detected"] and plain.stats["undetected"] and not plain.adapted
+    assert m.detector.batches == seen and m.undetected == 1 and plain.domain == "d0"
+    m.set_lateness(0.0)
+    assert m.step(xs[2]).stats["detected"] and m.detector.batches == seen + 1

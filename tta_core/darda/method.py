@@ -83,6 +83,10 @@ ADAPT_WINDOW = 4
 #: before an adapted step was measured: its cost in forward-only steps (forward with
 #: grad + backward + reforward)
 ADAPT_FACTOR = 3.0
+#: measured forward-only steps (without their detection) and detection costs kept to
+#: predict whether a batch has room for its detection (the most of the former, the median
+#: of the latter)
+SERVE_WINDOW = 8
 
 
 @dataclass
@@ -222,7 +226,9 @@ class Darda(TTAMethod, DeadlineBudget):
         """What the deadline decisions learn (both variants)."""
         self.fixed = FixedCosts()
         self.adapt_seen: deque[float] = deque(maxlen=ADAPT_WINDOW)
-        self.deferred = self.skipped = 0
+        self.plain_seen: deque[float] = deque(maxlen=SERVE_WINDOW)  # steps less detection
+        self.detect_seen: deque[float] = deque(maxlen=SERVE_WINDOW)  # detection costs
+        self.deferred = self.skipped = self.undetected = 0
         self._t0, self._predicted = 0.0, math.nan
 
     def configure_model(self) -> None:
@@ -265,7 +271,6 @@ class Darda(TTAMethod, DeadlineBudget):
                                                     c.input_shape[0]))),
             source=self._source, on_switch=self._on_switch)
         self._deadline_state()
-        self._serve_ms = math.nan  # EMA of forward-only steps (ms)
         self.refresh_seen: deque[float] = deque(maxlen=ADAPT_WINDOW)
         self._fresh()
 
@@ -276,7 +281,7 @@ class Darda(TTAMethod, DeadlineBudget):
         self.memory = BalancedMemory(c.memory_capacity, self.num_classes) if use_memory else None
         self.backward_passes, self._since_refresh = 0, 0
         self._refresh_owed = False
-        self.deferred = self.skipped = 0
+        self.deferred = self.skipped = self.undetected = 0
 
     @property
     def detector(self) -> DomainDetector:
@@ -346,7 +351,25 @@ class Darda(TTAMethod, DeadlineBudget):
         else ADAPT_FACTOR forward-only steps (0 before any batch)."""
         if self.adapt_seen:
             return max(self.adapt_seen)
-        return 0.0 if math.isnan(self._serve_ms) else ADAPT_FACTOR * self._serve_ms
+        return ADAPT_FACTOR * self.predicted_serve_ms()
+
+    def predicted_serve_ms(self) -> float:
+        """A forward-only step's predicted cost with its detection (ms): the most of the
+        last measured steps less their detection + the median detection cost (0 before
+        any batch)."""
+        detect = sorted(self.detect_seen)[len(self.detect_seen) // 2] \
+            if self.detect_seen else 0.0
+        return max(self.plain_seen, default=0.0) + detect
+
+    def detection_fits(self, step: Step) -> bool:
+        """Whether this batch's deadline has room for a forward with detection (a batch
+        without: served by the active state, its detection skipped, `undetected`); yes
+        before any step was measured (the stream's first batch finds its domain)."""
+        if not self.plain_seen or self.fits(step, self.predicted_serve_ms()):
+            return True
+        self.undetected += 1
+        step.stats["undetected"] = True
+        return False
 
     def forward_and_adapt(self, x: Tensor) -> StepResult:
         """The base loop, timed whole on `clock`: the step costs and the deadline margin."""
@@ -363,8 +386,10 @@ class Darda(TTAMethod, DeadlineBudget):
         if res.adapted:
             self.adapt_seen.append(total_ms)
         elif not res.stats.get("refreshed"):
-            ema = self._serve_ms
-            self._serve_ms = total_ms if math.isnan(ema) else 0.8 * ema + 0.2 * total_ms
+            detect = float(res.stats.get("detect_ms", 0.0))
+            self.plain_seen.append(max(total_ms - detect, 0.0))
+            if res.stats.get("detected", True):
+                self.detect_seen.append(detect)
 
     def warm_up(self, x: Tensor) -> None:
         """Measure an adapted step on `x` (noise; twice, the first pays one-time set-up)
@@ -394,7 +419,18 @@ class Darda(TTAMethod, DeadlineBudget):
     def forward(self, step: Step) -> None:
         """The forward that also embeds the batch and recognises its domain (the switch
         may swap the banked state in); recorded only when the gate wants a backward and
-        the adapted step fits the deadline (else `deferred`)."""
+        the adapted step fits the deadline (else `deferred`). A batch whose deadline has
+        no room for the detection either is served by a plain forward (`undetected`)."""
+        if not self.detection_fits(step):  # served by the active state, nothing owed runs
+            self.switch.skip()
+            self._predicted = max(self.plain_seen, default=math.nan)
+            if self.gate.wants_backward():
+                step.stats["deferred"] = True
+                self.deferred += 1
+            with torch.no_grad():
+                step.logits = self.model(step.x)
+            return
+        self._predicted = self.predicted_serve_ms()
         grad = self.optimizer is not None and self.gate.wants_backward()
         if grad:
             cost = self.predicted_step_ms()
@@ -413,8 +449,8 @@ class Darda(TTAMethod, DeadlineBudget):
         if grad and self.gate.wants_backward():  # a switch may have made it stable
             step.loss = self.loss(step.logits)
             step.stats["reason"] = self.gate.reason
-        else:
-            self._predicted = math.nan
+        elif grad:
+            self._predicted = self.predicted_serve_ms()
 
     def update(self, step: Step) -> None:
         super().update(step)
@@ -623,6 +659,7 @@ class PaperDarda(Darda):
         self.embedder.enabled = False
         self._c: Tensor | None = None
         self._switched: bool | None = None
+        self._observe_ms = 0.0
         self.backward_passes = 0
         self._deadline_state()
         if c.has_deadline:
@@ -637,9 +674,6 @@ class PaperDarda(Darda):
         """Time the adaptation afresh (the process is warm now): its first prediction."""
         self.adapt_seen.clear()
         self._calibrate()
-
-    def _measured(self, res: StepResult, total_ms: float) -> None:
-        """Nothing: the adaptation's cost is measured in `update`."""
 
     # ------------------------------------------------------------ DeadlineTunable
     def set_deadline(self, **settings: object) -> None:
@@ -661,15 +695,26 @@ class PaperDarda(Darda):
         """The sub-network (training corruption) or learnt domain in use."""
         return self.paper.domain
 
-    def _on_embedding(self, vec: Tensor, within: Tensor | None) -> None:
-        """Inside the batch's forward, before the first BN layer: shift and bootstrap."""
-        self.embedder.enabled = False
-        assert self._c is not None
-        self._switched = self.paper.observe(self._c, vec, within)
-
     def forward(self, step: Step) -> None:
+        """Signature, then the forward in which the shift is decided (`_on_embedding`), the
+        memory bank admission while an adaptation is owed. A batch whose deadline has no
+        room for the detection is served by a plain forward of the current sub-network
+        (`undetected`; the owed adaptation waits)."""
+        step.stats["switched"] = step.stats["shift"] = False
+        if not self.detection_fits(step):
+            self._predicted = max(self.plain_seen, default=math.nan)
+            if self.paper.pending:
+                step.stats["deferred"] = True
+                self.deferred += 1
+            with torch.no_grad():
+                step.logits = self.model(step.x)
+            step.stats["plain"] = True
+            return
+        t0 = self.clock()
+        self._predicted = self.predicted_serve_ms()
         proj, self._c = self.paper.signature(step.x)
         owed, self._switched = self.paper.pending, None
+        t1 = self.clock()
         self.embedder.enabled = True
         try:
             with torch.no_grad():
@@ -678,26 +723,51 @@ class PaperDarda(Darda):
             self.embedder.enabled = False
         if self._switched is None:
             raise RuntimeError("the shift test's embedding layer did not run in the forward")
+        t2 = self.clock()
         step.stats["switched"] = step.stats["shift"] = self._switched
         self.skipped += int(owed and self._switched)  # its adaptation never ran
-        # the mean entropy a forward-only batch reports, read with the admission's inputs
-        # (an adapted batch's reforward drops it: update)
-        entropy = losses.entropy_loss(step.logits.detach())
-        step.entropy_value = self.paper.remember(step.x, step.logits, proj,
-                                                 entropy.reshape(1))[0]
+        if self.paper.pending:  # Algorithm 1's bank feeds the owed adaptation only
+            # the mean entropy a forward-only batch reports, read with the admission's
+            # inputs (an adapted batch's reforward drops it: update)
+            entropy = losses.entropy_loss(step.logits.detach())
+            step.entropy_value = self.paper.remember(step.x, step.logits, proj,
+                                                     entropy.reshape(1))[0]
+        # the detection's cost: the signature, the hooks' moments and the shift decision,
+        # the admission (the forward itself is what a plain batch costs)
+        step.stats["detect_ms"] = ((t1 - t0) + (self.clock() - t2)) * 1e3 + \
+            self.embedder.take_ms() + self._observe_ms
+
+    def _on_embedding(self, vec: Tensor, within: Tensor | None) -> None:
+        """Inside the batch's forward, before the first BN layer: shift and bootstrap."""
+        t0 = self.clock()
+        self.embedder.enabled = False
+        assert self._c is not None
+        self._switched = self.paper.observe(self._c, vec, within)
+        self._observe_ms = (self.clock() - t0) * 1e3
+
+    def _measured(self, res: StepResult, total_ms: float) -> None:
+        """The forward-only steps' costs (the adaptation's is measured in `update`)."""
+        if res.adapted:
+            return
+        detect = float(res.stats.get("detect_ms", 0.0))
+        self.plain_seen.append(max(total_ms - detect, 0.0))
+        if not res.stats.get("plain"):
+            self.detect_seen.append(detect)
 
     def update(self, step: Step) -> None:
         """The one adaptation after a shift when its trigger fires, unless it would miss
-        the deadline (class docstring: deferred to a later batch)."""
+        the deadline (class docstring: deferred to a later batch); none on a batch served
+        plain."""
+        if step.stats.get("plain"):
+            return
         t0 = self.clock()
-        self._predicted = (t0 - self._t0) * 1e3
         forward_ms = step.phases.ms["forward"]
         if self.paper.pending and not self.fits(step, self.predicted_adapt_ms(forward_ms)):
             step.stats["deferred"] = True
             self.deferred += 1
             return
         if self.paper.ready():
-            self._predicted += self.predicted_adapt_ms(forward_ms)
+            self._predicted = (t0 - self._t0) * 1e3 + self.predicted_adapt_ms(forward_ms)
             step.stats["refreshed"] = True
             reason = NEW_DOMAIN if self.paper.novel else SHIFT
             step.adapted = self.paper.adapt()

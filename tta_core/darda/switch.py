@@ -115,6 +115,7 @@ class DomainSwitch:
         self.last: Detection | None = None
         self.last_shift: ShiftDecision | None = None
         self.perceived = False  # the last batch perceived a shift
+        self.undetected = False  # the last batch was served without detection (skip)
         self.perceived_total = 0
         self._since_shift = 1 << 30  # batches since the last perceived shift
         self.detect_ms = 0.0
@@ -129,8 +130,16 @@ class DomainSwitch:
         embedding for that forward (and no other: an adapter's reforward from a cached
         stage input runs only the later hooks)."""
         self.last, self.last_shift, self.perceived, self.detect_ms = None, None, False, 0.0
+        self.undetected = False
         self.embedder.take_ms()
         self.embedder.enabled = True
+
+    def skip(self) -> None:
+        """Before a batch's forward: serve it without detection (its deadline has no room
+        for it): the embedding is off, the active domain's state serves it."""
+        self.last, self.last_shift, self.perceived, self.detect_ms = None, None, False, 0.0
+        self.undetected = True
+        self.embedder.enabled = False
 
     @contextmanager
     def paused(self) -> Iterator[None]:
@@ -182,12 +191,18 @@ class DomainSwitch:
 
     def stats(self, backward: bool) -> dict:
         """StepResult.stats of the last batch (moments + detection + swap in detect_ms)."""
+        if self.undetected:
+            return {"backward": backward, "switched": False, "novel": False,
+                    "created": False, "detect_ms": 0.0, "domains": len(self.detector.names),
+                    "stable": not self.gate.wants_backward(), "shift": False,
+                    "detected": False}
         det = self.take()
         out = {"backward": backward, "switched": det.switched, "novel": det.novel,
                "created": det.created, "distance": det.distance,
                "nearest_distance": det.nearest_distance, "threshold": det.threshold,
                "detect_ms": self.detect_ms, "domains": len(self.detector.names),
-               "stable": not self.gate.wants_backward(), "shift": self.perceived}
+               "stable": not self.gate.wants_backward(), "shift": self.perceived,
+               "detected": True}
         if self.last_shift is not None:
             out["shift_score"] = self.last_shift.score
         return out

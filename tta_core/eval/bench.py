@@ -33,6 +33,8 @@ from tta_core.eval.report import FrameRecord, RunRecord, lr_markdown, summarize
 from tta_core.eval.report_files import ReportFiles, write_report
 from tta_core.eval.report_identity import samples_text
 from tta_core.eval.saved_memory import ActivationMeter, saved_note
+from tta_core.eval.shifts import run_meta as shift_meta
+from tta_core.eval.shifts import shifts_markdown
 from tta_core.eval.streaming import (
     NODE_BATCH_WAIT_MS,
     NODE_QUEUE_SIZE,
@@ -268,6 +270,9 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
     frames: list[FrameRecord] = []
     busy = 0.0
     rates: dict[int, float] = {}  # batch size -> SGD rate its steps ran with
+    # (domain, shift perceived, backward, its reason) per batch of a method that says why
+    # it backpropagated (darda: stats["reason"]); scored in meta["shifts"]
+    triggers: list[tuple[str, bool, bool, str]] = []
     start_mb = psutil.Process().memory_info().rss / 2**20
     with PeakRSS() as mem:
         for b_id, b in enumerate(stream):
@@ -283,6 +288,9 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
             wall_ms = (time.perf_counter() - t0) * 1e3
             busy += wall_ms / 1e3
             meter.note(res.stats)
+            if "reason" in res.stats:
+                triggers.append((b.domain, bool(res.stats.get("shift")), bool(res.adapted),
+                                 str(res.stats["reason"])))
             frames += _frames(b, b_id, res, pred, {**_phases(res), "total": wall_ms})
             if progress is not None:
                 progress(len(b.labels))
@@ -295,6 +303,8 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
             "memory_format": getattr(getattr(meth, "format", None), "format", None)}
     if meter.meta() is not None:
         meta["saved_activations"] = meter.meta()
+    if len(triggers) == len(stream):
+        meta["shifts"] = shift_meta(triggers)
     if live is not None and live.fed:
         meta["telemetry"] = live.summary()
         live.fed.clear()
@@ -387,7 +397,8 @@ def write_bench(runs: list[RunRecord], out: Path, cfg: BenchConfig,
             f"{samples}; torch threads {cfg.threads or 'all'}"
             + (f"; code {ran['code_version']}" if isinstance(ran, dict) else "") + "\n\n")
     text = (text.replace("Accuracy in %", head + "Accuracy in %", 1)
-            + saved_note(cfg.measures_activations) + lr_markdown(runs))
+            + saved_note(cfg.measures_activations) + lr_markdown(runs)
+            + shifts_markdown(runs))
     files.markdown.write_text(text)
     return files, text
 

@@ -94,3 +94,30 @@ def score_shifts(domains: Sequence[str], perceived: Sequence[bool],
     return ShiftScore(n, len(starts), len(matched), false_alarms, count, sum(map(bool, backward)),
                       dict(sorted(why.items())),
                       [domains[s] for s in starts if s not in matched], window)
+
+
+def run_meta(batches: Sequence[tuple[str, bool, bool, str]]) -> dict:
+    """A bench run's `meta["shifts"]` from its batches' (domain, perceived shift, backward,
+    reason)."""
+    domains, perceived, backward, reasons = (list(c) for c in zip(*batches, strict=True))
+    return score_shifts(domains, perceived, backward, reasons).to_dict()
+
+
+def shifts_markdown(runs: Sequence) -> str:
+    """The report's table of each run's `meta["shifts"]` ('' when no run has one): why
+    the backward passes ran, against the stream's known shift points."""
+    rows = [(r.method, r.meta["shifts"]) for r in runs if isinstance(r.meta.get("shifts"), dict)]
+    if not rows:
+        return ""
+    lines = ["", "Shifts and backward passes (against the stream's domain changes; a shift "
+             f"counts as detected when perceived within {WINDOW} batches of it):", "",
+             "| method | true shifts | detected (recall %) | false alarms | backward passes "
+             "(% of batches) | per true shift | reasons |", "|---|---|---|---|---|---|---|"]
+    for name, s in rows:
+        recall = "–" if s["recall"] is None or s["recall"] != s["recall"] else \
+            f"{100 * s['recall']:.0f}"
+        why = ", ".join(f"{k} {v}" for k, v in s["reasons"].items()) or "–"
+        lines.append(f"| {name} | {s['true_shifts']} | {s['detected']} ({recall}) | "
+                     f"{s['false_alarms']} | {s['backward']} ({100 * s['backward_share']:.0f}) "
+                     f"| {s['backward_per_shift']:.2f} | {why} |")
+    return "\n".join(lines) + "\n"

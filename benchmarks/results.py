@@ -66,7 +66,7 @@ PAGES: tuple[Page, ...] = (
     Page("like_for_like", "bench_like_for_like", "_markdown",
          "Saved bytes at equal adaptation: what the codec saves, what the plan saves",
          "python benchmarks/bench_like_for_like.py"),
-    Page("darda_table2", "bench_darda_table2", "render",
+    Page("darda_table2*", "bench_darda_table2", "render",
          "DARDA's Table 2 at scale (CIFAR-scale benchmark, ResNet-26, 3 seeds, sweep)",
          "tta sweep config/sweeps/darda_table2.yaml && python benchmarks/bench_darda_table2.py"),
     Page("darda*", "bench_darda", "render",

@@ -116,6 +116,10 @@ class PaperOnline:
         self.centroids = off.raw_centroids if raw else off.centroids
         with torch.no_grad():
             self.signatures = self.s(off.fingerprints)
+        # Eq. 10 picks the sub-network whose signature S(F^i) is closest to the batch's;
+        # a bundle whose S was trained with Eq. 9 as printed (i != j) pulls S(F^i) away
+        # from its own centroid, so its sub-network is picked by the nearest centroid
+        self.pick_by_centroid = off.config.get("cm_pairs") == "off_diagonal"
         self.noise = off.noise
         self.bns = list(batch_norm_layers(model).values())
         self.params = [t for k, t in self.live.items() if k.endswith((".weight", ".bias"))]
@@ -179,7 +183,7 @@ class PaperOnline:
             self.learnt.move_to_end(hit)
             self._load(self.learnt[hit].state)
         else:
-            i = int(v[1])
+            i = int(v[0] if self.pick_by_centroid else v[1])
             self.domain, self.pending, self.waited = self.off.names[i], True, 0
             self._load(self.off.states[self.off.names[i]])
         self.memory.retarget(self.center)

@@ -76,14 +76,18 @@ def test_shift_test_confirms_before_it_fires_and_outliers_join_the_segment() -> 
 
     decided = [test.observe(e0 + near(), w) for _ in range(3)]
     assert all(math.isnan(d.score) for d in decided)  # too young to be tested
-    one = test.observe(e0 + 5.0, w)  # a single far batch: away, not yet a shift
-    assert one.away and not one.shift
+    one = test.observe(e0 + 0.3, w)  # a single batch away: not yet a shift
+    assert one.away and not one.shift and one.score < 5 * 3.0
     back = test.observe(e0 + near(), w)
     assert not back.away and test.segment_batches == 5  # the outlier joined the segment
-    assert test.observe(e0 + 5.0, w).away
-    second = test.observe(e0 + 5.0 + near(), w)
+    assert test.observe(e0 + 0.3, w).away
+    second = test.observe(e0 + 0.3 + near(), w)
     assert second.shift and test.segment_batches == 2 and test.shifts == 1
-    assert math.isnan(test.observe(e0 + 5.0, w).score)  # the new segment is young again
+    assert math.isnan(test.observe(e0 + 0.3, w).score)  # the new segment is young again
+    for _ in range(3):
+        test.observe(e0 + 0.3 + near(), w)
+    far = test.observe(e0 + 5.0, w)  # beyond `instant` x threshold: a shift at once
+    assert far.shift and test.segment_batches == 1 and test.shifts == 2
 
 
 def test_score_shifts_by_hand() -> None:
@@ -117,9 +121,11 @@ def test_gate_owes_per_shift_passes_with_their_reason() -> None:
     gate.shift()  # a shift inside d0 (the shift test)
     assert gate.reason == SHIFT
     gate.record(1.0, adapted=True)
+    gate.shift()  # perceived in d0 a batch before the detector switches away from it
     gate.switch("d1", created=True)
+    assert gate.domains["d0"].stable and gate.skipped == 1  # d0 stays stable
     gate.switch("d0")  # back before d1's pass ran: d0 is stable, d1's pass is dropped
-    assert not gate.wants_backward() and gate.skipped == 1
+    assert not gate.wants_backward() and gate.skipped == 2
     gate.switch("d1")  # d1 never adapted: it still owes its first pass
     assert gate.wants_backward() and gate.reason == NEW_DOMAIN
     gate.record(1.0, adapted=True)

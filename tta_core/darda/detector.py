@@ -50,8 +50,10 @@ shift, the latest `window`); a batch is *away* when
 exceeds `threshold` (m: the reference's mean, W_seg its batches' mean within-batch spread,
 W_stream the stream's, n0 = `prior_weight`: the spread of a reference of a few batches of
 4 samples is itself uncertain). `confirm` away batches in a row are a shift (the new
-segment starts with them); an away batch followed by one that is not is an outlier and
-joins the reference. A segment is tested once it has `min_reference` batches (a reference
+segment starts with them), and so is one batch beyond `instant` x threshold (a shift
+between two noises whose later batches hardly differ: the first batch of the new noise
+can be far, the next ones close); an away batch followed by one that is not is an outlier
+and joins the reference. A segment is tested once it has `min_reference` batches (a reference
 of one or two batches flagged its own next batches: measured on blur segments, alarms
 every other batch). Without within-batch spreads (batches of one sample, pooled moments)
 the reference's own batch-to-batch variance stands in for W. `score_shifts`
@@ -385,6 +387,7 @@ class ShiftConfig:
 
     threshold: float = 3.0  # mean standardised square above which a batch is away
     confirm: int = 2  # away batches in a row that make a shift
+    instant: float = 5.0  # ... or one batch beyond this times the threshold (0: never)
     min_reference: int = 3  # batches of a segment before it is tested
     window: int = 16  # latest batches of the segment in the reference
     prior_weight: float = 2.0  # pseudo-count of the stream's within-batch spread
@@ -394,6 +397,7 @@ class ShiftConfig:
     def validate(self) -> None:
         """ValueError naming the first bad field."""
         checks = [("threshold", self.threshold > 0), ("confirm", self.confirm >= 1),
+                  ("instant", self.instant == 0 or self.instant >= 1),
                   ("min_reference", self.min_reference >= 1),
                   ("window", self.window >= self.min_reference),
                   ("prior_weight", self.prior_weight >= 0), ("dims", self.dims >= 0),
@@ -482,8 +486,12 @@ class ShiftTest:
             self._away = []
             return ShiftDecision(s, False, False)
         self._away.append(batch)
-        if len(self._away) < self.config.confirm:
+        far = self.config.instant and s > self.config.instant * self.config.threshold
+        if len(self._away) < self.config.confirm and not far:
             return ShiftDecision(s, True, False)
+        if far:  # the new segment starts with this batch (not with earlier outliers)
+            self._take(self._away[:-1])
+            self._away = [batch]
         self.restart()
         self.shifts += 1
         return ShiftDecision(s, True, True)

@@ -70,6 +70,7 @@ class DomainGate:
     owed: int = 0  # "shift" policy: backward passes still owed to the last shift
     reason: str = ""  # ... and why
     settled: int = 0  # batches recorded since it became stable (drift waits `window`)
+    resume: bool = False  # it was stable when its owed passes were armed
 
     def to_json(self) -> dict:
         """JSON-able record (entropy history is transient)."""
@@ -124,13 +125,18 @@ class AdaptGate:
         self._arm(g, SHIFT)
 
     def _arm(self, g: DomainGate, reason: str) -> None:
+        g.resume = g.stable or (g.resume and g.owed > 0)
         g.stable, g.owed, g.reason, g.run = False, self.config.per_shift, reason, 0
 
     def _drop_owed(self) -> None:
+        """The active domain is left (or re-armed) with passes still owed: they are dropped
+        (`skipped`); a domain that was stable before they were armed (a shift perceived in
+        it just before the detector switched away) is stable again."""
         g = self.domains.get(self.active)
         if g is not None and g.owed:
             self.skipped += g.owed
             g.owed = 0
+            g.stable = g.resume
 
     def forget(self, name: str) -> None:
         """Drop a domain's record (evicted from the bank)."""

@@ -168,22 +168,23 @@ class DomainSwitch:
             if det.evicted in self.bank.states:
                 self.bank.drop(det.evicted)
             self.gate.forget(det.evicted)
+        gap = self.config.shift.confirm if self.config.shift is not None else 1
+        recent = self._since_shift + 1 < gap  # a shift perceived within the merge window
         if det.switched:
             near = det.nearest if self.config.init_from == "nearest" else ""
             self.bank.activate(det.domain, near if near in self.bank.states else SOURCE)
             self.gate.switch(det.domain, det.created)
             if self.on_switch is not None:
                 self.on_switch(det)
-            if test is not None and dec is not None and not dec.shift:
-                test.restart()
+            if test is not None and dec is not None and not dec.shift and not recent:
+                test.restart()  # (the test's own shift just before started this segment)
         elif dec is not None and dec.shift:
             self.gate.shift()
             if self.on_switch is not None:
                 self.on_switch(None)
         self._since_shift += 1
         if det.switched or (dec is not None and dec.shift):
-            gap = self.config.shift.confirm if self.config.shift is not None else 1
-            self.perceived = self._since_shift >= gap or self.detector.batches == 1
+            self.perceived = not recent or self.detector.batches == 1
             self.perceived_total += self.perceived
             self._since_shift = 0
         self.last, self.last_shift = det, dec

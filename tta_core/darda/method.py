@@ -355,11 +355,13 @@ class Darda(TTAMethod, DeadlineBudget):
 
     def predicted_serve_ms(self) -> float:
         """A forward-only step's predicted cost with its detection (ms): the most of the
-        last measured steps less their detection + the median detection cost (0 before
-        any batch)."""
+        last measured steps less their detection + the median detection cost (NaN before
+        any batch: no prediction, and no margin learnt from it)."""
+        if not self.plain_seen:
+            return math.nan
         detect = sorted(self.detect_seen)[len(self.detect_seen) // 2] \
             if self.detect_seen else 0.0
-        return max(self.plain_seen, default=0.0) + detect
+        return max(self.plain_seen) + detect
 
     def detection_fits(self, step: Step) -> bool:
         """Whether this batch's deadline has room for a forward with detection (a batch

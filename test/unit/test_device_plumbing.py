@@ -38,7 +38,7 @@ SETTINGS = {"adashadow": {"sigma": 1.0}}  # a plan on every batch of both nets
 PAPER = {"small_resnet": ("small_resnet_signs32.json", "small_resnet_signs32_darda.safetensors"),
          "resnet18": ("resnet18_cifar_w32_signs64.json",
                       "resnet18_cifar_w32_signs64_darda.safetensors")}
-PAPER_BUDGET = 5
+PAPER_BUDGET = 7  # + the shift test's score and its decision on a shift batch
 
 
 def _reads_per_batch(method_name: str, arch: str, steps: int = 2) -> float:
@@ -97,7 +97,8 @@ def test_paper_darda_host_reads_per_batch_are_few_and_independent_of_depth(one_t
     for per in (shallow, deep):
         assert max(n for n, _, _ in per) <= PAPER_BUDGET, per
         assert any(s for _, s, _ in per[1:]) and any(a for _, _, a in per[1:]), per  # paths run
-    assert shallow[1:3] == deep[1:3] == [(2, False, False)] * 2, (shallow, deep)  # steady
+    # the steady state reads the same at both depths
+    assert shallow[1:3] == deep[1:3] == [(3, False, False)] * 2, (shallow, deep)
 
 
 def test_the_loop_reads_loss_and_entropy_in_one_transfer():

@@ -175,6 +175,14 @@ def _read_meta(root: Path) -> dict | None:
         raise ValueError(f"{str(path)!r} is not JSON ({exc}); delete it to regenerate") from None
 
 
+def _write_meta(root: Path, meta: dict) -> None:
+    """meta.json as strict JSON (no NaN can hide in it), atomically."""
+    text = json.dumps(meta, indent=1, allow_nan=False) + "\n"
+    tmp = root / (META + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, root / META)
+
+
 def _config_record(cfg: BenchmarkConfig) -> dict:
     rec = asdict(cfg)
     rec["corruptions"] = list(cfg.corruptions)
@@ -199,7 +207,7 @@ def generate(root: str | Path, cfg: BenchmarkConfig = BenchmarkConfig(), workers
             raise ValueError(f"{str(root)!r} holds a benchmark made with another "
                              f"{', '.join(diff)}; use another folder or delete it")
     meta = old or {**want, "class_names": list(CLASS_NAMES), "files": {}}
-    (root / META).write_text(json.dumps(meta, indent=1) + "\n")  # claims the folder
+    _write_meta(root, meta)  # claims the folder
     report = BenchmarkReport(str(root))
     t0 = time.perf_counter()
     for split in _SPLITS:  # labels first: cheap, and every later step reads them
@@ -215,7 +223,7 @@ def generate(root: str | Path, cfg: BenchmarkConfig = BenchmarkConfig(), workers
         _run_stage(root, stage, cfg, workers, progress, report)
     for f in sorted(root.glob("*.npy")):
         meta["files"][f.name] = sha256(f)
-    (root / META).write_text(json.dumps(meta, indent=1) + "\n")
+    _write_meta(root, meta)
     shutil.rmtree(root / PARTS, ignore_errors=True)
     report.seconds = time.perf_counter() - t0
     return report

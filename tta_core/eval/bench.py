@@ -288,9 +288,7 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
             wall_ms = (time.perf_counter() - t0) * 1e3
             busy += wall_ms / 1e3
             meter.note(res.stats)
-            if "reason" in res.stats:
-                triggers.append((b.domain, bool(res.stats.get("shift")), bool(res.adapted),
-                                 str(res.stats["reason"])))
+            triggers += _trigger(b.domain, res)
             frames += _frames(b, b_id, res, pred, {**_phases(res), "total": wall_ms})
             if progress is not None:
                 progress(len(b.labels))
@@ -314,6 +312,15 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
     # RSS at the method's start (its models, optimizer state, activations); absolute in meta
     peak = meta.get("cuda_peak_mb", max(mem.peak_mb - start_mb, 0.0))
     return RunRecord(name, frames, busy, float(peak), 0, meta)
+
+
+def _trigger(domain: str, res: Any) -> list[tuple[str, bool, bool, str]]:
+    """[(domain, shift perceived, backward, its reason)] of a step that says why it
+    backpropagated (stats["reason"]); [] for a method that does not."""
+    if "reason" not in res.stats:
+        return []
+    return [(domain, bool(res.stats.get("shift")), bool(res.adapted),
+             str(res.stats["reason"]))]
 
 
 def _frames(b: Batch, b_id: int, res: Any, pred: torch.Tensor,

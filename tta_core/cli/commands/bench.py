@@ -77,6 +77,20 @@ def _rates(text: str) -> tuple[float, ...]:
     return rates
 
 
+def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    """--data and --corruptions: which images the stream is made of."""
+    parser.add_argument("--data", default="", metavar="KIND:DIR",
+                        help="your data instead of the synthetic signs stream: "
+                             + "; ".join(f"{k}:DIR = {v}" for k, v in LAYOUTS.items())
+                             + ". Corruption data: the standard corruptions found, in the "
+                             "standard order, at --severity; --samples-per-domain per domain; "
+                             "images resized to the model's input size")
+    parser.add_argument("--corruptions", default="", metavar="NAMES|held-out|standard|all",
+                        help="the corruptions streamed, in this order (default: the 15 "
+                             "standard ones; held-out: speckle_noise, gaussian_blur, spatter, "
+                             "saturate, the 4 that DARDA's offline phase never sees)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The bench options; defaults are BenchConfig's (copied in DEFAULTS)."""
     d = argparse.Namespace(**DEFAULTS)
@@ -94,16 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-card", type=Path, default=None,
                         help=f"the source model's card (default {DEFAULT_CARD}; `tta "
                              "model-card` makes one for your model); or use --model below")
-    parser.add_argument("--data", default="", metavar="KIND:DIR",
-                        help="your data instead of the synthetic signs stream: "
-                             + "; ".join(f"{k}:DIR = {v}" for k, v in LAYOUTS.items())
-                             + ". Corruption data: the standard corruptions found, in the "
-                             "standard order, at --severity; --samples-per-domain per domain; "
-                             "images resized to the model's input size")
-    parser.add_argument("--corruptions", default="", metavar="NAMES|held-out|standard|all",
-                        help="the corruptions streamed, in this order (default: the 15 "
-                             "standard ones; held-out: speckle_noise, gaussian_blur, spatter, "
-                             "saturate, the 4 that DARDA's offline phase never sees)")
+    _add_data_arguments(parser)
     parser.add_argument("--mode", choices=MODES, default=d.mode,
                         help="sequential: predict after the update; parallel: predict first")
     parser.add_argument("--seed", type=int, default=d.seed)

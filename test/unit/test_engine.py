@@ -77,9 +77,9 @@ def test_reforward_replays_the_first_updated_layers_input() -> None:
     x = torch.randn(4, 3, 64, 64, generator=torch.Generator().manual_seed(1))
     for replay in (True, False):
         staged = _staged("resnet18", 64, "source")
-        if not replay:
+        if not replay:  # neither the producer nor any unit output may be replayed
             for u in staged.units:
-                u.producer = None
+                u.producer, u.replayable = None, False
         eng = AdaShadowEngine(staged, EngineConfig(lr=0.05, bn_mode="robust"))
         st = staged.stages[3]
         conv, bn = staged.units[st.first_unit], staged.units[st.first_unit + 1]
@@ -254,7 +254,8 @@ def test_graph_is_recorded_only_from_the_lowest_feasible_stage() -> None:
         staged = _staged("resnet18", 64)
         # MAC times scaled to the measured forward and no fixed-cost feedback: the plan
         # does not depend on timing
-        eng = AdaShadowEngine(staged, EngineConfig(sigma=0.5, fixed_cost_feedback=0.0))
+        eng = AdaShadowEngine(staged, EngineConfig(sigma=0.5, fixed_cost_feedback=0.0,
+                                                   plan_ahead=False))  # the inline floor
         seen: dict[int, bool] = {}  # stage -> its input required grad in the forward
 
         def record(s: int, t: torch.Tensor, eng=eng, seen=seen) -> None:

@@ -112,8 +112,10 @@ def _engine(alpha: float) -> AdaShadowEngine:
     set_bn_mode(model, "batch")
     staged = decompose(model, (3, 32, 32))
     prof = mac_profile(UnitLayout.from_staged(staged), 10.0, 4)
+    # the inline plan phase, sigma*T without a scatter margin: what the feedback checks
     return AdaShadowEngine(staged, EngineConfig(sigma=0.6, fixed_cost_feedback=alpha,
-                                                forward_feedback="off"), profile=prof)
+                                                forward_feedback="off", plan_ahead=False,
+                                                sigma_margin=False), profile=prof)
 
 
 def test_engine_plans_with_the_learnt_costs_and_feeds_back_its_own_prediction() -> None:

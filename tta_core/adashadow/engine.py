@@ -86,6 +86,14 @@ class EngineConfig(PlanningConfig):
                           "unit statistics (AdaShadow)", low=0.0, high=1.0)
     reuse: bool = option(True, "reforward from the cached stage input (False: full "
                          "reforward)")
+    # plan_ahead: the plan of a batch is made from the importance up to the batch before
+    # (AdaShadow's history moves by alpha per batch), after that batch's answer: the
+    # assessor and the DP leave the answer's path (`AdaShadowEngine.idle`, run between
+    # batches; at the next batch's start when nothing called it, counted there). The
+    # forward then records the autograd graph from the plan's first stage only.
+    plan_ahead: bool = option(True, "plan each batch from the statistics up to the batch "
+                              "before, after that batch's answer (False: plan inline after "
+                              "the batch's own forward)")
     # "norm": only BN/LayerNorm units are candidates (their affine parameters, as Tent),
     # "all": every unit (the paper's layer-wise reading). Entropy minimisation on conv or
     # classifier weights with small batches collapses to one class within a few hundred
@@ -269,6 +277,7 @@ class _Forward:
     grad_stage: int  # first stage whose forward recorded the autograd graph
     memory: MemoryPlan | None = None  # the plan's keeps and predicted bytes (memory budget)
     unit_inputs: dict[int, Tensor] = field(default_factory=dict)  # RobustBN.inputs, by id
+    unit_outputs: dict[int, Tensor] = field(default_factory=dict)  # replayable, by unit
 
 
 class _Background:
@@ -313,15 +322,16 @@ def _loss(kind: str, fwd: _Forward, history) -> Tensor | None:
 def _reforward(staged: StagedModel, x: Tensor, fwd: _Forward, first_updated: int,
                reuse: bool) -> Tensor:
     """The prediction after the update: from the first updated unit's stage input
-    (`reuse`, §4), the unit's producer in that stage replaced by its output from the
-    forward where it was kept (the reforward then skips every layer before the first
-    updated one that is not on the way to it), or a full forward."""
+    (`reuse`, §4), the units of that stage before it replaced by their outputs from the
+    forward where they were kept (`fwd.unit_outputs`; the BN's producer from the robust-BN
+    inputs otherwise), so the reforward runs only what follows them; or a full forward."""
     unit = staged.units[first_updated]
+    first = staged.stages[unit.stage].first_unit
+    replay = {u: t.detach() for u, t in fwd.unit_outputs.items() if first <= u < first_updated}
     kept = fwd.unit_inputs.get(id(unit.module))
-    replay = None
-    if kept is not None and unit.producer is not None and \
+    if kept is not None and unit.producer is not None and unit.producer not in replay and \
             staged.units[unit.producer].stage == unit.stage:
-        replay = (unit.producer, kept.detach())
+        replay[unit.producer] = kept.detach()
     with torch.no_grad():
         if reuse:
             return staged.forward_from(unit.stage, fwd.stage_inputs[unit.stage].detach(),
@@ -372,8 +382,12 @@ class AdaShadowEngine:
             raise ValueError(f"profile has {len(profile.unit_names)} units, model has "
                              f"{len(staged.units)}")
         self.lazy = self.config.graph == "lazy" and self.config.loss == "entropy"
-        self.planning = PlanningService(UnitLayout.from_staged(staged), self.config, profile,
-                                        reforward_twice=self.lazy)
+        # the reforward replays the outputs of the first updated unit's stage-mates before
+        # it (not under a codec, which stores them packed, nor in lazy mode)
+        self.replays = bool(self.config.reuse and not self.lazy and self.config.activation_bits
+                            is None and self.config.memory_budget_mb is None)
+        self.planning = PlanningService(UnitLayout.from_staged(staged, restart=self.replays),
+                                        self.config, profile, reforward_twice=self.lazy)
         self._rbn = robust_bn(staged.model, self.config)
         self.candidates = self.planning.layout.trainable(self.config.trainable)
         self.candidates &= ~batch_stat_units(staged, self.config)  # robust: source affine
@@ -403,6 +417,15 @@ class AdaShadowEngine:
         if profile is not None:
             self._fwd.note(profile.forward_ms, profile.batch_size)
         self._handles = stage_input_hooks(self.staged, self._cache_stage_input)
+        # replayable unit outputs kept by the forward from unit _out_from on (see _reforward)
+        self._unit_out: dict[int, Tensor] = {}
+        self._out_from = len(staged.units)
+        if self.replays:
+            self._handles += [u.module.register_forward_hook(self._output_hook(u.index))
+                              for u in staged.units if u.replayable]
+        self._ahead: PlanOutcome | None = None  # plan_ahead: the next batch's plan
+        self._deferred: Callable[[], None] | None = None  # work left for between batches
+        self._importance: np.ndarray | None = None  # plan_ahead: the last importance
         self._job = _Background()
         self.tail = TailRecorder(staged, self.config.memory_budget_mb, self.candidates,
                                  self.lazy, bits=self.config.activation_bits)
@@ -425,6 +448,12 @@ class AdaShadowEngine:
             if s == self._grad_stage:  # stages from here on may be updated: record them
                 torch.set_grad_enabled(True)
 
+    def _output_hook(self, index: int) -> Callable:
+        def hook(_m: nn.Module, _args: object, out: Tensor) -> None:
+            if index >= self._out_from and self._collector.capture:
+                self._unit_out[index] = out
+        return hook
+
     def close(self) -> None:
         """Remove the hooks (the engine is unusable afterwards)."""
         self.sync()
@@ -443,7 +472,9 @@ class AdaShadowEngine:
         ms = phases.ms["forward"]
         self._fwd.note(ms, int(x.shape[0]))
         kept, self._rbn.inputs = self._rbn.inputs, {}
-        return _Forward(logits, stats, inputs, ms, grad_stage, unit_inputs=kept)
+        outs, self._unit_out = self._unit_out, {}
+        return _Forward(logits, stats, inputs, ms, grad_stage, unit_inputs=kept,
+                        unit_outputs=outs)
 
     def _recorded_forward(self, x: Tensor, grad_stage: int
                           ) -> tuple[Tensor, list, list]:
@@ -451,6 +482,7 @@ class AdaShadowEngine:
         below the recorded graph, where no plan can start)."""
         self._grad_stage, self._keep_from = grad_stage, 0 if self.lazy else grad_stage
         self._stage_inputs[0] = x if self._keep_from == 0 else None
+        self._out_from = self._grad_from(grad_stage) if self.replays else len(self.staged.units)
         codec = self.tail.recording(self._grad_from(grad_stage))  # memory budget, DAF
         # the recorded layers' inputs are kept for the reforward where the graph keeps
         # them anyway (not under a codec, which stores them packed)
@@ -462,6 +494,7 @@ class AdaShadowEngine:
                 logits = self.staged.model(x)
         finally:
             self._rbn.keep_inputs = False
+            self._out_from = len(self.staged.units)
         stats = self._collector.collect(x.shape[0])
         inputs, self._stage_inputs = self._stage_inputs, [None] * len(self._stage_inputs)
         return logits, stats, inputs
@@ -471,10 +504,11 @@ class AdaShadowEngine:
         stages = self.staged.stages
         return stages[grad_stage].first_unit if grad_stage < len(stages) else len(self.staged.units)
 
-    def _floor(self, batch_size: int) -> int:
+    def _floor(self, batch_size: int, hold: bool = True) -> int:
         """Lowest unit any inline plan for this batch can reach (len(units): none), from
-        the forward a planned batch would take (ForwardTimes.estimate_ms)."""
-        if self._fwd.holding():  # plan phases that found no room: served meanwhile
+        the forward a planned batch would take (ForwardTimes.estimate_ms). `hold`: count
+        this batch against a hold of plan phases (ForwardTimes.holding)."""
+        if hold and self._fwd.holding():  # plan phases that found no room: served meanwhile
             return len(self.staged.units)
         last = self._fwd.estimate_ms(batch_size)
         return max(self.planning.graph_floor(last, self.candidates, batch_size),
@@ -549,33 +583,87 @@ class AdaShadowEngine:
         self.tail.prepare(x)  # memory budget: one profiling forward per new input shape
         phases, b = Phases(clock=self.clock), int(x.shape[0])
         with phases("plan"):
-            floor = self._floor(b) if plan is None else 0
+            self.idle()  # between-batch work no idle time took: on this batch's path
+            ahead = self._take_ahead(b) if plan is None else None
+            if ahead is not None and not ahead.updates and self._fwd.holding():
+                floor = len(self.staged.units)  # no room lately: served meanwhile
+            else:
+                floor = self._floor(b) if plan is None and ahead is None else 0
         if floor >= len(self.staged.units):
             return self._serve_only(x, phases, b)
+        if ahead is not None:
+            return self._step_ahead(x, ahead, phases, b)
         fwd = self._forward(x, self._grad_stage_for(plan, floor), phases)
         with phases("plan"):  # the plan phase: the budget counts it
             loss, importance, outcome, plan = self._plan_phase(fwd, plan, b)
             update = np.asarray(plan.update, dtype=bool)
             adapt = loss is not None and bool(update.any())
             self._fwd.planned(adapt or outcome is None)  # an external plan is never held back
-            first = self.staged.units[int(np.flatnonzero(update)[0])] if adapt else None
-            # keep only the inputs the reforward needs (§4 reuse; parallel: none)
-            reforward = first is not None and self.config.mode != "parallel"
-            fwd.unit_inputs = {k: t for k, t in fwd.unit_inputs.items()
-                               if reforward and k == id(first.module)}
-            if adapt:
-                fwd.stage_inputs = [t if i == first.stage else None
-                                    for i, t in enumerate(fwd.stage_inputs)]
+            self._keep_for_reforward(fwd, update if adapt else None)
             res = _result(self.planning, fwd, loss, importance, outcome, plan, adapt)
         measured = Measured(fwd.forward_ms, phases.ms["plan"], adapt,
                             planned=outcome is None or not outcome.skipped)
-        parallel = adapt and self.config.mode == "parallel"
-        if parallel:  # the job fills in the backward and observes when the update is done
+        self._update(x, res, fwd, loss, update if adapt else None, outcome, measured, phases)
+        if self.config.plan_ahead and outcome is not None and not outcome.skipped:
+            self._defer(res, None, None, importance, b)  # the next batch: this importance
+        return res
+
+    def _step_ahead(self, x: Tensor, outcome: PlanOutcome, phases: Phases, b: int
+                    ) -> StepResult:
+        """A batch whose plan was made after the batch before (plan_ahead): the forward
+        records the graph from the plan's first stage only and collects the statistics
+        the next plan needs; the plan is checked against this batch's own forward (its
+        budget scales with it; a deadline it no longer fits empties it)."""
+        update = np.asarray(outcome.plan.update, dtype=bool)
+        n_stages = len(self.staged.stages)
+        grad_stage = self.staged.units[int(np.argmax(update))].stage if update.any() \
+            else n_stages
+        fwd = self._forward(x, grad_stage, phases)
+        fwd.memory = outcome.memory
+        with phases("plan"):
+            outcome = self.planning.refit(outcome, fwd.forward_ms, b)
+            update = np.asarray(outcome.plan.update, dtype=bool)
+            history = self.assessor.history
+            loss = _loss(self.config.loss, fwd, history) if update.any() else None
+            adapt = loss is not None
+            self._fwd.planned(adapt)
+            self._keep_for_reforward(fwd, update if adapt else None)
+            importance = outcome.importance if outcome.importance is not None else \
+                np.zeros(len(self.staged.units))
+            res = _result(self.planning, fwd, loss, importance, outcome, outcome.plan, adapt)
+        measured = Measured(fwd.forward_ms, phases.ms["plan"], adapt)
+        self._update(x, res, fwd, loss, update if adapt else None, outcome, measured, phases,
+                     observe=False)
+        self._defer(res, outcome, measured, fwd.stats, b)
+        return res
+
+    def _keep_for_reforward(self, fwd: _Forward, update: np.ndarray | None) -> None:
+        """Free what the reforward from the first updated unit does not need (§4 reuse;
+        parallel mode and a batch without update: nothing)."""
+        first = self.staged.units[int(np.flatnonzero(update)[0])] if update is not None \
+            else None
+        reforward = first is not None and self.config.mode != "parallel"
+        fwd.unit_inputs = {k: t for k, t in fwd.unit_inputs.items()
+                           if reforward and k == id(first.module)}
+        start = self.staged.stages[first.stage].first_unit if reforward else 0
+        fwd.unit_outputs = {u: t for u, t in fwd.unit_outputs.items()
+                            if reforward and start <= u < first.index}
+        if first is not None:
+            fwd.stage_inputs = [t if i == first.stage else None
+                                for i, t in enumerate(fwd.stage_inputs)]
+
+    def _update(self, x: Tensor, res: StepResult, fwd: _Forward, loss: Tensor | None,
+                update: np.ndarray | None, outcome: PlanOutcome | None, measured: Measured,
+                phases: Phases, observe: bool = True) -> None:
+        """Backward and reforward of `update` (None: no update), timed into `res`; in
+        parallel mode the backward starts in the background. `observe`: feed the
+        measurements back to the planning now (plan_ahead: in the deferred work)."""
+        if update is not None and self.config.mode == "parallel":
             res.times = phases.times()
             measured.total_ms = res.times.total_ms
-            self._start_job(res, fwd, loss, update, outcome, measured)
-            return res
-        if adapt:
+            self._start_job(res, fwd, loss, update, outcome, measured, observe)
+            return
+        if update is not None:
             with phases("backward"):
                 self._adapt(fwd, loss, update)
             with phases("reforward"):
@@ -585,9 +673,63 @@ class AdaShadowEngine:
             measured.reforward_ms = phases.ms["reforward"]
         res.times = phases.times()
         measured.total_ms = res.times.total_ms
-        self.planning.observe(outcome, measured)
+        if observe:
+            self.planning.observe(outcome, measured)
         res.stats.update(self.tail.stats())
-        return res
+
+    # ------------------------------------------------------------ plan ahead
+    def _take_ahead(self, batch_size: int) -> PlanOutcome | None:
+        """The plan made for this batch after the last one (plan_ahead), or None: none was
+        made (the first batch, new settings) or it was made for another batch size."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None or ahead.batch_size != batch_size:
+            return None
+        return ahead
+
+    def _defer(self, res: StepResult, outcome: PlanOutcome | None, measured: Measured | None,
+               stats_or_importance: list | np.ndarray, batch_size: int) -> None:
+        """Leave for between batches (`idle`): the planning's feedback from this batch,
+        the assessor on its statistics (or its `importance` already computed inline), the
+        next batch's plan; the time it takes goes to res.times.post_ms."""
+        def work() -> None:
+            clock = copy.copy(self.clock)
+            clock.mark()
+            if measured is not None:
+                self.planning.observe(outcome, measured)
+            importance = stats_or_importance
+            if not isinstance(importance, np.ndarray):
+                importance = np.where(self.candidates, self.assessor.step(importance), 0.0)
+            self._importance = importance
+            self._ahead = self._plan_next(importance, batch_size)
+            res.times.post_ms += clock.mark()
+        self._deferred = work
+
+    def _plan_next(self, importance: np.ndarray, batch_size: int) -> PlanOutcome:
+        """The next batch's plan from `importance`, for a forward like the last ones."""
+        floor = self._floor(batch_size, hold=False)
+        forward_ms = self._fwd.estimate_ms(batch_size)
+        if floor >= len(self.staged.units) or not math.isfinite(forward_ms):
+            return self.planning.empty_outcome(forward_ms if math.isfinite(forward_ms)
+                                               else 0.0, batch_size)
+        grad_from = self._grad_from(self.staged.units[floor].stage)
+        outcome = self.planning.plan(importance, forward_ms, grad_from=grad_from,
+                                     candidates=self.candidates, batch_size=batch_size,
+                                     memory=self.tail.plan_costs(grad_from))
+        _check_trainable(self.staged, outcome.plan, self.candidates, self.config.trainable)
+        outcome.importance = importance
+        return outcome
+
+    def forget_plan(self) -> None:
+        """Drop the plan made ahead (settings changed): the next batch plans inline."""
+        self._ahead = None
+
+    def idle(self) -> None:
+        """Run the work left for between batches (plan_ahead: the last batch's assessor
+        and the next batch's plan); a no-op when there is none. A caller with idle time
+        between batches (a camera's frame gap) calls it there (the method's `finish`)."""
+        work, self._deferred = self._deferred, None
+        if work is not None:
+            work()
 
     def _serve_only(self, x: Tensor, phases: Phases, batch_size: int) -> StepResult:
         """A batch no inline plan can fit (graph floor: no unit): a plain forward, no unit
@@ -610,10 +752,12 @@ class AdaShadowEngine:
         res.stats.update(self.tail.stats())  # memory budget: nothing recorded
         self.planning.observe(outcome, Measured(forward_ms, phases.ms["plan"], False,
                                                 planned=False))
+        if self.config.plan_ahead and self._importance is not None:
+            self._defer(res, None, None, self._importance, batch_size)  # no new statistics
         return res
 
     def _start_job(self, res: StepResult, fwd: _Forward, loss: Tensor, update: np.ndarray,
-                   outcome: PlanOutcome | None, measured: Measured) -> None:
+                   outcome: PlanOutcome | None, measured: Measured, observe: bool) -> None:
         def job() -> None:  # step() syncs before it plans again: no race on the feedback
             phases = Phases(clock=copy.copy(self.clock))  # its own: another thread
             with phases("backward"):
@@ -621,17 +765,20 @@ class AdaShadowEngine:
             res.times.backward_ms = phases.ms["backward"]
             measured.backward_ms, measured.reforward_ms = res.times.backward_ms, None
             res.stats.update(self.tail.stats())
-            self.planning.observe(outcome, measured)
+            if observe:
+                self.planning.observe(outcome, measured)
         self._job.start(job)
 
     def sync(self) -> None:
         """Wait for the background update (parallel mode); its step's result then has
-        backward_ms filled. Raises RuntimeError if the update failed."""
+        backward_ms filled. Raises RuntimeError if the update failed. Work left for between
+        batches (`idle`) is not run."""
         self._job.join()
 
     def reset(self) -> None:
         """Forget optimizer momentum and assessor history (weights: see the method's reset)."""
         self.sync()
+        self._deferred, self._ahead, self._importance = None, None, None
         self.optimizer.load_state_dict(self._opt_state0)
         self.optimizer.state.clear()
         self.assessor.reset()

@@ -118,6 +118,7 @@ class AdaShadow(TTAMethod):
             raise ValueError(f"sigma {sigma} outside [0, 10]")
         self.finish()
         self.config.sigma = float(sigma)
+        self.engine.forget_plan()
 
     def set_deadline(self, **settings: object) -> None:
         """New deadline settings (DeadlineConfig fields: deadline_mode, deadline_ms, ...)
@@ -125,6 +126,7 @@ class AdaShadow(TTAMethod):
         check_settings(self.config, settings)
         self.finish()
         apply_settings(self.config, settings)
+        self.engine.forget_plan()
 
     def set_speed(self, speed_mps: float | None) -> None:
         """The vehicle's speed for "speed" deadlines (None: unknown, the shortest one)."""
@@ -169,8 +171,12 @@ class AdaShadow(TTAMethod):
         self.engine.planning.clear_expansion()
 
     def finish(self) -> None:
-        """Wait for the background update of the last step (parallel mode)."""
+        """Wait for the background update of the last step (parallel mode) and run the work
+        left for between batches (plan_ahead: the next batch's plan; its time goes to the
+        last step's times.post_ms). Called before a step, it runs outside the step's
+        phases; a caller that calls it in the gap between batches takes it off the path."""
         self.engine.sync()
+        self.engine.idle()
 
     def close(self) -> None:
         """Wait for the background update and remove the engine's (and the bank's) hooks."""

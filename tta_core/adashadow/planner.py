@@ -212,6 +212,17 @@ def lowest_feasible_unit(problem: PlanProblem, candidates: np.ndarray | None = N
     return int(fits[0]) if fits.size else int(w.shape[0])
 
 
+def cheapest_unit_ms(problem: PlanProblem, candidates: np.ndarray | None = None) -> float:
+    """Cost of the cheapest one-unit plan among `candidates` (exact ms: T_f, its ∂w, the
+    dx chain above it, its reforward, the fixed cost); inf when there is no candidate.
+    Divided by T it is the least sigma at which some unit fits."""
+    w, x, r, ss, _, tf, _sigma, oh = _validate(problem)
+    cost = tf + w + _fixed_cost_ms(x, r, ss, oh)
+    if candidates is not None:
+        cost = np.where(np.asarray(candidates, dtype=bool), cost, np.inf)
+    return float(cost.min())
+
+
 def _finish(prep: _Prepared, update: np.ndarray, t0: float) -> Plan:
     first = int(np.argmax(update)) if update.any() else prep.n
     # plan_cost without validating the problem again (the planner's hot path)

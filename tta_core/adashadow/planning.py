@@ -36,7 +36,7 @@ __all__ = ["DEADLINE_MODES", "DEADLINE_PER", "FEEDBACK_MODES", "TRAINABLE", "Car
            "layout_from_card", "mac_profile", "telemetry_pis"]
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -92,6 +92,12 @@ class PlanningConfig(DeadlineConfig):
                         "(> 0)", low=0.0)
     pi2: float = option(1.0, "offline memory expansion, used until live telemetry arrives "
                         "(> 0)", low=0.0)
+    # the deadline modes always leave this room (DeadlineBudget.budget_ms); in sigma*T
+    # mode a plan that fills sigma*T to the last percent is over it on every other batch
+    # from timing scatter alone
+    sigma_margin: bool = option(True, "sigma*T mode: plans leave room for the scatter of "
+                                "the batch's time around their prediction (learnt, "
+                                "FixedCosts.margin_ms)")
     memory_budget_mb: float | None = option(
         None, "saved-activation budget of an update, MiB (2**20 bytes; None: off): plans "
         "meet sigma*T (or the deadline) and this at once; not with activation_bits",
@@ -121,7 +127,7 @@ class UnitLayout:
     model_name: str
     arch: str
     unit_names: list[str]
-    stage_start: np.ndarray  # per unit: index of the first unit of its stage
+    stage_start: np.ndarray  # per unit: where a reforward from it starts (reuse boundary)
     stage_of_unit: np.ndarray
     stage_first_unit: np.ndarray  # per stage
     macs_fwd: np.ndarray
@@ -132,11 +138,16 @@ class UnitLayout:
     kinds: tuple[str, ...] = ()  # per unit: conv, linear, bn, ln, attn
 
     @classmethod
-    def from_staged(cls, staged: StagedModel, model_name: str = "") -> UnitLayout:
-        """The layout of a decomposed model."""
+    def from_staged(cls, staged: StagedModel, model_name: str = "",
+                    restart: bool = True) -> UnitLayout:
+        """The layout of a decomposed model. `restart`: a reforward from unit d replays
+        the outputs of its stage's units before d (StagedModel.restart_start), so the cost
+        model's reuse boundary of d is d itself where that holds; False: the first unit
+        of d's stage (what an engine that keeps no unit outputs runs)."""
         units = staged.units
+        starts = staged.restart_start() if restart else staged.stage_start()
         return cls(model_name or staged.arch, staged.arch, [u.name for u in units],
-                   staged.stage_start(), np.array([u.stage for u in units]),
+                   starts, np.array([u.stage for u in units]),
                    np.array([s.first_unit for s in staged.stages]),
                    np.array([u.macs_fwd for u in units], dtype=np.float64),
                    np.array([u.macs_dx for u in units], dtype=np.float64),
@@ -186,6 +197,9 @@ class PlanOutcome:
     skipped: bool = False  # no plan could fit: not solved, the plan phase was skipped
     margin_ms: float = 0.0  # deadline modes: room left for the batch time's scatter
     memory: MemoryPlan | None = None  # with a memory budget: keeps, predicted saved bytes
+    batch_size: int = 0  # the batch size it was made for
+    made_for_ms: float = math.nan  # the measured (or expected) forward it was made with
+    importance: np.ndarray | None = None  # plan ahead: the importance it was made from
 
     @property
     def updates(self) -> bool:
@@ -340,10 +354,17 @@ class PlanningService(DeadlineBudget):
         a = self._importance(importance, candidates, 0 if self.reforward_twice else grad_from)
         w, x, r = self.unit_times(forward_ms, grad_from)
         deadline, margin = self.budget_ms(batch_size)
-        problem = self._problem(w, x, r, a, forward_ms + self.fixed.plan_phase_ms,
-                                self.fixed.overhead_ms, deadline - margin)
+        tf, oh = forward_ms + self.fixed.plan_phase_ms, self.fixed.overhead_ms
+        sigma_t = math.nan  # sigma*T, when a margin is planned into below it
+        if math.isnan(deadline) and self.config.sigma_margin and self.fixed.margin_ms > 0:
+            margin = self.fixed.margin_ms
+            sigma_t = float(self.config.sigma) * planner.full_ms(w, x, r, tf, oh)
+        problem = self._problem(w, x, r, a, tf, oh, deadline - margin if math.isnan(sigma_t)
+                                else sigma_t - margin)
         mib = self.config.memory_budget_mb
         plan, mem = solve_plan(problem, int(self.config.n_t), mib, memory)
+        if not math.isnan(sigma_t):  # the batch's budget is sigma*T; the margin is inside it
+            plan = replace(plan, budget_ms=sigma_t)
         bwd = planner.backward_cost(w, x, plan.update)
         refwd = (float(r[self.layout.stage_start[plan.first_updated]:].sum())
                  if plan.first_updated < self.layout.n_units else 0.0)
@@ -353,7 +374,7 @@ class PlanningService(DeadlineBudget):
             no_room = memory_no_room(memory, cand, mib)
         return PlanOutcome(plan, w + x, bwd, refwd, problem.forward_ms, problem.overhead_ms,
                            no_room, deadline, forward_ms > deadline, margin_ms=margin,
-                           memory=mem)
+                           memory=mem, batch_size=batch_size, made_for_ms=forward_ms)
 
     def empty_outcome(self, forward_ms: float, batch_size: int = 1, reason: str = "", *,
                       grad_from: int | None = None) -> PlanOutcome:
@@ -381,7 +402,40 @@ class PlanningService(DeadlineBudget):
         reason = reason or no_room_text(tf, oh, budget, not math.isnan(deadline), forward_ms,
                                         self.fixed.plan_phase_ms, self.describe_deadline())
         return PlanOutcome(plan, unit_ms, 0.0, 0.0, tf, oh, reason, deadline,
-                           forward_ms > deadline, skipped=True)
+                           forward_ms > deadline, skipped=True, batch_size=batch_size,
+                           made_for_ms=forward_ms)
+
+    def refit(self, outcome: PlanOutcome, forward_ms: float, batch_size: int) -> PlanOutcome:
+        """`outcome`, made before its batch's forward (plan ahead, from the forwards before),
+        for the forward the batch measured: under "uniform" feedback every per-unit time
+        scales with the forward, so the plan's predicted times and sigma*T do too (its
+        units stay); a deadline plan that no longer fits with its margin is emptied and
+        says why. An empty plan is re-made for the measured forward."""
+        if not (math.isfinite(forward_ms) and forward_ms >= 0):
+            raise ValueError(f"forward_ms={forward_ms} is not a valid time")
+        if not outcome.updates:
+            return self.empty_outcome(forward_ms, batch_size)
+        made = outcome.made_for_ms
+        k = forward_ms / made if (self.feedback_mode() == "uniform" and math.isfinite(made)
+                                  and made > 0) else 1.0
+        plan = outcome.plan
+        phase = outcome.forward_ms - made  # the plan phase the plan left room for
+        tf = forward_ms + phase
+        total = tf + (plan.predicted_total_ms - outcome.forward_ms) * k
+        full = tf + (plan.full_ms - outcome.forward_ms) * k
+        deadline, margin = self.budget_ms(batch_size)
+        if not math.isnan(deadline) and total > deadline - margin:
+            late = (f"the forward took {forward_ms:.3g} ms where the plan made before it "
+                    f"expected {made:.3g} ms: with it the plan ({total:.3g} ms) no longer "
+                    f"fits the deadline {deadline:.3g} ms ({self.describe_deadline()})")
+            return self.empty_outcome(forward_ms, batch_size, late)
+        budget = float(self.config.sigma) * full if math.isnan(deadline) else deadline
+        plan = replace(plan, predicted_total_ms=total, full_ms=full, budget_ms=budget)
+        return replace(outcome, plan=plan, unit_ms=outcome.unit_ms * k,
+                       predicted_backward_ms=outcome.predicted_backward_ms * k,
+                       predicted_reforward_ms=outcome.predicted_reforward_ms * k,
+                       forward_ms=tf, made_for_ms=forward_ms, deadline_ms=deadline,
+                       forward_misses=forward_ms > deadline, margin_ms=margin)
 
     def no_time(self, forward_ms: float, batch_size: int = 1, *, grad_from: int = 0,
                 candidates: np.ndarray | None = None) -> str:
@@ -403,7 +457,8 @@ class PlanningService(DeadlineBudget):
             reach = reach & (np.arange(len(reach)) >= grad_from)
         if planner.lowest_feasible_unit(problem, reach, validated=True) < len(reach):
             return ""
-        return self.empty_outcome(forward_ms, batch_size, grad_from=grad_from).no_room
+        reason = self.empty_outcome(forward_ms, batch_size, grad_from=grad_from).no_room
+        return reason + least_text(problem, reach)
 
     def _no_room(self, problem: planner.PlanProblem, plan: planner.Plan,
                  candidates: np.ndarray | None, forward_ms: float) -> str:
@@ -412,7 +467,7 @@ class PlanningService(DeadlineBudget):
             return ""
         return no_room_text(problem.forward_ms, problem.overhead_ms, plan.budget_ms,
                             problem.budget_ms is not None, forward_ms, self.fixed.plan_phase_ms,
-                            self.describe_deadline())
+                            self.describe_deadline()) + least_text(problem, candidates)
 
     def graph_floor(self, last_forward_ms: float, candidates: np.ndarray,
                     batch_size: int = 1) -> int:
@@ -513,6 +568,22 @@ def no_room_text(tf_ms: float, overhead_ms: float, budget_ms: float, deadline: b
                 f"plans stay empty")
     return (f"no unit fits the budget sigma*T = {budget_ms:.3g} ms {fixed}: plans stay "
             f"empty, raise sigma to adapt")
+
+
+def least_text(problem: planner.PlanProblem, candidates: np.ndarray | None) -> str:
+    """What would let the cheapest candidate unit fit (the no-room diagnostic's second
+    half): the least sigma (sigma*T mode) or the least deadline, ms."""
+    cost = planner.cheapest_unit_ms(problem, candidates)
+    if not math.isfinite(cost):
+        return ""
+    if problem.budget_ms is not None:
+        return f"; the cheapest unit fits a deadline >= {cost:.3g} ms"
+    full = planner.full_ms(np.asarray(problem.w), np.asarray(problem.x),
+                           np.asarray(problem.r), problem.forward_ms, problem.overhead_ms)
+    least = cost / full if full > 0 else math.inf
+    if least > 1.0:
+        return "; no sigma <= 1 fits a unit"
+    return f"; the cheapest unit fits at sigma >= {math.ceil(least * 1000) / 1000:.3f}"
 
 
 def telemetry_pis(compute_expansion: float, memory_expansion: float) -> tuple[float, float]:

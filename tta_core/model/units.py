@@ -9,7 +9,7 @@ Per-unit MACs and bytes give eta_l = compute time / memory time of the latency p
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -51,6 +51,9 @@ class Unit:
     # the unit whose output is this unit's input, unchanged (_producers): the reforward
     # from this unit replays that output instead of running the producer (§4)
     producer: int | None = None
+    # its output can stand in for running it (StagedModel.restart_start): the module runs
+    # once per forward, returns one tensor and nothing modifies that tensor in place later
+    replayable: bool = False
 
     def parameters(self) -> list[nn.Parameter]:
         """The model parameters this unit owns (what is updated when it is selected)."""
@@ -85,35 +88,59 @@ class StagedModel:
         """Per unit: index of the first unit of its stage."""
         return np.array([self.stages[u.stage].first_unit for u in self.units], dtype=np.int64)
 
+    def restart_start(self) -> np.ndarray:
+        """Per unit d: where a reforward from d starts counting (the cost model's reuse
+        boundary, `stage_start` of the planner). d itself when every unit of its stage
+        before d either replays its output from the forward (`Unit.replayable`) or is a
+        norm layer (re-run on replayed inputs: an elementwise pass); else the first unit
+        of d's stage. `forward_from(..., replay)` with those outputs runs only what follows."""
+        out = self.stage_start()
+        for u in self.units:
+            first = int(out[u.index])
+            if all(v.replayable or v.kind in ("bn", "ln") for v in self.units[first:u.index]):
+                out[u.index] = u.index
+        return out
+
     def forward_from(self, stage: int, x: Tensor,
-                     replay: tuple[int, Tensor] | None = None) -> Tensor:
-        """Run stages[stage:] on x (x is the input of that stage). `replay` (unit, output):
-        that unit's module returns `output` instead of computing it (the input of the
-        first updated layer kept from the forward, AdaShadow §4)."""
+                     replay: Mapping[int, Tensor] | tuple[int, Tensor] | None = None
+                     ) -> Tensor:
+        """Run stages[stage:] on x (x is the input of that stage). `replay` {unit: output}
+        (or one (unit, output) pair): those units' modules return their output from the
+        forward instead of computing it (AdaShadow §4 reuse: the layers before the first
+        updated one)."""
         if not 0 <= stage < len(self.stages):
             raise ValueError(f"stage {stage} out of range 0..{len(self.stages) - 1}")
-        with self._replaying(replay):
+        if isinstance(replay, tuple):
+            replay = {replay[0]: replay[1]}
+        with self._replaying(replay or {}):
             for st in self.stages[stage:]:
                 x = st.module(x)
         return x
 
-    @contextmanager
-    def _replaying(self, replay: tuple[int, Tensor] | None) -> Iterator[None]:
-        if replay is None:
-            yield
-            return
-        mod = self.units[replay[0]].module
-        slots = self._slots.get(replay[0], [])
+    def _slots_of(self, unit: int) -> list[tuple[nn.Module, str]]:
+        """Where the unit's module sits in its parents (found once, re-found if moved)."""
+        mod = self.units[unit].module
+        slots = self._slots.get(unit, [])
         if not slots or any(parent._modules.get(name) is not mod for parent, name in slots):
-            slots = self._slots[replay[0]] = [
-                (parent, name) for parent in self.model.modules()
+            # wrapper stages (stem, head pieces) hold the model's modules themselves
+            parents = {id(p): p for st in self.stages if isinstance(st.module, _StageWrapper)
+                       for p in st.module.modules()}
+            parents.update((id(p), p) for p in self.model.modules())
+            slots = self._slots[unit] = [
+                (parent, name) for parent in parents.values()
                 for name, child in parent._modules.items() if child is mod]
-        for parent, name in slots:
-            parent._modules[name] = _Replay(replay[1])
+        return slots
+
+    @contextmanager
+    def _replaying(self, replay: Mapping[int, Tensor]) -> Iterator[None]:
+        swapped = [(parent, name, self.units[u].module, out)
+                   for u, out in replay.items() for parent, name in self._slots_of(u)]
+        for parent, name, _mod, out in swapped:
+            parent._modules[name] = _Replay(out)
         try:
             yield
         finally:
-            for parent, name in slots:
+            for parent, name, mod, _out in swapped:
                 parent._modules[name] = mod
 
 
@@ -372,8 +399,9 @@ def decompose(model: nn.Module, input_shape: tuple[int, ...], arch: str | None =
         stage = _stage_of(rec.name, stage_list)
         units.append(_make_unit(len(units), rec, stage, tensors, flops, cache_bw))
     _check_coverage(model, units)
-    for u, producer in zip(units, _producers(records), strict=True):
-        u.producer = producer
+    for u, producer, replayable in zip(units, _producers(records), _replayable(records),
+                                       strict=True):
+        u.producer, u.replayable = producer, replayable
     stages = _build_stages(stage_list, units)
     return StagedModel(arch or family, model, stages, units, tuple(input_shape))
 
@@ -392,6 +420,17 @@ def _producers(records: list[_Record]) -> list[int | None]:
                 and prev.y.stride() == rec.x.stride() and prev.versions[1] == rec.versions[0]):
             out[i] = i - 1
     return out
+
+
+def _replayable(records: list[_Record]) -> list[bool]:
+    """Per record: its module runs once, as one call (no attention halves), and its output
+    was not modified in place after the call (by the end of the traced forward: an in-place
+    ReLU or `out += identity` on it would make a replayed copy wrong)."""
+    runs: dict[int, int] = {}
+    for r in records:
+        runs[id(r.module)] = runs.get(id(r.module), 0) + 1
+    return [r.part == "" and runs[id(r.module)] == 1 and r.y._version == r.versions[1]
+            for r in records]
 
 
 def _check_coverage(model: nn.Module, units: list[Unit]) -> None:

@@ -3,7 +3,8 @@
 - `StepResult` / `PhaseTimes`: what one batch produced, with typed optional parts
   (`PlanningInfo` for methods that plan layer updates) instead of an untyped dict;
 - `PhaseClock`: the one clock every method times its phases with (it synchronises CUDA
-  before reading the time, so GPU timings are fair between methods);
+  before reading the time, so GPU timings are fair between methods; `event` /
+  `elapsed_ms` time a phase in device time with CUDA events, without a synchronisation);
 - capability protocols: what a method *can* do beyond `step`/`reset` (take an external
   plan, change sigma or the deadline at run time, serve at a chosen size, take live
   telemetry, report a domain).
@@ -99,10 +100,22 @@ def mean_entropy(logits: Tensor) -> float:
 class PhaseClock:
     """perf_counter in ms, after torch.cuda.synchronize when the work runs on a GPU, so
     a phase's time includes its kernels (asynchronous launches would favour whoever does
-    not wait). `mark()` returns the ms since the previous mark."""
+    not wait). `mark()` returns the ms since the previous mark.
+
+    Device time without a synchronisation per phase (CUDA): `event()` records a timing
+    event on the current stream now and returns it; `elapsed_ms(start, end)` is the
+    device time between two such events, read once both are done (it waits for `end`
+    only). Record the boundaries while the work is queued, read them when the batch's
+    result is read anyway:
+
+        start = clock.event(); forward(x); mid = clock.event(); backward()
+        end = clock.event(); ...; fwd_ms = PhaseClock.elapsed_ms(start, mid)
+
+    On the CPU `event()` is None and `elapsed_ms` NaN: time the CPU with `mark()`."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
-        self.cuda = torch.device(device).type == "cuda"
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
         self._last = self.now()
 
     @classmethod
@@ -121,6 +134,24 @@ class PhaseClock:
         t = self.now()
         ms, self._last = (t - self._last) * 1e3, t
         return ms
+
+    def event(self) -> torch.cuda.Event | None:
+        """On CUDA: a `torch.cuda.Event(enable_timing=True)` recorded on the clock's
+        device's current stream (no synchronisation); None on the CPU."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    @staticmethod
+    def elapsed_ms(start: torch.cuda.Event | None, end: torch.cuda.Event | None) -> float:
+        """Device milliseconds from `start` to `end` (two `event()`s, start first),
+        after `end` completed; NaN when either is None (the CPU)."""
+        if start is None or end is None:
+            return NAN
+        end.synchronize()
+        return float(start.elapsed_time(end))
 
 
 # ---------------------------------------------------------------- capabilities

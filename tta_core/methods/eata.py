@@ -69,6 +69,7 @@ class EATA(Tent):
     """Sample-filtered, re-weighted entropy minimisation on norm affine parameters."""
 
     config_cls = EATAConfig
+    precisions = ("fp32",)  # its own forwards (Fisher, selection) run in fp32 only
     config: EATAConfig
 
     def __init__(self, model, config: EATAConfig | None = None) -> None:

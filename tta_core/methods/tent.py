@@ -6,7 +6,9 @@ Adapts the weight/bias of BatchNorm, LayerNorm and GroupNorm layers, as the peer
 too. The loop (forward, entropy, backward, SGD step, reforward of the same batch whose
 logits are the prediction: AdaShadow §2.2's sequential mode) is the base class's; with
 `activation_bits` / `activation_budget_mb` the forward stores its saves through DAF's
-codec (runtime.capabilities.MemoryOptions).
+codec (runtime.capabilities.MemoryOptions). Both forwards take config.precision
+(autocast; the entropy on fp32 logits, BN statistics and SGD state fp32); they run eagerly
+(no CUDA graphs: the recorded forward feeds a backward, the reforward follows an update).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from tta_core.registry import register
 from tta_core.runtime.capabilities import MemoryOptions
 from tta_core.runtime.method import MethodConfig, TTAMethod
 from tta_core.runtime.options import option
+from tta_core.runtime.precision import PRECISIONS
 
 
 @dataclass
@@ -32,6 +35,7 @@ class Tent(TTAMethod):
     """Entropy minimisation on norm-layer weight/bias; BN uses batch statistics."""
 
     config_cls = TentConfig
+    precisions = PRECISIONS
 
     def configure_model(self) -> None:
         super().configure_model()

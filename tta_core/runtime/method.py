@@ -19,7 +19,7 @@ import copy
 import dataclasses
 import math
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -31,8 +31,10 @@ from tta_core.model.memory_format import apply_memory_format
 from tta_core.model.norms import NORM_NAMES, ROBUST_BN_METHODS, norm_affine_params, set_bn_mode
 from tta_core.runtime import losses
 from tta_core.runtime.capabilities import StepCodec, build_codec
+from tta_core.runtime.graphs import GraphedForward
 from tta_core.runtime.options import option
 from tta_core.runtime.phases import Phases
+from tta_core.runtime.precision import PRECISIONS, autocast_for, fp32_logits, precision_error
 
 
 @dataclass
@@ -44,6 +46,9 @@ class MethodConfig:
     batch 64 is 3.125e-4 at batch 4; `lr_ref_batch=0` uses `lr` as given at every batch.
     `input_shape` is one sample (C, H, W) at the model's input size (the model card's
     image_size); methods that decompose the model (AdaShadow) require it.
+    `precision` and `cuda_graphs` apply where the method's served forward takes them
+    (`TTAMethod.precisions`, `TTAMethod.graphs_serve`); a method that does not take a
+    reduced precision refuses it at construction.
     """
 
     lr: float = option(5e-3, "SGD learning rate at batch size lr_ref_batch (AdaShadow §5.3.2); "
@@ -67,6 +72,27 @@ class MethodConfig:
                                 "channels_last; auto times both on input_shape at build and "
                                 "keeps the faster (channels_last >= 10 % faster)",
                                 choices=("auto", "contiguous", "channels_last"))
+    precision: str = option("fp32", "forward precision (autocast): fp32, fp16 (CUDA only) "
+                            "or bf16; BN statistics, losses and optimizer state stay fp32, "
+                            "the returned logits are fp32; a method whose forward does not "
+                            "take it refuses it", choices=PRECISIONS, runtime=False)
+    cuda_graphs: bool = option(True, "replay the no-grad served forward from CUDA graphs, "
+                               "one per batch shape (CUDA only; elsewhere, and where a "
+                               "capture fails, eager, said once in the log)", runtime=False)
+
+
+def check_serving(config: MethodConfig, method: str, precisions: tuple[str, ...],
+                  device: torch.device | None) -> None:
+    """ValueError (one line, naming the value) for a precision that is no choice, that
+    `method` does not take (`precisions`) or that cannot run on `device`, and for a
+    cuda_graphs that is not a bool."""
+    if reason := precision_error(config.precision, device):
+        raise ValueError(f"{method}: {reason}")
+    if config.precision not in precisions:
+        raise ValueError(f"{method}: precision={config.precision!r} is not taken by this "
+                         f"method (it serves {', '.join(precisions)})")
+    if not isinstance(config.cuda_graphs, bool):
+        raise ValueError(f"{method}: cuda_graphs={config.cuda_graphs!r} must be true or false")
 
 
 @dataclass
@@ -91,10 +117,19 @@ class TTAMethod:
 
     name: ClassVar[str] = "base"
     config_cls: ClassVar[type] = MethodConfig
+    #: the precisions this method's forwards take (config.precision; runtime.precision)
+    precisions: ClassVar[tuple[str, ...]] = ("fp32",)
+    #: whether `serve` (the no-grad served forward) replays CUDA graphs (config.cuda_graphs):
+    #: only where that forward is a pure function of its input
+    graphs_serve: ClassVar[bool] = False
 
     def __init__(self, model: nn.Module, config: MethodConfig | None = None) -> None:
         self.model = model
         self.config = config if config is not None else self.config_cls()
+        first = next(iter(model.parameters()), None)
+        check_serving(self.config, self.name, self.precisions,
+                      first.device if first is not None else None)
+        self.graphs = self._graphed_forward()
         self.format = apply_memory_format(model, self.config.memory_format,
                                           tuple(self.config.input_shape),
                                           batch_stats=self.config.bn_mode in ("batch", "robust"))
@@ -164,11 +199,12 @@ class TTAMethod:
         """step.logits and step.loss: a recorded forward under the codec when the method
         adapts, else a plain no-grad forward (no loss)."""
         if self.optimizer is None:
-            with torch.no_grad():
-                step.logits = self.model(step.x)
+            step.logits = self.serve(step.x)
             return
         with torch.enable_grad(), self.codec if self.codec is not None else nullcontext():
-            step.logits = self.model(step.x)
+            with self.autocast(step.x):
+                logits = self.model(step.x)
+            step.logits = fp32_logits(logits)
             step.loss = self.loss(step.logits)
 
     def update(self, step: Step) -> None:
@@ -239,8 +275,34 @@ class TTAMethod:
         when `enabled` (sequential mode), else the pre-update `logits`."""
         if not enabled:
             return logits
-        with torch.no_grad():
-            return self.model(x)
+        return self.serve(x)
+
+    def _graphed_forward(self) -> GraphedForward:
+        """The served forward's graphs: on where the method and config.cuda_graphs say so
+        (it still runs eagerly off CUDA), else off with the reason."""
+        graphs = GraphedForward(self._served_forward,
+                                enabled=self.config.cuda_graphs and self.graphs_serve,
+                                name=f"{self.name} served forward")
+        if self.config.cuda_graphs and not self.graphs_serve:
+            graphs.fallback_reason = f"{self.name} serves eagerly (its forward is not graphed)"
+        return graphs
+
+    def autocast(self, x: Tensor, cache_enabled: bool = True) -> AbstractContextManager:
+        """The context a forward of x runs in at config.precision (runtime.precision:
+        autocast; a null context at fp32)."""
+        return autocast_for(x.device, self.config.precision, cache_enabled=cache_enabled)
+
+    def _served_forward(self, x: Tensor) -> Tensor:
+        """The model's no-grad forward of x at config.precision (what graphs capture; the
+        autocast weight cache off, so nothing cached outlives a capture)."""
+        with torch.no_grad(), self.autocast(x, cache_enabled=False):
+            return fp32_logits(self.model(x))
+
+    def serve(self, x: Tensor) -> Tensor:
+        """The no-grad served forward of x: at config.precision, replayed from a CUDA graph
+        per batch shape where the method takes them (`graphs_serve`, config.cuda_graphs,
+        a CUDA device; `self.graphs` says why not), fp32 logits."""
+        return fp32_logits(self.graphs(x))
 
     # ------------------------------------------------------------ public
     def step(self, x: Tensor) -> StepResult:
@@ -259,8 +321,9 @@ class TTAMethod:
         background: AdaShadow's parallel mode)."""
 
     def close(self) -> None:
-        """Release hooks and threads; the method is unusable afterwards (default: none)."""
+        """Release hooks, threads and CUDA graphs; the method is unusable afterwards."""
         self.finish()
+        self.graphs.clear()
 
     def set_lr(self, lr: float) -> None:
         """Change the learning rate (at the reference batch size) from the next step on."""

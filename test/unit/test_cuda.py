@@ -115,3 +115,90 @@ def test_an_indexed_device_string_is_honoured():
     assert res.logits.device == dev
     assert {p.device for p in method.model.parameters()} == {dev}
     method.close()
+
+
+# ------------------------------------------------- CUDA graphs and mixed precision
+# On CUDA: replays equal eager, one capture per batch shape (none per batch in steady
+# state), fp16 predicts like fp32. With TTA_TEST_DEVICE=cpu the same tests check the
+# fallback (eager, with its reason) and bf16 in place of fp16.
+CUDA = torch.device(DEVICE).type == "cuda"
+REDUCED = "fp16" if CUDA else "bf16"
+AGREE = 0.99 if CUDA else 0.95  # bf16 keeps 8 mantissa bits, fp16 11
+
+
+def _method(name: str, device: str, **settings):
+    torch.manual_seed(0)
+    return build_method(name, small_source().to(device), input_shape=SHAPE,
+                        arch="small_resnet", memory_format="contiguous", **settings)
+
+
+@pytest.mark.parametrize("name", ["source", "bn_adapt"])
+def test_graphed_served_forward_equals_eager_and_captures_once_per_shape(name):
+    graphed, eager = _method(name, DEVICE), _method(name, DEVICE, cuda_graphs=False)
+    xs = [x.to(DEVICE) for x in _stream(3)]
+    for i, x in enumerate(xs):
+        torch.testing.assert_close(graphed.step(x).logits, eager.step(x).logits,
+                                   atol=1e-4, rtol=1e-4, msg=f"batch {i}")
+    g = graphed.graphs
+    if not CUDA:
+        assert g.captures == 0 and "not CUDA" in g.fallback_reason
+        return
+    assert g.fallback_reason == "" and g.graphed
+    assert (g.captures, g.replays) == (1, 3)  # steady state: no capture per batch
+    small = xs[0][:4]
+    torch.testing.assert_close(graphed.step(small).logits, eager.step(small).logits,
+                               atol=1e-4, rtol=1e-4)
+    assert g.captures == 2 and g.cached == 2  # a new shape captures once more
+    graphed.step(xs[1])
+    assert g.captures == 2 and g.replays == 5
+    assert eager.graphs.captures == 0 and "cuda_graphs=False" in eager.graphs.fallback_reason
+    graphed.close()
+    assert g.cached == 0
+
+
+@pytest.mark.skipif(not CUDA, reason="graph capture needs a CUDA device")
+def test_graph_cache_keys_on_signature_and_evicts_the_least_recent():
+    from tta_core.runtime.graphs import GraphedForward
+
+    model = small_source().to(DEVICE).eval()
+    g = GraphedForward(model, max_graphs=2)
+    x = _stream(1)[0].to(DEVICE)
+    for sig in ("a", "a", "b"):
+        g(x, signature=sig)
+    assert (g.captures, g.cached) == (2, 2)
+    g(x[:2])  # a third key: the least recently used ("a") goes
+    g(x, signature="b")
+    assert (g.captures, g.cached) == (3, 2)
+    g(x, signature="a")
+    assert g.captures == 4
+    with torch.no_grad():
+        torch.testing.assert_close(g(x, signature="a"), model(x), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["source", "bn_adapt", "tent"])
+def test_reduced_precision_predicts_like_fp32(name):
+    """fp16 on CUDA: >= 99 % of the predictions are fp32's (bf16 on the CPU: >= 95 %);
+    the logits returned are fp32."""
+    xs = [x.to(DEVICE) for x in signs_batch(256 if CUDA else 64, seed=11).split(8)]
+    full, half = _method(name, DEVICE), _method(name, DEVICE, precision=REDUCED)
+    a = torch.cat([full.step(x).logits for x in xs])
+    b = torch.cat([half.step(x).logits for x in xs])
+    assert b.dtype == torch.float32
+    agree = float((a.argmax(1) == b.argmax(1)).float().mean())
+    assert agree >= AGREE, f"{name} at {REDUCED}: {agree:.3f} of predictions equal fp32's"
+    full.close()
+    half.close()
+
+
+@pytest.mark.skipif(not CUDA, reason="graph capture needs a CUDA device")
+def test_a_failed_capture_serves_eagerly_and_says_why():
+    """A forward that reads the device from the host cannot be captured: the graphed
+    forward says so once and keeps serving the right answer eagerly. (Last in the file:
+    it leaves a capture that failed behind it.)"""
+    from tta_core.runtime.graphs import GraphedForward
+
+    g = GraphedForward(lambda t: t * float(t.abs().sum() > 0), name="host read")
+    x = torch.ones(4, 3, device=DEVICE)
+    torch.testing.assert_close(g(x), x)
+    assert not g.graphed and "capture failed" in g.fallback_reason and g.captures == 0
+    torch.testing.assert_close(g(2 * x), 2 * x)

@@ -86,6 +86,7 @@ def test_copied_choices_equal_the_real_ones():
     from tta_core.eval import predictor_bench as eval_pb
     from tta_core.model.user_card import NORM_PRESETS
     from tta_core.model.zoo import ARCHS
+    from tta_core.runtime.precision import PRECISIONS
 
     assert cli_choices.ARCHS == ARCHS
     assert cli_choices.SPLITS == SPLITS
@@ -93,6 +94,7 @@ def test_copied_choices_equal_the_real_ones():
     assert bench.DEFAULT_METHODS == eval_bench.DEFAULT_METHODS
     assert bench.DEFAULT_CARD == eval_bench.DEFAULT_CARD
     assert bench.MODES == eval_bench.MODES
+    assert bench.PRECISIONS == PRECISIONS
     assert predictor_bench.CONDITIONS == tuple(eval_pb.CONDITIONS)
     assert predictor_bench.MODELS == eval_pb.MODELS
     assert predictor_bench.PI2_MODES == eval_pb.PI2_MODES

@@ -150,3 +150,26 @@ def test_phase_clock_events_are_none_on_the_cpu():
     assert start is None and end is None
     assert PhaseClock.elapsed_ms(start, end) != PhaseClock.elapsed_ms(start, end)  # NaN
     assert clock.mark() >= 0.0
+
+
+def test_bench_passes_precision_to_the_methods_that_take_it():
+    from helpers.models import make_model, tiny_stream
+
+    from tta_core.eval.bench import BenchConfig, method_options, precision_note, run_methods
+
+    cfg = BenchConfig(methods=("source", "eata"), batch_size=4, samples_per_domain=12,
+                      threads=1, precision="bf16")
+    cfg.validate()
+    assert method_options("source", cfg, SHAPE)["precision"] == "bf16"
+    assert "precision" not in method_options("eata", cfg, SHAPE)
+    assert precision_note(cfg, cfg.methods) == ("precision bf16: eata run fp32 (their "
+                                                "forwards do not take it)")
+    runs = {r.method: r.meta for r in run_methods(tiny_stream(), make_model, cfg,
+                                                  progress=False)}
+    assert runs["source"]["precision"] == "bf16" and runs["eata"]["precision"] == "fp32"
+    assert "not CUDA" in runs["source"]["cuda_graphs"]["fallback_reason"]
+    assert runs["source"]["cuda_graphs"]["captures"] == 0
+    with pytest.raises(ValueError, match="precision='fp16' needs a CUDA device"):
+        BenchConfig(precision="fp16").validate()
+    with pytest.raises(ValueError, match="precision='half' not one of"):
+        BenchConfig(precision="half").validate()

@@ -48,6 +48,7 @@ from tta_core.methods import available_methods, build_method, method_class
 from tta_core.model.user_card import UserModel
 from tta_core.runtime.device import check_device
 from tta_core.runtime.gc_pauses import frozen_heap
+from tta_core.runtime.precision import check_precision
 
 # (): every registered method that can run on the bench's model (runnable_methods)
 DEFAULT_METHODS: tuple[str, ...] = ()
@@ -91,6 +92,9 @@ class BenchConfig:
     # saved-activation budget, MiB, for the methods that take one (memory_budget_mb:
     # adashadow); turns measure_activations on (eval.saved_memory); None: off
     memory_budget_mb: float | None = None
+    # forward precision (runtime.precision) of every method that takes it (the others run
+    # fp32, said once); fp16 needs a CUDA device
+    precision: str = "fp32"
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad value."""
@@ -111,7 +115,7 @@ class BenchConfig:
                              f"{self.samples_per_domain} must be >= 1")
         if self.threads < 0:
             raise ValueError(f"threads must be >= 0, got {self.threads}")
-        check_device(self.device)
+        check_precision(self.precision, check_device(self.device))
         check_budget_mib("memory_budget_mb", self.memory_budget_mb)
         if self.telemetry not in ("", "live") and not Path(self.telemetry).is_file():
             raise ValueError(f"telemetry {self.telemetry!r} is neither 'live' nor a "
@@ -239,8 +243,32 @@ def method_options(name: str, cfg: BenchConfig, input_shape: tuple[int, ...]) ->
         opts["seed"] = cfg.seed
     if cfg.memory_budget_mb is not None and "memory_budget_mb" in cls_fields:
         opts["memory_budget_mb"] = cfg.memory_budget_mb
+    if cfg.precision != "fp32" and takes_precision(name, cfg.precision):
+        opts["precision"] = cfg.precision
     opts.update(cfg.method_options.get(name, {}))
     return opts
+
+
+def takes_precision(name: str, precision: str) -> bool:
+    """Whether method `name`'s forwards take `precision` (TTAMethod.precisions)."""
+    return precision in getattr(method_class(method_base(name)), "precisions", ("fp32",))
+
+
+def precision_note(cfg: BenchConfig, methods: Sequence[str]) -> str:
+    """The line naming the methods that run fp32 under a reduced --precision ('' when
+    none do)."""
+    fp32 = [m for m in methods if cfg.precision != "fp32" and not takes_precision(
+        m, cfg.method_options.get(m, {}).get("precision", cfg.precision))]
+    return (f"precision {cfg.precision}: {', '.join(fp32)} run fp32 (their forwards do not "
+            "take it)") if fp32 else ""
+
+
+def serving_meta(meth: Any, opts: dict) -> dict[str, Any]:
+    """report.json meta of how the method served: its precision and, where it has them,
+    its CUDA graphs (captures, replays, graphs held, why eager: runtime.graphs)."""
+    graphs = getattr(meth, "graphs", None)
+    return {"precision": opts.get("precision", "fp32"),
+            "cuda_graphs": graphs.stats() if graphs is not None else None}
 
 
 def _phases(res) -> dict[str, float]:
@@ -261,6 +289,8 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
     torch.manual_seed(cfg.seed)
     opts = method_options(name, cfg, tuple(stream[0].x.shape[1:]))
     meth = build_method(method_base(name), model, **opts)
+    if isinstance(meth, WarmsUp):  # its fixed costs learnt (on noise), as a node at start
+        meth.warm_up(torch.randn_like(stream[0].x))
     # a method's own memory budget (--set M.memory_budget_mb) is what its run is held to
     budget = opts.get("memory_budget_mb", cfg.memory_budget_mb)
     meter = ActivationMeter(model, cfg.measures_activations or budget is not None, budget)
@@ -303,20 +333,29 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
             "mode": cfg.mode, "batch_size": cfg.batch_size, "threads": torch.get_num_threads(),
             "rss_peak_mb": mem.peak_mb, "rss_start_mb": start_mb,
             "lr": _lr_meta(meth, rates),
-            "memory_format": getattr(getattr(meth, "format", None), "format", None)}
-    if meter.meta() is not None:
-        meta["saved_activations"] = meter.meta()
-    if len(triggers) == len(stream):
-        meta["shifts"] = shift_meta(triggers)
-    if live is not None and live.fed:
-        meta["telemetry"] = live.summary()
-        live.fed.clear()
+            "memory_format": getattr(getattr(meth, "format", None), "format", None),
+            **serving_meta(meth, opts), **_measured_meta(meter, triggers, len(stream), live)}
     if cuda:
         meta["cuda_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
     # RSS is process-wide and methods run one after another: report the growth over the
     # RSS at the method's start (its models, optimizer state, activations); absolute in meta
     peak = meta.get("cuda_peak_mb", max(mem.peak_mb - start_mb, 0.0))
     return RunRecord(name, frames, busy, float(peak), 0, meta)
+
+
+def _measured_meta(meter: ActivationMeter, triggers: list, batches: int,
+                   live: LiveExpansion | None) -> dict[str, Any]:
+    """meta of what the run measured: saved activations, the shift test's scores (when
+    every batch said why it backpropagated), the live telemetry fed (then cleared)."""
+    meta: dict[str, Any] = {}
+    if meter.meta() is not None:
+        meta["saved_activations"] = meter.meta()
+    if len(triggers) == batches:
+        meta["shifts"] = shift_meta(triggers)
+    if live is not None and live.fed:
+        meta["telemetry"] = live.summary()
+        live.fed.clear()
+    return meta
 
 
 def _trigger(domain: str, res: Any) -> list[tuple[str, bool, bool, str]]:
@@ -398,7 +437,8 @@ def write_bench(runs: list[RunRecord], out: Path, cfg: BenchConfig,
     """Write the report files; the markdown gets a header naming stream and model and a
     table of the learning rate each method ran with."""
     title = (f"tta bench — {cfg.order} stream, severity {cfg.severity}, batch {cfg.batch_size},"
-             f" {cfg.mode}, seed {cfg.seed}")
+             f" {cfg.mode}, seed {cfg.seed}"
+             + (f", {cfg.precision}" if cfg.precision != "fp32" else ""))
     files = write_report(runs, out, title=title)
     text = files.markdown.read_text()
     clean = "–" if math.isnan(clean_accuracy) else f"{100 * clean_accuracy:.1f}%"
@@ -624,6 +664,8 @@ def run_bench(cfg: BenchConfig, out: str | Path | None, progress: bool = True,
         for name, why in left.items():
             (log or print)(f"{name} left out: it cannot run on this model ({why})")
         cfg = replace(cfg, methods=names)
+    if note := precision_note(cfg, cfg.methods):
+        (log or print)(note)
     runs = run_methods(stream, fresh, cfg, progress)
     clean = float(_card_get(card, "clean_accuracy", math.nan))
     ran = ran_meta(cfg, stream, left)

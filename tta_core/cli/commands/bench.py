@@ -27,7 +27,10 @@ DEFAULT_CARD = Path("checkpoints/small_resnet_signs32.json")
 MODES: tuple[str, ...] = ("sequential", "parallel")
 DEFAULTS: dict[str, object] = {"order": "continual", "severity": 5, "batch_size": 4,
                                "samples_per_domain": 500, "mode": "sequential", "seed": 0,
-                               "threads": 1, "device": "cpu", "stream_track": 1}
+                               "threads": 1, "device": "cpu", "stream_track": 1,
+                               "precision": "fp32"}
+# runtime.precision.PRECISIONS (also copied: that module imports torch)
+PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "bf16")
 
 def _methods(text: str) -> tuple[str, ...]:
     names = tuple(m.strip() for m in text.split(",") if m.strip())
@@ -115,6 +118,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=d.threads,
                         help="torch threads (0: torch default); fixed for comparable timings")
     parser.add_argument("--device", default=d.device, help="cpu, cuda or cuda:N")
+    parser.add_argument("--precision", choices=PRECISIONS, default=d.precision,
+                        help="forward precision of every method that takes it (autocast; "
+                             "fp16 needs --device cuda; BN statistics, losses and optimizer "
+                             "state stay fp32; the others run fp32, said once)")
     parser.add_argument("--out", type=Path, default=None,
                         help="output folder (default runs/bench-<time>)")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -173,7 +180,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                       stream_latency_ms=args.stream_latency_ms, data=args.data,
                       corruptions=parse_corruptions(args.corruptions), user_model=um,
                       measure_activations=args.measure_activations,
-                      memory_budget_mb=args.memory_budget_mb)
+                      memory_budget_mb=args.memory_budget_mb, precision=args.precision)
     return cfg
 
 

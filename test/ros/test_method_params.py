@@ -136,3 +136,26 @@ def test_a_new_method_swaps_the_method_parameters(ros_context, probe_method) -> 
         assert "[0.0 = None]" in lr.description and node.get_parameter("method.lr").value == 0
     finally:
         node.destroy_node()
+
+
+def test_precision_is_a_parameter_checked_against_the_method_and_the_device(
+        ros_context) -> None:
+    """method.precision: bf16 runs on the CPU (a rebuild), fp16 needs CUDA, a method whose
+    forward does not take a reduced precision refuses it, an unknown value is named."""
+    node = _node(ros_context, "source")
+    try:
+        desc = node.describe_parameters(["method.precision"])[0]
+        assert "one of: fp32, fp16, bf16" in desc.description
+        assert node.has_parameter("method.cuda_graphs")
+        res = node.set_parameters([Parameter("method.precision", value="fp16")])[0]
+        assert not res.successful and "precision='fp16' needs a CUDA device" in res.reason
+        res = node.set_parameters([Parameter("method.precision", value="fp8")])[0]
+        assert not res.successful and "'fp8'" in res.reason
+        first = node.method
+        assert node.set_parameters([Parameter("method.precision", value="bf16")])[0].successful
+        assert wait_for(lambda: node.method is not first, 10.0)
+        assert node.method.config.precision == "bf16"
+    finally:
+        node.destroy_node()
+    with pytest.raises(ValueError, match=r"method\.precision='bf16': method eata serves fp32"):
+        _node(ros_context, "eata", **{"method.precision": "bf16"})

@@ -15,7 +15,9 @@ config field is a new parameter without a change here or in the node:
 
 `MethodOptions.check` validates a change: each value's type, range and choices, then the
 whole config built with the method's `make_config` and checked by its own `validate` /
-`check`; a refusal is that check's one-line reason. `check_live` refuses what
+`check`; a refusal is that check's one-line reason. `check_precision_param` adds what
+needs the node's device: `method.precision` must be one the method takes, fp16 only on
+CUDA. `check_live` refuses what
 the running method's setters cannot take (a size it does not serve), `apply_live` hands
 changed values to them (set_lr, set_sigma, set_deadline, set_size); whatever has no
 setter, or is marked `runtime=False` (a built method cannot take it), needs a rebuild.
@@ -37,6 +39,7 @@ from tta_core.errors import one_line
 from tta_core.registry import method_class
 from tta_core.runtime.deadline import DeadlineConfig
 from tta_core.runtime.options import OptionInfo, check_value, describe
+from tta_core.runtime.precision import precision_error
 from tta_ros.ros_params import resolve_data_path, resolve_output_path
 
 PREFIX = "method."
@@ -203,6 +206,20 @@ class MethodOptions:
             if reason := param.check(value):
                 return reason
         return check_config(self.method, self.config(changes))
+
+
+def check_precision_param(method: str, value: Any, device: Any) -> str:
+    """'' when `method.precision=value` can run: a precision the method's forwards take
+    (TTAMethod.precisions) on the node's `device` (fp16: CUDA only), else why not."""
+    if value is None:
+        return ""
+    if reason := precision_error(value, device):
+        return PREFIX + reason
+    takes = getattr(method_class(method), "precisions", ("fp32",))
+    if value not in takes:
+        return (f"{PREFIX}precision={value!r}: method {method} serves "
+                f"{', '.join(takes)} only")
+    return ""
 
 
 def check_live(method: TTAMethodLike, changed: Mapping[str, Any]) -> str:

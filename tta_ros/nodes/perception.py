@@ -98,6 +98,7 @@ from tta_ros.nodes.method_params import (
     MethodOptions,
     apply_live,
     check_live,
+    check_precision_param,
     method_params,
 )
 from tta_ros.nodes.perception_support import (
@@ -343,11 +344,13 @@ def check_method_change(node: PerceptionNode, new: Mapping[str, Any]) -> str:
             return (f"method={method!r}: set method alone (its method.* parameters are "
                     f"declared anew with it), then its options")
         opts = MethodOptions(method, override_values(node))
-        return opts.check(opts.values)
+        return opts.check(opts.values) or check_precision_param(
+            method, opts.get("precision"), node.device)
     if not changes:
         return ""
     params = node.options.params
-    return node.options.check(changes) or check_live(
+    return node.options.check(changes) or check_precision_param(
+        method, changes.get(PREFIX + "precision"), node.device) or check_live(
         node.method, {k[len(PREFIX):]: params[k].config_value(v) for k, v in changes.items()})
 
 
@@ -433,7 +436,10 @@ class PerceptionNode(Node):
         """Declare method `name`'s method.* parameters with their start values (given at
         start, else the config's defaults); ValueError naming a bad one."""
         opts = MethodOptions(name, override_values(self))
-        if reason := opts.check(opts.values):
+        # the device is checked after the method's options (None: fp16 is refused when
+        # the method is built on a CPU)
+        if reason := opts.check(opts.values) or check_precision_param(
+                name, opts.get("precision"), getattr(self, "device", None)):
             raise ValueError(reason)
         self.declaring = True
         try:

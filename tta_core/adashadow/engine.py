@@ -310,6 +310,19 @@ class _Background:
             raise RuntimeError("background adaptation failed") from err
 
 
+def _mixed_layout(t: Tensor) -> bool:
+    """A channels-last activation (4-D, not also NCHW-contiguous): the gradient a pooling
+    head sends back to it is NCHW, and an elementwise backward over the two layouts (the
+    ReLU before the pool) takes a slow strided path."""
+    return t.dim() == 4 and not t.is_contiguous() and \
+        t.is_contiguous(memory_format=torch.channels_last)
+
+
+def _like_channels_last(grad: Tensor) -> Tensor:
+    """The gradient in the activation's channels-last layout (a no-op when it is)."""
+    return grad.contiguous(memory_format=torch.channels_last)
+
+
 def _loss(kind: str, fwd: _Forward, history) -> Tensor | None:
     """The batch's adaptation loss (`kind`: EngineConfig.loss); None without a history."""
     if kind == "entropy":
@@ -443,6 +456,8 @@ class AdaShadowEngine:
 
     # ------------------------------------------------------------ hooks
     def _cache_stage_input(self, s: int, t: Tensor) -> None:
+        if self._collector.capture and t.requires_grad and _mixed_layout(t):
+            t.register_hook(_like_channels_last)
         if self._collector.capture and s >= self._keep_from:
             self._stage_inputs[s] = t
             if s == self._grad_stage:  # stages from here on may be updated: record them
@@ -538,11 +553,12 @@ class AdaShadowEngine:
     def _backward(self, loss: Tensor, update: np.ndarray) -> None:
         """Gradients of the selected units only; autograd skips everything below them."""
         sel = [p for u in self.staged.units if update[u.index] for p in u.parameters()]
-        self.optimizer.zero_grad(set_to_none=True)
         grads = torch.autograd.grad(loss, sel)
         for p, g in zip(sel, grads, strict=True):
             p.grad = g
         self.optimizer.step()
+        for p in sel:  # no gradient outlives its step (what zero_grad before it would do)
+            p.grad = None
 
     # ------------------------------------------------------------ plan phase
     def _plan_phase(self, fwd: _Forward, plan: planner.Plan | None, batch_size: int

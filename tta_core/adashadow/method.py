@@ -114,8 +114,9 @@ class AdaShadow(TTAMethod):
 
     def set_sigma(self, sigma: float) -> None:
         """New latency budget factor from the next batch on."""
-        if not (math.isfinite(sigma) and 0.0 <= sigma <= 10.0):
-            raise ValueError(f"sigma {sigma} outside [0, 10]")
+        if not (math.isfinite(sigma) and 0.0 < sigma <= 1.0):
+            raise ValueError(f"sigma {sigma} outside (0, 1]: the budget is a share of the "
+                             f"full update's time T")
         self.finish()
         self.config.sigma = float(sigma)
         self.engine.forget_plan()

@@ -74,7 +74,7 @@ class PlanningConfig(DeadlineConfig):
     deadline_* fields (DeadlineConfig) choose between sigma*T and a deadline."""
 
     sigma: float = option(0.33, "latency budget as a fraction of a full update (sigma*T, "
-                          "deadline_mode sigma)", low=0.0, high=10.0)
+                          "deadline_mode sigma; in (0, 1]: T is the full update)", low=0.0, high=1.0)
     n_t: int = option(planner.DEFAULT_N_T, "planner budget discretisation steps", low=1)
     forward_feedback: str = option(
         "uniform", "correct the predicted unit times by the batch's measured forward, on top "
@@ -109,8 +109,9 @@ class PlanningConfig(DeadlineConfig):
         if self.forward_feedback not in predictor.FEEDBACK_MODES:
             raise ValueError(f"forward_feedback {self.forward_feedback!r} not in "
                              f"{predictor.FEEDBACK_MODES}")
-        if not 0.0 <= self.sigma <= 10.0 or math.isnan(self.sigma):
-            raise ValueError(f"sigma {self.sigma} outside [0, 10]")
+        if not 0.0 < self.sigma <= 1.0 or math.isnan(self.sigma):
+            raise ValueError(f"sigma {self.sigma} outside (0, 1]: the budget is a share of "
+                             f"the full update's time T")
         if isinstance(self.n_t, bool) or not isinstance(self.n_t, int) or self.n_t < 1:
             raise ValueError(f"n_t must be a positive integer, got {self.n_t!r}")
         if not (self.pi1 > 0 and self.pi2 > 0):
@@ -271,6 +272,7 @@ class PlanningService(DeadlineBudget):
         self._pis: tuple[float, float] | None = None  # live telemetry (pi1, pi2)
         self._mac = mac_profile(layout, 1.0, 1)  # unitless shape, scaled per batch
         self._floor_cache: tuple = (None, 0)
+        self._floor_least = ""  # the least sigma at which the floor's cheapest unit fits
         self._zeros = np.zeros(layout.n_units)
         self._times = _TimesCache()
 
@@ -360,7 +362,7 @@ class PlanningService(DeadlineBudget):
             margin = self.fixed.margin_ms
             sigma_t = float(self.config.sigma) * planner.full_ms(w, x, r, tf, oh)
         problem = self._problem(w, x, r, a, tf, oh, deadline - margin if math.isnan(sigma_t)
-                                else sigma_t - margin)
+                                else max(sigma_t - margin, 0.0))
         mib = self.config.memory_budget_mb
         plan, mem = solve_plan(problem, int(self.config.n_t), mib, memory)
         if not math.isnan(sigma_t):  # the batch's budget is sigma*T; the margin is inside it
@@ -400,7 +402,8 @@ class PlanningService(DeadlineBudget):
         plan = planner.Plan(update=np.zeros(n, dtype=bool), first_updated=n, objective=0.0,
                             predicted_total_ms=tf, budget_ms=budget, full_ms=full, solve_ms=0.0)
         reason = reason or no_room_text(tf, oh, budget, not math.isnan(deadline), forward_ms,
-                                        self.fixed.plan_phase_ms, self.describe_deadline())
+                                        self.fixed.plan_phase_ms, self.describe_deadline()
+                                        ) + (self._floor_least if math.isnan(deadline) else "")
         return PlanOutcome(plan, unit_ms, 0.0, 0.0, tf, oh, reason, deadline,
                            forward_ms > deadline, skipped=True, batch_size=batch_size,
                            made_for_ms=forward_ms)
@@ -502,9 +505,12 @@ class PlanningService(DeadlineBudget):
             if not math.isfinite(tf):
                 return 0
             absolute = math.nan if budget is None else budget * (tf if scaled else 1.0)
-            d = planner.lowest_feasible_unit(self._problem(
-                k * w, k * x, r, self._zeros, tf * (1.0 + share[0]), tf * share[1],
-                absolute), candidates, validated=True)
+            problem = self._problem(k * w, k * x, r, self._zeros, tf * (1.0 + share[0]),
+                                    tf * share[1], absolute)
+            d = planner.lowest_feasible_unit(problem, candidates, validated=True)
+            # sigma*T: what would let a unit fit, for the served batches' no-room reason
+            self._floor_least = least_text(problem, candidates) \
+                if d >= self.layout.n_units and budget is None else ""
             self._floor_cache = (key, d)
         return self._floor_cache[1]
 

@@ -2,8 +2,11 @@
 # The GPU check in one run (under 8 minutes on one GPU): the `cuda` tests, then the GPU
 # figures -- latency of source / bn_adapt / tent / adashadow (ResNet-50 224 px, batch 4)
 # with their ratios, saved-activation bytes and step time of tent, tent 4-bit and
-# adashadow under a memory budget, the served forward eager vs torch.compile, and the
-# Triton DAF kernels against the native path.
+# adashadow under a memory budget, the served forward eager vs torch.compile, the serving
+# table (ResNet-50 224 px b4 and b32, ResNet-18 224 px b8, the shipped small net b8: source
+# eager, source with CUDA graphs, bn_adapt, tent, adashadow, adashadow parallel, in fp32 and
+# fp16: ms, ratios to source, units updated, adapted %, predictions equal to fp32's), and
+# the Triton DAF kernels against the native path.
 #
 #   bash benchmarks/gpu_check.sh             on a machine with a CUDA GPU
 #   bash benchmarks/gpu_check.sh --dry-run   the same code paths on the CPU, tiny shapes
@@ -38,7 +41,9 @@ if (( dry )); then
   out=${GPU_CHECK_OUT:-$(mktemp -d)}
   tests=(-k "quantized or indexed")
   ratios=(--models resnet18:32:2 --batches 2 --warmup 1 --threads 1)
-  figures=(--arch resnet18 --image-size 32 --batch-size 2 --batches 2 --no-compile)
+  figures=(--arch resnet18 --image-size 32 --batch-size 2 --batches 2 --no-compile
+           --serving resnet18:32:2,card:32:2 --precisions fp32,bf16 --serving-batches 1
+           --serving-warmup 1 --threads 1)  # bf16: fp16 needs CUDA
   kernels=(--dry-run)
 else
   device=${TTA_TEST_DEVICE:-cuda}
@@ -75,7 +80,7 @@ if (( ! dry )); then  # the kernel tests marked cuda (their CPU tests run in the
 fi
 part "latency: source / bn_adapt / tent / adashadow, one interleaved run" \
   "$py" benchmarks/bench_paper_ratios.py --device "$device" --out "$out" "${ratios[@]}"
-part "saved activations, step time, served forward" \
+part "saved activations, step time, served forward, serving in fp32 and fp16" \
   "$py" benchmarks/gpu_figures.py --device "$device" --out "$out" ${figures[@]+"${figures[@]}"}
 part "DAF kernels: Triton vs native" \
   "$py" benchmarks/bench_kernels.py --device "$device" --out "$out" ${kernels[@]+"${kernels[@]}"}

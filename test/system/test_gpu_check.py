@@ -28,6 +28,13 @@ def test_gpu_check_dry_run_writes_its_figures(tmp_path):
     figures = json.loads((tmp_path / "gpu_figures.json").read_text())
     assert figures["memory"]["tent 4-bit"]["saved_share_of_tent"] < 0.5  # 4 of 32 bits + meta
     assert (tmp_path / "paper_ratios.md").read_text().count("| adashadow") == 3
+    serving = {(r["arch"], r["precision"]): r["methods"] for r in figures["serving"]}
+    assert set(serving) == {(a, p) for a in ("resnet18", "card") for p in ("fp32", "bf16")}
+    for methods in serving.values():
+        assert methods["source eager"]["x_source_eager"] == 1.0
+        assert "not CUDA" in methods["source graphs"]["graphs"]["fallback_reason"]
+    assert "agree_fp32" in serving[("card", "bf16")]["source eager"]
+    assert "| card 32 px b2 | bf16 | tent |" in (tmp_path / "gpu_serving.md").read_text()
 
 
 def test_gpu_check_refuses_an_unknown_argument():

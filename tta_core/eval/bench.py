@@ -331,8 +331,7 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
         meth.close()
     meta = {"options": {k: v for k, v in opts.items() if k != "input_shape"},
             "mode": cfg.mode, "batch_size": cfg.batch_size, "threads": torch.get_num_threads(),
-            "rss_peak_mb": mem.peak_mb, "rss_start_mb": start_mb,
-            "lr": _lr_meta(meth, rates),
+            "rss_peak_mb": mem.peak_mb, "rss_start_mb": start_mb, "lr": _lr_meta(meth, rates),
             "memory_format": getattr(getattr(meth, "format", None), "format", None),
             **serving_meta(meth, opts), **_measured_meta(meter, triggers, len(stream), live)}
     if cuda:

@@ -81,7 +81,7 @@ def test_restart_inside_a_stage_equals_the_full_forward_and_skips_the_replayed(
         replay = {u: outs[u] for u in range(first, d) if staged.units[u].replayable}
         calls: list[int] = []
         hs = [staged.units[u].module.register_forward_hook(
-            lambda *_a, u=u: calls.append(u)) for u in replay]
+            lambda *_a, u=u, calls=calls: calls.append(u)) for u in replay]
         with torch.no_grad():
             got = staged.forward_from(unit.stage, ins[unit.stage], replay)
         for h in hs:
@@ -175,7 +175,7 @@ def test_a_plan_made_ahead_is_the_one_the_next_batch_runs() -> None:
             made = solves.pop()
             grad: dict[int, bool] = {}
             hs = [st.module.register_forward_pre_hook(
-                lambda _m, a, s=st.index: grad.__setitem__(s, a[0].requires_grad)
+                lambda _m, a, s=st.index, grad=grad: grad.__setitem__(s, a[0].requires_grad)
                 if eng._collector.capture else None) for st in eng.staged.stages[1:]]
             res = eng.step(x)
             for h in hs:

@@ -414,6 +414,7 @@ class AdaShadowEngine:
         self.optimizer = torch.optim.SGD(self.params, lr=self.config.lr,
                                          momentum=self.config.momentum)
         self._opt_state0 = self.optimizer.state_dict()
+        self._with_grad: list[Tensor] = []  # parameters the last update gave a gradient
         self.assessor = assessor_mod.Assessor(len(staged.units), alpha=self.config.alpha)
         self._collector = UnitStatsCollector(staged, with_grad=self.config.loss == "multilayer_kl")
         if source_bn:
@@ -553,12 +554,13 @@ class AdaShadowEngine:
     def _backward(self, loss: Tensor, update: np.ndarray) -> None:
         """Gradients of the selected units only; autograd skips everything below them."""
         sel = [p for u in self.staged.units if update[u.index] for p in u.parameters()]
+        for p in self._with_grad:  # what zero_grad would clear: the last step's gradients
+            p.grad = None
         grads = torch.autograd.grad(loss, sel)
         for p, g in zip(sel, grads, strict=True):
             p.grad = g
+        self._with_grad = sel
         self.optimizer.step()
-        for p in sel:  # no gradient outlives its step (what zero_grad before it would do)
-            p.grad = None
 
     # ------------------------------------------------------------ plan phase
     def _plan_phase(self, fwd: _Forward, plan: planner.Plan | None, batch_size: int

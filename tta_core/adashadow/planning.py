@@ -74,7 +74,8 @@ class PlanningConfig(DeadlineConfig):
     deadline_* fields (DeadlineConfig) choose between sigma*T and a deadline."""
 
     sigma: float = option(0.33, "latency budget as a fraction of a full update (sigma*T, "
-                          "deadline_mode sigma; in (0, 1]: T is the full update)", low=0.0, high=1.0)
+                          "deadline_mode sigma; in (0, 1]: T is the full update)", low=0.0,
+                          high=1.0)
     n_t: int = option(planner.DEFAULT_N_T, "planner budget discretisation steps", low=1)
     forward_feedback: str = option(
         "uniform", "correct the predicted unit times by the batch's measured forward, on top "
@@ -95,7 +96,7 @@ class PlanningConfig(DeadlineConfig):
     # the deadline modes always leave this room (DeadlineBudget.budget_ms); in sigma*T
     # mode a plan that fills sigma*T to the last percent is over it on every other batch
     # from timing scatter alone
-    sigma_margin: bool = option(True, "sigma*T mode: plans leave room for the scatter of "
+    sigma_margin: bool = option(False, "sigma*T mode: plans leave room for the scatter of "
                                 "the batch's time around their prediction (learnt, "
                                 "FixedCosts.margin_ms)")
     memory_budget_mb: float | None = option(

@@ -83,6 +83,7 @@ class StagedModel:
     # per unit: where its module sits in its parents (forward_from's replay), found once
     _slots: dict[int, list[tuple[nn.Module, str]]] = field(default_factory=dict, repr=False,
                                                           compare=False)
+    _stand_ins: dict[int, _Replay] = field(default_factory=dict, repr=False, compare=False)
 
     def stage_start(self) -> np.ndarray:
         """Per unit: index of the first unit of its stage."""
@@ -133,23 +134,31 @@ class StagedModel:
 
     @contextmanager
     def _replaying(self, replay: Mapping[int, Tensor]) -> Iterator[None]:
-        swapped = [(parent, name, self.units[u].module, out)
-                   for u, out in replay.items() for parent, name in self._slots_of(u)]
-        for parent, name, _mod, out in swapped:
-            parent._modules[name] = _Replay(out)
+        swapped = []
+        for u, out in replay.items():
+            stand_in = self._stand_ins.get(u)
+            if stand_in is None:  # one per unit, made once (building a Module is slow)
+                stand_in = self._stand_ins[u] = _Replay()
+            stand_in.__dict__["out"] = out  # a plain attribute: no Module bookkeeping
+            swapped += [(parent, name, self.units[u].module, stand_in)
+                        for parent, name in self._slots_of(u)]
+        for parent, name, _mod, stand_in in swapped:
+            parent._modules[name] = stand_in
         try:
             yield
         finally:
-            for parent, name, mod, _out in swapped:
+            for parent, name, mod, stand_in in swapped:
                 parent._modules[name] = mod
+                stand_in.__dict__["out"] = None  # the forward's tensor is not held
 
 
 class _Replay(nn.Module):
-    """Stands in for a module during a reforward: returns its output from the forward."""
+    """Stands in for a module during a reforward: returns its output from the forward
+    (`out`, set by StagedModel._replaying)."""
 
-    def __init__(self, out: Tensor) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.out = out
+        self.__dict__["out"] = None
 
     def forward(self, *_args: object, **_kwargs: object) -> Tensor:
         return self.out

@@ -16,7 +16,7 @@ import math
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -44,6 +44,7 @@ from tta_core.model.units import StagedModel, stage_input_hooks
 from tta_core.runtime import losses
 from tta_core.runtime.options import option
 from tta_core.runtime.phases import Phases
+from tta_core.runtime.precision import autocast_for, check_precision, fp32_logits
 from tta_core.runtime.unit_stats import UnitStatsCollector, source_seeds
 
 MODES = ("sequential", "parallel")
@@ -420,6 +421,10 @@ class AdaShadowEngine:
         if source_bn:
             self.assessor.seed(source_seeds(staged, source_bn, self._collector.bn_input))
         self.clock = PhaseClock(self.params[0].device)  # times every phase (CUDA: synced)
+        # precision (MethodConfig.precision, when the config has it): the forwards under
+        # autocast; logits, the loss, BN statistics and the optimizer state in fp32
+        self.precision = str(getattr(self.config, "precision", "fp32"))
+        check_precision(self.precision, self.params[0].device)
         self._stage_inputs: list = [None] * len(staged.stages)
         self._grad_stage = 0
         # lowest stage whose input the forward keeps: a plan cannot start its reforward
@@ -464,6 +469,10 @@ class AdaShadowEngine:
             if s == self._grad_stage:  # stages from here on may be updated: record them
                 torch.set_grad_enabled(True)
 
+    def _autocast(self) -> AbstractContextManager:
+        """The context the model's forwards run in (runtime.precision.autocast_for)."""
+        return autocast_for(self.params[0].device, self.precision)
+
     def _output_hook(self, index: int) -> Callable:
         def hook(_m: nn.Module, _args: object, out: Tensor) -> None:
             if index >= self._out_from and self._collector.capture:
@@ -506,8 +515,8 @@ class AdaShadowEngine:
         # restores the grad mode on exit (the stage hooks switch it on mid-forward)
         try:
             with _own_forward(self._collector, self._rbn), \
-                    torch.set_grad_enabled(grad_stage == 0), codec:
-                logits = self.staged.model(x)
+                    torch.set_grad_enabled(grad_stage == 0), codec, self._autocast():
+                logits = fp32_logits(self.staged.model(x))
         finally:
             self._rbn.keep_inputs = False
             self._out_from = len(self.staged.units)
@@ -684,9 +693,9 @@ class AdaShadowEngine:
         if update is not None:
             with phases("backward"):
                 self._adapt(fwd, loss, update)
-            with phases("reforward"):
-                res.logits = _reforward(self.staged, x, fwd, int(np.flatnonzero(update)[0]),
-                                        self.config.reuse)
+            with phases("reforward"), self._autocast():
+                res.logits = fp32_logits(_reforward(
+                    self.staged, x, fwd, int(np.flatnonzero(update)[0]), self.config.reuse))
             measured.backward_ms = phases.ms["backward"]
             measured.reforward_ms = phases.ms["reforward"]
         res.times = phases.times()
@@ -756,8 +765,8 @@ class AdaShadowEngine:
         forward time counts for the floor scaled to a planned batch's (note_plain)."""
         weight = _serve_weight(self._rbn, self.planning.late_ms)
         with phases("forward"), _own_forward(self._collector, self._rbn, False, weight), \
-                torch.no_grad():
-            logits = self.staged.model(x)
+                torch.no_grad(), self._autocast():
+            logits = fp32_logits(self.staged.model(x))
         forward_ms = phases.ms["forward"]
         with phases("plan"):
             _thin_after(self._rbn, weight, forward_ms, self.planning.deadline_ms(batch_size))

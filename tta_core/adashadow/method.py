@@ -24,6 +24,7 @@ from tta_core.registry import register
 from tta_core.runtime.deadline import apply_settings, check_settings
 from tta_core.runtime.method import MethodConfig, TTAMethod
 from tta_core.runtime.options import option
+from tta_core.runtime.precision import PRECISIONS
 
 
 @dataclass
@@ -54,6 +55,7 @@ class AdaShadow(TTAMethod):
 
     config_cls = AdaShadowConfig
     config: AdaShadowConfig
+    precisions = PRECISIONS  # the engine's forwards under autocast (AdaShadowEngine.precision)
     staged: StagedModel
     engine: AdaShadowEngine
 

@@ -91,15 +91,17 @@ class StagedModel:
 
     def restart_start(self) -> np.ndarray:
         """Per unit d: where a reforward from d starts counting (the cost model's reuse
-        boundary, `stage_start` of the planner). d itself when every unit of its stage
-        before d either replays its output from the forward (`Unit.replayable`) or is a
-        norm layer (re-run on replayed inputs: an elementwise pass); else the first unit
-        of d's stage. `forward_from(..., replay)` with those outputs runs only what follows."""
+        boundary, `stage_start` of the planner): the last b <= d such that every unit of
+        d's stage before b replays its output from the forward (`Unit.replayable`).
+        `forward_from(..., replay)` with those outputs runs only the units from b on (and
+        the cheap ops between them): d itself where all of its stage before it replay,
+        else from the first unit that cannot (a BN whose output an in-place ReLU
+        overwrote runs again, and counts). Non-decreasing, as the planner needs."""
         out = self.stage_start()
         for u in self.units:
             first = int(out[u.index])
-            if all(v.replayable or v.kind in ("bn", "ln") for v in self.units[first:u.index]):
-                out[u.index] = u.index
+            stuck = [v.index for v in self.units[first:u.index] if not v.replayable]
+            out[u.index] = stuck[0] if stuck else u.index
         return out
 
     def forward_from(self, stage: int, x: Tensor,

@@ -90,7 +90,7 @@ def test_describe_names_what_sets_the_deadline() -> None:
 # ---------------------------------------------------------------- planning service
 @pytest.fixture(scope="module")
 def layout() -> UnitLayout:
-    return layout_from_card(CARD)
+    return layout_from_card(CARD, restart=False)  # reuse boundaries at stage starts
 
 
 def _flat(layout: UnitLayout) -> UnitProfile:

@@ -439,9 +439,12 @@ class AdaShadowEngine:
         # replayable unit outputs kept by the forward from unit _out_from on (see _reforward)
         self._unit_out: dict[int, Tensor] = {}
         self._out_from = len(staged.units)
-        if self.replays:
-            self._handles += [u.module.register_forward_hook(self._output_hook(u.index))
-                              for u in staged.units if u.replayable]
+        # units some later unit's reuse boundary lies beyond: their outputs are kept by
+        # hooks installed for a recorded forward only (a served batch keeps PyTorch's
+        # hook-free call path)
+        bound, stage_of = self.planning.layout.stage_start, self.planning.layout.stage_of_unit
+        self._replayed = [u for u in staged.units if self.replays and u.replayable and bool(
+            (bound[u.index + 1:][stage_of[u.index + 1:] == u.stage] > u.index).any())]
         self._ahead: PlanOutcome | None = None  # plan_ahead: the next batch's plan
         self._deferred: Callable[[], None] | None = None  # work left for between batches
         self._importance: np.ndarray | None = None  # plan_ahead: the last importance
@@ -509,6 +512,8 @@ class AdaShadowEngine:
         self._stage_inputs[0] = x if self._keep_from == 0 else None
         self._out_from = self._grad_from(grad_stage) if self.replays else len(self.staged.units)
         codec = self.tail.recording(self._grad_from(grad_stage))  # memory budget, DAF
+        keep = [u.module.register_forward_hook(self._output_hook(u.index))
+                for u in self._replayed if u.index >= self._out_from]
         # the recorded layers' inputs are kept for the reforward where the graph keeps
         # them anyway (not under a codec, which stores them packed)
         self._rbn.keep_inputs = self.config.reuse and isinstance(codec, nullcontext)
@@ -520,6 +525,8 @@ class AdaShadowEngine:
         finally:
             self._rbn.keep_inputs = False
             self._out_from = len(self.staged.units)
+            for h in keep:
+                h.remove()
         stats = self._collector.collect(x.shape[0])
         inputs, self._stage_inputs = self._stage_inputs, [None] * len(self._stage_inputs)
         return logits, stats, inputs
@@ -707,10 +714,13 @@ class AdaShadowEngine:
     # ------------------------------------------------------------ plan ahead
     def _take_ahead(self, batch_size: int) -> PlanOutcome | None:
         """The plan made for this batch after the last one (plan_ahead), or None: none was
-        made (the first batch, new settings) or it was made for another batch size."""
+        made (the first batch, new settings), it was made for another batch size, or it
+        is empty for want of any importance (the assessor had no history yet)."""
         ahead, self._ahead = self._ahead, None
         if ahead is None or ahead.batch_size != batch_size:
             return None
+        if not ahead.updates and (ahead.importance is None or not ahead.importance.any()):
+            return None  # made without importance (no history yet): the batch's own
         return ahead
 
     def _defer(self, res: StepResult, outcome: PlanOutcome | None, measured: Measured | None,

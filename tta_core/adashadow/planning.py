@@ -461,8 +461,8 @@ class PlanningService(DeadlineBudget):
             reach = reach & (np.arange(len(reach)) >= grad_from)
         if planner.lowest_feasible_unit(problem, reach, validated=True) < len(reach):
             return ""
-        reason = self.empty_outcome(forward_ms, batch_size, grad_from=grad_from).no_room
-        return reason + least_text(problem, reach)
+        outcome = self.empty_outcome(forward_ms, batch_size, grad_from=grad_from)
+        return outcome.no_room + least_text(problem, reach, outcome.plan.budget_ms)
 
     def _no_room(self, problem: planner.PlanProblem, plan: planner.Plan,
                  candidates: np.ndarray | None, forward_ms: float) -> str:
@@ -471,7 +471,8 @@ class PlanningService(DeadlineBudget):
             return ""
         return no_room_text(problem.forward_ms, problem.overhead_ms, plan.budget_ms,
                             problem.budget_ms is not None, forward_ms, self.fixed.plan_phase_ms,
-                            self.describe_deadline()) + least_text(problem, candidates)
+                            self.describe_deadline()) + least_text(problem, candidates,
+                                                                   plan.budget_ms)
 
     def graph_floor(self, last_forward_ms: float, candidates: np.ndarray,
                     batch_size: int = 1) -> int:
@@ -577,11 +578,13 @@ def no_room_text(tf_ms: float, overhead_ms: float, budget_ms: float, deadline: b
             f"empty, raise sigma to adapt")
 
 
-def least_text(problem: planner.PlanProblem, candidates: np.ndarray | None) -> str:
+def least_text(problem: planner.PlanProblem, candidates: np.ndarray | None,
+               budget_ms: float = math.inf) -> str:
     """What would let the cheapest candidate unit fit (the no-room diagnostic's second
-    half): the least sigma (sigma*T mode) or the least deadline, ms."""
+    half): the least sigma (sigma*T mode) or the least deadline, ms; "" when the forward
+    and plan phase alone already reach `budget_ms` (the reason says so)."""
     cost = planner.cheapest_unit_ms(problem, candidates)
-    if not math.isfinite(cost):
+    if not math.isfinite(cost) or problem.forward_ms >= budget_ms:
         return ""
     if problem.budget_ms is not None:
         return f"; the cheapest unit fits a deadline >= {cost:.3g} ms"
@@ -600,10 +603,11 @@ def telemetry_pis(compute_expansion: float, memory_expansion: float) -> tuple[fl
                  for v in (compute_expansion, memory_expansion))
 
 
-def layout_from_card(card_path: str | Path) -> UnitLayout:
+def layout_from_card(card_path: str | Path, restart: bool = True) -> UnitLayout:
     """The unit layout of a model card's architecture (random weights: only the structure
-    is used), named as perception names it (card name, else arch)."""
+    is used), named as perception names it (card name, else arch); `restart`: as
+    UnitLayout.from_staged (what the engine with its default settings plans with)."""
     card = load_card(card_path)
     size = card.image_size
     staged = decompose(build_card_model(card), (3, size, size), arch=card.arch)
-    return UnitLayout.from_staged(staged, card.name or card.arch)
+    return UnitLayout.from_staged(staged, card.name or card.arch, restart=restart)

@@ -289,8 +289,6 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
     torch.manual_seed(cfg.seed)
     opts = method_options(name, cfg, tuple(stream[0].x.shape[1:]))
     meth = build_method(method_base(name), model, **opts)
-    if isinstance(meth, WarmsUp):  # its fixed costs learnt (on noise), as a node at start
-        meth.warm_up(torch.randn_like(stream[0].x))
     # a method's own memory budget (--set M.memory_budget_mb) is what its run is held to
     budget = opts.get("memory_budget_mb", cfg.memory_budget_mb)
     meter = ActivationMeter(model, cfg.measures_activations or budget is not None, budget)

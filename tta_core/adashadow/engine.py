@@ -311,6 +311,15 @@ class _Background:
             raise RuntimeError("background adaptation failed") from err
 
 
+def _replayed_units(staged: StagedModel, layout: UnitLayout) -> list:
+    """Replayable units that some later unit's reuse boundary lies beyond: the forward
+    keeps their outputs, by hooks installed for a recorded forward only (a served batch
+    keeps PyTorch's hook-free call path)."""
+    bound, stage_of = layout.stage_start, layout.stage_of_unit
+    return [u for u in staged.units if u.replayable and bool(
+        (bound[u.index + 1:][stage_of[u.index + 1:] == u.stage] > u.index).any())]
+
+
 def _mixed_layout(t: Tensor) -> bool:
     """A channels-last activation (4-D, not also NCHW-contiguous): the gradient a pooling
     head sends back to it is NCHW, and an elementwise backward over the two layouts (the
@@ -421,8 +430,7 @@ class AdaShadowEngine:
         if source_bn:
             self.assessor.seed(source_seeds(staged, source_bn, self._collector.bn_input))
         self.clock = PhaseClock(self.params[0].device)  # times every phase (CUDA: synced)
-        # precision (MethodConfig.precision, when the config has it): the forwards under
-        # autocast; logits, the loss, BN statistics and the optimizer state in fp32
+        # MethodConfig.precision (when there): forwards under autocast, the rest in fp32
         self.precision = str(getattr(self.config, "precision", "fp32"))
         check_precision(self.precision, self.params[0].device)
         self._stage_inputs: list = [None] * len(staged.stages)
@@ -436,15 +444,10 @@ class AdaShadowEngine:
         if profile is not None:
             self._fwd.note(profile.forward_ms, profile.batch_size)
         self._handles = stage_input_hooks(self.staged, self._cache_stage_input)
-        # replayable unit outputs kept by the forward from unit _out_from on (see _reforward)
+        # outputs of _replayed units kept by the forward from unit _out_from on (_reforward)
         self._unit_out: dict[int, Tensor] = {}
         self._out_from = len(staged.units)
-        # units some later unit's reuse boundary lies beyond: their outputs are kept by
-        # hooks installed for a recorded forward only (a served batch keeps PyTorch's
-        # hook-free call path)
-        bound, stage_of = self.planning.layout.stage_start, self.planning.layout.stage_of_unit
-        self._replayed = [u for u in staged.units if self.replays and u.replayable and bool(
-            (bound[u.index + 1:][stage_of[u.index + 1:] == u.stage] > u.index).any())]
+        self._replayed = _replayed_units(staged, self.planning.layout) if self.replays else []
         self._ahead: PlanOutcome | None = None  # plan_ahead: the next batch's plan
         self._deferred: Callable[[], None] | None = None  # work left for between batches
         self._importance: np.ndarray | None = None  # plan_ahead: the last importance

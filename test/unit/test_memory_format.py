@@ -65,8 +65,11 @@ def test_a_method_computes_the_same_in_both_formats(method: str) -> None:
     xs = [torch.randn(4, 3, 32, 32, generator=g) * 1.5 for _ in range(3)]
     out = {}
     for fmt in ("contiguous", "channels_last"):
+        # adashadow: plans from the cost model only (learnt fixed costs depend on how
+        # fast each format ran, and a different plan adapts differently)
+        extra = {"fixed_cost_feedback": 0.0} if method == "adashadow" else {}
         meth = build_method(method, load_source(CARD)[0], memory_format=fmt,
-                            input_shape=(3, 32, 32))
+                            input_shape=(3, 32, 32), **extra)
         assert meth.format.format == fmt and _cl(meth.model) == (fmt == "channels_last")
         logits = [meth.step(x).logits for x in xs]
         params = {k: v.detach().clone() for k, v in meth.model.state_dict().items()}

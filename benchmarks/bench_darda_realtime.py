@@ -11,25 +11,27 @@ runs in streaming mode (`tta bench --stream-hz`'s `stream_method`: the node's ke
 queue, camera deadline at the rate) at each rate of `--hz`; the rate where bn_adapt still
 answers >= 99 % of the frames is the one the acceptance reads DARDA at.
 
-    python benchmarks/bench_darda_realtime.py --batch-sizes 4,16 --hz 60,120,240 \\
+    python benchmarks/bench_darda_realtime.py --batch-sizes 4,16 --hz 250,1000,2000,4000 \\
         [--card checkpoints/small_resnet_signs32.json] [--seeds 0,1] [--out FILE.json]
 
 Variants: `darda` (the online-learnt domain bank), `darda@paper` (the paper's online phase
 from `--bundle`, default the card's `<stem>_darda.safetensors` when it exists). `--set
 M.KEY=VALUE` as `tta bench` (e.g. darda.gate_policy=stable: the gate before this
-change). Prints one table per batch size; `--out` writes the figures as JSON.
+change). Prints one table per batch size and writes the figures to
+`docs/results/<--stem>.json` and its page (`--stem`, default darda_realtime; `--out FILE`:
+that JSON file instead, no page).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import results
 import torch
 
 from tta_core.eval.bench import (
@@ -62,7 +64,8 @@ def parse() -> argparse.Namespace:
                     "or the thread's CPU time (a shared machine: what the steps cost "
                     "without the neighbours' preemption; torch threads 1)")
     ap.add_argument("--set", action="append", default=[], metavar="M.KEY=VALUE")
-    ap.add_argument("--out", default="")
+    ap.add_argument("--out", default="", help="write the JSON here instead of the page")
+    ap.add_argument("--stem", default="darda_realtime", help="results page (docs/results)")
     return ap.parse_args()
 
 
@@ -167,7 +170,7 @@ def main() -> None:
     stream_methods = [m for m in a.stream_methods.split(",") if m and
                       (m != "darda@paper" or bundle)]
     rates = [float(h) for h in a.hz.split(",") if h]
-    report: dict[str, Any] = {"card": a.card, "bundle": bundle, "data": a.data,
+    report: dict[str, Any] = {"card": _rel(a.card), "bundle": _rel(bundle), "data": a.data,
                               "clock": a.clock, "threads": a.threads,
                               "samples_per_domain": a.samples_per_domain, "options": opts,
                               "runs": []}
@@ -180,43 +183,69 @@ def main() -> None:
             _, fresh, stream = bench_inputs(cfg)
             run: dict[str, Any] = {"batch_size": bs, "seed": seed, "batches": len(stream),
                                    "offline": {}, "streaming": {}}
-            print(f"\n## batch {bs}, seed {seed}: {len(stream)} batches, "
-                  f"{sum(len(b.labels) for b in stream)} frames")
-            print("\n| variant | recall % | missed | false alarms | perceived | backward % of "
-                  "batches | backward per true shift | reasons | deferred | accuracy % | "
-                  "step ms p50 |\n|---|---|---|---|---|---|---|---|---|---|---|")
             for v in variants:
-                o = offline(v, replace(cfg), fresh, stream)
-                run["offline"][v] = o
-                print(f"| {v} | {fmt(100 * o['recall'])} ({o['detected']}/{o['true_shifts']})"
-                      f" | {', '.join(o['missed']) or '–'} | {o['false_alarms']} | "
-                      f"{o['perceived']} | {fmt(100 * o['backward_share'])} | "
-                      f"{fmt(o['backward_per_shift'], '.2f')} | "
-                      f"{', '.join(f'{k} {c}' for k, c in o['reasons'].items()) or '–'} | "
-                      f"{o['deferred']} | {fmt(100 * o['accuracy'])} | "
-                      f"{fmt(o['step_ms_p50'], '.2f')} |")
-            if rates:
-                print("\nanswered % by the deadline (backward passes; darda: batches with "
-                      "detection %)\n")
-                print("| method | " + " | ".join(f"{h:g} Hz" for h in rates) + " |")
-                print("|---|" + "---|" * len(rates))
-                for m in stream_methods:
-                    rows = [streaming(m, cfg, fresh, stream, h) for h in rates]
-                    run["streaming"][m] = rows
-                    print(f"| {m} | " + " | ".join(
-                        f"{fmt(100 * r['answered'])} ({r['backward']}"
-                        + (f"; {fmt(100 * r['detected_share'], '.0f')}" if "detected_share" in r
-                           else "") + ")" for r in rows) + " |")
-                base = run["streaming"].get("bn_adapt")
-                if base:
-                    ok = [r["hz"] for r in base if r["answered"] >= 0.99]
-                    run["bn_adapt_max_hz"] = max(ok) if ok else None
-                    print(f"\nhighest rate where bn_adapt answers >= 99 %: "
-                          f"{fmt(run['bn_adapt_max_hz'], 'g')} Hz")
+                run["offline"][v] = offline(v, replace(cfg), fresh, stream)
+            for m in stream_methods if rates else []:
+                run["streaming"][m] = [streaming(m, cfg, fresh, stream, h) for h in rates]
+            base = run["streaming"].get("bn_adapt")
+            if base:
+                ok = [r["hz"] for r in base if r["answered"] >= 0.99]
+                run["bn_adapt_max_hz"] = max(ok) if ok else None
+            print(render_run(run, rates))
             report["runs"].append(run)
+    report["hz"] = rates
     if a.out:
-        Path(a.out).write_text(json.dumps(report, indent=1, default=float) + "\n")
+        Path(a.out).write_text(results.dumps(report))
         print(f"\nwrote {a.out}")
+    else:
+        print(f"\nwrote {results.save(a.stem, report)}")
+
+
+def _rel(path: str) -> str:
+    """`path` relative to the checkout when inside it (pages name no machine's folders)."""
+    if not path:
+        return path
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else path
+
+
+def render_run(run: dict, rates: list[float]) -> str:
+    """One batch size and seed: the offline shift scores per variant, the answered share
+    per stream method and rate."""
+    lines = [f"## batch {run['batch_size']}, seed {run['seed']}: {run['batches']} batches",
+             "", "| variant | recall % | missed | false alarms | perceived | backward % of "
+             "batches | backward per true shift | reasons | deferred | accuracy % | "
+             "step ms p50 |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for v, o in run["offline"].items():
+        lines.append(
+            f"| {v} | {fmt(100 * o['recall'])} ({o['detected']}/{o['true_shifts']}) | "
+            f"{', '.join(o['missed']) or '–'} | {o['false_alarms']} | {o['perceived']} | "
+            f"{fmt(100 * o['backward_share'])} | {fmt(o['backward_per_shift'], '.2f')} | "
+            f"{', '.join(f'{k} {c}' for k, c in o['reasons'].items()) or '–'} | "
+            f"{o['deferred']} | {fmt(100 * o['accuracy'])} | {fmt(o['step_ms_p50'], '.2f')} |")
+    if run["streaming"]:
+        lines += ["", "Answered % by the deadline (backward passes; darda: batches with "
+                  "detection %):", "", "| method | " + " | ".join(f"{h:g} Hz" for h in rates)
+                  + " |", "|---|" + "---|" * len(rates)]
+        for m, rows in run["streaming"].items():
+            lines.append(f"| {m} | " + " | ".join(
+                f"{fmt(100 * r['answered'])} ({r['backward']}"
+                + (f"; {fmt(100 * r['detected_share'], '.0f')}" if "detected_share" in r
+                   else "") + ")" for r in rows) + " |")
+    if "bn_adapt_max_hz" in run:
+        lines += ["", f"Highest rate where bn_adapt answers >= 99 %: "
+                  f"{fmt(run['bn_adapt_max_hz'], 'g')} Hz."]
+    return "\n".join(lines) + "\n"
+
+
+def render(data: dict) -> str:
+    """The results page: the settings, then every batch size and seed."""
+    head = (f"Card `{data['card']}`, paper bundle `{data['bundle'] or 'none'}`, data "
+            f"`{data['data'] or 'synthetic signs'}`, {data['samples_per_domain']} samples "
+            f"per domain, {data['threads']} thread(s), {data['clock']} clock. Recall: true "
+            f"shifts (a batch whose domain differs from the previous one's) perceived; "
+            f"backward per true shift: backward passes over true shifts.\n")
+    return head + "\n" + "\n".join(render_run(r, data.get("hz", [])) for r in data["runs"])
 
 
 if __name__ == "__main__":

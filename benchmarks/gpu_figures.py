@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_paper_ratios import ModelSpec
 
 from tta_core.api import WarmsUp
 from tta_core.errors import one_line
@@ -153,19 +154,10 @@ def served_forward(arch: str, size: int, batch: int, batches: int, device: torch
 
 # ---------------------------------------------------------------- serving
 def parse_serving(text: str) -> list[tuple[str, int, int]]:
-    """`arch:size:batch[,...]` (arch `card`: the shipped small net at its card's size)."""
-    out = []
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        parts = item.split(":")
-        try:
-            arch, size, batch = parts[0], int(parts[1]), int(parts[2])
-        except (IndexError, ValueError):
-            raise ValueError(f"--serving entry {item!r}: expected arch:size:batch, "
-                             "e.g. resnet50:224:4") from None
-        if len(parts) != 3 or size < 8 or batch < 1:
-            raise ValueError(f"--serving entry {item!r}: size must be >= 8, batch >= 1")
-        out.append((arch, size, batch))
-    return out
+    """`arch:size:batch[,...]` (arch `card`: the shipped small net at its card's size),
+    each entry as bench_paper_ratios.ModelSpec reads it."""
+    specs = [ModelSpec.parse(t.strip()) for t in text.split(",") if t.strip()]
+    return [(m.arch, m.image_size, m.batch_size) for m in specs]
 
 
 def _served_model(arch: str, size: int, device: torch.device) -> tuple[torch.nn.Module, str]:

@@ -12,9 +12,9 @@ from torch import nn
 
 from tta_core.elasticdnn.gates import make_gated
 from tta_core.methods import available_methods, build_method
-from tta_core.methods.eata import softmax_entropy
 from tta_core.methods.lame import affinity_matrix
 from tta_core.model.zoo import SmallResNet
+from tta_core.runtime.losses import softmax_entropy
 from tta_core.runtime.method import TTAMethod
 
 SHAPE = (3, 32, 32)

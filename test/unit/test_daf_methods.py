@@ -15,7 +15,7 @@ from helpers.models import MODELS, cosine, entropy
 from torch import nn
 
 from tta_core.api import Plan
-from tta_core.daf.plans import budget_plan, daf_plan, trainable_units
+from tta_core.daf.plans import budget_plan
 from tta_core.memory import (
     ActivationCodec,
     CodecPlan,
@@ -23,6 +23,7 @@ from tta_core.memory import (
     predicted_bytes,
     profile_saves,
 )
+from tta_core.memory.widths import daf_plan, trainable_units
 from tta_core.methods import build_method
 from tta_core.methods.tent import Tent, TentConfig
 

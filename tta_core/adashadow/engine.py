@@ -37,7 +37,7 @@ from tta_core.adashadow.planning import (
     UnitLayout,
 )
 from tta_core.api import PhaseClock, PhaseTimes, PlanningInfo, StepResult
-from tta_core.daf.plans import check_activation_bits
+from tta_core.memory.widths import check_activation_bits
 from tta_core.model.norms import BN_MODES
 from tta_core.model.robust_bn import RobustBN, use_batch_stats
 from tta_core.model.units import StagedModel, stage_input_hooks
@@ -117,9 +117,9 @@ class EngineConfig(PlanningConfig):
                         "lowest reachable stage; lazy: re-run the stages from the first "
                         "updated unit with autograd (less memory, more time)",
                         choices=GRAPHS)
-    # DAF (issue #20): what the recorded graph saves is stored at 8/4/2 bits (norm-layer
-    # inputs, trainable conv/linear inputs; frozen conv inputs not at all, ReLU outputs as
-    # exact 1-bit masks: tta_core.daf.plans.daf_plan). None: dense. Not with a memory
+    # DAF's uniform widths: what the recorded graph saves is stored at 8/4/2 bits
+    # (norm-layer inputs, trainable conv/linear inputs; frozen conv inputs not at all, ReLU
+    # outputs as exact 1-bit masks: tta_core.memory.widths.daf_plan). None: dense. Not with a memory
     # budget, which chooses its own encodings (keep ratios).
     activation_bits: int | None = option(None, "DAF: store what the recorded graph saves at "
                                          "8, 4 or 2 bits (None: dense; not with a memory "

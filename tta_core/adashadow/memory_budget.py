@@ -1,4 +1,4 @@
-"""AdaShadow under a saved-activation memory budget (issue #19): costs, solve, run.
+"""AdaShadow under a saved-activation memory budget: costs, solve, run.
 
 With `PlanningConfig.memory_budget_mb` set, the planning service plans with
 memory_planner.solve_with_memory (latency and memory at once) instead of planner.solve,
@@ -50,8 +50,8 @@ from tta_core.adashadow.memory_planner import (
     MemoryPlan,
     solve_with_memory,
 )
-from tta_core.daf.plans import daf_plan
 from tta_core.memory import ActivationCodec, SavedActivationCounter, SavedBytes, SaveProfile
+from tta_core.memory.widths import daf_plan
 from tta_core.model.norms import set_bn_mode
 from tta_core.model.source import build_card_model, load_card
 from tta_core.model.units import StagedModel, decompose

@@ -2,9 +2,9 @@
 MemoryOptions by tta_core.runtime.capabilities.build_codec).
 
 - `activation_bits` alone: the adaptation forward runs under the activation codec with a
-  uniform width (`plans.daf_plan`): frozen conv/linear inputs are not stored (nothing reads
-  them when only norm affines train), BN inputs are per-group min-max quantized at that
-  width and bit-packed, ReLU outputs kept as exact 1-bit masks.
+  uniform width (`tta_core.memory.widths.daf_plan`): frozen conv/linear inputs are not
+  stored (nothing reads them when only norm affines train), BN inputs are per-group
+  min-max quantized at that width and bit-packed, ReLU outputs kept as exact 1-bit masks.
 - with `activation_budget_mb` (§3.4.2-3.4.4): the quantized saves live in one preallocated
   paged arena of that many MiB (`arena.PagedArena`); when it is full, the save worth least
   per byte is narrowed a width (8 -> 4 -> 2 bits, never dropped), the new one included. A
@@ -27,9 +27,9 @@ from torch import Tensor, nn
 from tta_core.daf.arena import PagedArena
 from tta_core.daf.arena_codec import ArenaCodec
 from tta_core.daf.dynamic import DynamicWidths, budget_bytes
-from tta_core.daf.plans import check_activation_bits, daf_plan
 from tta_core.memory import ActivationCodec
 from tta_core.memory.ledger import MIB
+from tta_core.memory.widths import check_activation_bits, daf_plan
 from tta_core.runtime.stats import gradient_rms
 
 ARENA_PAGE_BYTES = 4096  # camera-sized activations are small

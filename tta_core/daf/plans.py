@@ -1,9 +1,6 @@
-"""DAF plans for the activation codec: uniform widths for a method, and budgeted widths.
-
-daf_plan: the plan of `tent.activation_bits` / `surgeon.activation_bits`: conv/linear units
-whose parameters are all frozen store nothing (0 bits: backward never reads their input),
-trainable ones store their input at `bits`, BN/LN inputs at `bits`, ReLU masks exact,
-max-pool indices in the narrowest integer dtype (lossless).
+"""DAF's budgeted widths for the activation codec (the uniform widths a method asks for
+with `activation_bits` are tta_core.memory.widths: daf_plan, shared with SURGEON and
+AdaShadow).
 
 budget_plan: DAF's budgeted widths (bit_alloc.greedy_bits) for the trainable conv/linear
 units from one profiled forward (predict.SaveProfile): each unit's bytes per width are
@@ -15,46 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from torch import nn
-
 from tta_core.daf.bit_alloc import FIDELITY, Allocation, UnitChoice, greedy_bits
 from tta_core.memory.codec import CodecPlan
 from tta_core.memory.predict import SaveProfile, predicted_bytes
-from tta_core.memory.quant import STORED_BITS, check_bits
-from tta_core.memory.scope import unit_table
-from tta_core.model.units import StagedModel
-
-_WGRAD_KINDS = ("conv", "linear")
-
-
-def check_activation_bits(bits: object) -> None:
-    """A method's activation_bits: 8, 4 or 2 (0 would freeze every unit; not allowed)."""
-    check_bits("<activation_bits>", bits, STORED_BITS)
-
-
-def trainable_units(target: StagedModel | nn.Module) -> tuple[list[str], list[str]]:
-    """(trainable, frozen) conv/linear unit names (trainable: any parameter needs grad)."""
-    _model, rows = unit_table(target)
-    trainable, frozen = [], []
-    for name, mod, kind in rows:
-        if kind in _WGRAD_KINDS:
-            needs = any(p.requires_grad for p in mod.parameters(recurse=False))
-            (trainable if needs else frozen).append(name)
-    return trainable, frozen
-
-
-def daf_plan(target: StagedModel | nn.Module, bits: int, group: int = 128,
-             keep: Mapping[str, float | str] | None = None, act_masks: bool = True
-             ) -> CodecPlan:
-    """Uniform DAF widths: frozen conv/linear inputs dropped, the rest at `bits`; units
-    named in `keep` (SURGEON's pruned units) keep their keep ratio instead."""
-    check_activation_bits(bits)
-    trainable, frozen = trainable_units(target)
-    keep = dict(keep or {})
-    widths = {n: bits for n in trainable if n not in keep}
-    widths.update(dict.fromkeys(frozen, 0))
-    return CodecPlan(keep, "dense", act_masks, bits=widths, norm_bits=bits, group=group,
-                     narrow_ints=True)
 
 
 def unit_choices(profile: SaveProfile, importance: Mapping[str, float],

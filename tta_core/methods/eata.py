@@ -28,14 +28,9 @@ from torch import Tensor
 
 from tta_core.methods.tent import Tent
 from tta_core.registry import register
+from tta_core.runtime.losses import softmax_entropy
 from tta_core.runtime.method import MethodConfig, Step
 from tta_core.runtime.options import option
-
-
-def softmax_entropy(logits: Tensor) -> Tensor:
-    """Per-sample Shannon entropy (nats) of softmax(logits); [B]."""
-    logp = torch.log_softmax(logits.float(), dim=1)
-    return -(logp.exp() * logp).sum(dim=1)
 
 
 @dataclass

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from tta_core.methods.eata import softmax_entropy
 from tta_core.registry import register
+from tta_core.runtime.losses import softmax_entropy
 from tta_core.runtime.method import MethodConfig, Step, TTAMethod
 from tta_core.runtime.options import option
 

@@ -1,4 +1,5 @@
-"""Unsupervised adaptation losses: Tent's entropy and AdaShadow's multi-layer KL (§4)."""
+"""Unsupervised adaptation losses: the softmax entropy (per sample, as EATA, SAR and SURGEON
+weight it, and its batch mean, Tent's loss) and AdaShadow's multi-layer KL (§4)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,17 @@ from torch import Tensor
 from tta_core.runtime.stats import gaussian_kl
 
 
+def softmax_entropy(logits: Tensor) -> Tensor:
+    """Per-sample Shannon entropy (nats) of softmax(logits); [B]."""
+    logp = torch.log_softmax(logits.float(), dim=1)
+    return -(logp.exp() * logp).sum(dim=1)
+
+
 def entropy_loss(logits: Tensor) -> Tensor:
     """Mean Shannon entropy (nats) of softmax(logits) over the batch; logits [B, K]."""
     if logits.ndim != 2:
         raise ValueError(f"logits must be [B, K], got shape {tuple(logits.shape)}")
-    logp = torch.log_softmax(logits.float(), dim=1)
-    return -(logp.exp() * logp).sum(dim=1).mean()
+    return softmax_entropy(logits).mean()
 
 
 def multilayer_kl_loss(

@@ -11,15 +11,15 @@ mode "faithful" (Algorithm 1): an extra forward/backward of the entropy on k ran
 of the batch (official: 10; all of a smaller batch) gives the gradients of Eq. 4; it runs
 under the codec too (ReLU masks, frozen inputs not stored; scored inputs at
 `importance_keep`), and with `importance_bits` (default 8, DAF packing; None: dense) what
-it keeps whole, BN inputs included, is stored per-group min-max quantized: gradient cosine
-~1 at 8 bits, and at batch <= k the pass saves ~0.3x what the adaptation pass does, so the
-step's peak is the adaptation pass's (§4.2 (ii) asks for a cheap pass; the official code
-runs it dense, 2.7x Tent's bytes on ResNet-18 b8).
+it keeps whole, BN inputs included, is stored per-group min-max quantized (8 bits leave
+the gradients' direction as it was), so the scoring pass saves less than the adaptation
+pass and the step's peak is the adaptation pass's (§4.2 (ii) asks for a cheap pass; the
+official code runs it dense, above Tent's peak: docs/results/surgeon_peak.md).
 mode "robot": no extra pass; Eq. 4 uses the gradients of the previous update (lagged).
-They were computed under that update's pruning, which biases against pruned layers: on the
-shipped net (batch 16) uniform keep 0.05 shrinks conv gradient norms by 14-42 % and the
-fc's by 68 % (keep 0.5: <= 1 %, fc 18 %). The first step (and the first after set_units or
-a new input size) has no usable gradient yet: it is dense.
+They were computed under that update's pruning, which biases against pruned layers: a low
+keep ratio shrinks their gradient norms (the classifier's most), a keep near 0.5 hardly.
+The first step (and the first after set_units or a new input size) has no usable gradient
+yet: it is dense.
 
 Keep ratios are clamped to [keep_floor, 1] (default 0, as Eq. 7 and the official code:
 keep_i = I_i / max I, 0 only for a layer of zero importance, which is then frozen for the
@@ -30,18 +30,18 @@ ratios) to named units; the others are frozen. Eager PyTorch saves a conv/linear
 even when the weight is frozen (no ∂W is computed, ∂x needs only the weight): frozen
 units' inputs are stored at FROZEN_KEEP (≈ the 1-bit bitmap alone), which changes no gradient.
 
-`activation_bits` (8/4/2; DAF, tta_core.daf.plans): what SURGEON leaves dense is quantized
-too: BN inputs and the inputs of scored layers kept whole (keep 1) are stored per-group
-min-max quantized at that width, frozen layers' inputs are not stored at all (0 bits);
-pruned layers keep their bitmap + values.
+`activation_bits` (8/4/2; DAF's uniform widths, tta_core.memory.widths): what SURGEON
+leaves dense is quantized too: BN inputs and the inputs of scored layers kept whole (keep
+1) are stored per-group min-max quantized at that width, frozen layers' inputs are not
+stored at all (0 bits); pruned layers keep their bitmap + values.
 
 Loss: entropy (default); `css` adds certainty-based sample selection (entropy < 0.4 ln C,
 weights exp(0.4 ln C - H), as EATA/MECTA and the official code) and `cr` consistency
 regularisation, 0.01 · C · CE(softmax(logits), logits of an augmented copy) (official code;
-cheap_augment of CoTTA here). Adam, biases frozen (official). Default lr: the official
-CIFAR-10-C rates (batch 200) mapped onto tta's convention (rate at batch 64, scaled by
-batch/64): 1e-3 (BN only) -> 3.2e-4, 2.2e-5 (all layers) -> 7.04e-6; at batch 200 a step
-runs with exactly the official rate.
+the augmented copy here: CoTTA's cheap augmentation, tta_core.runtime.augment). Adam,
+biases frozen (official). Default lr: the official CIFAR-10-C rates (batch 200) mapped
+onto tta's convention (rate at batch 64, scaled by batch/64): 1e-3 (BN only) -> 3.2e-4,
+2.2e-5 (all layers) -> 7.04e-6; at batch 200 a step runs with exactly the official rate.
 """
 
 from __future__ import annotations
@@ -57,13 +57,13 @@ import torch
 from torch import Tensor, nn
 
 from tta_core.api import StepResult
-from tta_core.daf.plans import check_activation_bits, daf_plan
 from tta_core.memory import DENSE, ActivationCodec, CodecPlan, SavedBytes
 from tta_core.memory.scope import unit_table
-from tta_core.methods.cotta import cheap_augment
-from tta_core.methods.eata import softmax_entropy
+from tta_core.memory.widths import check_activation_bits, daf_plan
 from tta_core.model.norms import NORM_NAMES, NORM_TYPES, set_bn_mode
 from tta_core.registry import register
+from tta_core.runtime.augment import cheap_augment
+from tta_core.runtime.losses import softmax_entropy
 from tta_core.runtime.method import MethodConfig, Step, TTAMethod
 from tta_core.runtime.options import option
 from tta_core.surgeon.bn_official import official_bn_grad

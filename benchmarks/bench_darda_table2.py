@@ -12,6 +12,11 @@ a backward pass. Nothing is rerun here.
 
 Writes docs/results/darda_table2.{json,md}; with `--sweep runs/sweep-darda_table2_eq9
 --stem darda_table2_eq9` the same page for the bundle trained with Eq. 9 as printed.
+
+Two more sections where the full method does not beat a row: per held-out corruption, the
+accuracy and the sub-network each variant recognised (read from the cells' per-frame
+records, `recognised`), and, with `--fixes runs/sweep-darda_table2_fixes` (the sweep of
+config/sweeps/darda_table2_fixes.yaml), the fixes tried, each paired with BN w/o adaptation.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections import Counter
 from pathlib import Path
 
 import results
@@ -71,6 +77,125 @@ def collect(sweep: Path) -> dict:
     return out
 
 
+PICK_ROWS = ("source", "bn_adapt", "darda@no_bn_adapt", "darda@no_extractor", FULL)
+FIXES = {"darda@full": "full (1 step, lr 1e-3)", "darda@full_s10": "10 steps, lr 1e-3",
+         "darda@full_lr2_s10": "10 steps, lr 1e-2", "darda@full_lr1_s10": "10 steps, lr 0.1",
+         "darda@entropy_s10": "BN + entropy, 10 steps", "darda@guard": "full + source guard",
+         "darda@full_m1": "full, Eq. 15 m = 1", "bn_adapt": "bn_adapt"}
+FIX_BASE = "darda@bn_only"
+
+
+def _cell_condition(opt: dict) -> str:
+    return f"{'iid' if opt['order'] == 'iid' else 'delta 0.1'}, batch {opt['batch_size']}"
+
+
+def collect_picks(sweep: Path) -> dict:
+    """Per condition, method and held-out corruption: accuracy % over the seeds' frames and
+    the share of frames served by each recognised sub-network (darda variants)."""
+    right: dict = {}
+    seen: dict = {}
+    for res in sorted((sweep / "cells").glob("*/result.json")):
+        cell = json.loads(res.read_text())
+        opt = cell.get("options", {})
+        report = res.parent / "bench" / "report.json"
+        if cell.get("status") != "done" or opt.get("methods") not in PICK_ROWS \
+                or not report.is_file():
+            continue
+        key = (_cell_condition(opt), opt["methods"])
+        for f in json.loads(report.read_text())["runs"][0]["frames"]:
+            dom = f["domain"].split("/")[0]
+            hit = right.setdefault(key, {}).setdefault(dom, [0, 0])
+            hit[0] += int(f["label"] == f["prediction"])
+            hit[1] += 1
+            if f.get("recognised"):
+                seen.setdefault(key, {}).setdefault(dom, Counter())[f["recognised"]] += 1
+    out: dict = {}
+    for (cond, method), doms in right.items():
+        row = out.setdefault(cond, {}).setdefault(method, {})
+        for dom, (ok, n) in doms.items():
+            picks = seen.get((cond, method), {}).get(dom, Counter())
+            total = sum(picks.values())
+            row[dom] = {"accuracy": 100.0 * ok / n,
+                        "picked": {k: 100.0 * v / total for k, v in picks.most_common(2)}}
+    return out
+
+
+def collect_fixes(sweep: Path) -> dict:
+    """Per condition and fix: error % (mean ± CI over seeds) and its paired difference to
+    BN w/o adaptation (negative: the fix is better)."""
+    data = json.loads((sweep / "sweep.json").read_text())
+    table: dict = {}
+    for cell in data["cells"]:
+        if cell.get("status") != "done":
+            continue
+        opt = cell["options"]
+        for s in cell["summaries"]:
+            table.setdefault(_cell_condition(opt), {}).setdefault(s["method"], {})[
+                int(opt["seed"])] = 100.0 * (1.0 - s["mean_accuracy"])
+    out: dict = {"sweep": str(sweep), "conditions": {}}
+    for cond, methods in table.items():
+        base = methods.get(FIX_BASE, {})
+        rows = {}
+        for method in (FIX_BASE, *FIXES):
+            runs = methods.get(method)
+            if not runs:
+                continue
+            seeds = sorted(runs)
+            err = mean_ci([runs[k] for k in seeds])
+            row = {"seeds": seeds, "error": err.mean, "error_ci": err.half_width}
+            common = [k for k in seeds if k in base]
+            if method != FIX_BASE and len(common) >= 2:
+                p = paired([runs[k] for k in common], [base[k] for k in common])
+                row |= {"minus_base": p.diff.mean, "minus_base_ci": p.diff.half_width,
+                        "p_value": p.p_value}
+            rows[method] = row
+        out["conditions"][cond] = rows
+    return out
+
+
+def render_picks(picks: dict) -> list[str]:
+    """Accuracy and recognised sub-network per held-out corruption."""
+    lines = ["", "## Per held-out corruption: accuracy % and the sub-network recognised", "",
+             "Frames of all seeds; `picked`: the training corruption whose sub-network "
+             "served the frames (share %). Read from the cells' per-frame records.", ""]
+    for cond, rows in picks.items():
+        doms = sorted({d for r in rows.values() for d in r})
+        lines += [f"**{cond}**", "", "| method | " + " | ".join(doms) + " |",
+                  "|---|" + "---|" * len(doms)]
+        for method in PICK_ROWS:
+            r = rows.get(method)
+            if not r:
+                continue
+            cells = []
+            for d in doms:
+                v = r.get(d)
+                pick = ", ".join(f"{k} {s:.0f}" for k, s in v["picked"].items()) if v else ""
+                cells.append(f"{v['accuracy']:.1f}" + (f" ({pick})" if pick else "")
+                             if v else "")
+            lines.append(f"| {LABELS.get(method, method)} | " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+def render_fixes(fixes: dict) -> list[str]:
+    """The fixes tried, paired with BN w/o adaptation."""
+    conds = list(fixes["conditions"])
+    lines = ["## Fixes tried (`tta sweep config/sweeps/darda_table2_fixes.yaml`)", "",
+             f"Sweep `{fixes['sweep']}`. Error % (mean ± 95 % CI over seeds); in brackets the "
+             "paired difference to BN w/o adaptation (negative: better) and its p.", "",
+             "| variant | " + " | ".join(conds) + " |", "|---|" + "---:|" * len(conds)]
+    for method in (FIX_BASE, *FIXES):
+        cells = [fixes["conditions"][c].get(method) for c in conds]
+        if not any(cells):
+            continue
+        label = FIXES.get(method, LABELS.get(method, method))
+        lines.append(f"| {label} | " + " | ".join(
+            (_fmt(r["error"], r["error_ci"]) + (
+                f" ({r['minus_base']:+.2f} ± {r['minus_base_ci']:.2f}, p {r['p_value']:.3f})"
+                if "minus_base" in r else "")) if r else "" for r in cells) + " |")
+    return lines
+
+
 def _fmt(x: float, ci: float) -> str:
     return "–" if math.isnan(x) else f"{x:.1f} ± {ci:.1f}"
 
@@ -117,6 +242,10 @@ def render(data: dict) -> str:
         if any(cells):
             lines.append(f"| {LABELS.get(method, method)} | " + " | ".join(
                 f"{r['adapted']:.1f}" if r else "" for r in cells) + " |")
+    if data.get("picks"):
+        lines += render_picks(data["picks"])
+    if data.get("fixes"):
+        lines += render_fixes(data["fixes"])
     return "\n".join(lines) + "\n"
 
 
@@ -125,11 +254,19 @@ def main() -> None:
     ap.add_argument("--sweep", type=Path, default=ROOT / "runs" / "sweep-darda_table2")
     ap.add_argument("--stem", default="darda_table2",
                     help="results page (darda_table2_eq9: the sweep of darda_table2_eq9.yaml)")
+    ap.add_argument("--fixes", type=Path, default=None,
+                    help="the finished sweep of config/sweeps/darda_table2_fixes.yaml")
     args = ap.parse_args()
     if not (args.sweep / "sweep.json").is_file():
         raise SystemExit(f"{args.sweep}/sweep.json not found: run "
                          "`tta sweep config/sweeps/darda_table2.yaml` first")
     data = collect(args.sweep)
+    data["picks"] = collect_picks(args.sweep)
+    if args.fixes is not None:
+        if not (args.fixes / "sweep.json").is_file():
+            raise SystemExit(f"{args.fixes}/sweep.json not found: run "
+                             "`tta sweep config/sweeps/darda_table2_fixes.yaml` first")
+        data["fixes"] = collect_fixes(args.fixes)
     print(render(data))
     results.save(args.stem, data)
 

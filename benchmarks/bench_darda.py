@@ -200,9 +200,9 @@ def cifar10c_table(part: dict) -> list[str]:
 def oracle(card_path: str, bundle: str, data) -> dict:
     """Accuracy of every bootstrapped sub-network on each unseen corruption of the stream
     (forward-only, its stored BN statistics) and the one Eq. 10 picks for it."""
-    from tta_core.darda.bank import adapted_tensors
     from tta_core.darda.bundle import load_bundle
     from tta_core.darda.subnet import closest
+    from tta_core.domain.bank import adapted_tensors
 
     model, _ = load_source(card_path)
     off = load_bundle(bundle, model)

@@ -31,11 +31,11 @@ import numpy as np
 import torch
 from torchvision import models as tvm
 
-from tta_core.darda.detector import DomainDetector
-from tta_core.darda.embedding import DomainEmbedder, EmbeddingConfig
 from tta_core.data.corruptions import CORRUPTIONS, HELD_OUT
 from tta_core.data.preprocess import images_to_tensor
 from tta_core.data.streams import StreamSpec, build_stream
+from tta_core.domain.detector import DomainDetector
+from tta_core.domain.embedding import DomainEmbedder, EmbeddingConfig
 from tta_core.methods import build_method
 from tta_core.model.norms import set_bn_mode
 from tta_core.model.source import load_source

@@ -126,7 +126,7 @@ CONFIGS = [
      {"train_samples", "val_samples"}),
     ("train-elastic", "tta_core.elasticdnn.train:ElasticTrainConfig", train_elastic.DEFAULTS,
      set()),
-    ("train-corruption-encoder", "tta_core.darda.encoder:EncoderConfig",
+    ("train-corruption-encoder", "tta_core.domain.encoder:EncoderConfig",
      train_corruption_encoder.ENCODER_DEFAULTS, set()),
     ("predictor-bench", "tta_core.eval.predictor_bench:BenchConfig", {}, set()),
 ]
@@ -159,7 +159,7 @@ def test_make_benchmark_defaults_equal_the_config_defaults():
 
 def test_encoder_options_cover_every_config_field():
     """train-corruption-encoder has one option per EncoderConfig field, in field order."""
-    from tta_core.darda.encoder import EncoderConfig
+    from tta_core.domain.encoder import EncoderConfig
 
     real = _config_defaults(EncoderConfig)
     assert list(train_corruption_encoder.ENCODER_DEFAULTS.items()) == list(real.items())

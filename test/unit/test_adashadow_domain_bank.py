@@ -1,4 +1,4 @@
-"""adashadow's `domain_bank` option (issue #21, tta_core.darda.switch): the recognised
+"""adashadow's `domain_bank` option (issue #21, tta_core.domain.switch): the recognised
 domain is reported, a revisited domain gets its banked state back bit for bit, a stable
 domain is served forward-only, bad combinations are refused. Shipped 32 px net, batch 16."""
 

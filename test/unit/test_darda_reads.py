@@ -8,8 +8,8 @@ import torch
 from helpers.host_reads import HostReads
 
 from tta_core.darda.corruption_memory import CorruptionMemory
-from tta_core.darda.detector import DetectorConfig, DomainDetector
-from tta_core.darda.embedding import moments_part, read_parts
+from tta_core.domain.detector import DetectorConfig, DomainDetector
+from tta_core.domain.embedding import moments_part, read_parts
 
 
 def _reference(x: torch.Tensor) -> torch.Tensor:

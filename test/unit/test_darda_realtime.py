@@ -12,8 +12,8 @@ import pytest
 import torch
 from helpers import CARD
 
-from tta_core.darda.detector import ShiftConfig, ShiftTest
-from tta_core.darda.gate import DRIFT, NEW_DOMAIN, SHIFT, AdaptGate, GateConfig
+from tta_core.domain.detector import ShiftConfig, ShiftTest
+from tta_core.domain.gate import DRIFT, NEW_DOMAIN, SHIFT, AdaptGate, GateConfig
 from tta_core.eval.shifts import score_shifts, true_shifts
 from tta_core.methods import build_method
 from tta_core.model.source import load_source

@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch import nn
 
-from tta_core.darda.bank import SOURCE, StateBank, adapted_tensors, last_linear
-from tta_core.darda.gate import AdaptGate, GateConfig
 from tta_core.darda.memory import BalancedMemory
+from tta_core.domain.bank import SOURCE, StateBank, adapted_tensors, last_linear
+from tta_core.domain.gate import AdaptGate, GateConfig
 from tta_core.model.zoo import build_model
 
 

@@ -12,16 +12,16 @@ import pytest
 import torch
 from helpers import CARD
 
-from tta_core.darda.detector import DetectorConfig, DomainDetector
-from tta_core.darda.embedding import (
+from tta_core.data.preprocess import images_to_tensor
+from tta_core.data.streams import StreamSpec, build_stream
+from tta_core.domain.detector import DetectorConfig, DomainDetector
+from tta_core.domain.embedding import (
     LOG_EPS,
     DomainEmbedder,
     EmbeddingConfig,
     corruption_residual,
     embedding_from_stats,
 )
-from tta_core.data.preprocess import images_to_tensor
-from tta_core.data.streams import StreamSpec, build_stream
 from tta_core.model.norms import set_bn_mode
 from tta_core.model.source import load_source
 from tta_core.runtime.stats import channel_stats

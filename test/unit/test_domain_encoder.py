@@ -1,6 +1,7 @@
-"""DARDA's learnt corruption encoder (tta_core.darda.encoder): Eq. 7 SupCon against a
-brute-force loop, safetensors round trip and refusal, a short training run through the
-`tta train-corruption-encoder` command, and its part of the domain embedding."""
+"""DARDA's learnt corruption encoder (tta_core.domain.encoder, trained by
+tta_core.darda.encoder): Eq. 7 SupCon against a brute-force loop, safetensors round trip
+and refusal, a short training run through the `tta train-corruption-encoder` command, and
+its part of the domain embedding."""
 
 from __future__ import annotations
 
@@ -13,14 +14,9 @@ import torch
 from helpers import CARD
 
 from tta_core.cli.commands import train_corruption_encoder as cmd
-from tta_core.darda.embedding import DomainEmbedder, EmbeddingConfig
-from tta_core.darda.encoder import (
-    CorruptionEncoder,
-    EncoderConfig,
-    load_encoder,
-    save_encoder,
-    supcon_loss,
-)
+from tta_core.darda.encoder import supcon_loss
+from tta_core.domain.embedding import DomainEmbedder, EmbeddingConfig
+from tta_core.domain.encoder import CorruptionEncoder, EncoderConfig, load_encoder, save_encoder
 from tta_core.model.source import load_source
 
 

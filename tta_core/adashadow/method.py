@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig
 from tta_core.adashadow.predictor import UnitProfile
 from tta_core.api import Plan, StepResult
-from tta_core.darda.switch import DomainSwitch, bank_switch, gated_step
+from tta_core.domain.switch import DomainSwitch, bank_switch, gated_step
 from tta_core.model.units import StagedModel, decompose
 from tta_core.registry import register
 from tta_core.runtime.deadline import apply_settings, check_settings

@@ -1,11 +1,9 @@
-"""Domain bank (DARDA, issue #21): shift and domain detection from low-layer channel
-moments, per-domain adapted states swapped by copy, adapt-until-stable gating, a
-label-balanced memory for the BN refresh, and safetensors persistence. No ROS here.
-
-Modules: embedding (batch embedding, hook collector, corruption residual), encoder
-(DARDA's learnt corruption encoder, optional), table + detector (centroids, hysteresis,
-novelty), bank (state swap), switch (detector + bank + gate for one method: darda, and
-adashadow's `domain_bank`), bn (trunk / banked BN set-up, robust BN, Eq. 15), gate (when
-to adapt), memory (RoTTA's CSTU), store (bank files). The method is
-`tta_core.darda.method`.
+"""DARDA: domain-aware adaptation with a bank of per-domain states. The domain recognition
+and the state bank it shares with adashadow's `domain_bank` are tta_core.domain (embedding,
+detector, bank, gate, switch); this room holds the rest of the paper: the method
+(`method`: the online-learnt bank, and the paper's online phase from an offline bundle,
+`paper`), trunk / banked BN set-up, robust BN and Eq. 15 (`bn`), RoTTA's class-balanced
+memory (`memory`), the offline phase (`offline`, `offline_data`, `subnet`, `bundle`,
+`corruption_memory`), the encoder's training (`encoder`) and bank files (`store`). No ROS
+here.
 """

@@ -1,6 +1,6 @@
 """BatchNorm set-up for domain-bank adaptation: a frozen trunk and banked upper layers.
 
-- trunk: the BN layers the batch embedding reads (tta_core.darda.embedding) normalise
+- trunk: the BN layers the batch embedding reads (tta_core.domain.embedding) normalise
   with batch statistics and keep their source affine, so the embedding depends on the
   batch and frozen weights only, never on the adapted or swapped state;
 - upper BN layers, `bn_mode`:

@@ -21,11 +21,11 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from tta_core.darda.bank import adapted_tensors
-from tta_core.darda.encoder import CorruptionEncoder, EncoderConfig, RawCorruptionEncoder
 from tta_core.darda.offline import Offline
 from tta_core.darda.store import load_tensors, model_fingerprint, save_tensors
 from tta_core.darda.subnet import SubnetEncoder, SubnetEncoderConfig
+from tta_core.domain.bank import adapted_tensors
+from tta_core.domain.encoder import CorruptionEncoder, EncoderConfig, RawCorruptionEncoder
 from tta_core.errors import InputError, one_line
 
 FORMAT = "tta.darda_bundle"

@@ -3,21 +3,21 @@
 After "DARDA: Domain-Aware Real-Time Dynamic Neural Network Adaptation" (seed 004), the
 online part: the batch embedding is the channel moments of the first BatchNorm inputs plus
 the fixed-kernel corruption residual of the input (DARDA §4.1's two downsamplings), and
-optionally DARDA's learnt corruption encoder (`encoder_path`; tta_core.darda.embedding,
-tta_core.darda.encoder), read inside the forward. In the pre-hook of the last embedded
+optionally DARDA's learnt corruption encoder (`encoder_path`; tta_core.domain.embedding,
+tta_core.domain.encoder), read inside the forward. In the pre-hook of the last embedded
 layer (before any adapted layer runs) the detector assigns the batch to a known domain or
 a new one (hysteresis, novelty, a confident first-batch switch), and on a switch the bank
 copies that domain's state (upper BN affine [+ running stats], final linear layer) into
 the live tensors: the batch is already predicted by the right state, with no extra pass.
 A new domain starts from the nearest known domain's state. The detection, bank and gate
-are tta_core.darda.switch's DomainSwitch (shared with adashadow's `domain_bank`).
+are tta_core.domain.switch's DomainSwitch (shared with adashadow's `domain_bank`).
 
 Adaptation (Tent's entropy, SGD on the upper BN affine [+ the classifier with
 `adapt_fc`]) runs only after a perceived shift: a domain switch or a shift the shift test
-(tta_core.darda.detector.ShiftTest) confirms inside the active domain, `per_shift`
-backward passes each (`gate_policy` "shift", tta_core.darda.gate; "stable": until the
+(tta_core.domain.detector.ShiftTest) confirms inside the active domain, `per_shift`
+backward passes each (`gate_policy` "shift", tta_core.domain.gate; "stable": until the
 domain's entropy settles); then batches are served forward-only. SGD momentum is reset on
-every switch (not banked: see tta_core.darda.bank). With bn_mode "bank" the upper BN
+every switch (not banked: see tta_core.domain.bank). With bn_mode "bank" the upper BN
 layers normalise with the domain's running statistics (robust BN) and are refreshed from
 a label-balanced memory of recent samples (DARDA Eq. 15), once per perceived shift when
 the memory is half full. The bank is saved and loaded with `save_bank` / `load_bank`
@@ -50,17 +50,17 @@ import torch
 from torch import Tensor, nn
 
 from tta_core.api import StepResult
-from tta_core.darda.bank import SOURCE, StateBank, adapted_tensors, last_linear
 from tta_core.darda.bn import BANK_BN_MODES, configure, refreshing
 from tta_core.darda.bundle import expect_for as bundle_expect
 from tta_core.darda.bundle import load_bundle
-from tta_core.darda.detector import Detection, DetectorConfig, DomainDetector, ShiftConfig
-from tta_core.darda.embedding import DomainEmbedder, EmbeddingConfig
-from tta_core.darda.gate import NEW_DOMAIN, POLICIES, SHIFT, AdaptGate, DomainGate, GateConfig
 from tta_core.darda.memory import BalancedMemory
 from tta_core.darda.paper import VARIANTS, Learnt, PaperConfig, PaperOnline
 from tta_core.darda.store import clean_stale_temps, load_bank, model_fingerprint, save_bank
-from tta_core.darda.switch import DomainSwitch, SwitchConfig, embedder_for, shift_dims
+from tta_core.domain.bank import SOURCE, StateBank, adapted_tensors, last_linear
+from tta_core.domain.detector import Detection, DetectorConfig, DomainDetector, ShiftConfig
+from tta_core.domain.embedding import DomainEmbedder, EmbeddingConfig
+from tta_core.domain.gate import NEW_DOMAIN, POLICIES, SHIFT, AdaptGate, DomainGate, GateConfig
+from tta_core.domain.switch import DomainSwitch, SwitchConfig, embedder_for, shift_dims
 from tta_core.errors import InputError, one_line
 from tta_core.model.robust_bn import RobustBN, batch_norm_layers
 from tta_core.registry import register
@@ -101,7 +101,7 @@ class DardaConfig(MethodConfig, DeadlineConfig):
     per_sample: bool = option(True, "embedding: mean of per-sample log-variances (else the "
                               "log of the pooled variance)")
     residual: bool = option(True, "add the corruption residual features to the embedding "
-                            "(tta_core.darda.embedding)")
+                            "(tta_core.domain.embedding)")
     encoder_path: str = option("", "learnt corruption encoder added to the embedding (`tta "
                                "train-corruption-encoder`; '': none)", path="read")
     hysteresis: int = option(2, "detector: consecutive batches away from the active domain "
@@ -122,7 +122,7 @@ class DardaConfig(MethodConfig, DeadlineConfig):
     per_shift: int = option(1, "gate: backward passes after each perceived shift", low=1)
     shift_threshold: float = option(3.0, "shift test: a batch whose mean standardised "
                                     "square distance to its segment exceeds this is away "
-                                    "(tta_core.darda.detector.ShiftTest)", low=0.0)
+                                    "(tta_core.domain.detector.ShiftTest)", low=0.0)
     shift_confirm: int = option(2, "shift test: away batches in a row that make a shift",
                                 low=1)
     min_adapt: int = option(6, "gate 'stable': batches a domain adapts at least", low=1)
@@ -285,7 +285,7 @@ class Darda(TTAMethod, DeadlineBudget):
 
     @property
     def detector(self) -> DomainDetector:
-        """The domain detector (tta_core.darda.switch)."""
+        """The domain detector (tta_core.domain.switch)."""
         return self.switch.detector
 
     @property

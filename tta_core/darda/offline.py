@@ -5,8 +5,9 @@ From a source model and labelled images of the d_s training corruptions:
   statistics) and the final dense layer; running statistics re-estimated on the
   corruption's images (cumulative average), then the BN affine and the dense layer
   fine-tuned on the labels (cross-entropy, Adam, BN in eval mode);
-- the corruption extractor g and encoder h (Eqs. 3-8, tta_core.darda.encoder; a trained
-  one can be reused), and the encoder without extractor for Table 2's first row;
+- the corruption extractor g and encoder h (Eqs. 3-8: the network tta_core.domain.encoder,
+  its training tta_core.darda.encoder; a trained one can be reused), and the encoder
+  without extractor for Table 2's first row;
 - the corruption centroids C^j (normalised mean projection of corruption j's images);
 - the accuracy matrix a_ij of sub-network i on fresh images of corruption j;
 - the fingerprints F^i on the fixed Gaussian noise and the sub-network encoder S trained
@@ -34,13 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from tta_core.darda.bank import adapted_tensors, last_linear
-from tta_core.darda.encoder import (
-    CorruptionEncoder,
-    EncoderConfig,
-    RawCorruptionEncoder,
-    train_encoder,
-)
+from tta_core.darda.encoder import train_encoder
 from tta_core.darda.offline_data import (
     Labelled,
     OfflineData,
@@ -59,6 +54,8 @@ from tta_core.darda.subnet import (
     subnet_loss,
 )
 from tta_core.data.corruptions import ALL_CORRUPTIONS, CORRUPTIONS
+from tta_core.domain.bank import adapted_tensors, last_linear
+from tta_core.domain.encoder import CorruptionEncoder, EncoderConfig, RawCorruptionEncoder
 
 __all__ = ["Labelled", "Offline", "OfflineConfig", "OfflineData", "run_offline"]
 

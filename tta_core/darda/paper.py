@@ -6,7 +6,7 @@ The darda method runs this when `bundle_path` names a bundle (`tta train-darda`)
    extractor g; Table 2's "no_extractor" uses the encoder trained without it), their
    normalised mean c;
 2. shift: c's cosine to the running signature of the ongoing corruption falls below
-   `shift_cos`, or the shift test (tta_core.darda.detector.ShiftTest, `shift`) confirms a
+   `shift_cos`, or the shift test (tta_core.domain.detector.ShiftTest, `shift`) confirms a
    change of the batch embedding (the darda method reads it in the forward: input moments,
    corruption residual, the first BN layer's input, none of which the swapped state
    touches), or the first batch; on a shift the sub-network closest to c by Eq. 10
@@ -46,12 +46,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tta_core.darda.bank import adapted_tensors, last_linear
 from tta_core.darda.bn import refreshing
 from tta_core.darda.corruption_memory import CorruptionMemory
-from tta_core.darda.detector import ShiftConfig, ShiftTest
 from tta_core.darda.offline import Offline
 from tta_core.darda.subnet import adaptation_loss, closest_index, fingerprint
+from tta_core.domain.bank import adapted_tensors, last_linear
+from tta_core.domain.detector import ShiftConfig, ShiftTest
 from tta_core.model.robust_bn import batch_norm_layers
 from tta_core.runtime import losses
 

@@ -5,7 +5,7 @@
   the BN layers use the sub-network's running statistics), flattened; a different
   sub-network state gives a different response to the same input;
 - S (`SubnetEncoder`): a shallow MLP from F to the unit sphere of the corruption latent
-  space (the encoder h's, tta_core.darda.encoder);
+  space (the encoder h's, tta_core.domain.encoder);
 - Eq. 9 `cm_loss`: sum of exp(-S^i . C^j) over the pairs; `pairs="diagonal"` (i = j,
   the default: each signature pulled onto its own centroid; S learns to copy the
   centroids, so Eq. 10's pick over the signatures finds the own sub-network, and Eq. 16

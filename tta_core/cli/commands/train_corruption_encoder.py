@@ -1,7 +1,7 @@
 """`tta train-corruption-encoder`: train DARDA's corruption extractor and contrastive
-encoder (§4.1-4.2, tta_core.darda.encoder) on the synthetic signs under the 15
-corruptions, and save it as safetensors for the domain embedding (darda `encoder_path`,
-`EmbeddingConfig.encoder`)."""
+encoder (§4.1-4.2; network tta_core.domain.encoder, training tta_core.darda.encoder) on
+the synthetic signs under the 15 corruptions, and save it as safetensors for the domain
+embedding (darda `encoder_path`, `EmbeddingConfig.encoder`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 NAME = "train-corruption-encoder"
 HELP = "train DARDA's corruption encoder (SupCon + Noise2Noise extractor) on the 15 corruptions"
 DEFAULT_CARD = Path("checkpoints") / "small_resnet_signs32.json"
-# every field of tta_core.darda.encoder.EncoderConfig with its default, in order (that
+# every field of tta_core.domain.encoder.EncoderConfig with its default, in order (that
 # module imports torch); one option each. test/system/test_cli_fast.py checks they are equal
 ENCODER_DEFAULTS: dict[str, int | float] = {
     "channels": 3, "width": 16, "dim": 32, "tau": 0.1, "lambda_e": 1.0, "steps": 200,
@@ -30,7 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Train the encoder, save it and print its losses."""
-    from tta_core.darda.encoder import EncoderConfig, save_encoder, train_encoder
+    from tta_core.darda.encoder import train_encoder
+    from tta_core.domain.encoder import EncoderConfig, save_encoder
     from tta_core.model.source import load_card
 
     card = load_card(args.model_card)

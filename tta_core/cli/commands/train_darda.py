@@ -76,11 +76,11 @@ def _samples(args: argparse.Namespace, root: Path | None, corruptions: tuple[str
 def run(args: argparse.Namespace) -> int:
     """Run the offline phase, save the bundle and print its summary and what it records."""
     from tta_core.darda.bundle import load_bundle, save_bundle
-    from tta_core.darda.encoder import load_encoder
     from tta_core.darda.offline import OfflineConfig, run_offline
     from tta_core.darda.offline_data import folder_data
     from tta_core.data.corruptions import CORRUPTIONS
     from tta_core.data.sources import parse_data
+    from tta_core.domain.encoder import load_encoder
     from tta_core.errors import InputError
     from tta_core.model.source import load_source
 

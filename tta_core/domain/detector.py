@@ -1,6 +1,6 @@
-"""Online shift and domain detection on batch embeddings (tta_core.darda.embedding).
+"""Online shift and domain detection on batch embeddings (tta_core.domain.embedding).
 
-Known domains and the distance d_j of a batch to each are in `tta_core.darda.table`
+Known domains and the distance d_j of a batch to each are in `tta_core.domain.table`
 (standardised Euclidean, about 1 within a domain). Decision per batch:
 
 - candidate = the nearest domain, or NEW when every d_j exceeds the novelty threshold;
@@ -20,21 +20,19 @@ Known domains and the distance d_j of a batch to each are in `tta_core.darda.tab
   of recent in-domain distances (distances, before the update, of batches that stayed in
   a domain with >= `calib_after` batches); `novelty_default` until `calib_min` are known.
   The median, not a high quantile: only accepted batches are recorded, so a high
-  quantile is truncated by the threshold itself and ratchets it down (measured: 1.5 ->
-  1.13 within two passes, then in-domain batches split off as spurious domains);
+  quantile is truncated by the threshold itself and ratchets it down (within a couple of
+  passes, until in-domain batches split off as spurious domains);
 - the first `warmup` batches all belong to the first domain (`warmup_pooled` without
   within-batch spreads: the spread is then learnt from those batches only);
 - at most `max_domains`: creating one more evicts the least recently active (LRU).
 
-Measured (benchmarks/bench_domain.py: shipped 32 px net, batch 16, 15 corruptions x 30
-batches, second pass on fresh images): domains learnt online from nothing on the first
-pass, 13 found, 82.7 % of second-pass batches recognised (impulse merges into gaussian
-noise, motion into glass blur); enrolled from a labelled pass (`enroll`, DARDA's offline
-phase) 90.0 % (gaussian noise mostly taken for impulse noise; otherwise only the first
-batch after each shift, the hysteresis delay, is missed). 4 distinct corruptions x 15
-batches online: 93.3 % (seeds 0-3), the hysteresis bound. Tried and dropped: a pooled
-spread (young blur domains split), a high quantile for the threshold (see above), a test
-on the mean of the last few batches to separate similar corruptions (split domains).
+benchmarks/bench_domain.py measures the recognition, with domains learnt online from
+nothing and enrolled from a labelled pass (`enroll`, DARDA's offline phase). What it
+misses: similar corruptions merge online (impulse into Gaussian noise, motion into glass
+blur), and the first batch after each shift (the hysteresis delay), which bounds
+recognition on a stream of distinct corruptions. Tried and dropped: a pooled spread (young
+blur domains split), a high quantile for the threshold (see above), a test on the mean of
+the last few batches to separate similar corruptions (split domains).
 
 Deterministic (float64 on the CPU), O(domains x dim) per batch; the scalars a batch's
 decision needs are read from their tensors in one transfer (`DomainDetector._scalars`).
@@ -54,8 +52,7 @@ segment starts with them), and so is one batch beyond `instant` x threshold (a s
 between two noises whose later batches hardly differ: the first batch of the new noise
 can be far, the next ones close); an away batch followed by one that is not is an outlier
 and joins the reference. A segment is tested once it has `min_reference` batches (a reference
-of one or two batches flagged its own next batches: measured on blur segments, alarms
-every other batch). Without within-batch spreads (batches of one sample, pooled moments)
+of one or two batches flagged its own next batches as away, on blur segments above all). Without within-batch spreads (batches of one sample, pooled moments)
 the reference's own batch-to-batch variance stands in for W. `score_shifts`
 (tta_core.eval.shifts) measures recall and false alarms against known shift points.
 """
@@ -70,7 +67,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tta_core.darda.table import F64, DomainTable
+from tta_core.domain.table import F64, DomainTable
 
 NEW = -1  # candidate index meaning "a domain not seen yet"
 Batch = tuple[Tensor, Tensor | None]  # (embedding, within-batch spread)

@@ -9,13 +9,12 @@ pre-hooks: no extra pass). The per-sample log-variance is more robust to one odd
 than the log of the pooled variance; `per_sample=False` gives the pooled moments that
 the AdaShadow assessor already collects (`embedding_from_stats`).
 
-Measured on the shipped 32 px net, batch 16, 15 corruptions at severity 5, centroids from
-one 480-sample pass, nearest-centroid on a fresh pass (benchmarks/bench_domain.py has the
-online version): input only 0.72, conv1 output (bn1 input) 0.86, + first stage (3 BN
-inputs) 0.94-0.95, all 9 BN inputs 0.97 (pooled moments: 0.92 / 0.96). Deeper layers are
-not used by default: their inputs depend on the adapted and swapped BN state, which would
-make the embedding move with the adaptation; the BN layers the embedding passes through
-are kept frozen in batch-statistics mode by the darda method (`frozen_layers`).
+Recognition grows with the layers read (input only, conv1's output, the first stage's BN
+inputs, every BN input; per-sample above pooled moments; benchmarks/bench_domain.py),
+the first stage giving most of it. Deeper layers are not used by default: their inputs
+depend on the adapted and swapped BN state, which would make the embedding move with the
+adaptation; the BN layers the embedding passes through are kept frozen in batch-statistics
+mode by the darda method (`frozen_layers`).
 
 Corruption residual (`residual`, on by default): the fixed part of DARDA's corruption
 extractor (§4.1, Eqs. 3-4): the two diagonal 2x2 stride-2 downsamplings G1 = [[0, .5],
@@ -24,13 +23,12 @@ pixels are correlated) and the corruption breaks that; per sample and channel, t
 energy and the log kurtosis of G1(x) - G2(x), at full and half (2x2 average-pooled)
 resolution: 12 more dimensions for RGB. The kurtosis separates impulse from Gaussian
 noise and the two scales separate the blurs, which the BN moments merge. DARDA learns a
-residual network g on top (Eqs. 3-5) and a contrastive encoder (Eqs. 6-8); the fixed
-kernels alone, measured (benchmarks/bench_domain.py, 15 corruptions, severity 5, batch 16,
-480 per domain): online recognition 82.7 -> 96.4 %, enrolled 90.0 -> 96.7 %, held-out
-batches flagged novel 0.67 -> 0.99 (gaussian_blur 0.10 -> 0.97, spatter 0.57 -> 1.00).
-Also tried: horizontal and vertical differences as well (online 93.1 %, 19 domains
-found: spurious splits; gaussian_blur 0.87), a third scale (93.1 %), energies without the
-kurtosis (90.0 %, gaussian_blur 0.37).
+residual network g on top (Eqs. 3-5) and a contrastive encoder (Eqs. 6-8,
+tta_core.domain.encoder); the fixed kernels alone raise online and enrolled recognition
+and the share of held-out batches flagged novel (benchmarks/bench_domain.py), Gaussian
+blur and spatter most. Tried and dropped: horizontal and vertical differences as well
+(spurious splits), a third scale, energies without the kurtosis (Gaussian blur no longer
+told apart).
 """
 
 from __future__ import annotations
@@ -44,7 +42,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from tta_core.darda.encoder import diagonal_halves, load_encoder
+from tta_core.domain.encoder import diagonal_halves, load_encoder
 from tta_core.runtime.stats import channel_stats
 
 LOG_EPS = 1e-5  # added to variances before the log
@@ -52,14 +50,14 @@ LOG_EPS = 1e-5  # added to variances before the log
 
 @dataclass
 class EmbeddingConfig:
-    """Which moments make the embedding (see the module docstring for measurements)."""
+    """Which moments make the embedding (see the module docstring)."""
 
     layers: int = 3  # first N BatchNorm layers (forward order) whose inputs are read
     include_input: bool = True  # also the moments of the model input itself
     per_sample: bool = True  # mean of per-sample log-var (else log of the pooled var)
     residual: bool = True  # + DARDA's fixed-kernel corruption residual of the input
     encoder: str = ""  # + DARDA's learnt corruption encoder (safetensors from
-    #                    `tta train-corruption-encoder`; tta_core.darda.encoder); '' none
+    #                    `tta train-corruption-encoder`; tta_core.domain.encoder); '' none
 
     def validate(self) -> None:
         """ValueError naming a bad field."""

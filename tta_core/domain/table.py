@@ -6,8 +6,8 @@ centroid) and variance S_j of its batches' embeddings (exact running values for 
 over a batch's samples of the per-sample features divided by the batch size, i.e. what
 the batch-to-batch spread would be if batches were i.i.d. draws of the domain. W is known
 from a domain's first batch, so a young domain is judged with its own scale instead of
-other domains' (measured: the spread of one dimension differs up to 25-40x between
-corruptions, so a pooled scale made every young blur domain look novel and split it).
+other domains' (the spread of one dimension differs by far between corruptions, so a
+pooled scale made every young blur domain look novel and split it).
 
 The distance of an embedding e to domain j is a standardised Euclidean one,
 

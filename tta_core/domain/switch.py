@@ -1,14 +1,15 @@
 """The domain machinery one method needs: embedding hooks, detector, state bank, gate.
 
-Shared by the darda method and adashadow's `domain_bank` option (issue #21). The
-embedding is read inside the forward; in the pre-hook of the last embedded layer (before
-any banked layer runs) the detector assigns the batch to a known domain or a new one and,
-on a switch, the bank copies that domain's state into the live tensors (O(state size)), so
-the batch is already predicted by the recognised state. `on_switch(detection)` lets the
+Below the paper rooms because two of them use it: the darda method and adashadow's
+`domain_bank` option (a domain bank under AdaShadow's sparse update). The embedding is
+read inside the forward; in the pre-hook of the last embedded layer (before any banked
+layer runs) the detector assigns the batch to a known domain or a new one and, on a
+switch, the bank copies that domain's state into the live tensors (O(state size)), so the
+batch is already predicted by the recognised state. `on_switch(detection)` lets the
 method reset what is not banked (optimizer momentum, a memory bank). A new domain starts
 from the nearest known domain's state (`init_from="nearest"`) or the source state.
 
-With a shift test (`SwitchConfig.shift`, tta_core.darda.detector.ShiftTest; darda's
+With a shift test (`SwitchConfig.shift`, tta_core.domain.detector.ShiftTest; darda's
 default) the stream is also tested for a change inside the active domain: a shift between
 two corruptions the table merges is perceived (the gate owes it its passes,
 `on_switch(None)` resets the method). A batch *perceives a shift* (`stats["shift"]`) when
@@ -29,8 +30,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from tta_core.api import PhaseTimes, StepResult, mean_entropy
-from tta_core.darda.bank import SOURCE, StateBank, adapted_tensors
-from tta_core.darda.detector import (
+from tta_core.domain.bank import SOURCE, StateBank, adapted_tensors
+from tta_core.domain.detector import (
     Detection,
     DetectorConfig,
     DomainDetector,
@@ -38,13 +39,13 @@ from tta_core.darda.detector import (
     ShiftDecision,
     ShiftTest,
 )
-from tta_core.darda.embedding import (
+from tta_core.domain.embedding import (
     RESIDUAL_FEATURES,
     RESIDUAL_SCALES,
     DomainEmbedder,
     EmbeddingConfig,
 )
-from tta_core.darda.gate import AdaptGate, GateConfig
+from tta_core.domain.gate import AdaptGate, GateConfig
 
 
 @dataclass
@@ -220,10 +221,9 @@ def bank_switch(model: nn.Module, input_shape: Sequence[int], optimizer: Optimiz
     residual and the first `embed_layers` BN inputs; the other BN layers' affine and
     running statistics and the classifier are banked. The caller must keep the embedded
     BN layers (`switch.embedder.layer_names`) frozen: they run before the swap (which is
-    in the last one's pre-hook) and feed the embedding. Measured (3 corruptions x 3
-    visits): with only the stem conv's output (embed_layers 1, nothing to freeze) fog and
-    contrast split into two domains each, and on 15 corruptions 30 domains were found for
-    15. SGD momentum is reset on a switch (not banked)."""
+    in the last one's pre-hook) and feed the embedding. With only the stem conv's output
+    (embed_layers 1, nothing to freeze) corruptions split into several domains each (fog
+    and contrast first). SGD momentum is reset on a switch (not banked)."""
     embedder = embedder_for(model, input_shape, EmbeddingConfig(layers=embed_layers))
     embedded = set(embedder.layer_names)
     cfg = config if config is not None else SwitchConfig(DetectorConfig(), GateConfig())

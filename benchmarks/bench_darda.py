@@ -36,8 +36,8 @@ from tta_core.data.preprocess import images_to_tensor
 from tta_core.data.signs import make_signs
 from tta_core.data.sources import load_data, parse_data
 from tta_core.data.streams import StreamSpec, build_stream
-from tta_core.methods import build_method
 from tta_core.model.source import load_source
+from tta_core.registry import build_method
 
 ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = ("no_extractor", "no_bn_adapt", "bn_only", "bn_entropy", "full")

@@ -42,7 +42,7 @@ from tta_core.eval.bench import (
     stream_method,
 )
 from tta_core.eval.shifts import score_shifts
-from tta_core.methods import build_method
+from tta_core.registry import build_method
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -36,9 +36,9 @@ from tta_core.data.preprocess import images_to_tensor
 from tta_core.data.streams import StreamSpec, build_stream
 from tta_core.domain.detector import DomainDetector
 from tta_core.domain.embedding import DomainEmbedder, EmbeddingConfig
-from tta_core.methods import build_method
 from tta_core.model.norms import set_bn_mode
 from tta_core.model.source import load_source
+from tta_core.registry import build_method
 
 ROOT = Path(__file__).resolve().parents[1]
 CARD = ROOT / "checkpoints" / "small_resnet_signs32.json"

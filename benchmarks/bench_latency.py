@@ -19,10 +19,10 @@ import numpy as np
 import torch
 
 from tta_core.adashadow.profiler import profile_model
-from tta_core.methods import build_method
 from tta_core.model.norms import set_bn_mode
 from tta_core.model.units import decompose
 from tta_core.model.zoo import build_model
+from tta_core.registry import build_method
 from tta_core.runtime.malloc_tuning import keep_freed_memory
 
 PHASES = ("forward_ms", "plan_ms", "backward_ms", "reforward_ms", "total_ms")

@@ -37,7 +37,7 @@ from torchvision.models import resnet18, resnet50
 from tta_core.api import Plan
 from tta_core.memory import SavedActivationCounter
 from tta_core.memory.ledger import MIB
-from tta_core.methods import build_method
+from tta_core.registry import build_method
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "results"
 

@@ -49,7 +49,7 @@ from torchvision.models import resnet18, resnet50
 
 from tta_core.memory import SavedActivationCounter, memory_peaks, reset_peaks
 from tta_core.memory.ledger import MIB
-from tta_core.methods import build_method
+from tta_core.registry import build_method
 from tta_core.runtime.malloc_tuning import keep_freed_memory
 
 WARMUP = 3  # steps before measuring: AdaShadow learns its forward time, robot its keeps

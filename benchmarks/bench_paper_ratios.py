@@ -38,8 +38,8 @@ from scipy import stats
 from tqdm import tqdm
 
 from tta_core.api import WarmsUp
-from tta_core.methods import build_method
 from tta_core.model.zoo import build_model
+from tta_core.registry import build_method
 from tta_core.runtime.gc_pauses import frozen_heap
 from tta_core.runtime.malloc_tuning import keep_freed_memory
 

@@ -125,7 +125,7 @@ def _messages(n: int, size: int) -> list:
 def ros_vs_in_process(frames: int, gap_s: float, executor: str, warmup: int = 10) -> dict:
     """Interleaved per-frame timings of the ROS path and the in-process step."""
     from tta_core.io.image_msg import decode_image, to_tensor
-    from tta_core.methods import build_method
+    from tta_core.registry import build_method
 
     rig = Rig(executor, domain_id=77)
     node = rig.perception

@@ -25,8 +25,8 @@ from torchvision.models import resnet18
 
 from tta_core.memory import SavedActivationCounter
 from tta_core.memory.ledger import MIB
-from tta_core.methods import build_method
 from tta_core.model.source import load_source
+from tta_core.registry import build_method
 
 CONFIGS: dict[str, tuple[str, dict]] = {
     "tent": ("tent", {}),

@@ -26,7 +26,7 @@ from torchvision.models import resnet18, resnet50
 
 from tta_core.memory import SavedActivationCounter
 from tta_core.memory.ledger import MIB
-from tta_core.methods import build_method
+from tta_core.registry import build_method
 
 CONFIGS = {"surgeon": {}, "surgeon_dense_importance": {"importance_bits": None},
            "surgeon_bn": {"trainable": "norm"}}

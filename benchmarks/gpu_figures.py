@@ -36,9 +36,9 @@ from bench_paper_ratios import ModelSpec
 from tta_core.api import WarmsUp
 from tta_core.errors import one_line
 from tta_core.memory.accounting import SavedActivationCounter
-from tta_core.methods import build_method
 from tta_core.model.source import load_source
 from tta_core.model.zoo import build_model
+from tta_core.registry import build_method
 from tta_core.runtime.losses import entropy_loss
 from tta_core.runtime.precision import check_precision
 

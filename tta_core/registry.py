@@ -1,23 +1,30 @@
 """Registry of test-time adaptation methods: the baselines in `tta_core.methods` and the
-method class of each paper room (`tta_core.<room>.method`).
+method of each paper room (`tta_core.<room>.method`).
 
-Method modules register their class with `@register("name")`; the registry imports them
-by name on first lookup (importlib, so this module sits below every method in the import
-layers and adding a baseline never edits a shared list). Interface modelled on
-mariodoebler/test-time-adaptation (see `tta_core.runtime.method.TTAMethod`).
+Method modules register their class with `@register("name")`; a method whose class
+depends on its config registers a factory with `@register_factory("name", cls)` (`cls`:
+the class whose config and documentation stand for the method). The registry imports
+the method modules by name on first lookup (importlib, so this module sits below every
+method in the import layers, imports none of them, and adding a baseline never edits a
+shared list). Interface modelled on mariodoebler/test-time-adaptation (see
+`tta_core.runtime.method.TTAMethod`).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import pkgutil
 from collections.abc import Callable
 from typing import Any
 
-# the paper rooms that define a method class in their `method` module
+# the package of the baselines (each module of it registers one) and the paper rooms that
+# define a method in their `method` module
+BASELINES = "tta_core.methods"
 PAPER_ROOMS = ("adashadow", "surgeon", "darda", "elasticdnn")
 
 _REGISTRY: dict[str, type] = {}
+_FACTORIES: dict[str, Callable[..., Any]] = {}
 _loaded = False
 
 
@@ -32,10 +39,25 @@ def register(name: str) -> Callable[[type], type]:
     return deco
 
 
+def register_factory(name: str, cls: type) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Function decorator: `build_method(name, ...)` calls `factory(model, config)` (which
+    chooses the class from the config) instead of `cls`; `cls` is what `method_class(name)`
+    answers: its `config_cls` is the method's config, its docstring the method's."""
+    def deco(factory: Callable[..., Any]) -> Callable[..., Any]:
+        register(name)(cls)
+        _FACTORIES[name] = factory
+        return factory
+    return deco
+
+
 def method_modules() -> list[str]:
-    """Dotted names of every module that registers a method."""
-    baselines = importlib.import_module("tta_core.methods")
-    names = [f"tta_core.methods.{info.name}" for info in pkgutil.iter_modules(baselines.__path__)
+    """Dotted names of every module that registers a method (found without importing
+    the baselines' package)."""
+    spec = importlib.util.find_spec(BASELINES)
+    if spec is None or spec.submodule_search_locations is None:
+        raise ImportError(f"no package {BASELINES}")
+    names = [f"{BASELINES}.{info.name}"
+             for info in pkgutil.iter_modules(spec.submodule_search_locations)
              if not info.name.startswith("_")]
     return names + [f"tta_core.{room}.method" for room in PAPER_ROOMS]
 
@@ -56,7 +78,8 @@ def available_methods() -> list[str]:
 
 
 def method_class(name: str) -> type:
-    """The class registered as `name`; ValueError listing the choices otherwise."""
+    """The class registered as `name` (for a factory, the class that stands for the
+    method); ValueError listing the choices otherwise."""
     _load_all()
     if name not in _REGISTRY:
         raise ValueError(f"unknown method {name!r}; available: {', '.join(available_methods())}")
@@ -66,4 +89,4 @@ def method_class(name: str) -> type:
 def build_method(name: str, model: Any, **cfg: Any) -> Any:
     """Build method `name` on `model` (an nn.Module); keyword arguments fill its config."""
     cls = method_class(name)
-    return cls(model, cls.make_config(**cfg))
+    return _FACTORIES.get(name, cls)(model, cls.make_config(**cfg))

@@ -60,8 +60,8 @@ def test_a_memory_budget_change_is_applied_live_where_a_codec_runs() -> None:
     widths follow on the next batch); a method without a codec needs the rebuild."""
     import torch
 
-    from tta_core.methods import build_method
     from tta_core.model.zoo import build_model
+    from tta_core.registry import build_method
     from tta_ros.nodes.method_params import apply_live
 
     torch.manual_seed(0)

@@ -214,8 +214,8 @@ def test_app_from_report_refuses_incomplete_reports() -> None:
 def test_perception_fleet_records_served_and_probed_sizes(ros_context, sized_method) -> None:
     import torch
 
-    from tta_core.methods import build_method
     from tta_core.model.source import load_source
+    from tta_core.registry import build_method
     from tta_ros.nodes.fleet_wiring import PerceptionFleet
 
     node = rclpy.create_node("fleet_probe", context=ros_context)
@@ -283,8 +283,8 @@ def test_elastic_on_the_gated_card_serves_the_pinned_size(ros_context) -> None:
 def test_elastic_options_are_parameters_of_the_node() -> None:
     """`method.warmup_runs` is an option of elastic (how many forwards per size its warm-up
     times), reaches its config, and is no option of tent."""
-    from tta_core.methods import build_method
     from tta_core.model.source import load_source
+    from tta_core.registry import build_method
     from tta_ros.nodes.method_params import MethodOptions
 
     opts = MethodOptions("elastic", {"method.warmup_runs": 7})
@@ -440,8 +440,8 @@ def test_perception_fleet_reports_retraining_time_and_eq5_7_estimates(ros_contex
     its after) / 2; without past domains they are NaN."""
     import torch
 
-    from tta_core.methods import build_method
     from tta_core.model.source import load_source
+    from tta_core.registry import build_method
     from tta_ros.nodes.fleet_wiring import PerceptionFleet
 
     register("fleet_retrain_test")(RetrainingSource)

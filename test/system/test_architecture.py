@@ -1,5 +1,6 @@
 """Architecture rules: the import contracts of .importlinter, no import cycle inside tta_core
-(between modules, and between packages), and a size limit on functions. Classes have no
+(between modules, and between packages), paper rooms that import no other room, and a size
+limit on functions. Classes have no
 size limit: one class per concept, however long, reads better than mixins cut to fit."""
 
 from __future__ import annotations
@@ -156,6 +157,55 @@ def test_a_deliberate_package_cycle_is_found() -> None:
     g.add_import(importer="tta_core.model.zoo", imported="tta_core.adashadow.planner")
     cycles = package_cycles(g)
     assert any("tta_core.model" in c and "tta_core.adashadow" in c for c in cycles), cycles
+
+
+PAPER_ROOMS = ("adashadow", "darda", "elasticdnn", "surgeon", "daf")
+ROOMS = (*PAPER_ROOMS, "methods")  # the paper rooms and the baselines
+
+
+def room_imports(g: grimp.ImportGraph) -> list[str]:
+    """Each paper room's import of another room or of the baselines, direct or through
+    other modules, as 'importer -> ... -> imported' (the shortest chain per pair)."""
+    found = []
+    for room in PAPER_ROOMS:
+        for other in ROOMS:
+            if other == room:
+                continue
+            chain = g.find_shortest_chain(importer=f"tta_core.{room}",
+                                          imported=f"tta_core.{other}", as_packages=True)
+            if chain:
+                found.append(" -> ".join(chain))
+    return found
+
+
+def test_paper_rooms_import_no_other_room_and_no_baseline() -> None:
+    """What two rooms share sits below them (runtime, domain, the building blocks)."""
+    g = grimp.build_graph("tta_core", cache_dir=None)
+    offenders = room_imports(g)
+    assert not offenders, "paper room imports another room:\n" + "\n".join(offenders)
+    upstream = {m for room in PAPER_ROOMS
+                for m in g.find_upstream_modules(f"tta_core.{room}", as_package=True)}
+    assert not {package_of(m) for m in upstream} & {f"tta_core.{r}" for r in ROOMS}
+
+
+def test_a_deliberate_room_import_is_found() -> None:
+    """The check can fail: SURGEON importing a baseline, or a lazy import of the DAF room
+    deep inside AdaShadow's engine, is reported with its chain."""
+    g = grimp.build_graph("tta_core", cache_dir=None)
+    g.add_import(importer="tta_core.surgeon.method", imported="tta_core.methods.cotta")
+    g.add_import(importer="tta_core.adashadow.engine", imported="tta_core.daf.plans")
+    found = room_imports(g)
+    assert "tta_core.surgeon.method -> tta_core.methods.cotta" in found, found
+    assert "tta_core.adashadow.engine -> tta_core.daf.plans" in found, found
+
+
+def test_the_registry_and_the_baselines_do_not_import_each_other() -> None:
+    """The registry finds the method modules by name; the baselines' package re-exports
+    nothing from it (each baseline module imports `register`, downward)."""
+    g = grimp.build_graph("tta_core", cache_dir=None)
+    assert not g.find_modules_directly_imported_by("tta_core.methods")
+    assert not {m for m in g.find_modules_directly_imported_by("tta_core.registry")
+                if m.startswith("tta_core")}
 
 
 def _too_long(path: Path) -> Iterator[str]:

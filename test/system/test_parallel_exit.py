@@ -15,7 +15,7 @@ from helpers import ROOT
 SCRIPT = r"""
 import atexit
 import torch
-from tta_core.methods import build_method
+from tta_core.registry import build_method
 from tta_core.model.zoo import build_model
 
 torch.set_num_threads(1)

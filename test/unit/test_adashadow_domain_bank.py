@@ -9,8 +9,8 @@ import torch
 from helpers import CARD
 
 from tta_core.api import ReportsDomain
-from tta_core.methods import build_method
 from tta_core.model.source import load_source
+from tta_core.registry import build_method
 
 SHAPE = (3, 32, 32)
 

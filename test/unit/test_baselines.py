@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 from tta_core.elasticdnn.gates import make_gated
-from tta_core.methods import available_methods, build_method
 from tta_core.methods.lame import affinity_matrix
 from tta_core.model.zoo import SmallResNet
+from tta_core.registry import available_methods, build_method
 from tta_core.runtime.losses import softmax_entropy
 from tta_core.runtime.method import TTAMethod
 

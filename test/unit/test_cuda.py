@@ -17,8 +17,8 @@ import torch
 from helpers.models import signs_batch, small_source
 
 from tta_core.elasticdnn.gates import make_gated
-from tta_core.methods import build_method
 from tta_core.model.zoo import build_model
+from tta_core.registry import build_method
 
 DEVICE = os.environ.get("TTA_TEST_DEVICE", "cuda")
 pytestmark = [pytest.mark.cuda] if DEVICE.startswith("cuda") else []

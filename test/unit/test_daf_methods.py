@@ -24,8 +24,8 @@ from tta_core.memory import (
     profile_saves,
 )
 from tta_core.memory.widths import daf_plan, trainable_units
-from tta_core.methods import build_method
 from tta_core.methods.tent import Tent, TentConfig
+from tta_core.registry import build_method
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -15,9 +15,9 @@ from helpers import CARD
 from tta_core.api import ReportsDomain
 from tta_core.data.preprocess import images_to_tensor
 from tta_core.data.streams import StreamSpec, build_stream
-from tta_core.methods import build_method
 from tta_core.model.source import load_source
 from tta_core.model.zoo import build_model
+from tta_core.registry import build_method
 
 SHAPE = (3, 32, 32)
 

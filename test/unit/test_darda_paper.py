@@ -28,8 +28,8 @@ from tta_core.darda.subnet import (
     subnet_loss,
 )
 from tta_core.errors import InputError
-from tta_core.methods import build_method
 from tta_core.model.source import load_source
+from tta_core.registry import build_method
 
 I2 = torch.eye(2)
 

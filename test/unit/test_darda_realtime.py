@@ -15,8 +15,8 @@ from helpers import CARD
 from tta_core.domain.detector import ShiftConfig, ShiftTest
 from tta_core.domain.gate import DRIFT, NEW_DOMAIN, SHIFT, AdaptGate, GateConfig
 from tta_core.eval.shifts import score_shifts, true_shifts
-from tta_core.methods import build_method
 from tta_core.model.source import load_source
+from tta_core.registry import build_method
 
 SHAPE = (3, 32, 32)
 

@@ -26,11 +26,11 @@ from tta_core.adashadow.predictor import UnitProfile
 from tta_core.api import DeadlineTunable
 from tta_core.eval.bench import BenchConfig, stream_options
 from tta_core.eval.streaming import recorded_step, simulate_stream
-from tta_core.methods import build_method
 from tta_core.model.norms import set_bn_mode
 from tta_core.model.source import load_source
 from tta_core.model.units import decompose
 from tta_core.model.zoo import build_model
+from tta_core.registry import build_method
 from tta_core.runtime.deadline import DeadlineConfig, batch_deadline_ms, describe
 
 
@@ -440,8 +440,8 @@ def test_warm_up_learns_fixed_costs_and_leaves_the_state_as_it_was() -> None:
     import copy
 
     from tta_core.api import WarmsUp
-    from tta_core.methods import build_method
     from tta_core.model.zoo import build_model
+    from tta_core.registry import build_method
 
     torch.manual_seed(0)
     meth = build_method("adashadow", build_model("small_resnet", 10), input_shape=(3, 32, 32),

@@ -11,9 +11,9 @@ from helpers import ROOT
 from helpers.host_reads import HostReads
 from torch import nn
 
-from tta_core.methods import build_method
 from tta_core.model.source import load_source
 from tta_core.model.zoo import build_model
+from tta_core.registry import build_method
 from tta_core.runtime.method import TTAMethod
 
 # Host reads per batch each method may make, independent of depth: the step's scalars in

@@ -13,9 +13,9 @@ from safetensors import safe_open
 
 from tta_core.darda.store import load_bank, save_bank
 from tta_core.errors import InputError
-from tta_core.methods import build_method
 from tta_core.model.source import load_source
 from tta_core.model.zoo import build_model
+from tta_core.registry import build_method
 
 SHAPE = (3, 32, 32)
 

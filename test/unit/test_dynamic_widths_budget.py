@@ -23,8 +23,8 @@ from tta_core.daf.dynamic import (
 )
 from tta_core.memory import SavedActivationCounter
 from tta_core.memory.ledger import MIB
-from tta_core.methods import build_method
 from tta_core.methods.tent import Tent, TentConfig
+from tta_core.registry import build_method
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

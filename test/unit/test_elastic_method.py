@@ -21,9 +21,9 @@ from tta_core.elasticdnn.serving import (
     choose,
     largest_fitting,
 )
-from tta_core.methods import build_method
 from tta_core.model.source import load_source
 from tta_core.model.zoo import build_model
+from tta_core.registry import build_method
 from tta_core.runtime.deadline import DeadlineConfig
 
 SIZES = (1.0, 0.7, 0.5, 0.3)

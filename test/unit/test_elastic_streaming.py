@@ -130,7 +130,7 @@ def test_warm_up_learns_what_an_adapting_batch_costs(vtime) -> None:
     update). An update timed from the gradient forward on, rather than from the no-grad
     forward's prediction as served batches are, was predicted near 0 there, and an
     adapting batch ran 2.4x past a deadline it was planned to meet."""
-    from tta_core.methods import build_method
+    from tta_core.registry import build_method
 
     calibrate(vtime)
     m = build_method("elastic", master(), deadline_mode="fixed", deadline_ms=1e5)

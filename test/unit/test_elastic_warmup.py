@@ -16,9 +16,9 @@ import tta_core.elasticdnn.method as elastic
 from tta_core.api import WarmsUp
 from tta_core.elasticdnn.gates import make_gated
 from tta_core.elasticdnn.surrogate import extract_surrogate, highest_entropy_sample
-from tta_core.methods import build_method
 from tta_core.model.norms import set_bn_mode
 from tta_core.model.zoo import build_model
+from tta_core.registry import build_method
 
 
 def gated(seed: int = 0):

@@ -181,8 +181,8 @@ def test_far_out_float_frame_would_poison_a_bn_adapt_batch() -> None:
     """Why the float range matters: admitted (limits widened), one 1e6 frame changes the
     bn_adapt predictions of the seven clean frames batched with it."""
 
-    from tta_core.methods import build_method
     from tta_core.model.source import load_source
+    from tta_core.registry import build_method
 
     model, card = load_source(CARD)
     method, pre = build_method("bn_adapt", model), Preprocess.from_card(card)

@@ -19,9 +19,9 @@ from tta_core.adashadow.memory_costs import DEFAULT_FROZEN_KEEP, codec_plan, rep
 from tta_core.adashadow.planning import PlanningConfig, PlanningService, UnitLayout
 from tta_core.eval.bench import BenchConfig, build_stream, run_bench
 from tta_core.memory import CodecPlan, predicted_bytes, profile_saves
-from tta_core.methods import build_method
 from tta_core.model.source import load_card, load_model
 from tta_core.model.units import decompose
+from tta_core.registry import build_method
 
 CARD = Path("checkpoints/small_resnet_signs32.json")
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from tta_core.methods import build_method
 from tta_core.model.memory_format import apply_memory_format, time_formats
 from tta_core.model.source import load_source
+from tta_core.registry import build_method
 
 CARD = "checkpoints/small_resnet_signs32.json"
 

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from tta_core.adashadow.planning import UnitLayout, mac_profile
-from tta_core.methods import available_methods, build_method
 from tta_core.model.zoo import build_model
+from tta_core.registry import available_methods, build_method
 
 CFG = {"input_shape": (3, 32, 32)}
 

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from tta_core.api import PhaseClock
-from tta_core.methods import build_method
 from tta_core.model.norms import norm_affine_params
+from tta_core.registry import build_method
 
 SHAPE = (3, 16, 16)
 CLASSES = 16

@@ -21,8 +21,8 @@ from tta_core.adashadow.planning import (
     telemetry_pis,
 )
 from tta_core.adashadow.predictor import UnitProfile, planning_times
-from tta_core.methods import build_method
 from tta_core.model.source import load_source
+from tta_core.registry import build_method
 
 
 @pytest.fixture(scope="module")

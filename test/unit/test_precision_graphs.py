@@ -13,7 +13,7 @@ import torch
 from helpers.models import signs_batch, small_source
 
 from tta_core.api import PhaseClock
-from tta_core.methods import build_method
+from tta_core.registry import build_method
 from tta_core.runtime import losses
 from tta_core.runtime.graphs import GraphedForward
 from tta_core.runtime.precision import (

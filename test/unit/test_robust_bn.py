@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from tta_core.methods import build_method
 from tta_core.model.zoo import build_model
+from tta_core.registry import build_method
 
 CFG = {"input_shape": (3, 32, 32), "sigma": 1.0, "fixed_cost_feedback": 0.0}
 

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from tta_core.memory import SavedActivationCounter
-from tta_core.methods import build_method
 from tta_core.model.source import load_source
 from tta_core.model.zoo import SmallResNet
+from tta_core.registry import build_method
 from tta_core.surgeon.layer_importance import (
     gradient_importance,
     layer_keep,

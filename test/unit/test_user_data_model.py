@@ -24,11 +24,11 @@ from tta_core.data.loaders import CIFAR10_CLASSES
 from tta_core.data.preprocess import images_to_tensor
 from tta_core.errors import InputError, one_line_errors
 from tta_core.io.image_msg import Preprocess, to_tensor
-from tta_core.methods import build_method
 from tta_core.model.source import load_source
 from tta_core.model.user_card import NORM_PRESETS
 from tta_core.model.weights import read_safetensors
 from tta_core.model.zoo import SmallResNet
+from tta_core.registry import build_method
 
 N = 4  # rows per severity in the fixture (the release has 10000)
 CIFAR_MEAN, CIFAR_STD = NORM_PRESETS["cifar10"]

@@ -1,4 +1,4 @@
-"""DARDA: domain-aware adaptation with a bank of per-domain states (issue #21).
+"""DARDA: domain-aware adaptation with a bank of per-domain states.
 
 After "DARDA: Domain-Aware Real-Time Dynamic Neural Network Adaptation" (seed 004), the
 online part: the batch embedding is the channel moments of the first BatchNorm inputs plus
@@ -63,7 +63,7 @@ from tta_core.domain.gate import NEW_DOMAIN, POLICIES, SHIFT, AdaptGate, DomainG
 from tta_core.domain.switch import DomainSwitch, SwitchConfig, embedder_for, shift_dims
 from tta_core.errors import InputError, one_line
 from tta_core.model.robust_bn import RobustBN, batch_norm_layers
-from tta_core.registry import register
+from tta_core.registry import register_factory
 from tta_core.runtime import losses
 from tta_core.runtime.deadline import (
     DEADLINE_MODES,
@@ -193,22 +193,17 @@ class DardaConfig(MethodConfig, DeadlineConfig):
                            dims=dims)
 
 
-@register("darda")
 class Darda(TTAMethod, DeadlineBudget):
     """Domain bank TTA: detect, swap, adapt after a perceived shift. Capabilities:
-    ReportsDomain, DeadlineTunable, WarmsUp (tta_core.api)."""
+    ReportsDomain, DeadlineTunable, WarmsUp (tta_core.api). The method `darda` builds
+    this class, or PaperDarda (the paper's online phase) when `bundle_path` is set
+    (`build_darda`)."""
 
     config_cls = DardaConfig
     config: DardaConfig
 
     #: the time source of the deadline decisions (seconds; tests inject a fake one)
     clock: Callable[[], float] = staticmethod(time.perf_counter)
-
-    def __new__(cls, model: nn.Module, config: DardaConfig | None = None) -> Darda:
-        """With a bundle_path, the paper's online phase (PaperDarda, below)."""
-        if cls is Darda and config is not None and config.bundle_path:
-            return super().__new__(PaperDarda)
-        return super().__new__(cls)
 
     def __init__(self, model: nn.Module, config: DardaConfig | None = None) -> None:
         super().__init__(model, config)
@@ -591,14 +586,15 @@ class Darda(TTAMethod, DeadlineBudget):
                     t.copy_(self._source[k])
 
 # ---------------------------------------------------------------------- the paper's online phase
-# `Darda(model, config)` builds PaperDarda when `config.bundle_path` is set; the registry
-# name stays "darda". Phases of one batch: forward = signature, then inside the forward
-# (the first BN layer's pre-hook, before any sub-network tensor is read) shift detection
-# and bootstrapping (Eq. 10), the forward-only prediction and the memory bank admission
-# (Algorithm 1); backward = the one adaptation after a shift (Eq. 15 + Eq. 16) when its
-# trigger fires; reforward = the updated model's prediction of that batch. All BN layers
-# normalise with the sub-network's running statistics (eval mode); the BN affine and the
-# final dense layer are adapted. The machinery is tta_core.darda.paper.
+# The method `darda` builds PaperDarda when `config.bundle_path` is set (`build_darda`,
+# below); the registry name stays "darda". Phases of one batch: forward = signature, then
+# inside the forward (the first BN layer's pre-hook, before any sub-network tensor is
+# read) shift detection and bootstrapping (Eq. 10), the forward-only prediction and the
+# memory bank admission (Algorithm 1); backward = the one adaptation after a shift (Eq. 15
+# + Eq. 16) when its trigger fires; reforward = the updated model's prediction of that
+# batch. All BN layers normalise with the sub-network's running statistics (eval mode);
+# the BN affine and the final dense layer are adapted. The machinery is
+# tta_core.darda.paper.
 
 
 class PaperDarda(Darda):
@@ -835,3 +831,12 @@ class PaperDarda(Darda):
         self.paper.fresh()
         self.paper.learnt.update(learnt)
         self.paper.next_id = next_id
+
+
+@register_factory("darda", Darda)
+def build_darda(model: nn.Module, config: DardaConfig | None = None) -> Darda:
+    """The method `darda` on `model`: the paper's online phase from an offline bundle
+    (PaperDarda) when `config.bundle_path` is set, else the online-learnt domain bank
+    (Darda). One config (DardaConfig) for both."""
+    c = config if config is not None else DardaConfig()
+    return PaperDarda(model, c) if c.bundle_path else Darda(model, c)

@@ -44,8 +44,8 @@ from tta_core.eval.streaming import (
     simulate_stream,
     timed_step,
 )
-from tta_core.methods import available_methods, build_method, method_class
 from tta_core.model.user_card import UserModel
+from tta_core.registry import available_methods, build_method, method_class
 from tta_core.runtime.device import check_device
 from tta_core.runtime.gc_pauses import frozen_heap
 from tta_core.runtime.precision import check_precision

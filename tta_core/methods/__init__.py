@@ -1,8 +1,6 @@
 """The baseline methods (source, bn_adapt, tent, eata, sar, cotta, lame), one small class
-each; the paper methods live in their rooms. `build_method` & co. are the registry's
-(tta_core.registry), re-exported here because most callers look for them here.
+each; the paper methods live in their rooms. Build any of them by name with
+`tta_core.registry.build_method`. Each module registers its class with
+`tta_core.registry.register`; the registry finds the modules by name, and this package
+re-exports nothing, so the registry and the baselines do not import each other.
 """
-
-from tta_core.registry import available_methods, build_method, method_class, register
-
-__all__ = ["available_methods", "build_method", "method_class", "register"]

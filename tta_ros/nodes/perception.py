@@ -70,9 +70,9 @@ from tta_core.io.image_msg import (
     one_line,
     to_tensor,
 )
-from tta_core.methods import available_methods, build_method
 from tta_core.model.source import load_source
 from tta_core.model.units import decompose
+from tta_core.registry import available_methods, build_method
 from tta_core.runtime.deadline import DeadlineConfig, batch_deadline_ms
 from tta_core.runtime.device import check_device
 from tta_core.runtime.gc_pauses import freeze_startup_heap

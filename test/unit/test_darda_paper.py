@@ -212,6 +212,58 @@ def test_eq16_step_lowers_the_loss(bundle) -> None:
     assert any(k.startswith("fc.") for k, t in p.live.items() if t.grad is not None)
 
 
+def test_more_eq16_steps_lower_the_loss_further_and_are_counted(bundle) -> None:
+    path, _ = bundle
+    losses = {}
+    for steps in (1, 5):
+        model, _ = load_source(CARD)
+        m = build_method("darda", model, input_shape=(3, 32, 32), bundle_path=str(path),
+                         paper_lr=1e-2, paper_steps=steps, context_momentum=0.0,
+                         memory_format="contiguous")
+        p = m.paper
+        x = _stream()[0]
+        proj, c = p.signature(x)
+        p.observe(c)
+        p.remember(x, model(x).detach(), proj)
+        p.adapt()
+        with torch.no_grad():
+            losses[steps] = float(p._loss(p.memory.samples()))
+        assert p.backward_passes == steps
+    assert losses[5] < losses[1]
+    with pytest.raises(ValueError, match="paper_steps"):
+        build_method("darda", load_source(CARD)[0], input_shape=(3, 32, 32),
+                     bundle_path=str(path), paper_steps=0)
+
+
+def _guarded(path):
+    model, _ = load_source(CARD)
+    m = build_method("darda", model, input_shape=(3, 32, 32), bundle_path=str(path),
+                     variant="bn_only", paper_source_guard=True, memory_format="contiguous")
+    p = m.paper
+    x = _stream()[0]
+    proj, c = p.signature(x)
+    p.observe(c)
+    p.remember(x, model(x).detach(), proj)
+    return p
+
+
+def test_the_source_guard_keeps_whichever_state_predicts_the_bank_surer(bundle) -> None:
+    path, _ = bundle
+    fc = [k for k in _guarded(path).live if k.endswith("weight")][-1]
+    # a picked sub-network whose classifier is zero predicts uniformly: the source is kept
+    p = _guarded(path)
+    with torch.no_grad():
+        p.live[fc].zero_()
+    p.adapt()
+    assert p.kept_source == 1 and torch.equal(p.live[fc], p.source_state[fc])
+    # a source whose classifier is zero loses to the picked sub-network, which stays
+    p = _guarded(path)
+    picked = p.live[fc].detach().clone()
+    p.source_state[fc].zero_()
+    p.adapt()
+    assert p.kept_source == 0 and torch.equal(p.live[fc], picked)
+
+
 def test_a_deadline_that_leaves_no_room_defers_the_adaptation(bundle) -> None:
     path, _ = bundle
     m = build_method("darda", load_source(CARD)[0], input_shape=(3, 32, 32),

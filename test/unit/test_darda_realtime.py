@@ -215,8 +215,17 @@ def test_a_batch_without_room_for_its_detection_is_served_plain() -> None:
     m.plain_seen.append(20.0)
     seen = m.detector.batches
     m.set_lateness(90.0)
+    before = {k: v.clone() for k, v in m.model.state_dict().items()}
+    m.model.eval()
+    with torch.no_grad():  # what the frozen active state predicts (hooks quiet)
+        with m._quiet():
+            frozen = m.model(xs[1])
     plain = m.step(xs[1])
     assert not plain.stats["detected"] and plain.stats["undetected"] and not plain.adapted
     assert m.detector.batches == seen and m.undetected == 1 and plain.domain == "d0"
+    # serve only: no robust-BN statistic moved, the prediction is the frozen state's
+    after = m.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert torch.equal(plain.logits, frozen)
     m.set_lateness(0.0)
     assert m.step(xs[2]).stats["detected"] and m.detector.batches == seen + 1

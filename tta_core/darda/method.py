@@ -162,7 +162,12 @@ class DardaConfig(MethodConfig, DeadlineConfig):
     min_bank: int = option(1, "paper: ... and the bank holds at least this many samples "
                            "of the ongoing corruption", low=1)
     context_momentum: float = option(0.5, "paper: Eq. 15 momentum m", low=0.0, high=1.0)
-    paper_lr: float = option(1e-3, "paper: SGD rate of the one Eq. 16 step", low=0.0)
+    paper_lr: float = option(1e-3, "paper: SGD rate of the Eq. 16 steps", low=0.0)
+    paper_source_guard: bool = option(
+        False, "paper + guard: after Eq. 15 keep the source's state instead of the picked "
+        "sub-network when it predicts the memory bank with the lower mean entropy")
+    paper_steps: int = option(1, "paper: SGD steps of the one adaptation after a shift "
+                              "(the paper: one)", low=1)
     learn_domains: bool = option(False, "paper + robot extension: learn and bank a "
                                  "corruption far from every training one")
     novelty_cos: float = option(0.95, "extension: a signature below this cosine to every "
@@ -417,15 +422,18 @@ class Darda(TTAMethod, DeadlineBudget):
         """The forward that also embeds the batch and recognises its domain (the switch
         may swap the banked state in); recorded only when the gate wants a backward and
         the adapted step fits the deadline (else `deferred`). A batch whose deadline has
-        no room for the detection either is served by a plain forward (`undetected`)."""
+        no room for the detection either is served by a plain forward (`undetected`): the
+        active state as it is, nothing moved (no detection, no robust-BN statistics update:
+        a batch without room serves only, so it costs no more than a frozen model's)."""
         if not self.detection_fits(step):  # served by the active state, nothing owed runs
             self.switch.skip()
             self._predicted = max(self.plain_seen, default=math.nan)
             if self.gate.wants_backward():
                 step.stats["deferred"] = True
                 self.deferred += 1
-            with torch.no_grad():
+            with torch.no_grad(), self._quiet():
                 step.logits = self.model(step.x)
+            self.embedder.enabled = False  # as skip() left it
             return
         self._predicted = self.predicted_serve_ms()
         grad = self.optimizer is not None and self.gate.wants_backward()
@@ -644,7 +652,7 @@ class PaperDarda(Darda):
         self.paper = PaperOnline(self.model, off, PaperConfig(
             variant=c.variant, shift_cos=c.shift_cos, phi_thresh=c.phi_thresh,
             max_wait=c.max_wait, min_bank=c.min_bank, context_momentum=c.context_momentum,
-            lr=c.paper_lr,
+            lr=c.paper_lr, steps=c.paper_steps, source_guard=c.paper_source_guard,
             memory_capacity=c.memory_capacity, learn_domains=c.learn_domains,
             novelty_cos=c.novelty_cos, max_domains=c.max_domains, shift=c.shift_config()))
         for p in self.paper.params:
@@ -790,7 +798,8 @@ class PaperDarda(Darda):
         res.stats.update({"backward": step.adapted, "shifts": self.paper.shifts,
                           "memory": len(self.paper.memory),
                           "learnt": len(self.paper.learnt), "deferrals": self.deferred,
-                          "skipped": self.skipped, "shift_score": self.paper.shift_score})
+                          "skipped": self.skipped, "shift_score": self.paper.shift_score,
+                          "kept_source": self.paper.kept_source})
         res.stats.setdefault("reason", "")
         return res
 

@@ -18,10 +18,10 @@ The darda method runs this when `bundle_path` names a bundle (`tta train-darda`)
 4. once after each shift, when the bank holds `min_bank` samples and its cosine variance
    to C_cur is below `phi_thresh` (or `max_wait` batches after the shift): context-aware
    BN (Eq. 15: one forward of the bank's samples, running statistics moved with
-   momentum `context_momentum`), then one adaptation step of the BN affine and the
-   final dense layer on Eq. 16, exp(-S . C_bar), with S computed from the fingerprint
-   of the current model on the fixed noise and C_bar the bank's mean projection; the batch
-   is predicted again by the updated model.
+   momentum `context_momentum`), then one adaptation (`steps` SGD steps, one by
+   default) of the BN affine and the final dense layer on Eq. 16, exp(-S . C_bar), with
+   S computed from the fingerprint of the current model on the fixed noise and C_bar the
+   bank's mean projection; the batch is predicted again by the updated model.
 
 Table 2 variants (`variant`): full; no_extractor; no_bn_adapt (the bootstrapped
 sub-network only); bn_only (Eq. 15 without the step); bn_entropy (Eq. 15 + one entropy step
@@ -70,6 +70,8 @@ class PaperConfig:
     min_bank: int = 1
     context_momentum: float = 0.5
     lr: float = 1e-3
+    steps: int = 1  # gradient steps of the one adaptation (the paper: one)
+    source_guard: bool = False  # keep the source's state when the pick predicts the bank worse
     memory_capacity: int = 64
     min_similarity: float = 0.0
     learn_domains: bool = False
@@ -89,10 +91,10 @@ class PaperConfig:
         if not 0 < self.track <= 1 or not 0 <= self.context_momentum <= 1:
             raise ValueError(f"darda track {self.track} (in (0, 1]) or context_momentum "
                              f"{self.context_momentum} (in [0, 1]) out of range")
-        if self.max_wait < 1 or self.memory_capacity < 1 or self.max_domains < 1:
+        if min(self.max_wait, self.memory_capacity, self.max_domains, self.steps) < 1:
             raise ValueError(f"darda max_wait {self.max_wait}, memory_capacity "
-                             f"{self.memory_capacity}, max_domains {self.max_domains} must "
-                             "be >= 1")
+                             f"{self.memory_capacity}, max_domains {self.max_domains}, "
+                             f"paper_steps {self.steps} must be >= 1")
 
 
 @dataclass
@@ -110,6 +112,8 @@ class PaperOnline:
         cfg.validate()
         self.model, self.off, self.cfg = model, off, cfg
         self.live = adapted_tensors(model)
+        self.source_state = {k: t.detach().clone() for k, t in self.live.items()}
+        self.kept_source = 0  # adaptations where the source guard kept the source's state
         raw = cfg.variant == "no_extractor"
         self.encoder = off.raw_encoder if raw else off.encoder
         self.s = off.raw_s if raw else off.s
@@ -138,7 +142,7 @@ class PaperOnline:
             self.shift_test.fresh()
         self.center = self.centroids[0]
         self.domain, self.pending, self.waited, self.novel = "", False, 0, False
-        self.backward_passes, self.shifts, self.next_id = 0, 0, 0
+        self.backward_passes, self.shifts, self.next_id, self.kept_source = 0, 0, 0, 0
         self.memory.clear()
         self.learnt.clear()
         self.opt.state.clear()
@@ -220,22 +224,48 @@ class PaperOnline:
             or self.waited >= self.cfg.max_wait
 
     def adapt(self) -> bool:
-        """Eq. 15 from the bank, then one step (Eq. 16, or entropy); True if a backward ran."""
+        """Eq. 15 from the bank, then `steps` steps (Eq. 16, or entropy); True if a backward
+        ran."""
         xs = self.memory.samples()
         self.pending = False
-        with torch.no_grad(), refreshing(self.bns, self.cfg.context_momentum):
-            self.model(xs)
+        if self.cfg.source_guard:
+            self._guard(xs)
+        else:
+            self._refresh(xs)
         backward = self.cfg.variant in ("full", "no_extractor", "bn_entropy")
         if backward:
-            self.opt.zero_grad(set_to_none=True)
-            with torch.enable_grad():
-                loss = self._loss(xs)
-                loss.backward()
-            self.opt.step()
-            self.backward_passes += 1
+            for _ in range(self.cfg.steps):
+                self.opt.zero_grad(set_to_none=True)
+                with torch.enable_grad():
+                    loss = self._loss(xs)
+                    loss.backward()
+                self.opt.step()
+            self.backward_passes += self.cfg.steps
         if self.novel:
             self._bank()
         return backward
+
+    def _refresh(self, xs: Tensor) -> None:
+        """Eq. 15: one forward of the bank's samples moves the running statistics."""
+        with torch.no_grad(), refreshing(self.bns, self.cfg.context_momentum):
+            self.model(xs)
+
+    def _guard(self, xs: Tensor) -> None:
+        """Eq. 15 on the picked sub-network and on the source's state; keep the one whose
+        predictions of the bank's samples have the lower mean entropy. The nearest training
+        corruption's sub-network can be worse than the source's own state on an unseen
+        corruption the source already handles; this is the unsupervised check."""
+        scores, states = [], []
+        picked = {k: t.detach().clone() for k, t in self.live.items()}
+        for state in (picked, self.source_state):
+            self._load(state)
+            self._refresh(xs)
+            with torch.no_grad():
+                scores.append(float(losses.entropy_loss(self.model(xs))))
+            states.append({k: t.detach().clone() for k, t in self.live.items()})
+        keep = int(scores[1] < scores[0])
+        self.kept_source += keep
+        self._load(states[keep])
 
     def calibrate(self) -> float:
         """Milliseconds of one adaptation on a full bank of noise (state restored): the

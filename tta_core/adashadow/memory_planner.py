@@ -1,4 +1,4 @@
-"""One planner for latency and memory (issue #19): AdaShadow's DP with a saved-bytes budget.
+"""One planner for latency and memory: AdaShadow's DP with a saved-bytes budget.
 
 Cost model (contract; `brute_force_with_memory` and the tests implement the same). Time is
 planner.py's model unchanged (T(S) <= sigma*T; the keep ratio does not change it). Memory:

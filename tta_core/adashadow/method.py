@@ -42,7 +42,7 @@ class AdaShadowConfig(MethodConfig, EngineConfig):
                           "source (eval)", choices=("batch", "source", "robust"))
     domain_bank: bool = option(False, "recognise the domain, restore its banked BN + "
                                "classifier state, adapt only until the domain is stable "
-                               "(issue #21; trainable norm only)")
+                               "(tta_core.domain; trainable norm only)")
 
 
 @register("adashadow")

@@ -19,9 +19,10 @@ Which feedback needs what (see also docs/concepts.md):
 - backward feedback / fixed costs: measured backward, reforward and plan-phase times of
   the plans this service made (`observe`).
 
-Deadline modes (`deadline`, issue #18): with `deadline_mode` other than "sigma" the budget
-of a batch is its deadline (deadline.batch_deadline_ms: fixed, from the camera rate or
-from the vehicle's speed, `set_speed`) instead of sigma*T, and it covers the whole batch:
+Deadline modes (`deadline`, tta_core.runtime.deadline): with `deadline_mode` other than
+"sigma" the budget of a batch is its deadline (deadline.batch_deadline_ms: fixed, from
+the camera rate or from the vehicle's speed, `set_speed`) instead of sigma*T, and it
+covers the whole batch:
 forward + plan phase + update (with its fixed cost) + reforward. When the forward and the
 plan phase alone leave no time (`no_time`), the batch is served without update and
 without planning (`empty_outcome`, the reason in `no_room`; `forward_misses` when the

@@ -51,9 +51,10 @@ W_stream the stream's, n0 = `prior_weight`: the spread of a reference of a few b
 segment starts with them), and so is one batch beyond `instant` x threshold (a shift
 between two noises whose later batches hardly differ: the first batch of the new noise
 can be far, the next ones close); an away batch followed by one that is not is an outlier
-and joins the reference. A segment is tested once it has `min_reference` batches (a reference
-of one or two batches flagged its own next batches as away, on blur segments above all). Without within-batch spreads (batches of one sample, pooled moments)
-the reference's own batch-to-batch variance stands in for W. `score_shifts`
+and joins the reference. A segment is tested once it has `min_reference` batches (a
+reference of one or two batches flagged its own next batches as away, on blur segments
+above all). Without within-batch spreads (batches of one sample, pooled moments) the
+reference's own batch-to-batch variance stands in for W. `score_shifts`
 (tta_core.eval.shifts) measures recall and false alarms against known shift points.
 """
 

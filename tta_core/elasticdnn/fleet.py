@@ -1,4 +1,4 @@
-"""Several cameras, one computer (ElasticDNN §III-C, issue #22): choose each pipeline's size.
+"""Several cameras, one computer (ElasticDNN §III-C): choose each pipeline's size.
 
 N perception pipelines ("apps") share one processor. App i runs at `hz` frames per second in
 batches of `batch_size`, must finish a batch within `deadline_ms`, and can serve C sizes

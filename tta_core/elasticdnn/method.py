@@ -1,5 +1,5 @@
 """ElasticDNN serving: a gated master served whole or as a smaller surrogate, whichever fits
-the batch's deadline, adapted filter by filter (issue #22).
+the batch's deadline, adapted filter by filter.
 
 Zhang et al. (ElasticDNN, IEEE TC 2024, seed 001): a master network with channel gates
 (tta_core.elasticdnn.gates, made by `tta train-elastic`) is cut into dense surrogates keeping a

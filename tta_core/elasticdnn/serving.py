@@ -1,4 +1,4 @@
-"""Load-adaptive serving (ElasticDNN, issue #22): which surrogate size serves a batch.
+"""Load-adaptive serving (ElasticDNN): which surrogate size serves a batch.
 
 A gated master can be served whole or as a dense surrogate keeping a share `keep` of the
 filters of every gated conv (tta_core.elasticdnn.surrogate). Under a batch deadline

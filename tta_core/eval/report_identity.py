@@ -1,6 +1,7 @@
 """What a report ran on, exactly: the samples used, the model and its weights (path and
 sha256 prefix), the data (kind, folder and a content identity), and the code version;
-`tta bench` records it as `meta.ran` of every run in report.json (issue #33, item 9)."""
+`tta bench` records it as `meta.ran` of every run in report.json, so that a figure can be
+traced to exactly what produced it."""
 
 from __future__ import annotations
 

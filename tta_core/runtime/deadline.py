@@ -1,4 +1,4 @@
-"""Deadline budgets: what one batch may cost in total, in ms (issue #18).
+"""Deadline budgets: what one batch may cost in total, in ms.
 
 AdaShadow's paper budget is relative: sigma * T, a share of the batch's full-update time.
 A vehicle needs an absolute one. `batch_deadline_ms` gives it per batch for each mode:

@@ -1,4 +1,4 @@
-"""The perception node's domain side (issue #21): bank persistence and domain reporting.
+"""The perception node's domain side: bank persistence and domain reporting.
 
 With a method that recognises domains (tta_core.api.ReportsDomain, e.g. darda) the node
 reports the ongoing domain on /diagnostics (`<node>: domain`) and logs each switch once

@@ -1,4 +1,4 @@
-"""Several cameras, one computer (issue #22): the ROS side of tta_core.elasticdnn.fleet.
+"""Several cameras, one computer (ElasticDNN §III-C): the ROS side of tta_core.elasticdnn.fleet.
 
 Perception side (`PerceptionFleet`): with a method that serves several sizes
 (tta_core.api.Resizable, e.g. elastic) the option `method.keep` (None / 0: the method's own

@@ -376,8 +376,8 @@ class PerceptionNode(Node):
         self._load_source()
         self._pending: dict[str, Any] = {}
         self._pending_lock = threading.Lock()
-        self.domain = DomainWiring(self)  # domain reports, bank saves (issue #21)
-        self.fleet = PerceptionFleet(self, self.p["fleet_calibration"],  # issue #22
+        self.domain = DomainWiring(self)  # domain reports, bank saves
+        self.fleet = PerceptionFleet(self, self.p["fleet_calibration"],  # fleet mode
                                      self.fleet_settings)
         self._build_method()
         self.queue = FrameQueue(self.p["queue_size"])

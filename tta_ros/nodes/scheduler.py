@@ -16,7 +16,7 @@ sigma*T; the LayerPlan's `sigma` is then the deadline's share of the full update
 (budget_ms / T), /diagnostics says when the forward alone misses the deadline and the RViz
 label shows it.
 
-Fleet mode (issue #22, tta_ros.nodes.fleet_wiring): with `fleet_namespaces` set, the node
+Fleet mode (tta_ros.nodes.fleet_wiring): with `fleet_namespaces` set, the node
 also reads every perception pipeline's tta_msgs/FleetReport (`<ns>/fleet_report`), chooses
 the surrogate size of each (the pipelines share this computer: tta_core.elasticdnn.fleet)
 and sets it on each through the standard SetParameters service (`method.keep`).
@@ -126,9 +126,9 @@ def plan_markers(plan: LayerPlan, frame_id: str, spacing: float, max_height: flo
     """DELETEALL, then one CUBE bar per unit (height ∝ importance, green = updated), a label;
     every marker lives `lifetime_s` (0: forever). `deadline`: the deadline and what set it,
     when the budget is one (the label then shows it instead of the budget). `domain`: the
-    domain perception last recognised (AdaptationStatus.domain; issue #21), when any.
+    domain perception last recognised (AdaptationStatus.domain), when any.
     `memory`: the plan's predicted saved activations against the memory budget, when one
-    is set (issue #19)."""
+    is set."""
     arr = MarkerArray()
     clear = Marker(action=Marker.DELETEALL)
     clear.header.frame_id = frame_id

@@ -101,18 +101,17 @@ class EngineConfig(PlanningConfig):
     # batches on the benchmark stream, so "norm" is the default.
     trainable: str = option("norm", "units a plan may update: norm (BN/LayerNorm affine "
                             "parameters, as Tent) or all (every unit)", choices=TRAINABLE)
-    # "full" (the paper's pipeline): the forward records the autograd graph from the
-    # lowest stage that any plan within the budget can reach (PlanningService.graph_floor;
-    # below it the forward runs without autograd: less time and no activations kept), the
-    # backward asks only for the selected units. "lazy": the forward runs without autograd
-    # and, after planning, only the stages from the first updated unit's stage are re-run
-    # with it (entropy loss only). Lazy keeps no activations of the head of the net alive
-    # (memory) but runs the tail once more, which the planner is told (each unit's
-    # reforward time counts twice). Measured on this CPU: full is faster on ResNet-50
-    # (0.41x vs 0.51x Tent's latency, batch 4, 224 px), the two are within noise on the
-    # 32 px small net. With a memory budget (memory_budget_mb, memory_budget): "lazy" plans
-    # units and keep ratios on both budgets; "full" raises the graph floor to the lowest
-    # stage whose recording fits (candidates' inputs dense: exact gradients).
+    # "full" (the paper's pipeline): the forward records the autograd graph from the lowest
+    # stage that any plan within the budget can reach (PlanningService.graph_floor; below it
+    # the forward runs without autograd: less time and no activations kept), the backward
+    # asks only for the selected units. "lazy": the forward runs without autograd and, after
+    # planning, only the stages from the first updated unit's stage are re-run with it
+    # (entropy loss only). Lazy keeps no activations of the head of the net alive (memory)
+    # but runs the tail once more, which the planner is told (each unit's reforward time
+    # counts twice). On a CPU full is the faster on ResNet-50 at 224 px, the two are within
+    # noise on the 32 px small net. With a memory budget (memory_budget_mb, memory_budget):
+    # "lazy" plans units and keep ratios on both budgets; "full" raises the graph floor to
+    # the lowest stage whose recording fits (candidates' inputs dense: exact gradients).
     graph: str = option("full", "full: the forward records the autograd graph from the "
                         "lowest reachable stage; lazy: re-run the stages from the first "
                         "updated unit with autograd (less memory, more time)",
@@ -179,10 +178,10 @@ class ForwardTimes:
     """Forward time per frame that the graph floor compares with the budget: the faster
     of the last two forwards (one slow batch, e.g. a cold first one, does not cost the
     next one its plan). A batch served without plan runs a plain forward, without the unit
-    statistics a planned batch collects (+30 % on the 32 px net): its time is scaled by
-    the last measured planned / plain ratio. Taken as it is, it alternated served and
-    over-deadline planned batches at 2000 Hz; left out, a cold first batch over the
-    deadline froze every later plan."""
+    statistics a planned batch collects (a noticeable share on a small net): its time is
+    scaled by the last measured planned / plain ratio. Taken as it is, it alternated served
+    and over-deadline planned batches at high frame rates; left out, a cold first batch
+    over the deadline froze every later plan."""
 
     def __init__(self) -> None:
         self.frame_ms: deque[float] = deque(maxlen=2)
@@ -552,7 +551,7 @@ class AdaShadowEngine:
     def _grad_stage_for(self, plan: planner.Plan | None, floor: int | None = None) -> int:
         """First stage that may be updated on this batch; the forward records the graph
         from there on only (AdaShadow's budget rarely reaches the bottom of the network, and
-        recording costs up to ~30 % of a CPU forward, plus the activations it keeps).
+        recording costs a sizeable share of a CPU forward, plus the activations it keeps).
         `floor`: the service's graph floor (None: for a batch as large as the last)."""
         n_stages = len(self.staged.stages)
         if self.lazy:

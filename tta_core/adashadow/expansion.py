@@ -12,8 +12,8 @@ Models (`ExpansionModel.model`):
   share (a descheduled process neither computes nor loads), so the sharing factor
   s(n) = max(1, (n + T) / C) / max(1, (n_off + T) / C) (T torch threads of the adapting
   process, C cores: flat until the cores are full, linear n / C beyond) multiplies both:
-  pi1 = freq ratio * s(n), pi2 = s(n) * memory expansion. On this machine it predicts the
-  ResNet-50 backward within 5 % where the paper's linear f(n) does not (predictor-bench).
+  pi1 = freq ratio * s(n), pi2 = s(n) * memory expansion. Under competing processes it
+  predicts the backward closer than the paper's linear f(n) (`tta predictor-bench`).
 - "paper": AdaShadow §3.2, pi1 = freq ratio * (1 + f(n)) / (1 + f(n_off)) with the linear
   f of `tta calibrate`, pi2 = the memory expansion. With n_off = 0 and f through the origin
   (the default fit) this is predictor.compute_expansion / memory_expansion unchanged.
@@ -123,8 +123,8 @@ def estimate_pi2(hit_rate: float, probe_bw: float, ref: OfflineReference, cal: C
     """(pi2 before sharing, source): the hit-rate formula when phi is known ("perf"), else
     max(1, b_off / b_now) of the bandwidth probe (mode "probe", both measured), else
     (1, "none"). The probe detects contention; a reading above the reference bandwidth is
-    probe noise (idle runs read 0.83-1.65x the reference on the test VM), not a machine
-    faster than when it was profiled, so it never lowers pi2 below 1.
+    probe noise (idle runs read on both sides of the reference on a shared VM), not a
+    machine faster than when it was profiled, so it never lowers pi2 below 1.
 
     The hit rate is normalised by the reference's hit rate when known, else by the
     calibration's cache_hit_offline.

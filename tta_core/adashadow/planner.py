@@ -16,8 +16,8 @@ Fixed cost (extension of the contract, 0 by default): `overhead_ms` is time that
 non-empty plan pays whatever its units (launching the backward, the loss head's gradient,
 the optimizer step, the reforward's call overhead), so it is added to T_b'(S) for S != {}
 and to T (a full update pays it too). Per-unit times scale with MACs; this part does not,
-and on a small net it is most of a sparse update (measured: 0.7 ms of a 0.76 ms backward
-on the 32 px net at batch 4, predicted 0.05 ms without it).
+and on a small net it is most of a sparse update (on the 32 px net at small batches,
+per-unit times alone predict a small fraction of the measured backward).
 
 Solver. The spare budget B = sigma*T - T_f is cut into n_t steps; every cost is rounded UP
 to whole steps, separately per item, so a plan that fits the discretised budget also fits

@@ -12,16 +12,15 @@ ratio, as the paper does. split="plans" instead fits w and x to what the planner
 model is about: the measured sparse backward T_b'(S) of 2N plans, every suffix {d..N-1}
 and every single unit {d}, each timed after its own forward, by non-negative least
 squares; the linear model of DESIGN §3 is identified exactly by these plans. A unit's
-kernels do not cost inside a full backward what they cost in a sparse one (measured: the
-same conv backward node 25-35 % slower), so timings cut out of one full backward misjudge
-sparse plans: on this CPU "plans" cut the median error on random sparse plans from 7.2 %
-to 1.9 % (ResNet-50, 224 px, batch 4) and from 25.7 % to 10.1 % (small net, 64 px, batch
-64), at 2N extra forwards and backwards per repeat (a ResNet-50 profile at batch 4 on one
-CPU thread takes minutes). Median over `repeats` runs after one warm-up. A
-single sparse-backward timing varies by ~5 % here (a shared 2-core VM), and the fit is
-exactly determined, so a plan's predicted time inherits that noise: on the small net (64
-px, batch 64) the spread of a fixed plan's prediction from profile to profile was 3.6 %
-with 3 repeats and 1.6 % with 5 (all 5 are used; each repeat adds ~9 s there).
+kernels do not cost inside a full backward what they cost in a sparse one (the same conv
+backward node runs slower inside the full one), so timings cut out of one full backward
+misjudge sparse plans: "plans" cuts the error on random sparse plans (ResNet-50 and the
+small net; `tta predictor-bench` measures it), at 2N extra forwards and backwards per
+repeat (a ResNet-50 profile at batch 4 on one CPU thread takes minutes). Median over
+`repeats` runs after one warm-up. A single sparse-backward timing is noisy on a shared
+machine, and the fit is exactly determined, so a plan's predicted time inherits that
+noise; more repeats narrow the spread of a fixed plan's prediction from profile to
+profile (the default 5 against 3, each repeat adding to the profile's time).
 """
 
 from __future__ import annotations
@@ -143,7 +142,7 @@ def _plan_times(staged: StagedModel, x: Tensor, repeats: int,
                 now: Callable[[], float]) -> tuple[np.ndarray, np.ndarray, float]:
     """Median ms of the sparse backward of every suffix plan {d..N-1} and single {d}, each
     after its own forward, as the engine runs it (a backward on a retained graph, right
-    after another one, measured 1-3 % faster on ResNet-50: hot caches, no graph freeing),
+    after another one, slightly faster: hot caches, no graph freeing),
     and the median of those forwards."""
     n = len(staged.units)
     groups = [u.parameters() for u in staged.units]

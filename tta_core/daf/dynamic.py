@@ -108,7 +108,7 @@ def dense_bytes(model: nn.Module, x: Tensor) -> int:
     """Dense saved bytes of a forward on x's batch: exact for batches of <= 2 * PROFILE_
     SAMPLES, else the line through profiles of PROFILE_SAMPLES and 2 * PROFILE_SAMPLES
     samples (saves such as BN's per-channel statistics do not grow with the batch, so
-    scaling one small profile overstates them: +9 % on ResNet-18 64 px)."""
+    scaling one small profile overstates them)."""
     b = int(x.shape[0])
     dense = CodecPlan(act_masks=False)
     n1, n2 = min(PROFILE_SAMPLES, b), min(2 * PROFILE_SAMPLES, b)

@@ -28,14 +28,13 @@ The representative sample is the batch's highest-entropy sample under the served
 forward when it does not fit). Filter masks are chosen on the first batch each size
 adapts on after a derivation (one probe, its cost budgeted like an update's).
 
-Warm-up (`warm_up`, before the first frame): the surrogates are cut from the warm-up
-batch (noise, in a node and in `tta bench`) and kept, every size's forward and update and
-the batch's fixed cost are timed, and the weights are put back; the first real batch
-then pays for nothing but itself. Which sample the filters are cut from barely matters
-for the trained gates: on the shipped stream (small net, 1500 frames, no update) a cut
-on noise, on the first real batch and on every domain's first batch served 38.1 / 38.0 /
-37.9 % at 0.7, 37.5 / 37.6 / 37.7 % at 0.5 and 33.5 / 33.3 / 33.5 % at 0.3. So a re-cut
-that nothing adapted before (no write-back, the master unchanged) is not worth a late
+Warm-up (`warm_up`, before the first frame): the surrogates are cut from the warm-up batch
+(noise, in a node and in `tta bench`) and kept, every size's forward and update and the
+batch's fixed cost are timed, and the weights are put back; the first real batch then pays
+for nothing but itself. Which sample the filters are cut from barely matters for the trained
+gates: on the shipped stream (small net, no update) a cut on noise, on the first real batch
+and on every domain's first batch serve within noise of each other at every size. So a
+re-cut that nothing adapted before (no write-back, the master unchanged) is not worth a late
 batch: it runs only when it fits; the overdue rule forces only a re-cut that writes back.
 
 Size 1.0 is the master itself (its gates evaluated per sample at sparsity 0): it adapts

@@ -23,9 +23,9 @@ existed, converted).
 BatchNorm trains with batch statistics (as the test-time adaptation that serves the master
 and its surrogates normalises); only the sparsity-0 pass updates the running statistics, so
 the master in eval mode is the full network. Training with the source's running statistics
-frozen (eval-mode BN) was tried first: the sparse passes' losses then diverged (lr 0.005)
-or stayed high (lr 0.001: 28 % clean accuracy at sparsity 0.5 after 40 steps), since a
-BN after a sparsified conv sees a much smaller input than its statistics expect.
+frozen (eval-mode BN) was tried first: the sparse passes' losses then diverged (at the
+higher rate) or stayed high (at the lower one), since a BN after a sparsified conv sees a
+much smaller input than its statistics expect.
 """
 
 from __future__ import annotations

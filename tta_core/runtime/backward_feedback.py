@@ -2,10 +2,10 @@
 
 The runtime predictor (predictor.planning_times) scales the offline profile by telemetry
 and by the forward measured on the batch. What it cannot see is a difference between how
-the forward and the backward slow down: on a shared 2-core machine under three compute-
-and one memory-bound competitor, the sparse backward of a small net slowed 3.1x while the
-forward of the same batches slowed 2.7x (`tta predictor-bench`, small net 64 px), and a
-profile taken a minute earlier can be 5-15 % off idle. Both persist over many batches, so
+the forward and the backward slow down: on a shared machine under compute- and memory-
+bound competitors the sparse backward of a small net slows more than the forward of the
+same batches (`tta predictor-bench`), and a profile taken a minute earlier can be off
+even on an idle machine. Both persist over many batches, so
 the ratio measured / predicted backward of past plans is a good correction for the next
 plan: this is AdaShadow's predictor with its own error fed back, so the planner's budget
 holds in the median and not only in the profile.

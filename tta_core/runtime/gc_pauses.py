@@ -1,12 +1,11 @@
 """Keep Python's full garbage collections off a real-time loop.
 
-A generation-2 collection walks every tracked object; in a process that has loaded torch,
-a model and a stream, that is tens of ms. Measured in the streaming benchmark (small net,
-2000 Hz, 2 ms per batch): eight full collections of 7-196 ms, each costing a batch its
-deadline. After `gc.freeze()` the objects alive at start-up (modules, the model, the
-method) move to a permanent generation that later collections skip, so collections walk
-only what serving allocates since. Reference counting still frees frozen objects; only
-reference cycles among them are no longer collected.
+A generation-2 collection walks every tracked object; in a process that has loaded torch, a
+model and a stream, that is tens of ms: in the streaming benchmark at a high frame rate each
+full collection cost a batch its deadline. After `gc.freeze()` the objects alive at start-up
+(modules, the model, the method) move to a permanent generation that later collections skip,
+so collections walk only what serving allocates since. Reference counting still frees frozen
+objects; only reference cycles among them are no longer collected.
 """
 
 from __future__ import annotations

@@ -2,12 +2,11 @@
 
 glibc serves every allocation above its mmap threshold (128 KiB, adjusted up to 32 MiB) with
 a fresh mmap and returns it with munmap on free. A CPU forward/backward allocates and frees
-its activations on every batch, so every batch page-faults its activations in again: on
-the small net at 64 px, batch 64, one thread, that was 40 % of the forward time (150-168 ms
-vs 86-92 ms per forward, `malloc_tuning` off / on) and the largest source of run-to-run
-drift in the latency predictor bench. Raising the mmap and trim thresholds keeps those
-pages in the process: steadier and faster, at the cost of a resident size that stays at
-its peak. `TTA_KEEP_FREED_MEMORY=0` in the environment turns it off.
+its activations on every batch, so every batch page-faults its activations in again: on the
+small net at one thread that was a large share of the forward time and the largest source of
+run-to-run drift in the latency predictor bench. Raising the mmap and trim thresholds keeps
+those pages in the process: steadier and faster, at the cost of a resident size that stays
+at its peak. `TTA_KEEP_FREED_MEMORY=0` in the environment turns it off.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Where each unit's output statistics come from during the engine's forward.
 
 The assessor needs per-channel (mean, var) of every unit's output (AdaShadow §3.1). Read
-naively that is one extra pass over every activation, 10-30 % of a CPU forward. Most of it
-is avoidable: in a Conv -> BatchNorm pair whose BN normalises by batch statistics, the BN
-*already computes* the mean and variance of its input, the conv's output. Running it with
-`momentum=1` and running stats tracked makes the BN leave exactly those batch statistics in
-its running buffers (unbiased variance), which are not used for normalisation in this
-mode. The BN's own output statistics then follow in closed form: mean = beta and
-var = gamma^2 v / (v + eps). So pairs cost O(channels), not O(activations).
+naively that is one extra pass over every activation, a sizeable share of a CPU forward.
+Most of it is avoidable: in a Conv -> BatchNorm pair whose BN normalises by batch
+statistics, the BN *already computes* the mean and variance of its input, the conv's output.
+Running it with `momentum=1` and running stats tracked makes the BN leave exactly those
+batch statistics in its running buffers (unbiased variance), which are not used for
+normalisation in this mode. The BN's own output statistics then follow in closed form:
+mean = beta and var = gamma^2 v / (v + eps). So pairs cost O(channels), not O(activations).
 
 A Conv -> robust BN pair (RoTTA's robust BN, `tta_core.model.robust_bn`: an eval-mode BN
 whose running statistics move toward each batch's first) costs the same: the controller's
@@ -157,8 +157,8 @@ class UnitStatsCollector:
 
     def suspend(self) -> None:
         """Remove the hooks until `resume` (idempotent): a module with any hook takes
-        PyTorch's slow call path, ~0.7 % of a served small-net batch at batch 16, which a
-        run of batches served without plan (nothing captured) need not pay."""
+        PyTorch's slow call path, a small cost on every served batch, which a run of batches
+        served without plan (nothing captured) need not pay."""
         for h in self._handles:
             h.remove()
         self._handles = []

@@ -37,13 +37,13 @@ from pathlib import Path
 import numpy as np
 
 from tta_core.data.corruptions import ALL_CORRUPTIONS, SEVERITIES, corrupt_image
+from tta_core.data.loaders import META, read_meta
 from tta_core.data.signs import BENCHMARK_STYLE, CLASS_NAMES, balanced_labels, render_sign
 
 SCHEMA = "tta.benchmark/1"
 IMAGE_SIZE = 32
 CHUNK = 500  # images per unit of work (and of resumption)
 _SPLITS = {"train": 1, "test": 2}  # rng stream of each clean split
-META = "meta.json"
 PARTS = ".parts"
 
 
@@ -165,16 +165,6 @@ def _assemble(root: Path, file: str, chunks: Sequence[_Chunk]) -> None:
         p.unlink()
 
 
-def _read_meta(root: Path) -> dict | None:
-    path = root / META
-    if not path.is_file():
-        return None
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{str(path)!r} is not JSON ({exc}); delete it to regenerate") from None
-
-
 def _write_meta(root: Path, meta: dict) -> None:
     """meta.json as strict JSON (no NaN can hide in it), atomically."""
     text = json.dumps(meta, indent=1, allow_nan=False) + "\n"
@@ -200,7 +190,7 @@ def generate(root: str | Path, cfg: BenchmarkConfig = BenchmarkConfig(), workers
     (root / PARTS).mkdir(exist_ok=True)
     want = json.loads(json.dumps({"schema": SCHEMA, "config": _config_record(cfg),
                                   "style": asdict(BENCHMARK_STYLE), "image_size": IMAGE_SIZE}))
-    old = _read_meta(root)
+    old = read_meta(root)
     if old is not None:
         diff = [k for k in ("schema", "config", "style", "image_size") if old.get(k) != want[k]]
         if diff:
@@ -279,7 +269,7 @@ def verify(root: str | Path) -> list[str]:
     """The files of `root` whose bytes differ from the SHA-256 its meta.json records
     (missing files included); empty when the folder is intact."""
     root = Path(root)
-    meta = _read_meta(root)
+    meta = read_meta(root)
     if meta is None or not meta.get("files"):
         raise ValueError(f"{str(root)!r} has no finished benchmark ({META} lists no files)")
     return [name for name, digest in sorted(meta["files"].items())
@@ -289,7 +279,7 @@ def verify(root: str | Path) -> list[str]:
 def fingerprint(root: str | Path) -> str:
     """One SHA-256 over the sorted (file, SHA-256) pairs of meta.json: the benchmark's
     identity, compared with the published one (`PUBLISHED`)."""
-    meta = _read_meta(Path(root)) or {}
+    meta = read_meta(Path(root)) or {}
     pairs = "".join(f"{k}:{v}\n" for k, v in sorted(meta.get("files", {}).items()))
     return hashlib.sha256(pairs.encode()).hexdigest()
 

@@ -65,18 +65,33 @@ def load_cifar10c(root: str | Path, corruptions: Sequence[str] = CORRUPTIONS,
                   cifar_class_names(root), "continual", 0)
 
 
+META = "meta.json"  # what tta make-benchmark writes beside the CIFAR-10-C layout
+
+
+def read_meta(root: str | Path) -> dict | None:
+    """A CIFAR-10-C layout folder's meta.json as a dict, None where it has none;
+    ValueError when it is not a JSON object."""
+    path = Path(root) / META
+    if not path.is_file():
+        return None
+    try:
+        meta = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{str(path)!r} is not JSON ({exc}); delete it to regenerate") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"{str(path)!r} is not a JSON object")
+    return meta
+
+
 def cifar_class_names(root: str | Path) -> tuple[str, ...]:
     """The class names of a CIFAR-10-C layout folder: meta.json's `class_names` when the
     folder has one (a benchmark made by tta), else CIFAR-10's."""
-    path = Path(root) / "meta.json"
-    if not path.is_file():
+    meta = read_meta(root)
+    if meta is None:
         return CIFAR10_CLASSES
-    try:
-        names = json.loads(path.read_text()).get("class_names")
-    except (json.JSONDecodeError, AttributeError):
-        raise ValueError(f"{str(path)!r} is not a JSON object") from None
+    names = meta.get("class_names")
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names) or not names:
-        raise ValueError(f"{str(path)!r}: class_names must be a list of strings")
+        raise ValueError(f"{str(Path(root) / META)!r}: class_names must be a list of strings")
     return tuple(names)
 
 

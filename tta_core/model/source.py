@@ -272,9 +272,12 @@ def train_source(cfg: TrainConfig, out: Path, progress: bool = True,
     bar = _progress(steps, progress)
     bar.update(done * -(-len(ytr) // cfg.batch_size))
     for epoch in range(done, cfg.epochs):
-        loss = _epoch(model, xtr, ytr, cfg, opt, sched, gen,
-                      lambda v, e=epoch + 1: (bar.update(1),
-                                              bar.set_postfix(epoch=e, loss=f"{v:.3f}")))
+
+        def tick(v: float, e: int = epoch + 1) -> None:
+            bar.update(1)
+            bar.set_postfix(epoch=e, loss=f"{v:.3f}")
+
+        loss = _epoch(model, xtr, ytr, cfg, opt, sched, gen, tick)
         history.append({"epoch": epoch + 1, "loss": loss,
                         "val_accuracy": accuracy(model, xva, yva)})
         _save_state(state_path, cfg, epoch + 1, model, opt, sched, gen, history)

@@ -6,10 +6,12 @@ import math
 import resource
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
+from builtin_interfaces.msg import Time
 from rclpy.node import Node
 from rclpy.serialization import deserialize_message
 from sensor_msgs.msg import CompressedImage, Image
@@ -18,8 +20,16 @@ from tta_msgs.msg import AdaptationStatus, ClassPrediction, LayerImportance, Lay
 
 from tta_core.adashadow.planning import Plan, PlanOutcome
 from tta_core.api import StepResult
-from tta_core.io.image_msg import FrameLimits, check_size, decode_compressed, decode_image
-from tta_ros.frame_cdr import frame_problem
+from tta_core.io.image_msg import (
+    FrameLimits,
+    Preprocess,
+    check_size,
+    decode_compressed,
+    decode_image,
+    to_tensor,
+)
+from tta_ros.frame_cdr import LAYOUTS, frame_fields
+from tta_ros.frame_reduce import reduced_compressed, reduced_image
 
 #: a forward slower than this (ms) is not a measurement but a forged or broken message
 MAX_FORWARD_MS = 1e5
@@ -124,16 +134,19 @@ def plan_to_msg(outcome: PlanOutcome, imp: LayerImportance, plan_id: int,
 
 @dataclass(frozen=True)
 class FrameInput:
-    """One way camera frames come in: message type, topic suffix, decoder."""
+    """One way camera frames come in: message type, topic suffix, decoders (whole, and
+    reduced for a model of a given input side: tta_ros.frame_reduce)."""
 
     msg_type: type
     suffix: str  # appended to the resolved base topic (image_transport: image/compressed)
     decode: Callable[[Any, FrameLimits], np.ndarray]
+    reduce: Callable[[Any, FrameLimits, int], np.ndarray]
 
 
 #: the perception node's `input` parameter -> how its frames come in
-FRAME_INPUTS = {"raw": FrameInput(Image, "", decode_image),
-                "compressed": FrameInput(CompressedImage, "/compressed", decode_compressed)}
+FRAME_INPUTS = {"raw": FrameInput(Image, "", decode_image, reduced_image),
+                "compressed": FrameInput(CompressedImage, "/compressed", decode_compressed,
+                                         reduced_compressed)}
 
 
 def frame_topic(node: Node, kind: str, base: str = "image") -> str:
@@ -161,26 +174,61 @@ def peek_image_size(data: bytes) -> tuple[int, int] | None:
                                                                       order)
 
 
-def decode_frame(data: bytes, kind: str, limits: FrameLimits) -> tuple[Any, np.ndarray]:
+def _text(view: memoryview) -> str:
+    """A CDR string as rclpy reads it: up to its first NUL, UTF-8 (bad bytes replaced)."""
+    raw = bytes(view)
+    return raw[:raw.index(0)].decode("utf-8", "replace") if 0 in raw else raw.decode(
+        "utf-8", "replace")
+
+
+def read_frame(data: bytes, kind: str) -> Any:
+    """The message of one serialized frame of input `kind` with its pixel bytes a view of
+    `data` (no copy): the fields read from the CDR bytes (tta_ros.frame_cdr) into an
+    object with the message's fields and a std_msgs Header; rclpy's deserializer for an
+    encapsulation other than plain CDR. ValueError in one line when it does not
+    deserialize."""
+    spec = FRAME_INPUTS[kind]
+    try:
+        fields = frame_fields(data, kind)
+        if fields is None:
+            return deserialize_message(data, spec.msg_type)
+    except Exception as exc:
+        why = exc if isinstance(exc, ValueError) else type(exc).__name__
+        raise ValueError(f"{len(data)} bytes do not deserialize as "
+                         f"{spec.msg_type.__name__} ({why})") from None
+    sec = fields["stamp.sec"]
+    header = Header(stamp=Time(sec=sec - (sec >> 31 << 32), nanosec=fields["stamp.nanosec"]),
+                    frame_id=_text(fields["frame_id"]))
+    values = {name: _text(fields[name]) if field == "str" else fields[name]
+              for name, field in LAYOUTS[kind]}
+    return SimpleNamespace(header=header, **values)
+
+
+def decode_frame(data: bytes, kind: str, limits: FrameLimits, side: int | None = None
+                 ) -> tuple[Any, np.ndarray]:
     """One serialized frame of input `kind` ("raw": sensor_msgs/Image, "compressed":
-    sensor_msgs/CompressedImage) -> (message, HxWx3 RGB array); ValueError in one line
-    when it does not deserialize or decode (tta_core.io.image_msg says why). A raw frame
-    over the size limits is refused from its bytes, before deserialization, and so is a
-    frame whose lengths do not fit its bytes (tta_ros.frame_cdr: the C deserializer would
-    print a line to stderr for each)."""
+    sensor_msgs/CompressedImage) -> (message, HxWx3 RGB array); with `side`, the frame
+    reduced for a model of that input side (tta_ros.frame_reduce: only the pixels that
+    count are read). ValueError in one line when it does not deserialize or decode
+    (tta_core.io.image_msg says why). A raw frame over the size limits is refused from
+    its bytes, before anything is read, and so is a frame whose lengths do not fit its
+    bytes (tta_ros.frame_cdr: the C deserializer would print a line to stderr for each);
+    the others are read from their bytes without a copy (read_frame)."""
     spec = FRAME_INPUTS[kind]
     size = peek_image_size(data) if kind == "raw" else None
     if size is not None:
         check_size(*size, limits)
-    if problem := frame_problem(data, kind):
-        raise ValueError(f"{len(data)} bytes do not deserialize as "
-                         f"{spec.msg_type.__name__} ({problem})")
-    try:
-        msg = deserialize_message(data, spec.msg_type)
-    except Exception as exc:
-        raise ValueError(f"{len(data)} bytes do not deserialize as "
-                         f"{spec.msg_type.__name__} ({type(exc).__name__})") from None
-    return msg, spec.decode(msg, limits)
+    msg = read_frame(data, kind)
+    pix = spec.decode(msg, limits) if side is None else spec.reduce(msg, limits, side)
+    return msg, pix
+
+
+def frame_tensor(data: bytes, kind: str, limits: FrameLimits, pre: Preprocess
+                 ) -> tuple[Header, torch.Tensor]:
+    """One serialized frame -> (its header, 1x3xSxS model input): decode_frame reduced
+    for the card's side, then to_tensor (a batch of these is to_tensor of the batch)."""
+    msg, pix = decode_frame(data, kind, limits, pre.image_size)
+    return msg.header, to_tensor([pix], pre)
 
 
 def prediction_msgs(headers: list[Header], probs: np.ndarray, batch_id: int,

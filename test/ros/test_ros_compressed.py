@@ -123,7 +123,8 @@ def test_compressed_input_follows_a_remapped_image_topic(ros_context) -> None:
         bad = CompressedImage(format="png", data=b"\x89PNG\r\n\x1a\n not really")
         from rclpy.serialization import serialize_message
 
-        node._process([serialize_message(bad), b"\x00\x01"])
+        assert node._prepare(serialize_message(bad)) is None  # what a converter thread runs
+        assert node._prepare(b"\x00\x01") is None
         assert node.counters.rejected == 2
         assert "deserialize as CompressedImage" in node.counters.last_rejection
     finally:

@@ -9,12 +9,22 @@ on a thread that takes only while fewer than `backlog` frames wait; beyond that 
 reader keeps the newest frames (keep-last, sensor-data QoS) and overwrites older ones in
 C++, at no Python cost. Frames lost that way (or anywhere between the camera and us) are
 counted from gaps in each publisher's sequence numbers, so frames_dropped stays complete.
+
+Each frame taken is converted to the model's input (`prepare`: deserialize, decode, reduce,
+normalise) before it enters the queue, on a small pool of converter threads, so the worker
+batches ready tensors and one costly frame (a 4K PNG) holds up neither the batch it would
+have joined nor, with a second converter free, the frames that follow it (they may then
+enter the queue before it). Frames being converted count towards the backlog, so the
+intake still takes no more than the worker uses.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import rclpy
 from rclpy.executors import SingleThreadedExecutor
@@ -44,15 +54,28 @@ class SequenceGaps:
 
 
 class FrameIntake:
-    """Subscribes to `topic` on its own node + executor thread and feeds `queue`."""
+    """Subscribes to `topic` on its own node + executor thread, converts each frame on a
+    converter thread and feeds `queue`."""
 
     def __init__(self, owner: Node, queue: FrameQueue, topic: str, qos: QoSProfile,
-                 backlog: Callable[[], int], msg_type: type = Image) -> None:
+                 backlog: Callable[[], int], msg_type: type = Image,
+                 prepare: Callable[[bytes], Any] | None = None, converters: int = 2) -> None:
         """`topic`: the owner's resolved image topic (namespace and remaps applied);
-        `backlog()`: how many queued frames stop the intake (read every time); `msg_type`:
-        the frames' message type (sensor_msgs Image or CompressedImage), taken serialized."""
+        `backlog()`: how many queued or converting frames stop the intake (read every
+        time); `msg_type`: the frames' message type (sensor_msgs Image or
+        CompressedImage), taken serialized; `prepare(raw)`: what enters the queue for
+        those bytes, None for a frame it refused (and counted); the bytes themselves
+        without it; `converters`: threads converting frames at once."""
+        if converters < 1:
+            raise ValueError(f"converters must be >= 1, got {converters}")
         self.queue, self.backlog = queue, backlog
+        self.prepare = prepare if prepare is not None else (lambda raw: raw)
+        self.converters = converters
         self.gaps = SequenceGaps()
+        self.taken = 0  # frames taken from the subscription (the converting ones included)
+        self._busy = 0  # frames being converted
+        self._idle = threading.Condition()
+        self._pool = ThreadPoolExecutor(converters, thread_name_prefix="perception-convert")
         # No global ROS arguments: launch's `-r __node:=perception` would otherwise rename
         # this node too (two /perception in the graph); namespace and topic come resolved.
         self.node = rclpy.create_node(f"{owner.get_name()}_intake", context=owner.context,
@@ -71,11 +94,38 @@ class FrameIntake:
         gid = info.get("publisher_gid") or {}
         self.queue.count_lost(self.gaps.missed(bytes(gid.get("data", b"")),
                                                info.get("publication_sequence_number")))
-        self.queue.push(raw)  # O(1), never blocks; deserialization happens on the worker
+        with self._idle:
+            self._busy += 1
+            self.taken += 1
+        self._pool.submit(self._convert, raw, time.monotonic())
+
+    def _convert(self, raw: bytes, arrived: float) -> None:
+        """One frame prepared and queued (stamped with its arrival), or counted refused."""
+        try:
+            item = self.prepare(raw)
+        except Exception as exc:  # prepare refuses bad frames itself: this is a bug
+            self.node.get_logger().error(f"frame conversion failed: {type(exc).__name__}: "
+                                         f"{exc}", throttle_duration_sec=1.0)
+            item = None
+        try:
+            if item is None:
+                self.queue.count_refused()
+            else:
+                self.queue.push(item, arrived)
+        finally:
+            with self._idle:
+                self._busy -= 1
+                self._idle.notify_all()
+
+    def _free(self) -> bool:
+        """Wait (briefly) for a free converter; True when one is."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._busy < self.converters, timeout=0.05)
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            if not self.queue.wait_below(self.backlog(), timeout=0.05):
+            if not self._free() or not self.queue.wait_below(self.backlog() - self._busy,
+                                                             timeout=0.05):
                 continue  # the worker is behind: let DDS keep the newest frames
             try:
                 self._executor.spin_once(timeout_sec=0.05)
@@ -85,8 +135,10 @@ class FrameIntake:
                 raise
 
     def close(self) -> None:
-        """Stop taking frames and release the intake node (before the context goes)."""
+        """Stop taking frames, finish the ones being converted, release the intake node
+        (before the context goes)."""
         self._stop.set()
         self._thread.join(timeout=5.0)
+        self._pool.shutdown(wait=True)
         self._executor.shutdown(timeout_sec=1.0)
         self.node.destroy_node()

@@ -1,8 +1,10 @@
 """perception node: camera images -> TTA method (tta_core) -> predictions + status.
 
-The image callback only enqueues (bounded keep-latest FrameQueue, drops counted); one
-worker thread decodes frames (tta_core.io.image_msg), batches them, runs the method's
-step and publishes `predictions` (one ClassPrediction per image, header = image header),
+Frames are taken on an intake thread and converted to the model's input on converter
+threads (tta_ros.nodes.intake; decoded and reduced by tta_ros.convert.frame_tensor) before
+they enter a bounded keep-latest FrameQueue (drops counted), so one costly frame delays
+no batch; one worker thread batches the ready tensors, runs the method's step and
+publishes `predictions` (one ClassPrediction per image, header = image header),
 `adaptation_status` and `layer_importance` (once per batch). With `plan_source: topic` the
 latest LayerPlan applies to the next batch; when plans go stale (PlanGate) it plans inline
 and says so on /diagnostics (WARN), and goes back to the topic as soon as plans resume.
@@ -35,9 +37,8 @@ import math
 import sys
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 from diagnostic_msgs.msg import DiagnosticStatus
 from rcl_interfaces.msg import SetParametersResult
@@ -68,7 +69,6 @@ from tta_core.io.image_msg import (
     Preprocess,
     decode_budget,
     one_line,
-    to_tensor,
 )
 from tta_core.model.source import load_source
 from tta_core.model.units import decompose
@@ -80,7 +80,7 @@ from tta_ros import ros_params
 from tta_ros.convert import (
     FRAME_INPUTS,
     check_plan,
-    decode_frame,
+    frame_tensor,
     frame_topic,
     importance_msg,
     peak_memory_mb,
@@ -118,6 +118,13 @@ from tta_ros.nodes.plausibility import (
 from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
 
 FEED_TIMEOUT = "feed_timeout_s"
+
+
+class ReadyFrame(NamedTuple):
+    """A frame converted on an intake thread: its header and its 1x3xSxS model input."""
+
+    header: Any
+    x: torch.Tensor
 
 
 def param_specs() -> tuple[ParamSpec, ...]:
@@ -388,6 +395,7 @@ class PerceptionNode(Node):
         self.bounds = Bounds.from_params(self.p)  # plausibility of plans, telemetry, speed
         self.refusals = Refusals(self.get_logger().warning)
         self._rejection_diags = RateLimit(per_s=5)  # rejections published right away
+        self._rejection_lock = threading.Lock()  # frames are refused on converter threads
         self._inline_fallback = False
         self._no_room = ""  # inline planning: why no trainable unit fits sigma * T
         self.telemetry = TelemetryFeed(self.p[FEED_TIMEOUT])
@@ -404,10 +412,10 @@ class PerceptionNode(Node):
         self.pub_imp = self.create_publisher(LayerImportance, "layer_importance", reliable)
         self.diag = DiagnosticsPublisher(self)
         # frames come in on an intake thread of their own, never faster than the worker
-        # uses them (tta_ros.nodes.intake: why); raw bytes, deserialized by the worker
+        # uses them, and are converted before they are queued (tta_ros.nodes.intake: why)
         self.intake = FrameIntake(self, self.queue, frame_topic(self, self.p["input"]),
                                   qos_profile_sensor_data, self._backlog,
-                                  FRAME_INPUTS[self.p["input"]].msg_type)
+                                  FRAME_INPUTS[self.p["input"]].msg_type, self._prepare)
         self.create_subscription(LayerPlan, "layer_plan", self._on_plan, reliable)
         self.create_subscription(ResourceTelemetry, "telemetry", self._on_telemetry, 10)
         self.create_timer(1.0, self._publish_diagnostics)
@@ -604,29 +612,29 @@ class PerceptionNode(Node):
                 if self.accepts_plans and self.p["plan_source"] == "topic":
                     self.gate.on_importance_sent()  # no plan answers a failed batch: stale
 
-    def _convert(self, raw: list[bytes]) -> tuple[list[np.ndarray], list[Any]]:
-        xs, good = [], []  # decoded frames and their messages (Image or CompressedImage)
-        for data in raw:
-            try:
-                msg, pix = decode_frame(data, self.p["input"], self.limits)
-                xs.append(pix)
-                good.append(msg)
-            except ValueError as exc:  # never batched; the reason is one short line
-                self._count_rejection(exc)
-        return xs, good
+    def _prepare(self, raw: bytes) -> ReadyFrame | None:
+        """One serialized frame -> its header and model input (on a converter thread);
+        None when it is refused (counted, never batched; the reason is one short line)."""
+        try:
+            return ReadyFrame(*frame_tensor(raw, self.p["input"], self.limits, self.pre))
+        except ValueError as exc:
+            self._count_rejection(exc)
+            return None
 
     def _count_rejection(self, exc: ValueError) -> None:
         """Count a refused frame; log why at most once a second and publish it on
         /diagnostics for the first 5 of each second (a flood of bad frames costs no more
         than their parse; the 1 Hz input status carries the count and the last reason)."""
-        c = self.counters
-        c.rejected += 1
-        c.too_large += isinstance(exc, FrameTooLarge)
-        c.last_rejection = one_line(exc)
-        self.get_logger().warning(f"frame rejected ({c.rejected} so far): "
-                                  f"{c.last_rejection}", throttle_duration_sec=1.0)
-        if self._rejection_diags.allow():
-            self._diag_now("input", ERROR, f"frame rejected: {c.last_rejection}")
+        c, reason = self.counters, one_line(exc)
+        with self._rejection_lock:
+            c.rejected += 1
+            c.too_large += isinstance(exc, FrameTooLarge)
+            c.last_rejection, count = reason, c.rejected
+            publish = self._rejection_diags.allow()
+        self.get_logger().warning(f"frame rejected ({count} so far): {reason}",
+                                  throttle_duration_sec=1.0)
+        if publish:
+            self._diag_now("input", ERROR, f"frame rejected: {reason}")
 
     def _choose_plan(self) -> tuple[int, Plan | None]:
         """(plan_id, plan) for the next batch; (0, None) means plan inline."""
@@ -647,11 +655,8 @@ class PerceptionNode(Node):
             return self.method.step(x)
         return self.method.step(x, plan=plan)
 
-    def _process(self, raw: list[bytes]) -> None:
-        xs, good = self._convert(raw)
-        if not xs:
-            return
-        x = to_tensor(xs, self.pre).to(self.device)
+    def _process(self, frames: list[ReadyFrame]) -> None:
+        x = torch.cat([f.x for f in frames]).to(self.device)
         chosen = self._choose_plan()
         plan_id, plan = chosen
         try:
@@ -668,7 +673,7 @@ class PerceptionNode(Node):
         self.counters.count_batch(from_topic=plan_id != 0)
         logits = res.logits.float()
         reason = self.guard.check(bool(torch.isfinite(logits).all()), float(res.mean_entropy))
-        publish_batch(self, good, logits, res, plan_id, bool(reason))
+        publish_batch(self, frames, logits, res, plan_id, bool(reason))
         self.domain.on_batch(res)
         if reason:
             self.method.reset()

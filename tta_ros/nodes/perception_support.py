@@ -37,16 +37,22 @@ class FrameQueue:
         self.closed = False
         self._newest_taken = math.nan  # arrival of the newest frame of the last batch
 
-    def push(self, item: Any) -> bool:
-        """Append `item`; returns True when the oldest frame was dropped to make room."""
+    def push(self, item: Any, arrived: float | None = None) -> bool:
+        """Append `item` that arrived at `arrived` (time.monotonic(); now by default);
+        returns True when the oldest frame was dropped to make room."""
         with self._cv:
             full = len(self._q) == self._q.maxlen
             if full:
                 self.dropped += 1
-            self._q.append((time.monotonic(), item))
+            self._q.append((time.monotonic() if arrived is None else arrived, item))
             self.received += 1
             self._cv.notify()
         return full
+
+    def count_refused(self) -> None:
+        """A frame received and refused before it was queued (received, never taken)."""
+        with self._cv:
+            self.received += 1
 
     def resize(self, maxlen: int) -> None:
         """New capacity, keeping the newest frames (the ones cut are counted as dropped)."""
@@ -73,8 +79,8 @@ class FrameQueue:
                 self._cv.wait(timeout=left)
             out = [self._q.popleft() for _ in range(min(n, len(self._q)))]
             self._cv.notify_all()  # room again: an intake waiting in wait_below goes on
-            if out:
-                self._newest_taken = out[-1][0]
+            if out:  # converted frames can enter out of arrival order
+                self._newest_taken = max(t for t, _ in out)
             return [item for _, item in out]
 
     def late_ms(self) -> float:

@@ -1,4 +1,5 @@
-"""ROS helpers for test/ros: camera frames, the bringup rig, status feeds (imports rclpy)."""
+"""ROS helpers for test/ros: camera frames, the bringup rig, a camera rig that times
+predictions, status feeds (imports rclpy)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from rclpy.executors import SingleThreadedExecutor
+from rclpy.parameter import Parameter
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import Image
 from tta_msgs.msg import (
@@ -23,6 +25,7 @@ from visualization_msgs.msg import MarkerArray
 from helpers import CARD, CONFIG, wait_for
 from tta_core.io.image_msg import array_to_image_fields
 from tta_ros.bringup import build_nodes
+from tta_ros.nodes.perception import PerceptionNode
 from tta_ros.spinning import SpinThread
 
 
@@ -116,3 +119,63 @@ def send_until(ros_context, node, done: Callable[[], bool],
     finally:
         ex.shutdown()
         perception.destroy_node()
+
+
+def large_image(height: int, width: int, encoding: str) -> Image:
+    """A height x width 8-bit frame of random bytes (mono8: 1 channel, else 3)."""
+    channels = 1 if encoding == "mono8" else 3
+    data = np.random.default_rng(height).integers(0, 256, height * width * channels, np.uint8)
+    return Image(height=height, width=width, encoding=encoding, step=width * channels,
+                 data=data.tobytes())
+
+
+class CameraRig:
+    """A perception node (method source, batch size 1: a frame's latency is its
+    transport, conversion, forward and publication) and a probe: valid frames on one
+    publisher, large ones on another (each its own DDS writer, so a valid frame never
+    waits for a large frame's fragments in transport), predictions recorded with their
+    arrival time."""
+
+    def __init__(self, ctx) -> None:
+        self.node = PerceptionNode(context=ctx, parameter_overrides=[
+            Parameter(k, value=v) for k, v in {
+                "model_card": str(CARD), "method": "source", "batch_size": 1,
+                "queue_size": 64, "num_threads": 1}.items()])
+        self.probe = rclpy.create_node("probe", context=ctx)
+        self.answered: dict[int, float] = {}  # stamp -> time.monotonic() of its prediction
+        self.probe.create_subscription(
+            ClassPrediction, "predictions",
+            lambda m: self.answered.setdefault(m.header.stamp.sec, time.monotonic()),
+            QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE))
+        self.valid = self.probe.create_publisher(Image, "image", qos_profile_sensor_data)
+        self.large = self.probe.create_publisher(Image, "image", qos_profile_sensor_data)
+        self.ex = SingleThreadedExecutor(context=ctx)
+        for n in (self.node, self.probe):
+            self.ex.add_node(n)
+        self.spin = SpinThread(self.ex)
+        assert wait_for(lambda: self.valid.get_subscription_count() > 0
+                        and self.large.get_subscription_count() > 0, 10.0)
+
+    def send_valid(self, stamp: int) -> float:
+        """Publish one valid frame; its latency (ms) once answered."""
+        msg = image_msg(stamp)
+        sent = time.monotonic()
+        self.valid.publish(msg)
+        assert wait_for(lambda: stamp in self.answered, 20.0), f"valid frame {stamp} unanswered"
+        return (self.answered[stamp] - sent) * 1e3
+
+    def send_large(self, msg: Image, stamp: int) -> None:
+        """Publish a large frame and return once the node has taken it (its conversion
+        under way); sent again if best-effort transport lost it."""
+        msg.header.stamp.sec = stamp
+        for _ in range(3):
+            taken = self.node.intake.taken
+            self.large.publish(msg)
+            if wait_for(lambda t=taken: self.node.intake.taken > t, 10.0):
+                return
+        raise AssertionError(f"large frame {stamp} never reached the node")
+
+    def close(self) -> None:
+        self.spin.stop()
+        self.node.destroy_node()
+        self.probe.destroy_node()

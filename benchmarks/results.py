@@ -102,6 +102,9 @@ PAGES: tuple[Page, ...] = (
     Page("shutdown", "bench_shutdown", "markdown",
          "SIGINT -> exit of every node, idle and with frames flowing",
          "python benchmarks/bench_shutdown.py"),
+    Page("frame_cost", "bench_frame_cost", "render",
+         "Camera frames to the model's input: cost per kind, delay behind a large frame",
+         "python benchmarks/bench_frame_cost.py"),
 )
 
 

@@ -6,13 +6,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import cv2
 import numpy as np
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.parameter import Parameter
 from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
-from sensor_msgs.msg import Image
+from sensor_msgs.msg import CompressedImage, Image
 from tta_msgs.msg import (
     AdaptationStatus,
     ClassPrediction,
@@ -131,24 +132,27 @@ def large_image(height: int, width: int, encoding: str) -> Image:
 
 class CameraRig:
     """A perception node (method source, batch size 1: a frame's latency is its
-    transport, conversion, forward and publication) and a probe: valid frames on one
-    publisher, large ones on another (each its own DDS writer, so a valid frame never
-    waits for a large frame's fragments in transport), predictions recorded with their
-    arrival time."""
+    transport, conversion, forward and publication; `kind`: its input, raw or compressed)
+    and a probe: valid frames (40 px; PNG when compressed) on one publisher, large ones on
+    another (each its own DDS writer, so a valid frame never waits for a large frame's
+    fragments in transport), predictions recorded with their arrival time."""
 
-    def __init__(self, ctx) -> None:
+    def __init__(self, ctx, kind: str = "raw") -> None:
+        self.kind = kind
         self.node = PerceptionNode(context=ctx, parameter_overrides=[
             Parameter(k, value=v) for k, v in {
                 "model_card": str(CARD), "method": "source", "batch_size": 1,
-                "queue_size": 64, "num_threads": 1}.items()])
+                "queue_size": 64, "num_threads": 1, "input": kind}.items()])
         self.probe = rclpy.create_node("probe", context=ctx)
         self.answered: dict[int, float] = {}  # stamp -> time.monotonic() of its prediction
         self.probe.create_subscription(
             ClassPrediction, "predictions",
             lambda m: self.answered.setdefault(m.header.stamp.sec, time.monotonic()),
             QoSProfile(depth=200, reliability=ReliabilityPolicy.RELIABLE))
-        self.valid = self.probe.create_publisher(Image, "image", qos_profile_sensor_data)
-        self.large = self.probe.create_publisher(Image, "image", qos_profile_sensor_data)
+        typ, topic = (Image, "image") if kind == "raw" else (CompressedImage,
+                                                             "image/compressed")
+        self.valid = self.probe.create_publisher(typ, topic, qos_profile_sensor_data)
+        self.large = self.probe.create_publisher(typ, topic, qos_profile_sensor_data)
         self.ex = SingleThreadedExecutor(context=ctx)
         for n in (self.node, self.probe):
             self.ex.add_node(n)
@@ -159,12 +163,16 @@ class CameraRig:
     def send_valid(self, stamp: int) -> float:
         """Publish one valid frame; its latency (ms) once answered."""
         msg = image_msg(stamp)
+        if self.kind == "compressed":
+            rgb = np.frombuffer(msg.data, np.uint8).reshape(msg.height, msg.width, 3)
+            msg = CompressedImage(header=msg.header, format="png",
+                                  data=cv2.imencode(".png", rgb)[1].tobytes())
         sent = time.monotonic()
         self.valid.publish(msg)
-        assert wait_for(lambda: stamp in self.answered, 20.0), f"valid frame {stamp} unanswered"
+        self.wait_answered(stamp)
         return (self.answered[stamp] - sent) * 1e3
 
-    def send_large(self, msg: Image, stamp: int) -> None:
+    def send_large(self, msg: Image | CompressedImage, stamp: int) -> None:
         """Publish a large frame and return once the node has taken it (its conversion
         under way); sent again if best-effort transport lost it."""
         msg.header.stamp.sec = stamp
@@ -174,6 +182,9 @@ class CameraRig:
             if wait_for(lambda t=taken: self.node.intake.taken > t, 10.0):
                 return
         raise AssertionError(f"large frame {stamp} never reached the node")
+
+    def wait_answered(self, stamp: int, timeout_s: float = 20.0) -> None:
+        assert wait_for(lambda: stamp in self.answered, timeout_s), f"frame {stamp} unanswered"
 
     def close(self) -> None:
         self.spin.stop()

@@ -18,7 +18,7 @@ import pytest
 
 rclpy = pytest.importorskip("rclpy")
 from helpers import wait_for  # noqa: E402
-from helpers.ros import CameraRig, large_image  # noqa: E402
+from helpers.ros import CameraRig, image_msg, large_image  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -52,5 +52,31 @@ def test_large_frames_answered_and_valid_ones_behind_them_not_delayed(ros_contex
         base, late = statistics.median(baseline), statistics.median(behind)
         assert late <= base + DELAY_MS, (f"valid frames behind a large one: median "
                                          f"{late:.1f} ms, alone {base:.1f} ms", behind)
+    finally:
+        cam.close()
+
+
+def test_a_decoder_error_is_a_counted_one_line_refusal(ros_context, monkeypatch) -> None:
+    """An error a decoder raises that is no ValueError (OpenCV's cv2.error) refuses the
+    frame like any bad frame: counted, one line, and the next frame is answered."""
+    import cv2
+
+    from tta_ros.nodes import perception
+
+    def broken(*_args, **_kwargs):
+        raise cv2.error("OpenCV(5.0.0) resize.cpp:4155: error: (-215:Assertion failed)\n"
+                        "!ssize.empty() in function 'resize'")
+
+    cam = CameraRig(ros_context)
+    try:
+        cam.send_valid(1)
+        monkeypatch.setattr(perception, "frame_tensor", broken)
+        cam.send_large(image_msg(2), 2)
+        assert wait_for(lambda: cam.node.counters.rejected == 1, 10.0)
+        last = cam.node.counters.last_rejection
+        assert last.startswith("frame not converted (error: ") and "\n" not in last, last
+        monkeypatch.undo()
+        cam.send_valid(3)
+        assert 2 not in cam.answered and cam.node.queue.received == cam.node.intake.taken
     finally:
         cam.close()

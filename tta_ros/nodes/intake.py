@@ -10,7 +10,7 @@ reader keeps the newest frames (keep-last, sensor-data QoS) and overwrites older
 C++, at no Python cost. Frames lost that way (or anywhere between the camera and us) are
 counted from gaps in each publisher's sequence numbers, so frames_dropped stays complete.
 
-Each frame taken is converted to the model's input (`prepare`: deserialize, decode, reduce,
+Each frame taken is converted to the model's input (`prepare`: read, decode, reduce,
 normalise) before it enters the queue, on a small pool of converter threads, so the worker
 batches ready tensors and one costly frame (a 4K PNG) holds up neither the batch it would
 have joined nor, with a second converter free, the frames that follow it (they may then

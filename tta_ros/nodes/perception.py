@@ -619,7 +619,10 @@ class PerceptionNode(Node):
             return ReadyFrame(*frame_tensor(raw, self.p["input"], self.limits, self.pre))
         except ValueError as exc:
             self._count_rejection(exc)
-            return None
+        except Exception as exc:  # a decoder's own error (cv2.error): refused all the same
+            self._count_rejection(ValueError(f"frame not converted ({type(exc).__name__}: "
+                                             f"{exc_line(exc)})"))
+        return None
 
     def _count_rejection(self, exc: ValueError) -> None:
         """Count a refused frame; log why at most once a second and publish it on

@@ -33,14 +33,14 @@ import numpy as np
 
 from tta_core.io.image_msg import (
     FrameLimits,
-    _as_bytes,
-    _check_floats,
-    _check_layout,
-    _spec,
+    as_bytes,
     check_budget,
+    check_floats,
+    check_layout,
     compressed_codec,
     decode_compressed,
     decode_image,
+    encoding_spec,
     jpeg_header,
 )
 
@@ -132,12 +132,12 @@ def reduced_image(msg: Any, limits: FrameLimits, side: int) -> np.ndarray:
     frame too small to reduce, else the reduced frame (float32 in [0, 1]), reading only
     its samples. The same checks and one-line errors as decode_image (the float range on
     every sample read)."""
-    spec = _spec(msg.encoding)
-    h, w, step = _check_layout(msg, spec, limits)
+    spec = encoding_spec(msg.encoding)
+    h, w, step = check_layout(msg, spec, limits)
     axes = plan(h, w, side)
     if axes is None:
         return decode_image(msg, limits)
-    rows = _as_bytes(msg.data)[:h * step].reshape(h, step)
+    rows = as_bytes(msg.data)[:h * step].reshape(h, step)
     if spec.kind == "cv" and spec.channels == 1:
         return _bayer(rows, h, w, BAYER_RB[str(msg.encoding).lower()], side)
     if spec.kind == "cv":
@@ -151,7 +151,7 @@ def reduced_image(msg: Any, limits: FrameLimits, side: int) -> np.ndarray:
         order = ">" if bool(msg.is_bigendian) else "<"
         values = raw.view(f"{order}{spec.kind}{spec.depth}").astype(np.float32)
     if spec.kind == "f":
-        _check_floats(values, limits)
+        check_floats(values, limits)
     out = average(values, y, x)  # then the channels: fewer values to move
     if spec.to_rgb != tuple(range(spec.channels)):
         out = out[:, :, list(spec.to_rgb)]
@@ -198,7 +198,7 @@ def reduced_compressed(msg: Any, limits: FrameLimits, side: int) -> np.ndarray:
     else by decode_compressed (the same checks and errors); then reduce_array."""
     if compressed_codec(msg.format) != "jpeg":
         return reduce_array(decode_compressed(msg, limits), side)
-    buf = _as_bytes(msg.data)
+    buf = as_bytes(msg.data)
     head = jpeg_header(buf)
     scale = jpeg_scale(head.height, head.width, side) if head is not None else 1
     if scale == 1:  # unreadable headers and cut files: refused there, in one line

@@ -182,7 +182,8 @@ def one_line(text: object, limit: int = 300) -> str:
     return flat if len(flat) <= limit else f"{flat[:limit]}\u2026 ({len(flat)} chars)"
 
 
-def _spec(encoding: str) -> EncodingSpec:
+def encoding_spec(encoding: str) -> EncodingSpec:
+    """The layout of a supported raw encoding; ValueError naming an unsupported one."""
     spec = ENCODINGS.get(str(encoding).lower())
     if spec is None:
         raise ValueError(f"unsupported image encoding {quoted(encoding)}; supported: "
@@ -190,7 +191,7 @@ def _spec(encoding: str) -> EncodingSpec:
     return spec
 
 
-def _check_layout(msg: Any, spec: EncodingSpec, limits: FrameLimits) -> tuple[int, int, int]:
+def check_layout(msg: Any, spec: EncodingSpec, limits: FrameLimits) -> tuple[int, int, int]:
     """(height, width, step) once size, aspect, step and data length are acceptable; only
     len(msg.data) is read, so nothing is copied for a refused frame."""
     h, w, step = int(msg.height), int(msg.width), int(msg.step)
@@ -221,7 +222,7 @@ def check_size(h: int, w: int, limits: FrameLimits) -> None:
                             f"width={w}) exceeds max_aspect={limits.max_aspect:g}")
 
 
-def _check_floats(pix: np.ndarray, limits: FrameLimits) -> None:
+def check_floats(pix: np.ndarray, limits: FrameLimits) -> None:
     """Float pixels must be finite and inside limits.float_range."""
     bad = ~np.isfinite(pix)
     if bad.any():
@@ -239,10 +240,10 @@ def decode_image(msg: Any, limits: FrameLimits = FrameLimits()) -> np.ndarray:
     """Image message -> HxWx3 RGB: uint8 for 8-bit encodings (possibly a read-only view of
     `msg.data`), else float32 in [0, 1] (floats: in limits.float_range). Frames outside
     `limits` are refused before any copy (see FrameLimits)."""
-    spec = _spec(msg.encoding)
-    h, w, step = _check_layout(msg, spec, limits)
+    spec = encoding_spec(msg.encoding)
+    h, w, step = check_layout(msg, spec, limits)
     row_bytes = w * spec.channels * spec.depth
-    rows = _as_bytes(msg.data).reshape(h, step)[:, :row_bytes]
+    rows = as_bytes(msg.data).reshape(h, step)[:, :row_bytes]
     if spec.kind == "cv":  # YUV 4:2:2 (h, w, 2) or Bayer (h, w) -> RGB, by OpenCV
         shape = (h, w, spec.channels) if spec.channels > 1 else (h, w)
         return cv2.cvtColor(rows.reshape(shape), spec.cv_code)
@@ -255,7 +256,7 @@ def decode_image(msg: Any, limits: FrameLimits = FrameLimits()) -> np.ndarray:
         if spec.kind == "u":
             pix /= 65535.0
         else:
-            _check_floats(pix, limits)
+            check_floats(pix, limits)
     if spec.to_rgb == (0, 1, 2) and spec.channels == 3:
         return np.ascontiguousarray(pix)
     return pix[:, :, list(spec.to_rgb)]
@@ -425,7 +426,7 @@ def decode_compressed(msg: Any, limits: FrameLimits = FrameLimits()) -> np.ndarr
     ignored (cameras write none).
     """
     codec = compressed_codec(msg.format)
-    buf = _as_bytes(msg.data)
+    buf = as_bytes(msg.data)
     head = (png_header if codec == "png" else jpeg_header)(buf)
     if head is None:
         raise ValueError(f"compressed image is not a readable {codec} ({buf.size} bytes, "
@@ -500,7 +501,7 @@ def array_to_image_fields(rgb: np.ndarray, encoding: str = "rgb8", pad: int = 0,
 
     `pad` extra bytes are appended to each row (step = row bytes + pad).
     """
-    spec = _spec(encoding)
+    spec = encoding_spec(encoding)
     if spec.kind == "cv":
         raise ValueError(f"array_to_image_fields does not encode {encoding} (YUV/Bayer)")
     h, w = rgb.shape[:2]
@@ -532,7 +533,7 @@ def _data_size(data: Any) -> int:
         return len(data)
 
 
-def _as_bytes(data: Any) -> np.ndarray:
+def as_bytes(data: Any) -> np.ndarray:
     """uint8 view of Image.data (bytes, array.array('B'), numpy or a list of ints)."""
     try:
         return np.frombuffer(data, dtype=np.uint8)

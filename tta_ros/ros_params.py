@@ -3,13 +3,24 @@
 Each node lists its parameters as `ParamSpec`s; `declare_all` declares them with a
 ParameterDescriptor (description + FloatingPointRange/IntegerRange where numeric), so
 `ros2 param describe` shows the range and rclpy itself refuses out-of-range values.
+
+Start values: rclpy has no public getter for the values a node is given at start (params
+files, `-p`, `parameter_overrides`), so each tta node is built with
+`automatically_declare_parameters_from_overrides=True`: rclpy declares every given value,
+`start_values` (the first thing declare_all does) reads them with
+`get_parameters_by_prefix` and undeclares them again, and the node declares its own
+parameters with their descriptors (rclpy's own, RCLPY_OWN, stay as rclpy declared them).
+What no parameter takes stays undeclared and is named once at WARN (`report_unknown`, words
+from tta_ros.param_report), as are run-time sets of an undeclared parameter (refused by
+rclpy).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+import weakref
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +33,12 @@ from rcl_interfaces.msg import (
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 
+from tta_ros.param_report import did_you_mean, refused_line, unknown_line, unknown_names
 from tta_ros.paths import REPO_ROOT, share_dir
+
+#: parameters rclpy declares itself where not declared yet (TimeSource,
+#: TypeDescriptionService): never start values of ours, left declared
+RCLPY_OWN = frozenset({"use_sim_time", "start_type_description_service"})
 
 
 @dataclass(frozen=True)
@@ -85,14 +101,90 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+@dataclass
+class _Given:
+    """What a node was given at start, and what it has said about it."""
+
+    values: dict[str, Any]
+    said: set[tuple[str, ...]] = field(default_factory=set)
+    # why a name is no parameter, where the node knows better (perception: another
+    # method's option); '' for the plain words
+    why: Callable[[str], str] | None = None
+    candidates: tuple[str, ...] = ()  # names a typo may have meant, besides the declared
+    watching: bool = False  # run-time sets of undeclared parameters are named
+
+
+_GIVEN: weakref.WeakKeyDictionary[Node, _Given] = weakref.WeakKeyDictionary()
+
+
+def start_values(node: Node) -> dict[str, Any]:
+    """The values `node` was given at start, by name (module docstring). Read on the first
+    call, which must come before the node declares any parameter of its own (declare_all
+    makes it); later calls return the same values."""
+    given = _GIVEN.get(node)
+    if given is None:
+        values = {name: p.value for name, p in node.get_parameters_by_prefix("").items()
+                  if name not in RCLPY_OWN}
+        for name in values:
+            node.undeclare_parameter(name)
+        given = _GIVEN[node] = _Given(values)
+    return dict(given.values)
+
+
+def warn_once(node: Node, key: tuple[str, ...], line: str) -> None:
+    """Log `line` at WARN unless `node` already said something under `key`."""
+    given = _GIVEN.setdefault(node, _Given({}))
+    if key not in given.said:
+        given.said.add(key)
+        node.get_logger().warning(line)
+
+
+def declared_names(node: Node) -> list[str]:
+    """The parameters `node` has declared."""
+    return list(node.get_parameters_by_prefix(""))
+
+
+def report_unknown(node: Node, handled: Collection[str] = (),
+                   others: Collection[str] | None = None, candidates: Iterable[str] = (),
+                   why: Callable[[str], str] | None = None) -> None:
+    """Name at WARN, once each, the start values `node` declares no parameter for, except
+    those `handled` elsewhere and those another node takes (`others`, None where unknown:
+    param_report.unknown_names), with the closest of its parameters and `candidates`;
+    and from now on each run-time set of an undeclared parameter (`why`, when given, says
+    why for the names it knows). Call it once the node has declared its parameters; a
+    later call only replaces `why` and `candidates`."""
+    given = _GIVEN.setdefault(node, _Given({}))
+    given.why, given.candidates = why, tuple(candidates)
+    own = declared_names(node)
+    for name in unknown_names(given.values, own, handled, others):
+        warn_once(node, ("unknown", name), unknown_line(
+            node.get_name(), name, given.values[name], [*own, *given.candidates]))
+    given.watching = True
+
+
+def _refused(node: Node, param: Parameter) -> None:
+    """A run-time set of the undeclared `param`: say why it is refused (report_unknown)."""
+    given = _GIVEN.get(node)
+    if given is None or not given.watching:
+        return
+    why = given.why(param.name) if given.why else ""
+    if not why:
+        why = f"no parameter of {node.get_name()}" + did_you_mean(
+            param.name, [*declared_names(node), *given.candidates])
+    warn_once(node, ("set", param.name, why), refused_line(param.name, param.value, why))
+
+
 def declare_all(node: Node, specs: Sequence[ParamSpec]) -> None:
-    """Declare every spec on `node`; a value given at start (overrides, params files, -p)
-    wins, in the spec's type (ParamSpec.coerce: `0` for a float parameter is 0.0); run-time
-    changes take ints for floats too (accept_ints_for_floats)."""
-    given = node._parameter_overrides  # rclpy keeps the start values here for declarations
+    """Declare every spec on `node`; a value given at start (start_values) wins, in the
+    spec's type (ParamSpec.coerce: `0` for a float parameter is 0.0); run-time changes take
+    ints for floats too (accept_ints_for_floats)."""
+    given = start_values(node)
     for spec in specs:
-        value = spec.coerce(given[spec.name].value) if spec.name in given else spec.default
-        node.declare_parameter(spec.name, value, spec.descriptor(), ignore_override=True)
+        value = spec.coerce(given[spec.name]) if spec.name in given else spec.default
+        # a node built without automatic declaration has no start values here: rclpy then
+        # applies a given value itself
+        node.declare_parameter(spec.name, value, spec.descriptor(),
+                               ignore_override=spec.name in given)
     accept_ints_for_floats(node)
 
 
@@ -106,12 +198,16 @@ def accept_ints_for_floats(node: Node) -> None:
     """Let run-time changes give an int for a float parameter (`ros2 param set /scheduler
     sigma 1`: the CLI sends an INTEGER, which rclpy refuses for a DOUBLE parameter before
     any on-set callback): a pre-set callback turns it into that float, for every declared
-    parameter of `node` (its own and method.*)."""
+    parameter of `node` (its own and method.*). A set of an undeclared parameter is
+    named in the log (report_unknown) before rclpy refuses it: rclpy runs one chain of
+    pre-set callbacks and joins what each returns, so this is the node's only one."""
     def widen(params: list[Parameter]) -> list[Parameter]:
         out = []
         for p in params:
             declared = (Parameter.Type(node.describe_parameter(p.name).type)
                         if node.has_parameter(p.name) else None)
+            if declared is None:
+                _refused(node, p)
             conv = _WIDEN.get((declared, p.type_))
             out.append(Parameter(p.name, declared, conv(p.value)) if conv else p)
         return out

@@ -68,6 +68,7 @@ from tta_ros.ros_params import ParamSpec
 FLEET_STATUS = "fleet"
 REPORT_TOPIC = "fleet_report"
 KEEP_PARAM = "method.keep"  # the perception parameter a fleet scheduler sets
+NAMESPACES_PARAM = "fleet_namespaces"  # the scheduler's, declared by FleetScheduler
 PROBE_PREFIX = "confidence@"  # StepResult.stats key of a probed size's mean confidence
 REPORT_QOS = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE)
 PERCEPTION_FLEET_PARAMS: tuple[ParamSpec, ...] = (
@@ -268,12 +269,12 @@ class FleetScheduler:
 
     def __init__(self, node: Node) -> None:
         self.node = node
-        node.declare_parameter("fleet_namespaces", Parameter.Type.STRING_ARRAY,
+        node.declare_parameter(NAMESPACES_PARAM, Parameter.Type.STRING_ARRAY,
                                ParameterDescriptor(description=(
                                    "fleet mode: namespaces of the perception pipelines that "
                                    "share this computer (empty: off)"), read_only=True))
-        ns = node.get_parameter_or("fleet_namespaces",
-                                   Parameter("fleet_namespaces", value=[""])).value or []
+        ns = node.get_parameter_or(NAMESPACES_PARAM,
+                                   Parameter(NAMESPACES_PARAM, value=[""])).value or []
         self.namespaces = [n.rstrip("/") for n in ns if n]
         self.reports: dict[str, tuple[float, FleetReport]] = {}  # ns -> (time, report)
         self.sent: dict[str, float] = {}  # ns -> keep the node accepted

@@ -21,26 +21,42 @@ CUDA. `check_live` refuses what
 the running method's setters cannot take (a size it does not serve), `apply_live` hands
 changed values to them (set_lr, set_sigma, set_deadline, set_size); whatever has no
 setter, or is marked `runtime=False` (a built method cannot take it), needs a rebuild.
+
+`report_given` says, at WARN and once each, what the node was given and cannot take
+(tta_ros.param_report): method.* values someone set for options the method lacks
+(`method:=tent sigma:=0.5`; a value at the option's default is nobody's setting), values
+for no parameter at all with the closest one, and run-time sets of either. `own_options`
+keeps of a node's parameters only the options its method has (the demo replays one
+params file with several methods).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
+from rclpy.node import Node
 from rclpy.parameter import Parameter
 
 from tta_core.api import DeadlineTunable, Resizable, RuntimeTunable, TTAMethodLike
 from tta_core.errors import one_line
-from tta_core.registry import method_class
+from tta_core.registry import available_methods, method_class
 from tta_core.runtime.deadline import DeadlineConfig
 from tta_core.runtime.options import OptionInfo, check_value, describe
 from tta_core.runtime.precision import precision_error
-from tta_ros.ros_params import resolve_data_path, resolve_output_path
+from tta_ros.param_report import foreign_line, set_values
+from tta_ros.ros_params import (
+    report_unknown,
+    resolve_data_path,
+    resolve_output_path,
+    start_values,
+    warn_once,
+)
 
 PREFIX = "method."
 DEADLINE_KEYS = tuple(f.name for f in dataclasses.fields(DeadlineConfig))
@@ -157,6 +173,46 @@ def method_params(method: str) -> dict[str, MethodParam]:
     """The parameters of method `method`, by name: every settable config field."""
     return {p.name: p for p in (MethodParam(i) for i in describe(method_class(method).config_cls)
                                 if i.settable)}
+
+
+def option_defaults() -> dict[str, list[Any]]:
+    """Every method's options, by parameter name: the ROS default in each method that has
+    it."""
+    out: dict[str, list[Any]] = {}
+    for method in available_methods():
+        for name, p in method_params(method).items():
+            out.setdefault(name, []).append(p.ros_value(p.info.default))
+    return out
+
+
+def own_options(params: Mapping[str, Any], method: str) -> dict[str, Any]:
+    """`params` without the method.* values method `method` has no option for."""
+    own = method_params(method)
+    return {k: v for k, v in params.items() if not k.startswith(PREFIX) or k in own}
+
+
+def _no_option(method: str, options: Mapping[str, Any], name: str) -> str:
+    """Why `name` is no parameter while `method` runs: '' unless it is another method's
+    option."""
+    return f"method {method} has no option {name[len(PREFIX):]!r}" if name in options else ""
+
+
+def report_given(node: Node, opts: MethodOptions) -> None:
+    """What the perception node says about its start values once `opts.method`'s
+    parameters are declared (module docstring): the method.* values set for options the
+    method lacks, in one line naming it; values for no parameter of the node (the first
+    time); from then on run-time sets of undeclared parameters, another method's option
+    named as such."""
+    from tta_ros.nodes.node_params import taken_elsewhere
+
+    options = option_defaults()
+    given = start_values(node)
+    foreign = set_values({k: v for k, v in given.items()
+                          if k in options and k not in opts.params}, options)
+    if line := foreign_line(opts.method, foreign):
+        warn_once(node, ("method", opts.method), line)
+    report_unknown(node, handled=options, others=taken_elsewhere("perception"),
+                   candidates=options, why=functools.partial(_no_option, opts.method, options))
 
 
 def check_config(method: str, config: Mapping[str, Any]) -> str:

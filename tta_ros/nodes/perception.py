@@ -99,7 +99,7 @@ from tta_ros.nodes.method_params import (
     apply_live,
     check_live,
     check_precision_param,
-    method_params,
+    report_given,
 )
 from tta_ros.nodes.perception_support import (
     DivergenceGuard,
@@ -115,7 +115,7 @@ from tta_ros.nodes.plausibility import (
     check_speed,
     check_telemetry,
 )
-from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
+from tta_ros.ros_params import ParamSpec, check_initial, declare_all, start_values, validate, values
 
 FEED_TIMEOUT = "feed_timeout_s"
 
@@ -319,9 +319,9 @@ def publish_batch(node: PerceptionNode, frames: list[Any], logits: torch.Tensor,
 
 
 def override_values(node: Node) -> dict[str, Any]:
-    """The parameter values given at start (params file, -p, parameter_overrides): rclpy
-    keeps them for declarations, the method.* ones are declared per method."""
-    return {name: prm.value for name, prm in node._parameter_overrides.items()}
+    """The parameter values given at start (params file, -p, parameter_overrides:
+    ros_params.start_values); the method.* ones are declared per method."""
+    return start_values(node)
 
 
 def check_change(node: PerceptionNode, params: Sequence[Parameter]) -> SetParametersResult:
@@ -374,7 +374,8 @@ class PerceptionNode(Node):
         self.declaring = False  # method.* parameters being declared (callbacks skip them)
         self.build_error = ""  # why the last rebuild failed ('' when it did not)
         super().__init__(node_name, context=context, parameter_overrides=parameter_overrides,
-                         cli_args=list(cli_args) if cli_args else None)
+                         cli_args=list(cli_args) if cli_args else None,
+                         automatically_declare_parameters_from_overrides=True)  # start_values
         self.specs = param_specs()
         declare_all(self, self.specs)
         self.p = values(self, self.specs)
@@ -466,15 +467,8 @@ class PerceptionNode(Node):
         return opts
 
     def _report_foreign(self, opts: MethodOptions) -> None:
-        """Log the method.* values given at start that the method has no option for: INFO
-        for another method's options (a shared params file), WARN for no method's (typos)."""
-        foreign = sorted(k for k in override_values(self)
-                         if k.startswith(PREFIX) and k not in opts.params)
-        known = {n for m in available_methods() for n in method_params(m)}
-        for level, names in ((self.get_logger().info, [k for k in foreign if k in known]),
-                             (self.get_logger().warning, [k for k in foreign if k not in known])):
-            if names:
-                level(f"method {opts.method} has no option(s) {', '.join(names)}: ignored")
+        """Name the given values the node cannot take (method_params.report_given)."""
+        report_given(self, opts)
 
     def _build_method(self) -> None:
         """Build the configured method on a fresh copy of the source model; the old one

@@ -48,7 +48,14 @@ from tta_ros.diagnostics import (
     DiagnosticsPublisher,
     status,
 )
-from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
+from tta_ros.ros_params import (
+    ParamSpec,
+    check_initial,
+    declare_all,
+    report_unknown,
+    validate,
+    values,
+)
 
 UNKNOWN_COUNT = 2**32 - 1
 
@@ -220,10 +227,12 @@ class ResourceMonitorNode(Node):
                  parameter_overrides: Sequence[Parameter] | None = None,
                  cli_args: Sequence[str] | None = None) -> None:
         super().__init__(node_name, context=context, parameter_overrides=parameter_overrides,
-                         cli_args=list(cli_args) if cli_args else None)
+                         cli_args=list(cli_args) if cli_args else None,
+                         automatically_declare_parameters_from_overrides=True)  # start_values
         declare_all(self, PARAMS)
         self.params = values(self, PARAMS)
         check_initial(PARAMS, self.params)
+        report_unknown(self)  # the other nodes' parameters unknown here: typos only
         self.add_on_set_parameters_callback(lambda ps: validate(PARAMS, ps))
         self.calibration = self._calibration(self.params["calibration"])
         self.expansion = None if self.calibration is None else ExpansionModel(

@@ -66,6 +66,7 @@ from tta_ros.nodes.deadline_wiring import (
     resolve_topic,
 )
 from tta_ros.nodes.fleet_wiring import SCHEDULER_FLEET_PARAMS, FleetScheduler
+from tta_ros.nodes.node_params import taken_elsewhere
 from tta_ros.nodes.plausibility import (
     PLAUSIBILITY_PARAMS,
     Bounds,
@@ -74,7 +75,14 @@ from tta_ros.nodes.plausibility import (
     check_status,
     check_telemetry,
 )
-from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
+from tta_ros.ros_params import (
+    ParamSpec,
+    check_initial,
+    declare_all,
+    report_unknown,
+    validate,
+    values,
+)
 
 PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("model_card", "", "model card JSON (arch, num_classes, image_size) of the "
@@ -188,7 +196,8 @@ class SchedulerNode(Node):
                  parameter_overrides: Sequence[Parameter] | None = None,
                  cli_args: Sequence[str] | None = None) -> None:
         super().__init__(node_name, context=context, parameter_overrides=parameter_overrides,
-                         cli_args=list(cli_args) if cli_args else None)
+                         cli_args=list(cli_args) if cli_args else None,
+                         automatically_declare_parameters_from_overrides=True)  # start_values
         declare_all(self, PARAMS)
         p = values(self, PARAMS)
         check_initial(PARAMS, p)
@@ -233,6 +242,7 @@ class SchedulerNode(Node):
         self.create_subscription(AdaptationStatus, "adaptation_status", self._on_status,
                                  reliable)
         self.fleet = FleetScheduler(self)  # fleet mode: sizes of several pipelines (#22)
+        report_unknown(self, others=taken_elsewhere("scheduler"))  # all declared now
         self.create_timer(1.0, self._publish_diagnostics)
 
     @property

@@ -91,11 +91,16 @@ def node_cli_args(name: str, namespace: str = "", image_topic: str | None = None
 def build_nodes(config_path: str | Path,
                 overrides: Mapping[str, Mapping[str, Any]] | None = None,
                 context: Context | None = None, image_topic: str | None = None,
-                base: Path = ROOT, namespace: str = "") -> list[Node]:
+                base: Path = ROOT, namespace: str = "",
+                own_options_only: bool = False) -> list[Node]:
     """The three nodes in `namespace` with the parameters `node_parameters` gives (the
-    params file's sections for that namespace, then `overrides[node][param]`)."""
+    params file's sections for that namespace, then `overrides[node][param]`);
+    `own_options_only`: without the method.* values perception's method has no option for
+    (a params file written for another method, which the node would name at WARN)."""
     namespace = join_namespace(namespace)
     params = node_parameters(config_path, namespace, overrides)
+    if own_options_only:
+        params["perception"] = perception_own_options(params["perception"])
     nodes: list[Node] = []
     try:
         for name, _, spec in NODES:
@@ -108,6 +113,16 @@ def build_nodes(config_path: str | Path,
             n.destroy_node()
         raise
     return nodes
+
+
+def perception_own_options(params: Mapping[str, Any]) -> dict[str, Any]:
+    """perception's `params` without the method.* values its method (`method`, else the
+    node's default) has no option for."""
+    from tta_ros.nodes.method_params import own_options
+    from tta_ros.nodes.perception import param_specs
+
+    default = next(s.default for s in param_specs() if s.name == "method")
+    return own_options(params, params.get("method", default))
 
 
 def parse_set(items: Sequence[str]) -> dict[str, dict[str, Any]]:

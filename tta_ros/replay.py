@@ -62,6 +62,9 @@ class ReplayOptions:
     status_topic: str = "adaptation_status"
     plan_topic: str = "layer_plan"
     overrides: dict[str, Any] = field(default_factory=dict)
+    # leave out the config's method.* values the method has no option for (the demo
+    # replays one config with several methods)
+    own_options_only: bool = False
 
     def __post_init__(self) -> None:
         self.bag = Path(self.bag)
@@ -235,21 +238,27 @@ class _Pacer:
         time.sleep(max(0.0, due - time.perf_counter()))
 
 
+def replay_nodes(opts: ReplayOptions, context: Any = None) -> list[Node]:
+    """The in-process nodes of a replay: `opts.config` with `opts.overrides`, perception's
+    `method` (and only its options, with own_options_only); none when external."""
+    if opts.external:
+        return []
+    from tta_ros.bringup import build_nodes
+
+    overrides = {k: dict(v) for k, v in opts.overrides.items()}
+    if opts.method:
+        overrides.setdefault("perception", {})["method"] = opts.method
+    topic = None if opts.image_topic == "image" else opts.image_topic
+    return build_nodes(opts.config, overrides, context=context, image_topic=topic,
+                       own_options_only=opts.own_options_only)
+
+
 class _Session:
     """The ROS side of a replay: its own node, executor thread and (optionally) the nodes."""
 
     def __init__(self, opts: ReplayOptions, context: Any) -> None:
         self.context = context
-        self.nodes: list[Node] = []
-        if not opts.external:
-            from tta_ros.bringup import build_nodes
-
-            overrides = {k: dict(v) for k, v in opts.overrides.items()}
-            if opts.method:
-                overrides.setdefault("perception", {})["method"] = opts.method
-            topic = None if opts.image_topic == "image" else opts.image_topic
-            self.nodes = build_nodes(opts.config, overrides, context=context,
-                                     image_topic=topic)
+        self.nodes: list[Node] = replay_nodes(opts, context)
         self.node = Node("tta_replay", context=context, start_parameter_services=False)
         self.col = Collector()
         qos = QoSProfile(depth=1000)

@@ -14,10 +14,13 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tta_ros.commands.replay import setup_error
 from tta_ros.paths import package_file
+
+if TYPE_CHECKING:
+    from tta_ros.replay import ReplayOptions
 
 NAME = "demo"
 HELP = "replay the sample bag through the ROS 2 nodes and print the accuracy/latency report"
@@ -75,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     import rclpy
 
     from tta_core.eval.report_files import write_report
-    from tta_ros.replay import ReplayOptions, replay
+    from tta_ros.replay import replay
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if not methods:
@@ -88,10 +91,7 @@ def run(args: argparse.Namespace) -> int:
         ctx = rclpy.context.Context()
         rclpy.init(context=ctx)
         try:
-            res = replay(ReplayOptions(args.bag, args.config, args.rate, method,
-                                       max_frames=args.max_frames,
-                                       overrides={} if args.config_deadline
-                                       else DEMO_SETTINGS), context=ctx)
+            res = replay(replay_options(args, method), context=ctx)
         except (ValueError, RuntimeError) as exc:
             print(f"tta demo: {method}: {exc}", file=sys.stderr)
             return 1
@@ -106,6 +106,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {p}")
     print(f"demo finished in {time.perf_counter() - t0:.1f} s")
     return 0
+
+
+def replay_options(args: argparse.Namespace, method: str) -> ReplayOptions:
+    """The ReplayOptions of the demo's replay with `method`: the config, with the demo's
+    camera deadline unless --config-deadline, each method given only the options it has
+    (the config is written for adashadow; the others would name the rest as not used)."""
+    from tta_ros.replay import ReplayOptions
+
+    return ReplayOptions(args.bag, args.config, args.rate, method, max_frames=args.max_frames,
+                         overrides={} if args.config_deadline else DEMO_SETTINGS,
+                         own_options_only=True)
 
 
 def verdict(runs: list[Any]) -> list[str]:

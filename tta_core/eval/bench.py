@@ -156,10 +156,14 @@ def method_base(name: str) -> str:
 
 
 def check_option_types(method: str, options: dict[str, Any]) -> None:
-    """ValueError naming an option whose value is not of its config field's kind (a
-    number, a bool, a string: what the default is), before the method compares it."""
+    """ValueError naming an option the method does not have, or one whose value is not of
+    its config field's kind (a number, a bool, a string: what the default is), before the
+    method compares it."""
     spec = {f.name: f.default for f in fields(method_class(method_base(method)).config_cls)}
     for key, value in options.items():
+        if key not in spec:
+            raise ValueError(f"option {method}.{key}: method {method_base(method)} has no "
+                             f"option {key!r}; known: {', '.join(sorted(spec))}")
         default = spec.get(key, MISSING)
         if isinstance(default, bool):
             ok, what = isinstance(value, bool), "true or false"

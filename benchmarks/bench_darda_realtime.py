@@ -174,6 +174,23 @@ def interleaved(methods: list[str], rates: list[float], rounds: int,
     return out
 
 
+def reference_rates(streams: dict[str, list[dict]], base: list[dict]) -> dict[str, Any]:
+    """The rates DARDA is read at: the highest where bn_adapt answers >= 99 % in its
+    median round (`bn_adapt_max_hz`) and in every round (`bn_adapt_sustained_hz`: the
+    rate it keeps up with on this machine, not the edge where timing noise decides), with
+    each method's worst round at the sustained rate."""
+    med = [r["hz"] for r in base if r["answered"] >= 0.99]
+    every = [r["hz"] for r in base if min(r.get("answered_rounds", [r["answered"]])) >= 0.99]
+    out: dict[str, Any] = {"bn_adapt_max_hz": max(med) if med else None,
+                           "bn_adapt_sustained_hz": max(every) if every else None}
+    if every:
+        hz = max(every)
+        out["worst_at_sustained"] = {
+            m: min(r.get("answered_rounds", [r["answered"]]))
+            for m, rows in streams.items() for r in rows if r["hz"] == hz}
+    return out
+
+
 def fmt(v: float, spec: str = ".1f") -> str:
     return "–" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
@@ -223,8 +240,7 @@ def main() -> None:
                                            functools.partial(_stream_one, cfg, fresh, stream))
             base = run["streaming"].get("bn_adapt")
             if base:
-                ok = [r["hz"] for r in base if r["answered"] >= 0.99]
-                run["bn_adapt_max_hz"] = max(ok) if ok else None
+                run |= reference_rates(run["streaming"], base)
             print(render_run(run, rates))
             report["runs"].append(run)
     report["hz"] = rates
@@ -267,8 +283,17 @@ def render_run(run: dict, rates: list[float]) -> str:
                 + (f"; {fmt(100 * r['detected_share'], '.0f')}" if "detected_share" in r
                    else "") + ")" for r in rows) + " |")
     if "bn_adapt_max_hz" in run:
-        lines += ["", f"Highest rate where bn_adapt answers >= 99 %: "
+        lines += ["", f"Highest rate where bn_adapt answers >= 99 % (median round): "
                   f"{fmt(run['bn_adapt_max_hz'], 'g')} Hz."]
+    base = run["streaming"].get("bn_adapt")
+    ref = reference_rates(run["streaming"], base) if base else {}
+    if ref.get("bn_adapt_sustained_hz") is not None:
+        run = {**run, **ref}
+        worst = run.get("worst_at_sustained", {})
+        lines += ["", f"Highest rate where bn_adapt answers >= 99 % in every round: "
+                  f"{fmt(run['bn_adapt_sustained_hz'], 'g')} Hz; there, the worst round of "
+                  "each method answers " + ", ".join(
+                      f"{m} {fmt(100 * v)} %" for m, v in worst.items()) + "."]
     return "\n".join(lines) + "\n"
 
 

@@ -10,9 +10,10 @@ import cv2
 import numpy as np
 import rclpy
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+from rcl_interfaces.msg import Log
 from rclpy.executors import SingleThreadedExecutor
 from rclpy.parameter import Parameter
-from rclpy.qos import QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import CompressedImage, Image
 from tta_msgs.msg import (
     AdaptationStatus,
@@ -190,3 +191,36 @@ class CameraRig:
         self.spin.stop()
         self.node.destroy_node()
         self.probe.destroy_node()
+
+
+class RosoutLog:
+    """Every log line of the nodes in a context, taken from /rosout (each node's rosout
+    publisher keeps its lines for late subscribers), with a marker to know a node's lines
+    up to now have all arrived: one publisher delivers in order."""
+
+    def __init__(self, ctx) -> None:
+        self.node = rclpy.create_node("rosout_log", context=ctx)
+        self.lines: list[Log] = []
+        qos = QoSProfile(depth=1000, reliability=ReliabilityPolicy.RELIABLE,
+                         durability=DurabilityPolicy.TRANSIENT_LOCAL)
+        self.node.create_subscription(Log, "/rosout", self.lines.append, qos)
+        self.ex = SingleThreadedExecutor(context=ctx)
+        self.ex.add_node(self.node)
+        self.spin = SpinThread(self.ex)
+        self._marks = 0
+
+    def until_now(self, node, timeout_s: float = 10.0) -> list[Log]:
+        """The lines `node` logged before this call (waits for a marker it logs now)."""
+        self._marks += 1
+        mark = f"rosout-log marker {self._marks}"
+        node.get_logger().info(mark)
+        name = node.get_logger().name
+        assert wait_for(lambda: any(m.name == name and m.msg == mark for m in self.lines),
+                        timeout_s), f"no marker from {name} on /rosout"
+        mine = [m for m in self.lines if m.name == name]
+        mine = mine[:next(i for i, m in enumerate(mine) if m.msg == mark)]
+        return [m for m in mine if not m.msg.startswith("rosout-log marker")]
+
+    def close(self) -> None:
+        self.spin.stop()
+        self.node.destroy_node()

@@ -64,6 +64,9 @@ def test_bench_config_rejects_bad_values() -> None:
         BenchConfig(mode="both").validate()
     with pytest.raises(ValueError, match="severity"):
         BenchConfig(severity=6).validate()
+    # an option the method lacks (tent has no sigma): refused before any data is read
+    with pytest.raises(ValueError, match=r"option tent\.sigma: method tent has no option"):
+        BenchConfig(methods=("tent",), method_options={"tent": {"sigma": 0.5}}).validate()
 
 
 @pytest.mark.slow

@@ -47,7 +47,7 @@ def _fleet() -> FleetReport:
 # (message factory, check, field, index in a list field or None, low, high, low open,
 #  NaN accepted, integer field)
 TABLE = [
-    (_plan, pl.check_plan, "sigma", None, 0.0, 1.0, True, False, False),
+    (_plan, pl.check_plan, "sigma", None, 0.0, 1.0, False, False, False),
     (_plan, pl.check_plan, "budget_ms", None, 0.0, 2000.0, False, False, False),
     (_plan, pl.check_plan, "predicted_total_ms", None, 0.0, 2000.0, False, False, False),
     (_plan, pl.check_plan, "solve_ms", None, 0.0, 2000.0, False, False, False),
@@ -165,14 +165,29 @@ def test_speed_bounds() -> None:
 
 @given(st.floats(width=32, allow_nan=True, allow_infinity=True))
 def test_sigma_accepted_exactly_in_zero_one(sigma: float) -> None:
+    """[0, 1]: 0 is a zero budget (serve only), a plan the scheduler sends when nothing of
+    the deadline is left."""
     msg = _plan()
     msg.sigma = sigma
     try:
         pl.check_plan(msg, B)
     except Implausible:
-        assert not 0 < sigma <= 1
+        assert not 0 <= sigma <= 1
     else:
-        assert 0 < sigma <= 1
+        assert 0 <= sigma <= 1
+
+
+@pytest.mark.parametrize(("sigma", "budget_ms"), [(0.0, 0.0), (0.0, 5.0), (0.3, 0.0)])
+def test_a_zero_budget_serves_only(sigma: float, budget_ms: float) -> None:
+    """A zero budget (sigma or budget_ms 0) is a valid plan when it updates nothing; one
+    that selects a unit contradicts itself and is refused, naming both numbers."""
+    msg = _plan()
+    msg.sigma, msg.budget_ms, msg.update = sigma, budget_ms, [False, False]
+    pl.check_plan(msg, B)
+    msg.update = [False, True]
+    with pytest.raises(Implausible, match=r"^a zero budget \(sigma = .*budget_ms = .*\) "
+                       r"updates 1 unit\(s\)"):
+        pl.check_plan(msg, B)
 
 
 def test_bounds_from_node_parameters() -> None:
@@ -196,13 +211,13 @@ def test_refusals_count_each_and_log_once_per_period() -> None:
     assert r.admit("LayerPlan", pl.check_plan, _plan(), B)
     r.refuse("odometry", "speed = 1e3 outside [0, 60]")
     assert r.counts == {"LayerPlan": 3, "odometry": 1} and r.total == 4
-    assert lines == ["LayerPlan refused (1 so far): sigma = 3e+38 outside (0, 1]",
+    assert lines == ["LayerPlan refused (1 so far): sigma = 3e+38 outside [0, 1]",
                      "odometry refused (1 so far): speed = 1e3 outside [0, 60]"]
     now[0] += 5.0
     r.admit("LayerPlan", pl.check_plan, msg, B)
-    assert lines[-1] == "LayerPlan refused (4 so far): sigma = 3e+38 outside (0, 1]"
+    assert lines[-1] == "LayerPlan refused (4 so far): sigma = 3e+38 outside [0, 1]"
     assert r.values() == {"messages_refused": 5,
-                          "last_message_refused": "LayerPlan: sigma = 3e+38 outside (0, 1]"}
+                          "last_message_refused": "LayerPlan: sigma = 3e+38 outside [0, 1]"}
 
 
 def test_rate_limit_allows_the_first_few_of_each_second() -> None:

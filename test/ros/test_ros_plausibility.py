@@ -51,7 +51,7 @@ def test_forged_numbers_refused_counted_and_service_goes_on(ros_context) -> None
         odom = Odometry()
         odom.twist.twist.linear.x = 1e6
         forged = [  # (message, node that refuses it, kind, text its diagnostics show)
-            (plan, per, "LayerPlan", "sigma = 3e+38 outside (0, 1]"),
+            (plan, per, "LayerPlan", "sigma = 3e+38 outside [0, 1]"),
             (LayerImportance(**imp, forward_ms=99999.0, batch_size=4),
              sched, "LayerImportance", "forward_ms = 99999.0 outside (0, 10000]"),
             (LayerImportance(**imp, forward_ms=5.0, batch_size=4_000_000_000),

@@ -97,12 +97,19 @@ def all_in_range(name: str, values: Iterable[float], low: float, high: float, *,
 
 
 def check_plan(msg: Any, b: Bounds) -> None:
-    """LayerPlan: sigma in (0, 1] (the scheduler caps a deadline's share at 1), budget,
-    predicted and solve times in [0, max_budget_ms], unit times in [0, max_forward_ms],
-    importance in [0, MAX_IMPORTANCE]."""
-    in_range("sigma", msg.sigma, 0.0, 1.0, low_open=True)
+    """LayerPlan: sigma in [0, 1] (the budget's share of a full update; the scheduler caps
+    a deadline's share at 1), budget, predicted and solve times in [0, max_budget_ms], unit
+    times in [0, max_forward_ms], importance in [0, MAX_IMPORTANCE]. A zero budget (sigma
+    = 0 or budget_ms = 0: nothing of the deadline is left once the forward's scatter
+    margin is kept, or sigma is set to 0) is a valid plan that serves without update, so
+    it selects no unit."""
+    in_range("sigma", msg.sigma, 0.0, 1.0)
     for name in ("budget_ms", "predicted_total_ms", "solve_ms"):
         in_range(name, getattr(msg, name), 0.0, b.max_budget_ms)
+    if (msg.sigma == 0.0 or msg.budget_ms == 0.0) and any(msg.update):
+        raise Implausible(f"a zero budget (sigma = {shown(msg.sigma)}, budget_ms = "
+                          f"{shown(msg.budget_ms)}) updates {sum(map(bool, msg.update))} "
+                          "unit(s): a zero-budget plan serves only")
     all_in_range("predicted_unit_ms", msg.predicted_unit_ms, 0.0, b.max_forward_ms)
     all_in_range("importance", msg.importance, 0.0, MAX_IMPORTANCE)
 

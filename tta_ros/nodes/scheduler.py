@@ -348,7 +348,7 @@ class SchedulerNode(Node):
         cfg = self.planning.config
         deadline = (f"{outcome.deadline_ms:.1f} ms ({self.planning.describe_deadline()})"
                     if cfg.has_deadline else "")
-        msg = plan_to_msg(outcome, imp, self.plans_published,  # sigma: a share, in (0, 1]
+        msg = plan_to_msg(outcome, imp, self.plans_published,  # sigma: a share, in [0, 1]
                           min(outcome.budget_share, 1.0) if deadline else cfg.sigma)
         self._outcomes[self.plans_published] = outcome
         while len(self._outcomes) > 64:  # plans perception never followed

@@ -110,7 +110,8 @@ def test_api_reference_covers_api_registry_and_methods(site: Path) -> None:
 
 @pytest.mark.slow
 def test_getting_started_example_runs() -> None:
-    """The library example of Getting started adapts on every batch of its stream."""
+    """The library example of Getting started runs its stream and adapts within its
+    budget: some units on the first batch, never all of them (sigma=0.5)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(ROOT / "docs" / "examples" /
                                                 "adapt_torchvision.py")],
@@ -119,13 +120,15 @@ def test_getting_started_example_runs() -> None:
     lines = proc.stdout.splitlines()
     # 2 corruptions x 16 samples in batches of 8
     assert [ln.split()[0] for ln in lines] == ["fog/5"] * 2 + ["snow/5"] * 2
-    parsed = [re.search(r"(\d+)/8 right, (\d+) units updated, (\d+) ms", ln) for ln in lines]
+    parsed = [re.search(r"\d+/8 right, (\d+) units updated, (\d+) ms \(budget (\d+) ms\)",
+                        ln) for ln in lines]
     assert all(parsed), lines
-    right, units, ms = zip(*[tuple(map(int, m.groups())) for m in parsed], strict=True)
-    assert all(0 <= r <= 8 for r in right) and all(t > 0 for t in ms), lines
+    units, ms, budget = zip(*[tuple(map(int, m.groups())) for m in parsed], strict=True)
+    assert all(t > 0 for t in ms) and all(b > 0 for b in budget), lines
     # resnet18 has 20 BatchNorm units (adashadow's default trainable "norm"); the first
-    # batch has no learnt fixed costs yet, so its plan updates some of them
-    assert all(u <= 20 for u in units) and units[0] > 0, lines
+    # batch has no learnt fixed costs yet, so its plan updates some of them; half a full
+    # update's time (sigma=0.5) cannot hold all of them (a fall-back to a full update would)
+    assert units[0] > 0 and all(u < 20 for u in units), lines
     page = (ROOT / "docs" / "getting-started.md").read_text()
     assert 'docs/examples/adapt_torchvision.py' in page
 

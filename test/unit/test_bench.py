@@ -42,8 +42,10 @@ def test_tiny_bench_writes_files_and_is_deterministic(tmp_path) -> None:
     assert preds1 == preds2
     assert preds1["tent"] != preds1["source"]  # adaptation changed something
     for r in runs1:
-        assert len(r.frames) == 24 and r.peak_memory_mb >= 0 and r.wall_s > 0
+        assert len(r.frames) == 24 and r.wall_s > 0
         assert r.meta["rss_peak_mb"] >= r.meta["rss_start_mb"] > 0
+        # on the CPU the peak is the RSS growth over the method's start, not the process's
+        assert r.peak_memory_mb == pytest.approx(r.meta["rss_peak_mb"] - r.meta["rss_start_mb"])
         tot = r.frames[0].phases_ms["total"]
         assert tot >= r.frames[0].phases_ms["forward"] > 0
     files, text = write_bench(runs1, tmp_path, cfg, clean_accuracy=0.9)

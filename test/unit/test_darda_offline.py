@@ -167,7 +167,11 @@ def test_bundle_records_config_and_data_and_they_round_trip(tmp_path) -> None:
     off = run_offline(model, 32, tuple(card.mean), tuple(card.std), TINY3, data=data)
     eq16 = off.report["s"]["eq16"]
     assert eq16["batches"] == 6 and eq16["grad_norm"] > 0 and math.isfinite(eq16["loss"])
-    assert eq16["loss"] >= eq16["floor"] - 1e-6 and 0 <= eq16["pick_own"] <= 1
+    assert eq16["loss"] >= eq16["floor"] - 1e-6
+    picked_own = eq16["pick_own"] * eq16["batches"]  # a share of its 6 batches
+    assert picked_own == pytest.approx(round(picked_own)), eq16["pick_own"]
+    if eq16["pick_own"] == 1.0:  # every batch on its own sub-network: the own accuracy
+        assert eq16["picked_accuracy"] == pytest.approx(eq16["own_accuracy"])
     assert off.report["raw_s"]["eq16"]["grad_norm"] > 0
     path = tmp_path / "b.safetensors"
     save_bundle(off, model, path)

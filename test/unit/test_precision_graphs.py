@@ -7,6 +7,8 @@ the graphed forward falls back to eager with its reason and the same outputs. Th
 from __future__ import annotations
 
 import logging
+import math
+import time
 
 import pytest
 import torch
@@ -148,8 +150,12 @@ def test_phase_clock_events_are_none_on_the_cpu():
     clock = PhaseClock("cpu")
     start, end = clock.event(), clock.event()
     assert start is None and end is None
-    assert PhaseClock.elapsed_ms(start, end) != PhaseClock.elapsed_ms(start, end)  # NaN
-    assert clock.mark() >= 0.0
+    assert math.isnan(PhaseClock.elapsed_ms(start, end))
+    clock.mark()
+    time.sleep(0.02)
+    slept = clock.mark()  # milliseconds since the previous mark
+    assert 20.0 <= slept < 10_000.0, slept
+    assert clock.mark() < slept  # from the last mark, not from the first
 
 
 def test_bench_passes_precision_to_the_methods_that_take_it():

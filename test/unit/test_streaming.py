@@ -124,8 +124,8 @@ def test_cli_bench_stream_hz_writes_table_and_plot(tmp_path, capsys) -> None:
     assert sorted((r["method"], r["hz"]) for r in runs) == [
         ("source", 30.0), ("source", 1000.0), ("tent", 30.0), ("tent", 1000.0)]
     for r in runs:
-        for key in ("strict", "streaming", "answered", "dropped"):
-            assert 0.0 <= 100 * r[key] <= 100.0
+        # strict needs the frame's own answer in time; a frame answered is never dropped
+        assert r["strict"] <= r["answered"] and r["answered"] + r["dropped"] <= 1.0 + 1e-9
         assert r["streaming"] >= r["strict"]
         assert r["latency_ms"] == pytest.approx(7000.0 / r["hz"])  # (2 * 4 - 1) periods
     meta = json.loads((out / "streaming.json").read_text())

@@ -91,8 +91,8 @@ def test_calibrate_quick_cli(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     perf = PerfSource(pid=os.getpid())
     perf_ok = perf.describe().available
     perf.close()
-    if perf_ok:
-        assert 0.0 <= cal.cache_hit_offline <= 1.0
+    if perf_ok:  # clipped to [0, 1]: what can fail is no references counted (NaN)
+        assert math.isfinite(cal.cache_hit_offline)
     else:
         assert math.isnan(cal.cache_hit_offline)
     # the expansion model's offline reference

@@ -237,7 +237,8 @@ def test_perf_llc_rate_or_clear_reason() -> None:
             for i in range(0, len(buf), 4096):
                 buf[i] = 1
             rate = src.read()["cache_hit_rate"]
-            assert 0.0 <= rate <= 1.0
+            # clipped to [0, 1] by construction: what can fail is no references counted (NaN)
+            assert math.isfinite(rate), rate
         else:
             _assert_perf_refusal(st.detail)
             assert src.read() == {}

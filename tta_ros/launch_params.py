@@ -104,7 +104,8 @@ def node_parameters(config_path: str | Path, namespace: str = "",
                     overrides: Mapping[str, Mapping[str, Any]] | None = None,
                     ) -> dict[str, dict[str, Any]]:
     """{node name: parameters} for the three nodes in `namespace`: the params file's sections
-    merged from least to most specific (module docstring), then `overrides[node]`."""
+    merged from least to most specific (module docstring), then `overrides[node]`.
+    InputError naming a parameter without a value (`profile:` left empty)."""
     namespace = join_namespace(namespace)
     sections = _read_sections(config_path)
     known = [n for n, _ in NODES]
@@ -119,6 +120,10 @@ def node_parameters(config_path: str | Path, namespace: str = "",
         for _, _, params in sorted(ranked, key=lambda r: (r[0], r[1])):
             merged.update(params)
         merged.update((overrides or {}).get(name, {}))
+        empty = sorted(k for k, v in merged.items() if v is None)
+        if empty:  # rclpy would refuse it without naming it (no parameter type is None)
+            raise InputError(f"parameter {empty[0]!r} of {name} has no value (an empty "
+                             "entry in the params file): give one or leave it out")
         out[name] = merged
     return out
 

@@ -15,6 +15,7 @@ import pytest
 import yaml
 from helpers import CARD, CONFIG, ROOT
 
+from tta_core.errors import InputError
 from tta_ros import bringup
 from tta_ros.launch_params import launch_overrides, node_parameters
 
@@ -227,6 +228,17 @@ def test_params_file_sections_follow_the_namespace(tmp_path) -> None:
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
     with pytest.raises(ValueError, match="unknown node 'planner'"):
         node_parameters(path, "/car1")
+
+
+def test_a_parameter_left_empty_is_named(tmp_path) -> None:
+    """`profile:` without a value (YAML null) is no ROS parameter value: refused naming it
+    and the node, before rclpy refuses it without a name."""
+    cfg = yaml.safe_load(CONFIG.read_text())
+    cfg["scheduler"]["ros__parameters"]["profile"] = None
+    path = tmp_path / "empty.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(InputError, match=r"parameter 'profile' of scheduler has no value"):
+        node_parameters(path)
 
 
 def test_bringup_command_line_namespace_and_ros_args(monkeypatch) -> None:

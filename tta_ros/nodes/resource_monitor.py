@@ -39,6 +39,7 @@ from tta_core.telemetry import (
     SysfsSource,
     TelemetrySampler,
 )
+from tta_ros import ros_params
 from tta_ros.diagnostics import (
     ERROR,
     HARDWARE_ID,
@@ -48,14 +49,7 @@ from tta_ros.diagnostics import (
     DiagnosticsPublisher,
     status,
 )
-from tta_ros.ros_params import (
-    ParamSpec,
-    check_initial,
-    declare_all,
-    report_unknown,
-    validate,
-    values,
-)
+from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
 
 UNKNOWN_COUNT = 2**32 - 1
 
@@ -232,7 +226,7 @@ class ResourceMonitorNode(Node):
         declare_all(self, PARAMS)
         self.params = values(self, PARAMS)
         check_initial(PARAMS, self.params)
-        report_unknown(self)  # the other nodes' parameters unknown here: typos only
+        ros_params.report_unknown(self)  # the other nodes' parameters unknown here: typos only
         self.add_on_set_parameters_callback(lambda ps: validate(PARAMS, ps))
         self.calibration = self._calibration(self.params["calibration"])
         self.expansion = None if self.calibration is None else ExpansionModel(

@@ -75,14 +75,7 @@ from tta_ros.nodes.plausibility import (
     check_status,
     check_telemetry,
 )
-from tta_ros.ros_params import (
-    ParamSpec,
-    check_initial,
-    declare_all,
-    report_unknown,
-    validate,
-    values,
-)
+from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
 
 PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("model_card", "", "model card JSON (arch, num_classes, image_size) of the "
@@ -242,7 +235,7 @@ class SchedulerNode(Node):
         self.create_subscription(AdaptationStatus, "adaptation_status", self._on_status,
                                  reliable)
         self.fleet = FleetScheduler(self)  # fleet mode: sizes of several pipelines (#22)
-        report_unknown(self, others=taken_elsewhere("scheduler"))  # all declared now
+        ros_params.report_unknown(self, others=taken_elsewhere("scheduler"))  # all declared
         self.create_timer(1.0, self._publish_diagnostics)
 
     @property

@@ -255,7 +255,7 @@ def with_interval(method: dict, key: str) -> str:
 
 def headline(data: dict) -> str:
     """README's results table: AdaShadow's cost against inference and Tent per model."""
-    lines = ["| model | AdaShadow ms | × inference | × Tent | units updated |",
+    lines = ["| model | AdaShadow ms | × inference | × Tent (with reforward) | units updated |",
              "|---|---:|---:|---:|---:|"]
     for run in data["runs"]:
         m = run["methods"]["adashadow"]
@@ -271,7 +271,7 @@ def headline(data: dict) -> str:
 def gpu_table(data: dict) -> str:
     """README's GPU table: the GPU check's latency run (gpu/paper_ratios.json), with its
     memory and served-forward figures (gpu/gpu_figures.json) when present."""
-    lines = ["| model | method | ms | × inference | × Tent | units updated | "
+    lines = ["| model | method | ms | × inference | × Tent (with reforward) | units updated | "
              "batches adapted |", "|---|---|---:|---:|---:|---:|---:|"]
     for run in data["runs"]:
         model = f"{run['arch']} {run['image_size']} px, batch {run['batch_size']}"

@@ -37,9 +37,10 @@ CONFIG = ROOT / "config" / "vehicle.yaml"
 MONITOR_CHILD = """
 import sys, time, rclpy, rclpy.task
 from rclpy.executors import SingleThreadedExecutor
+from tta_ros.lifecycle import activate
 from tta_ros.nodes.resource_monitor import ResourceMonitorNode
 rclpy.init()
-node = ResourceMonitorNode(parameter_overrides=[]) if sys.argv[1] == "monitor" \\
+node = activate(ResourceMonitorNode(parameter_overrides=[])) if sys.argv[1] == "monitor" \\
     else rclpy.create_node("idle")
 ex = SingleThreadedExecutor(); ex.add_node(node)
 c0 = time.process_time(); w0 = time.monotonic()

@@ -3,13 +3,19 @@
     python -m tta_ros.bringup --config config/vehicle.yaml [--namespace /car1]
         [--image-topic /camera/image_raw] [--method tent] [--sigma 0.5]
         [--set perception.batch_size=4 --set perception.method.lr=0.01 ...]
-        [--ros-args --log-level debug ...]
+        [--autostart false] [--ros-args --log-level debug ...]
 
 Parameters come from a standard ROS 2 params file (`node_name: ros__parameters: {...}`),
 merged per node and namespace by tta_ros.launch_params.node_parameters (`/**`, then the
 node's own section, then `/ns/node`, then the overrides): the same function and so the same
 values launch/vehicle.launch.py hands to the same three nodes. `build_nodes` is the
 testable core.
+
+The nodes are managed (lifecycle) nodes (tta_ros.lifecycle): bringup configures and
+activates each in turn (monitor, scheduler, perception) in process, so a bad model card is
+still one line and exit 1; `--autostart false` leaves them unconfigured, serving nothing,
+for `ros2 lifecycle set /perception configure` and so on. Under `ros2 launch` a lifecycle
+manager node does the same (tta_ros.nodes.lifecycle_manager, the `autostart` argument).
 
 One SingleThreadedExecutor serves all callbacks: they are short (the perception worker
 thread does the heavy work), and rclpy's MultiThreadedExecutor costs 3-4x more per frame
@@ -53,7 +59,13 @@ from rclpy.signals import SignalHandlerOptions
 from tta_core.errors import one_line_errors
 from tta_core.runtime.malloc_tuning import keep_freed_memory
 from tta_ros import launch_params
-from tta_ros.launch_params import join_namespace, launch_overrides, node_parameters
+from tta_ros.launch_params import (
+    join_namespace,
+    launch_overrides,
+    node_parameters,
+    parse_bool,
+)
+from tta_ros.lifecycle import activate
 from tta_ros.paths import package_file
 from tta_ros.ros_params import resolve_paths
 
@@ -92,11 +104,13 @@ def build_nodes(config_path: str | Path,
                 overrides: Mapping[str, Mapping[str, Any]] | None = None,
                 context: Context | None = None, image_topic: str | None = None,
                 base: Path = ROOT, namespace: str = "",
-                own_options_only: bool = False) -> list[Node]:
+                own_options_only: bool = False, autostart: bool = True) -> list[Node]:
     """The three nodes in `namespace` with the parameters `node_parameters` gives (the
     params file's sections for that namespace, then `overrides[node][param]`);
     `own_options_only`: without the method.* values perception's method has no option for
-    (a params file written for another method, which the node would name at WARN)."""
+    (a params file written for another method, which the node would name at WARN). Each
+    node is brought to active in turn (`autostart`; tta_ros.lifecycle.activate: a failed
+    configure raises its own error) or left unconfigured (`ros2 lifecycle set` drives it)."""
     namespace = join_namespace(namespace)
     params = node_parameters(config_path, namespace, overrides)
     if own_options_only:
@@ -108,6 +122,8 @@ def build_nodes(config_path: str | Path,
             nodes.append(_import(spec)(
                 name, context=context, cli_args=node_cli_args(name, namespace, image_topic),
                 parameter_overrides=[Parameter(k, value=v) for k, v in p.items()]))
+            if autostart:
+                activate(nodes[-1])
     except Exception:
         for n in nodes:
             n.destroy_node()
@@ -171,7 +187,9 @@ def spin(nodes: Sequence[Node], executor: Executor,
         executor.add_node(n)
         subs = sorted({s.topic_name for s in n.subscriptions} - {"/parameter_events"})
         pubs = sorted({p.topic_name for p in n.publishers} - {"/parameter_events", "/rosout"})
-        n.get_logger().info(f"ready: subscribes {subs or '-'}, publishes {pubs or '-'}")
+        state = getattr(n, "lifecycle_state", "")
+        n.get_logger().info(f"ready: {state + ', ' if state else ''}subscribes "
+                            f"{subs or '-'}, publishes {pubs or '-'}")
     try:
         with stop_on_signals(stop):
             while not stop.is_set() and executor.context.ok():
@@ -223,10 +241,24 @@ def exit_now(status: int) -> NoReturn:
 
 
 def node_main(node_cls: Callable[[], Node], argv: Sequence[str] | None = None) -> int:
-    """Console entry point of one node: init rclpy with `argv` (ROS args), spin it."""
+    """Console entry point of one node: init rclpy with `argv` (ROS args), bring the node
+    to active (a bad model card: one line, exit 1), spin it. `--managed` (before
+    `--ros-args`) leaves it unconfigured for a lifecycle manager (vehicle.launch.py starts
+    the nodes so) or `ros2 lifecycle set`."""
+    from rclpy.utilities import remove_ros_args
+
     name = getattr(node_cls, "__name__", "")
     prog = next((script for _, script, spec in NODES if spec.endswith(f":{name}")), name)
-    return run_nodes(prog, lambda: [node_cls()], argv if argv is not None else sys.argv)
+    argv = list(argv if argv is not None else sys.argv)
+    ap = argparse.ArgumentParser(prog=prog, description=f"The {name} ROS 2 managed node.")
+    ap.add_argument("--managed", action="store_true", help="start unconfigured: a lifecycle "
+                    "manager or `ros2 lifecycle set` brings it up (default: active at once)")
+    args = ap.parse_args(remove_ros_args(argv)[1:])
+
+    def build() -> list[Node]:
+        node = node_cls()
+        return [node if args.managed else activate(node)]
+    return run_nodes(prog, build, argv)
 
 
 def ros_args_namespace(argv: Sequence[str]) -> str:
@@ -265,6 +297,9 @@ def _parser(prog: str = "python -m tta_ros.bringup") -> argparse.ArgumentParser:
                     "scheduler's sigma")
     ap.add_argument("--use-sim-time", default="", metavar="BOOL",
                     help="use_sim_time of every node (as use_sim_time:=)")
+    ap.add_argument("--autostart", default="true", metavar="BOOL",
+                    help="bring the nodes to active (default); false leaves them "
+                    "unconfigured, serving nothing, for `ros2 lifecycle set` (as autostart:=)")
     ap.add_argument("--set", action="append", default=[], metavar="NODE.PARAM=VALUE")
     return ap
 
@@ -282,9 +317,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrides = launch_overrides(args.method, args.sigma, args.use_sim_time)
         for node, vals in parse_set(args.set).items():
             overrides.setdefault(node, {}).update(vals)
+        autostart = parse_bool(args.autostart)
     return run_nodes(ap.prog, lambda: build_nodes(args.config, overrides,
                                                   image_topic=args.image_topic,
-                                                  namespace=namespace), ros_args=full)
+                                                  namespace=namespace, autostart=autostart),
+                     ros_args=full)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,9 @@ class DiagnosticsPublisher:
 
     def __init__(self, node: Node, topic: str = "/diagnostics") -> None:
         self._node = node
-        self._pub = node.create_publisher(DiagnosticArray, topic, 10)
+        # a managed node's is a lifecycle publisher: it publishes only while active
+        create = getattr(node, "create_lifecycle_publisher", node.create_publisher)
+        self._pub = create(DiagnosticArray, topic, 10)
         self._lock = threading.Lock()
         self.prefix = f"{node.get_fully_qualified_name()}: "
         self.hardware_id = node_hardware_id(node)

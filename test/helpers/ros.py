@@ -27,6 +27,7 @@ from visualization_msgs.msg import MarkerArray
 from helpers import CARD, CONFIG, wait_for
 from tta_core.io.image_msg import array_to_image_fields
 from tta_ros.bringup import build_nodes
+from tta_ros.lifecycle import activate
 from tta_ros.nodes.perception import PerceptionNode
 from tta_ros.spinning import SpinThread
 
@@ -140,10 +141,10 @@ class CameraRig:
 
     def __init__(self, ctx, kind: str = "raw") -> None:
         self.kind = kind
-        self.node = PerceptionNode(context=ctx, parameter_overrides=[
+        self.node = activate(PerceptionNode(context=ctx, parameter_overrides=[
             Parameter(k, value=v) for k, v in {
                 "model_card": str(CARD), "method": "source", "batch_size": 1,
-                "queue_size": 64, "num_threads": 1, "input": kind}.items()])
+                "queue_size": 64, "num_threads": 1, "input": kind}.items()]))
         self.probe = rclpy.create_node("probe", context=ctx)
         self.answered: dict[int, float] = {}  # stamp -> time.monotonic() of its prediction
         self.probe.create_subscription(

@@ -25,6 +25,7 @@ from sensor_msgs.msg import Image  # noqa: E402
 from tta_msgs.msg import AdaptationStatus  # noqa: E402
 
 from tta_core.runtime.deadline import DeadlineConfig, batch_deadline_ms  # noqa: E402
+from tta_ros.lifecycle import activate  # noqa: E402
 from tta_ros.spinning import SpinThread  # noqa: E402
 
 OK, STALE = DiagnosticStatus.OK, DiagnosticStatus.STALE
@@ -66,8 +67,8 @@ class _Spun:
 def _monitor(ros_context, sysfs: Path):
     from tta_ros.nodes.resource_monitor import ResourceMonitorNode
 
-    return ResourceMonitorNode(context=ros_context, parameter_overrides=[
-        *NO_SOURCES, Parameter("sysfs_root", value=str(sysfs))])
+    return activate(ResourceMonitorNode(context=ros_context, parameter_overrides=[
+        *NO_SOURCES, Parameter("sysfs_root", value=str(sysfs))]))
 
 
 def test_monitor_without_gpu_thermal_llc_or_calibration_reports_ok(ros_context,
@@ -116,10 +117,10 @@ def test_sigma_mode_statuses_say_nothing_of_odometry(ros_context) -> None:
     from tta_ros.nodes.perception import PerceptionNode, perception_statuses
     from tta_ros.nodes.scheduler import SchedulerNode
 
-    sched = SchedulerNode(context=ros_context, parameter_overrides=[
-        Parameter("model_card", value=str(CARD))])
-    perc = PerceptionNode(context=ros_context, parameter_overrides=[
-        Parameter("model_card", value=str(CARD)), Parameter("num_threads", value=1)])
+    sched = activate(SchedulerNode(context=ros_context, parameter_overrides=[
+        Parameter("model_card", value=str(CARD))]))
+    perc = activate(PerceptionNode(context=ros_context, parameter_overrides=[
+        Parameter("model_card", value=str(CARD)), Parameter("num_threads", value=1)]))
     try:
         statuses = [sched._planning_status(),
                     next(s for s in perception_statuses(perc) if s.name == "planning")]
@@ -138,7 +139,7 @@ def test_adaptation_status_carries_the_speed_deadline(ros_context) -> None:
     change of speed (0.2 m per decision: 40 ms at 5 m/s, 10 ms at 20 m/s)."""
     from tta_ros.nodes.perception import PerceptionNode
 
-    node = PerceptionNode(context=ros_context, parameter_overrides=[
+    node = activate(PerceptionNode(context=ros_context, parameter_overrides=[
         Parameter("model_card", value=str(CARD)), Parameter("plan_source", value="inline"),
         Parameter("batch_size", value=2), Parameter("num_threads", value=1),
         Parameter("method.deadline_mode", value="speed"),
@@ -146,7 +147,7 @@ def test_adaptation_status_carries_the_speed_deadline(ros_context) -> None:
         Parameter("method.min_deadline_ms", value=1.0),
         Parameter("method.max_deadline_ms", value=1000.0),
         Parameter("odometry_type", value="geometry_msgs/TwistStamped"),
-        Parameter("feed_timeout_s", value=30.0)])
+        Parameter("feed_timeout_s", value=30.0)]))
     cfg = DeadlineConfig(deadline_mode="speed", distance_per_decision_m=0.2,
                          min_deadline_ms=1.0, max_deadline_ms=1000.0)
     car = rclpy.create_node("fake_car", context=ros_context)

@@ -20,6 +20,7 @@ from tta_core.methods.source import Source  # noqa: E402
 from tta_core.registry import _REGISTRY, register  # noqa: E402
 from tta_core.runtime.method import MethodConfig  # noqa: E402
 from tta_core.runtime.options import option  # noqa: E402
+from tta_ros.lifecycle import activate  # noqa: E402
 from tta_ros.nodes.perception import PerceptionNode  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -56,8 +57,8 @@ def probe_method():
 
 def _node(ctx, method: str, **params: object) -> PerceptionNode:
     given = {"model_card": str(CARD), "method": method, "num_threads": 1, **params}
-    return PerceptionNode(context=ctx, parameter_overrides=[
-        Parameter(k, value=v) for k, v in given.items()])
+    return activate(PerceptionNode(context=ctx, parameter_overrides=[
+        Parameter(k, value=v) for k, v in given.items()]))
 
 
 def test_a_new_config_field_is_a_parameter_with_its_range_and_help(ros_context,

@@ -26,6 +26,7 @@ from tta_msgs.msg import (  # noqa: E402
 )
 
 from tta_ros.bringup import build_nodes  # noqa: E402
+from tta_ros.lifecycle import activate  # noqa: E402
 from tta_ros.spinning import SpinThread  # noqa: E402
 
 CARS = ("/car1", "/car2")
@@ -128,8 +129,8 @@ def test_node_names_unique_under_launch_global_arguments() -> None:
     rclpy.init(args=["perception_node", "--ros-args", "-r", "__node:=perception",
                      "-r", "__ns:=/car1"], context=ctx, domain_id=random.randint(1, 200))
     try:
-        node = PerceptionNode(context=ctx, parameter_overrides=[
-            rclpy.parameter.Parameter("model_card", value=str(CARD))])
+        node = activate(PerceptionNode(context=ctx, parameter_overrides=[
+            rclpy.parameter.Parameter("model_card", value=str(CARD))]))
         probe = rclpy.create_node("probe", context=ctx, use_global_arguments=False)
         want = [("perception", "/car1"), ("perception_intake", "/car1"), ("probe", "/")]
         try:

@@ -12,6 +12,7 @@ from helpers import CARD, CONFIG  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 
 from tta_ros.bringup import build_nodes, parse_set  # noqa: E402
+from tta_ros.lifecycle import activate  # noqa: E402
 from tta_ros.nodes.scheduler import SchedulerNode  # noqa: E402
 from tta_ros.ros_params import ParamSpec  # noqa: E402
 
@@ -49,8 +50,8 @@ def test_other_types_refused_in_one_line(spec, value, error) -> None:
 
 
 def test_ints_for_floats_at_run_time(ros_context) -> None:
-    node = SchedulerNode(context=ros_context, parameter_overrides=[
-        Parameter("model_card", value=str(CARD)), Parameter("max_budget_ms", value=500)])
+    node = activate(SchedulerNode(context=ros_context, parameter_overrides=[
+        Parameter("model_card", value=str(CARD)), Parameter("max_budget_ms", value=500)]))
     try:
         assert node.bounds.max_budget_ms == 500.0
         res = node.set_parameters([Parameter("sigma", value=1)])[0]

@@ -25,6 +25,7 @@ from tta_msgs.msg import ClassPrediction  # noqa: E402
 
 from tta_core.data.signs import make_signs  # noqa: E402
 from tta_core.io.image_msg import array_to_image_fields  # noqa: E402
+from tta_ros.lifecycle import activate  # noqa: E402
 from tta_ros.nodes.perception import PerceptionNode  # noqa: E402
 from tta_ros.spinning import SpinThread  # noqa: E402
 
@@ -37,11 +38,11 @@ class TwoInputs:
     frames to both and recording their predictions."""
 
     def __init__(self, ctx) -> None:
-        self.nodes = {kind: PerceptionNode(
+        self.nodes = {kind: activate(PerceptionNode(
             context=ctx, cli_args=["--ros-args", "-r", f"__ns:=/{ns}"],
             parameter_overrides=[Parameter(k, value=v) for k, v in {
                 "model_card": str(CARD), "method": "source", "input": kind,
-                "batch_size": 8, "queue_size": 64, "num_threads": 1}.items()])
+                "batch_size": 8, "queue_size": 64, "num_threads": 1}.items()]))
             for kind, ns in (("raw", "raw"), ("compressed", "cmp"))}
         self.probe = rclpy.create_node("probe", context=ctx)
         self.preds: dict[str, dict[int, ClassPrediction]] = {"raw": {}, "compressed": {}}
@@ -111,10 +112,10 @@ def test_same_frames_raw_and_compressed_give_the_same_predictions(ros_context) -
 def test_compressed_input_follows_a_remapped_image_topic(ros_context) -> None:
     """image_transport naming: `image` remapped to /camera/image_raw puts the compressed
     frames on /camera/image_raw/compressed; a frame that is not a PNG is refused there."""
-    node = PerceptionNode(context=ros_context, cli_args=[
+    node = activate(PerceptionNode(context=ros_context, cli_args=[
         "--ros-args", "-r", "image:=/camera/image_raw"], parameter_overrides=[
         Parameter("model_card", value=str(CARD)), Parameter("input", value="compressed"),
-        Parameter("method", value="source"), Parameter("batch_size", value=1)])
+        Parameter("method", value="source"), Parameter("batch_size", value=1)]))
     try:
         topics = dict(node.intake.node.get_topic_names_and_types())
         names = [t for t, _ in node.intake.node.get_subscriber_names_and_types_by_node(
@@ -140,10 +141,10 @@ def test_bombs_between_valid_frames_are_refused_and_every_valid_frame_answered(
     from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
     from helpers.bombs import bombs, zero_stream_bomb
 
-    node = PerceptionNode(context=ros_context, parameter_overrides=[
+    node = activate(PerceptionNode(context=ros_context, parameter_overrides=[
         Parameter(k, value=v) for k, v in {
             "model_card": str(CARD), "method": "source", "input": "compressed",
-            "batch_size": 4, "queue_size": 64, "num_threads": 1}.items()])
+            "batch_size": 4, "queue_size": 64, "num_threads": 1}.items()]))
     probe = rclpy.create_node("probe", context=ros_context)
     preds: dict[int, ClassPrediction] = {}
     diags: list[DiagnosticStatus] = []

@@ -30,6 +30,7 @@ from tta_msgs.msg import AdaptationStatus, LayerImportance, LayerPlan  # noqa: E
 from visualization_msgs.msg import MarkerArray  # noqa: E402
 
 from tta_core.adashadow.predictor import UnitProfile  # noqa: E402
+from tta_ros.lifecycle import activate  # noqa: E402
 from tta_ros.nodes.scheduler import SchedulerNode  # noqa: E402
 from tta_ros.spinning import SpinThread  # noqa: E402
 
@@ -59,8 +60,8 @@ def _odometry(type_name: str, speed: float):
 def _scheduler(ros_context, tmp_path, namespace: str = "", *params: Parameter
                ) -> SchedulerNode:
     """A scheduler on the shipped card with a flat profile and no fixed-cost learning."""
-    names = SchedulerNode(context=ros_context, parameter_overrides=[
-        Parameter("model_card", value=str(CARD))])
+    names = activate(SchedulerNode(context=ros_context, parameter_overrides=[
+        Parameter("model_card", value=str(CARD))]))
     unit_names = names.layout.unit_names
     names.destroy_node()
     n = len(unit_names)
@@ -69,7 +70,7 @@ def _scheduler(ros_context, tmp_path, namespace: str = "", *params: Parameter
                 unit_names=unit_names, w_ms=np.full(n, 0.2), x_ms=np.full(n, 0.1),
                 r_ms=np.full(n, 0.3), eta=np.ones(n), forward_ms=FORWARD_MS,
                 ).save(tmp_path / "p.json")
-    return SchedulerNode(context=ros_context, cli_args=(
+    return activate(SchedulerNode(context=ros_context, cli_args=(
         ["--ros-args", "-r", f"__ns:=/{namespace}"] if namespace else None),
         parameter_overrides=[
         Parameter("model_card", value=str(CARD)),
@@ -78,7 +79,7 @@ def _scheduler(ros_context, tmp_path, namespace: str = "", *params: Parameter
         Parameter("deadline_mode", value="speed"),
         Parameter("distance_per_decision_m", value=DISTANCE_M),
         Parameter("min_deadline_ms", value=1.0), Parameter("max_deadline_ms", value=1000.0),
-        *params])
+        *params]))
 
 
 def _importance(node: SchedulerNode, batch_id: int, forward_ms: float = FORWARD_MS
@@ -241,12 +242,12 @@ def test_perception_plans_inline_against_its_deadline(ros_context) -> None:
     time with room adapts again."""
     from tta_ros.nodes.perception import PerceptionNode, perception_statuses
 
-    node = PerceptionNode(context=ros_context, parameter_overrides=[
+    node = activate(PerceptionNode(context=ros_context, parameter_overrides=[
         Parameter("model_card", value=str(CARD)), Parameter("plan_source", value="inline"),
         Parameter("batch_size", value=2), Parameter("num_threads", value=1),
         Parameter("method.deadline_mode", value="fixed"),
         Parameter("method.deadline_ms", value=0.01),
-        Parameter("odometry_type", value="geometry_msgs/TwistStamped")])
+        Parameter("odometry_type", value="geometry_msgs/TwistStamped")]))
     probe = rclpy.create_node("fake_camera", context=ros_context)
     statuses: list[AdaptationStatus] = []
     probe.create_subscription(AdaptationStatus, "adaptation_status", statuses.append,

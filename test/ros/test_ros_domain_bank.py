@@ -28,6 +28,7 @@ from tta_msgs.msg import AdaptationStatus, ClassPrediction, LayerImportance  # n
 from visualization_msgs.msg import MarkerArray  # noqa: E402
 
 from tta_core.data.streams import StreamSpec, build_stream  # noqa: E402
+from tta_ros.lifecycle import activate  # noqa: E402
 from tta_ros.nodes.domain_wiring import DomainWiring  # noqa: E402
 from tta_ros.nodes.perception import PerceptionNode  # noqa: E402
 from tta_ros.spinning import SpinThread  # noqa: E402
@@ -48,12 +49,12 @@ class Run:
     def __init__(self, ctx, bank: Path, save_s: float = 0.0, method: str = "darda") -> None:
         default_s, DomainWiring.save_s = DomainWiring.save_s, save_s  # read at start
         try:
-            self.node = PerceptionNode(context=ctx, parameter_overrides=[
+            self.node = activate(PerceptionNode(context=ctx, parameter_overrides=[
                 Parameter("model_card", value=str(CARD)), Parameter("method", value=method),
                 Parameter("batch_size", value=BATCH), Parameter("batch_timeout_s", value=1.0),
                 Parameter("queue_size", value=64), Parameter("num_threads", value=1),
                 Parameter("reset_patience", value=100000),
-                Parameter("method.bank_path", value=str(bank))])
+                Parameter("method.bank_path", value=str(bank))]))
         finally:
             DomainWiring.save_s = default_s
         self.probe = rclpy.create_node("probe", context=ctx)
@@ -247,8 +248,8 @@ def test_scheduler_marker_label_shows_the_recognised_domain(ros_context) -> None
 
     from tta_ros.nodes.scheduler import SchedulerNode
 
-    node = SchedulerNode(context=ros_context, parameter_overrides=[
-        Parameter("model_card", value=str(CARD))])
+    node = activate(SchedulerNode(context=ros_context, parameter_overrides=[
+        Parameter("model_card", value=str(CARD))]))
     probe = rclpy.create_node("rviz_probe", context=ros_context)
     got: list[MarkerArray] = []
     probe.create_subscription(MarkerArray, "layer_markers", got.append, 10)

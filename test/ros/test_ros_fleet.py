@@ -32,6 +32,7 @@ from tta_core.runtime.deadline import DeadlineConfig  # noqa: E402
 from tta_core.runtime.method import MethodConfig  # noqa: E402
 from tta_core.runtime.options import option  # noqa: E402
 from tta_ros.diagnostics import OK, WARN  # noqa: E402
+from tta_ros.lifecycle import activate  # noqa: E402
 from tta_ros.nodes.fleet_wiring import REPORT_TOPIC, app_from_report  # noqa: E402
 from tta_ros.nodes.perception import PerceptionNode, perception_statuses  # noqa: E402
 from tta_ros.nodes.scheduler import SchedulerNode  # noqa: E402
@@ -96,9 +97,9 @@ def _perception(ctx, ns: str, hz: float, method: str, calibration: Path) -> Perc
     params = {"model_card": str(CARD), "method": method, "batch_size": 2, "num_threads": 1,
               "method.camera_hz": hz, "reset_patience": 100000,
               "fleet_calibration": str(calibration)}
-    return PerceptionNode("perception", context=ctx, cli_args=["--ros-args", "-r",
+    return activate(PerceptionNode("perception", context=ctx, cli_args=["--ros-args", "-r",
                                                                f"__ns:={ns}"],
-                          parameter_overrides=[Parameter(k, value=v) for k, v in params.items()])
+                          parameter_overrides=[Parameter(k, value=v) for k, v in params.items()]))
 
 
 def test_fleet_sizes_reach_each_namespaced_perception_node(ros_context, sized_method,
@@ -107,10 +108,10 @@ def test_fleet_sizes_reach_each_namespaced_perception_node(ros_context, sized_me
     cal.write_text(json.dumps({"confidence": [0.0, 1.0], "accuracy": [0.0, 1.0],
                                "prior": {str(k): v for k, v in PRIOR.items()}}))
     perc = {ns: _perception(ros_context, ns, hz, sized_method, cal) for ns, hz in CAMS.items()}
-    sched = SchedulerNode("fleet_scheduler", context=ros_context, parameter_overrides=[
+    sched = activate(SchedulerNode("fleet_scheduler", context=ros_context, parameter_overrides=[
         Parameter("model_card", value=str(CARD)),
         Parameter("fleet_namespaces", value=list(CAMS)),
-        Parameter("fleet_capacity", value=0.25), Parameter("fleet_period_s", value=0.2)])
+        Parameter("fleet_capacity", value=0.25), Parameter("fleet_period_s", value=0.2)]))
     probe = rclpy.create_node("probe", context=ros_context)
     pubs = {ns: probe.create_publisher(Image, f"{ns}/image", qos_profile_sensor_data)
             for ns in CAMS}
@@ -172,8 +173,8 @@ def test_fleet_sizes_reach_each_namespaced_perception_node(ros_context, sized_me
 def test_non_resizable_method_has_no_size_to_set(ros_context) -> None:
     """A method that is not Resizable has no method.keep: a fleet scheduler's size is
     refused, and the node sends no fleet report."""
-    node = PerceptionNode("perception", context=ros_context, parameter_overrides=[
-        Parameter("model_card", value=str(CARD)), Parameter("method", value="source")])
+    node = activate(PerceptionNode("perception", context=ros_context, parameter_overrides=[
+        Parameter("model_card", value=str(CARD)), Parameter("method", value="source")]))
     try:
         assert not node.has_parameter("method.keep")
         with pytest.raises(rclpy.exceptions.ParameterNotDeclaredException):
@@ -185,14 +186,14 @@ def test_non_resizable_method_has_no_size_to_set(ros_context) -> None:
 
 
 def test_scheduler_waits_for_every_pipeline(ros_context) -> None:
-    sched = SchedulerNode("fleet_scheduler", context=ros_context, parameter_overrides=[
+    sched = activate(SchedulerNode("fleet_scheduler", context=ros_context, parameter_overrides=[
         Parameter("model_card", value=str(CARD)),
-        Parameter("fleet_namespaces", value=["/a", "/b"])])
+        Parameter("fleet_namespaces", value=["/a", "/b"])]))
     try:
         assert sched.fleet.step() is None and "/a: no fleet report" in sched.fleet.waiting
         assert sched.fleet.statuses()[0].level == WARN
-        off = SchedulerNode("plain", context=ros_context,
-                            parameter_overrides=[Parameter("model_card", value=str(CARD))])
+        off = activate(SchedulerNode("plain", context=ros_context,
+                            parameter_overrides=[Parameter("model_card", value=str(CARD))]))
         assert off.fleet.namespaces == [] and off.fleet.statuses() == []
         off.destroy_node()
     finally:
@@ -246,12 +247,12 @@ def test_elastic_on_the_gated_card_serves_the_pinned_size(ros_context) -> None:
     (no unit decomposition of a GatedModel is needed) and serves the size pinned by
     method.keep, which its fleet report gives as `served`."""
     gated = ROOT / "checkpoints" / "small_resnet_signs32_elastic.json"
-    node = PerceptionNode("perception", context=ros_context, parameter_overrides=[
+    node = activate(PerceptionNode("perception", context=ros_context, parameter_overrides=[
         Parameter(k, value=v) for k, v in {
             "model_card": str(gated), "method": "elastic", "method.lr": 0.0,
             "batch_size": 2, "num_threads": 1, "method.camera_hz": 20.0,
             "method.deadline_mode": "camera", "reset_patience": 100000,
-            "method.keep": 0.5}.items()])
+            "method.keep": 0.5}.items()]))
     probe = rclpy.create_node("probe", context=ros_context)
     pub = probe.create_publisher(Image, "/image", qos_profile_sensor_data)
     got, reports = [], []
@@ -364,11 +365,11 @@ def test_paper_objective_plans_with_the_received_retraining_estimates(ros_contex
     brute-force paper optimum once they carry them; confidence again when switched back."""
     conf, paper = _brute_force(False), _brute_force(True)
     assert conf == {"/a": 1.0, "/b": 0.5} and paper == {"/a": 0.5, "/b": 1.0}  # they differ
-    sched = SchedulerNode("fleet_scheduler", context=ros_context, parameter_overrides=[
+    sched = activate(SchedulerNode("fleet_scheduler", context=ros_context, parameter_overrides=[
         Parameter("model_card", value=str(CARD)),
         Parameter("fleet_namespaces", value=list(PLANTED)),
         Parameter("fleet_capacity", value=CAPACITY), Parameter("fleet_period_s", value=0.05),
-        Parameter("fleet_objective", value="paper"), Parameter("fleet_t_max_s", value=T_MAX)])
+        Parameter("fleet_objective", value="paper"), Parameter("fleet_t_max_s", value=T_MAX)]))
     log = _Warnings(sched.get_logger())
     sched.get_logger = lambda: log
     probe = rclpy.create_node("probe", context=ros_context)

@@ -20,6 +20,7 @@ from tta_msgs.msg import LayerPlan  # noqa: E402
 
 from tta_ros.bringup import load_params, resolve_paths  # noqa: E402
 from tta_ros.diagnostics import DiagnosticsPublisher, node_hardware_id, status  # noqa: E402
+from tta_ros.lifecycle import activate  # noqa: E402
 from tta_ros.nodes.perception import PerceptionNode  # noqa: E402
 from tta_ros.nodes.resource_monitor import ResourceMonitorNode  # noqa: E402
 from tta_ros.nodes.scheduler import SchedulerNode, plan_markers  # noqa: E402
@@ -35,9 +36,9 @@ def _statuses_of_three(ctx, namespace: str, common: dict) -> dict[str, list[Diag
     /diagnostics until each has published; {node fully qualified name: its statuses}."""
     params = load_params(CONFIG)
     cli = ["--ros-args", "-r", f"__ns:={namespace}"] if namespace else None
-    nodes = [cls(name, context=ctx, cli_args=cli, parameter_overrides=[
+    nodes = [activate(cls(name, context=ctx, cli_args=cli, parameter_overrides=[
         Parameter(k, value=v) for k, v in resolve_paths(
-            {**params[name], "model_card": str(CARD), **EXTRA.get(name, {}), **common}).items()])
+            {**params[name], "model_card": str(CARD), **EXTRA.get(name, {}), **common}).items()]))
         for name, cls in NODES]
     probe = rclpy.create_node("diag_probe", context=ctx)
     got: list[DiagnosticStatus] = []

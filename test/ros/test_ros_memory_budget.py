@@ -32,11 +32,12 @@ def test_scheduler_plans_within_its_memory_budget_mb(ros_context) -> None:
     from rclpy.parameter import Parameter
     from tta_msgs.msg import LayerImportance
 
+    from tta_ros.lifecycle import activate
     from tta_ros.nodes.scheduler import SchedulerNode
 
-    node = SchedulerNode(context=ros_context, parameter_overrides=[
+    node = activate(SchedulerNode(context=ros_context, parameter_overrides=[
         Parameter("model_card", value=str(CARD)), Parameter("sigma", value=1.0),
-        Parameter("memory_budget_mb", value=0.5)])
+        Parameter("memory_budget_mb", value=0.5)]))
     try:
         lay = node.layout
         imp = LayerImportance(unit_names=lay.unit_names, model_name=lay.model_name,
@@ -66,11 +67,12 @@ def test_scheduler_plans_within_a_share_of_the_free_memory_telemetry_reports(
     from rclpy.parameter import Parameter
     from tta_msgs.msg import LayerImportance, LayerPlan, ResourceTelemetry
 
+    from tta_ros.lifecycle import activate
     from tta_ros.nodes.scheduler import SchedulerNode, memory_text, plan_markers
 
-    node = SchedulerNode(context=ros_context, parameter_overrides=[
+    node = activate(SchedulerNode(context=ros_context, parameter_overrides=[
         Parameter("model_card", value=str(CARD)), Parameter("sigma", value=1.0),
-        Parameter("memory_budget_free_share", value=0.5)])
+        Parameter("memory_budget_free_share", value=0.5)]))
     probe = rclpy.create_node("monitor_probe", context=ros_context)
     pub = probe.create_publisher(ResourceTelemetry, "telemetry", 10)
     ex = SingleThreadedExecutor(context=ros_context)

@@ -30,6 +30,7 @@ from tta_msgs.msg import (  # noqa: E402
 from visualization_msgs.msg import Marker  # noqa: E402
 
 from tta_core.io.image_msg import array_to_image_fields  # noqa: E402
+from tta_ros.lifecycle import activate  # noqa: E402
 from tta_ros.nodes.perception import perception_statuses  # noqa: E402
 from tta_ros.nodes.perception_support import PlanGate  # noqa: E402
 from tta_ros.nodes.scheduler import SchedulerNode  # noqa: E402
@@ -195,8 +196,8 @@ def test_scheduler_killed_inline_after_plan_timeout_then_resumes(rig_factory, ro
                 if s.level == DiagnosticStatus.WARN and "inline" in s.message]
         assert warn and f"timeout {timeout:g} s" in warn[0].message
         n_plans = len(rig.msgs("plan"))
-        new = SchedulerNode(context=ros_context, parameter_overrides=[
-            Parameter("model_card", value=str(CARD))])
+        new = activate(SchedulerNode(context=ros_context, parameter_overrides=[
+            Parameter("model_card", value=str(CARD))]))
         rig.nodes.append(new)
         rig.ex.add_node(new)
         n = len(statuses())
@@ -292,13 +293,13 @@ def test_resource_monitor_calibration_fills_expansion(ros_context, tmp_path) -> 
     path.write_text(json.dumps({"schema": "tta.calibration/1", "calibration": cal}))
     off = [Parameter("enable_perf", value=False), Parameter("enable_nvml", value=False),
            Parameter("enable_jtop", value=False)]
-    plain = ResourceMonitorNode(context=ros_context, parameter_overrides=off)
-    node = ResourceMonitorNode("rm_cal", context=ros_context, parameter_overrides=[
+    plain = activate(ResourceMonitorNode(context=ros_context, parameter_overrides=off))
+    node = activate(ResourceMonitorNode("rm_cal", context=ros_context, parameter_overrides=[
         *off, Parameter("calibration", value=str(path)), Parameter("torch_threads", value=2),
-        Parameter("bandwidth_probe", value=True)])
-    paper = ResourceMonitorNode("rm_paper", context=ros_context, parameter_overrides=[
+        Parameter("bandwidth_probe", value=True)]))
+    paper = activate(ResourceMonitorNode("rm_paper", context=ros_context, parameter_overrides=[
         *off, Parameter("calibration", value=str(path)),
-        Parameter("expansion_model", value="paper")])
+        Parameter("expansion_model", value="paper")]))
     try:
         for n in (plain, node, paper):
             n._on_sample()
@@ -327,15 +328,15 @@ def test_resource_monitor_calibration_fills_expansion(ros_context, tmp_path) -> 
         for n in (plain, node, paper):
             n.destroy_node()
     with pytest.raises(ValueError, match="calibration="):
-        ResourceMonitorNode("rm_bad", context=ros_context, parameter_overrides=[
-            *off, Parameter("calibration", value=str(tmp_path / "missing.json"))])
+        activate(ResourceMonitorNode("rm_bad", context=ros_context, parameter_overrides=[
+            *off, Parameter("calibration", value=str(tmp_path / "missing.json"))]))
     from rclpy.exceptions import InvalidParameterValueException
 
     # choices are checked by the node, ranges by rclpy already at declaration
     for name, value in (("expansion_model", "linear"), ("torch_threads", -1)):
         with pytest.raises((ValueError, InvalidParameterValueException), match=name):
-            ResourceMonitorNode("rm_bad", context=ros_context, parameter_overrides=[
-                *off, Parameter(name, value=value)])
+            activate(ResourceMonitorNode("rm_bad", context=ros_context, parameter_overrides=[
+                *off, Parameter(name, value=value)]))
 
 
 def _exchange(ros_context, node: SchedulerNode, tel: ResourceTelemetry | None,
@@ -384,11 +385,11 @@ def test_scheduler_publishes_the_planning_services_plan(ros_context, tmp_path,
                        w_ms=np.linspace(0.1, 0.3, n), x_ms=np.full(n, 0.1),
                        r_ms=np.full(n, 0.3), eta=eta, forward_ms=0.3 * n)
     prof.save(tmp_path / "p.json")
-    node = SchedulerNode(context=ros_context, parameter_overrides=[
+    node = activate(SchedulerNode(context=ros_context, parameter_overrides=[
         Parameter("model_card", value=str(CARD)),
         Parameter("profile", value=str(tmp_path / "p.json")),
         Parameter("forward_feedback", value=feedback), Parameter("sigma", value=0.6),
-        Parameter("fixed_cost_feedback", value=0.0)])
+        Parameter("fixed_cost_feedback", value=0.0)]))
     imp = LayerImportance(unit_names=layout.unit_names, model_name=layout.model_name,
                           importance=np.random.default_rng(1).random(n).tolist(),
                           batch_size=4, forward_ms=2.5 * 0.3 * n, batch_id=7)
@@ -418,8 +419,8 @@ def _profiled_scheduler(ros_context, tmp_path, *params: Parameter) -> SchedulerN
     """A scheduler on the shipped card with a flat profile (w 0.2, x 0.1, r 0.3 ms)."""
     from tta_core.adashadow.predictor import UnitProfile
 
-    probe = SchedulerNode(context=ros_context, parameter_overrides=[
-        Parameter("model_card", value=str(CARD))])
+    probe = activate(SchedulerNode(context=ros_context, parameter_overrides=[
+        Parameter("model_card", value=str(CARD))]))
     names = probe.layout.unit_names
     probe.destroy_node()
     n = len(names)
@@ -427,11 +428,11 @@ def _profiled_scheduler(ros_context, tmp_path, *params: Parameter) -> SchedulerN
                 unit_names=names, w_ms=np.full(n, 0.2), x_ms=np.full(n, 0.1),
                 r_ms=np.full(n, 0.3), eta=np.ones(n), forward_ms=0.3 * n,
                 ).save(tmp_path / "p.json")
-    return SchedulerNode(context=ros_context, parameter_overrides=[
+    return activate(SchedulerNode(context=ros_context, parameter_overrides=[
         Parameter("model_card", value=str(CARD)),
         Parameter("profile", value=str(tmp_path / "p.json")),
         Parameter("forward_feedback", value="uniform"), Parameter("sigma", value=0.8),
-        *params])
+        *params]))
 
 
 def test_scheduler_corrects_backward_times_by_the_status_perception_reports(
@@ -549,10 +550,10 @@ def test_telemetry_topic_reaches_inline_planning(ros_context) -> None:
     feed_timeout_s."""
     from tta_ros.nodes.perception import PerceptionNode
 
-    node = PerceptionNode(context=ros_context, parameter_overrides=[
+    node = activate(PerceptionNode(context=ros_context, parameter_overrides=[
         Parameter("model_card", value=str(CARD)), Parameter("plan_source", value="inline"),
         Parameter("batch_size", value=2), Parameter("feed_timeout_s", value=0.5),
-        Parameter("num_threads", value=1)])
+        Parameter("num_threads", value=1)]))
     probe = rclpy.create_node("fake_monitor", context=ros_context)
     pub_tel = probe.create_publisher(ResourceTelemetry, "telemetry", 10)
     pub_img = probe.create_publisher(Image, "image", qos_profile_sensor_data)

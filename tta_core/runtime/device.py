@@ -3,7 +3,11 @@ one-line error instead of a CUDA initialisation traceback on the first batch."""
 
 from __future__ import annotations
 
+import gc
+
 import torch
+
+from tta_core.runtime.malloc_tuning import return_freed_memory
 
 
 def check_device(name: str) -> torch.device:
@@ -23,3 +27,12 @@ def check_device(name: str) -> torch.device:
     elif dev.type != "cpu":
         raise ValueError(f"device={name!r}: only cpu and cuda devices are supported")
     return dev
+
+
+def release_memory(device: torch.device | None = None) -> None:
+    """After the last reference to a model went: collect it (cycles too), return CUDA's
+    cached blocks on a CUDA `device` and the heap's free pages to the system."""
+    gc.collect()
+    if device is not None and device.type == "cuda":
+        torch.cuda.empty_cache()
+    return_freed_memory()

@@ -34,3 +34,14 @@ def keep_freed_memory(threshold_bytes: int = DEFAULT_THRESHOLD) -> bool:
     ok = [libc.mallopt(opt, ctypes.c_int(threshold_bytes))
           for opt in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD)]
     return all(v == 1 for v in ok)
+
+
+def return_freed_memory() -> bool:
+    """Hand the heap's free pages back to the system (glibc malloc_trim over every arena):
+    what keep_freed_memory keeps, released once the memory is no longer needed (a node's
+    model freed by its lifecycle cleanup). True when memory was returned; False where not
+    glibc or nothing was free."""
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    return bool(libc.malloc_trim(ctypes.c_size_t(0)))

@@ -264,15 +264,23 @@ class NoPaperEstimates(ValueError):
     """A fleet report lacks what the paper objective needs (T, A, Ã)."""
 
 
+def declare_namespaces(node: Node) -> None:
+    """Declare the scheduler's `fleet_namespaces` (string array, read-only) unless it is
+    declared: the node declares it when built, the FleetScheduler of each configure reads
+    it."""
+    if not node.has_parameter(NAMESPACES_PARAM):
+        node.declare_parameter(NAMESPACES_PARAM, Parameter.Type.STRING_ARRAY,
+                               ParameterDescriptor(description=(
+                                   "fleet mode: namespaces of the perception pipelines that "
+                                   "share this computer (empty: off)"), read_only=True))
+
+
 class FleetScheduler:
     """The scheduler node's fleet mode (module docstring); inactive without namespaces."""
 
     def __init__(self, node: Node) -> None:
         self.node = node
-        node.declare_parameter(NAMESPACES_PARAM, Parameter.Type.STRING_ARRAY,
-                               ParameterDescriptor(description=(
-                                   "fleet mode: namespaces of the perception pipelines that "
-                                   "share this computer (empty: off)"), read_only=True))
+        declare_namespaces(node)
         ns = node.get_parameter_or(NAMESPACES_PARAM,
                                    Parameter(NAMESPACES_PARAM, value=[""])).value or []
         self.namespaces = [n.rstrip("/") for n in ns if n]

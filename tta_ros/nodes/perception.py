@@ -74,7 +74,7 @@ from tta_core.model.source import load_source
 from tta_core.model.units import decompose
 from tta_core.registry import available_methods, build_method
 from tta_core.runtime.deadline import DeadlineConfig, batch_deadline_ms
-from tta_core.runtime.device import check_device
+from tta_core.runtime.device import check_device, release_memory
 from tta_core.runtime.gc_pauses import freeze_startup_heap
 from tta_ros import ros_params
 from tta_ros.convert import (
@@ -88,6 +88,7 @@ from tta_ros.convert import (
     status_msg,
 )
 from tta_ros.diagnostics import ERROR, HARDWARE_ID, OK, WARN, DiagnosticsPublisher, status
+from tta_ros.lifecycle import ManagedNode
 from tta_ros.nodes import plausibility
 from tta_ros.nodes.deadline_wiring import ODOMETRY_PARAMS, SpeedFeed, resolve_topic
 from tta_ros.nodes.domain_wiring import DomainWiring
@@ -352,16 +353,16 @@ def check_method_change(node: PerceptionNode, new: Mapping[str, Any]) -> str:
                     f"declared anew with it), then its options")
         opts = MethodOptions(method, override_values(node))
         return opts.check(opts.values) or check_precision_param(
-            method, opts.get("precision"), node.device)
+            method, opts.get("precision"), getattr(node, "device", None))
     if not changes:
         return ""
     params = node.options.params
     return node.options.check(changes) or check_precision_param(
-        method, changes.get(PREFIX + "precision"), node.device) or check_live(
+        method, changes.get(PREFIX + "precision"), getattr(node, "device", None)) or check_live(
         node.method, {k[len(PREFIX):]: params[k].config_value(v) for k, v in changes.items()})
 
 
-class PerceptionNode(Node):
+class PerceptionNode(ManagedNode):
     """Runs a tta_core method on the camera stream; see the module docstring."""
 
     def __init__(self, node_name: str = "perception", *, context: Context | None = None,
@@ -369,10 +370,14 @@ class PerceptionNode(Node):
                  cli_args: Sequence[str] | None = None) -> None:
         self._stop = threading.Event()  # first: destroy_node runs on a half-built node too
         self._worker: threading.Thread | None = None
+        self._batch_lock = threading.Lock()  # held while a batch runs (deactivate waits)
         self.intake: FrameIntake | None = None
         self.method: TTAMethodLike | None = None
+        self.source_model: torch.nn.Module | None = None
         self.declaring = False  # method.* parameters being declared (callbacks skip them)
         self.build_error = ""  # why the last rebuild failed ('' when it did not)
+        self._pending: dict[str, Any] = {}
+        self._pending_lock = threading.Lock()
         super().__init__(node_name, context=context, parameter_overrides=parameter_overrides,
                          cli_args=list(cli_args) if cli_args else None,
                          automatically_declare_parameters_from_overrides=True)  # start_values
@@ -381,9 +386,18 @@ class PerceptionNode(Node):
         self.p = values(self, self.specs)
         check_initial(self.specs, self.p)
         self.options = self._declare_method(self.p["method"])
+        self.add_on_set_parameters_callback(self._on_set_parameters)
+        self.add_post_set_parameters_callback(self._after_set_parameters)
+
+    # ------------------------------------------------------------ lifecycle
+    def _configure(self) -> None:
+        """Read the parameters, load the source model and build the method (its artifacts:
+        profile, bank, calibration), create the publishers, subscriptions, the diagnostics
+        timer and the worker thread (idle until activated)."""
+        self.p = values(self, self.specs)
+        with self._pending_lock:
+            self._pending = {}  # every value is read here
         self._load_source()
-        self._pending: dict[str, Any] = {}
-        self._pending_lock = threading.Lock()
         self.domain = DomainWiring(self)  # domain reports, bank saves
         self.fleet = PerceptionFleet(self, self.p["fleet_calibration"],  # fleet mode
                                      self.fleet_settings)
@@ -405,24 +419,57 @@ class PerceptionNode(Node):
                                lambda: self.get_clock().now().nanoseconds * 1e-9)
         self.speed.admit = lambda v: self.refusals.admit("odometry", check_speed, v,
                                                          self.bounds)
-        self.add_on_set_parameters_callback(self._on_set_parameters)
-        self.add_post_set_parameters_callback(self._after_set_parameters)
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
-        self.pub_pred = self.create_publisher(ClassPrediction, "predictions", 100)
-        self.pub_status = self.create_publisher(AdaptationStatus, "adaptation_status", reliable)
-        self.pub_imp = self.create_publisher(LayerImportance, "layer_importance", reliable)
+        self.pub_pred = self.create_lifecycle_publisher(ClassPrediction, "predictions", 100)
+        self.pub_status = self.create_lifecycle_publisher(AdaptationStatus,
+                                                          "adaptation_status", reliable)
+        self.pub_imp = self.create_lifecycle_publisher(LayerImportance, "layer_importance",
+                                                       reliable)
         self.diag = DiagnosticsPublisher(self)
-        # frames come in on an intake thread of their own, never faster than the worker
-        # uses them, and are converted before they are queued (tta_ros.nodes.intake: why)
-        self.intake = FrameIntake(self, self.queue, frame_topic(self, self.p["input"]),
-                                  qos_profile_sensor_data, self._backlog,
-                                  FRAME_INPUTS[self.p["input"]].msg_type, self._prepare)
         self.create_subscription(LayerPlan, "layer_plan", self._on_plan, reliable)
         self.create_subscription(ResourceTelemetry, "telemetry", self._on_telemetry, 10)
         self.create_timer(1.0, self._publish_diagnostics)
+        self._stop.clear()
         self._worker = threading.Thread(target=self._run, name="perception-worker",
                                         daemon=True)
         self._worker.start()
+
+    def _activate(self) -> None:
+        """Take frames: the image subscription (on an intake thread of its own, never
+        faster than the worker uses frames, converted before they are queued:
+        tta_ros.nodes.intake says why) exists only while the node is active."""
+        self.gate = PlanGate(self.gate.timeout_s)  # no plan made before deactivation
+        self._inline_fallback = False
+        self.intake = FrameIntake(self, self.queue, frame_topic(self, self.p["input"]),
+                                  qos_profile_sensor_data, self._backlog,
+                                  FRAME_INPUTS[self.p["input"]].msg_type, self._prepare)
+
+    def _deactivate(self) -> None:
+        """Stop serving: no more frames taken, the running batch finished (its outputs
+        published), the frames still queued dropped (counted). The method keeps its
+        adapted state: activation serves on from it."""
+        if self.intake is not None:
+            self.intake.close()
+            self.intake = None
+        with self._batch_lock:  # the batch under way ends; none starts while inactive
+            self.queue.clear()
+
+    def _cleanup(self) -> None:
+        """Stop and join the worker, save the domain bank, close the method, then free the
+        method, the source model and their device memory."""
+        self._stop.set()
+        if self._worker is not None:
+            if getattr(self, "queue", None) is not None:
+                self.queue.close()
+            self._worker.join(timeout=30.0)
+        if self.method is not None:
+            self.domain.close(self._worker)  # the bank's last save, after the worker stopped
+            self.method.close()
+        self._worker = None
+        self.method = self.source_model = None
+        for name in ("domain", "fleet", "queue", "gate", "telemetry", "speed"):
+            setattr(self, name, None)  # what may hold the method or its tensors
+        release_memory(getattr(self, "device", None))
 
     # ------------------------------------------------------------ set-up
     def _load_source(self) -> None:
@@ -513,6 +560,8 @@ class PerceptionNode(Node):
                 self.undeclare_parameter(name)
             self.options = self._declare_method(new["method"])
         self.options.values.update({k: v for k, v in new.items() if k in self.options.params})
+        if not self.configured:
+            return  # configure reads every value
         with self._pending_lock:
             self._pending.update(new)
         self.speed.on_params(new, FEED_TIMEOUT)
@@ -567,13 +616,14 @@ class PerceptionNode(Node):
         return min(self.queue.maxlen, 2 * int(self.p["batch_size"]))
 
     def _on_telemetry(self, msg: ResourceTelemetry) -> None:
-        if not self.refusals.admit("ResourceTelemetry", check_telemetry, msg, self.bounds):
+        if not self.serving or not self.refusals.admit("ResourceTelemetry", check_telemetry,
+                                                       msg, self.bounds):
             return
         self.telemetry.on_reading(*telemetry_pis(msg.compute_expansion, msg.memory_expansion))
 
     def _on_plan(self, msg: LayerPlan) -> None:
         method = self.method
-        if not isinstance(method, TakesPlan):
+        if not self.serving or not isinstance(method, TakesPlan):
             return
         try:
             plausibility.check_plan(msg, self.bounds)
@@ -597,7 +647,11 @@ class PerceptionNode(Node):
                 frames = self.queue.take(int(self.p["batch_size"]),
                                          float(self.p["batch_timeout_s"]))
                 if frames:
-                    self._process(frames)
+                    with self._batch_lock:
+                        if self.serving:
+                            self._process(frames)
+                        else:  # taken as the node deactivated: dropped, counted
+                            self.queue.count_lost(len(frames))
             except Exception as exc:  # the node keeps running; the error is reported
                 self.counters.step_errors += 1
                 self.counters.last_error = f"{type(exc).__name__}: {exc}"
@@ -694,19 +748,6 @@ class PerceptionNode(Node):
         st = next(s for s in perception_statuses(self) if s.name.endswith(which))
         st.level, st.message = level, message
         self.diag.publish([st])
-
-    def destroy_node(self) -> None:
-        """Stop and join the publishing worker, then destroy the node (a half-built too)."""
-        self._stop.set()
-        if self.intake is not None:  # no frame taken while the worker stops
-            self.intake.close()
-        if self._worker is not None:  # started last: the queue exists
-            self.queue.close()
-            self._worker.join(timeout=30.0)
-        if self.method is not None:
-            self.domain.close(self._worker)  # the bank's last save, after the worker stopped
-            self.method.close()
-        super().destroy_node()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -101,6 +101,15 @@ class FrameQueue:
             with self._cv:
                 self.dropped += n
 
+    def clear(self) -> int:
+        """Drop every queued frame (counted as dropped); how many there were."""
+        with self._cv:
+            n = len(self._q)
+            self.dropped += n
+            self._q.clear()
+            self._cv.notify_all()
+        return n
+
     def __len__(self) -> int:
         return len(self._q)
 

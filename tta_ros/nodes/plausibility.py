@@ -100,9 +100,9 @@ def check_plan(msg: Any, b: Bounds) -> None:
     """LayerPlan: sigma in [0, 1] (the budget's share of a full update; the scheduler caps
     a deadline's share at 1), budget, predicted and solve times in [0, max_budget_ms], unit
     times in [0, max_forward_ms], importance in [0, MAX_IMPORTANCE]. A zero budget (sigma
-    = 0 or budget_ms = 0: nothing of the deadline is left once the forward's scatter
-    margin is kept, or sigma is set to 0) is a valid plan that serves without update, so
-    it selects no unit."""
+    = 0 or budget_ms = 0: nothing of the deadline is left once the forward's time and its
+    scatter margin are kept) is a valid plan that serves without update, so it selects no
+    unit."""
     in_range("sigma", msg.sigma, 0.0, 1.0)
     for name in ("budget_ms", "predicted_total_ms", "solve_ms"):
         in_range(name, getattr(msg, name), 0.0, b.max_budget_ms)

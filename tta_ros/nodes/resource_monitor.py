@@ -23,7 +23,6 @@ from collections.abc import Sequence
 
 from diagnostic_msgs.msg import DiagnosticStatus
 from rclpy.context import Context
-from rclpy.node import Node
 from rclpy.parameter import Parameter
 from tta_msgs.msg import ResourceTelemetry
 
@@ -49,6 +48,7 @@ from tta_ros.diagnostics import (
     DiagnosticsPublisher,
     status,
 )
+from tta_ros.lifecycle import ManagedNode
 from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
 
 UNKNOWN_COUNT = 2**32 - 1
@@ -214,12 +214,13 @@ def expansion_status(sampler: TelemetrySampler, note: str = "") -> DiagnosticSta
     return _status("expansion", WARN if problems else OK, "; ".join([msg, *problems]), vals)
 
 
-class ResourceMonitorNode(Node):
+class ResourceMonitorNode(ManagedNode):
     """Samples resources at `rate_hz`; publishes telemetry and per-subsystem diagnostics."""
 
     def __init__(self, node_name: str = "resource_monitor", *, context: Context | None = None,
                  parameter_overrides: Sequence[Parameter] | None = None,
                  cli_args: Sequence[str] | None = None) -> None:
+        self.sampler: TelemetrySampler | None = None
         super().__init__(node_name, context=context, parameter_overrides=parameter_overrides,
                          cli_args=list(cli_args) if cli_args else None,
                          automatically_declare_parameters_from_overrides=True)  # start_values
@@ -228,6 +229,13 @@ class ResourceMonitorNode(Node):
         check_initial(PARAMS, self.params)
         ros_params.report_unknown(self)  # the other nodes' parameters unknown here: typos only
         self.add_on_set_parameters_callback(lambda ps: validate(PARAMS, ps))
+        self.add_post_set_parameters_callback(
+            lambda ps: self.params.update({p.name: p.value for p in ps}))
+
+    def _configure(self) -> None:
+        """Read the parameters, load the calibration, open the samplers (NVML, jtop,
+        perf), create the publishers and the sampling and diagnostics timers."""
+        self.params = values(self, PARAMS)
         self.calibration = self._calibration(self.params["calibration"])
         self.expansion = None if self.calibration is None else ExpansionModel(
             model=self.params["expansion_model"], calibration=self.calibration,
@@ -241,10 +249,16 @@ class ResourceMonitorNode(Node):
         self.last_sample: ResourceSample | None = None
         self.seen: set[str] = set()  # subsystems measured so far (STALE once they stop)
         self.samples_published = 0
-        self.pub_telemetry = self.create_publisher(ResourceTelemetry, "telemetry", 10)
+        self.pub_telemetry = self.create_lifecycle_publisher(ResourceTelemetry, "telemetry", 10)
         self.diag = DiagnosticsPublisher(self)
         self.create_timer(1.0 / self.params["rate_hz"], self._on_sample)
         self.create_timer(1.0 / self.params["diagnostics_rate_hz"], self._on_diagnostics)
+
+    def _cleanup(self) -> None:
+        """Close the samplers (NVML, perf counters, jtop)."""
+        if self.sampler is not None:
+            self.sampler.close()
+        self.sampler = self.last_sample = None
 
     @staticmethod
     def _calibration(path: str) -> Calibration | None:
@@ -273,14 +287,14 @@ class ResourceMonitorNode(Node):
         sample = self.sampler.sample()
         self.last_sample = sample
         msg = sample_to_msg(sample)
-        msg.header.frame_id = self.get_parameter("frame_id").value
+        msg.header.frame_id = self.params["frame_id"]
         self.pub_telemetry.publish(msg)
         self.samples_published += 1
 
     def _on_diagnostics(self) -> None:
         if self.last_sample is None:
             return
-        th = {k: self.get_parameter(k).value for k in
+        th = {k: self.params[k] for k in
               ("cpu_warn_percent", "mem_warn_percent", "temp_warn_c", "temp_error_c",
                "cache_warn_hit_rate")}
         self.diag.publish([*subsystem_statuses(self.last_sample, th, self.seen),
@@ -293,12 +307,6 @@ class ResourceMonitorNode(Node):
         vals = {s.name: s.detail for s in sts}
         return _status("sources", WARN if errors else OK, "; ".join(errors) or
                        (self.last_sample.source if self.last_sample else ""), vals)
-
-    def destroy_node(self) -> None:
-        sampler = getattr(self, "sampler", None)  # None when __init__ failed (bad parameter)
-        if sampler is not None:
-            sampler.close()
-        super().destroy_node()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -31,8 +31,8 @@ from collections.abc import Sequence
 import numpy as np
 from diagnostic_msgs.msg import DiagnosticStatus
 from geometry_msgs.msg import Point, Vector3
+from rcl_interfaces.msg import SetParametersResult
 from rclpy.context import Context
-from rclpy.node import Node
 from rclpy.parameter import Parameter
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 from std_msgs.msg import ColorRGBA
@@ -56,6 +56,7 @@ from tta_core.adashadow.planning import (
 from tta_ros import ros_params
 from tta_ros.convert import check_importance, plan_to_msg
 from tta_ros.diagnostics import HARDWARE_ID, OK, WARN, DiagnosticsPublisher, status
+from tta_ros.lifecycle import ManagedNode
 from tta_ros.nodes import plausibility
 from tta_ros.nodes.deadline_wiring import (
     DEADLINE_KEYS,
@@ -65,7 +66,11 @@ from tta_ros.nodes.deadline_wiring import (
     deadline_settings,
     resolve_topic,
 )
-from tta_ros.nodes.fleet_wiring import SCHEDULER_FLEET_PARAMS, FleetScheduler
+from tta_ros.nodes.fleet_wiring import (
+    SCHEDULER_FLEET_PARAMS,
+    FleetScheduler,
+    declare_namespaces,
+)
 from tta_ros.nodes.node_params import taken_elsewhere
 from tta_ros.nodes.plausibility import (
     PLAUSIBILITY_PARAMS,
@@ -82,7 +87,8 @@ PARAMS: tuple[ParamSpec, ...] = (
               "perception model", read_only=True),
     ParamSpec("profile", "", "offline UnitProfile JSON; empty: MAC-proportional default "
               "scaled to the measured forward time", read_only=True),
-    ParamSpec("sigma", 0.33, "latency budget as a fraction of a full update", 0.0, 1.0),
+    ParamSpec("sigma", 0.33, "latency budget as a fraction of a full update, in (0, 1] "
+              "(deadline_mode sigma)", 0.0, 1.0),
     ParamSpec("trainable", "norm", "units perception may update (its method's trainable "
               "setting): norm = BN/LayerNorm affine parameters, all = every unit",
               choices=TRAINABLE, read_only=True),
@@ -163,6 +169,13 @@ def plan_markers(plan: LayerPlan, frame_id: str, spacing: float, max_height: flo
     return arr
 
 
+def sigma_reason(sigma: float) -> str:
+    """'' for a sigma the planner takes, in (0, 1] (sigma*T: a share of the full update;
+    0 would plan nothing ever), else why not."""
+    return "" if 0.0 < sigma <= 1.0 else (f"sigma={sigma!r} outside (0, 1]: the budget is a "
+                                          "share of the full update's time T")
+
+
 def deadline_values(node: SchedulerNode) -> dict[str, str | int]:
     """The deadline part of the planning diagnostics."""
     svc, last = node.planning, node.last_outcome
@@ -182,19 +195,30 @@ def memory_text(outcome: PlanOutcome, budget_mib: float | None) -> str:
     return f"saved {outcome.memory.predicted_bytes / 2**20:.2f} / {budget_mib:.2f} MiB"
 
 
-class SchedulerNode(Node):
+class SchedulerNode(ManagedNode):
     """Plans layer updates for every importance message and draws them for RViz."""
 
     def __init__(self, node_name: str = "scheduler", *, context: Context | None = None,
                  parameter_overrides: Sequence[Parameter] | None = None,
                  cli_args: Sequence[str] | None = None) -> None:
+        self.planning: PlanningService | None = None
         super().__init__(node_name, context=context, parameter_overrides=parameter_overrides,
                          cli_args=list(cli_args) if cli_args else None,
                          automatically_declare_parameters_from_overrides=True)  # start_values
         declare_all(self, PARAMS)
-        p = values(self, PARAMS)
-        check_initial(PARAMS, p)
+        check_initial(PARAMS, values(self, PARAMS))
+        if reason := sigma_reason(self.get_parameter("sigma").value) or \
+                check_deadline_change(values(self, DEADLINE_PARAMS), ()):
+            raise ValueError(reason)  # the start values, as the callbacks check changes
+        declare_namespaces(self)  # fleet mode
+        ros_params.report_unknown(self, others=taken_elsewhere("scheduler"))  # all declared
         self.add_on_set_parameters_callback(self._on_set_parameters)
+        self.add_post_set_parameters_callback(self._after_set_parameters)
+
+    def _configure(self) -> None:
+        """Read the parameters, load the model's unit layout and the profile, create the
+        planning service, publishers, subscriptions and the diagnostics timer."""
+        p = values(self, PARAMS)
         if not p["model_card"]:
             raise ValueError("parameter model_card is empty: the scheduler needs the model")
         layout = layout_from_card(ros_params.resolve_data_path(p["model_card"]))
@@ -226,8 +250,8 @@ class SchedulerNode(Node):
         self.last_outcome: PlanOutcome | None = None
         self.domain = ""  # perception's recognised domain (AdaptationStatus.domain)
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
-        self.pub_plan = self.create_publisher(LayerPlan, "layer_plan", reliable)
-        self.pub_markers = self.create_publisher(MarkerArray, "layer_markers", 10)
+        self.pub_plan = self.create_lifecycle_publisher(LayerPlan, "layer_plan", reliable)
+        self.pub_markers = self.create_lifecycle_publisher(MarkerArray, "layer_markers", 10)
         self.diag = DiagnosticsPublisher(self)
         self.create_subscription(LayerImportance, "layer_importance", self._on_importance,
                                  reliable)
@@ -235,36 +259,48 @@ class SchedulerNode(Node):
         self.create_subscription(AdaptationStatus, "adaptation_status", self._on_status,
                                  reliable)
         self.fleet = FleetScheduler(self)  # fleet mode: sizes of several pipelines (#22)
-        ros_params.report_unknown(self, others=taken_elsewhere("scheduler"))  # all declared
         self.create_timer(1.0, self._publish_diagnostics)
+
+    def _cleanup(self) -> None:
+        self.planning = self.fleet = self.telemetry = self.last_outcome = None
+        self._outcomes = {}
 
     @property
     def layout(self):
         """The model's unit layout (tta_core.adashadow.planning.UnitLayout)."""
         return self.planning.layout
 
-    def _on_set_parameters(self, params: Sequence[Parameter]):
+    def _on_set_parameters(self, params: Sequence[Parameter]) -> SetParametersResult:
+        """Validate a change (ranges, choices, consistent deadline settings, a valid
+        odometry topic); _after_set_parameters applies it."""
         res = validate(PARAMS, params)
         if res.successful:
-            res.reason = check_deadline_change(vars(self.planning.config), params)
             new = {p.name: p.value for p in params}
+            res.reason = check_deadline_change(values(self, DEADLINE_PARAMS), params) or (
+                sigma_reason(new["sigma"]) if "sigma" in new else "")
             try:
                 if "odometry_topic" in new:
                     resolve_topic(self, new["odometry_topic"])
             except ValueError as exc:
                 res.reason = str(exc)
             res.successful = not res.reason
-        if res.successful:
-            for prm in params:
-                if prm.name in ("sigma", "n_t", "forward_feedback", *DEADLINE_KEYS):
-                    setattr(self.planning.config, prm.name, prm.value)
-                if prm.name == "memory_budget_mb":
-                    self.planning.config.memory_budget_mb = prm.value or None
-            self.speed.on_params(new)
         return res
 
+    def _after_set_parameters(self, params: Sequence[Parameter]) -> None:
+        """Accepted changes into the planning service and the speed feed (unconfigured:
+        configure reads them)."""
+        if self.planning is None:
+            return
+        for prm in params:
+            if prm.name in ("sigma", "n_t", "forward_feedback", *DEADLINE_KEYS):
+                setattr(self.planning.config, prm.name, prm.value)
+            if prm.name == "memory_budget_mb":
+                self.planning.config.memory_budget_mb = prm.value or None
+        self.speed.on_params({p.name: p.value for p in params})
+
     def _on_telemetry(self, msg: ResourceTelemetry) -> None:
-        if self.refusals.admit("ResourceTelemetry", check_telemetry, msg, self.bounds):
+        if self.serving and self.refusals.admit("ResourceTelemetry", check_telemetry, msg,
+                                                self.bounds):
             self.telemetry, self._tel_time = msg, self._now()
 
     def _on_status(self, msg: AdaptationStatus) -> None:
@@ -272,7 +308,8 @@ class SchedulerNode(Node):
         In parallel mode no reforward runs (its time is not part of the check). Every
         status also carries the recognised domain, for the marker label. An implausible
         status is refused (plausibility.check_status): nothing learnt from it."""
-        if not self.refusals.admit("AdaptationStatus", check_status, msg, self.bounds):
+        if not self.serving or not self.refusals.admit("AdaptationStatus", check_status, msg,
+                                                       self.bounds):
             return
         self.domain = msg.domain  # the marker label shows it
         outcome = self._outcomes.pop(int(msg.plan_id), None)
@@ -324,6 +361,8 @@ class SchedulerNode(Node):
         return self._save_costs(batch_size)
 
     def _on_importance(self, imp: LayerImportance) -> None:
+        if not self.serving:
+            return
         try:
             outcome = self.plan_for(imp)
         except ValueError as exc:

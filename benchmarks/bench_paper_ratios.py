@@ -220,8 +220,8 @@ def to_markdown(report: dict) -> str:
     for run in report["runs"]:
         lines += [f"### {run['arch']} {run['image_size']} px, batch {run['batch_size']} "
                   f"({run['memory_format']})", "",
-                  "| method | ms | × inference | × Tent (with reforward) | forward | plan | backward | "
-                  "reforward | units |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| method | ms | × inference | × Tent (with reforward) | forward | plan | "
+                  "backward | reforward | units |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for label, m in run["methods"].items():
             ph = m["phases_median_ms"]
             ratios = (results.with_interval(m, "x_inference"), results.with_interval(m, "x_tent"))

@@ -1,7 +1,13 @@
 """ros2 launch tta_ros vehicle.launch.py [namespace:=car1] [image_topic:=...] [method:=...]
-[sigma:=...] [use_sim_time:=true] [log_level:=debug] [rviz:=true] [config:=...]
+[sigma:=...] [use_sim_time:=true] [log_level:=debug] [autostart:=false] [rviz:=true]
+[config:=...]
 
-Starts the same three nodes as `python -m tta_ros.bringup`, each in its own process. Each
+Starts the same three nodes as `python -m tta_ros.bringup`, each in its own process, as
+managed (lifecycle) nodes that start unconfigured, and tta_ros.nodes.lifecycle_manager
+beside them: with `autostart` (default true) it configures and then activates them in
+order (resource_monitor, scheduler, perception); `autostart:=false` leaves them
+unconfigured, serving nothing, until `ros2 service call /lifecycle_manager/startup
+std_srvs/srv/Trigger` or `ros2 lifecycle set /perception configure` (and so on). Each
 node gets a dict of parameters from tta_ros.launch_params.launch_nodes, the plain function
 bringup uses too (node_parameters): the params file's `/**` and the node's own section (and
 a `/ns/node` section for this namespace), then the launch arguments. Not the params file
@@ -28,6 +34,8 @@ ARGUMENTS = (
      "sigma (empty: the params file's)"),
     ("use_sim_time", "false", "use /clock time (true when replaying a bag with --clock)"),
     ("log_level", "info", "log level of the nodes (debug, info, warn, error, fatal)"),
+    ("autostart", "true", "bring the nodes to active (lifecycle manager); false: leave them "
+     "unconfigured, serving nothing"),
     ("rviz", "false", "also start RViz with config/tta.rviz"),
 )
 

@@ -52,6 +52,7 @@ setup(
             "perception_node = tta_ros.nodes.perception:main",
             "resource_monitor_node = tta_ros.nodes.resource_monitor:main",
             "scheduler_node = tta_ros.nodes.scheduler:main",
+            "lifecycle_manager = tta_ros.nodes.lifecycle_manager:main",
             "bringup = tta_ros.bringup:main",
         ],
         # `tta` subcommands: each entry names a command module (tta_core.cli docstring)

@@ -65,7 +65,7 @@ from tta_ros.launch_params import (
     node_parameters,
     parse_bool,
 )
-from tta_ros.lifecycle import activate
+from tta_ros.lifecycle import ManagedNode, activate
 from tta_ros.paths import package_file
 from tta_ros.ros_params import resolve_paths
 
@@ -240,15 +240,17 @@ def exit_now(status: int) -> NoReturn:
     os._exit(status)
 
 
-def node_main(node_cls: Callable[[], Node], argv: Sequence[str] | None = None) -> int:
-    """Console entry point of one node: init rclpy with `argv` (ROS args), bring the node
-    to active (a bad model card: one line, exit 1), spin it. `--managed` (before
+def node_main(node_cls: Callable[[], Node], argv: Sequence[str] | None = None,
+              prog: str = "") -> int:
+    """Console entry point of one node: init rclpy with `argv` (ROS args), bring a managed
+    node to active (a bad model card: one line, exit 1), spin it. `--managed` (before
     `--ros-args`) leaves it unconfigured for a lifecycle manager (vehicle.launch.py starts
     the nodes so) or `ros2 lifecycle set`."""
     from rclpy.utilities import remove_ros_args
 
     name = getattr(node_cls, "__name__", "")
-    prog = next((script for _, script, spec in NODES if spec.endswith(f":{name}")), name)
+    prog = prog or next((script for _, script, spec in NODES if spec.endswith(f":{name}")),
+                        name)
     argv = list(argv if argv is not None else sys.argv)
     ap = argparse.ArgumentParser(prog=prog, description=f"The {name} ROS 2 managed node.")
     ap.add_argument("--managed", action="store_true", help="start unconfigured: a lifecycle "
@@ -257,7 +259,8 @@ def node_main(node_cls: Callable[[], Node], argv: Sequence[str] | None = None) -
 
     def build() -> list[Node]:
         node = node_cls()
-        return [node if args.managed else activate(node)]
+        return [activate(node) if isinstance(node, ManagedNode) and not args.managed
+                else node]
     return run_nodes(prog, build, argv)
 
 

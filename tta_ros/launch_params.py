@@ -33,6 +33,9 @@ NODES: tuple[tuple[str, str], ...] = (
     ("scheduler", "scheduler_node"),
     ("perception", "perception_node"),
 )
+# (node name, console script) of the lifecycle manager the launch file starts beside them:
+# it configures and activates the NODES, which start unconfigured (`--managed`)
+MANAGER = ("lifecycle_manager", "lifecycle_manager")
 # the nodes a `sigma` argument configures, and the parameter it sets on each (perception:
 # an option of its method, tta_ros.nodes.method_params)
 SIGMA_PARAMS = {"perception": "method.sigma", "scheduler": "sigma"}
@@ -149,16 +152,26 @@ def launch_nodes(args: Mapping[str, str], pushed_namespace: str | None = None,
                  ) -> list[dict[str, Any]]:
     """The keyword arguments of each launch_ros Node that vehicle.launch.py starts, from the
     launch arguments' values (`args`: config, namespace, image_topic, method, sigma,
-    use_sim_time, log_level, rviz, rviz_config) under an outer pushed namespace."""
+    use_sim_time, log_level, autostart, rviz, rviz_config) under an outer pushed
+    namespace: the three nodes, started unconfigured (`--managed`), then the lifecycle
+    manager that brings them to active when `autostart` (default true)."""
     ns = join_namespace(pushed_namespace, args.get("namespace", ""))
     params = node_parameters(args["config"], ns, launch_overrides(
         args.get("method", ""), args.get("sigma", ""), args.get("use_sim_time", "")))
     log = ["--ros-args", "--log-level", args["log_level"]] if args.get("log_level") else []
     image = args.get("image_topic") or "image"
     nodes = [{"package": PACKAGE, "executable": exe, "name": name, "namespace": ns or None,
-              "output": "screen", "parameters": [params[name]], "arguments": list(log),
+              "output": "screen", "parameters": [params[name]],
+              "arguments": ["--managed", *log],
               "remappings": [("image", image)] if name == "perception" else []}
              for name, exe in NODES]
+    manager = {"node_names": [name for name, _ in NODES],
+               "autostart": parse_bool(args.get("autostart", "true"))}
+    if args.get("use_sim_time"):
+        manager["use_sim_time"] = parse_bool(args["use_sim_time"])
+    nodes.append({"package": PACKAGE, "executable": MANAGER[1], "name": MANAGER[0],
+                  "namespace": ns or None, "output": "screen", "parameters": [manager],
+                  "arguments": list(log), "remappings": []})
     if parse_bool(args.get("rviz", "false")):
         nodes.append(rviz_node(args["rviz_config"], ns, image))
     return nodes

@@ -37,6 +37,7 @@ from rclpy.lifecycle import LifecycleNode, LifecycleState, TransitionCallbackRet
 from rclpy.lifecycle.publisher import LifecyclePublisher
 
 from tta_core.errors import one_line
+from tta_core.runtime.device import release_memory
 
 SUCCESS = TransitionCallbackReturn.SUCCESS
 FAILURE = TransitionCallbackReturn.FAILURE
@@ -173,20 +174,24 @@ class ManagedNode(LifecycleNode):
         self._deactivate()
 
     def _release(self, free: Callable[[], None]) -> None:
-        """`free()`, then destroy the entities configure created."""
+        """`free()`, destroy the entities configure created (their callbacks may hold what
+        it loaded), then hand the memory back (release_memory: frozen cycles collected,
+        CUDA's cache on the node's `device`, the heap's free pages)."""
         owned, self._owned = self._owned, None
         try:
             free()
         finally:
-            for kind, items in (owned or {}).items():
-                for entity in items:
-                    self._destroy(kind, entity)
+            self._destroy(owned or {})
+            owned = None
+            release_memory(getattr(self, "device", None))
 
-    def _destroy(self, kind: str, entity: Any) -> None:
-        if kind == "publishers" and isinstance(entity, LifecyclePublisher):
-            self.destroy_lifecycle_publisher(entity)
-        else:
-            getattr(self, f"destroy_{kind[:-1]}")(entity)
+    def _destroy(self, owned: dict[str, list[Any]]) -> None:
+        for kind, items in owned.items():
+            for entity in items:
+                if kind == "publishers" and isinstance(entity, LifecyclePublisher):
+                    self.destroy_lifecycle_publisher(entity)
+                else:
+                    getattr(self, f"destroy_{kind[:-1]}")(entity)
 
     def _shut_down(self, finalize: bool = True) -> None:
         """Deactivate and clean up as far as the state needs (shutdown, destroy_node)."""

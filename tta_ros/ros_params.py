@@ -247,6 +247,15 @@ def check_initial(specs: Sequence[ParamSpec], current: dict[str, Any]) -> None:
             raise ValueError(reason)
 
 
+def declare_checked(node: Node, specs: Sequence[ParamSpec]) -> dict[str, Any]:
+    """declare_all, then the values, checked (check_initial): what a node's constructor
+    starts with."""
+    declare_all(node, specs)
+    current = values(node, specs)
+    check_initial(specs, current)
+    return current
+
+
 PATH_PARAMS = ("model_card", "profile")
 
 

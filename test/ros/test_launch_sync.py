@@ -17,7 +17,7 @@ from helpers import CARD, CONFIG, ROOT
 
 from tta_core.errors import InputError
 from tta_ros import bringup
-from tta_ros.launch_params import launch_overrides, node_parameters
+from tta_ros.launch_params import MANAGER, launch_overrides, node_parameters
 
 LAUNCH = ROOT / "launch" / "vehicle.launch.py"
 
@@ -80,11 +80,14 @@ def test_launch_imports_without_side_effects() -> None:
     assert mod.PACKAGE == "tta_ros"
     names = {name for name, _, _ in mod.ARGUMENTS}
     assert names == {"config", "namespace", "image_topic", "method", "sigma", "use_sim_time",
-                     "log_level", "rviz"}
+                     "log_level", "autostart", "rviz"}
 
 
 def test_launch_starts_the_bringup_nodes_with_the_shipped_yaml(monkeypatch) -> None:
+    """The three nodes as bringup builds them, started unconfigured (`--managed`), and the
+    lifecycle manager that brings them to active in bringup's order (autostart)."""
     nodes = launch_nodes(monkeypatch)
+    manager = nodes.pop(MANAGER[0])
     assert [(n["name"], n["executable"]) for n in nodes.values()] == [
         (n, exe) for n, exe, _ in bringup.NODES]
     assert all(n["package"] == "tta_ros" and n["namespace"] is None for n in nodes.values())
@@ -92,8 +95,21 @@ def test_launch_starts_the_bringup_nodes_with_the_shipped_yaml(monkeypatch) -> N
     assert {k: n["parameters"] for k, n in nodes.items()} == {
         k: [{**v, "use_sim_time": False}] for k, v in bringup.load_params(CONFIG).items()}
     assert nodes["perception"]["remappings"] == [("image", "image")]
-    assert all(n["arguments"] == ["--ros-args", "--log-level", "info"]
+    assert all(n["arguments"] == ["--managed", "--ros-args", "--log-level", "info"]
                for n in nodes.values())
+    assert (manager["package"], manager["executable"]) == ("tta_ros", MANAGER[1])
+    assert manager["parameters"] == [{"node_names": [n for n, _, _ in bringup.NODES],
+                                      "autostart": True, "use_sim_time": False}]
+    assert manager["arguments"] == ["--ros-args", "--log-level", "info"]
+
+
+@pytest.mark.parametrize(("value", "autostart"), [("true", True), ("false", False)])
+def test_launch_autostart_goes_to_the_lifecycle_manager(monkeypatch, value, autostart) -> None:
+    nodes = launch_nodes(monkeypatch, autostart=value, namespace="car1")
+    (params,) = nodes[MANAGER[0]]["parameters"]
+    assert params["autostart"] is autostart and nodes[MANAGER[0]]["namespace"] == "/car1"
+    assert all(n["arguments"][0] == "--managed" for name, n in nodes.items()
+               if name != MANAGER[0])
 
 
 def test_launch_overrides_win_over_the_nodes_own_yaml_sections(monkeypatch) -> None:
@@ -109,7 +125,8 @@ def test_launch_overrides_win_over_the_nodes_own_yaml_sections(monkeypatch) -> N
     assert per["use_sim_time"] and sched["use_sim_time"] and mon["use_sim_time"]
     assert per["batch_size"] == 8 and mon["frame_id"] == "base_link"  # YAML kept
     assert nodes["perception"]["remappings"] == [("image", "/cam/front")]
-    assert nodes["scheduler"]["arguments"] == ["--ros-args", "--log-level", "debug"]
+    assert nodes["scheduler"]["arguments"] == ["--managed", "--ros-args", "--log-level",
+                                               "debug"]
     assert "rviz2" not in nodes
 
 
@@ -118,7 +135,7 @@ def test_launch_namespace_keeps_yaml_sections_and_overrides(monkeypatch, pushed)
     """Under a namespace the per-node sections used to be dropped (frame_id '')."""
     nodes = launch_nodes(monkeypatch, pushed, namespace="car1", sigma="0.5", rviz="true")
     ns = "/fleet/car1" if pushed else "/car1"
-    assert {n["namespace"] for n in nodes.values()} == {ns}
+    assert {n["namespace"] for n in nodes.values()} == {ns}  # the lifecycle manager's too
     (mon,) = nodes["resource_monitor"]["parameters"]
     (per,) = nodes["perception"]["parameters"]
     assert mon["frame_id"] == "base_link" and per["batch_size"] == 8
@@ -183,6 +200,7 @@ def test_launch_and_bringup_give_each_node_the_same_parameters(monkeypatch, ros_
     bringup.build_nodes, plain and namespaced: overrides win, YAML sections survive."""
     args = {"namespace": namespace, "sigma": "0.5", "method": "tent", "use_sim_time": "false"}
     launched = launch_nodes(monkeypatch, **args)
+    assert set(launched) == {*(n for n, _, _ in bringup.NODES), MANAGER[0]}
     nodes = bringup.build_nodes(CONFIG, launch_overrides(args["method"], args["sigma"],
                                                          args["use_sim_time"]),
                                 context=ros_context, namespace=namespace)

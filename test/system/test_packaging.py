@@ -29,6 +29,7 @@ CONSOLE_SCRIPTS = {
     "perception_node": "tta_ros.nodes.perception:main",
     "resource_monitor_node": "tta_ros.nodes.resource_monitor:main",
     "scheduler_node": "tta_ros.nodes.scheduler:main",
+    "lifecycle_manager": "tta_ros.nodes.lifecycle_manager:main",
     "bringup": "tta_ros.bringup:main",
 }
 COMMAND_PACKAGES = {"tta_core.cli.commands": ROOT / "tta_core" / "cli" / "commands",
@@ -46,7 +47,7 @@ def test_tta_ros_manifest_declares_runtime_dependencies():
     assert pkg.get_build_type() == "ament_python"
     needed = {"rclpy", "sensor_msgs", "diagnostic_msgs", "visualization_msgs", "std_msgs",
               "std_srvs", "tta_msgs", "python3-torch", "python3-torchvision", "python3-numpy",
-              "python3-psutil", "launch", "launch_ros"}
+              "python3-psutil", "launch", "launch_ros", "lifecycle_msgs"}
     assert needed <= _deps(pkg), needed - _deps(pkg)
     # `rosdep check` stopped at it: ament_python is a build type, not a rosdep key
     assert "ament_python" not in {d.name for d in pkg.buildtool_depends}
@@ -61,7 +62,8 @@ ROSDEP_KEYS = {"torch": "python3-torch", "torchvision": "python3-torchvision",
                "rich": "python3-rich", "rosbags": "python3-rosbags-pip"}
 ROS_PACKAGES = {"rclpy", "rcl_interfaces", "ament_index_python", "launch", "launch_ros",
                 "std_msgs", "sensor_msgs", "diagnostic_msgs", "visualization_msgs",
-                "geometry_msgs", "builtin_interfaces", "nav_msgs", "std_srvs", "tta_msgs"}
+                "geometry_msgs", "builtin_interfaces", "nav_msgs", "std_srvs", "lifecycle_msgs",
+                "tta_msgs"}
 NO_KEY = {"imagecorruptions", "safetensors", "ray"}  # pip only (requirements/python.txt)
 # telemetry sources tried at run time on NVIDIA / Jetson; triton: tta_kernels' CUDA kernels,
 # imported on first CUDA use with a fallback (tta_kernels.dispatch)
@@ -244,7 +246,8 @@ def test_colcon_style_install_layout(source_copy: Path, tmp_path: Path) -> None:
                 "checkpoints/small_resnet_signs32.pt"):
         assert (share / rel).is_file(), rel
     assert (tmp_path / "share/ament_index/resource_index/packages/tta_ros").is_file()
-    for exe in ("perception_node", "resource_monitor_node", "scheduler_node", "tta"):
+    for exe in ("perception_node", "resource_monitor_node", "scheduler_node",
+                "lifecycle_manager", "tta"):
         assert (tmp_path / "lib" / "tta_ros" / exe).is_file(), exe
     on_path = tmp_path / "bin" / "tta"  # colcon puts <prefix>/bin on PATH
     assert on_path.is_file() and os.access(on_path, os.X_OK)

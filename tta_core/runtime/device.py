@@ -3,10 +3,9 @@ one-line error instead of a CUDA initialisation traceback on the first batch."""
 
 from __future__ import annotations
 
-import gc
-
 import torch
 
+from tta_core.runtime.gc_pauses import collect_frozen
 from tta_core.runtime.malloc_tuning import return_freed_memory
 
 
@@ -30,9 +29,10 @@ def check_device(name: str) -> torch.device:
 
 
 def release_memory(device: torch.device | None = None) -> None:
-    """After the last reference to a model went: collect it (cycles too), return CUDA's
-    cached blocks on a CUDA `device` and the heap's free pages to the system."""
-    gc.collect()
+    """After the last reference to a model went: collect it (its cycles too, frozen ones
+    included: gc_pauses), return CUDA's cached blocks on a CUDA `device` and the heap's
+    free pages to the system."""
+    collect_frozen()
     if device is not None and device.type == "cuda":
         torch.cuda.empty_cache()
     return_freed_memory()

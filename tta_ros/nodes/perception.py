@@ -74,7 +74,7 @@ from tta_core.model.source import load_source
 from tta_core.model.units import decompose
 from tta_core.registry import available_methods, build_method
 from tta_core.runtime.deadline import DeadlineConfig, batch_deadline_ms
-from tta_core.runtime.device import check_device, release_memory
+from tta_core.runtime.device import check_device
 from tta_core.runtime.gc_pauses import freeze_startup_heap
 from tta_ros import ros_params
 from tta_ros.convert import (
@@ -456,20 +456,28 @@ class PerceptionNode(ManagedNode):
 
     def _cleanup(self) -> None:
         """Stop and join the worker, save the domain bank, close the method, then free the
-        method, the source model and their device memory."""
+        method and the source model (ManagedNode hands their memory back). Also after a
+        configure that failed half way."""
         self._stop.set()
+        queue, domain, fleet = (getattr(self, name, None) for name in ("queue", "domain",
+                                                                        "fleet"))
         if self._worker is not None:
-            if getattr(self, "queue", None) is not None:
-                self.queue.close()
+            if queue is not None:
+                queue.close()
             self._worker.join(timeout=30.0)
         if self.method is not None:
-            self.domain.close(self._worker)  # the bank's last save, after the worker stopped
+            if domain is not None:
+                domain.close(self._worker)  # the bank's last save, after the worker stopped
             self.method.close()
         self._worker = None
+        # the wiring's callbacks (destroyed services still in an executor's wait list) may
+        # outlive this transition: they must not keep the method
+        for wiring in (domain, fleet):
+            if wiring is not None:
+                wiring.method = None
         self.method = self.source_model = None
         for name in ("domain", "fleet", "queue", "gate", "telemetry", "speed"):
             setattr(self, name, None)  # what may hold the method or its tensors
-        release_memory(getattr(self, "device", None))
 
     # ------------------------------------------------------------ set-up
     def _load_source(self) -> None:

@@ -255,7 +255,7 @@ def node_main(node_cls: Callable[[], Node], argv: Sequence[str] | None = None,
     ap = argparse.ArgumentParser(prog=prog, description=f"The {name} ROS 2 managed node.")
     ap.add_argument("--managed", action="store_true", help="start unconfigured: a lifecycle "
                     "manager or `ros2 lifecycle set` brings it up (default: active at once)")
-    args = ap.parse_args(remove_ros_args(argv)[1:])
+    args, _ = ap.parse_known_args(remove_ros_args(argv)[1:])  # others: ignored, as rclpy does
 
     def build() -> list[Node]:
         node = node_cls()

@@ -298,3 +298,25 @@ def test_activate_in_process_raises_the_configure_error(ros_context, tmp_path) -
         assert node.lifecycle_state == "unconfigured"
     finally:
         node.destroy_node()
+
+
+@pytest.mark.parametrize(("argv", "state"), [([], "active"), (["--managed"], "unconfigured")])
+def test_a_node_started_alone_is_active_unless_managed(ros_context, monkeypatch, argv,
+                                                       state) -> None:
+    """`ros2 run tta_ros scheduler_node` serves at once; `--managed` (how the launch file
+    starts it) leaves it to the lifecycle manager."""
+    import functools
+
+    from tta_ros import bringup
+
+    built: list = []
+    monkeypatch.setattr(bringup, "run_nodes", lambda prog, build, args: built.extend(build()))
+    cls = functools.partial(SchedulerNode, context=ros_context, parameter_overrides=[
+        Parameter("model_card", value=str(CARD))])
+    bringup.node_main(cls, ["scheduler_node", *argv, "--ros-args", "--log-level", "warn"],
+                      prog="scheduler_node")
+    try:
+        assert [n.lifecycle_state for n in built] == [state]
+    finally:
+        for n in built:
+            n.destroy_node()

@@ -60,19 +60,18 @@ PARAMS: tuple[ParamSpec, ...] = (
     HARDWARE_ID,
 )
 
-#: transition -> (id, the states it starts from, its goal state)
-TRANSITIONS: dict[str, tuple[int, tuple[str, ...], str]] = {
-    "configure": (Transition.TRANSITION_CONFIGURE, ("unconfigured",), "inactive"),
-    "activate": (Transition.TRANSITION_ACTIVATE, ("inactive",), "active"),
-    "deactivate": (Transition.TRANSITION_DEACTIVATE, ("active",), "inactive"),
-    "cleanup": (Transition.TRANSITION_CLEANUP, ("inactive",), "unconfigured"),
-    "shutdown": (Transition.TRANSITION_UNCONFIGURED_SHUTDOWN,
-                 ("unconfigured", "inactive", "active"), "finalized"),
-}
 #: shutdown's transition id from each state
 SHUTDOWN_FROM = {"unconfigured": Transition.TRANSITION_UNCONFIGURED_SHUTDOWN,
                  "inactive": Transition.TRANSITION_INACTIVE_SHUTDOWN,
                  "active": Transition.TRANSITION_ACTIVE_SHUTDOWN}
+#: transition -> (its id from each state it starts from, its goal state)
+TRANSITIONS: dict[str, tuple[dict[str, int], str]] = {
+    "configure": ({"unconfigured": Transition.TRANSITION_CONFIGURE}, "inactive"),
+    "activate": ({"inactive": Transition.TRANSITION_ACTIVATE}, "active"),
+    "deactivate": ({"active": Transition.TRANSITION_DEACTIVATE}, "inactive"),
+    "cleanup": ({"inactive": Transition.TRANSITION_CLEANUP}, "unconfigured"),
+    "shutdown": (SHUTDOWN_FROM, "finalized"),
+}
 #: the states a transition has nothing left to do in
 DONE = {"configure": ("inactive", "active"), "activate": ("active",),
         "deactivate": ("inactive", "unconfigured"), "cleanup": ("unconfigured",),
@@ -192,10 +191,10 @@ class LifecycleManagerNode(Node):
                     f"{self.p['service_timeout_s']:g} s")
         if state in DONE[transition]:
             return ""
-        tid, start, goal = TRANSITIONS[transition]
-        if state not in start:
+        ids, goal = TRANSITIONS[transition]
+        if state not in ids:
             return f"{name} is {state}: it cannot {transition}"
-        tid = SHUTDOWN_FROM[state] if transition == "shutdown" else tid
+        tid = ids[state]
         resp = self._call(self._change[name], ChangeState.Request(transition=Transition(id=tid)))
         if resp is None:
             return (f"{name}: {transition} not answered within "

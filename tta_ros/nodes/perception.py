@@ -10,6 +10,13 @@ latest LayerPlan applies to the next batch; when plans go stale (PlanGate) it pl
 and says so on /diagnostics (WARN), and goes back to the topic as soon as plans resume.
 A divergence guard calls method.reset() (source weights) and sets status.reset.
 
+A managed (lifecycle) node (tta_ros.lifecycle): built, it declares its parameters; configure
+loads the source model, builds and warms up the method (profile, domain bank, fleet
+calibration), creates its publishers, subscriptions and the worker (idle); activate opens
+the image intake; deactivate closes it, finishes the batch under way and drops the queued
+frames (counted) while the method keeps its adapted state (activation serves on from it);
+cleanup stops the worker, saves the bank and frees the method and the source model.
+
 Parameters: the node's own (`param_specs`: input, batching, queue, input checks, device,
 threads, plans, feed timeout, divergence guard, odometry, fleet calibration, hardware_id,
 the `method` name) and, for the selected method, one `method.<field>` per field of its

@@ -12,6 +12,8 @@ OK / WARN / ERROR against the thresholds below; a subsystem this machine has no 
 is OK with a message ("no GPU source", "no thermal zone", "no LLC counters"), and STALE only
 when a source it had stopped updating (diagnostic aggregators read STALE that way); plus
 "sources" and "expansion" (model, pi_2 source, reference; OK "no calibration" without one).
+A managed (lifecycle) node (tta_ros.lifecycle): configure loads the calibration and opens
+the samplers, it samples and publishes only while active, cleanup closes the samplers.
 """
 
 from __future__ import annotations

@@ -16,6 +16,10 @@ sigma*T; the LayerPlan's `sigma` is then the deadline's share of the full update
 (budget_ms / T), /diagnostics says when the forward alone misses the deadline and the RViz
 label shows it.
 
+A managed (lifecycle) node (tta_ros.lifecycle): configure loads the card's unit layout
+and the profile and creates the planning service; it plans only while active (inactive:
+importance, statuses and telemetry are ignored); cleanup drops the service.
+
 Fleet mode (tta_ros.nodes.fleet_wiring): with `fleet_namespaces` set, the node
 also reads every perception pipeline's tta_msgs/FleetReport (`<ns>/fleet_report`), chooses
 the surrogate size of each (the pipelines share this computer: tta_core.elasticdnn.fleet)

@@ -31,3 +31,26 @@ def test_a_full_collection_walks_fewer_objects_once_frozen() -> None:
         after = len(gc.get_objects(generation=2))
     assert before >= 200_000 and after < before - 150_000
     del junk
+
+
+def test_collect_frozen_frees_cycles_that_became_garbage_while_frozen() -> None:
+    """A model freed after the heap was frozen (a node's cleanup): its reference cycles are
+    collected, what still lives is frozen again."""
+    import weakref
+
+    from tta_core.runtime.gc_pauses import collect_frozen
+
+    class Model:
+        pass
+
+    gc.unfreeze()
+    model, alive = Model(), [[i] for i in range(100)]
+    model.me = model  # a cycle: reference counting alone never frees it
+    ref = weakref.ref(model)
+    freeze_startup_heap()
+    del model
+    gc.collect()
+    assert ref() is not None  # frozen: a plain collection skips it
+    assert collect_frozen() >= 1 and ref() is None
+    assert gc.get_freeze_count() >= len(alive)  # the survivors frozen again
+    gc.unfreeze()

@@ -48,3 +48,29 @@ def test_keep_freed_memory_rejects_a_bad_threshold() -> None:
     for bad in (0, -1, 2**31):
         with pytest.raises(ValueError, match="threshold_bytes"):
             keep_freed_memory(bad)
+
+
+RELEASE_PROBE = """
+import ctypes
+import numpy as np
+from tta_core.runtime.malloc_tuning import keep_freed_memory, return_freed_memory
+def rss_mib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096 >> 20
+keep_freed_memory()
+a = np.ones(32 << 20)  # 256 MiB, from the heap (kept when freed)
+before = rss_mib()
+del a
+kept = rss_mib()
+print(before - kept, int(return_freed_memory()), kept - rss_mib())
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc malloc_trim only")
+def test_return_freed_memory_hands_kept_pages_back() -> None:
+    """What keep_freed_memory keeps after a free (a node's model) goes back on request."""
+    out = subprocess.run([sys.executable, "-c", RELEASE_PROBE], capture_output=True,
+                         text=True, check=True).stdout.split()
+    dropped_on_free, returned, dropped_on_return = map(int, out)
+    assert dropped_on_free < 64  # kept in the heap
+    assert returned == 1 and dropped_on_return >= 192

@@ -162,6 +162,7 @@ def test_a_deadline_below_the_forward_plans_nothing_inline_after_a_refusal(ros_c
         plans = rig.msgs("plan")
         refused = dict(rig.perception.refusals.counts)
         per = rig.perception
+        errors = (per.counters.step_errors, per.counters.last_error)
     finally:
         rig.close()
     assert any(p.sigma == 0.0 and p.budget_ms == 0.0 for p in plans), \
@@ -172,3 +173,4 @@ def test_a_deadline_below_the_forward_plans_nothing_inline_after_a_refusal(ros_c
     assert inline_after == [], f"{len(inline_after)} of {len(statuses) - first} batches " \
         "planned inline after the first plan was followed"
     assert not any(s.adapted for s in statuses[first:])  # nothing fits: served only
+    assert errors == (0, ""), errors  # a zero-budget plan steps like any other

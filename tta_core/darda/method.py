@@ -315,16 +315,18 @@ class Darda(TTAMethod, DeadlineBudget):
 
     @contextmanager
     def _quiet(self) -> Iterator[None]:
-        """Forwards that are not the batch's own: no detection, no robust-BN update."""
+        """Forwards that are not the batch's own: no detection, no robust-BN update; both
+        flags are given back as they were."""
+        saved = self.embedder.enabled, self._rbn.enabled if self._rbn is not None else None
         self.embedder.enabled = False
         if self._rbn is not None:
             self._rbn.enabled = False
         try:
             yield
         finally:
-            self.embedder.enabled = True
+            self.embedder.enabled = saved[0]
             if self._rbn is not None:
-                self._rbn.enabled = True
+                self._rbn.enabled = bool(saved[1])
 
     def current_domain(self) -> str:
         """The active domain's name ('' before the first batch)."""
@@ -433,7 +435,6 @@ class Darda(TTAMethod, DeadlineBudget):
                 self.deferred += 1
             with torch.no_grad(), self._quiet():
                 step.logits = self.model(step.x)
-            self.embedder.enabled = False  # as skip() left it
             return
         self._predicted = self.predicted_serve_ms()
         grad = self.optimizer is not None and self.gate.wants_backward()

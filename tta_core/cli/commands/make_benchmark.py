@@ -1,7 +1,11 @@
 """`tta make-benchmark OUT`: write the CIFAR-scale shift benchmark (signs32-C) in the
 CIFAR-10-C layout (tta_core.data.benchmark): 50,000 training and 10,000 clean test images
 of synthetic signs, and 19 corruptions x 5 severities of the test images. Deterministic by
-seed, resumable (run it again after a stop), checked against the published fingerprint."""
+seed, resumable (run it again after a stop), checked against the published fingerprint.
+
+`tta make-benchmark --scenes [OUT]` writes the segmentation benchmark instead
+(tta_core.data.scene_set): synthetic driving scenes with Cityscapes train-id masks in the
+Cityscapes layout, and fog/night/rain/snow versions in the ACDC layout (default data/scenes)."""
 
 from __future__ import annotations
 
@@ -11,6 +15,9 @@ from pathlib import Path
 NAME = "make-benchmark"
 HELP = "write the CIFAR-scale shift benchmark (signs32-C) in the CIFAR-10-C layout"
 DEFAULT_OUT = Path("data") / "signs32c"
+SCENES_OUT = Path("data") / "scenes"
+# tta_core.data.scene_set.SceneSetConfig's train, val and per_condition defaults
+SCENE_SIZES = "5000,500,500"
 # tta_core.data.benchmark.BenchmarkConfig's defaults (test/system/test_cli_fast.py checks)
 DEFAULTS: dict[str, int] = {"train": 50_000, "test": 10_000, "per_corruption": 2_000, "seed": 0}
 
@@ -28,13 +35,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=int, default=0, help="processes (0: one per CPU)")
     parser.add_argument("--verify", action="store_true",
                         help="only check a finished folder against its meta.json")
+    parser.add_argument("--scenes", action="store_true",
+                        help=f"write the driving-scene segmentation benchmark (Cityscapes and "
+                             f"ACDC layouts; default OUT {SCENES_OUT}) instead")
+    parser.add_argument("--scene-sizes", default=SCENE_SIZES, metavar="TRAIN,VAL,PER_CONDITION",
+                        help=f"with --scenes: clean train and val scenes, scenes per "
+                             f"condition (default {SCENE_SIZES})")
     parser.add_argument("--no-progress", action="store_true")
+
+
+def _scenes(args: argparse.Namespace) -> int:
+    """--scenes: generate (or keep, or verify) the driving-scene benchmark."""
+    from tta_core.data import scene_set as ss
+
+    out = SCENES_OUT if args.out == DEFAULT_OUT else args.out
+    if args.verify:
+        bad = ss.verify(out)
+        print(f"{out}: " + (f"{len(bad)} file(s) differ from meta.json: {', '.join(bad[:5])}"
+                            if bad else f"every file matches; fingerprint {ss.fingerprint(out)}"))
+        return 1 if bad else 0
+    try:
+        train, val, per = (int(v) for v in args.scene_sizes.split(","))
+        cfg = ss.SceneSetConfig(train=train, val=val, per_condition=per, seed=args.seed)
+        cfg.validate()
+    except ValueError as exc:
+        raise SystemExit(f"tta make-benchmark: --scene-sizes {args.scene_sizes!r}: "
+                         f"{exc}") from None
+    report = ss.generate(out, cfg, max(args.workers, 1), progress=not args.no_progress)
+    what = ("already complete" if report.complete_before else
+            f"made {report.made} unit(s), kept {report.kept} in {report.seconds:.0f} s")
+    fp = ss.fingerprint(out)
+    known = ss.PUBLISHED.get(f"{train}/{val}/{per}/{args.seed}")
+    print(f"{out}: {what}; fingerprint {fp}"
+          + ("" if known is None else " (the published one)" if known == fp else
+             f" (differs from the published {known})"))
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
     """Generate (or resume, or verify) and print where the time went."""
     from tta_core.data import benchmark as bm
 
+    if args.scenes:
+        return _scenes(args)
     if args.verify:
         bad = bm.verify(args.out)
         if bad:

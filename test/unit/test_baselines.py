@@ -126,7 +126,7 @@ def test_eata_excludes_high_entropy_samples_from_the_update() -> None:
     model = Marked()
     x = batch(6)
     x[:, 0, 0, 0] = torch.tensor([20.0, 20.0, 20.0, 0.01, 0.01, 0.01])
-    meth = build_method("eata", model, reforward=False)
+    meth = build_method("eata", model, optimizer="sgd", lr=5e-3, lr_ref_batch=64)
     params = meth.params
     p0 = [p.detach().clone() for p in params]
     # independent reference: weighted entropy of the confident samples only

@@ -9,34 +9,52 @@ Wang et al., "Continual Test-Time Domain Adaptation", CVPR 2022.
 The reference code uses 32 augmentations (colour jitter, affine, blur, flip, noise); for
 small images on a CPU we use a few cheap, label-preserving ones (contrast/brightness
 jitter, shifts of ≤ 2 px, light noise — no flips: traffic-sign arrows are chiral).
-"""
+Settings by input scale unless set (`_presets`; the teacher's momentum is 0.999 at both):
+
+| input scale | optimizer | lr | lr scaling | other settings | source |
+|---|---|---|---|---|---|
+| cifar (<= 64 px) | Adam (0.9, 0.999) | 1e-3 | none | restore_prob 0.01, anchor_threshold 0.92 | CoTTA §4 (CIFAR10-C); qinenergy/cotta cifar/cfgs/cifar10/cotta.yaml |
+| imagenet | SGD m 0.9 nesterov | 0.01 | none | restore_prob 0.001, anchor_threshold 0.1 | CoTTA §4 (ImageNet-C, batch 64); qinenergy/cotta imagenet cfgs and cotta.py |
+"""  # noqa: E501
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
 
+from tta_core.methods._presets import Preset, PresetConfig, PresetMethod
 from tta_core.model.norms import set_bn_mode
 from tta_core.registry import register
 from tta_core.runtime.augment import cheap_augment
-from tta_core.runtime.method import MethodConfig, Step, TTAMethod
+from tta_core.runtime.method import Step
 from tta_core.runtime.options import option
+
+COTTA_PRESETS = {
+    "cifar": Preset("adam", 1e-3, fields=(("restore_prob", 0.01), ("anchor_threshold", 0.92)),
+                    source="CoTTA §4; qinenergy/cotta cifar/cfgs/cifar10/cotta.yaml"),
+    "imagenet": Preset("sgd", 0.01, nesterov=True,
+                       fields=(("restore_prob", 0.001), ("anchor_threshold", 0.1)),
+                       source="CoTTA §4; qinenergy/cotta imagenet/cotta.py"),
+}
 
 
 @dataclass
-class CoTTAConfig(MethodConfig):
-    """CoTTA settings (paper's CIFAR-10 defaults; n_augmentations reduced from 32)."""
+class CoTTAConfig(PresetConfig):
+    """CoTTA settings (the paper's by input scale; n_augmentations reduced from 32)."""
 
     teacher_momentum: float = option(0.999, "EMA momentum of the mean teacher", low=0.0,
                                      high=1.0)
-    anchor_threshold: float = option(0.92, "average the teacher over augmented copies when "
-                                     "the source model's mean confidence is below this",
-                                     low=0.0, high=1.0)
-    restore_prob: float = option(0.01, "stochastic restore: probability per weight and step "
-                                 "of returning to its source value", low=0.0, high=1.0)
+    anchor_threshold: float | None = option(None, "average the teacher over augmented copies "
+                                            "when the source model's mean confidence is "
+                                            "below this; None: the preset's", low=0.0,
+                                            high=1.0)
+    restore_prob: float | None = option(None, "stochastic restore: probability per weight and "
+                                        "step of returning to its source value; None: the "
+                                        "preset's", low=0.0, high=1.0)
     n_augmentations: int = option(4, "augmented copies the teacher averages over (the "
                                   "reference code: 32)", low=0)
     max_shift: int = option(2, "augmentation shift, px", low=0)
@@ -44,10 +62,11 @@ class CoTTAConfig(MethodConfig):
 
 
 @register("cotta")
-class CoTTA(TTAMethod):
+class CoTTA(PresetMethod):
     """Mean-teacher self-training on every parameter, with stochastic restore."""
 
     config_cls = CoTTAConfig
+    presets: ClassVar[dict[str, Preset]] = COTTA_PRESETS
     config: CoTTAConfig
     teacher: nn.Module
     anchor: nn.Module

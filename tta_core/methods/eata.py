@@ -12,30 +12,45 @@ reliable, non-redundant samples:
   (mariodoebler/test-time-adaptation, cfgs/cifar10_c/eata.yaml);
 - re-weighted by 1 / exp(entropy − E0), so confident samples count more.
 The Fisher (EWC) anti-forgetting term needs labelled-free *source* data to estimate the
-Fisher information; it is off unless `compute_fisher` is called (alpha 2000 as in the
-paper's ImageNet setting once enabled).
-"""
+Fisher information; it is off unless `compute_fisher` is called. The prediction is the
+pre-update forward's, as in the paper's code (`reforward=True`: AdaShadow's
+forward-backward-reforward). Optimizer settings by input scale unless set (`_presets`):
+
+| input scale | optimizer | lr | lr scaling | fisher_alpha | source |
+|---|---|---|---|---|---|
+| cifar (<= 64 px) | Adam (0.9, 0.999) | 1e-3 | none | 1 | mariodoebler/test-time-adaptation cfgs/cifar10_c/eata.yaml |
+| imagenet | SGD m 0.9 | 2.5e-4 | lr·b/64 | 2000 | EATA §5 (implementation details, batch 64); mr-eggplant/EATA main.py |
+"""  # noqa: E501
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from tta_core.methods._presets import Preset, PresetConfig
 from tta_core.methods.tent import Tent
 from tta_core.registry import register
 from tta_core.runtime.losses import softmax_entropy
-from tta_core.runtime.method import MethodConfig, Step
+from tta_core.runtime.method import Step
 from tta_core.runtime.options import option
+
+EATA_PRESETS = {
+    "cifar": Preset("adam", 1e-3, fields=(("fisher_alpha", 1.0),),
+                    source="test-time-adaptation cfgs/cifar10_c/eata.yaml"),
+    "imagenet": Preset("sgd", 2.5e-4, 64, fields=(("fisher_alpha", 2000.0),),
+                       source="EATA §5; mr-eggplant/EATA main.py"),
+}
 
 
 @dataclass
-class EATAConfig(MethodConfig):
-    """EATA settings (paper defaults); lr/momentum are the shared SGD settings."""
+class EATAConfig(PresetConfig):
+    """EATA settings (paper defaults); the optimizer's are the preset's unless set."""
 
     e_margin_scale: float = option(0.4, "reliable samples: entropy below E0 = "
                                    "e_margin_scale * ln(C)", low=0.0)
@@ -44,10 +59,11 @@ class EATAConfig(MethodConfig):
                                     low=0.0)
     probs_momentum: float = option(0.9, "moving average of the softmax of used samples",
                                    low=0.0, high=1.0)
-    fisher_alpha: float = option(2000.0, "weight of the EWC term, used only after "
-                                 "compute_fisher", low=0.0)
-    reforward: bool = option(True, "predict on the updated model (as tent here); False: "
-                             "the pre-update prediction (original)")
+    fisher_alpha: float | None = option(None, "weight of the EWC term, used only after "
+                                        "compute_fisher; None: the preset's", low=0.0)
+    reforward: bool = option(False, "forward-backward-reforward (AdaShadow §2.2): predict "
+                             "with the updated model; False: the pre-update prediction "
+                             "(the paper)")
 
 
 @dataclass
@@ -64,6 +80,7 @@ class EATA(Tent):
     """Sample-filtered, re-weighted entropy minimisation on norm affine parameters."""
 
     config_cls = EATAConfig
+    presets: ClassVar[dict[str, Preset]] = EATA_PRESETS
     precisions = ("fp32",)  # its own forwards (Fisher, selection) run in fp32 only
     config: EATAConfig
 

@@ -3,39 +3,57 @@
 Wang et al., "Tent: Fully Test-Time Adaptation by Entropy Minimization", ICLR 2021.
 Adapts the weight/bias of BatchNorm, LayerNorm and GroupNorm layers, as the peer code does
 (DequanWang/tent, mariodoebler/test-time-adaptation), so LayerNorm-only models (ViT) adapt
-too. The loop (forward, entropy, backward, SGD step, reforward of the same batch whose
-logits are the prediction: AdaShadow §2.2's sequential mode) is the base class's; with
-`activation_bits` / `activation_budget_mb` the forward stores its saves through DAF's
-codec (runtime.capabilities.MemoryOptions). Both forwards take config.precision
-(autocast; the entropy on fp32 logits, BN statistics and SGD state fp32); they run eagerly
-(no CUDA graphs: the recorded forward feeds a backward, the reforward follows an update).
-"""
+too. One forward and one backward per batch: the prediction is the pre-update forward's
+(the paper's method, §3, and its code); `reforward=True` is the forward-backward-reforward step of
+AdaShadow's paper (§2.2, sequential mode), whose prediction is a second forward of the
+updated model. The optimizer and its settings are the paper's (§4, "Optimization") unless
+set, by input scale (`_presets`):
+
+| input scale | optimizer | lr | lr scaling | source |
+|---|---|---|---|---|
+| cifar (<= 64 px) | Adam (0.9, 0.999) | 1e-3 | none | Tent §4; DequanWang/tent cfgs/tent.yaml; mariodoebler/test-time-adaptation cfgs/cifar10_c/tent.yaml |
+| imagenet | SGD m 0.9 nesterov | 2.5e-4 | lr·b/64 | Tent §4 (batch 64); cfgs/imagenet_c/tent.yaml of the latter; nesterov: both codes' SGD |
+
+With `activation_bits` / `activation_budget_mb` the forward stores its saves through DAF's
+codec (runtime.capabilities.MemoryOptions). The forwards take config.precision (autocast;
+the entropy on fp32 logits, BN statistics and optimizer state fp32); they run eagerly (no
+CUDA graphs: the recorded forward feeds a backward, the reforward follows an update).
+"""  # noqa: E501
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
+from tta_core.methods._presets import Preset, PresetConfig, PresetMethod
 from tta_core.registry import register
 from tta_core.runtime.capabilities import MemoryOptions
-from tta_core.runtime.method import MethodConfig, TTAMethod
 from tta_core.runtime.options import option
 from tta_core.runtime.precision import PRECISIONS
 
+TENT_PRESETS = {
+    "cifar": Preset("adam", 1e-3, source="Tent §4; DequanWang/tent cfgs/tent.yaml"),
+    "imagenet": Preset("sgd", 2.5e-4, 64, nesterov=True,
+                       source="Tent §4; test-time-adaptation cfgs/imagenet_c/tent.yaml"),
+}
+
 
 @dataclass
-class TentConfig(MethodConfig, MemoryOptions):
-    """Tent settings; `reforward=False` returns the pre-update logits (original Tent)."""
+class TentConfig(PresetConfig, MemoryOptions):
+    """Tent settings; the prediction is the pre-update forward's unless `reforward`."""
 
-    reforward: bool = option(True, "predict on the updated model (a reforward of the batch); "
-                             "False: the pre-update logits (original Tent)")
+    reforward: bool = option(False, "forward-backward-reforward (AdaShadow §2.2): predict "
+                             "with a second forward of the updated model; False: the "
+                             "pre-update logits (the Tent paper)")
 
 
 @register("tent")
-class Tent(TTAMethod):
+class Tent(PresetMethod):
     """Entropy minimisation on norm-layer weight/bias; BN uses batch statistics."""
 
     config_cls = TentConfig
     precisions = PRECISIONS
+    presets: ClassVar[dict[str, Preset]] = TENT_PRESETS
 
     def configure_model(self) -> None:
         super().configure_model()

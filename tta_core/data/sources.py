@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from tta_core.data.corruptions import ALL_CORRUPTIONS, CORRUPTIONS, HELD_OUT
-from tta_core.data.layouts import DATA_KINDS, LAYOUTS
+from tta_core.data.layouts import DATA_KINDS, LAYOUTS, SEG_DATA_KINDS
 from tta_core.data.loaders import load_cifar10c, load_image_folder
 from tta_core.data.streams import GRADUAL_LEVELS, ORDERS, Stream, arrange, domain_name
 from tta_core.errors import InputError, one_line
@@ -171,6 +171,9 @@ def load_data(spec: DataSpec, image_size: int, severity: int = 5,
     frames (tta_core.io.bag.read_bag; tta_core.io imports this package, not the reverse)."""
     if order not in ORDERS:
         raise ValueError(f"--order {order!r}: choose from {', '.join(ORDERS)}")
+    if spec.kind in SEG_DATA_KINDS:
+        raise InputError(f"--data {spec}: {spec.kind} holds segmentation masks, not class "
+                         "labels (use --task segmentation with a segmentation card)")
     if spec.kind == "bag" and order == "dirichlet":
         raise InputError(f"--data {spec}: order 'dirichlet' regroups by class; a bag's frames "
                          "keep their recorded classes (use continual, mixed or recurring)")

@@ -105,8 +105,10 @@ class PresetMethod(TTAMethod):
         if not self.params:
             return None
         c = self.config
-        if c.optimizer == "adam":
-            return torch.optim.Adam(self.params, lr=c.lr, betas=(0.9, 0.999))
+        if c.optimizer == "adam":  # fused: the step count stays a tensor (no host read)
+            fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda")
+                        for p in self.params)
+            return torch.optim.Adam(self.params, lr=c.lr, betas=(0.9, 0.999), fused=fused)
         nesterov = self.preset.nesterov and c.momentum > 0
         return torch.optim.SGD(self.params, lr=c.lr, momentum=c.momentum, nesterov=nesterov)
 

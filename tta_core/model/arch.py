@@ -27,7 +27,7 @@ from torch import nn
 from torchvision import models as tvm
 
 from tta_core.errors import InputError, one_line
-from tta_core.model.zoo import ARCHS, SmallResNet, build_model
+from tta_core.model.zoo import ARCHS, SEG_ARCHS, SmallResNet, build_model
 
 FACTORY_PATTERN = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 # top-level packages a card may not name as its factory (besides the standard library)
@@ -60,7 +60,7 @@ def check_arch(arch: str, factory: str = "", kwargs: dict | None = None) -> None
         if not arch.strip():
             raise ValueError(f"arch is empty (factory {factory!r}: name the architecture)")
         return
-    if arch not in ARCHS and arch not in torchvision_archs():
+    if arch not in ARCHS and arch not in SEG_ARCHS and arch not in torchvision_archs():
         raise ValueError(f"arch {arch!r} is neither a tta arch ({', '.join(ARCHS)}) nor a "
                          "torchvision classification model (e.g. resnet18, efficientnet_b0); "
                          "for your own code give a factory 'package.module:function'")
@@ -127,7 +127,7 @@ def build_architecture(arch: str, num_classes: int, factory: str = "",
         return model
     if num_classes < 2:
         raise ValueError(f"num_classes must be >= 2, got {num_classes}")
-    if arch in ARCHS and not kwargs:
+    if (arch in ARCHS or arch in SEG_ARCHS) and not kwargs:
         return build_model(arch, num_classes)
     try:
         if arch == "small_resnet":

@@ -41,6 +41,7 @@ __all__ = ["CARD_SCHEMA", "ModelCard", "TrainConfig", "build_card_model", "load_
            "train_state_path", "training_data"]
 
 CARD_SCHEMA = "tta.model_card/1"
+TASKS: tuple[str, ...] = ("classification", "segmentation")
 
 
 @dataclass
@@ -66,6 +67,9 @@ class ModelCard:
     factory: str = ""
     kwargs: dict = field(default_factory=dict)  # JSON keyword arguments of the builder
     data: str = ""  # what it was trained on: '' (the built-in signs) or 'cifar10c:DIR'
+    # classification: logits N x C; segmentation: N x C x H x W, class_names are train ids
+    task: str = "classification"
+    image_height: int = 0  # input rows when not square (image_size is then the width)
 
     def validate(self) -> None:
         """ValueError naming the first inconsistent field."""
@@ -77,8 +81,16 @@ class ModelCard:
                              f"num_classes={self.num_classes}")
         if len(self.mean) != 3 or len(self.std) != 3 or min(self.std) <= 0:
             raise ValueError(f"mean/std must be 3 values, std > 0: {self.mean}, {self.std}")
-        if self.image_size < 8:
-            raise ValueError(f"image_size {self.image_size} too small (>= 8)")
+        if self.image_size < 8 or 0 < self.image_height < 8 or self.image_height < 0:
+            raise ValueError(f"image_size {self.image_size} / image_height "
+                             f"{self.image_height} too small (>= 8; height 0: square)")
+        if self.task not in TASKS:
+            raise ValueError(f"task {self.task!r}: choose from {', '.join(TASKS)}")
+
+    @property
+    def input_hw(self) -> tuple[int, int]:
+        """(rows, columns) the model reads."""
+        return (self.image_height or self.image_size, self.image_size)
 
 
 @dataclass

@@ -110,10 +110,38 @@ _BUILDERS: dict[str, Callable[[int], nn.Module]] = {
 ARCHS: tuple[str, ...] = tuple(_BUILDERS)
 
 
+class SegmentationNet(nn.Module):
+    """A torchvision segmentation model whose forward returns the N x C x H x W logits
+    (torchvision's models return a dict holding them under "out")."""
+
+    def __init__(self, net: nn.Module) -> None:
+        super().__init__()
+        self.net = net
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)["out"]
+
+
+def _segmentation(name: str) -> Callable[[int], nn.Module]:
+    def build(n: int) -> nn.Module:
+        return SegmentationNet(getattr(tvm.segmentation, name)(
+            weights=None, weights_backbone=None, num_classes=n))
+    return build
+
+
+# semantic segmentation nets (random backbone too: no ImageNet download)
+SEG_ARCHS: tuple[str, ...] = ("lraspp_mobilenet_v3_large", "deeplabv3_mobilenet_v3_large",
+                              "deeplabv3_resnet50")
+_SEG_BUILDERS: dict[str, Callable[[int], nn.Module]] = {a: _segmentation(a) for a in SEG_ARCHS}
+
+
 def build_model(arch: str, num_classes: int) -> nn.Module:
-    """Build `arch` with random weights and `num_classes` outputs."""
-    if arch not in _BUILDERS:
-        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHS)}")
+    """Build `arch` (a classifier of ARCHS or a segmentation net of SEG_ARCHS) with random
+    weights and `num_classes` outputs."""
+    builders = _BUILDERS | _SEG_BUILDERS
+    if arch not in builders:
+        raise ValueError(f"unknown arch {arch!r}; choose one of "
+                         f"{', '.join(ARCHS + SEG_ARCHS)}")
     if num_classes < 2:
         raise ValueError(f"num_classes must be >= 2, got {num_classes}")
-    return _BUILDERS[arch](num_classes)
+    return builders[arch](num_classes)

@@ -8,22 +8,27 @@ written in this file, not taken from the product, so the two are independent.
 
 Against it, on the same model and the same batches, round-robin per batch (each method
 steps batch k before any steps batch k+1; the order rotates), one thread:
-- tta's `tent` at its defaults (SGD, the reforward of the updated model as the prediction:
-  the forward-backward-reforward step AdaShadow's paper counts);
-- `tent` with `reforward=False` (the prediction from the pre-update forward, as the
-  original);
+- "tent (original)": tta's `tent` at its defaults (the published preset for the input
+  scale: Adam 1e-3 at CIFAR scale; the prediction from the pre-update forward);
+- "tent (with reforward)": `tent` with `reforward=True` (the forward-backward-reforward
+  step AdaShadow's paper counts as Tent);
 - source, bn_adapt and adashadow for scale.
 Per method: median ms per batch, the ratio to the reference (per batch, then the median),
 accuracy on the stream, and the share of predictions equal to the reference's.
 
     python benchmarks/bench_tent_parity.py [--batch-sizes 16,64] [--samples-per-domain 200]
+        [--sweep runs/sweep-tent_parity]
 
+With `--sweep` (a finished `tta sweep config/sweeps/tent_parity.yaml`: the same stream at
+three seeds) the page adds the sweep's accuracy per batch size, mean ± 95 % t-interval
+over the seeds, and each method's paired difference to tent (by seed, paired t-test).
 Writes docs/results/tent_parity.{json,md}.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from pathlib import Path
@@ -36,11 +41,13 @@ from tqdm import tqdm
 
 from tta_core.eval.bench import BenchConfig, bench_inputs, method_options
 from tta_core.registry import build_method
+from tta_core.sweep.aggregate import mean_ci, paired
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = "reference Tent"
-METHODS = {"source": ("source", {}), "bn_adapt": ("bn_adapt", {}), "tent": ("tent", {}),
-           "tent reforward=False": ("tent", {"reforward": False}),
+METHODS = {"source": ("source", {}), "bn_adapt": ("bn_adapt", {}),
+           "tent (original)": ("tent", {}),
+           "tent (with reforward)": ("tent", {"reforward": True}),
            "adashadow": ("adashadow", {})}
 
 
@@ -99,6 +106,68 @@ def run(cfg: BenchConfig, progress: bool) -> dict[str, Any]:
             "methods": rows}
 
 
+SWEEP_LABELS = {"tent": "tent (original)", "tent@reforward": "tent (with reforward)"}
+
+
+def collect_sweep(sweep: Path) -> dict:
+    """Per batch size and method of a finished sweep: accuracy % mean ± 95 % CI over the
+    seeds and the paired difference to the sweep's baseline (tent)."""
+    data = json.loads((sweep / "sweep.json").read_text())
+    base = data.get("baseline", "tent")
+    acc: dict[int, dict[str, dict[int, float]]] = {}
+    for cell in data["cells"]:
+        if cell.get("status") != "done":
+            continue
+        opt = cell["options"]
+        for s in cell["summaries"]:
+            acc.setdefault(int(opt["batch_size"]), {}).setdefault(s["method"], {})[
+                int(opt["seed"])] = 100.0 * s["mean_accuracy"]
+    out: dict[str, Any] = {"sweep": Path(sweep).relative_to(ROOT).as_posix()
+                           if Path(sweep).is_relative_to(ROOT) else str(sweep),
+                           "baseline": base, "batch_sizes": {}}
+    for bs in sorted(acc):
+        rows = {}
+        for method, runs in acc[bs].items():
+            seeds = sorted(runs)
+            ci = mean_ci([runs[k] for k in seeds])
+            row = {"seeds": seeds, "accuracy": ci.mean, "accuracy_ci": ci.half_width}
+            common = [k for k in seeds if k in acc[bs].get(base, {})]
+            if method != base and len(common) >= 2:
+                p = paired([runs[k] for k in common], [acc[bs][base][k] for k in common])
+                row |= {"minus_base": p.diff.mean, "minus_base_ci": p.diff.half_width,
+                        "p_value": p.p_value}
+            rows[method] = row
+        out["batch_sizes"][str(bs)] = rows
+    return out
+
+
+def _pm(mean: float, half: float | None, fmt: str = ".1f") -> str:
+    if half is None or half != half:  # NaN: one seed
+        return f"{mean:{fmt}}"
+    return f"{mean:{fmt}} ± {half:{fmt}}"
+
+
+def render_sweep(sw: dict) -> list[str]:
+    """The sweep section of the page."""
+    base = SWEEP_LABELS.get(sw["baseline"], sw["baseline"])
+    lines = ["## Accuracy over three seeds (`tta sweep config/sweeps/tent_parity.yaml`)", "",
+             f"Sweep `{sw['sweep']}`: the same stream, seeds 0-2 (the seed draws the "
+             f"images), one method per cell. Accuracy % mean ± 95 % t-interval over the "
+             f"seeds; the difference to {base} paired by seed (t-test; * p < 0.05).", ""]
+    for bs, rows in sw["batch_sizes"].items():
+        lines += [f"### batch {bs}", "", f"| method | seeds | accuracy % | − {base} "
+                  "(points) | p |", "|---|---:|---:|---:|---:|"]
+        for method, r in rows.items():
+            diff = (_pm(r["minus_base"], r["minus_base_ci"], ".2f") if "minus_base" in r
+                    else "-")
+            p = (f"{r['p_value']:.3f}{'*' if r['p_value'] < 0.05 else ''}"
+                 if "p_value" in r else "-")
+            lines.append(f"| {SWEEP_LABELS.get(method, method)} | {len(r['seeds'])} | "
+                         f"{_pm(r['accuracy'], r['accuracy_ci'])} | {diff} | {p} |")
+        lines.append("")
+    return lines
+
+
 def render(data: dict) -> str:
     """The page's markdown from the JSON this script writes."""
     lines = [f"Card `{data['card']}`, data `{data['data']}`, the 15 corruptions at severity "
@@ -106,8 +175,10 @@ def render(data: dict) -> str:
              f"{data['seed']}, {data['threads']} thread; every method on the same batches, "
              "round-robin per batch. Reference: Tent as its paper describes it, written in "
              "the benchmark (batch statistics, BN affine, Adam 1e-3, pre-update "
-             "prediction). tta's `tent` at its defaults predicts from the reforward of the "
-             "updated model (SGD at lr 5e-3 for batch 64, linearly scaled).", ""]
+             "prediction). Tent (original) is tta's `tent` at its defaults (the CIFAR-scale "
+             "preset: Adam 1e-3, the pre-update prediction); Tent (with reforward) is `tent` "
+             "with `reforward=True`, the forward-backward-reforward AdaShadow's paper counts "
+             "as Tent.", ""]
     for r in data["runs"]:
         lines += [f"## batch {r['batch_size']} ({r['batches']} batches)", "",
                   "| method | ms per batch (median) | × reference Tent | accuracy % | "
@@ -116,6 +187,8 @@ def render(data: dict) -> str:
             lines.append(f"| {n} | {m['ms_median']:.2f} | {m['x_reference']:.3f} | "
                          f"{100 * m['accuracy']:.1f} | {100 * m['agreement']:.1f} |")
         lines.append("")
+    if data.get("sweep"):
+        lines += render_sweep(data["sweep"])
     return "\n".join(lines)
 
 
@@ -128,7 +201,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--sweep", type=Path, default=None,
+                    help="a finished sweep of config/sweeps/tent_parity.yaml to add")
     a = ap.parse_args()
+    if a.sweep is not None and not (a.sweep / "sweep.json").is_file():
+        raise SystemExit(f"{a.sweep}/sweep.json not found: run "
+                         "`tta sweep config/sweeps/tent_parity.yaml` first")
     torch.set_num_threads(a.threads)
     report: dict[str, Any] = {"card": Path(a.card).relative_to(ROOT).as_posix()
                               if Path(a.card).is_relative_to(ROOT) else a.card,
@@ -140,6 +218,8 @@ def main() -> None:
                           samples_per_domain=a.samples_per_domain, seed=a.seed,
                           threads=a.threads, data=a.data)
         report["runs"].append(run(cfg, not a.no_progress))
+    if a.sweep is not None:
+        report["sweep"] = collect_sweep(a.sweep)
     print(render(report))
     print(f"wrote {results.save('tent_parity', report)}")
 

@@ -22,9 +22,10 @@ def test_gpu_check_dry_run_writes_its_figures(tmp_path):
     assert "== gpu_check.sh done" in proc.stdout
     ratios = json.loads((tmp_path / "paper_ratios.json").read_text())
     methods = ratios["runs"][0]["methods"]
-    assert set(methods) == {"source", "bn_adapt", "tent", "adashadow", "adashadow parallel",
-                            "adashadow bn_lag=False"}
-    check_ratios(methods, "median_ms", {"x_inference": "source", "x_tent": "tent"})
+    assert set(methods) == {"source", "bn_adapt", "tent (with reforward)", "tent (original)",
+                            "adashadow", "adashadow parallel", "adashadow bn_lag=False"}
+    check_ratios(methods, "median_ms", {"x_inference": "source", "x_tent": "tent (with reforward)",
+                                        "x_tent_original": "tent (original)"})
     figures = json.loads((tmp_path / "gpu_figures.json").read_text())
     memory = figures["memory"]
     share = memory["tent 4-bit"]["saved_share_of_tent"]

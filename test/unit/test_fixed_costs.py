@@ -46,6 +46,32 @@ def test_samples_are_clipped_to_the_forward_and_bad_pairs_ignored() -> None:
     assert (fc.adapt_ms, fc.plan_ms, fc.adapt_updates) == (0.0, 0.0, 0)
 
 
+def test_one_preempted_update_moves_the_estimate_by_little_a_lasting_rise_gets_through(
+) -> None:
+    """A 1.4 ms fixed cost, then one update preempted to 8 ms (forward 5 ms): the sample
+    counts as twice the window's median, not as the whole forward; a cost that really rose
+    to 3 ms is learnt as the window fills with it. The plan phase likewise."""
+    fc = FixedCosts(alpha=0.2)
+    fc.update_adapt(0.0, 9.0, 5.0)  # warm-up
+    for _ in range(10):
+        fc.update_adapt(0.1, 1.5, 5.0)
+    assert fc.overhead_ms == pytest.approx(1.4)
+    fc.update_adapt(0.1, 8.1, 5.0)  # residual 8 ms, clipped to the forward (5), then to 2.8
+    assert fc.overhead_ms == pytest.approx(0.8 * 1.4 + 0.2 * 2.8)
+    for _ in range(30):
+        fc.update_adapt(0.1, 3.1, 5.0)
+    assert fc.overhead_ms == pytest.approx(3.0, abs=0.01)
+    fc.update_plan(9.0, 5.0)  # warm-up
+    for _ in range(5):
+        fc.update_plan(0.3, 5.0)
+    fc.update_plan(4.0, 5.0)  # at most the median + a quarter forward: 1.55 ms
+    assert fc.plan_phase_ms == pytest.approx(0.8 * 0.3 + 0.2 * 1.55)
+    fresh = FixedCosts(alpha=0.2, warmup=0)  # fewer than OUTLIER_MIN samples: unbounded
+    fresh.update_adapt(0.0, 1.0, 5.0)
+    fresh.update_adapt(0.0, 4.0, 5.0)
+    assert fresh.overhead_ms == pytest.approx(0.8 * 1.0 + 0.2 * 4.0)
+
+
 def test_the_deadline_margin_keeps_a_rare_tail_the_ema_forgets() -> None:
     """Residuals 0 ms except a 3 ms one every 50 batches (a preempted thread): 40 batches
     after a spike the EMA (alpha 0.2) has forgotten it (margin < 0.05 ms) but the window's

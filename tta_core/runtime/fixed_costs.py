@@ -11,8 +11,11 @@ is the planner's fixed cost of any non-empty plan (planner.PlanProblem.overhead_
 
 Each is an EMA (weight `alpha` for the newest batch) started at the first measurement
 after `warmup` ignored ones (the first update of a run pays one-time allocations). A
-sample is clipped to [-scale, scale] with `scale` the batch's forward time, so one
-preempted batch cannot empty the plans for long. The update's cost is only measured when
+sample is clipped to [-scale, scale] with `scale` the batch's forward time, and once
+OUTLIER_MIN samples are in the window of recent ones to at most OUTLIER_FACTOR times their
+median (or the median plus OUTLIER_SLACK forwards, the larger): one preempted batch moves an
+estimate by little and cannot empty the plans for long, while a cost that really rose
+fills the window and is learnt within about half its length. The update's cost is only measured when
 an update runs, so an estimate that leaves no plan within the budget could never be
 corrected (one slow start would freeze adaptation for good): every batch without an
 update forgets a share `forget` of it, so a plan is tried again after a while (about
@@ -35,6 +38,7 @@ how fast a run is).
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -51,6 +55,12 @@ MARGIN_WINDOW = 128
 #: FLOOR_AGING times slower than the estimate
 FLOOR_WINDOW = 16
 FLOOR_AGING = 8
+#: a sample counts at most OUTLIER_FACTOR times the median of the recent window (or the
+#: median plus OUTLIER_SLACK times the batch's forward, the larger) once it holds
+#: OUTLIER_MIN samples
+OUTLIER_MIN = 3
+OUTLIER_FACTOR = 2.0
+OUTLIER_SLACK = 0.25
 #: retries of an update that keeps missing its deadline slow down at most 2**6-fold
 MAX_BACKOFF = 6
 
@@ -113,7 +123,8 @@ class FixedCosts:
         if not self.on or not _finite(measured_ms, scale_ms) or measured_ms < 0:
             return
         sample = min(measured_ms, abs(scale_ms))
-        self.plan_ms = self._ema(self.plan_ms, sample, self.plan_updates)
+        self.plan_ms = self._ema(self.plan_ms, _robust(sample, self.plan_seen, scale_ms),
+                                 self.plan_updates)
         if self.plan_updates >= self.warmup:
             self.plan_seen.append(sample)
         self.plan_updates += 1
@@ -125,7 +136,8 @@ class FixedCosts:
             return
         bound = abs(scale_ms)
         sample = min(bound, max(-bound, measured_ms - predicted_ms))
-        self.adapt_ms = self._ema(self.adapt_ms, sample, self.adapt_updates)
+        self.adapt_ms = self._ema(self.adapt_ms, _robust(sample, self.adapt_seen, bound),
+                                  self.adapt_updates)
         if self.adapt_updates >= self.warmup:
             self.adapt_seen.append(sample)
         self.adapt_updates += 1
@@ -206,6 +218,15 @@ class FixedCosts:
         self.plan_updates = self.adapt_updates = self.total_updates = self.backoff = 0
         for seen in (self.recent_ms, self.adapt_seen, self.plan_seen):
             seen.clear()
+
+
+def _robust(sample: float, seen: deque, scale_ms: float) -> float:
+    """`sample` bounded by the recent window `seen` (module docstring: OUTLIER_*); the
+    window itself keeps the raw samples, so a lasting change still gets through."""
+    if len(seen) < OUTLIER_MIN:
+        return sample
+    med = statistics.median(seen)
+    return min(sample, max(OUTLIER_FACTOR * med, med + OUTLIER_SLACK * abs(scale_ms)))
 
 
 def _quantile(values: deque, q: float) -> float:

@@ -27,7 +27,11 @@ master on them before / after the update, ‖Δθ‖/‖θ‖ of the changed con
 the master after the update on every seen domain's first-visit images (the per-domain
 learning curves, `_learning_curve.png`). Variants: `--epochs` passes over each visit (the
 retraining window), `--share` K < N (Θ* refitted, the master's filters rewritten at rank
-K), `--master-bn keep` (write_back's BN affine kept), `--seed`.
+K), `--gauge orthonormal` (the card's relevances re-gauged orthonormal: the same master and
+tie, Eqs. 3-4 a projection instead of the trained spread), `--master-bn keep` (write_back's
+BN affine kept), `--seed`. The column "outside / at" is how far Eq. 4 moves the master's
+conv entries the surrogate did not change / did, over the surrogate's change (0 / 1 for
+the identity update of orthonormal K = N relevances, 0 / 0.5 for averaging).
 
 Usage: python benchmarks/bench_elastic_knowledge.py [--card C] [--domains 8] [--visits 2]
            [--samples-per-domain 128] [--epochs 1] [--share S] [--master-bn change]
@@ -97,6 +101,10 @@ class Visit:
     master_after: float = float("nan")  # the master after this visit's update, same images
     delta_conv: float = float("nan")  # ‖Δθ‖ / ‖θ‖ over the conv tensors the surrogate changed
     delta_bn: float = float("nan")  # the same over the BN affine tensors (master's format)
+    # the master's conv change (Eq. 4 rewrites whole layers) outside / at the entries the
+    # surrogate changed, over the norm of the surrogate's conv change (identity: 0 / 1)
+    spread_out: float = float("nan")
+    spread_in: float = float("nan")
     # the master after this visit's update on each seen domain's first-visit images
     seen: dict[str, float] = field(default_factory=dict)
 
@@ -191,6 +199,30 @@ def delta_norms(master: GatedModel, sur: Surrogate) -> tuple[float, float]:
     return tuple(math.sqrt(a / b) if b else 0.0 for a, b in (sums[4], sums[1]))
 
 
+@torch.no_grad()
+def spread(before: GatedModel, after: GatedModel, sur: Surrogate) -> tuple[float, float]:
+    """(‖master change outside the surrogate's changed conv entries‖, ‖at them‖), each over
+    ‖the surrogate's conv change‖ in the master's format (Visit.spread_out / spread_in)."""
+    was, now = dict(before.base.named_parameters()), dict(after.base.named_parameters())
+    out_sq = in_sq = delta_sq = 0.0
+    for name, r, c, delta in _deltas(before, sur):
+        if name not in was or delta.ndim != 4:
+            continue
+        full = torch.zeros_like(was[name], dtype=torch.float64)
+        rows = r if r is not None else torch.arange(len(full))
+        if c is None:
+            full[rows] = delta.double()
+        else:
+            full[rows[:, None], c[None, :]] = delta.double()
+        touched, moved = full != 0, (now[name] - was[name]).double()
+        out_sq += float(moved[~touched].pow(2).sum())
+        in_sq += float(moved[touched].pow(2).sum())
+        delta_sq += float(full.pow(2).sum())
+    if delta_sq == 0:
+        return 0.0, 0.0
+    return math.sqrt(out_sq / delta_sq), math.sqrt(in_sq / delta_sq)
+
+
 def run_mode(master0: GatedModel, segs: list, mode: str, keep: float, mass: float,
              lr: float, epochs: int = 1, seed: int = 0, master_bn: str = "change"
              ) -> tuple[ModeRun, Surrogate, GatedModel]:
@@ -213,13 +245,15 @@ def run_mode(master0: GatedModel, segs: list, mode: str, keep: float, mass: floa
         dconv, dbn = delta_norms(master, sur)
         write_back(master, sur, mode, master_bn)
         after = {d: batch_stat_accuracy(master, p) for d, p in probes.items()}
+        out, own = spread(before, master, sur)
         run.visits.append(Visit(dom, seen[dom], first, whole, same, h / n, n, s0, s1,
-                                batch_stat_accuracy(master, batches), dconv, dbn, after))
+                                batch_stat_accuracy(master, batches), dconv, dbn, out, own,
+                                after))
         hits, total = hits + h, total + n
         print(f"  {mode:<9} {dom:<18} visit {seen[dom]}  master@first {100 * first:5.1f}%  "
               f"surrogate {100 * h / n:5.1f}% ({100 * s0:5.1f} -> {100 * s1:5.1f})  master "
               f"{100 * whole:5.1f} -> {100 * run.visits[-1].master_after:5.1f}%  "
-              f"|dθ|/|θ| {dconv:.4f}", flush=True)
+              f"|dθ|/|θ| {dconv:.4f}  spread out/in {out:.3f}/{own:.3f}", flush=True)
     run.accuracy, run.seconds = hits / total, time.perf_counter() - t0
     return run, sur, before
 
@@ -323,7 +357,8 @@ def markdown(runs: list[ModeRun], mem: dict[str, int], meta: dict) -> str:
              f"severity 5, {meta['samples']} images per visit, batch {meta['batch']}, keep "
              f"{meta['keep']}, mass {meta['mass']}, lr {meta['lr']}, "
              f"{meta.get('epochs', 1)} pass(es) over each visit, Θ* share "
-             f"{meta.get('share', 1.0)}, master BN {meta.get('master_bn', 'change')}, "
+             f"{meta.get('share', 1.0)} (relevances: {meta.get('gauge', 'card')}), master BN "
+             f"{meta.get('master_bn', 'change')}, "
              f"{meta['threads']} thread(s). Made by "
              "`python benchmarks/bench_elastic_knowledge.py`.", "",
              "Revisit gain: the master (no update, BN batch statistics) on the images of a "
@@ -332,7 +367,8 @@ def markdown(runs: list[ModeRun], mem: dict[str, int], meta: dict) -> str:
              f"| master update | seed | surrogate accuracy | master@first batch, visit {slash} "
              f"| revisit gain, visit {' / '.join(str(k) for k in ks[1:])} | surrogate on its "
              "visit before -> after its updates | master on the visit before -> after the "
-             "update | ‖Δθ‖/‖θ‖ conv, BN | s |", "|---|---|---|---|---|---|---|---|---|"]
+             "update | ‖Δθ‖/‖θ‖ conv, BN | master conv change outside / at the surrogate's "
+             "changed entries, / ‖Δθ‖ | s |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         f = " / ".join(f"{100 * _mean([x.master_first for x in r.visits if x.visit == k]):.1f}"
                        for k in ks)
@@ -345,6 +381,7 @@ def markdown(runs: list[ModeRun], mem: dict[str, int], meta: dict) -> str:
             f"{100 * _mean([v.master_visit for v in vs]):.1f} -> "
             f"{100 * _mean([v.master_after for v in vs]):.1f} % | "
             f"{_mean([v.delta_conv for v in vs]):.4f}, {_mean([v.delta_bn for v in vs]):.4f} | "
+            f"{_mean([v.spread_out for v in vs]):.3f} / {_mean([v.spread_in for v in vs]):.3f} | "
             f"{r.seconds:.0f} |")
     first = [r for r in runs if r.seed == runs[0].seed]
     lines += ["", f"Per visit (seed {runs[0].seed}): surrogate accuracy (master at the visit's "
@@ -467,6 +504,9 @@ def main() -> None:
     ap.add_argument("--share", type=float, default=None,
                     help="refit Θ* with K = ceil(share·N) and rewrite the master's filters "
                     "from it (rank K, Eq. 4) before the stream; default: the card's Θ*")
+    ap.add_argument("--gauge", choices=("card", "orthonormal"), default="card",
+                    help="Θ*'s relevances as the card has them, or re-gauged orthonormal "
+                    "(same combinations and tie; Eqs. 3-4 then a projection)")
     ap.add_argument("--master-bn", choices=MASTER_BN, default=MASTER_BN[0],
                     help="knowledge update: BN affine and conv biases (outside Θ*) take the "
                     "surrogate's change, or keep the master's")
@@ -501,6 +541,8 @@ def run_all(args: argparse.Namespace) -> tuple[list[ModeRun], dict[str, int], di
         mods = dict(master.base.named_modules())
         for layer in kn.layers:
             kn.recall(layer, mods[layer].weight)
+    if args.gauge == "orthonormal":
+        kn.orthonormalize()
     segs = segments(args.card, args.domains, args.visits, args.samples_per_domain, args.batch,
                     args.seed)
     runs, last = [], None
@@ -513,7 +555,7 @@ def run_all(args: argparse.Namespace) -> tuple[list[ModeRun], dict[str, int], di
     meta = {"card": args.card.name, "domains": args.domains, "visits": args.visits,
             "samples": args.samples_per_domain, "batch": args.batch, "keep": args.keep,
             "mass": args.mass, "lr": args.lr, "epochs": args.epochs, "share": kn.share,
-            "master_bn": args.master_bn, "threads": args.threads}
+            "master_bn": args.master_bn, "gauge": args.gauge, "threads": args.threads}
     return runs, memory_rows(last[1], last[0]), meta
 
 

@@ -15,7 +15,9 @@ statistics (as test-time adaptation serves):
   interleaved) of each master and surrogate.
 
 Scope "all" before fine-tuning is reported too (its extra gates untrained: ties among
-equal gates decide which channels survive).
+equal gates decide which channels survive). With `--all-card` (a scope-"all" master trained
+by `tta train-elastic --gate-scope all`, saved as a card) both cards are also measured as
+shipped, without fine-tuning (rows "..., trained cards").
 
     nice -n 19 python benchmarks/bench_gate_scope.py --results docs/results/gate_scope
 """
@@ -144,8 +146,11 @@ def markdown(out: dict) -> str:
              f"statistics, forward of a batch of {out['args']['batch_eval']}, 1 thread).", "",
              "| model | " + " | ".join(f"keep {k:g} acc % / ms" for k in keeps) + " |",
              "|---|" + "---|" * len(keeps)]
-    for name, res in (("after fine-tuning", out["tuned"]), ("before (all: fresh gates)",
-                                                            out["untuned"])):
+    sections = [("after fine-tuning", out["tuned"]), ("before (all: fresh gates)",
+                                                      out["untuned"])]
+    if "cards" in out:
+        sections.append((f"trained cards ({out['args']['all_card']})", out["cards"]))
+    for name, res in sections:
         for what in ("block master", "all master", "block surrogate", "all surrogate"):
             cells = [f"{100 * res['accuracy'][f'{what} {k:g}']:.1f} / "
                      f"{res['forward_ms'][f'{what} {k:g}']:.2f}" for k in keeps]
@@ -168,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch-eval", type=int, default=16)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--all-card", default="",
+                    help="a trained scope-all gated card, measured as shipped too")
     ap.add_argument("--results", default="", help="write <this>.json and <this>.md")
     args = ap.parse_args(argv)
     args.keeps = [float(k) for k in args.keeps.split(",")]
@@ -181,8 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     xt, yt = images_to_tensor(tr.images, mean, std), torch.from_numpy(tr.labels)
     xv, yv = images_to_tensor(va.images, mean, std), torch.from_numpy(va.labels)
     ms = masters(trained)
-    out = {"model": card.get("name", ""), "args": vars(args),
-           "untuned": evaluate(ms, xv, yv, args)}
+    out = {"model": card.get("name", ""), "args": vars(args)}
+    if args.all_card:
+        out["cards"] = evaluate({"block": trained, "all": load_gated(args.all_card)}, xv, yv,
+                                args)
+    out["untuned"] = evaluate(ms, xv, yv, args)
     _write(out, args)  # each phase as it ends (a slow machine may stop the run)
     out["seconds"] = {scope: fine_tune(m, xt, yt, args) for scope, m in ms.items()}
     out["tuned"] = evaluate(ms, xv, yv, args)

@@ -229,8 +229,41 @@ def test_scope_all_gates_every_conv_followed_by_a_batchnorm() -> None:
     assert len(make_gated(tvm.resnet50(num_classes=5), scope="all").gated) == 1 + 48 + 4
     with pytest.raises(ValueError, match="gate scope 'every'"):
         make_gated(SmallResNet(num_classes=5), scope="every")
-    with pytest.raises(ValueError, match="scope 'all' has no model card"):
-        save_gated(m, "unused", load_card(CARD))
+
+
+def test_scope_all_card_round_trip(tmp_path) -> None:
+    """A scope-"all" master saves as a card (kwarg gate_scope) and loads with every gate;
+    a card without the kwarg (the block scope's) still builds block gates."""
+    master = randomize_gates(make_gated(small_source(), scope="all")).eval()
+    master.set_sparsity(0.5)
+    card_path = save_gated(master, tmp_path / "all", load_card(CARD))
+    assert json.loads(card_path.read_text())["kwargs"]["gate_scope"] == "all"
+    back = load_gated(card_path)
+    assert back.scope == "all" and back.gated == master.gated
+    back.set_sparsity(0.5)
+    x = torch.randn(3, 3, 32, 32, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(back(x), master(x))
+    block = save_gated(randomize_gates(make_gated(small_source())), tmp_path / "b",
+                       load_card(CARD))
+    assert "gate_scope" not in json.loads(block.read_text())["kwargs"]
+    assert load_gated(block).scope == "block"
+
+
+def test_teacher_soft_labels_mix_into_the_label_loss() -> None:
+    """`teacher` share t: (1 - t) CE + t · soft-label CE; one-hot teacher = plain CE."""
+    from tta_core.elasticdnn.train import _label_loss
+
+    gen = torch.Generator().manual_seed(0)
+    logits, y = torch.randn(5, 4, generator=gen), torch.tensor([0, 1, 2, 3, 0])
+    ce = nn.functional.cross_entropy(logits, y)
+    cfg = ElasticTrainConfig(teacher=0.25)
+    assert torch.allclose(_label_loss(logits, y, nn.functional.one_hot(y, 4).float(), cfg), ce)
+    uniform = torch.full((5, 4), 0.25)
+    want = 0.75 * ce + 0.25 * -torch.log_softmax(logits, 1).mean(1).mean()
+    assert torch.allclose(_label_loss(logits, y, uniform, cfg), want)
+    with pytest.raises(ValueError, match="teacher must be in \\[0, 1\\], got 2"):
+        ElasticTrainConfig(teacher=2).validate()
 
 
 def test_scope_all_fresh_gates_compute_the_source_and_fold_into_a_surrogate() -> None:

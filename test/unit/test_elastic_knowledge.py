@@ -57,6 +57,52 @@ def test_eq3_then_eq4_on_hand_built_tensors() -> None:
     assert torch.equal(weight.view(2, 2), torch.tensor([[2.0, 3.0], [2.5, 4.0]]))
 
 
+def test_k_below_n_spreads_a_filters_change_to_related_filters() -> None:
+    """K = 2 < N = 3, w = [[1, 0], [0, 1], [1, 1]], Θ* = [[2], [3]] (tied: θ = [2, 3, 5]).
+    A change of filter 2 alone by 1: Eq. 3 Θ* += wᵀΔ = [[3], [4]], Eq. 4 θ = [3, 4, 7]: the
+    untouched filters 0 and 1 move by 1 each and filter 2 by 2 (w wᵀ row 2 = [1, 1, 2]),
+    where the identity update would give [2, 3, 6]."""
+    kn = DomainKnowledge({"c": (3, 1, 1, 1)}, share=2 / 3)
+    kn.relevances("c").copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]))
+    kn.matrices("c").copy_(torch.tensor([2.0, 3.0]).view(2, 1, 1, 1))
+    weight = torch.zeros(3, 1, 1, 1)
+    kn.recall("c", weight)
+    assert weight.flatten().tolist() == [2.0, 3.0, 5.0]
+    kn.store("c", torch.tensor([0.0, 0.0, 1.0]).view(3, 1, 1, 1))
+    assert kn.matrices("c").flatten().tolist() == [3.0, 4.0]
+    kn.recall("c", weight)
+    assert weight.flatten().tolist() == [3.0, 4.0, 7.0]
+
+
+def test_similarity_gauge_relevances_are_the_filters_gram_matrix() -> None:
+    """fit(gauge="similarity") with K = N: tied exactly, w wᵀ = N θθᵀ / ‖θ‖² (trace N), not
+    orthonormal; with K < N `project` makes the tie exact at rank K."""
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 6, 3, bias=False)
+    base = torch.nn.Sequential()
+    base.add_module("c", conv)
+    kn = DomainKnowledge({"c": tuple(conv.weight.shape)}, share=1.0)
+    kn.fit(base, gauge="similarity")
+    flat = conv.weight.detach().reshape(6, -1).double()
+    w = kn.relevances("c").double()
+    assert float(kn.tie_loss(base).detach()) < 1e-10
+    assert torch.allclose(w @ w.t(), 6 * flat @ flat.t() / flat.pow(2).sum(), atol=1e-5)
+    assert float((w.t() @ w - torch.eye(6, dtype=w.dtype)).abs().max()) > 0.1
+    low = DomainKnowledge({"c": tuple(conv.weight.shape)}, share=0.5)
+    low.fit(base, gauge="similarity")
+    assert float(low.tie_loss(base).detach()) > 1e-3
+    low.project(base)
+    assert float(low.tie_loss(base).detach()) < 1e-10
+    assert int(torch.linalg.matrix_rank(conv.weight.detach().reshape(6, -1))) == 3
+    with pytest.raises(ValueError, match=r"knowledge gauge must be one of .*got 'x'"):
+        low.fit(base, gauge="x")
+    combined = low.combine("c").clone()
+    low.orthonormalize()  # the same combinations, orthonormal relevances
+    w = low.relevances("c")
+    assert torch.allclose(low.combine("c"), combined, atol=1e-5)
+    assert torch.allclose(w.t() @ w, torch.eye(3), atol=1e-5)
+
+
 def test_tie_loss_is_the_papers_sum_of_squares() -> None:
     kn = hand_built()
     conv = torch.nn.Conv2d(1, 2, (1, 2), bias=False)

@@ -14,13 +14,14 @@ from tta_core.model.arch import build_architecture
 
 
 def gated_master(base_arch: str, num_classes: int, reduction: int = 4,
-                 base_kwargs: dict | None = None, knowledge: float | None = None
-                 ) -> nn.Module:
+                 base_kwargs: dict | None = None, knowledge: float | None = None,
+                 gate_scope: str = "block") -> nn.Module:
     """`base_arch` (a tta or torchvision arch, random weights) with FBS gates on its
-    block-internal convs, and Θ* with `knowledge` share when given; the card's checkpoint
-    fills them in."""
+    block-internal convs (`gate_scope` "block", cards without the kwarg) or on every conv
+    followed by a BatchNorm ("all"), and Θ* with `knowledge` share when given; the card's
+    checkpoint fills them in."""
     master = make_gated(build_architecture(base_arch, num_classes, kwargs=base_kwargs),
-                        reduction)
+                        reduction, gate_scope)
     if knowledge is not None:
         attach_knowledge(master, float(knowledge), fit=False)
     return master

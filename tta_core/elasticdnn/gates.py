@@ -298,12 +298,10 @@ def save_gated(master: GatedModel, path: str | Path, source_card: ModelCard,
                clean_accuracy: float = float("nan"),
                metadata: dict[str, str] | None = None) -> Path:
     """Write `<path>.safetensors` and the model card `<path>.json` (returned): the card names
-    the factory tta_core.elasticdnn.card:gated_master with the base arch and the gate settings,
-    so `load_source` / `tta bench --model-card` build the gated master like any model."""
+    the factory tta_core.elasticdnn.card:gated_master with the base arch and the gate settings
+    (``gate_scope`` when not "block"), so `load_source` / `tta bench --model-card` build the
+    gated master like any model."""
     path = Path(path)
-    if master.scope != "block":
-        raise ValueError(f"save_gated: gate scope {master.scope!r} has no model card yet "
-                         "(the card factory builds block-internal gates)")
     if source_card.factory:
         raise ValueError(f"save_gated: the source card names a factory ({source_card.factory}); "
                          "only tta / torchvision archs can be gated by card")
@@ -314,7 +312,8 @@ def save_gated(master: GatedModel, path: str | Path, source_card: ModelCard,
     card = replace(source_card, arch=f"gated_{source_card.arch}", factory=GATED_FACTORY,
                    kwargs={"base_arch": source_card.arch, "num_classes": source_card.num_classes,
                            "base_kwargs": source_card.kwargs,
-                           "reduction": master.reduction},
+                           "reduction": master.reduction}
+                   | ({"gate_scope": master.scope} if master.scope != "block" else {}),
                    checkpoint=weights.name, clean_accuracy=clean_accuracy,
                    name=path.name)
     save_card(card, path.with_suffix(".json"))

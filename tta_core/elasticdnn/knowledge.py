@@ -7,16 +7,25 @@ relevance matrix w_i, tied to the master's filters by the second pre-training lo
 
     tie = Σ_i Σ_j ‖θ_ij − Σ_k w_i(j, k) θ*_ik‖²                         (§III-B1)
 
-The paper takes K_i = N_i (Eq. 1); `share` sets K_i = ceil(share · N_i). A fit starts from
-the filters' SVD, θ_i = U S Vᵀ: w_i = U[:, :K] (w_i(j, k) is filter j's loading on the k-th
-principal filter), θ*_i = S[:K] Vᵀ[:K]; the least-squares optimum of the tie for that K, 0
-up to float error when K = N.
+Eq. 1 lists N_i matrices; `share` sets K_i = ceil(share · N_i), and the pre-training
+(`tta train-elastic`, default share 1/4) trains K_i < N_i jointly with the task loss. A fit
+starts from the filters' SVD, θ_i = U S Vᵀ, in one of two gauges (the tie cannot tell them
+apart: w A, A⁻¹ Θ* tie as well for any invertible A, but Eqs. 3-4 can):
+
+- "orthonormal": w_i = U[:, :K], θ*_i = S[:K] Vᵀ[:K] (`--knowledge-only` fits, K = N);
+- "similarity" (the pre-training's start): w_i = U[:, :K] S[:K] / s̄, θ*_i = s̄ Vᵀ[:K],
+  s̄² the mean of S[:K]²: w_i(j, k) is filter j's projection on the k-th principal filter,
+  so w wᵀ is the filters' Gram matrix at rank K (trace K, as the orthonormal projector's).
+  The paper does not say how w starts; this reading makes "relevance" a similarity.
+
+Both are the least-squares optimum of the tie for that K, 0 up to float error when K = N.
 
 The master update stores a surrogate's change Δθ_ij into Θ* (Eq. 3, for all j at once:
 θ*_i += w_iᵀ Δθ_i) and rewrites the layer's filters from it (Eq. 4: θ_i = w_i θ*_i), one
 layer at a time. With the tie exact the master moves by w_i w_iᵀ Δθ_i: the whole change
-for orthonormal relevances (K = N, as fitted), its projection on the relevances' span
-for K < N.
+for orthonormal relevances with K = N (w wᵀ = I), a projection for orthonormal K < N, and
+for relevances trained from the similarity gauge a filter's change spreads to the filters
+related to it by (w wᵀ)_lj.
 
 Θ* is a submodule ``knowledge`` of the gated master (buffers-like parameters that never
 require grad outside `train-elastic`), so it travels in the master's state_dict and
@@ -40,6 +49,7 @@ from tta_core.model.source import ModelCard, load_card, save_card
 
 log = logging.getLogger(__name__)
 KNOWLEDGE_KEY = "knowledge"  # the submodule's name on the master and the card kwarg
+KNOWLEDGE_GAUGES = ("orthonormal", "similarity")  # DomainKnowledge.fit (module doc)
 
 
 def knowledge_layers(master: GatedModel) -> tuple[str, ...]:
@@ -96,8 +106,10 @@ class DomainKnowledge(nn.Module):
         return torch.stack(terms).sum()
 
     @torch.no_grad()
-    def fit(self, base: nn.Module) -> None:
-        """w_i, Θ*_i from the SVD of each layer's filters (module doc)."""
+    def fit(self, base: nn.Module, gauge: str = "orthonormal") -> None:
+        """w_i, Θ*_i from the SVD of each layer's filters in `gauge` (module doc)."""
+        if gauge not in KNOWLEDGE_GAUGES:
+            raise ValueError(f"knowledge gauge must be one of {KNOWLEDGE_GAUGES}, got {gauge!r}")
         mods = dict(base.named_modules())
         for n in self.layers:
             weight = mods[n].weight.detach()
@@ -106,10 +118,33 @@ class DomainKnowledge(nn.Module):
             k = self.relevances(n).shape[1]
             sv = flat.new_zeros(k)
             sv[:min(k, len(s))] = s[:k]
-            theta = (sv[:, None] * vh[:k]) if k <= vh.shape[0] else torch.cat(
-                [sv[:vh.shape[0], None] * vh, flat.new_zeros(k - vh.shape[0], vh.shape[1])])
-            self.relevances(n).copy_(u[:, :k])
-            self.matrices(n).copy_(theta.reshape(k, *weight.shape[1:]))
+            basis = vh[:k] if k <= vh.shape[0] else torch.cat(
+                [vh, flat.new_zeros(k - vh.shape[0], vh.shape[1])])
+            scale = sv.new_ones(k)  # orthonormal: w = U_K, Θ* = S_K V_Kᵀ
+            if gauge == "similarity" and float(sv.pow(2).mean()) > 0:
+                scale = sv / sv.pow(2).mean().sqrt()  # w = U_K S_K / s̄, Θ* = s̄ V_Kᵀ
+            self.relevances(n).copy_(u[:, :k] * scale)
+            self.matrices(n).copy_(((sv / torch.where(scale > 0, scale, 1))[:, None] * basis)
+                                   .reshape(k, *weight.shape[1:]))
+
+    @torch.no_grad()
+    def orthonormalize(self) -> None:
+        """Re-gauge every layer to orthonormal relevances, w = Q R → w ← Q, Θ* ← R Θ*: the
+        combinations (and the tie) unchanged, Eqs. 3-4 then a projection (w wᵀ = Q Qᵀ)."""
+        for n in self.layers:
+            theta, w = self.matrices(n), self.relevances(n)
+            q, r = torch.linalg.qr(w.double())
+            flat = r @ theta.reshape(len(theta), -1).double()
+            w.copy_(q)
+            theta.copy_(flat.reshape(theta.shape))
+
+    @torch.no_grad()
+    def project(self, base: nn.Module) -> None:
+        """Each knowledge layer's filters set to their combinations, θ_i ← w_i Θ*_i: the
+        tie exact (the pre-training's end state, §III-B1), at rank K_i when K_i < N_i."""
+        mods = dict(base.named_modules())
+        for n in self.layers:
+            self.recall(n, mods[n].weight)
 
     @torch.no_grad()
     def solve(self, base: nn.Module) -> None:
@@ -144,15 +179,15 @@ def knowledge_shapes(master: GatedModel) -> dict[str, tuple[int, ...]]:
     return {n: tuple(mods[n].weight.shape) for n in knowledge_layers(master)}
 
 
-def attach_knowledge(master: GatedModel, share: float = 1.0, fit: bool = True
-                     ) -> DomainKnowledge:
-    """Give `master` a Θ* (submodule ``knowledge``), fitted to its filters unless `fit` is
-    False (then zeros, for a checkpoint to fill in); returns it."""
+def attach_knowledge(master: GatedModel, share: float = 1.0, fit: bool = True,
+                     gauge: str = "orthonormal") -> DomainKnowledge:
+    """Give `master` a Θ* (submodule ``knowledge``), fitted to its filters in `gauge`
+    unless `fit` is False (then zeros, for a checkpoint to fill in); returns it."""
     kn = DomainKnowledge(knowledge_shapes(master), share)
     ref = next(master.base.parameters())
     kn.to(device=ref.device, dtype=ref.dtype)
     if fit:
-        kn.fit(master.base)
+        kn.fit(master.base, gauge)
     master.add_module(KNOWLEDGE_KEY, kn)
     return kn
 

@@ -11,14 +11,23 @@ each step by the sandwich rule: the same batch at sparsity 0, two random sparsit
 the full network's (detached) predictions as well (in-place distillation, slimmable
 networks), plus an L1 penalty on the gate outputs.
 
-The domain knowledge Θ* (tta_core.elasticdnn.knowledge, §III-B1 Eq. 1) is fitted to the
-source's filters at the start and trained with the paper's second loss, `tie` x
-Σ_i Σ_j ‖θ_ij − Σ_k w_i(j,k) θ*_ik‖², added to every step (plain SGD, `knowledge_lr`): the filters
-are pulled towards their combinations and Θ*, w follow the filters. At the end Θ* is
-solved by least squares for the trained relevances (`retie`), driving the loss to float
-error when K = N. `knowledge_only` skips the training: Θ* is fitted to an existing gated
-master's filters (the loss's optimum for fixed filters: a checkpoint written before Θ*
-existed, converted).
+The domain knowledge Θ* (tta_core.elasticdnn.knowledge, §III-B1 Eq. 1), K_i = ceil(`knowledge`
+· N_i) matrices per layer, is fitted to the source's filters at the start (gauge
+`knowledge_init`, "similarity" by default: w wᵀ the filters' Gram matrix) and trained with
+the paper's second loss, `tie` x Σ_i Σ_j ‖θ_ij − Σ_k w_i(j,k) θ*_ik‖², added to every step
+(plain SGD, `knowledge_lr`): the filters are pulled towards their combinations (rank K_i)
+while the task loss trains them, and Θ*, w follow the filters. At the end Θ* is solved by
+least squares for the trained relevances and the filters set to their combinations
+(`retie(project=True)`: the loss 0, "minimized to 0" in §III-B1), before the BN statistics
+are re-estimated. `knowledge_only` skips the training: Θ* is fitted to an existing gated
+master's filters (orthonormal gauge, the loss's optimum for fixed filters: a checkpoint
+written before Θ* existed, converted).
+
+`gate_scope` "all" gates every conv (tta_core.elasticdnn.gates); `teacher` mixes the
+ungated source's soft predictions into every pass's label loss (distillation from the
+source: its extra gates start at 1, the source's function); `final_decay` anneals the base
+lr over the last stage; `checkpoint_dir` keeps the master after each phase, and
+`init_checkpoint` resumes from one (e.g. the warm-up's, with `warmup_epochs` 0).
 
 BatchNorm trains with batch statistics (as the test-time adaptation that serves the master
 and its surrogates normalises); only the sparsity-0 pass updates the running statistics, so
@@ -30,6 +39,7 @@ much smaller input than its statistics expect.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -39,8 +49,8 @@ from torch import Tensor, nn
 
 from tta_core.data.preprocess import images_to_tensor
 from tta_core.data.signs import make_signs
-from tta_core.elasticdnn.gates import GatedModel, load_gated, make_gated
-from tta_core.elasticdnn.knowledge import attach_knowledge, knowledge_of
+from tta_core.elasticdnn.gates import GatedModel, check_scope, load_gated, make_gated
+from tta_core.elasticdnn.knowledge import KNOWLEDGE_GAUGES, attach_knowledge, knowledge_of
 from tta_core.model.source import ModelCard, _augment, accuracy, load_card, load_source
 
 VAL_SEED_OFFSET = 10_000  # the held-out signs of train_source: seed + 10000
@@ -68,10 +78,16 @@ class ElasticTrainConfig:
     pad: int = 2  # random translations, as train-source
     calibration_samples: int = 2048  # BN running statistics re-estimated at the end
     eval_sparsities: tuple[float, ...] = (0.0, 0.2, 0.5, 0.7, 0.8)
-    knowledge: float = 1.0  # Θ* share: K_i = ceil(share * N_i) (paper: 1); 0: no Θ*
+    knowledge: float = 0.25  # Θ* share: K_i = ceil(share * N_i); 0: no Θ*
     tie: float = 1.0  # weight of the second loss (master-knowledge tie)
     knowledge_lr: float = 0.1  # Θ* and relevances (plain SGD)
+    knowledge_init: str = "similarity"  # gauge Θ* starts in (knowledge.KNOWLEDGE_GAUGES)
     knowledge_only: bool = False  # source_card is a gated master: fit Θ* to it, no training
+    gate_scope: str = "block"  # gates.GATE_SCOPES: block-internal convs or every conv
+    teacher: float = 0.0  # share of every pass's label loss from the ungated source's output
+    final_decay: bool = False  # base lr cosine-annealed to 0 over the last stage
+    checkpoint_dir: str = ""  # the master's state after each phase (safetensors) when set
+    init_checkpoint: str = ""  # start from such a state (same scope and share) when set
 
     def validate(self) -> None:
         """ValueError naming the first bad value."""
@@ -96,6 +112,12 @@ class ElasticTrainConfig:
                              f"{self.knowledge_lr}")
         if self.knowledge_only and self.knowledge == 0:
             raise ValueError("knowledge_only needs knowledge > 0")
+        if not 0 <= self.teacher <= 1:
+            raise ValueError(f"teacher must be in [0, 1], got {self.teacher}")
+        check_scope(self.gate_scope)
+        if self.knowledge_init not in KNOWLEDGE_GAUGES:
+            raise ValueError(f"knowledge_init must be one of {KNOWLEDGE_GAUGES}, got "
+                             f"{self.knowledge_init!r}")
 
 
 @dataclass
@@ -112,10 +134,23 @@ class ElasticTrainResult:
     tie_loss: float = float("nan")  # the second loss at the end (NaN: no Θ*)
 
 
+def _label_loss(logits: Tensor, y: Tensor, teacher: Tensor | None,
+                cfg: ElasticTrainConfig) -> Tensor:
+    """Cross-entropy on the labels, with `teacher` probabilities (the ungated source's) a
+    `cfg.teacher` share of it as soft labels."""
+    ce = nn.functional.cross_entropy(logits, y)
+    if teacher is None or cfg.teacher == 0:
+        return ce
+    kd = -(teacher * torch.log_softmax(logits, 1)).sum(1).mean()
+    return (1 - cfg.teacher) * ce + cfg.teacher * kd
+
+
 def sandwich_loss(master: GatedModel, x: Tensor, y: Tensor, s_max: float,
-                  cfg: ElasticTrainConfig, gen: torch.Generator) -> float:
+                  cfg: ElasticTrainConfig, gen: torch.Generator,
+                  teacher: Tensor | None = None) -> float:
     """Backpropagate the sandwich rule's four losses on one batch (sparsity 0, two random
-    in (0, s_max), s_max); returns their sum."""
+    in (0, s_max), s_max), the label loss mixed with `teacher` probabilities when given;
+    returns their sum."""
     u = torch.rand(2, generator=gen).tolist()
     total, soft = 0.0, None
     bns = [m for m in master.base.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
@@ -128,12 +163,12 @@ def sandwich_loss(master: GatedModel, x: Tensor, y: Tensor, s_max: float,
         gates = master.last_gates().values()
         loss = cfg.l1 * torch.stack([g.mean() for g in gates]).mean()
         if soft is None:
-            loss = loss + nn.functional.cross_entropy(logits, y)
+            loss = loss + _label_loss(logits, y, teacher, cfg)
             soft = torch.softmax(logits.detach(), 1)
         else:
             kd = -(soft * torch.log_softmax(logits, 1)).sum(1).mean()
-            loss = loss + cfg.distill * kd + (1 - cfg.distill) * nn.functional.cross_entropy(
-                logits, y)
+            loss = loss + cfg.distill * kd + (1 - cfg.distill) * _label_loss(
+                logits, y, teacher, cfg)
         loss.backward()
         total += float(loss.detach())
     master.set_sparsity(0.0)
@@ -185,65 +220,107 @@ def train_master(cfg: ElasticTrainConfig, progress: bool = True) -> ElasticTrain
     ytr = torch.from_numpy(train.labels)
     xva, yva = validation_set(card, cfg)
     source_acc = accuracy(source, xva, yva)
-    master = make_gated(source, cfg.reduction)
+    teacher = copy.deepcopy(source).eval() if cfg.teacher > 0 else None
+    master = make_gated(source, cfg.reduction, cfg.gate_scope)
     if cfg.knowledge > 0:
-        attach_knowledge(master, cfg.knowledge)
-    steps = _train_phases(master, xtr, ytr, cfg, progress)
+        attach_knowledge(master, cfg.knowledge, gauge=cfg.knowledge_init)
+    if cfg.init_checkpoint:
+        import safetensors.torch
+
+        master.load_state_dict(safetensors.torch.load_file(cfg.init_checkpoint))
+    steps = _train_phases(master, xtr, ytr, cfg, progress, teacher)
     for p in master.parameters():
         p.requires_grad_(True)
+    tie = retie(master, project=True)
     recalibrate_bn(master, xtr[:cfg.calibration_samples], cfg.batch_size)
     return ElasticTrainResult(
         master=master, card=card, source_accuracy=source_acc, steps=steps,
         accuracy=sparsity_accuracy(master, xva, yva, cfg.eval_sparsities),
         batch_accuracy=sparsity_accuracy(master, xva, yva, cfg.eval_sparsities, True),
-        seconds=time.perf_counter() - t0, tie_loss=retie(master))
+        seconds=time.perf_counter() - t0, tie_loss=tie)
 
 
 def _train_phases(master: GatedModel, xtr: Tensor, ytr: Tensor, cfg: ElasticTrainConfig,
-                  progress: bool) -> int:
+                  progress: bool, teacher: nn.Module | None = None) -> int:
     """Warm-up and the sparsity stages (module doc); each step the sandwich rule's losses
-    plus `tie` x the second loss when the master has Θ*. Returns the step count."""
+    (soft labels from `teacher` too when given) plus `tie` x the second loss when the
+    master has Θ*. Returns the step count."""
     from tqdm import tqdm
 
     gen = torch.Generator().manual_seed(cfg.seed)
     per_epoch = -(-len(ytr) // cfg.batch_size)
     phases = _phases(cfg)
-    kn = knowledge_of(master)
-    clipped = [p for n, p in master.named_parameters() if not n.startswith("knowledge.")]
     steps = 0
     with tqdm(total=per_epoch * sum(p[2] for p in phases), desc="train-elastic",
               unit="step", disable=not progress) as bar:
-        for name, s_max, epochs in phases:
+        for i_phase, (name, s_max, epochs) in enumerate(phases):
             opts = _optimizers(master, cfg, warmup=name == "warm-up")
+            sched = None
+            if cfg.final_decay and i_phase == len(phases) - 1 and name != "warm-up":
+                sched = torch.optim.lr_scheduler.CosineAnnealingLR(opts[1], epochs * per_epoch)
             master.train()  # batch statistics (module doc)
             for _ in range(epochs):
                 perm = torch.randperm(len(ytr), generator=gen)
                 for i in range(0, len(ytr), cfg.batch_size):
                     idx = perm[i:i + cfg.batch_size]
-                    master.zero_grad(set_to_none=True)
-                    loss = sandwich_loss(master, _augment(xtr[idx], cfg.pad, gen), ytr[idx],
-                                         s_max, cfg, gen)
-                    if kn is not None and cfg.tie > 0:
-                        tie = cfg.tie * kn.tie_loss(master.base)
-                        tie.backward()
-                        loss += float(tie.detach())
-                    nn.utils.clip_grad_norm_(clipped, cfg.clip)
-                    for opt in opts:
-                        opt.step()
+                    loss = _step(master, _augment(xtr[idx], cfg.pad, gen), ytr[idx], s_max,
+                                 cfg, gen, opts, teacher)
+                    if sched is not None:
+                        sched.step()
                     steps += 1
                     bar.update(1)
                     bar.set_postfix_str(f"{name} loss {loss:.3f}")
+            _checkpoint(master, cfg, f"{i_phase}_{name.replace(' ', '_')}")
     return steps
 
 
-def retie(master: GatedModel) -> float:
+def _step(master: GatedModel, x: Tensor, y: Tensor, s_max: float, cfg: ElasticTrainConfig,
+          gen: torch.Generator, opts: list[torch.optim.Optimizer],
+          teacher: nn.Module | None) -> float:
+    """One training step on a batch: sandwich losses, the tie, clipping, every optimizer;
+    returns the loss."""
+    kn = knowledge_of(master)
+    master.zero_grad(set_to_none=True)
+    probs = None
+    if teacher is not None:
+        with torch.no_grad():
+            probs = torch.softmax(teacher(x), 1)
+    loss = sandwich_loss(master, x, y, s_max, cfg, gen, probs)
+    if kn is not None and cfg.tie > 0:
+        tie = cfg.tie * kn.tie_loss(master.base)
+        tie.backward()
+        loss += float(tie.detach())
+    nn.utils.clip_grad_norm_(
+        [p for n, p in master.named_parameters() if not n.startswith("knowledge.")], cfg.clip)
+    for opt in opts:
+        opt.step()
+    return loss
+
+
+def _checkpoint(master: GatedModel, cfg: ElasticTrainConfig, tag: str) -> None:
+    """The master's state as `<checkpoint_dir>/<tag>.safetensors` (nothing when unset)."""
+    if not cfg.checkpoint_dir:
+        return
+    import safetensors.torch
+
+    out = Path(cfg.checkpoint_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous().clone() for k, v in master.state_dict().items()}
+    safetensors.torch.save_file(state, str(out / f"{tag}.safetensors"))
+
+
+def retie(master: GatedModel, project: bool = False) -> float:
     """Solve Θ* by least squares for the master's relevances and filters (the tie's
-    optimum for fixed w), freeze Θ*; returns the second loss after (NaN: no Θ*)."""
+    optimum for fixed w), freeze Θ*; with `project` the filters are then set to their
+    combinations (the tie exact, rank K_i: a change of the master, BN to recalibrate).
+    Returns the second loss after (NaN: no Θ*)."""
     kn = knowledge_of(master)
     if kn is None:
         return float("nan")
     kn.requires_grad_(False)
     kn.solve(master.base)
+    if project:
+        kn.project(master.base)
     with torch.no_grad():
         return float(kn.tie_loss(master.base))
 

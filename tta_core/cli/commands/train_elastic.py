@@ -21,8 +21,9 @@ DEFAULTS: dict[str, object] = {
     "source_card": Path("checkpoints/small_resnet_signs32.json"), "stages": (0.2, 0.5, 0.8),
     "warmup_epochs": 1, "stage_epochs": 2, "train_samples": 8000, "val_samples": 1000,
     "batch_size": 128, "lr": 0.005, "gate_lr": 1e-3, "l1": 1e-3, "clip": 5.0, "distill": 0.5,
-    "reduction": 4, "seed": 0, "threads": 2, "knowledge": 1.0, "tie": 1.0,
-    "knowledge_lr": 0.1}
+    "reduction": 4, "seed": 0, "threads": 2, "knowledge": 0.25, "tie": 1.0,
+    "knowledge_lr": 0.1, "knowledge_init": "similarity", "gate_scope": "block", "teacher": 0.0,
+    "checkpoint_dir": "", "init_checkpoint": ""}
 
 
 def _sparsities(text: str) -> tuple[float, ...]:
@@ -45,12 +46,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="max sparsity of each joint-training stage, e.g. 0.2,0.5,0.8")
     for name in ("warmup_epochs", "stage_epochs", "train_samples", "val_samples",
                  "batch_size", "lr", "gate_lr", "l1", "clip", "distill", "reduction", "seed",
-                 "threads", "knowledge", "tie", "knowledge_lr"):
+                 "threads", "knowledge", "tie", "knowledge_lr", "knowledge_init",
+                 "gate_scope", "teacher", "checkpoint_dir", "init_checkpoint"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(getattr(d, name)),
                             default=getattr(d, name))
     parser.add_argument("--knowledge-only", action="store_true",
                         help="fit Θ* (share --knowledge) to the gated master --source-card "
                         "names, no training (converts a checkpoint written before Θ*)")
+    parser.add_argument("--final-decay", action="store_true",
+                        help="cosine-anneal the base lr to 0 over the last stage")
     parser.add_argument("--half", action="store_true",
                         help="store float16 tensors (they load into the float32 model)")
     parser.add_argument("--no-progress", action="store_true")
@@ -68,7 +72,9 @@ def run(args: argparse.Namespace) -> int:
         gate_lr=args.gate_lr, l1=args.l1, clip=args.clip, distill=args.distill,
         reduction=args.reduction, seed=args.seed, threads=args.threads,
         knowledge=args.knowledge, tie=args.tie, knowledge_lr=args.knowledge_lr,
-        knowledge_only=args.knowledge_only)
+        knowledge_only=args.knowledge_only, knowledge_init=args.knowledge_init,
+        gate_scope=args.gate_scope, teacher=args.teacher, final_decay=args.final_decay,
+        checkpoint_dir=args.checkpoint_dir, init_checkpoint=args.init_checkpoint)
     try:
         cfg.validate()
     except ValueError as exc:

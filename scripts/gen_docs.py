@@ -146,6 +146,11 @@ def method_options_page() -> str:
         cls = method_class(name)
         doc = " ".join((cls.__doc__ or "").strip().split("\n\n")[0].split())
         out.append(f"## {name}\n\n{doc}\n")
+        if getattr(cls, "presets", None):  # the published settings by input scale
+            from tta_core.methods._presets import preset_table
+            out.append("Published settings by input scale (`scale`; `input_shape` of at most "
+                       "64 px a side: cifar), taken by the options left `None`:\n\n"
+                       f"{preset_table(cls.presets)}\n")
         rows = [(f"`{i.name}`", i.type + (" | None" if i.optional else ""), value(i.default),
                  value_range(i.low, i.high, i.choices),
                  "live" if i.runtime and i.name in LIVE else "rebuild", i.help)

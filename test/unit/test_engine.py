@@ -527,3 +527,30 @@ def test_backward_feedback_learns_a_profile_that_underpredicts_the_backward() ->
 def test_backward_feedback_rejects_a_bad_alpha() -> None:
     with pytest.raises(ValueError, match="alpha must be in"):
         AdaShadowEngine(_staged("small_resnet", 32), EngineConfig(backward_feedback=1.5))
+
+
+def test_the_step_of_the_selected_units_equals_the_optimizer_step() -> None:
+    """engine._sgd_step on the parameters given gradients equals torch.optim.SGD.step over
+    every candidate (momentum buffers included), step after step and after an lr change;
+    parameters without a gradient are not touched."""
+    from tta_core.adashadow.engine import _sgd_step
+
+    torch.manual_seed(0)
+    ref = [torch.nn.Parameter(torch.randn(5)) for _ in range(4)]
+    got = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    opt_ref = torch.optim.SGD(ref, lr=0.1, momentum=0.9)
+    opt_got = torch.optim.SGD(got, lr=0.1, momentum=0.9)
+    for step, chosen in enumerate(([0, 1], [1, 2], [0, 1, 2], [1])):
+        if step == 2:
+            for opt in (opt_ref, opt_got):
+                opt.param_groups[0]["lr"] = 0.03
+        grads = [torch.randn(5) for _ in chosen]
+        for p in ref:
+            p.grad = None
+        for i, g in zip(chosen, grads, strict=True):
+            ref[i].grad = g.clone()
+        opt_ref.step()
+        _sgd_step(opt_got, [got[i] for i in chosen], tuple(g.clone() for g in grads))
+        for a, b in zip(ref, got, strict=True):
+            assert torch.allclose(a, b, atol=1e-7)
+    assert torch.equal(got[3], ref[3]) and got[3] not in opt_got.state

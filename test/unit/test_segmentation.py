@@ -11,11 +11,14 @@ import torch
 
 from tta_core.cli import choices
 from tta_core.data import scene_set as ss
+from tta_core.data.segmentation import load_segmentation
 from tta_core.data.sources import load_data, parse_data
 from tta_core.errors import InputError
-from tta_core.model.seg_source import SegTrainConfig, train_segmentation
+from tta_core.eval.seg_bench import SegBenchConfig, run_seg_bench
+from tta_core.model.seg_source import SegTrainConfig, evaluate, train_segmentation
 from tta_core.model.source import load_card, load_source
 from tta_core.model.zoo import SEG_ARCHS, SegmentationNet, build_model
+from tta_core.runtime import losses
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -47,12 +50,21 @@ def test_classification_loaders_refuse_mask_data(tmp_path):
         load_data(spec, 32)
 
 
-def test_training_resumes_to_the_same_weights(tmp_path):
-    root = tmp_path / "scenes"
-    ss.generate(root, ss.SceneSetConfig(train=3, val=2, per_condition=0, seed=1), progress=False)
-    cfg = SegTrainConfig(data=f"cityscapes:{root}", epochs=2, batch_size=2, height=32,
-                         width=64, threads=1)
-    whole = train_segmentation(cfg, tmp_path / "whole" / "m", progress=False)
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny scene set and a card trained on it for two epochs: (root, cfg, card path)."""
+    root = tmp_path_factory.mktemp("seg")
+    ss.generate(root / "scenes", ss.SceneSetConfig(train=3, val=2, per_condition=3, seed=1),
+                progress=False)
+    cfg = SegTrainConfig(data=f"cityscapes:{root / 'scenes'}", epochs=2, batch_size=2,
+                         height=32, width=64, threads=1)
+    train_segmentation(cfg, root / "whole" / "m", progress=False)
+    return root, cfg, root / "whole" / "m.json"
+
+
+def test_training_resumes_to_the_same_weights(tmp_path, trained):
+    _, cfg, card_path = trained
+    whole = load_card(card_path)
 
     def stop(line: str) -> None:
         if line.startswith("epoch 1/"):
@@ -64,7 +76,7 @@ def test_training_resumes_to_the_same_weights(tmp_path):
     lines: list[str] = []
     again = train_segmentation(cfg, tmp_path / "cut" / "m", progress=False, log=lines.append)
     assert lines[0].startswith("resumed") and "after epoch 1 of 2" in lines[0]
-    a, _ = load_source(tmp_path / "whole" / "m.json")
+    a, _ = load_source(card_path)
     b, card = load_source(tmp_path / "cut" / "m.json")
     for (k, v), w in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
         assert torch.equal(v, w), k
@@ -74,3 +86,29 @@ def test_training_resumes_to_the_same_weights(tmp_path):
         assert b(torch.zeros(1, 3, 32, 64)).shape == (1, 19, 32, 64)
     with pytest.raises(InputError, match="cityscapes:DIR"):
         train_segmentation(SegTrainConfig(data="folder:x"), tmp_path / "x")
+
+
+def test_entropy_loss_is_the_mean_per_pixel_entropy():
+    logits = torch.randn(2, 5, 3, 4, generator=torch.Generator().manual_seed(0))
+    flat = logits.permute(0, 2, 3, 1).reshape(-1, 5)
+    p = flat.softmax(1)
+    assert float(losses.entropy_loss(logits)) == pytest.approx(
+        float(-(p * p.log()).sum(1).mean()), rel=1e-6)
+    with pytest.raises(ValueError, match=r"\[B, K, H, W\]"):
+        losses.entropy_loss(torch.zeros(2, 5, 3))
+
+
+def test_seg_bench_source_scores_equal_a_direct_evaluation(trained):
+    root, _, card_path = trained
+    cfg = SegBenchConfig(model_card=card_path, data=f"acdc:{root / 'scenes'}",
+                         methods=("source", "bn_adapt"), batch_size=2)
+    results, text = run_seg_bench(cfg, root / "bench", progress=False)
+    model, card = load_source(card_path)
+    for cond in ("fog", "night", "rain", "snow"):
+        data = load_segmentation(cfg.data, hw=card.input_hw, conditions=[cond])
+        want = evaluate(model, data, card.mean, card.std).miou
+        assert results[0].miou[cond] == pytest.approx(want, abs=1e-12), cond
+    assert results[1].miou != results[0].miou  # batch statistics change the prediction
+    assert "| bn_adapt |" in text and (root / "bench" / "seg_bench.json").is_file()
+    with pytest.raises(InputError, match="'eata' does not support segmentation"):
+        run_seg_bench(SegBenchConfig(model_card=card_path, data=cfg.data, methods=("eata",)))

@@ -19,9 +19,11 @@ def softmax_entropy(logits: Tensor) -> Tensor:
 
 
 def entropy_loss(logits: Tensor) -> Tensor:
-    """Mean Shannon entropy (nats) of softmax(logits) over the batch; logits [B, K]."""
-    if logits.ndim != 2:
-        raise ValueError(f"logits must be [B, K], got shape {tuple(logits.shape)}")
+    """Mean Shannon entropy (nats) of softmax(logits) over the batch; logits [B, K], or
+    [B, K, H, W] for segmentation (the mean over every pixel: Tent's per-pixel entropy)."""
+    if logits.ndim < 2 or logits.ndim == 3:
+        raise ValueError(f"logits must be [B, K] or [B, K, H, W], got shape "
+                         f"{tuple(logits.shape)}")
     return softmax_entropy(logits).mean()
 
 

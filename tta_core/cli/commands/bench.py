@@ -97,6 +97,11 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The bench options; defaults are BenchConfig's (copied in DEFAULTS)."""
     d = argparse.Namespace(**DEFAULTS)
+    parser.add_argument("--task", choices=("classification", "segmentation"),
+                        default="classification",
+                        help="segmentation: a segmentation --model-card on --data acdc:DIR "
+                             "(or cityscapes:DIR), scored by mIoU per condition; methods "
+                             "source, bn_adapt, tent (tta_core.eval.seg_bench)")
     parser.add_argument("--methods", type=_methods, default=DEFAULT_METHODS,
                         help="comma-separated (default: every registered method that can run "
                              "on the model; one line names each left out and why)")
@@ -184,9 +189,33 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return cfg
 
 
+def _segmentation(args: argparse.Namespace) -> int:
+    """--task segmentation: the mIoU bench (tta_core.eval.seg_bench)."""
+    from tta_core.eval.seg_bench import SEG_METHODS, SegBenchConfig, run_seg_bench
+
+    if args.model_card is None or not args.data:
+        raise ValueError("--task segmentation needs --model-card (a segmentation card) and "
+                         "--data acdc:DIR or cityscapes:DIR")
+    options: dict[str, dict] = {}
+    for method, key, value in args.options:
+        options.setdefault(method, {})[key] = value
+    cfg = SegBenchConfig(model_card=args.model_card, data=args.data,
+                         methods=args.methods or SEG_METHODS, batch_size=args.batch_size,
+                         samples_per_domain=args.samples_per_domain, threads=args.threads,
+                         device=args.device, seed=args.seed, method_options=options)
+    out = args.out or Path("runs") / time.strftime("seg-bench-%Y%m%d-%H%M%S")
+    _, text = run_seg_bench(cfg, out, progress=not args.no_progress)
+    print(text)
+    print(f"wrote {out / 'seg_bench.json'}, {out / 'seg_bench.md'}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the bench of the parsed options; print the report and the files written."""
     from tta_core.eval.bench import run_bench
+
+    if args.task == "segmentation":
+        return _segmentation(args)
 
     cfg = config_from_args(args)
     out = args.out or Path("runs") / time.strftime("bench-%Y%m%d-%H%M%S")

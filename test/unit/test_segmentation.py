@@ -15,7 +15,7 @@ from tta_core.data.segmentation import load_segmentation
 from tta_core.data.sources import load_data, parse_data
 from tta_core.errors import InputError
 from tta_core.eval.seg_bench import SegBenchConfig, run_seg_bench
-from tta_core.model.seg_source import SegTrainConfig, evaluate, train_segmentation
+from tta_core.eval.seg_train import SegTrainConfig, evaluate, train_segmentation
 from tta_core.model.source import load_card, load_source
 from tta_core.model.zoo import SEG_ARCHS, SegmentationNet, build_model
 from tta_core.runtime import losses

@@ -9,8 +9,8 @@ torch file; `--half` stores them as float16 (half the file, for checkpoints ship
 git). Either loads into the float32 model unchanged (`load_state_dict` casts), and with
 `--half` the card's clean accuracy is measured again with the rounded weights.
 
-`--task segmentation --data cityscapes:DIR` trains a segmentation net (tta_core.model.
-seg_source; default arch lraspp_mobilenet_v3_large, batch 8, AdamW lr 2e-3 where --arch,
+`--task segmentation --data cityscapes:DIR` trains a segmentation net (tta_core.eval.
+seg_train; default arch lraspp_mobilenet_v3_large, batch 8, AdamW lr 2e-3 where --arch,
 --batch-size and --lr are left at their classification defaults) on DIR's train split,
 writes float16 `<out>.safetensors` and a card with task segmentation whose clean_accuracy
 is the val mIoU; it is resumable the same way and rewrites the card after every epoch.
@@ -103,7 +103,7 @@ def rewrite_checkpoint(card_path: Path, cfg: TrainConfig, half: bool,
 
 def _segmentation(args: argparse.Namespace) -> int:
     """--task segmentation: train, print the val mIoU and the files."""
-    from tta_core.model.seg_source import SegTrainConfig, train_segmentation
+    from tta_core.eval.seg_train import SegTrainConfig, train_segmentation
 
     seg = SegTrainConfig()
     cfg = SegTrainConfig(

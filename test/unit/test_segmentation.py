@@ -112,3 +112,18 @@ def test_seg_bench_source_scores_equal_a_direct_evaluation(trained):
     assert "| bn_adapt |" in text and (root / "bench" / "seg_bench.json").is_file()
     with pytest.raises(InputError, match="'eata' does not support segmentation"):
         run_seg_bench(SegBenchConfig(model_card=card_path, data=cfg.data, methods=("eata",)))
+
+
+def test_user_cards_carry_the_task(trained):
+    from tta_core.model.user_card import UserModel, check_card_model, make_card
+
+    root = trained[0]
+    user = UserModel(model="lraspp_mobilenet_v3_large", weights=root / "whole" / "m.safetensors",
+                     input_size=32, mean=(0.5,) * 3, std=(0.25,) * 3, num_classes=19,
+                     task="segmentation")
+    card = make_card(user)
+    assert card.task == "segmentation"
+    check_card_model(card)
+    user.task = "classification"
+    with pytest.raises(InputError, match=r"expected \(2, 19\)"):
+        check_card_model(make_card(user))

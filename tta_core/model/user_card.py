@@ -39,6 +39,7 @@ class UserModel:
     class_names: tuple[str, ...] = ()  # () with num_classes: '0', '1', ...
     kwargs: dict = field(default_factory=dict)  # builder keyword arguments (JSON)
     name: str = ""
+    task: str = "classification"  # or segmentation: the model outputs N x C x H x W
 
     def check(self) -> None:
         """ValueError naming the first missing or bad value (before anything is built)."""
@@ -100,7 +101,7 @@ def make_card(user: UserModel, card_dir: Path | None = None) -> ModelCard:
                      std=[float(v) for v in user.std],
                      checkpoint=_checkpoint_entry(Path(user.weights), card_dir),
                      name=user.name or f"{arch}_{Path(user.weights).stem}",
-                     factory=factory, kwargs=kwargs)
+                     factory=factory, kwargs=kwargs, task=user.task)
     card.validate()
     return card
 
@@ -118,9 +119,10 @@ def check_card_model(card: ModelCard, base_dir: str | Path = ".") -> torch.nn.Mo
         text = one_line(exc)
         raise InputError(f"{card.arch} does not run on {s}x{s} px inputs (input size "
                          f"{s}): {text[:200]}") from None
-    if not isinstance(out, torch.Tensor) or tuple(out.shape) != (2, card.num_classes):
+    want = (2, card.num_classes) + ((s, s) if card.task == "segmentation" else ())
+    if not isinstance(out, torch.Tensor) or tuple(out.shape) != want:
         shape = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise InputError(f"{card.arch} outputs {shape} for 2 images, expected "
-                         f"(2, {card.num_classes}): num_classes {card.num_classes} does "
-                         "not match the model")
+        raise InputError(f"{card.arch} outputs {shape} for 2 images, expected {want}: "
+                         f"num_classes {card.num_classes} or task {card.task!r} does not "
+                         "match the model")
     return model

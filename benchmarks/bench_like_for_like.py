@@ -112,7 +112,9 @@ def _markdown(res: dict) -> str:
             continue
         out += [f"**{name}**: Tent updates {r['bn_units']} BN units; T = those AdaShadow may "
                 f"update (not: {', '.join(r['not_adashadow_candidates']) or 'none'}); P = "
-                f"{', '.join(r['plan_units'])} (AdaShadow's plan)", "",
+                f"{', '.join(r['plan_units'])} (AdaShadow's plan). Tent's saves are the "
+                "same with or without the reforward (a no-grad forward saves nothing): / Tent "
+                "is to Tent (original) and to Tent (with reforward) alike", "",
                 "| config | units | saved MiB | / Tent |", "|---|---|---|---|"]
         out += [f"| {k} | {c['units_updated']} | {c['saved_mib']} | {c['over_tent']} |"
                 for k, c in r["rows"].items()]

@@ -79,7 +79,9 @@ def bench(arch: str, batch: int, res: int) -> dict:
 
 
 def _markdown(res: dict) -> str:
-    rows = ["| model | Tent MiB | config | importance pass MiB | adaptation pass MiB | "
+    rows = ["Tent MiB: what Tent's update saves for its backward, the same for Tent (original) "
+            "and Tent (with reforward) (a no-grad reforward saves nothing).", "",
+            "| model | Tent MiB | config | importance pass MiB | adaptation pass MiB | "
             "peak MiB | peak / Tent |", "|---|---|---|---|---|---|---|"]
     for name, r in res.items():
         if name == "meta":

@@ -99,13 +99,13 @@ def test_changes_reach_the_method_live_or_by_a_rebuild(ros_context, probe_method
     node = _node(ros_context, "tent")
     try:
         first = node.method
-        assert first.effective_lr(64) == pytest.approx(5e-3)
+        assert first.effective_lr(64) == pytest.approx(1e-3)  # 32 px card: Adam 1e-3 preset
         assert node.set_parameters([Parameter("method.lr", value=0.02)])[0].successful
         assert wait_for(lambda: first.effective_lr(64) == pytest.approx(0.02), 5.0)
         assert node.method is first
-        assert node.set_parameters([Parameter("method.reforward", value=False)])[0].successful
+        assert node.set_parameters([Parameter("method.reforward", value=True)])[0].successful
         assert wait_for(lambda: node.method is not first, 10.0)
-        assert node.method.config.reforward is False and node.method.config.lr == 0.02
+        assert node.method.config.reforward is True and node.method.config.lr == 0.02
     finally:
         node.destroy_node()
 

@@ -99,11 +99,12 @@ def test_tent_with_a_fraction_budget_stores_packed_saves_and_adapts_differently(
     one step at Tent's lr its BN weights differ from dense Tent's (the quantized saves
     change the gradient) by a fraction of how far the step moved them."""
     model, x = MODELS["shipped"]()
-    dense = build_method("tent", copy.deepcopy(model))
+    sgd = {"optimizer": "sgd", "lr": 5e-3, "lr_ref_batch": 64}  # a step in proportion to g
+    dense = build_method("tent", copy.deepcopy(model), **sgd)
     counter = SavedActivationCounter(copy.deepcopy(dense.model))
     with torch.enable_grad(), counter:
         entropy(counter.scope.model(x))
-    dyn = build_method("tent", copy.deepcopy(model), activation_budget_frac=0.12)
+    dyn = build_method("tent", copy.deepcopy(model), activation_budget_frac=0.12, **sgd)
     before = [p.detach().clone() for p in dense.params]
     dense.forward_and_adapt(x)
     s = dyn.forward_and_adapt(x).stats

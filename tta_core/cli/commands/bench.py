@@ -81,7 +81,12 @@ def _rates(text: str) -> tuple[float, ...]:
 
 
 def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
-    """--data and --corruptions: which images the stream is made of."""
+    """--task, --data and --corruptions: which images the stream is made of."""
+    parser.add_argument("--task", choices=("classification", "segmentation"),
+                        default="classification",
+                        help="segmentation: a segmentation --model-card on --data acdc:DIR "
+                             "(or cityscapes:DIR), scored by mIoU per condition; methods "
+                             "source, bn_adapt, tent (tta_core.eval.seg_bench)")
     parser.add_argument("--data", default="", metavar="KIND:DIR",
                         help="your data instead of the synthetic signs stream: "
                              + "; ".join(f"{k}:DIR = {v}" for k, v in LAYOUTS.items())
@@ -97,11 +102,6 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The bench options; defaults are BenchConfig's (copied in DEFAULTS)."""
     d = argparse.Namespace(**DEFAULTS)
-    parser.add_argument("--task", choices=("classification", "segmentation"),
-                        default="classification",
-                        help="segmentation: a segmentation --model-card on --data acdc:DIR "
-                             "(or cityscapes:DIR), scored by mIoU per condition; methods "
-                             "source, bn_adapt, tent (tta_core.eval.seg_bench)")
     parser.add_argument("--methods", type=_methods, default=DEFAULT_METHODS,
                         help="comma-separated (default: every registered method that can run "
                              "on the model; one line names each left out and why)")

@@ -23,9 +23,9 @@ from tta_core.runtime import losses
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("arch", SEG_ARCHS[:2])  # deeplabv3_resnet50: the same wrapper, 40 M
-def test_segmentation_archs_return_dense_logits(arch):
-    model = build_model(arch, 19).eval()
+def test_segmentation_archs_return_dense_logits():
+    # LR-ASPP runs in the training tests below; deeplabv3_resnet50 is the same wrapper, 40 M
+    model = build_model("deeplabv3_mobilenet_v3_large", 19).eval()
     assert isinstance(model, SegmentationNet)
     with torch.no_grad():
         assert model(torch.zeros(2, 3, 32, 64)).shape == (2, 19, 32, 64)

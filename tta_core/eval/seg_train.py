@@ -24,7 +24,14 @@ from tta_core.data.scenes import CITYSCAPES_CLASSES, IGNORE
 from tta_core.data.segmentation import SegmentationSet, load_segmentation, mask_tensor
 from tta_core.errors import InputError
 from tta_core.eval.miou import ConfusionMeter, SegScores
-from tta_core.model.source import ModelCard, _load_state, _save_state, save_card, train_state_path
+from tta_core.model.source import (
+    ModelCard,
+    _load_state,
+    _save_state,
+    optimizer_step,
+    save_card,
+    train_state_path,
+)
 from tta_core.model.zoo import SEG_ARCHS, build_model
 
 
@@ -86,13 +93,10 @@ def _epoch(model: nn.Module, train: SegmentationSet, cfg: SegTrainConfig, mean: 
         x, y = _batch(train.images[idx], train.masks[idx], mean, std)
         flip = torch.rand(len(idx), generator=gen) < 0.5
         x[flip], y[flip] = x[flip].flip(-1), y[flip].flip(-1)
-        loss = nn.functional.cross_entropy(model(x), y, ignore_index=IGNORE)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        total += float(loss.detach()) * len(idx)
-        tick(float(loss.detach()))
+        value = optimizer_step(nn.functional.cross_entropy(model(x), y, ignore_index=IGNORE),
+                               opt, sched)
+        total += value * len(idx)
+        tick(value)
     return total / len(perm)
 
 

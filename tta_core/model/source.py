@@ -31,14 +31,15 @@ from torch import nn
 from tta_core.data.preprocess import images_to_tensor
 from tta_core.data.signs import make_signs
 from tta_core.errors import InputError, require_file
+from tta_core.io.shipped import require_data_file
 from tta_core.io.strict_json import dumps as json_dumps
 from tta_core.model.arch import build_architecture, check_arch
 from tta_core.model.weights import load_into, load_state_dict
 from tta_core.model.zoo import build_model
 
-__all__ = ["CARD_SCHEMA", "ModelCard", "TrainConfig", "build_card_model", "load_card",
-           "load_model", "load_source", "load_state_dict", "save_card", "train_source",
-           "train_state_path", "training_data"]
+__all__ = ["CARD_SCHEMA", "ModelCard", "TrainConfig", "build_card_model", "find_card",
+           "load_card", "load_model", "load_source", "load_state_dict", "save_card",
+           "train_source", "train_state_path", "training_data"]
 
 CARD_SCHEMA = "tta.model_card/1"
 TASKS: tuple[str, ...] = ("classification", "segmentation")
@@ -245,13 +246,19 @@ def _epoch(model: nn.Module, xtr: torch.Tensor, ytr: torch.Tensor, cfg: TrainCon
     for i in range(0, len(ytr), cfg.batch_size):
         idx = perm[i:i + cfg.batch_size]
         loss = nn.functional.cross_entropy(model(_augment(xtr[idx], cfg.pad, gen)), ytr[idx])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        sched.step()
-        total += float(loss.detach()) * len(idx)
-        step_done(float(loss.detach()))
+        value = optimizer_step(loss, opt, sched)
+        total += value * len(idx)
+        step_done(value)
     return total / len(ytr)
+
+
+def optimizer_step(loss: torch.Tensor, opt: torch.optim.Optimizer, sched: Any) -> float:
+    """Backward, optimizer step and schedule step; the loss as a float."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    sched.step()
+    return float(loss.detach())
 
 
 def train_source(cfg: TrainConfig, out: Path, progress: bool = True,
@@ -357,11 +364,18 @@ def _card_fields(raw: Any) -> str:
     return ""
 
 
+def find_card(path: str | Path) -> Path:
+    """Where the model card `path` is (tta_core.io.shipped: the working directory, the
+    source checkout, the installed share folder); FileNotFoundError naming every place."""
+    return require_data_file(path, "model card", "make one with `tta train-source` or "
+                             "`tta model-card`")
+
+
 def load_card(path: str | Path) -> ModelCard:
-    """Read and validate a model card; InputError naming the file and the bad field."""
-    path = Path(path)
-    require_file(path, f"model card {str(path)!r}", f"model card {str(path)!r} not found "
-                 "(make one with `tta train-source`)")
+    """Read and validate a model card (a relative path is looked up by find_card);
+    InputError naming the file and the bad field."""
+    path = find_card(path)
+    require_file(path, f"model card {str(path)!r}", f"model card {str(path)!r} not found")
     try:
         raw = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -404,5 +418,6 @@ def load_source(card_path: str | Path, device: str | torch.device = "cpu"
                 ) -> tuple[nn.Module, ModelCard]:
     """(model in eval mode with the source weights, its card); weights_only loading. What
     the bench, the perception node and the replay load a card with."""
-    card = load_card(card_path)
-    return load_model(card, Path(card_path).parent, device), card
+    path = find_card(card_path)
+    card = load_card(path)
+    return load_model(card, path.parent, device), card

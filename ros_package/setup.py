@@ -73,5 +73,7 @@ setup(
             "demo = tta_ros.commands.demo",
             "replay = tta_ros.commands.replay",
         ],
+        # folders where `tta` commands look up shipped files (tta_core.io.shipped)
+        "tta.data_roots": ["tta_ros = tta_ros.paths:share_dir"],
     },
 )

@@ -33,6 +33,7 @@ from rcl_interfaces.msg import (
 from rclpy.node import Node
 from rclpy.parameter import Parameter
 
+from tta_core.io.shipped import find_data_file
 from tta_ros.param_report import did_you_mean, refused_line, unknown_line, unknown_names
 from tta_ros.paths import REPO_ROOT, share_dir
 
@@ -263,16 +264,15 @@ def resolve_data_path(value: str, base: Path | None = None) -> str:
     """A path parameter as a usable path: '' and absolute paths unchanged; a relative one is
     looked up in the working directory, `base` (default: the repository root) and the
     package share directory (where colcon installs checkpoints/, config/, bags/), first hit
-    wins. When none exists it is returned relative to `base`, so the loader's error names it.
+    wins: the lookup of every `tta` command (tta_core.io.shipped). When none exists it is
+    returned relative to `base`, so the loader's error names it.
     """
     if not value or Path(value).is_absolute():
         return value
     base = REPO_ROOT if base is None else base
     share = share_dir()
-    for root in (Path.cwd(), base, *([share] if share else [])):
-        if (root / value).exists():
-            return str((root / value).resolve())
-    return str(base / value)
+    found = find_data_file(value, base, [share] if share else [])
+    return str(found) if found is not None else str(base / value)
 
 
 def resolve_output_path(value: str) -> str:

@@ -165,6 +165,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The BenchConfig of the parsed options (also what `tta sweep` runs per cell)."""
     from tta_core.data.sources import parse_corruptions
     from tta_core.eval.bench import BenchConfig
+    from tta_core.model.source import find_card
 
     options: dict[str, dict] = {}
     for method, key, value in args.options:
@@ -178,7 +179,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
                          "given: give one")
     cfg = BenchConfig(methods=args.methods, order=args.order, severity=args.severity,
                       batch_size=args.batch_size, samples_per_domain=args.samples_per_domain,
-                      model_card=args.model_card or DEFAULT_CARD, mode=args.mode,
+                      model_card=(find_card(args.model_card or DEFAULT_CARD) if um is None
+                                  else DEFAULT_CARD), mode=args.mode,
                       seed=args.seed, threads=args.threads, device=args.device,
                       method_options=options, telemetry=args.telemetry,
                       stream_hz=args.stream_hz, stream_track=args.stream_track,
@@ -199,7 +201,9 @@ def _segmentation(args: argparse.Namespace) -> int:
     options: dict[str, dict] = {}
     for method, key, value in args.options:
         options.setdefault(method, {})[key] = value
-    cfg = SegBenchConfig(model_card=args.model_card, data=args.data,
+    from tta_core.model.source import find_card
+
+    cfg = SegBenchConfig(model_card=find_card(args.model_card), data=args.data,
                          methods=args.methods or SEG_METHODS, batch_size=args.batch_size,
                          samples_per_domain=args.samples_per_domain, threads=args.threads,
                          device=args.device, seed=args.seed, method_options=options)

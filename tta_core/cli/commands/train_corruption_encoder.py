@@ -32,9 +32,9 @@ def run(args: argparse.Namespace) -> int:
     """Train the encoder, save it and print its losses."""
     from tta_core.darda.encoder import train_encoder
     from tta_core.domain.encoder import EncoderConfig, save_encoder
-    from tta_core.model.source import load_card
+    from tta_core.model.source import find_card, load_card
 
-    card = load_card(args.model_card)
+    card = load_card(find_card(args.model_card))
     cfg = EncoderConfig(**{name: getattr(args, name) for name in ENCODER_DEFAULTS})
     enc, rep = train_encoder(cfg, tuple(card.mean), tuple(card.std), args.log_every)
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from tta_core.data.sources import parse_data
     from tta_core.domain.encoder import load_encoder
     from tta_core.errors import InputError
-    from tta_core.model.source import load_source
+    from tta_core.model.source import find_card, load_source
 
     root = None
     if args.data:
@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
         if spec.kind != "cifar10c":
             raise InputError(f"--data {args.data!r}: train-darda reads cifar10c:DIR only")
         root = spec.root
+    args.model_card = find_card(args.model_card)  # the bundle goes next to it
     model, card = load_source(args.model_card)
     values = {name: getattr(args, name) for name in OFFLINE_DEFAULTS}
     values["samples"] = _samples(args, root, CORRUPTIONS)

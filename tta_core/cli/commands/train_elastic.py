@@ -64,7 +64,9 @@ def run(args: argparse.Namespace) -> int:
     """Train the gated master, save it with its card and print accuracy by sparsity."""
     from tta_core.elasticdnn.knowledge import save_master
     from tta_core.elasticdnn.train import ElasticTrainConfig, train_master
+    from tta_core.model.source import find_card
 
+    args.source_card = find_card(args.source_card)
     cfg = ElasticTrainConfig(
         source_card=args.source_card, stages=args.stages, warmup_epochs=args.warmup_epochs,
         stage_epochs=args.stage_epochs, train_samples=args.train_samples,

@@ -191,7 +191,8 @@ def test_learning_rate_scales_linearly_with_batch_and_survives_reset(name: str) 
     assert {g["lr"] for g in unscaled.optimizer.param_groups} == {8e-3}
 
 
-def test_pending_parallel_update_keeps_the_learning_rate_it_was_started_with() -> None:
+def test_pending_parallel_update_keeps_the_learning_rate_it_was_started_with(
+        monkeypatch) -> None:
     """Parallel mode, batch 4 then batch 8: the background update of the first batch steps
     with batch 4's scaled lr, although the next step (batch 8) rescales the lr; the
     rescaling waits for the update in flight."""
@@ -200,16 +201,18 @@ def test_pending_parallel_update_keeps_the_learning_rate_it_was_started_with() -
     model = build_model("small_resnet", 10)
     meth = build_method("adashadow", model, input_shape=(3, 32, 32), mode="parallel",
                         sigma=1.0, fixed_cost_feedback=0.0, lr=0.64, lr_ref_batch=64)
-    release, seen = threading.Event(), []
-    step = meth.optimizer.step
+    import tta_core.adashadow.engine as engine_mod
 
-    def slow_step(*a, **kw):  # the second update waits until the test releases it
+    release, seen = threading.Event(), []
+    step = engine_mod._sgd_step  # the engine's optimizer step of the selected units
+
+    def slow_step(opt, *a):  # the second update waits until the test releases it
         if len(seen) == 1:
             release.wait(5.0)
-        seen.append(meth.optimizer.param_groups[0]["lr"])
-        return step(*a, **kw)
+        seen.append(opt.param_groups[0]["lr"])
+        return step(opt, *a)
 
-    meth.optimizer.step = slow_step
+    monkeypatch.setattr(engine_mod, "_sgd_step", slow_step)
     torch.manual_seed(0)
     meth.step(torch.randn(4, 3, 32, 32))
     meth.step(torch.randn(4, 3, 32, 32))

@@ -230,7 +230,7 @@ def test_launch_and_bringup_give_each_node_the_same_parameters(monkeypatch, ros_
 def test_params_file_sections_follow_the_namespace(tmp_path) -> None:
     """`/**` < `/ns/**` < `node` (any namespace; later of equals wins) < `/ns/node`."""
     cfg = yaml.safe_load(CONFIG.read_text())
-    cfg["/car1/**"] = {"ros__parameters": {"frame_id": "car1_base", "sigma": 0.1,
+    cfg["/car1/**"] = {"ros__parameters": {"frame_id": "car1_base", "bar_spacing": 0.1,
                                            "method.sigma": 0.1}}
     cfg["/car1/perception"] = {"ros__parameters": {"batch_size": 2}}
     cfg["/**/scheduler"] = {"ros__parameters": {"n_t": 7}}
@@ -240,7 +240,7 @@ def test_params_file_sections_follow_the_namespace(tmp_path) -> None:
     assert plain["perception"]["batch_size"] == 8 == car2["perception"]["batch_size"]
     assert car1["perception"]["batch_size"] == 2
     assert car1["resource_monitor"]["frame_id"] == "base_link"  # own section beats /car1/**
-    assert car1["scheduler"]["sigma"] == 0.33 and car1["perception"]["method.sigma"] == 0.33
+    assert car1["scheduler"]["bar_spacing"] == 0.3 and car1["perception"]["method.sigma"] == 0.33
     assert car1["scheduler"]["n_t"] == 7 == plain["scheduler"]["n_t"]
     cfg["/car1/planner"] = {"ros__parameters": {"x": 1}}
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))

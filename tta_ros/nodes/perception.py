@@ -239,8 +239,8 @@ def speed_text(feed: SpeedFeed) -> str:
 def batch_deadline(node: PerceptionNode, batch_size: int) -> float:
     """AdaptationStatus.deadline_ms: the deadline of a batch of `batch_size` frames by the
     method's deadline settings and the speed it was given (the whole deadline, before any
-    lateness; a plan from layer_plan was made against the scheduler's, kept in step by
-    config/vehicle.yaml); NaN in sigma*T mode or for a method without deadlines."""
+    lateness; a plan from layer_plan was made against the scheduler's, which follows
+    these settings: its deadline_from); NaN in sigma*T mode or for a method without deadlines."""
     cfg = getattr(node.method, "config", None)
     if not isinstance(cfg, DeadlineConfig):
         return math.nan

@@ -14,7 +14,8 @@ Deadline modes (`deadline_mode`, tta_core.runtime.deadline): the budget of a bat
 deadline (fixed, from `camera_hz`, or from the speed on `odometry_topic`) instead of
 sigma*T; the LayerPlan's `sigma` is then the deadline's share of the full update
 (budget_ms / T), /diagnostics says when the forward alone misses the deadline and the RViz
-label shows it.
+label shows it. Those settings and `sigma` follow perception's `method.*` options
+(`deadline_from`, tta_ros.nodes.scheduler_deadline): one place for the deadline.
 
 A managed (lifecycle) node (tta_ros.lifecycle): configure loads the card's unit layout
 and the profile and creates the planning service; it plans only while active (inactive:
@@ -84,6 +85,7 @@ from tta_ros.nodes.plausibility import (
     check_status,
     check_telemetry,
 )
+from tta_ros.nodes.scheduler_deadline import DEADLINE_FROM, DeadlineFollower
 from tta_ros.ros_params import ParamSpec, check_initial, declare_all, validate, values
 
 PARAMS: tuple[ParamSpec, ...] = (
@@ -121,6 +123,7 @@ PARAMS: tuple[ParamSpec, ...] = (
     ParamSpec("marker_lifetime_s", 2.0, "lifetime of the RViz markers: they vanish this long "
               "after the last plan [s] (0: forever)", 0.0, 3600.0),
     *DEADLINE_PARAMS,
+    DEADLINE_FROM,
     *SCHEDULER_FLEET_PARAMS,
     *PLAUSIBILITY_PARAMS,
     HARDWARE_ID,
@@ -187,6 +190,7 @@ def deadline_values(node: SchedulerNode) -> dict[str, str | int]:
     speed_value = {"speed_mps": f"{speed:.4g}" if speed is not None else "unknown"} \
         if svc.config.deadline_mode == "speed" else {}  # only where the speed counts
     return {"deadline": svc.describe_deadline(),
+            "deadline_from": node.deadline_from.describe(),
             "deadline_ms": f"{last.deadline_ms:.4g}" if last is not None else "nan",
             **speed_value, "forward_misses": node.forward_misses}
 
@@ -263,6 +267,7 @@ class SchedulerNode(ManagedNode):
         self.create_subscription(AdaptationStatus, "adaptation_status", self._on_status,
                                  reliable)
         self.fleet = FleetScheduler(self)  # fleet mode: sizes of several pipelines (#22)
+        self.deadline_from = DeadlineFollower(self, p["deadline_from"])  # one deadline
         self.create_timer(1.0, self._publish_diagnostics)
 
     def _cleanup(self) -> None:

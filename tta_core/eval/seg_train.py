@@ -143,28 +143,28 @@ def train_segmentation(cfg: SegTrainConfig, out: Path, progress: bool = True,
         history.append({"epoch": epoch + 1, "loss": loss,
                         "val_miou": evaluate(model, val, mean, std).miou})
         _save_state(state_path, cfg, epoch + 1, model, opt, sched, gen, history)
-        _write_card(model, cfg, out, mean, std, history[-1]["val_miou"], len(train))
+        _write_card(model, cfg, out, mean, std, history[-1]["val_miou"], len(train), epoch + 1)
         if log:
             log(f"epoch {epoch + 1}/{cfg.epochs}: loss {loss:.4f}, val mIoU "
                 f"{history[-1]['val_miou']:.4f} (state in {state_path})")
     bar.close()
     card = _write_card(model, cfg, out, mean, std, evaluate(model, val, mean, std).miou,
-                       len(train))
+                       len(train), cfg.epochs)
     state_path.unlink(missing_ok=True)
     return card
 
 
 def _write_card(model: nn.Module, cfg: SegTrainConfig, out: Path, mean: list[float],
-                std: list[float], miou: float, n_train: int) -> ModelCard:
-    """float16 weights as `<out>.safetensors` and the card (rewritten every epoch, so an
-    unfinished run leaves a usable card of its last epoch)."""
+                std: list[float], miou: float, n_train: int, epochs: int) -> ModelCard:
+    """float16 weights as `<out>.safetensors` and the card after `epochs` epochs
+    (rewritten every epoch, so an unfinished run leaves a usable card of its last one)."""
     import safetensors.torch
 
     card = ModelCard(arch=cfg.arch, num_classes=len(CITYSCAPES_CLASSES),
                      class_names=list(CITYSCAPES_CLASSES), image_size=cfg.width,
                      image_height=cfg.height, mean=mean, std=std,
                      checkpoint=out.with_suffix(".safetensors").name, clean_accuracy=miou,
-                     seed=cfg.seed, epochs=cfg.epochs, train_samples=n_train, name=out.stem,
+                     seed=cfg.seed, epochs=epochs, train_samples=n_train, name=out.stem,
                      data=cfg.data, task="segmentation")
     state = {k: (v.half() if v.is_floating_point() else v).detach().contiguous()
              for k, v in model.state_dict().items()}

@@ -56,7 +56,7 @@ class ModelCard:
     mean: list[float]
     std: list[float]
     checkpoint: str  # weights file: relative to the card's folder, or absolute
-    clean_accuracy: float = float("nan")
+    clean_accuracy: float = float("nan")  # segmentation cards: the clean val mIoU
     seed: int = 0
     epochs: int = 0
     train_samples: int = 0

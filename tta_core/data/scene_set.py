@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import time
 from collections.abc import Iterator
@@ -34,6 +33,7 @@ import numpy as np
 from tta_core.data.benchmark import sha256
 from tta_core.data.scene_conditions import CONDITIONS, render_condition
 from tta_core.data.scenes import CITYSCAPES_CLASSES, HEIGHT, SCENE_CLASSES, WIDTH, render_scene
+from tta_core.io.strict_json import write_json
 
 SCHEMA = "tta.scenes/1"
 META = "meta.json"
@@ -112,9 +112,7 @@ def _work(root: str, unit: _Unit, cfg: SceneSetConfig) -> tuple[_Unit, dict[str,
         for rel, arr in zip(_paths(unit, i), (image, scene.label), strict=True):
             _write_png(Path(root) / rel, arr)
             digests[rel] = sha256(Path(root) / rel)
-    tmp = Path(root) / PARTS / f"{unit.name}.json.tmp"
-    tmp.write_text(json.dumps(digests))
-    os.replace(tmp, tmp.with_suffix(""))
+    write_json(Path(root) / PARTS / f"{unit.name}.json", digests, indent=None)
     return unit, digests
 
 
@@ -183,9 +181,7 @@ def generate(root: str | Path, cfg: SceneSetConfig = SceneSetConfig(), workers: 
             bar.update(unit.hi - unit.lo)
     meta = {**want, "class_names": list(CITYSCAPES_CLASSES),
             "scene_classes": list(SCENE_CLASSES), "files": dict(sorted(files.items()))}
-    tmp = root / (META + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=0) + "\n")
-    os.replace(tmp, root / META)
+    write_json(root / META, meta, indent=0)
     shutil.rmtree(root / PARTS, ignore_errors=True)
     report.seconds = time.perf_counter() - t0
     return report

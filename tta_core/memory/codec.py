@@ -12,8 +12,14 @@ What autograd saves, and what the codec does with it (sites: tta_core.memory.sco
   backward only tests lo < x < hi, so it is stored as an exact 1-bit mask (``act_masks``);
 - a conv/linear input (read only for ∂W; ∂x needs just the weight): magnitude-pruned to the
   unit's keep ratio, stored as a 1-bit position bitmap + the kept values in memory order;
-- everything else (BN inputs: ∂γ and ∂x need them exactly; pooling indices, ...) is held
-  by reference, as without the codec. Pruning BN inputs or the masks ruins the gradients.
+- a BN/LN unit's input, for units in ``norm_keep``: exact means over the normalised dims +
+  the ~keep largest deviations from them (`CentredPruned`: a pruned entry has x̂ = 0); ∂γ
+  and ∂x are then computed from it (approximate, as a pruned conv input's ∂W);
+- a max-pool module's input with ``pool_inputs``: not stored (its backward reads the
+  indices and the input's shape only): exact;
+- everything else (other BN inputs, pooling indices, ...) is held by reference, as without
+  the codec. Pruning the masks, or zeroing a BN input instead of centring it, ruins the
+  gradients.
 
 DAF (tta_core.memory.quant): with ``CodecPlan.bits`` / ``default_bits`` a conv/linear
 unit's input is stored per-group min-max quantized at 8/4/2 bits and bit-packed instead of
@@ -59,7 +65,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from tta_kernels import Quantized, native_masks, quantize_pack_mask, unpack_dequantize_relu
 
 from tta_core.memory.accounting import SavedTensorContext
-from tta_core.memory.packed import PackedMask, PackedPruned, memory_order, restore_layout
+from tta_core.memory.packed import (
+    CentredPruned,
+    PackedMask,
+    PackedPruned,
+    memory_order,
+    restore_layout,
+)
 from tta_core.memory.quant import (
     MIN_QUANT_NUMEL,
     NARROW,
@@ -78,7 +90,16 @@ from tta_core.model.units import StagedModel
 
 DENSE = "dense"
 MASK = "mask"
-Encoding = str | float | Quant  # DENSE, MASK, a keep ratio in (0, 1) or a DAF bit width
+
+
+@dataclass(frozen=True)
+class Centred:
+    """A codec encoding: a norm unit's input as means + the ~keep largest deviations."""
+
+    keep: float
+
+
+Encoding = str | float | Quant | Centred  # DENSE, MASK, a keep ratio, DAF bits, Centred
 
 
 def _check_keep(unit: str, value: object) -> None:
@@ -106,6 +127,9 @@ class CodecPlan:
     entries per min/max group (a multiple of 8). ``narrow_ints``: integer saves of at least
     MIN_QUANT_NUMEL entries (max-pool indices) are held losslessly in the narrowest integer
     dtype that fits their values.
+
+    ``norm_keep``: per BN/LN unit, the keep ratio of its input's deviations from the means
+    (`Centred`; wins over ``norm_bits``). ``pool_inputs``: max-pool inputs are not stored.
     """
 
     keep: Mapping[str, float | str] = field(default_factory=dict)
@@ -117,10 +141,12 @@ class CodecPlan:
     norm_bits: int | None = None
     group: int = 128
     narrow_ints: bool = False
+    norm_keep: Mapping[str, float] = field(default_factory=dict)
+    pool_inputs: bool = False
 
     def __post_init__(self) -> None:
         _check_keep("<default>", self.default)
-        for unit, value in self.keep.items():
+        for unit, value in (*self.keep.items(), *self.norm_keep.items()):
             _check_keep(unit, value)
         if self.sample < 1:
             raise ValueError(f"sample must be >= 1, got {self.sample}")
@@ -150,9 +176,10 @@ class CodecPlan:
         return self.bits.get(unit, default)
 
     def encoding(self, role: str, unit: str, elem: int, kind: str = "", numel: int = 0,
-                 floating: bool = True) -> Encoding:
+                 floating: bool = True, input_of: str = "") -> Encoding:
         """How a save of this role, unit and element size is stored (kind: the unit's kind,
-        numel / floating: the save's, for DAF quantization of norm units' saves)."""
+        numel / floating: the save's, for DAF quantization of norm units' saves; input_of:
+        SaveSite.input_of)."""
         if role == ACT:
             return MASK if self.act_masks else DENSE
         if role == WGRAD:
@@ -163,6 +190,12 @@ class CodecPlan:
             return DENSE if keep >= 1.0 - 1.0 / (8 * elem) else keep
         if numel >= MIN_QUANT_NUMEL and not floating and self.narrow_ints:
             return NARROW
+        if input_of == "pool" and self.pool_inputs:
+            return Quant(0, self.group)
+        if input_of in NORM_KINDS and unit in self.norm_keep:
+            keep = float(self.norm_keep[unit])
+            if keep < 1.0 - 1.0 / (8 * elem):
+                return Centred(keep)
         if kind in NORM_KINDS and floating and numel >= MIN_QUANT_NUMEL:
             bits = self.bits_of(unit, kind)
             if bits:
@@ -230,7 +263,8 @@ class ActivationCodec(SavedTensorContext):
 
     def __init__(self, target: StagedModel | nn.Module, plan: CodecPlan) -> None:
         super().__init__(target)
-        unknown = sorted((set(plan.keep) | set(plan.bits)) - set(self.scope.unit_names))
+        unknown = sorted((set(plan.keep) | set(plan.bits) | set(plan.norm_keep))
+                         - set(self.scope.unit_names))
         if unknown:
             raise ValueError(f"plan names units the model does not have: {unknown[:5]}")
         self.plan = plan
@@ -275,7 +309,7 @@ class ActivationCodec(SavedTensorContext):
     def _pack_one(self, t: Tensor, site: SaveSite) -> object:
         enc = self.plan.encoding(site.role, site.unit, t.element_size(),
                                  self._kinds.get(site.unit, ""), t.numel(),
-                                 t.is_floating_point())
+                                 t.is_floating_point(), site.input_of)
         if enc == NARROW and (narrow := narrow_dtype(t)) is not None:
             return self._store(t, enc, site, lambda: PackedInt(t.detach().to(narrow), t.dtype))
         if enc in (DENSE, NARROW):
@@ -295,8 +329,19 @@ class ActivationCodec(SavedTensorContext):
             return mask
         if isinstance(enc, Quant):
             return self._store(t, enc, site, lambda: self._quantize(t, enc))
+        if isinstance(enc, Centred):
+            dims = self._norm_dims(site.unit, t)
+            return self._store(t, enc, site, lambda: CentredPruned.encode(
+                t, enc.keep, dims, self.plan.sample))
         return self._store(t, enc, site,
                            lambda: PackedPruned.encode(t, float(enc), self.plan.sample))
+
+    def _norm_dims(self, unit: str, t: Tensor) -> tuple[int, ...]:
+        """The dims a norm unit normalises over: LN its last ones, BN all but channels."""
+        mod = self._modules[unit]
+        if isinstance(mod, nn.LayerNorm):
+            return tuple(range(t.dim() - len(mod.normalized_shape), t.dim()))
+        return tuple(d for d in range(t.dim()) if d != 1)
 
     def _quantize(self, t: Tensor, enc: Quant) -> object:
         """encode_quant(t, enc); with the pending ReLU mask of this very tensor, both from
@@ -353,7 +398,7 @@ class ActivationCodec(SavedTensorContext):
             if shared is not None:
                 return shared.take()
         if isinstance(packed, PackedMask | ReluMask | PackedPruned | PackedQuant | Dropped
-                      | PackedInt):
+                      | PackedInt | CentredPruned):
             return packed.decode()
         return packed  # type: ignore[return-value]
 

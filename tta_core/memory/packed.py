@@ -93,9 +93,10 @@ def prune_mask(flat: Tensor, keep: float, sample: int) -> Tensor:
 
 @dataclass(eq=False)
 class PackedPruned:
-    """Magnitude-pruned values: a 1-bit position bitmap + the kept values in memory order."""
+    """Magnitude-pruned values in memory order + their positions: a 1-bit bitmap, or int32
+    indices when fewer than 1/32 of the entries are kept (then smaller than the bitmap)."""
 
-    bits: Tensor
+    bits: Tensor  # the bitmap (uint8), or the kept entries' int32 indices
     values: Tensor
     shape: torch.Size
     perm: tuple[int, ...]
@@ -105,18 +106,52 @@ class PackedPruned:
         """Keep the largest-|x| ~keep fraction of t."""
         flat, perm = memory_order(t)
         mask = prune_mask(flat, keep, sample)
-        return cls(pack_bits(mask), flat[mask], t.shape, perm)
+        values = flat[mask]
+        if values.numel() * 4 < packed_size(flat.numel()) and flat.numel() < 2**31:
+            return cls(mask.nonzero().view(-1).to(torch.int32), values, t.shape, perm)
+        return cls(pack_bits(mask), values, t.shape, perm)
 
     def decode(self) -> Tensor:
         """Dense tensor with zeros where entries were pruned."""
-        mask = unpack_bits(self.bits, self.shape.numel())
-        flat = self.values.new_zeros(mask.shape).masked_scatter_(mask, self.values)
+        n = self.shape.numel()
+        if self.bits.dtype == torch.int32:
+            flat = self.values.new_zeros(n).index_put_((self.bits.long(),), self.values)
+        else:
+            mask = unpack_bits(self.bits, n)
+            flat = self.values.new_zeros(mask.shape).masked_scatter_(mask, self.values)
         return restore_layout(flat, self.shape, self.perm)
 
     @property
     def nbytes(self) -> int:
         """Bytes held."""
         return self.bits.untyped_storage().nbytes() + self.values.untyped_storage().nbytes()
+
+
+@dataclass(eq=False)
+class CentredPruned:
+    """A norm layer's input: exact means over the normalised dims + the largest-|x − mean|
+    ~keep fraction of the deviations (PackedPruned). A pruned entry decodes to its mean, so
+    the layer's x̂ is 0 there (a pruned-to-zero x would give x̂ = −μ/σ instead)."""
+
+    mean: Tensor
+    deviations: PackedPruned
+
+    @classmethod
+    def encode(cls, t: Tensor, keep: float, dims: tuple[int, ...], sample: int
+               ) -> CentredPruned:
+        """Keep the means of t over `dims` and the largest ~keep fraction of deviations."""
+        x = t.detach()
+        mean = x.mean(dim=dims, keepdim=True)
+        return cls(mean, PackedPruned.encode(x - mean, keep, sample))
+
+    def decode(self) -> Tensor:
+        """The means with the kept deviations added (original shape and strides)."""
+        return self.deviations.decode().add_(self.mean)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held."""
+        return self.mean.untyped_storage().nbytes() + self.deviations.nbytes
 
 
 def mask_nbytes(numel: int) -> int:
@@ -126,4 +161,4 @@ def mask_nbytes(numel: int) -> int:
 
 def pruned_nbytes(numel: int, kept: int, elem: int) -> int:
     """Bytes of a PackedPruned with `kept` of numel values of elem bytes each."""
-    return packed_size(numel) + kept * elem
+    return min(packed_size(numel), 4 * kept) + kept * elem

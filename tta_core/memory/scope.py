@@ -11,6 +11,8 @@ the modules running now. A saved tensor is then:
 - ``act``: saved while an activation module runs: its result (in-place) or input, of which
   the backward reads only which entries lie strictly inside (min, max).
 - ``other``: anything else (BN inputs and statistics, pooling inputs and indices, ...).
+  ``SaveSite.input_of`` marks the input of a running BN/LN unit ("bn"/"ln") and of a
+  max-pool module ("pool": its backward reads only the indices and the input's shape).
 
 **Attribution to a unit**: a save belongs to the unit whose module started last, i.e. to the
 saves made while that unit's module runs *plus* those of the non-parameterised ops after it
@@ -36,6 +38,8 @@ BEFORE_UNITS = "<before first unit>"
 WGRAD, ACT, OTHER = "wgrad", "act", "other"
 ROLES = (WGRAD, ACT, OTHER)
 _WGRAD_KINDS = ("conv", "linear")
+_INPUT_KINDS = ("bn", "ln", "pool")  # classify marks their inputs (SaveSite.input_of)
+_POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,7 @@ class SaveSite:
     unit: str
     role: str
     band: tuple[float, float] = (0.0, float("inf"))  # backward reads lo < x < hi
+    input_of: str = ""  # "bn" / "ln" / "pool": the input of such a running module
 
 
 @dataclass
@@ -98,6 +103,7 @@ class UnitScope:
             self._units[id(mod)] = (name, kind)
         self._acts = [(m, b) for m in self.model.modules()
                       if (b := activation_band(m)) is not None]
+        self._pools = [m for m in self.model.modules() if isinstance(m, _POOLS)]
         self.unit_names = [name for name, _m, _k in self.units]
         self._handles: list = []
         self._state: set[int] = set()
@@ -125,6 +131,8 @@ class UnitScope:
             self._hook(mod, name, kind, (0.0, float("inf")))
         for mod, band in self._acts:
             self._hook(mod, None, "act", band)
+        for mod in self._pools:
+            self._hook(mod, None, "pool", (0.0, float("inf")))
 
     def _hook(self, mod: nn.Module, unit: str | None, kind: str,
               band: tuple[float, float]) -> None:
@@ -164,6 +172,9 @@ class UnitScope:
             return SaveSite(self.current, OTHER)
         if top.kind == "act":
             return SaveSite(self.current, ACT, top.band)
-        if top.kind in _WGRAD_KINDS and t.data_ptr() == top.ptr and t.numel() == top.numel:
+        own = t.data_ptr() == top.ptr and t.numel() == top.numel
+        if top.kind in _WGRAD_KINDS and own:
             return SaveSite(self.current, WGRAD)
+        if top.kind in _INPUT_KINDS and own and t.is_floating_point():
+            return SaveSite(self.current, OTHER, input_of=top.kind)
         return SaveSite(self.current, OTHER)

@@ -38,14 +38,18 @@ def trainable_units(target: StagedModel | nn.Module) -> tuple[list[str], list[st
 
 
 def daf_plan(target: StagedModel | nn.Module, bits: int, group: int = 128,
-             keep: Mapping[str, float | str] | None = None, act_masks: bool = True
+             keep: Mapping[str, float | str] | None = None, act_masks: bool = True,
+             norm_keep: Mapping[str, float] | None = None, pool_inputs: bool = False
              ) -> CodecPlan:
     """Uniform DAF widths: frozen conv/linear inputs dropped, the rest at `bits`; units
-    named in `keep` (SURGEON's pruned units) keep their keep ratio instead."""
+    named in `keep` (SURGEON's pruned units) keep their keep ratio instead, norm units in
+    `norm_keep` their centred pruning (CodecPlan.norm_keep); `pool_inputs`: max-pool inputs
+    not stored."""
     check_activation_bits(bits)
     trainable, frozen = trainable_units(target)
     keep = dict(keep or {})
     widths = {n: bits for n in trainable if n not in keep}
     widths.update(dict.fromkeys(frozen, 0))
     return CodecPlan(keep, "dense", act_masks, bits=widths, norm_bits=bits, group=group,
-                     narrow_ints=True)
+                     narrow_ints=True, norm_keep=dict(norm_keep or {}),
+                     pool_inputs=pool_inputs)

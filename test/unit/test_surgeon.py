@@ -1,7 +1,7 @@
 """SURGEON (`surgeon`): Eqs. 4-7 on a hand-built case, keep ratios, measured saved bytes
 below Tent's, exact BN gradients in SURGEON (BN), robot mode without an extra pass, the
 faithful importance pass on exactly k samples, CSS/CR, errors, reset and a tiny bench; the
-step's peak with the packed importance pass <= 0.8x Tent's (ResNet-18 b8, ResNet-50 b4),
+step's peak with the cheap importance pass <= 0.45x Tent's (ResNet-18 b8, ResNet-50 b4),
 keep 0 freezing a layer, the official BN gradient."""
 
 from __future__ import annotations
@@ -131,8 +131,9 @@ def test_saved_bytes_below_tent_on_the_same_batch() -> None:
 
 
 def test_surgeon_bn_gives_exact_bn_gradients() -> None:
-    """SURGEON (BN): BN inputs dense, ReLU masks exact, frozen conv inputs stored as a
-    bitmap only (never read): the BN-weight gradient equals plain entropy backward's."""
+    """SURGEON (BN) with prune_norm off: BN inputs dense, ReLU masks exact, frozen conv
+    inputs stored as a bitmap only (never read): the BN-weight gradient equals plain entropy
+    backward's."""
     x = batch()
     ref_model = shipped()
     ref = build_method("surgeon", ref_model, trainable="norm")
@@ -143,7 +144,7 @@ def test_surgeon_bn_gives_exact_bn_gradients() -> None:
     logp = ref_model(x).log_softmax(1)
     expected = torch.autograd.grad(-(logp.exp() * logp).sum(1).mean(), weights)
     model = shipped()
-    meth = build_method("surgeon", model, trainable="norm", lr=0.0)
+    meth = build_method("surgeon", model, trainable="norm", lr=0.0, prune_norm=False)
     res = meth.step(x)
     got = [m.weight.grad for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
     for g, e in zip(got, expected, strict=True):
@@ -174,11 +175,13 @@ def test_robot_mode_runs_no_extra_pass() -> None:
 def test_faithful_importance_pass_uses_exactly_k_samples() -> None:
     meth = build_method("surgeon", shipped(), importance_samples=5)
     sizes, grads = _count_passes(meth, batch(12), 2)
-    assert sizes == [5, 12, 12] * 2 and grads == 4
+    # a no-grad forward records Eq. 5's sizes once per input shape
+    assert sizes == [12] + [5, 12, 12] * 2 and grads == 4
     assert meth.step(batch(12)).stats["importance_samples"] == 5
-    small = build_method("surgeon", shipped())  # official k = 10: a batch of 3 uses all
+    small = build_method("surgeon", shipped(), importance_samples=10)  # official k = 10
     sizes, _ = _count_passes(small, batch(3), 1)
-    assert sizes == [3, 3, 3]
+    assert sizes == [3, 3, 3, 3]  # a batch of 3 uses all
+    assert build_method("surgeon", shipped()).step(batch(3)).stats["importance_samples"] == 1
 
 
 def test_importance_pass_gradients_are_exact_at_importance_keep_one() -> None:
@@ -197,7 +200,7 @@ def test_importance_pass_gradients_are_exact_at_importance_keep_one() -> None:
                 for n in ref.scored}
     for keep, bits, exact in ((1.0, None, True), (0.1, None, False), (1.0, 8, False)):
         meth = build_method("surgeon", shipped(), importance_keep=keep, lr=0.0,
-                            importance_bits=bits)
+                            importance_bits=bits, importance_samples=10, importance_crop=1.0)
         meth.step(x)
         got = meth.last_importance.gradient
         close = all(got[n] == pytest.approx(v, rel=1e-5) for n, v in expected.items())
@@ -322,12 +325,11 @@ def test_tiny_bench_runs_source_tent_surgeon(tmp_path) -> None:
 # ---------------------------------------------------------------- peak, keep 0, official BN
 @pytest.mark.slow
 @pytest.mark.parametrize(("arch", "n"), [("resnet18", 8), ("resnet50", 4)])
-def test_step_peak_with_importance_pass_below_0_8_of_tent(arch: str, n: int) -> None:
-    """At the acceptance batch sizes (batch <= 10: the importance pass runs on the whole
-    batch) the step's peak saved bytes, importance pass included, are <= 0.8x Tent's
-    (same ledger); the importance pass stores through the packed codec (8 bits) at well
-    under the adaptation pass. 64 px keeps it cheap; benchmarks/bench_surgeon_peak.py
-    shows 224 px."""
+def test_step_peak_with_importance_pass_below_0_45_of_tent(arch: str, n: int) -> None:
+    """At the acceptance batch sizes the step's peak saved bytes, importance pass (one
+    sample, keep 0.01; no crop at 64 px) included, are <= 0.45x Tent's (same ledger; BN
+    inputs centred-pruned); the importance pass saves well under the adaptation pass.
+    64 px keeps it cheap; benchmarks/bench_surgeon_peak.py shows 224 px (with the crop)."""
     from torchvision import models
 
     def make() -> nn.Module:
@@ -341,9 +343,9 @@ def test_step_peak_with_importance_pass_below_0_8_of_tent(arch: str, n: int) -> 
         tent.step(x)
     meth = build_method("surgeon", make(), memory_format="contiguous")
     stats = meth.step(x).stats
-    assert stats["importance_samples"] == n
-    assert stats["peak_saved_bytes"] <= 0.8 * counter.result.total
-    assert stats["importance_saved_bytes"] < 0.5 * stats["saved_bytes"]
+    assert stats["importance_samples"] == 1
+    assert stats["peak_saved_bytes"] <= 0.45 * counter.result.total, (stats, counter.result)
+    assert stats["importance_saved_bytes"] < 0.25 * stats["saved_bytes"]
 
 
 def test_keep_floor_zero_freezes_a_zero_importance_layer_for_the_batch() -> None:

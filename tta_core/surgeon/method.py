@@ -4,17 +4,21 @@ github.com/kadmkbl/SURGEON, methods/das.py).
 Per batch, each trainable layer gets a keep ratio for what it saves for ∂W (Eqs. 4-7,
 tta_core.surgeon.layer_importance); the adaptation forward runs under the activation codec
 (tta_core.memory.codec): conv/linear inputs magnitude-pruned to the layer's keep ratio and
-held as a 1-bit position bitmap + kept values, ReLU saves as exact 1-bit masks, BN inputs
-dense (exact ∂γ and ∂x; the official code prunes them for ∂γ but keeps a full copy for ∂x).
+held as a 1-bit position bitmap (int32 indices below 1/32 kept) + kept values, BN/LN inputs
+centred-pruned at the norm layer's own keep ratio (`prune_norm`: exact means + the largest
+deviations; ∂γ and ∂x then approximate, as the paper's counts assume; the official code
+counts them pruned but keeps a dense copy for ∂x), ReLU saves as exact 1-bit masks,
+max-pool inputs not stored (exact), max-pool indices in int16.
 
 mode "faithful" (Algorithm 1): an extra forward/backward of the entropy on k random samples
-of the batch (official: 10; all of a smaller batch) gives the gradients of Eq. 4; it runs
-under the codec too (ReLU masks, frozen inputs not stored; scored inputs at
-`importance_keep`), and with `importance_bits` (default 8, DAF packing; None: dense) what
-it keeps whole, BN inputs included, is stored per-group min-max quantized (8 bits leave
-the gradients' direction as it was), so the scoring pass saves less than the adaptation
-pass and the step's peak is the adaptation pass's (§4.2 (ii) asks for a cheap pass; the
-official code runs it dense, above Tent's peak: docs/results/surgeon_peak.md).
+of the batch (default 1, as the paper's Table 5; official code: 10), each a random crop of
+side `importance_crop` (default 0.5, crops >= CROP_MIN_SIDE px only), gives the gradients
+of Eq. 4; it runs under the codec (ReLU masks, frozen inputs not stored; scored inputs,
+BN inputs included, at `importance_keep`, default 0.01: §4.2 (ii)'s high static pruning),
+and with `importance_bits` (default 8, DAF packing; None: dense) what it keeps whole is
+stored per-group min-max quantized, so the scoring pass saves a small fraction of the
+adaptation pass (docs/results/surgeon_peak.md; the official code runs it dense, above
+Tent's peak). Eq. 5's sizes come from one no-grad forward per input shape.
 mode "robot": no extra pass; Eq. 4 uses the gradients of the previous update (lagged).
 They were computed under that update's pruning, which biases against pruned layers: a low
 keep ratio shrinks their gradient norms (the classifier's most), a keep near 0.5 hardly.
@@ -75,8 +79,12 @@ TRAINABLE = ("all", "norm")
 OFFICIAL_LR = {"norm": 1e-3, "all": 2.2e-5}  # Adam, CIFAR-10-C, batch 200 (official cfgs)
 OFFICIAL_BATCH = 200
 _PRUNABLE = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)  # the codec prunes their inputs
-_NUMERIC = ("lr", "keep_floor", "importance_samples", "importance_keep", "css_margin",
-            "cr_weight", "max_shift")
+_NORMS = (nn.modules.batchnorm._BatchNorm, nn.LayerNorm)  # centred pruning (prune_norm)
+_NUMERIC = ("lr", "keep_floor", "importance_samples", "importance_keep", "importance_crop",
+            "css_margin", "cr_weight", "max_shift")
+# importance crops at least this side: a 32x-downsampling net (ImageNet ResNets) then keeps
+# >= 2x2 positions per channel at its last norm layer, as batch statistics of one sample need
+CROP_MIN_SIDE = 64
 FROZEN_KEEP = 1e-6  # frozen conv/linear inputs: ~bitmap only (1/32 of float32), never read
 
 
@@ -94,12 +102,17 @@ class SurgeonConfig(MethodConfig):
     keep_floor: float = option(0.0, "lowest keep ratio of a layer's saved input (Eq. 7 "
                                "gives 0 to the least important layer: frozen for the "
                                "batch); in [0, 1]", low=0.0, high=1.0)
-    importance_samples: int = option(10, "faithful mode: samples of the importance pass",
-                                     low=1)
-    # paper §4.2 (ii): e.g. 0.1; ReLU masks and frozen inputs are compressed either way
-    importance_keep: float = option(1.0, "faithful mode: keep ratio of the scored layers' "
+    importance_samples: int = option(1, "faithful mode: samples of the importance pass "
+                                     "(paper Table 5: 1; official code: 10)", low=1)
+    # paper §4.2 (ii): high static pruning; ReLU masks and frozen inputs compressed anyway
+    importance_keep: float = option(0.01, "faithful mode: keep ratio of the scored layers' "
                                     "inputs in the importance pass (1.0 with "
-                                    "importance_bits None: exact gradients); in (0, 1]",
+                                    "importance_bits None and importance_crop 1: exact "
+                                    "gradients); in (0, 1]", low=0.0, high=1.0)
+    importance_crop: float = option(0.5, "faithful mode: side of the random crop of each "
+                                    "importance sample, as a fraction of the image's "
+                                    "(1: whole image; only crops >= 64 px a side; README "
+                                    "deviations); in (0, 1]",
                                     low=0.0, high=1.0)
     importance_bits: int | None = option(
         8, "faithful mode: store the importance pass's unpruned saves (BN inputs included) "
@@ -119,6 +132,8 @@ class SurgeonConfig(MethodConfig):
     reforward: bool = option(True, "predict with the updated model (as tent here)")
     max_shift: int = option(2, "cr: augmentation shift, px", low=0)
     seed: int = option(0, "seed of the importance subset and the cr augmentation")
+    prune_norm: bool = option(True, "store BN/LN inputs centred-pruned at the layer's keep "
+                              "ratio (False: dense, exact ∂γ and ∂x; module doc)")
     activation_bits: int | None = option(None, "DAF: store what is not pruned at 8, 4 or 2 "
                                          "bits (None: dense; module doc)", choices=(2, 4, 8))
 
@@ -143,6 +158,8 @@ class SurgeonConfig(MethodConfig):
              f"importance_samples must be >= 1, got {self.importance_samples}"),
             (0 < self.importance_keep <= 1,
              f"importance_keep must be in (0, 1], got {self.importance_keep}"),
+            (0 < self.importance_crop <= 1,
+             f"importance_crop must be in (0, 1], got {self.importance_crop}"),
             (self.css_margin > 0, f"css_margin must be > 0, got {self.css_margin}"),
             (self.cr_weight >= 0, f"cr_weight must be >= 0, got {self.cr_weight}"),
             (self.lr is None or self.lr >= 0, f"lr must be >= 0, got {self.lr}"),
@@ -304,30 +321,59 @@ class Surgeon(TTAMethod):
         return layer_keep(ran, sizes, self.config.keep_floor)
 
     def _importance_pass(self, x: Tensor) -> tuple[LayerImportance, int, int]:
-        """Faithful mode: (Eqs. 4-7 on k random samples, k, bytes the pass saved)."""
+        """Faithful mode: (Eqs. 4-7 on k random samples (random crops of them), k, bytes the
+        pass saved)."""
+        self._record_sizes(x)
         k = min(self.config.importance_samples, int(x.shape[0]))
         idx = torch.randperm(int(x.shape[0]), generator=self.gen)[:k].to(x.device)
-        sub = x[idx]
+        sub = self._crop(x[idx])
         params = [p for n in self.scored for p in self._cand[n]]
         keep = self.config.importance_keep
         codec = ActivationCodec(self.model, self._plan({n: keep for n in self.scored},
                                                        self.config.importance_bits))
-        with torch.enable_grad(), self._size_hooks(sub), codec, self._bn_grad():
+        with torch.enable_grad(), codec, self._bn_grad():
             loss = softmax_entropy(self.model(sub)).mean()
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         by_param = {id(p): g for p, g in zip(params, grads, strict=True)}
-        imp = self._keep(self._gradient_importance(by_param), sub)
+        imp = self._keep(self._gradient_importance(by_param), x)
         return imp, k, codec.result.total if codec.result else 0
+
+    def _crop(self, sub: Tensor) -> Tensor:
+        """A random crop of side `importance_crop` of the images (N, C, H, W) when it keeps
+        at least CROP_MIN_SIDE px a side; else `sub`."""
+        frac = self.config.importance_crop
+        if frac >= 1 or sub.dim() != 4:
+            return sub
+        h, w = (max(1, round(frac * d)) for d in sub.shape[2:])
+        if min(h, w) < CROP_MIN_SIDE:
+            return sub
+        top, left = (int(torch.randint(int(d) - c + 1, (1,), generator=self.gen))
+                     for d, c in zip(sub.shape[2:], (h, w), strict=True))
+        return sub[:, :, top:top + h, left:left + w]
+
+    def _record_sizes(self, x: Tensor) -> None:
+        """Eq. 5's m_i at x's sample shape, once per shape: a no-grad forward of x with the
+        norm layers' running statistics restored after it."""
+        if tuple(x.shape[1:]) in self._sizes:
+            return
+        state = {n: b.clone() for n, b in self.model.named_buffers()}
+        with torch.no_grad(), self._size_hooks(x):
+            self.model(x)
+        with torch.no_grad():
+            for n, b in self.model.named_buffers():
+                b.copy_(state[n])
 
     def _bn_grad(self) -> AbstractContextManager[None]:
         """The official BN backward around a forward when `bn_grad` asks for it."""
         return official_bn_grad(self.model, self.config.bn_grad == "official")
 
     def _plan(self, scored: dict[str, float] | None, bits: int | None) -> CodecPlan:
-        """`scored` keep ratios for the prunable (conv/linear) scored units (keep 0: the
-        unit is frozen for the batch); frozen conv/linear units FROZEN_KEEP (autograd saves
-        their input although no ∂W is computed: nothing reads it, ∂x needs only the
-        weight) or 0 bits with DAF `bits`; everything else dense or at `bits`."""
+        """`scored` keep ratios for the scored units (keep 0: the unit is frozen for the
+        batch): conv/linear inputs pruned, BN/LN inputs centred-pruned (`prune_norm`);
+        frozen conv/linear units FROZEN_KEEP (autograd saves their input although no ∂W is
+        computed: nothing reads it, ∂x needs only the weight) or 0 bits with DAF `bits`,
+        norm units frozen for the batch FROZEN_KEEP (means only); max-pool inputs not
+        stored; everything else dense or at `bits`."""
         if scored is None:  # no ratios yet: scored units dense
             scored = dict.fromkeys(self.scored, 1.0)
         live = {n: v for n, v in scored.items() if v > 0}
@@ -336,10 +382,16 @@ class Surgeon(TTAMethod):
             if isinstance(m, _PRUNABLE) and n not in live}
         keep.update({n: v for n, v in live.items()
                      if isinstance(self._unit_mods[n], _PRUNABLE) and v < 1.0})
+        norm = {}
+        if self.config.prune_norm:
+            norm = {n: (v if v > 0 else FROZEN_KEEP) for n, v in scored.items()
+                    if isinstance(self._unit_mods[n], _NORMS) and v < 1.0}
         if bits is not None:  # DAF: frozen inputs dropped, unpruned inputs and BN quantized
             pruned = {n: v for n, v in keep.items() if n in live and v < 1.0}
-            return daf_plan(self.model, bits, keep=pruned, act_masks=self.config.act_masks)
-        return CodecPlan(keep, DENSE, act_masks=self.config.act_masks)
+            return daf_plan(self.model, bits, keep=pruned, act_masks=self.config.act_masks,
+                            norm_keep=norm, pool_inputs=True)
+        return CodecPlan(keep, DENSE, act_masks=self.config.act_masks, narrow_ints=True,
+                         norm_keep=norm, pool_inputs=True)
 
     # ------------------------------------------------------------ step
     def _adapt_forward(self, x: Tensor, plan: CodecPlan

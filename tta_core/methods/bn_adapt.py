@@ -9,7 +9,7 @@ statistics kept, is a pure function of the batch.
 
 from __future__ import annotations
 
-from tta_core.model.norms import set_bn_mode
+from tta_core.model.norms import require_batchnorm, set_bn_mode
 from tta_core.registry import register
 from tta_core.runtime.method import TTAMethod
 from tta_core.runtime.precision import PRECISIONS
@@ -23,5 +23,6 @@ class BNAdapt(TTAMethod):
     graphs_serve = True
 
     def configure_model(self) -> None:
+        require_batchnorm(self.model, self.name)  # no BN: nothing to adapt, refused
         set_bn_mode(self.model, "batch")
         self.model.requires_grad_(False)

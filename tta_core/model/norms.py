@@ -3,6 +3,7 @@ norm-based TTA methods (Tent, EATA, SAR, CoTTA's BN mode, AdaShadow's 'norm') ad
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 from torch import nn
@@ -16,6 +17,28 @@ NORM_TYPES: tuple[type[nn.Module], ...] = (nn.modules.batchnorm._BatchNorm, nn.L
 #: NORM_TYPES as people name them, for messages
 NORM_NAMES = "BatchNorm/LayerNorm/GroupNorm"
 AFFINE = ("weight", "bias")
+
+
+def norm_counts(model: nn.Module) -> dict[str, int]:
+    """How many normalisation layers of each class `model` has ("LayerNorm2d": 18), in
+    module order: every class whose name ends in Norm or Norm1d/2d/3d (BatchNorm2d,
+    LayerNorm, GroupNorm, ...; not Conv2dNormActivation, a block holding one)."""
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        name = type(m).__name__
+        if re.search(r"Norm(\dd)?$", name):
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def require_batchnorm(model: nn.Module, method: str) -> None:
+    """Nothing when `model` has a BatchNorm layer; else ValueError, one line: "<method>
+    needs BatchNorm layers; ConvNeXt has none (its norms: LayerNorm2d x18, LayerNorm x1)"."""
+    if any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules()):
+        return
+    norms = ", ".join(f"{k} \N{MULTIPLICATION SIGN}{n}" for k, n in norm_counts(model).items())
+    raise ValueError(f"{method} needs BatchNorm layers; {type(model).__name__} has none "
+                     f"({f'its norms: {norms}' if norms else 'no normalisation layers'})")
 
 
 def set_bn_mode(model: nn.Module, bn_mode: str) -> None:

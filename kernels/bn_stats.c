@@ -26,6 +26,7 @@
 #define ROWS 64
 #define WIDE 512
 #define SUB_ROWS 8
+#define STREAM_VALUES (1 << 19)  /* 2 MiB of floats */
 
 /* Sums of d = p[i] - k and d^2 over one block of len values, added to *sum, *sumsq; with
    o, also writes o[i] = p[i] * a + b (the normalised block) in the same read. */
@@ -212,8 +213,12 @@ int bn_stats_nhwc(const float *x, int64_t n_rows, int64_t c, float *mean, float 
     const int64_t blocks = (n_rows + ROWS - 1) / ROWS;
     /* wide rows (c >= WIDE: 2 KiB or more) are walked down SUB_ROWS at a time: the walk
        down a channel tile then follows SUB_ROWS address streams, not ROWS of them, which
-       the prefetcher keeps up with (1.3x faster at 1024 and 2048 channels) */
-    const int64_t sub = c >= WIDE ? SUB_ROWS : ROWS;
+       the prefetcher keeps up with */
+    /* a tensor larger than the caches hold is walked one row at a time instead: one
+       sequential address stream, which the prefetcher follows across pages, where a tile
+       walk down a block of rows of 1 KiB or more starts a new stream on every page and
+       waits on memory (in cache the tile walk, its sums in registers, is the faster) */
+    const int64_t sub = n_rows * c >= STREAM_VALUES ? 1 : c >= WIDE ? SUB_ROWS : ROWS;
     double *part = calloc((size_t)(2 * c * threads), sizeof(double));
     float *scr = malloc((size_t)(2 * c * threads) * sizeof(float));
     const int failed = !part || !scr;

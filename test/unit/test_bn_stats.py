@@ -46,7 +46,8 @@ def _check(shape: tuple[int, ...], mean: float, std: float, momentum: float,
 
 # channels-last: more rows than one block (64), channel counts off the 8-lane width
 CL_SHAPES = [(4, 8, 56, 56), (2, 13, 23, 29), (1, 2050, 2, 3), (3, 64, 5, 7),
-             (3, 520, 5, 9)]  # wide rows: 135 rows, walked 8 at a time
+             (3, 520, 5, 9),  # wide rows: 135 rows, walked 8 at a time
+             (2, 72, 120, 125)]  # beyond STREAM_VALUES: walked one row at a time
 
 
 @pytest.mark.parametrize("shape", SHAPES)

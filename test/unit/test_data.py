@@ -108,6 +108,28 @@ def test_images_to_tensor_normalises():
     assert x[0, :, 0, 0].tolist() == [2.0, 1.0, 0.5]
 
 
+def test_cifar10c_seeds_draw_different_rows_of_the_severity(tmp_path):
+    """Seed 0: each corruption's first rows (the published stream); seeds 1 and 2: rows
+    drawn at random from that severity only, different per seed, reproducible."""
+    n = 40
+    np.save(tmp_path / "labels.npy", np.arange(5 * n) % 10)
+    for name in ("fog", "snow"):
+        arr = np.zeros((5 * n, 32, 32, 3), np.uint8)
+        arr[:, 0, 0, 0] = np.repeat(np.arange(1, 6), n)  # severity marker
+        arr[:, 0, 0, 1] = np.tile(np.arange(n), 5)  # row within the severity
+        np.save(tmp_path / f"{name}.npy", arr)
+
+    def rows(seed: int) -> list[int]:
+        s = load_cifar10c(tmp_path, ("fog", "snow"), 3, samples_per_domain=8, seed=seed)
+        assert set(s.images[:, 0, 0, 0].tolist()) == {3} and s.seed == seed
+        assert s.domain_order() == ["fog/3", "snow/3"] and len(s) == 16
+        return s.images[:, 0, 0, 1].tolist()
+
+    assert rows(0) == list(range(8)) * 2
+    assert rows(1) == rows(1) and rows(1) != rows(2) and rows(1) != rows(0)
+    assert len(set(rows(1)[:8])) == 8  # no row twice within a corruption
+
+
 def test_cifar10c_loader_reads_the_public_layout(tmp_path):
     n = 6  # rows per severity (the release has 10000)
     rng = np.random.default_rng(0)

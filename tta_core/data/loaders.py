@@ -39,14 +39,18 @@ def _load_npy(path: Path) -> np.ndarray:
 
 
 def load_cifar10c(root: str | Path, corruptions: Sequence[str] = CORRUPTIONS,
-                  severity: int = 5, samples_per_domain: int | None = None) -> Stream:
-    """Continual stream over `corruptions` at `severity` from a CIFAR-10-C folder."""
+                  severity: int = 5, samples_per_domain: int | None = None,
+                  seed: int = 0) -> Stream:
+    """Continual stream over `corruptions` at `severity` from a CIFAR-10-C folder. Seed 0
+    takes each corruption's first `samples_per_domain` rows in file order (the published
+    protocol's stream); another seed draws them at random (seed, corruption index), so
+    the seeds of a sweep see different images, not one stream again."""
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"CIFAR-10-C folder {str(root)!r} not found")
     labels_all = _load_npy(root / "labels.npy").astype(np.int64)
     images, labels, domains = [], [], []
-    for name in corruptions:
+    for k, name in enumerate(corruptions):
         check(name, severity)
         arr = _load_npy(root / f"{name}.npy")
         if arr.ndim != 4 or arr.shape[1:] != (32, 32, 3) or arr.dtype != np.uint8:
@@ -57,12 +61,14 @@ def load_cifar10c(root: str | Path, corruptions: Sequence[str] = CORRUPTIONS,
                              f"{len(labels_all)}: need equal lengths divisible by 5")
         n = len(arr) // 5
         take = n if samples_per_domain is None else min(n, samples_per_domain)
-        sl = slice((severity - 1) * n, (severity - 1) * n + take)
-        images.append(arr[sl])
-        labels.append(labels_all[sl])
+        rows = np.arange(take) if seed == 0 else \
+            np.random.default_rng([seed, k, 0xC10C]).permutation(n)[:take]
+        rows = rows + (severity - 1) * n
+        images.append(arr[rows])
+        labels.append(labels_all[rows])
         domains += [domain_name(name, severity)] * take
     return Stream(np.concatenate(images), np.concatenate(labels), np.array(domains),
-                  cifar_class_names(root), "continual", 0)
+                  cifar_class_names(root), "continual", seed)
 
 
 META = "meta.json"  # what tta make-benchmark writes beside the CIFAR-10-C layout

@@ -114,7 +114,7 @@ def resize_images(images: np.ndarray, size: int) -> np.ndarray:
 def _read(spec: DataSpec, image_size: int, severity: int, samples: int, seed: int,
           wanted: Sequence[str] = ()) -> Stream:
     if spec.kind == "cifar10c":
-        stream = load_cifar10c(spec.root, _present(spec, wanted), severity, samples)
+        stream = load_cifar10c(spec.root, _present(spec, wanted), severity, samples, seed)
         stream.images = resize_images(stream.images, image_size)
         return stream
     if spec.kind == "imagenet-c":

@@ -1,9 +1,6 @@
 """Every registered method against the torchvision families users bring (random weights,
 10 classes, 64 px, batch 2): it builds and steps, or it refuses at build time in one line
-naming what the model lacks. SURGEON fails at its first step on every family with
-BatchNorm (its importance pass runs a one-sample sub-batch through train-mode BatchNorm,
-which the last stage's 1 x 1 maps at 64 px cannot normalise; ConvNeXt has LayerNorm and
-serves): strict xfail, so a fix shows.
+naming what the model lacks.
 
 Which combinations run by default: every method on mobilenet_v3_small (the quickest
 family) and the refusals on convnext_tiny (LayerNorm only); the rest is marked slow."""
@@ -58,10 +55,6 @@ def _cases() -> list:
     for family in FAMILIES:
         for method in available_methods():
             marks = []
-            if method == "surgeon" and family != "convnext_tiny":
-                marks.append(pytest.mark.xfail(
-                    strict=True, raises=ValueError, reason="SURGEON's one-sample "
-                    "importance pass through train-mode BatchNorm on 1 x 1 maps"))
             quick = family in QUICK or (family == "convnext_tiny"
                                         and refusal(method, family) is not None)
             if not quick:

@@ -90,3 +90,13 @@ def test_ros_nodes_use_the_same_lookup(tmp_path, monkeypatch) -> None:
 
     monkeypatch.chdir(tmp_path)
     assert Path(resolve_data_path(REL)) == shipped.find_data_file(REL) == CARD.resolve()
+
+
+def test_bench_library_finds_a_relative_card_and_its_weights(tmp_path, monkeypatch) -> None:
+    """A BenchConfig made in code (not the CLI) with the relative default card, outside the
+    checkout: the model identity names the checkout's checkpoint (found next to the card)."""
+    from tta_core.eval.bench import BenchConfig, model_identity
+
+    monkeypatch.chdir(tmp_path)
+    ident = model_identity(BenchConfig(methods=["source"], model_card=Path(REL)))
+    assert ident["weights"] == str((CARD.parent / load_card(CARD).checkpoint).resolve())

@@ -520,12 +520,13 @@ def run_methods(stream: Sequence[Batch], make_model: Callable[[], nn.Module],
 def _card(cfg: BenchConfig, classes: Sequence[str]) -> tuple[Any, Path]:
     """(model card, the folder its checkpoint is relative to): `cfg.model_card`, or one
     made for `cfg.user_model` (classes: its own, else `classes`, the user data's)."""
-    from tta_core.model.source import load_card
+    from tta_core.model.source import find_card, load_card
     from tta_core.model.user_card import make_card
 
     um = cfg.user_model
     if um is None:
-        return load_card(cfg.model_card), Path(cfg.model_card).parent
+        path = find_card(cfg.model_card)  # relative: looked up (tta_core.io.shipped)
+        return load_card(path), path.parent
     if not (um.class_names or um.num_classes) and classes:
         um = replace(um, class_names=tuple(classes))
     return make_card(um), Path(".")
@@ -608,15 +609,16 @@ def model_identity(cfg: BenchConfig) -> dict[str, Any]:
     """The model that ran: the --model spec and weights (path, sha256 prefix), or the model
     card and its checkpoint."""
     from tta_core.eval.report_identity import sha256_prefix
-    from tta_core.model.source import load_card
+    from tta_core.model.source import find_card, load_card
 
     um = cfg.user_model
     if um is not None:
         w = Path(um.weights)
         return {"model": um.model, "weights": str(w.resolve()), "weights_sha256":
                 sha256_prefix(w), "input_size": um.input_size, "kwargs": dict(um.kwargs)}
-    card = load_card(cfg.model_card)
-    ckpt = Path(cfg.model_card).parent / card.checkpoint
+    path = find_card(cfg.model_card)
+    card = load_card(path)
+    ckpt = path.parent / card.checkpoint
     return {"model_card": str(cfg.model_card), "arch": card.arch,
             "weights": str(ckpt.resolve()), "weights_sha256": sha256_prefix(ckpt)}
 

@@ -383,6 +383,7 @@ def markdown(runs: list[ModeRun], mem: dict[str, int], meta: dict) -> str:
             f"{_mean([v.delta_conv for v in vs]):.4f}, {_mean([v.delta_bn for v in vs]):.4f} | "
             f"{_mean([v.spread_out for v in vs]):.3f} / {_mean([v.spread_in for v in vs]):.3f} | "
             f"{r.seconds:.0f} |")
+    lines += paired_table(runs)
     first = [r for r in runs if r.seed == runs[0].seed]
     lines += ["", f"Per visit (seed {runs[0].seed}): surrogate accuracy (master at the visit's "
               "first batch).", "",
@@ -397,6 +398,37 @@ def markdown(runs: list[ModeRun], mem: dict[str, int], meta: dict) -> str:
               "| what | KiB |", "|---|---|"]
     lines += [f"| {k} | {v / 1024:.1f} |" for k, v in mem.items()]
     return "\n".join(lines) + "\n"
+
+
+def later_accuracy(run: ModeRun) -> float:
+    """The surrogate's accuracy over the visits after the first (2, 3, ...): what the
+    master's accumulated updates can raise."""
+    vs = [v for v in run.visits if v.visit > 1]
+    return sum(v.surrogate * v.images for v in vs) / max(sum(v.images for v in vs), 1)
+
+
+def paired_table(runs: list[ModeRun]) -> list[str]:
+    """Per mode, the surrogate on visits >= 2 per seed and its paired difference from
+    "none" over the seeds both ran (mean, paired t-test p); empty without "none"."""
+    none = {r.seed: later_accuracy(r) for r in runs if r.mode == "none"}
+    if not none or max(v.visit for r in runs for v in r.visits) < 2:
+        return []
+    from scipy import stats
+
+    lines = ["", "Surrogate accuracy on visits 2+ per seed, and the paired difference from "
+             "`none` over the seeds (points; p: paired t-test, two-sided).", "",
+             "| master update | per seed % | mean % | minus none, mean | p |",
+             "|---|---|---|---|---|"]
+    for mode in dict.fromkeys(r.mode for r in runs):
+        acc = {r.seed: later_accuracy(r) for r in runs if r.mode == mode}
+        seeds = sorted(set(acc) & set(none))
+        diff = [100 * (acc[s] - none[s]) for s in seeds]
+        p = (float(stats.ttest_rel([acc[s] for s in seeds], [none[s] for s in seeds]).pvalue)
+             if mode != "none" and len(seeds) > 1 else float("nan"))
+        per = ", ".join(f"{100 * acc[s]:.1f}" for s in sorted(acc))
+        lines.append(f"| {mode} | {per} | {100 * _mean(list(acc.values())):.1f} | "
+                     f"{_mean(diff):+.2f} | {p:.3f} |")
+    return lines
 
 
 def revisit_table(runs: list[ModeRun]) -> list[str]:

@@ -255,6 +255,23 @@ def test_shipped_cards_carry_a_tied_knowledge(card) -> None:
         assert float(kn.tie_loss(m.base)) < 1e-4
 
 
+def test_scope_all_card_carries_a_trained_rank_k_knowledge() -> None:
+    """The scope-"all" card: K = N/4 relevances trained from the similarity gauge, the
+    filters at rank K (tie below 1e-6 of their squared norm), w not orthonormal, so Eqs.
+    3-4 are no identity update."""
+    m = load_gated("checkpoints/small_resnet_signs32_all_elastic.json")
+    kn = knowledge_of(m)
+    assert m.scope == "all" and kn.share == 0.25
+    mods = dict(m.base.named_modules())
+    with torch.no_grad():
+        norm = sum(float(mods[n].weight.pow(2).sum()) for n in kn.layers)
+        assert float(kn.tie_loss(m.base)) < 1e-6 * norm
+        for n in kn.layers:
+            w = kn.relevances(n)
+            assert w.shape[1] == -(-w.shape[0] // 4)
+            assert float((w.t() @ w - torch.eye(w.shape[1])).abs().max()) > 0.05
+
+
 def test_checkpoint_round_trip(master, tmp_path) -> None:
     m = copy.deepcopy(master)
     with torch.no_grad():
@@ -313,3 +330,25 @@ def test_pretraining_trains_knowledge_with_the_second_loss_then_reties() -> None
     assert 0 < ties[1.0] < 0.9 * ties[0.0]  # measured 0.41 vs 0.53 (seeds 0-2)
     assert retie(m) < 1e-9
     assert not any(p.requires_grad for p in kn.parameters())
+
+
+def test_hard_tie_phase_keeps_the_filters_at_rank_k() -> None:
+    """hard_tie_epochs: after every step Θ* is solved and the filters projected, so the
+    second loss is float error at K = N/4 while the filters still train."""
+    from tta_core.elasticdnn.train import ElasticTrainConfig, _train_phases
+
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(16, 3, 32, 32, generator=gen), torch.randint(0, 22, (16,), generator=gen)
+    torch.manual_seed(0)
+    m = make_gated(small_source())
+    kn = attach_knowledge(m, 0.25, gauge="similarity")
+    assert float(kn.tie_loss(m.base).detach()) > 1e-2  # the SVD tail
+    w0 = m.base.layer2[0].conv1.weight.detach().clone()
+    cfg = ElasticTrainConfig(warmup_epochs=0, stage_epochs=0, hard_tie_epochs=1, stages=(0.5,),
+                             batch_size=8, lr=0.05, threads=0)
+    assert _train_phases(m, x, y, cfg, progress=False) == 2
+    assert float(kn.tie_loss(m.base).detach()) < 1e-8
+    w = m.base.layer2[0].conv1.weight.detach()
+    assert not torch.equal(w, w0)
+    assert int(torch.linalg.matrix_rank(w.reshape(len(w), -1))) == kn.relevances(
+        "layer2.0.conv1").shape[1]

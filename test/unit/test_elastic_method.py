@@ -280,6 +280,21 @@ def test_master_adapts_in_place_only_at_selected_filters() -> None:
         assert not (c & ~allowed.get(name, torch.zeros_like(c))).any(), name
 
 
+def test_without_in_place_the_master_changes_only_at_the_write_back() -> None:
+    """master_in_place False: size 1.0 is a cut surrogate (not the master's base); serving
+    and adapting it leaves the master bit-identical until the re-cut writes it back."""
+    m = build_method("elastic", gated(), lr=0.5, lr_ref_batch=0, rederive_every=0,
+                     entropy_jump=0.0, master_update="averaging", master_in_place=False)
+    before = {k: p.detach().clone() for k, p in m.model.base.named_parameters()}
+    for i in range(3):
+        assert m.step(batch(i)).stats["size"] == 1.0
+    served = m.served[1.0]
+    assert served.adapted and served.surrogate.model is not m.model.base
+    assert all(torch.equal(p, before[k]) for k, p in m.model.base.named_parameters())
+    m._derive(batch(9)[:1])
+    assert any(not torch.equal(p, before[k]) for k, p in m.model.base.named_parameters())
+
+
 def test_reset_restores_bit_for_bit() -> None:
     m = build_method("elastic", gated(), lr=0.2, lr_ref_batch=0)
     state = {k: v.clone() for k, v in m.model.state_dict().items()}

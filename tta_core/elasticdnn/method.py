@@ -38,7 +38,10 @@ re-cut that nothing adapted before (no write-back, the master unchanged) is not 
 batch: it runs only when it fits; the overdue rule forces only a re-cut that writes back.
 
 Size 1.0 is the master itself (its gates evaluated per sample at sparsity 0): it adapts
-in place, filter by filter like the surrogates, and needs no write-back.
+in place, filter by filter like the surrogates, and needs no write-back. With
+`master_in_place` False every size, 1.0 too, is a surrogate cut from the master (at 1.0
+every filter kept, the gates fixed at the sample's values), and the master changes only
+through the surrogates' write-back (the paper's serving path: Eqs. 3-4 through Θ*).
 """
 
 from __future__ import annotations
@@ -102,6 +105,10 @@ class ElasticConfig(MethodConfig, DeadlineConfig):
                                 "at a re-cut: knowledge (the paper's Eqs. 3-4 through "
                                 "Θ*), averaging (master += change / 2), none",
                                 choices=MASTER_UPDATES)
+    master_in_place: bool = option(True, "size 1.0 is the gated master adapting in place "
+                                   "(its drift absorbed into Θ* at a re-cut); False: a "
+                                   "keep-1.0 surrogate cut like the others, the master "
+                                   "changed only through write-back (the paper)")
     rederive_every: int = option(100, "re-derive the surrogates every this many batches "
                                  "(0: only on an entropy jump)", low=0)
     entropy_jump: float = option(0.3, "re-derive when the served batches' mean entropy "
@@ -424,19 +431,20 @@ class Elastic(TTAMethod):
     def _derive(self, sample: Tensor) -> None:
         """Write the adapted surrogates back into the master, then cut every size afresh
         from it on `sample` (1, C, H, W); filter masks are chosen again when each adapts."""
-        mode = self.config.master_update
-        if mode == "knowledge" and any(s.adapted and s.surrogate.keep >= 1.0
+        mode, in_place = self.config.master_update, self.config.master_in_place
+        if mode == "knowledge" and any(s.adapted and s.surrogate.model is self.model.base
                                        for s in self.served.values()):
             absorb(self.model)  # the master adapted in place: its change into Θ* too
         for served in self.served.values():
             served.release()
-            if served.adapted and served.surrogate.keep < 1.0:
+            if served.adapted and served.surrogate.model is not self.model.base:
                 write_back(self.model, served.surrogate, mode)
         self.served = {}
         for keep in self.plan.sizes:
-            surrogate = (master_surrogate(self.model) if keep >= 1.0
+            whole = keep >= 1.0 and in_place
+            surrogate = (master_surrogate(self.model) if whole
                          else extract_surrogate(self.model, sample, keep))
-            if keep < 1.0:
+            if not whole:
                 set_bn_mode(surrogate.model, self.config.bn_mode)
                 surrogate.model.requires_grad_(False)
             self.served[keep] = Served(surrogate)

@@ -28,6 +28,11 @@ ungated source's soft predictions into every pass's label loss (distillation fro
 source: its extra gates start at 1, the source's function); `final_decay` anneals the base
 lr over the last stage; `checkpoint_dir` keeps the master after each phase, and
 `init_checkpoint` resumes from one (e.g. the warm-up's, with `warmup_epochs` 0).
+`hard_tie_epochs` adds a last phase that holds the tie exact after every step (Θ* solved,
+the filters projected: projected gradient descent at rank K): the soft tie leaves a
+residual of about 1 % of the filters' norm, and projecting that away at the end alone cost
+the scope-"all" master most of its accuracy (BN rescales what the residual carried), so the
+master has to train at rank K before it ends there.
 
 BatchNorm trains with batch statistics (as the test-time adaptation that serves the master
 and its surrogates normalises); only the sparsity-0 pass updates the running statistics, so
@@ -88,10 +93,11 @@ class ElasticTrainConfig:
     final_decay: bool = False  # base lr cosine-annealed to 0 over the last stage
     checkpoint_dir: str = ""  # the master's state after each phase (safetensors) when set
     init_checkpoint: str = ""  # start from such a state (same scope and share) when set
+    hard_tie_epochs: int = 0  # then at the last stage's sparsity with the tie held exact
 
     def validate(self) -> None:
         """ValueError naming the first bad value."""
-        for name in ("warmup_epochs", "stage_epochs"):
+        for name in ("warmup_epochs", "stage_epochs", "hard_tie_epochs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("train_samples", "val_samples", "batch_size"):
@@ -201,6 +207,7 @@ def _phases(cfg: ElasticTrainConfig) -> list[tuple[str, float, int]]:
     """(name, max sparsity, epochs) of each training phase."""
     phases = [("warm-up", cfg.stages[0], cfg.warmup_epochs)]
     phases += [(f"max {s:g}", s, cfg.stage_epochs) for s in cfg.stages]
+    phases.append(("hard tie", cfg.stages[-1], cfg.hard_tie_epochs))
     return [p for p in phases if p[2] > 0]
 
 
@@ -264,7 +271,7 @@ def _train_phases(master: GatedModel, xtr: Tensor, ytr: Tensor, cfg: ElasticTrai
                 for i in range(0, len(ytr), cfg.batch_size):
                     idx = perm[i:i + cfg.batch_size]
                     loss = _step(master, _augment(xtr[idx], cfg.pad, gen), ytr[idx], s_max,
-                                 cfg, gen, opts, teacher)
+                                 cfg, gen, opts, teacher, hard=name == "hard tie")
                     if sched is not None:
                         sched.step()
                     steps += 1
@@ -276,9 +283,10 @@ def _train_phases(master: GatedModel, xtr: Tensor, ytr: Tensor, cfg: ElasticTrai
 
 def _step(master: GatedModel, x: Tensor, y: Tensor, s_max: float, cfg: ElasticTrainConfig,
           gen: torch.Generator, opts: list[torch.optim.Optimizer],
-          teacher: nn.Module | None) -> float:
+          teacher: nn.Module | None, hard: bool = False) -> float:
     """One training step on a batch: sandwich losses, the tie, clipping, every optimizer;
-    returns the loss."""
+    with `hard` the filters are then projected onto their combinations (Θ* solved for w:
+    projected gradient descent, the tie exact). Returns the loss."""
     kn = knowledge_of(master)
     master.zero_grad(set_to_none=True)
     probs = None
@@ -294,6 +302,10 @@ def _step(master: GatedModel, x: Tensor, y: Tensor, s_max: float, cfg: ElasticTr
         [p for n, p in master.named_parameters() if not n.startswith("knowledge.")], cfg.clip)
     for opt in opts:
         opt.step()
+    if hard and kn is not None:
+        with torch.no_grad():
+            kn.solve(master.base)
+            kn.project(master.base)
     return loss
 
 

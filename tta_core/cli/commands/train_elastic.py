@@ -23,7 +23,7 @@ DEFAULTS: dict[str, object] = {
     "batch_size": 128, "lr": 0.005, "gate_lr": 1e-3, "l1": 1e-3, "clip": 5.0, "distill": 0.5,
     "reduction": 4, "seed": 0, "threads": 2, "knowledge": 0.25, "tie": 1.0,
     "knowledge_lr": 0.1, "knowledge_init": "similarity", "gate_scope": "block", "teacher": 0.0,
-    "checkpoint_dir": "", "init_checkpoint": ""}
+    "checkpoint_dir": "", "init_checkpoint": "", "hard_tie_epochs": 0}
 
 
 def _sparsities(text: str) -> tuple[float, ...]:
@@ -47,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name in ("warmup_epochs", "stage_epochs", "train_samples", "val_samples",
                  "batch_size", "lr", "gate_lr", "l1", "clip", "distill", "reduction", "seed",
                  "threads", "knowledge", "tie", "knowledge_lr", "knowledge_init",
-                 "gate_scope", "teacher", "checkpoint_dir", "init_checkpoint"):
+                 "gate_scope", "teacher", "checkpoint_dir", "init_checkpoint",
+                 "hard_tie_epochs"):
         parser.add_argument(f"--{name.replace('_', '-')}", type=type(getattr(d, name)),
                             default=getattr(d, name))
     parser.add_argument("--knowledge-only", action="store_true",
@@ -76,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
         knowledge=args.knowledge, tie=args.tie, knowledge_lr=args.knowledge_lr,
         knowledge_only=args.knowledge_only, knowledge_init=args.knowledge_init,
         gate_scope=args.gate_scope, teacher=args.teacher, final_decay=args.final_decay,
-        checkpoint_dir=args.checkpoint_dir, init_checkpoint=args.init_checkpoint)
+        checkpoint_dir=args.checkpoint_dir, init_checkpoint=args.init_checkpoint,
+        hard_tie_epochs=args.hard_tie_epochs)
     try:
         cfg.validate()
     except ValueError as exc:

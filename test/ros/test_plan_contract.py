@@ -41,8 +41,10 @@ class _Link:
     plan goes scheduler -> DDS -> perception's plan callback, and to the probe."""
 
     def __init__(self, ctx) -> None:
+        # deadline_from '': the test sets the scheduler's own sigma and deadline directly
         self.sched = activate(SchedulerNode(context=ctx, parameter_overrides=[
-            Parameter("model_card", value=str(CARD)), Parameter("sigma", value=0.33)]))
+            Parameter("model_card", value=str(CARD)), Parameter("sigma", value=0.33),
+            Parameter("deadline_from", value="")]))
         self.per = activate(PerceptionNode(context=ctx, parameter_overrides=[
             Parameter(k, value=v) for k, v in {
                 "model_card": str(CARD), "batch_size": 4, "num_threads": 1,

@@ -165,12 +165,19 @@ def _assemble(root: Path, file: str, chunks: Sequence[_Chunk]) -> None:
         p.unlink()
 
 
-def _write_meta(root: Path, meta: dict) -> None:
-    """meta.json as strict JSON (no NaN can hide in it), atomically."""
-    text = json.dumps(meta, indent=1, allow_nan=False) + "\n"
-    tmp = root / (META + ".tmp")
+def write_strict(path: Path, obj: object, indent: int | None = 1) -> None:
+    """`obj` as strict JSON (no NaN can hide in it) at `path`, atomically (a temporary
+    file beside it, then a rename). tta_core.io.strict_json.write_json for the data
+    package, which tta_core.io imports (image messages use the preprocessing)."""
+    text = json.dumps(obj, indent=indent, allow_nan=False) + "\n"
+    tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
-    os.replace(tmp, root / META)
+    os.replace(tmp, path)
+
+
+def _write_meta(root: Path, meta: dict) -> None:
+    """meta.json as strict JSON, atomically."""
+    write_strict(root / META, meta)
 
 
 def _config_record(cfg: BenchmarkConfig) -> dict:

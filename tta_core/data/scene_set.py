@@ -30,10 +30,9 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from tta_core.data.benchmark import sha256
+from tta_core.data.benchmark import sha256, write_strict
 from tta_core.data.scene_conditions import CONDITIONS, render_condition
 from tta_core.data.scenes import CITYSCAPES_CLASSES, HEIGHT, SCENE_CLASSES, WIDTH, render_scene
-from tta_core.io.strict_json import write_json
 
 SCHEMA = "tta.scenes/1"
 META = "meta.json"
@@ -112,7 +111,7 @@ def _work(root: str, unit: _Unit, cfg: SceneSetConfig) -> tuple[_Unit, dict[str,
         for rel, arr in zip(_paths(unit, i), (image, scene.label), strict=True):
             _write_png(Path(root) / rel, arr)
             digests[rel] = sha256(Path(root) / rel)
-    write_json(Path(root) / PARTS / f"{unit.name}.json", digests, indent=None)
+    write_strict(Path(root) / PARTS / f"{unit.name}.json", digests, indent=None)
     return unit, digests
 
 
@@ -181,7 +180,7 @@ def generate(root: str | Path, cfg: SceneSetConfig = SceneSetConfig(), workers: 
             bar.update(unit.hi - unit.lo)
     meta = {**want, "class_names": list(CITYSCAPES_CLASSES),
             "scene_classes": list(SCENE_CLASSES), "files": dict(sorted(files.items()))}
-    write_json(root / META, meta, indent=0)
+    write_strict(root / META, meta, indent=0)
     shutil.rmtree(root / PARTS, ignore_errors=True)
     report.seconds = time.perf_counter() - t0
     return report

@@ -108,6 +108,9 @@ PAGES: tuple[Page, ...] = (
     Page("frame_cost", "bench_frame_cost", "render",
          "Camera frames to the model's input: cost per kind, delay behind a large frame",
          "python benchmarks/bench_frame_cost.py"),
+    Page("segmentation", "bench_segmentation", "render",
+         "Segmentation TTA on synthetic driving scenes: mIoU under fog, night, rain, snow",
+         "python benchmarks/bench_segmentation.py"),
 )
 
 

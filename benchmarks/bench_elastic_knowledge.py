@@ -324,8 +324,10 @@ def write_results(runs: list[ModeRun], mem: dict[str, int], meta: dict) -> None:
 
 
 def _run(r: dict) -> ModeRun:
-    return ModeRun(r["mode"], [Visit(**v) for v in r["visits"]], r["accuracy"], r["seconds"],
-                   r.get("seed", 0))
+    """A ModeRun from its JSON (NaN is stored as null)."""
+    visits = [Visit(**{k: math.nan if x is None else x for k, x in v.items()})
+              for v in r["visits"]]
+    return ModeRun(r["mode"], visits, r["accuracy"], r["seconds"], r.get("seed", 0))
 
 
 def render(data: dict) -> str:
@@ -381,7 +383,7 @@ def markdown(runs: list[ModeRun], mem: dict[str, int], meta: dict) -> str:
             f"{100 * _mean([v.master_visit for v in vs]):.1f} -> "
             f"{100 * _mean([v.master_after for v in vs]):.1f} % | "
             f"{_mean([v.delta_conv for v in vs]):.4f}, {_mean([v.delta_bn for v in vs]):.4f} | "
-            f"{_mean([v.spread_out for v in vs]):.3f} / {_mean([v.spread_in for v in vs]):.3f} | "
+            f"{_spread_cell(vs)} | "
             f"{r.seconds:.0f} |")
     lines += paired_table(runs)
     first = [r for r in runs if r.seed == runs[0].seed]
@@ -398,6 +400,12 @@ def markdown(runs: list[ModeRun], mem: dict[str, int], meta: dict) -> str:
               "| what | KiB |", "|---|---|"]
     lines += [f"| {k} | {v / 1024:.1f} |" for k, v in mem.items()]
     return "\n".join(lines) + "\n"
+
+
+def _spread_cell(vs: list[Visit]) -> str:
+    """Mean spread outside / at the changed entries; runs made before it: not measured."""
+    out, own = _mean([v.spread_out for v in vs]), _mean([v.spread_in for v in vs])
+    return "not measured" if math.isnan(out) else f"{out:.3f} / {own:.3f}"
 
 
 def later_accuracy(run: ModeRun) -> float:

@@ -26,11 +26,10 @@ from tta_core.errors import InputError
 from tta_core.eval.miou import ConfusionMeter, SegScores
 from tta_core.model.source import (
     ModelCard,
-    _load_state,
     _save_state,
     optimizer_step,
+    resume,
     save_card,
-    train_state_path,
 )
 from tta_core.model.zoo import SEG_ARCHS, build_model
 
@@ -123,13 +122,7 @@ def train_segmentation(cfg: SegTrainConfig, out: Path, progress: bool = True,
                                                 total_steps=cfg.epochs * per_epoch)
     gen = torch.Generator().manual_seed(cfg.seed)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    state_path = train_state_path(out)
-    done, history = 0, []
-    if state_path.is_file():
-        done, history = _load_state(state_path, cfg, model, opt, sched, gen)
-        if log:
-            log(f"resumed {state_path} after epoch {done} of {cfg.epochs}")
+    state_path, done, history = resume(out, cfg, model, opt, sched, gen, log)
     from tqdm import tqdm
 
     bar = tqdm(total=cfg.epochs * per_epoch, initial=done * per_epoch, desc="train-seg",

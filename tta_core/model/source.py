@@ -236,6 +236,21 @@ def _load_state(path: Path, cfg: TrainConfig, model: nn.Module, opt: torch.optim
     return int(meta["epoch"]), json.loads(meta["history"])
 
 
+def resume(out: Path, cfg: Any, model: nn.Module, opt: torch.optim.Optimizer, sched: Any,
+           gen: torch.Generator, log: Callable[[str], None] | None = None
+           ) -> tuple[Path, int, list[dict]]:
+    """(state path, epochs done, history): the live objects restored from `out`'s training
+    state when there is one (its folder made when not)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    state_path = train_state_path(out)
+    if not state_path.is_file():
+        return state_path, 0, []
+    done, history = _load_state(state_path, cfg, model, opt, sched, gen)
+    if log:
+        log(f"resumed {state_path} after epoch {done} of {cfg.epochs}")
+    return state_path, done, history
+
+
 def _epoch(model: nn.Module, xtr: torch.Tensor, ytr: torch.Tensor, cfg: TrainConfig,
            opt: torch.optim.Optimizer, sched: Any, gen: torch.Generator,
            step_done: Callable[[float], object]) -> float:
@@ -281,13 +296,7 @@ def train_source(cfg: TrainConfig, out: Path, progress: bool = True,
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=cfg.lr, total_steps=steps)
     gen = torch.Generator().manual_seed(cfg.seed)
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    state_path = train_state_path(out)
-    done, history = 0, []
-    if state_path.is_file():
-        done, history = _load_state(state_path, cfg, model, opt, sched, gen)
-        if log:
-            log(f"resumed {state_path} after epoch {done} of {cfg.epochs}")
+    state_path, done, history = resume(out, cfg, model, opt, sched, gen, log)
     bar = _progress(steps, progress)
     bar.update(done * -(-len(ytr) // cfg.batch_size))
     for epoch in range(done, cfg.epochs):

@@ -373,14 +373,20 @@ def _check_trainable(staged: StagedModel, plan: planner.Plan, candidates: np.nda
 
 
 def _result(svc: PlanningService, fwd: _Forward, loss: Tensor | None, importance: np.ndarray,
-            outcome: PlanOutcome | None, plan: planner.Plan, adapt: bool) -> StepResult:
-    """The StepResult of a batch (times other than the forward filled in by the caller)."""
+            outcome: PlanOutcome | None, plan: planner.Plan, adapt: bool,
+            loss_is_entropy: bool = False) -> StepResult:
+    """The StepResult of a batch (times other than the forward filled in by the caller).
+    `loss_is_entropy`: the loss is the mean entropy of these logits (EngineConfig.loss
+    "entropy"), read once rather than computed again."""
     info = PlanningInfo(outcome.predicted_backward_ms if outcome else math.nan,
                         svc.backward_factor, svc.plan_phase_ms, svc.overhead_ms,
                         outcome.no_room if outcome else "",
                         outcome.deadline_ms if outcome else math.nan,
                         bool(outcome and outcome.forward_misses), bool(outcome and outcome.skipped))
-    loss_value, entropy = losses.loss_and_entropy(loss, fwd.logits)
+    if loss_is_entropy and loss is not None:
+        loss_value = entropy = float(loss.detach())
+    else:
+        loss_value, entropy = losses.loss_and_entropy(loss, fwd.logits)
     return StepResult(
         logits=fwd.logits.detach(), times=PhaseTimes(fwd.forward_ms), plan=plan,
         importance=importance, loss=loss_value, mean_entropy=entropy, adapted=adapt,
@@ -652,7 +658,8 @@ class AdaShadowEngine:
             adapt = loss is not None and bool(update.any())
             self._fwd.planned(adapt or outcome is None)  # an external plan is never held back
             self._keep_for_reforward(fwd, update if adapt else None)
-            res = _result(self.planning, fwd, loss, importance, outcome, plan, adapt)
+            res = _result(self.planning, fwd, loss, importance, outcome, plan, adapt,
+                          self.config.loss == "entropy")
         measured = Measured(fwd.forward_ms, phases.ms["plan"], adapt,
                             planned=outcome is None or not outcome.skipped)
         self._update(x, res, fwd, loss, update if adapt else None, outcome, measured, phases)
@@ -682,7 +689,8 @@ class AdaShadowEngine:
             self._keep_for_reforward(fwd, update if adapt else None)
             importance = outcome.importance if outcome.importance is not None else \
                 np.zeros(len(self.staged.units))
-            res = _result(self.planning, fwd, loss, importance, outcome, outcome.plan, adapt)
+            res = _result(self.planning, fwd, loss, importance, outcome, outcome.plan, adapt,
+                          self.config.loss == "entropy")
         measured = Measured(fwd.forward_ms, phases.ms["plan"], adapt)
         self._update(x, res, fwd, loss, update if adapt else None, outcome, measured, phases,
                      observe=False)

@@ -324,7 +324,7 @@ class Surgeon(TTAMethod):
         """Faithful mode: (Eqs. 4-7 on k random samples (random crops of them), k, bytes the
         pass saved)."""
         self._record_sizes(x)
-        k = min(self.config.importance_samples, int(x.shape[0]))
+        k = min(max(self.config.importance_samples, self._fewest_samples(x)), int(x.shape[0]))
         idx = torch.randperm(int(x.shape[0]), generator=self.gen)[:k].to(x.device)
         sub = self._crop(x[idx])
         params = [p for n in self.scored for p in self._cand[n]]
@@ -337,6 +337,15 @@ class Surgeon(TTAMethod):
         by_param = {id(p): g for p, g in zip(params, grads, strict=True)}
         imp = self._keep(self._gradient_importance(by_param), x)
         return imp, k, codec.result.total if codec.result else 0
+
+    def _fewest_samples(self, x: Tensor) -> int:
+        """2 where a BatchNorm unit sees one position per sample at x's shape (a 1x1 map:
+        batch statistics need more than one value per channel), else 1."""
+        sizes = self._sizes[tuple(x.shape[1:])]
+        single = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+                     and 0 < sizes.get(n, 0) <= m.num_features
+                     for n, m in self._unit_mods.items())
+        return 2 if single else 1
 
     def _crop(self, sub: Tensor) -> Tensor:
         """A random crop of side `importance_crop` of the images (N, C, H, W) when it keeps

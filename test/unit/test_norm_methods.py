@@ -162,7 +162,9 @@ def test_baselines_time_phases_with_the_phase_clock(name: str, monkeypatch) -> N
     """A fake PhaseClock.now advancing 1 s per call: the loop times each of its five phases
     as one interval (1 s); a method reading time.perf_counter itself, or timing a phase by
     hand inside the loop, would report something else."""
-    meth = build_method(name, LayerNormNet(), **options(name, reforward=True))
+    # bn_adapt serves BatchNorm only (it refuses a LayerNorm net at build)
+    net = TinyNet(map_norm=nn.BatchNorm2d(8)) if name == "bn_adapt" else LayerNormNet()
+    meth = build_method(name, net, **options(name, reforward=True))
     ticks = itertools.count()
     monkeypatch.setattr(PhaseClock, "now", lambda self: float(next(ticks)))
     times = meth.step(batch()).times

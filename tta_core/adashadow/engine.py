@@ -78,6 +78,12 @@ class EngineConfig(PlanningConfig):
                                 "toward each batch's", low=0.0, high=1.0)
     bn_batch_layers: int = option(3, "robust BN: the first this many BN layers use batch "
                                   "statistics", low=0)
+    # bn_batch_values: the others go on batch statistics too wherever the batch gives a
+    # channel this many values (batch size x spatial size): robust BN is for the noisy
+    # statistics of a few frames; with many values the batch's own are better (RobustBN)
+    bn_batch_values: int = option(0, "robust BN: a layer whose input gives each channel at "
+                                  "least this many values (batch x height x width) "
+                                  "normalises by the batch's statistics (0: never)", low=0)
     # bn_lag: each layer normalises with its statistics before this batch's move, which
     # lets a layer outside the recorded graph do both in one read of its input
     # (RobustBN.lag); False: RoTTA's order, two reads (README: Deviations)
@@ -142,6 +148,9 @@ class EngineConfig(PlanningConfig):
                 raise ValueError(f"{name} {value!r} not in {allowed}")
         if not (math.isfinite(self.bn_momentum) and 0.0 < self.bn_momentum <= 1.0):
             raise ValueError(f"bn_momentum must be in (0, 1], got {self.bn_momentum!r}")
+        if self.bn_batch_values == 1:
+            raise ValueError("bn_batch_values must be 0 (off) or >= 2, got 1 (one value "
+                             "per channel has no variance)")
         if isinstance(self.bn_batch_layers, bool) or not (
                 isinstance(self.bn_batch_layers, int) and self.bn_batch_layers >= 0):
             raise ValueError(f"bn_batch_layers must be an integer >= 0, got "
@@ -161,7 +170,7 @@ def robust_bn(model: nn.Module, config: EngineConfig) -> RobustBN:
         raise ValueError("bn_mode 'robust' needs BatchNorm layers with running statistics")
     for bn in layers[:config.bn_batch_layers]:
         use_batch_stats(bn)
-    rbn = RobustBN(layers, config.bn_momentum, config.bn_lag)
+    rbn = RobustBN(layers, config.bn_momentum, config.bn_lag, config.bn_batch_values)
     rbn.enabled = False
     return rbn
 

@@ -54,12 +54,24 @@ class RobustBN:
     statistics taken in one read of its input (tta_kernels.bn_stats.normalise_update), the
     cost of a plain eval-mode BN, inside the recorded graph too (_LaggedEvalBN); RoTTA's
     order (lag False) reads the input twice. Layers on batch statistics (train mode) may
-    be given too: they take them in one read and normalise in a second."""
+    be given too: they take them in one read and normalise in a second.
 
-    def __init__(self, layers: Sequence[_BatchNorm], momentum: float, lag: bool = False
-                 ) -> None:
+    batch_values K > 0: a layer whose input gives each channel at least K values (batch
+    size x the layer's spatial size) normalises by that batch's statistics (Tent-style,
+    the gradient through them), whether or not the controller is enabled; its running
+    statistics still move when enabled, so a smaller batch later finds them current. The
+    statistics of a few frames are noisy (robust BN's case), those of many values are
+    not: the choice follows the batch, layer by layer (0: never)."""
+
+    def __init__(self, layers: Sequence[_BatchNorm], momentum: float, lag: bool = False,
+                 batch_values: int = 0) -> None:
         if not 0.0 <= momentum <= 1.0:
             raise ValueError(f"bn momentum must be in [0, 1], got {momentum}")
+        if isinstance(batch_values, bool) or not isinstance(batch_values, int) or not (
+                batch_values == 0 or batch_values >= 2):
+            raise ValueError(f"batch_values must be 0 (off) or an integer >= 2, got "
+                             f"{batch_values!r}")
+        self.batch_values = batch_values
         self.momentum, self.enabled, self.lag = float(momentum), True, bool(lag)
         self.stride, self.weight, self._count = 1, 1, 0
         # record: keep each layer's batch (mean, biased var) of a forward in `recorded`
@@ -116,6 +128,8 @@ class RobustBN:
         layer on batch statistics (train mode) normalises by them, in two reads."""
         if bn.training:
             return _batch_stats_forward(bn, x)
+        if self.on_batch_stats(x):
+            return self._batch_forward(bn, x)
         grad = _needs_grad(bn, x)
         if grad and self.keep_inputs:
             self.inputs[id(bn)] = x
@@ -144,6 +158,37 @@ class RobustBN:
              else bn._tta_base.forward(bn, x))
         self.update(bn, x, used)
         return y
+
+    def on_batch_stats(self, x: Tensor) -> bool:
+        """Whether an eval-mode layer normalises `x` by its batch statistics: at least
+        `batch_values` values per channel (never with batch_values 0)."""
+        return (self.batch_values > 0 and x.dim() >= 2
+                and x.numel() >= self.batch_values * x.shape[1])
+
+    def _batch_forward(self, bn: _BatchNorm, x: Tensor) -> Tensor:
+        """`bn`'s output normalised by `x`'s batch statistics; the running statistics moved
+        toward them when enabled; recorded as normalised by them (the assessor then sees
+        the layer's output at the affine alone, as for a layer on batch statistics)."""
+        move = self._move()
+        if _needs_grad(bn, x):
+            y = F.batch_norm(x, None, None, bn.weight, bn.bias, True, 0.0, bn.eps)
+            if move or self.record:
+                with torch.no_grad():
+                    stats = update_stats(x.detach(), bn.running_mean if move else None,
+                                         bn.running_var if move else None,
+                                         self._momentum() if move else 0.0)
+                self._record_batch(bn, stats)
+            return y
+        with torch.no_grad():
+            mean, var = update_stats(x, bn.running_mean if move else None,
+                                     bn.running_var if move else None,
+                                     self._momentum() if move else 0.0)
+            self._record_batch(bn, (mean, var))
+            return F.batch_norm(x, mean, var, bn.weight, bn.bias, False, 0.0, bn.eps)
+
+    def _record_batch(self, bn: _BatchNorm, stats: tuple[Tensor, Tensor]) -> None:
+        if self.record:
+            self.recorded[id(bn)] = (*stats, *stats)
 
     def close(self) -> None:
         """Give the layers their own class back."""

@@ -316,3 +316,81 @@ def test_lag_records_the_statistics_the_layer_normalised_by(grad: bool) -> None:
     torch.testing.assert_close((mean, var), (m, v), rtol=1e-5, atol=1e-6)
     assert not torch.equal(bn.running_mean, before[0])  # and they moved after
     rbn.close()
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_batch_values_put_a_layer_on_the_batch_statistics_where_the_batch_gives_enough(
+        grad: bool) -> None:
+    """batch_values K: an input with at least K values per channel is normalised by its
+    own statistics (train-mode BN's output and gradient), the running statistics moved by
+    RoTTA's rule and recorded as normalised by the batch's; below K the layer stays
+    lagged robust BN (the running statistics from before the batch)."""
+    from tta_core.model.robust_bn import RobustBN
+
+    model = _model().eval()
+    bn = _bns(model)[-1]
+    c = bn.num_features
+    rbn = RobustBN([bn], 0.1, lag=True, batch_values=4 * 8 * 8)
+    rbn.record = True
+    g = torch.Generator().manual_seed(5)
+    for n, on_batch in ((4, True), (3, False)):  # 4 x 8 x 8 values per channel: exactly K
+        x = torch.randn(n, c, 8, 8, generator=g) * 2 + 0.5
+        mu, var = bn.running_mean.clone(), bn.running_var.clone()
+        xa = x.clone().requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            y = bn(xa)
+        ref = nn.BatchNorm2d(c).train()
+        ref.load_state_dict({k: v for k, v in bn.state_dict().items()})
+        xr = x.clone().requires_grad_(grad)
+        with torch.set_grad_enabled(grad):
+            want = (ref(xr) if on_batch else
+                    nn.functional.batch_norm(xr, mu, var, bn.weight, bn.bias, False, 0.0,
+                                             bn.eps))
+        torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)
+        if grad:
+            w = torch.randn(y.shape, generator=g)
+            (gx,) = torch.autograd.grad((y * w).sum(), xa)
+            (gr,) = torch.autograd.grad((want * w).sum(), xr)
+            torch.testing.assert_close(gx, gr, rtol=1e-4, atol=1e-5)
+        v, m = torch.var_mean(x, dim=(0, 2, 3), correction=1)
+        torch.testing.assert_close(bn.running_mean, 0.9 * mu + 0.1 * m, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(bn.running_var, 0.9 * var + 0.1 * v, rtol=1e-5, atol=1e-6)
+        mean, bvar, used_mean, used_var = rbn.recorded.pop(id(bn))
+        vb, mb = torch.var_mean(x, dim=(0, 2, 3), correction=0)
+        torch.testing.assert_close((mean, bvar), (mb, vb), rtol=1e-5, atol=1e-6)
+        if on_batch:
+            assert torch.equal(used_mean, mean) and torch.equal(used_var, bvar)
+        else:
+            assert torch.equal(used_mean, mu) and torch.equal(used_var, var)
+    rbn.close()
+
+
+def test_batch_values_are_checked() -> None:
+    from tta_core.model.robust_bn import RobustBN
+
+    with pytest.raises(ValueError, match="batch_values must be 0 .off. or an integer >= 2, "
+                                         "got 1"):
+        RobustBN([], 0.1, batch_values=1)
+    with pytest.raises(ValueError, match="bn_batch_values must be 0 .off. or >= 2, got 1"):
+        build_method("adashadow", _model(), bn_batch_values=1, **CFG)
+
+
+def test_adashadow_on_many_values_per_channel_serves_the_batch_statistics_model() -> None:
+    """With bn_batch_values 2 every layer of a batch normalises by that batch's statistics:
+    at lr 0 AdaShadow's answer is the source model's with every BN on batch statistics
+    (Tent's forward); with bn_batch_values 0 it is not (robust BN above the bottom
+    layers)."""
+    from tta_core.model.norms import set_bn_mode
+
+    x = torch.randn(8, 3, 32, 32, generator=torch.Generator().manual_seed(2)) * 2 + 0.5
+    ref = _model()
+    set_bn_mode(ref, "batch")
+    with torch.no_grad():
+        want = ref(x)
+    got = {}
+    for k in (2, 0):
+        meth = build_method("adashadow", _model(), bn_mode="robust", bn_batch_values=k,
+                            lr=0.0, **CFG)
+        got[k] = meth.step(x.clone()).logits
+    torch.testing.assert_close(got[2], want, rtol=1e-4, atol=1e-4)
+    assert (got[0] - want).abs().max() > 1e-2

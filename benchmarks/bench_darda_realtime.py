@@ -36,13 +36,9 @@ from typing import Any
 import results
 import torch
 
-from tta_core.eval.bench import (
-    BenchConfig,
-    bench_inputs,
-    method_base,
-    method_options,
-    stream_method,
-)
+from tta_core.eval.bench_config import BenchConfig, method_base, method_options
+from tta_core.eval.bench_inputs import bench_inputs
+from tta_core.eval.bench_stream import stream_method
 from tta_core.eval.shifts import score_shifts
 from tta_core.registry import build_method
 
@@ -197,7 +193,7 @@ def fmt(v: float, spec: str = ".1f") -> str:
 
 def use_cpu_clock() -> None:
     """Step times and darda's deadline decisions on the thread's CPU time."""
-    import tta_core.eval.bench as bench_module
+    import tta_core.eval.bench_stream as bench_module
     from tta_core.darda.method import Darda
     from tta_core.eval.streaming import timed_step
 

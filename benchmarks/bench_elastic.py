@@ -9,7 +9,7 @@
     thread and at torch's default. Goal: surrogate / master <= 0.5.
 (b) accuracy: the gated small net (`tta train-elastic`, checkpoints/
     small_resnet_signs32_elastic.json) on the shipped stream (continual, 15 corruptions,
-    severity 5, seed 0; tta_core.eval.bench.build_stream), batch 16, prediction before each
+    severity 5, seed 0; tta_core.eval.bench_inputs.build_stream), batch 16, prediction before each
     update (original Tent order). Every row normalises with batch statistics (BN in train
     mode) and updates with SHOT's information-maximisation loss, SGD momentum 0.9:
       master, no update            the full master (sparsity 0, per-sample gates)
@@ -46,7 +46,8 @@ from tta_core.elasticdnn.filter_update import (
 )
 from tta_core.elasticdnn.gates import GatedModel, load_gated, make_gated
 from tta_core.elasticdnn.surrogate import extract_surrogate, highest_entropy_sample
-from tta_core.eval.bench import BenchConfig, build_stream
+from tta_core.eval.bench_config import BenchConfig
+from tta_core.eval.bench_inputs import build_stream
 from tta_core.model.source import load_card
 
 CARD = Path("checkpoints/small_resnet_signs32_elastic.json")

@@ -77,7 +77,7 @@ from tta_core.elasticdnn.filter_update import (
 from tta_core.elasticdnn.gates import GatedModel, load_gated
 from tta_core.elasticdnn.knowledge import attach_knowledge, require_knowledge
 from tta_core.elasticdnn.surrogate import Surrogate, extract_surrogate, highest_entropy_sample
-from tta_core.eval.bench import batches_from_arrays, images_to_input
+from tta_core.eval.bench_inputs import batches_from_arrays, images_to_input
 from tta_core.model.source import load_card
 
 CARD = Path("checkpoints/resnet18_cifar_w32_signs64_elastic.json")

@@ -1,7 +1,7 @@
 """Load-adaptive serving under a deadline below the master's forward (issue #22, Acceptance 3).
 
 Streams the shipped shift stream through `tta bench`'s streaming schedule
-(tta_core.eval.bench.stream_method: the perception node's keep-latest queue and batching,
+(tta_core.eval.bench_stream.stream_method: the perception node's keep-latest queue and batching,
 each method's measured step time) at rates whose batch deadline (batch / rate) is below
 the gated master's measured forward, and prints per method and rate: frames answered in
 time, strict and streaming accuracy, batches within their deadline, the sizes served.
@@ -36,7 +36,9 @@ from pathlib import Path
 
 import torch
 
-from tta_core.eval.bench import BenchConfig, bench_inputs, stream_method
+from tta_core.eval.bench_config import BenchConfig
+from tta_core.eval.bench_inputs import bench_inputs
+from tta_core.eval.bench_stream import stream_method
 from tta_core.model.source import load_card, load_model
 
 MASTER_ONLY = {"elastic@master": {"sizes": (1.0,)}}

@@ -28,7 +28,8 @@ from pathlib import Path
 
 import torch
 
-from tta_core.eval.bench import DEFAULT_CARD, BenchConfig, build_stream
+from tta_core.eval.bench_config import DEFAULT_CARD, BenchConfig
+from tta_core.eval.bench_inputs import build_stream
 from tta_core.model.source import load_source
 from tta_core.registry import build_method
 from tta_core.runtime.malloc_tuning import keep_freed_memory

@@ -74,7 +74,7 @@ from tta_core.elasticdnn.fleet import (
 )
 from tta_core.elasticdnn.gates import GatedModel, load_gated, make_gated
 from tta_core.elasticdnn.surrogate import extract_surrogate, highest_entropy_sample
-from tta_core.eval.bench import images_to_input
+from tta_core.eval.bench_inputs import images_to_input
 from tta_core.eval.streaming import recorded_step, simulate_stream
 from tta_core.model.source import load_source
 
@@ -332,7 +332,7 @@ def stream_scores(m: Measured, plan: FleetPlan, fleet: list[App], capacity: floa
     """Streaming accuracy of every camera under `plan`, run concurrently: serving share
     capacity x its load / the total load (a batch takes forward_ms / share, never less
     than forward_ms); retraining share lambda_i of Eq. 10, retrained from T / lambda_i."""
-    from tta_core.eval.bench import stream_batch_wait_ms
+    from tta_core.eval.bench_stream import stream_batch_wait_ms
 
     loads = {a.name: a.load(next(o for o in a.options if o.keep == plan[a.name]))
              for a in fleet}

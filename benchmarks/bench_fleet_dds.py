@@ -8,7 +8,7 @@ process (so they really share the machine's cores):
   gated card, retraining (`--lr`, 0: serve only) with `--retrain-steps` per retraining
   (their fleet reports' T); one torch thread each; `deadline_mode: camera`;
   batch_timeout_s = the camera's batch fill time, as
-  tta_core.eval.bench.stream_batch_wait_ms);
+  tta_core.eval.bench_stream.stream_batch_wait_ms);
 - one scheduler `/fleet_scheduler` in fleet mode over those namespaces, `fleet_t_max_s`
   = `--t-max`;
 
@@ -83,7 +83,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from tta_core.eval.bench import stream_batch_wait_ms
+from tta_core.eval.bench_stream import stream_batch_wait_ms
 from tta_core.eval.streaming import StreamBatch, StreamResult, score_batches
 
 ROOT = Path(__file__).resolve().parent.parent

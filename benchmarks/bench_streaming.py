@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-import tta_core.eval.bench as bench
+import tta_core.eval.bench_stream as bench_stream
 from tta_core.cli import main as cli_main
 from tta_core.eval.streaming import StepFn, timed_step
 
@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
     except (PermissionError, AttributeError, OSError) as exc:
         print(f"bench_streaming: normal priority ({type(exc).__name__}: {exc})",
               file=sys.stderr)
-    bench.timed_step = paced  # stream_method builds its steps through this name
+    bench_stream.timed_step = paced  # stream_method builds its steps through this name
     return cli_main(["bench", *argv])
 
 

@@ -39,7 +39,8 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from tta_core.eval.bench import BenchConfig, bench_inputs, method_options
+from tta_core.eval.bench_config import BenchConfig, method_options
+from tta_core.eval.bench_inputs import bench_inputs
 from tta_core.registry import build_method
 from tta_core.sweep.aggregate import mean_ci, paired
 

@@ -37,7 +37,8 @@ import torch
 from tqdm import tqdm
 
 from tta_core.api import PhaseClock, Plan
-from tta_core.eval.bench import BenchConfig, bench_inputs, method_options
+from tta_core.eval.bench_config import BenchConfig, method_options
+from tta_core.eval.bench_inputs import bench_inputs
 from tta_core.registry import build_method
 
 ROOT = Path(__file__).resolve().parents[1]

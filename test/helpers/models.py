@@ -102,7 +102,7 @@ def settle_bn(model: nn.Module, shape: tuple[int, ...], seed: int = 0) -> nn.Mod
 
 def tiny_stream(batch_size: int = 4):
     """Two fabricated 'domains' of random sign-sized images: clean and noisy."""
-    from tta_core.eval.bench import batches_from_arrays, images_to_input
+    from tta_core.eval.bench_inputs import batches_from_arrays, images_to_input
 
     rng = np.random.default_rng(0)
     clean = rng.integers(0, 256, (12, 32, 32, 3), dtype=np.uint8)

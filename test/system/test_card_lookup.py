@@ -95,7 +95,8 @@ def test_ros_nodes_use_the_same_lookup(tmp_path, monkeypatch) -> None:
 def test_bench_library_finds_a_relative_card_and_its_weights(tmp_path, monkeypatch) -> None:
     """A BenchConfig made in code (not the CLI) with the relative default card, outside the
     checkout: the model identity names the checkout's checkpoint (found next to the card)."""
-    from tta_core.eval.bench import BenchConfig, model_identity
+    from tta_core.eval.bench_config import BenchConfig
+    from tta_core.eval.bench_report import model_identity
 
     monkeypatch.chdir(tmp_path)
     ident = model_identity(BenchConfig(methods=["source"], model_card=Path(REL)))

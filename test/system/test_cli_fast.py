@@ -82,7 +82,7 @@ def test_every_command_is_listed_in_help(capsys):
 
 def test_copied_choices_equal_the_real_ones():
     from tta_core.adashadow.profiler import SPLITS
-    from tta_core.eval import bench as eval_bench
+    from tta_core.eval import bench_config as eval_bench
     from tta_core.eval import predictor_bench as eval_pb
     from tta_core.model.user_card import NORM_PRESETS
     from tta_core.model.zoo import ARCHS
@@ -121,7 +121,7 @@ def _config_defaults(config: type) -> dict[str, Any]:
 # bench --corruptions "" is the config's () (the standard set), parsed when the cell runs;
 # train-source's sample counts None mean "the config default, or all rows with --data")
 CONFIGS = [
-    ("bench", "tta_core.eval.bench:BenchConfig", bench.DEFAULTS, {"model_card", "corruptions"}),
+    ("bench", "tta_core.eval.bench_config:BenchConfig", bench.DEFAULTS, {"model_card", "corruptions"}),
     ("train-source", "tta_core.model.source:TrainConfig", train_source.DEFAULTS,
      {"train_samples", "val_samples"}),
     ("train-elastic", "tta_core.elasticdnn.train:ElasticTrainConfig", train_elastic.DEFAULTS,

@@ -11,13 +11,10 @@ import pytest
 import torch
 from helpers.models import make_model, tiny_stream
 
-from tta_core.eval.bench import (
-    BenchConfig,
-    batches_from_arrays,
-    images_to_input,
-    run_methods,
-    write_bench,
-)
+from tta_core.eval.bench_config import BenchConfig
+from tta_core.eval.bench_inputs import batches_from_arrays, images_to_input
+from tta_core.eval.bench_report import write_bench
+from tta_core.eval.bench_run import run_methods
 
 
 def test_batches_follow_domains_and_size() -> None:
@@ -102,7 +99,8 @@ def test_cli_bench_passes_method_options_and_refuses_bad_ones(tmp_path, capsys) 
 def test_live_telemetry_reaches_inline_planning() -> None:
     """A sampler (fake input: pi1 = 2, pi2 unknown) feeds AdaShadow's planning before each
     batch; the bench records what it fed; methods without telemetry are left alone."""
-    from tta_core.eval.bench import BenchConfig, run_method
+    from tta_core.eval.bench_config import BenchConfig
+    from tta_core.eval.bench_run import run_method
     from tta_core.eval.live_telemetry import LiveExpansion
     from tta_core.model.zoo import build_model
     from tta_core.telemetry.sample import ResourceSample

@@ -24,7 +24,8 @@ from tta_core.adashadow.planning import (
 )
 from tta_core.adashadow.predictor import UnitProfile
 from tta_core.api import DeadlineTunable
-from tta_core.eval.bench import BenchConfig, stream_options
+from tta_core.eval.bench_config import BenchConfig
+from tta_core.eval.bench_stream import stream_options
 from tta_core.eval.streaming import recorded_step, simulate_stream
 from tta_core.model.norms import set_bn_mode
 from tta_core.model.source import load_source

@@ -1,4 +1,4 @@
-"""The elastic method in the streaming benchmark (tta_core.eval.bench.stream_method), on a
+"""The elastic method in the streaming benchmark (tta_core.eval.bench_stream.stream_method), on a
 virtual clock: time advances only by the convolutions that run (their MACs, three times
 with gradients), so the schedule, the sizes served and every outcome are deterministic
 and the deadline lies exactly where the test puts it — below the master's forward. The
@@ -13,10 +13,12 @@ import pytest
 import torch
 from torch import nn
 
-import tta_core.eval.bench as bench
+import tta_core.eval.bench_stream as bench_stream
 from tta_core.api import PhaseClock
 from tta_core.elasticdnn.gates import load_gated
-from tta_core.eval.bench import BenchConfig, build_stream, stream_method
+from tta_core.eval.bench_config import BenchConfig
+from tta_core.eval.bench_inputs import build_stream
+from tta_core.eval.bench_stream import stream_method
 from tta_core.eval.streaming import timed_step
 from tta_core.model.source import load_card
 
@@ -53,8 +55,8 @@ def vtime(monkeypatch):
     vt = VirtualTime()
     handle = nn.modules.module.register_module_forward_hook(vt.hook)
     monkeypatch.setattr(PhaseClock, "now", lambda self: vt.seconds())
-    monkeypatch.setattr(bench, "timed_step", lambda run: timed_step(run, vt.seconds))
-    monkeypatch.setattr(bench, "warm_up", lambda model, x: None)
+    monkeypatch.setattr(bench_stream, "timed_step", lambda run: timed_step(run, vt.seconds))
+    monkeypatch.setattr(bench_stream, "warm_up", lambda model, x: None)
     yield vt
     handle.remove()
 

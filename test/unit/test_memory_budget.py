@@ -17,7 +17,9 @@ from tta_core.adashadow import planner
 from tta_core.adashadow.memory_budget import MIB, SaveCosts, profile_stages
 from tta_core.adashadow.memory_costs import DEFAULT_FROZEN_KEEP, codec_plan, replay_bytes
 from tta_core.adashadow.planning import PlanningConfig, PlanningService, UnitLayout
-from tta_core.eval.bench import BenchConfig, build_stream, run_bench
+from tta_core.eval.bench_config import BenchConfig
+from tta_core.eval.bench_inputs import build_stream
+from tta_core.eval.bench_run import run_bench
 from tta_core.memory import CodecPlan, predicted_bytes, profile_saves
 from tta_core.model.source import load_card, load_model
 from tta_core.model.units import decompose

@@ -162,7 +162,8 @@ def test_phase_clock_events_are_none_on_the_cpu():
 def test_bench_passes_precision_to_the_methods_that_take_it():
     from helpers.models import make_model, tiny_stream
 
-    from tta_core.eval.bench import BenchConfig, method_options, precision_note, run_methods
+    from tta_core.eval.bench_config import BenchConfig, method_options, precision_note
+    from tta_core.eval.bench_run import run_methods
 
     cfg = BenchConfig(methods=("source", "eata"), batch_size=4, samples_per_domain=12,
                       threads=1, precision="bf16")

@@ -270,7 +270,7 @@ def test_tracked_stream_shares_labels_per_track_and_keeps_domains() -> None:
 
 @pytest.mark.slow
 def test_warm_up_leaves_the_model_untouched() -> None:
-    from tta_core.eval.bench import warm_up
+    from tta_core.eval.bench_stream import warm_up
     from tta_core.model.zoo import build_model
 
     model = build_model("small_resnet", num_classes=16).train()

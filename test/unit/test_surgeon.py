@@ -308,7 +308,9 @@ def test_reset_restores_weights_optimizer_and_state(cfg: dict) -> None:
 def test_tiny_bench_runs_source_tent_surgeon(tmp_path) -> None:
     from helpers.models import make_model, tiny_stream
 
-    from tta_core.eval.bench import BenchConfig, run_methods, write_bench
+    from tta_core.eval.bench_config import BenchConfig
+    from tta_core.eval.bench_report import write_bench
+    from tta_core.eval.bench_run import run_methods
 
     cfg = BenchConfig(methods=("source", "tent", "surgeon"), batch_size=4,
                       samples_per_domain=12, threads=1,

@@ -2,7 +2,7 @@
 ROS running): the images of the camera topic in recorded order, each with its label and
 domain from the ground-truth topics when the bag has them. A bag without ground truth
 gets label -1 on every frame; the bench then scores agreement with the unadapted model
-(tta_core.eval.bench.label_by_source). The frames are handed in (tta_core.io.bag.read_bag,
+(tta_core.eval.bench_inputs.label_by_source). The frames are handed in (tta_core.io.bag.read_bag,
 by the caller) since tta_core.io imports tta_core.data."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Model input preprocessing: uint8 NHWC images -> normalised float32 NCHW tensors.
 
 One definition shared by training (tta_core.model.source), the benchmark
-(tta_core.eval.bench) and live / recorded frames (tta_core.io.image_msg), so a model sees the
+(tta_core.eval.bench_inputs) and live / recorded frames (tta_core.io.image_msg), so a model sees the
 same normalisation everywhere; kept apart from the shift streams so that image decoding does
 not depend on stream generation.
 """

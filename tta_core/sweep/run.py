@@ -99,7 +99,7 @@ def run_cell(bench: BenchCLI, argv: Sequence[str], out: str, cwd: str) -> dict[s
     t0 = time.perf_counter()
     where = node()
     try:
-        from tta_core.eval.bench import run_bench
+        from tta_core.eval.bench_run import run_bench
 
         cfg = bench.config_from_args(bench.parser().parse_args([*argv, "--no-progress"]))
         with contextlib.redirect_stdout(io.StringIO()):

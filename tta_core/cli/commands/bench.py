@@ -13,15 +13,15 @@ from tta_core.cli.model_args import add_model_arguments, user_model
 from tta_core.data.layouts import LAYOUTS
 
 if TYPE_CHECKING:
-    from tta_core.eval.bench import BenchConfig
+    from tta_core.eval.bench_config import BenchConfig
 
 NAME = "bench"
 HELP = "benchmark TTA methods on a corruption stream: accuracy per domain, latency, memory"
 
-# Copies of tta_core.eval.bench's DEFAULT_METHODS, DEFAULT_CARD, MODES and BenchConfig
-# defaults: that module imports torch, and `tta bench --help` must not.
+# Copies of tta_core.eval.bench_config's DEFAULT_METHODS, DEFAULT_CARD, MODES and BenchConfig
+# defaults: the bench modules import torch, and `tta bench --help` must not.
 # test/system/test_cli_fast.py checks that they are equal.
-# (): every registered method that can run on the model (tta_core.eval.bench.runnable_methods)
+# (): every registered method that can run on the model (eval.bench_run.runnable_methods)
 DEFAULT_METHODS: tuple[str, ...] = ()
 DEFAULT_CARD = Path("checkpoints/small_resnet_signs32.json")
 MODES: tuple[str, ...] = ("sequential", "parallel")
@@ -164,7 +164,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """The BenchConfig of the parsed options (also what `tta sweep` runs per cell)."""
     from tta_core.data.sources import parse_corruptions
-    from tta_core.eval.bench import BenchConfig
+    from tta_core.eval.bench_config import BenchConfig
     from tta_core.model.source import find_card
 
     options: dict[str, dict] = {}
@@ -216,7 +216,7 @@ def _segmentation(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     """Run the bench of the parsed options; print the report and the files written."""
-    from tta_core.eval.bench import run_bench
+    from tta_core.eval.bench_run import run_bench
 
     if args.task == "segmentation":
         return _segmentation(args)

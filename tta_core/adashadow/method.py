@@ -42,7 +42,7 @@ class AdaShadowConfig(MethodConfig, EngineConfig):
                           "source (eval)", choices=("batch", "source", "robust"))
     # tta's default, not the paper's: robust BN where a batch gives a channel few values,
     # the batch's own statistics where it gives many (EngineConfig.bn_batch_values)
-    bn_batch_values: int = option(2048, "robust BN: a layer whose input gives each channel "
+    bn_batch_values: int = option(4096, "robust BN: a layer whose input gives each channel "
                                   "at least this many values (batch x height x width) "
                                   "normalises by the batch's statistics (0: never)", low=0)
     domain_bank: bool = option(False, "recognise the domain, restore its banked BN + "

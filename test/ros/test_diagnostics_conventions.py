@@ -114,7 +114,7 @@ def test_a_thermal_zone_that_stops_updating_turns_stale(ros_context, tmp_path) -
 def test_sigma_mode_statuses_say_nothing_of_odometry(ros_context) -> None:
     """sigma*T mode (the shipped default): neither node's planning status speaks of the
     odometry or a speed deadline, though no odometry arrives."""
-    from tta_ros.nodes.perception import PerceptionNode, perception_statuses
+    from tta_ros.nodes.perception import PerceptionNode
     from tta_ros.nodes.scheduler import SchedulerNode
 
     sched = activate(SchedulerNode(context=ros_context, parameter_overrides=[
@@ -123,7 +123,7 @@ def test_sigma_mode_statuses_say_nothing_of_odometry(ros_context) -> None:
         Parameter("model_card", value=str(CARD)), Parameter("num_threads", value=1)]))
     try:
         statuses = [sched._planning_status(),
-                    next(s for s in perception_statuses(perc) if s.name == "planning")]
+                    next(s for s in perc.statuses() if s.name == "planning")]
         for st in statuses:
             text = " ".join([st.message, *(f"{kv.key}={kv.value}" for kv in st.values)])
             assert "odometry" not in text and "speed" not in text, text

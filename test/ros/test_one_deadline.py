@@ -31,10 +31,8 @@ def _importance(node: SchedulerNode, batch_size: int) -> LayerImportance:
 
 def _deadlines(perception, scheduler: SchedulerNode, batch_size: int) -> tuple[float, float]:
     """(perception's deadline of a batch, the budget of the scheduler's plan for one)."""
-    from tta_ros.nodes.perception import batch_deadline
-
     plan = scheduler.plan_for(_importance(scheduler, batch_size)).plan
-    return batch_deadline(perception, batch_size), plan.budget_ms
+    return perception.deadline.batch_ms(perception.method, batch_size), plan.budget_ms
 
 
 def test_a_deadline_set_on_perception_reaches_the_scheduler(ros_context) -> None:

@@ -82,7 +82,7 @@ class _Link:
 
         def answered() -> bool:
             mine = [p for p in self.plans if p.based_on_batch_id == imp.batch_id]
-            gate = self.per.gate.plan
+            gate = self.per.planning.gate.plan
             return bool(mine) and (self.per.refusals.total > seen or (
                 gate is not None and gate[0] == mine[0].plan_id))
 
@@ -124,7 +124,7 @@ def test_every_kind_of_plan_the_scheduler_makes_passes_perception_checks(ros_con
             link.scatter(link.plan(MISS_FORWARD_MS), total_ms=4 * MISS_FORWARD_MS)
         kinds["zero budget"] = link.plan(MISS_FORWARD_MS)
         refused = dict(link.per.refusals.counts)
-        followed = link.per.gate.plan
+        followed = link.per.planning.gate.plan
     finally:
         link.close()
     normal, empty = kinds["normal"], kinds["empty"]

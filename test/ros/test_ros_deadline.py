@@ -240,7 +240,7 @@ def test_perception_plans_inline_against_its_deadline(ros_context) -> None:
     """Inline planning with a deadline the forward cannot meet: batches served without
     update, the planning status WARNs naming the deadline; a camera deadline set at run
     time with room adapts again."""
-    from tta_ros.nodes.perception import PerceptionNode, perception_statuses
+    from tta_ros.nodes.perception import PerceptionNode
 
     node = activate(PerceptionNode(context=ros_context, parameter_overrides=[
         Parameter("model_card", value=str(CARD)), Parameter("plan_source", value="inline"),
@@ -272,7 +272,7 @@ def test_perception_plans_inline_against_its_deadline(ros_context) -> None:
         assert not any(s.adapted for s in statuses)
         # per batch (per frame would be 0.02), less the time the frames waited (lateness)
         assert all(0.0 <= s.budget_ms <= 0.01 for s in statuses)
-        plan = next(s for s in perception_statuses(node) if s.name.endswith("planning"))
+        plan = next(s for s in node.statuses() if s.name.endswith("planning"))
         assert plan.level == DiagnosticStatus.WARN
         assert "deadline_mode=fixed: the forward alone (" in plan.message
         values = {kv.key: kv.value for kv in plan.values}
@@ -280,11 +280,11 @@ def test_perception_plans_inline_against_its_deadline(ros_context) -> None:
         assert "speed" not in values  # not a speed deadline: the odometry does not count
         assert all(r.successful for r in node.set_parameters([
             Parameter("method.deadline_mode", value="speed")]))
-        speed = next(s for s in perception_statuses(node) if s.name.endswith("planning"))
+        speed = next(s for s in node.statuses() if s.name.endswith("planning"))
         assert {kv.key: kv.value for kv in speed.values}["speed"].startswith(
             "no odometry on '/odom'")
         node.speed.on_speed(7.5)
-        speed = next(s for s in perception_statuses(node) if s.name.endswith("planning"))
+        speed = next(s for s in node.statuses() if s.name.endswith("planning"))
         assert {kv.key: kv.value for kv in speed.values}["speed"] == "7.5 m/s"
         assert all(r.successful for r in node.set_parameters([
             Parameter("method.deadline_mode", value="camera"),

@@ -76,8 +76,8 @@ class Run:
         # the writer knows the reader is dropped, and the batch would close short
         assert wait_for(lambda: self.pub.get_subscription_count() > 0
                         and self.node.count_publishers("/image") > 0
-                        and self.node.pub_pred.get_subscription_count() > 0
-                        and self.node.pub_status.get_subscription_count() > 0, 10.0)
+                        and self.node.output.pub_pred.get_subscription_count() > 0
+                        and self.node.output.pub_status.get_subscription_count() > 0, 10.0)
         time.sleep(0.2)
 
     def _on_pred(self, msg: ClassPrediction) -> None:

@@ -34,7 +34,7 @@ from tta_core.runtime.options import option  # noqa: E402
 from tta_ros.diagnostics import OK, WARN  # noqa: E402
 from tta_ros.lifecycle import activate  # noqa: E402
 from tta_ros.nodes.fleet_wiring import REPORT_TOPIC, app_from_report  # noqa: E402
-from tta_ros.nodes.perception import PerceptionNode, perception_statuses  # noqa: E402
+from tta_ros.nodes.perception import PerceptionNode  # noqa: E402
 from tta_ros.nodes.scheduler import SchedulerNode  # noqa: E402
 from tta_ros.spinning import SpinThread  # noqa: E402
 
@@ -157,7 +157,7 @@ def test_fleet_sizes_reach_each_namespaced_perception_node(ros_context, sized_me
         assert dict(equal_split(apps, 0.25)) == {"/cam1": 0.25, "/cam2": 1.0}
         for ns, p in perc.items():
             assert p.method.calls[-1] == sched.fleet.last[ns]
-            fleet = [s for s in perception_statuses(p) if s.name == "fleet"]
+            fleet = [s for s in p.statuses() if s.name == "fleet"]
             assert fleet and dict((k.key, k.value) for k in fleet[0].values)["keep"] \
                 == f"{sched.fleet.last[ns]:.6g}"
         st = sched.fleet.statuses()[0]
@@ -180,7 +180,7 @@ def test_non_resizable_method_has_no_size_to_set(ros_context) -> None:
         with pytest.raises(rclpy.exceptions.ParameterNotDeclaredException):
             node.set_parameters([Parameter("method.keep", value=0.5)])
         assert node.fleet.proxy is None and node.fleet.report() is None
-        assert not [s for s in perception_statuses(node) if s.name == "fleet"]
+        assert not [s for s in node.statuses() if s.name == "fleet"]
     finally:
         node.destroy_node()
 

@@ -31,7 +31,6 @@ from visualization_msgs.msg import Marker  # noqa: E402
 
 from tta_core.io.image_msg import array_to_image_fields  # noqa: E402
 from tta_ros.lifecycle import activate  # noqa: E402
-from tta_ros.nodes.perception import perception_statuses  # noqa: E402
 from tta_ros.nodes.perception_support import PlanGate  # noqa: E402
 from tta_ros.nodes.scheduler import SchedulerNode  # noqa: E402
 from tta_ros.spinning import SpinThread  # noqa: E402
@@ -149,9 +148,9 @@ def test_scheduler_killed_inline_after_plan_timeout_then_resumes(rig_factory, ro
     on (at 1.2x) and says so on /diagnostics; a new scheduler's plans are used again. The
     gate's clock is the test's (_StoppedClockGate): the wall clock only bounds the waits."""
     rig = rig_factory(perception={"batch_size": 2, "feed_timeout_s": 0.5})
-    timeout = rig.perception.gate.timeout_s
+    timeout = rig.perception.planning.gate.timeout_s
     assert timeout == 0.5
-    gate = rig.perception.gate = _StoppedClockGate(timeout)  # before any frame is sent
+    gate = rig.perception.planning.gate = _StoppedClockGate(timeout)  # before any frame is sent
     stop = threading.Event()
     th = threading.Thread(target=_stream, args=(rig, stop), daemon=True)
     th.start()
@@ -181,7 +180,7 @@ def test_scheduler_killed_inline_after_plan_timeout_then_resumes(rig_factory, ro
         n = len(statuses())
         assert wait_for(lambda: since(n, 3), 10.0)
         assert all(s.plan_id for s in statuses()[first:]), "inline before feed_timeout_s"
-        inline_before = rig.perception.counters.inline_batches  # those before the 1st plan
+        inline_before = rig.perception.planning.inline_batches  # those before the 1st plan
         assert not [s for s in rig.statuses("perception: planning")
                     if s.level == DiagnosticStatus.WARN and "inline" in s.message]
         before = rig.perception.counters.batches  # a batch running now may keep its plan
@@ -191,7 +190,7 @@ def test_scheduler_killed_inline_after_plan_timeout_then_resumes(rig_factory, ro
         inline = [s.batch_id for s in statuses() if s.plan_id == 0 and s.batch_id > before]
         assert min(inline) <= before + 2  # the next batch that chooses its plan
         assert all(s.plan_id for s in statuses()[first:] if s.batch_id <= before)
-        assert rig.perception.counters.inline_batches > inline_before
+        assert rig.perception.planning.inline_batches > inline_before
         warn = [s for s in rig.statuses("perception: planning")
                 if s.level == DiagnosticStatus.WARN and "inline" in s.message]
         assert warn and f"timeout {timeout:g} s" in warn[0].message
@@ -224,7 +223,7 @@ def test_burst_drops_frames_with_bounded_queue(rig_factory) -> None:
     q, node = rig.perception.queue, rig.perception
     served0, dropped0 = len(rig.msgs("pred")), q.dropped
     sizes: list[int] = []
-    with node._pending_lock:  # the worker stops at its next _apply_pending
+    with node.params.pending_lock:  # the worker stops at its next _apply_pending
         time.sleep(0.2)
         for k in range(40):
             rig.pub.publish(image_msg(1010 + k, size=32))
@@ -522,13 +521,13 @@ def test_perception_warns_when_inline_plans_have_no_room(rig_factory) -> None:
     rig.send([image_msg(1000 + i) for i in range(8)])
     assert wait_for(lambda: len(rig.msgs("status")) >= 2, 10.0)
     assert all(s.units_updated == 0 for s in rig.msgs("status"))
-    plan = next(s for s in perception_statuses(rig.perception) if s.name.endswith("planning"))
+    plan = next(s for s in rig.perception.statuses() if s.name.endswith("planning"))
     assert plan.level == DiagnosticStatus.WARN and "raise sigma" in plan.message
     assert rig.perception.set_parameters([Parameter("method.sigma", value=1.0)])[0].successful
     n = len(rig.msgs("status"))
     rig.send([image_msg(1020 + i) for i in range(8)])
     assert wait_for(lambda: any(s.units_updated > 0 for s in rig.msgs("status")[n:]), 10.0)
-    plan = next(s for s in perception_statuses(rig.perception) if s.name.endswith("planning"))
+    plan = next(s for s in rig.perception.statuses() if s.name.endswith("planning"))
     assert plan.level == DiagnosticStatus.OK
 
 

@@ -8,7 +8,10 @@ the check of a parameter change against the other deadline settings (min <= max)
 `SpeedFeed`, the vehicle's planar speed from an odometry topic (nav_msgs/Odometry, or
 geometry_msgs/TwistStamped), unknown (None) when the last message is older than its
 timeout (scheduler: `odometry_timeout_s`, perception: `feed_timeout_s`), when none came
-yet, or when the message package is not installed.
+yet, or when the message package is not installed, and `BatchDeadline`, the perception
+node's side of it: the deadline a batch is reported with (AdaptationStatus.deadline_ms),
+what a deadline-aware method is told before it plans inline (the speed, the lateness of the
+batch), and the speed its planning status shows.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from rclpy.node import Node
 from rclpy.qos import QoSProfile, ReliabilityPolicy
 
 from tta_core.adashadow.planning import DeadlineConfig
+from tta_core.api import DeadlineTunable
+from tta_core.runtime.deadline import batch_deadline_ms
 from tta_core.runtime.options import describe
 from tta_ros.ros_params import ParamSpec
 
@@ -151,3 +156,37 @@ class SpeedFeed:
             return (f"no odometry on {self.topic!r} within {self.timeout_s:g} s: speed "
                     f"unknown, the shortest deadline applies")
         return ""
+
+
+class BatchDeadline:
+    """The perception node's deadlines: the `speed` feed, and `late_ms()`, how long ago the
+    newest frame of the batch being stepped arrived (FrameQueue.late_ms)."""
+
+    def __init__(self, speed: SpeedFeed, late_ms: Callable[[], float]) -> None:
+        self.speed, self.late_ms = speed, late_ms
+
+    def batch_ms(self, method: object, batch_size: int) -> float:
+        """AdaptationStatus.deadline_ms: the deadline of a batch of `batch_size` frames by
+        the `method`'s deadline settings and the speed it was given (the whole deadline,
+        before any lateness; a plan from layer_plan was made against the scheduler's, which
+        follows these settings: its deadline_from); NaN in sigma*T mode or for a method
+        without deadlines."""
+        cfg = getattr(method, "config", None)
+        if not isinstance(cfg, DeadlineConfig):
+            return math.nan
+        return batch_deadline_ms(cfg, batch_size, self.speed.speed())
+
+    def brief(self, method: object) -> None:
+        """Before an inline step: a deadline-aware method is told the speed and how late the
+        batch starts (others are left alone)."""
+        if isinstance(method, DeadlineTunable):
+            method.set_speed(self.speed.speed())
+            method.set_lateness(self.late_ms())
+
+    def status_values(self, deadline_mode: str | None) -> dict[str, str]:
+        """The speed for the planning status, or why it is unknown; only in speed mode
+        (nothing otherwise: the odometry does not count)."""
+        if deadline_mode != "speed":
+            return {}
+        speed = self.speed.speed()
+        return {"speed": f"{speed:.4g} m/s" if speed is not None else self.speed.describe()}

@@ -1,4 +1,4 @@
-"""Thread-side helpers of the perception node (no rclpy): frame queue, plan gate, guard.
+"""Helpers of the perception node without rclpy: frame queue, plan gate, guard, method set-up.
 
 - FrameQueue: bounded keep-latest queue between the image callback (never blocks) and the
   worker; when full, the oldest frame is dropped and counted.
@@ -8,6 +8,8 @@
 - DivergenceGuard: reset the method when logits are non-finite, or when the mean entropy
   stays above `ratio * ln(num_classes)` for `patience` consecutive batches.
 - TelemetryFeed: the monitor's latest pi1/pi2 for inline planning while fresh.
+- build_warm: a method built and warmed up before its first frame; unit_names: the units
+  its plans and importance name.
 """
 
 from __future__ import annotations
@@ -16,10 +18,16 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tta_core.api import TakesTelemetry
+import torch
+
+from tta_core.api import TakesPlan, TakesTelemetry, TTAMethodLike, WarmsUp
+from tta_core.model.units import decompose
+from tta_core.registry import build_method
+from tta_core.runtime.gc_pauses import freeze_startup_heap
 
 
 class FrameQueue:
@@ -220,3 +228,31 @@ class TelemetryFeed:
             method.set_expansion(latest[1], latest[2])
         else:
             method.clear_expansion()
+
+
+def build_warm(name: str, config: Mapping[str, Any], model: torch.nn.Module,
+               batch_size: int, sample: tuple[int, ...]) -> TTAMethodLike:
+    """Method `name` with `config`, warmed up (api.WarmsUp) on noise batches of `sample`
+    (C, H, W) at the batch size: its run-time costs learnt before the first frame, its
+    state untouched (a deadline's first updates otherwise plan blind and miss)."""
+    meth = build_method(name, model, **config)
+    if isinstance(meth, WarmsUp):
+        dev = next(model.parameters()).device
+        meth.warm_up(torch.randn(batch_size, *sample, device=dev))
+    freeze_startup_heap()  # full garbage collections skip what exists now (gc_pauses)
+    return meth
+
+
+def unit_names(method: TTAMethodLike, source_model: torch.nn.Module,
+               sample: tuple[int, ...], arch: str, log: Callable[[str], None]) -> list[str]:
+    """The units plans and importance name: the method's own (TakesPlan), else the source
+    model's at input `sample` (decomposed without a forward through the method's hooks);
+    [] for a model with no decomposition (a gated master, elastic: it plans nothing, sends
+    no importance; `log` says why)."""
+    if isinstance(method, TakesPlan):
+        return list(method.unit_names)
+    try:
+        return [u.name for u in decompose(source_model, sample, arch).units]
+    except ValueError as exc:
+        log(f"no layer importance for this model: {exc}")
+        return []

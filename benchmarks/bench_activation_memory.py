@@ -20,8 +20,8 @@ import argparse
 import ctypes
 import json
 import statistics
-import time
 
+import harness
 import psutil
 import torch
 from torch import nn
@@ -79,13 +79,11 @@ def _set_trainable(model: nn.Module, bn_only: bool) -> None:
 def _step(model: nn.Module, x: torch.Tensor, ctx) -> tuple[float, object]:
     """One forward (under ctx) + backward; returns (seconds, ctx.result)."""
     model.zero_grad(set_to_none=False)
-    t0 = time.perf_counter()
-    with ctx:
-        loss = _entropy(model(x))
-    loss.backward()
-    if x.is_cuda:
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0, ctx.result
+    with harness.Stopwatch(device=x.device) as sw:
+        with ctx:
+            loss = _entropy(model(x))
+        loss.backward()
+    return sw.s, ctx.result
 
 
 def _configs(staged) -> dict[str, tuple[bool, object]]:

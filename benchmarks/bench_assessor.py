@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 
+import harness
 import numpy as np
 import torch
 from torch import nn
@@ -60,19 +59,6 @@ class _FnRecorder(StatsRecorder):
         return hook
 
 
-def _timed(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
-
-
-def _wall_cpu(fn: Callable[[], object]) -> tuple[float, float]:
-    """(wall ms, process CPU ms) of one call."""
-    w0, c0 = time.perf_counter(), time.process_time()
-    fn()
-    return (time.perf_counter() - w0) * 1e3, (time.process_time() - c0) * 1e3
-
-
 def _overheads(model: nn.Module, x: torch.Tensor, runs: int) -> dict:
     units = [m for m in model.modules() if isinstance(m, _UNIT_TYPES)]
     recorders = {
@@ -88,16 +74,11 @@ def _overheads(model: nn.Module, x: torch.Tensor, runs: int) -> dict:
             model(x)
         assessors[name].step(recorders[name].stats())
 
-    samples: dict[str, list[tuple[float, float]]] = {k: [] for k in ("plain", *recorders)}
-    with torch.no_grad():
-        for rep in range(runs + 1):  # round 0 is warm-up
-            for name in samples:
-                fn = (lambda: model(x)) if name == "plain" else (lambda n=name: with_assessor(n))
-                sample = _wall_cpu(fn)
-                if rep > 0:
-                    samples[name].append(sample)
-    med = {k: (statistics.median(w for w, _ in v), statistics.median(c for _, c in v))
-           for k, v in samples.items()}
+    cases = {"plain": lambda: model(x),
+             **{n: (lambda n=n: with_assessor(n)) for n in recorders}}
+    with torch.no_grad():  # one warm-up round
+        t = harness.round_robin(cases, runs, clocks=("wall", "cpu"))
+    med = {k: (v.stats("wall")["median"], v.stats("cpu")["median"]) for k, v in t.items()}
     out = {"units": len(units), "forward_ms_median": med["plain"][0],
            "forward_cpu_ms_median": med["plain"][1]}
     for name in recorders:
@@ -125,10 +106,10 @@ def _kl_layouts(model: nn.Module, x: torch.Tensor, reps: int = 50) -> dict:
         return np.array([gaussian_kl(h[0], h[1], c[0], c[1]).mean().item()
                          for h, c in zip(hist, cur, strict=True)])
 
-    loop = [_timed(per_unit) for _ in range(reps)]
-    flat = [_timed(lambda: assessor.importance(cur)) for _ in range(reps)]
+    loop = harness.repeat(per_unit, reps, warmup=0)
+    flat = harness.repeat(lambda: assessor.importance(cur), reps, warmup=0)
     same = np.allclose(per_unit(), assessor.importance(cur), rtol=1e-4)
-    return {"per_unit_loop_ms": statistics.median(loop), "flat_ms": statistics.median(flat),
+    return {"per_unit_loop_ms": loop.median, "flat_ms": flat.median,
             "agree": bool(same), "channels": int(sum(m.numel() for m, _ in cur))}
 
 
@@ -149,16 +130,15 @@ def _engine_overhead(x: torch.Tensor, runs: int) -> dict:
         collector.capture = False
         assessor.step(collector.collect(x.shape[0]))
 
-    plain, eng = [], []
-    with torch.no_grad():
-        for rep in range(runs + 1):
-            collector.capture = False
-            p, e = _wall_cpu(lambda: model(x)), _wall_cpu(assessed)
-            if rep > 0:
-                plain.append(p)
-                eng.append(e)
-    pw, pc = statistics.median(w for w, _ in plain), statistics.median(c for _, c in plain)
-    ew, ec = statistics.median(w for w, _ in eng), statistics.median(c for _, c in eng)
+    def plain() -> None:
+        collector.capture = False
+        model(x)
+
+    with torch.no_grad():  # one warm-up round
+        t = harness.round_robin({"plain": plain, "engine": assessed}, runs,
+                                clocks=("wall", "cpu"))
+    pw, pc = t["plain"].stats("wall")["median"], t["plain"].stats("cpu")["median"]
+    ew, ec = t["engine"].stats("wall")["median"], t["engine"].stats("cpu")["median"]
     collector.close()
     return {"pairs": len(collector.pairs), "units": len(staged.units),
             "forward_batch_bn_ms_median": pw, "engine_stats_ms_median": ew,

@@ -15,11 +15,10 @@ from __future__ import annotations
 import argparse
 import array
 import json
-import statistics
-import time
 from collections.abc import Callable
 from types import SimpleNamespace
 
+import harness
 import numpy as np
 
 from tta_core.io.image_msg import (
@@ -38,9 +37,9 @@ def _msg(rgb: np.ndarray, encoding: str) -> SimpleNamespace:
 
 
 def _median_ms(fn: Callable[[], object], repeats: int, refused: bool = False) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
+    """Median ms of `fn` (which must raise ValueError when `refused`, else must not)."""
+
+    def call() -> None:
         try:
             fn()
         except ValueError:
@@ -49,8 +48,8 @@ def _median_ms(fn: Callable[[], object], repeats: int, refused: bool = False) ->
         else:
             if refused:
                 raise AssertionError("frame was not refused")
-        times.append((time.perf_counter() - t) * 1e3)
-    return round(statistics.median(times), 4)
+
+    return round(harness.repeat(call, repeats, warmup=0).median, 4)
 
 
 def main() -> None:

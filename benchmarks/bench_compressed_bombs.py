@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,19 +27,14 @@ import cv2
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "test"))  # helpers.bombs
-import results
+import harness
 from helpers.bombs import bombs, zero_stream_bomb
 
 from tta_core.io.image_msg import FrameLimits, FrameTooLarge, decode_compressed
 
 
 def _median_ms(fn: Callable[[], object], repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1e3)
-    return round(statistics.median(times), 4)
+    return round(harness.repeat(fn, repeats, warmup=0).median, 4)
 
 
 def _refuse(decode: Callable[[], object]) -> Callable[[], None]:  # FrameTooLarge expected
@@ -96,7 +89,7 @@ def main() -> None:
     out["valid_png_64px_decode_ms"] = _median_ms(lambda: decode_compressed(valid),
                                                  args.repeats)
     print(json.dumps(out, indent=1))
-    results.save("compressed_bombs", out)
+    harness.save("compressed_bombs", out, options=args)
 
 
 def render(data: dict) -> str:

@@ -32,19 +32,20 @@ import argparse
 import json
 import os
 import statistics
-import time
 from collections import Counter
 from collections.abc import Callable
 
+import harness
 import torch
 from bench_activation_memory import _entropy, _set_trainable, _step
 from torch import nn
 from torchvision.models import resnet18, resnet50
 from tta_kernels import cpu, native, reference
 
-from tta_core.daf.plans import budget_plan, trainable_units
+from tta_core.daf.plans import budget_plan
 from tta_core.memory import ActivationCodec, CodecPlan, SavedActivationCounter, profile_saves
 from tta_core.memory.ledger import MIB
+from tta_core.memory.widths import trainable_units
 from tta_core.runtime.malloc_tuning import keep_freed_memory
 from tta_core.surgeon.layer_importance import gradient_importance
 
@@ -168,13 +169,8 @@ def importance_ablation(model: nn.Module, x: torch.Tensor, frac: float) -> dict:
 
 
 def _ms(fn: Callable[[], object], reps: int = 5) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return 1e3 * best
+    """Fastest of `reps` calls of `fn` after one warm-up call, ms."""
+    return harness.repeat(fn, reps).stats()["min"]
 
 
 def bench_kernels(compiled: bool) -> dict:

@@ -23,9 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 
+import harness
 import numpy as np
 import results
 import torch
@@ -121,22 +121,22 @@ def run(spec: str, card_path: str, data, bundle: str, deadline_ms: float = 0.0) 
         mac += macs(m.paper.encoder, data[0][0])
     correct, n, first, backward, prev, since = 0, 0, [], 0, None, 0
     domains, ms = 0, []
-    t0 = time.perf_counter()
-    for x, y, d in data:
-        r = m.step(x)
-        hit = (r.logits.argmax(1) == y).float()
-        correct, n = correct + float(hit.sum()), n + len(y)
-        since = 0 if d != prev else since + 1
-        domains += d != prev
-        prev = d
-        if since < 5:
-            first.append(float(hit.mean()))
-        backward += bool(r.adapted)
-        ms.append(r.times.total_ms)
-    m.close()
+    with harness.Stopwatch() as sw:
+        for x, y, d in data:
+            r = m.step(x)
+            hit = (r.logits.argmax(1) == y).float()
+            correct, n = correct + float(hit.sum()), n + len(y)
+            since = 0 if d != prev else since + 1
+            domains += d != prev
+            prev = d
+            if since < 5:
+                first.append(float(hit.mean()))
+            backward += bool(r.adapted)
+            ms.append(r.times.total_ms)
+        m.close()
     return {"method": spec, "error": 100 * (1 - correct / n),
             "first5_acc": 100 * sum(first) / len(first), "backward_per_domain": backward / domains,
-            "macs": mac, "wall_s": time.perf_counter() - t0,
+            "macs": mac, "wall_s": sw.s,
             "batch_ms_median": sorted(ms)[len(ms) // 2],
             "deadline_hit": sum(t <= deadline_ms for t in ms) / len(ms) if deadline_ms else None}
 

@@ -27,12 +27,12 @@ from __future__ import annotations
 import argparse
 import functools
 import math
-import time
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import harness
 import results
 import torch
 
@@ -104,9 +104,8 @@ def offline(name: str, cfg: BenchConfig, fresh, stream) -> dict[str, Any]:
                         **method_options(name, cfg, tuple(stream[0].x.shape[1:])))
     perceived, backward, reasons, right, n, ms = [], [], [], 0, 0, []
     for b in stream:
-        t0 = time.perf_counter()
-        res = meth.step(b.x)
-        ms.append((time.perf_counter() - t0) * 1e3)
+        step_ms, res = harness.timed(lambda b=b: meth.step(b.x))
+        ms.append(step_ms)
         perceived.append(perceived_shift(res.stats))
         backward.append(bool(res.adapted))
         reasons.append(str(res.stats.get("reason", "")))
@@ -197,8 +196,9 @@ def use_cpu_clock() -> None:
     from tta_core.darda.method import Darda
     from tta_core.eval.streaming import timed_step
 
-    bench_module.timed_step = lambda run, clock=time.thread_time: timed_step(run, clock)
-    Darda.clock = staticmethod(time.thread_time)
+    thread = harness.CLOCKS["thread"]
+    bench_module.timed_step = lambda run, clock=thread: timed_step(run, clock)
+    Darda.clock = staticmethod(thread)
 
 
 def main() -> None:
@@ -244,7 +244,7 @@ def main() -> None:
         Path(a.out).write_text(results.dumps(report))
         print(f"\nwrote {a.out}")
     else:
-        print(f"\nwrote {results.save(a.stem, report)}")
+        print(f"\nwrote {harness.save(a.stem, report, options=a)}")
 
 
 def _rel(path: str) -> str:

@@ -27,7 +27,7 @@ import math
 from collections import Counter
 from pathlib import Path
 
-import results
+import harness
 
 from tta_core.sweep.aggregate import mean_ci, paired
 
@@ -268,7 +268,7 @@ def main() -> None:
                              "`tta sweep config/sweeps/darda_table2_fixes.yaml` first")
         data["fixes"] = collect_fixes(args.fixes)
     print(render(data))
-    results.save(args.stem, data)
+    harness.save(args.stem, data, options=args)
 
 
 if __name__ == "__main__":

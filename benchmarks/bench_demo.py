@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import results
+import harness
 
 KEEP = ("method", "n_frames", "n_batches", "accuracy", "mean_accuracy", "within_budget",
         "adapted")
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         if done.returncode != 0:
             return done.returncode
         data = slim(json.loads((Path(tmp) / "report.json").read_text()))
-    path = results.save("demo", data)
+    path = harness.save("demo", data, options=args)
     print(render(data))
     print(f"wrote {path} and its page")
     return 0

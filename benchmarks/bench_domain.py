@@ -23,10 +23,10 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import time
 from collections import Counter
 from pathlib import Path
 
+import harness
 import numpy as np
 import torch
 from torchvision import models as tvm
@@ -208,23 +208,22 @@ def run_recurring(spec_str: str, batches, n_corr: int) -> dict:
     m = build_method(name, model, input_shape=(3, 32, 32), **opts)
     accs, visits, backward, detect, total, seg, prev = [], [], 0, 0.0, 0.0, -1, None
     domains = 0
-    t0 = time.perf_counter()
-    for x, y, d in batches:
-        seg += d != prev
-        prev = d
-        r = m.step(x)
-        accs.append(float((r.logits.argmax(1) == y).float().mean()))
-        visits.append((seg // n_corr, d))
-        backward += bool(r.stats.get("backward", r.adapted))
-        domains = int(r.stats.get("domains", 0))
-        detect += float(r.stats.get("detect_ms", 0.0))
-        total += r.times.total_ms
-    wall = time.perf_counter() - t0
+    with harness.Stopwatch() as sw:
+        for x, y, d in batches:
+            seg += d != prev
+            prev = d
+            r = m.step(x)
+            accs.append(float((r.logits.argmax(1) == y).float().mean()))
+            visits.append((seg // n_corr, d))
+            backward += bool(r.stats.get("backward", r.adapted))
+            domains = int(r.stats.get("domains", 0))
+            detect += float(r.stats.get("detect_ms", 0.0))
+            total += r.times.total_ms
     m.close()
     return {"method": spec_str, **_visit_stats(accs, visits),
             "backward_share": backward / len(accs),
             "detect_share": detect / total if total else 0.0, "domains": domains,
-            "wall_s": wall}
+            "wall_s": sw.s}
 
 
 def _visit_stats(accs: list[float], visits: list[tuple[int, str]]) -> dict:
@@ -267,7 +266,7 @@ def main() -> None:
     n = args.samples or (160 if args.quick else 480)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter()
+    clock = harness.Stopwatch().start()
     residual = not args.moments_only
     report: dict = {"batch": BATCH, "samples_per_domain": n, "corruptions": list(corr),
                     "embedding": "moments + residual" if residual else "moments only",
@@ -279,7 +278,7 @@ def main() -> None:
         for tag, cfg in (("learnt", EmbeddingConfig(0, False, True, False, args.encoder)),
                          ("moments_residual_learnt", EmbeddingConfig(encoder=args.encoder))):
             report[tag] = recognition_report(cfg, corr, n, args.seed, out, f"_{tag}")
-    report["embed_s"] = time.perf_counter() - t0
+    report["embed_s"] = clock.lap_s()
     _, card = load_source(CARD)
     stream = build_stream(StreamSpec(order="recurring", corruptions=corr, samples_per_domain=n,
                                      recurrences=3, seed=args.seed + 2))
@@ -291,7 +290,7 @@ def main() -> None:
         plot_visits(report["recurring"], out / "recurring_visits.png")
     if args.resnet_size >= 0:
         report["resnet18"] = resnet18_overhead(args.resnet_size or (112 if args.quick else 224))
-    report["total_s"] = time.perf_counter() - t0
+    report["total_s"] = clock.lap_s()
     (out / "bench_domain.json").write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
 

@@ -31,10 +31,9 @@ import json
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
-import results
+import harness
 import torch
 from torch import nn
 from torchvision.models import resnet18, resnet50
@@ -116,9 +115,8 @@ def where_bytes_go(meth: Tent, x: torch.Tensor, dense_b: int) -> dict[str, float
 
 def _step(meth: Tent, x: torch.Tensor) -> tuple[float, dict, torch.Tensor]:
     meth.optimizer.zero_grad(set_to_none=True)
-    t0 = time.perf_counter()
-    res = meth.forward_and_adapt(x)
-    return (time.perf_counter() - t0) * 1e3, res.stats, _grads(meth)
+    ms, res = harness.timed(lambda: meth.forward_and_adapt(x))
+    return ms, res.stats, _grads(meth)
 
 
 def bench(model: nn.Module, batch: int, res: int, fracs: list[float], batches: int,
@@ -262,7 +260,7 @@ def main() -> None:
                    "acc_samples": args.acc_samples, "torch": torch.__version__,
                    "device": "cpu"}
     print(json.dumps(res, indent=1))
-    results.save("dynamic_widths", res)
+    harness.save("dynamic_widths", res, options=args)
 
 
 if __name__ == "__main__":

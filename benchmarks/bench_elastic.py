@@ -27,11 +27,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import harness
 import torch
 from torch import Tensor, nn
 from torchvision.models import resnet18
@@ -65,17 +64,10 @@ class StreamRun:
 def interleaved_ms(models: dict[str, nn.Module], x: Tensor, repeats: int) -> dict[str, float]:
     """Median forward time (ms) per model over `repeats` rounds; round r runs the models
     in an order rotated by r, so drift of the machine's load hits them alike."""
-    names = list(models)
-    times: dict[str, list[float]] = {n: [] for n in names}
     with torch.no_grad():
-        for n in names:  # warm-up
-            models[n](x)
-        for r in range(repeats):
-            for n in names[r % len(names):] + names[:r % len(names)]:
-                t0 = time.perf_counter()
-                models[n](x)
-                times[n].append((time.perf_counter() - t0) * 1e3)
-    return {n: statistics.median(v) for n, v in times.items()}
+        times = harness.round_robin({n: (lambda m=m: m(x)) for n, m in models.items()},
+                                    repeats, rotate=True)
+    return {n: t.median for n, t in times.items()}
 
 
 def part_a(repeats: int, keep: float) -> None:
@@ -181,9 +173,9 @@ def part_b(card_path: Path, keep: float, period: int, lr: float, mass: float,
          lambda: run_surrogate(master, stream, keep, period, lr, mass, True)),
     ]
     for name, fn in protocols:
-        t0 = time.perf_counter()
-        acc = fn()
-        runs.append(StreamRun(name, acc, time.perf_counter() - t0))
+        with harness.Stopwatch() as sw:
+            acc = fn()
+        runs.append(StreamRun(name, acc, sw.s))
     n = sum(len(y) for _, y in stream)
     print(f"\n(b) accuracy after adaptation, {card_path.name}, continual stream, severity 5, "
           f"{n} images, batch 16, lr {lr:g}, re-cut every {period} batches, mass {mass:g}")

@@ -54,10 +54,10 @@ import argparse
 import copy
 import json
 import math
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import harness
 import results
 import torch
 from torch import Tensor
@@ -231,7 +231,7 @@ def run_mode(master0: GatedModel, segs: list, mode: str, keep: float, mass: floa
     master = copy.deepcopy(master0).eval()
     run, seen, hits, total = ModeRun(mode, seed=seed), {}, 0, 0
     probes: dict[str, list[tuple[Tensor, Tensor]]] = {}
-    t0 = time.perf_counter()
+    clock = harness.Stopwatch().start()
     before = master
     for dom, batches in segs:
         seen[dom] = seen.get(dom, 0) + 1
@@ -254,7 +254,7 @@ def run_mode(master0: GatedModel, segs: list, mode: str, keep: float, mass: floa
               f"surrogate {100 * h / n:5.1f}% ({100 * s0:5.1f} -> {100 * s1:5.1f})  master "
               f"{100 * whole:5.1f} -> {100 * run.visits[-1].master_after:5.1f}%  "
               f"|dθ|/|θ| {dconv:.4f}  spread out/in {out:.3f}/{own:.3f}", flush=True)
-    run.accuracy, run.seconds = hits / total, time.perf_counter() - t0
+    run.accuracy, run.seconds = hits / total, clock.lap_s()
     return run, sur, before
 
 

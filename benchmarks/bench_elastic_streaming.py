@@ -28,12 +28,11 @@ checkpoints/resnet18_cifar_w32_signs64.json adds AdaShadow on the ungated source
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
+import harness
 import torch
 
 from tta_core.eval.bench_config import BenchConfig
@@ -52,14 +51,8 @@ def master_forward_ms(model: torch.nn.Module, x: torch.Tensor, runs: int = 20) -
 
     apply_memory_format(model, "auto", tuple(x.shape[1:]), batch_stats=True)
     set_bn_mode(model, "batch")
-    times = []
     with torch.no_grad():
-        model(x)
-        for _ in range(runs):
-            t0 = time.perf_counter()
-            model(x)
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+        return harness.repeat(lambda: model(x), runs).median
 
 
 def row(name: str, hz: float, batch: int, summary, served: Counter) -> str:

@@ -23,9 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
+import harness
 import torch
 
 from tta_core.eval.bench_config import DEFAULT_CARD, BenchConfig
@@ -54,18 +54,20 @@ def _variants(card: Path, shape: tuple[int, ...], sigma: float, deadline_ms: flo
 
 
 def _time_round(methods: dict, xs: list[torch.Tensor], order: list[str]) -> dict:
-    walls: dict[str, list[float]] = {k: [] for k in methods}
-    cpus: dict[str, list[float]] = {k: [] for k in methods}
     adapted = {k: 0 for k in methods}
-    for x in xs:
-        for key in order:
-            c0, t0 = time.thread_time(), time.perf_counter()
-            res = methods[key].step(x)
-            res.logits.argmax(1)
-            walls[key].append((time.perf_counter() - t0) * 1e3)
-            cpus[key].append((time.thread_time() - c0) * 1e3)
-            adapted[key] += bool(res.adapted)
-    return {"walls": walls, "cpus": cpus, "adapted": adapted}
+
+    def answer(method, x: torch.Tensor):
+        res = method.step(x)
+        res.logits.argmax(1)
+        return res
+
+    def note(key: str, res, _counted: bool) -> None:
+        adapted[key] += bool(res.adapted)
+
+    t = harness.round_robin({k: (lambda x, m=methods[k]: answer(m, x)) for k in order},
+                            warmup=0, inputs=xs, clocks=("wall", "thread"), on_result=note)
+    return {"walls": {k: t[k].times["wall"] for k in methods},
+            "cpus": {k: t[k].times["thread"] for k in methods}, "adapted": adapted}
 
 
 def _ratios(per_round: dict[str, list[float]], pooled: dict[str, list[float]]) -> dict:

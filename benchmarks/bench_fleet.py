@@ -49,12 +49,11 @@ import json
 import math
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import harness
 import numpy as np
-import results
 import torch
 from torch import nn
 
@@ -154,15 +153,8 @@ def forward_times(models: dict[tuple[str, float], nn.Module], x: torch.Tensor,
     """Fastest batch forward (ms) of every model over `reps` interleaved rounds (the
     fastest, as the elastic method's warm-up times sizes: on a shared machine the median
     carries other processes' preemptions, which made a smaller size look slower)."""
-    times: dict[tuple[str, float], list[float]] = {k: [] for k in models}
-    for m in models.values():
-        m(x)  # warm-up
-    for _ in range(reps):
-        for k, m in models.items():
-            t0 = time.perf_counter()
-            m(x)
-            times[k].append((time.perf_counter() - t0) * 1e3)
-    return {k: min(v) for k, v in times.items()}
+    times = harness.round_robin({k: (lambda m=m: m(x)) for k, m in models.items()}, reps)
+    return {k: min(t.ms) for k, t in times.items()}
 
 
 def calibrate(master: GatedModel, card, sizes, batch: int, n: int, bn: str
@@ -193,18 +185,17 @@ def retrain(model: nn.Module, x: torch.Tensor, steps: int, lr: float, batch: int
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.SGD(params, lr=lr, momentum=0.9)
-    times = []
-    for step in range(steps):
-        i = (step * batch) % max(1, len(x) - batch + 1)
-        t0 = time.perf_counter()
+    def step(i: int) -> None:
         loss = im_loss(model(x[i:i + batch]))
         opt.zero_grad()
         loss.backward()
         opt.step()
-        times.append(time.perf_counter() - t0)
+
+    starts = [(s * batch) % max(1, len(x) - batch + 1) for s in range(steps)]
+    times = harness.round_robin({"step": step}, warmup=0, inputs=starts) if steps else {}
     for p in model.parameters():
         p.requires_grad_(False)
-    return steps * statistics.median(times) if times else 0.0
+    return steps * times["step"].median / 1e3 if times else 0.0
 
 
 @torch.no_grad()
@@ -533,7 +524,7 @@ def _write(out: dict, args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(text)
     if args.results:
-        results.save(Path(args.results).name, out, Path(args.results).parent)
+        harness.save(Path(args.results).name, out, options=args, out=Path(args.results).parent)
     print(text)
     print(markdown(out))
     ok = all(math.isfinite(v) for runs in out["scenarios"].values() for r in runs

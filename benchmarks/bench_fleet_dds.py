@@ -88,7 +88,7 @@ from tta_core.eval.streaming import StreamBatch, StreamResult, score_batches
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import results  # noqa: E402
+import harness  # noqa: E402
 from bench_fleet import CAMERAS, camera_stream, offline, write_calibration  # noqa: E402
 from fleet_dds_driver import SCHEDULER, Driver  # noqa: E402
 
@@ -255,11 +255,12 @@ def run_round(drv: Driver, procs: dict, cams: list[Cam], arm: str, index: int,
     drv.set_scheduler(**ARM_PARAMS[arm])
     drv.stream(cams, args.settle, None)
     pids = {**{key: p.pid for key, p in procs.items()}, "driver": os.getpid()}
-    cpu0, t_cpu = {ns: cpu_seconds(pid) for ns, pid in pids.items()}, time.monotonic()
+    cpu0, clock = {ns: cpu_seconds(pid) for ns, pid in pids.items()}, harness.Stopwatch()
+    clock.start()
     drv.recording = index
     t0, late = drv.stream(cams, args.seconds, index)
     drv.recording = None
-    wall = time.monotonic() - t_cpu
+    wall = clock.lap_s()
     cpu = {ns: (cpu_seconds(pid) - cpu0[ns]) / wall for ns, pid in pids.items()}
     tail = max((2 * args.batch - 1) / c.hz for c in cams) + 0.5
     drv.stream(cams, tail, None)
@@ -414,11 +415,11 @@ def scenario(n: int, card, args: argparse.Namespace, cal: str, run_dir: Path) ->
         rounds = []
         for r in range(args.rounds):
             for arm in ARMS:
-                t = time.monotonic()
-                rounds.append(run_round(drv, procs, cams, arm, len(rounds), args))
+                with harness.Stopwatch() as sw:
+                    rounds.append(run_round(drv, procs, cams, arm, len(rounds), args))
                 res = rounds[-1].results
                 print(f"N={n} seed {args.seed} round {r + 1}/{args.rounds} {arm:11s} "
-                      f"{time.monotonic() - t:5.1f} s: streaming " + " ".join(
+                      f"{sw.s:5.1f} s: streaming " + " ".join(
                           f"{ns} {100 * x.summary.streaming:.1f}%" for ns, x in res.items()),
                       file=sys.stderr, flush=True)
         pids = [p.pid for p in procs.values()]
@@ -561,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         plot(out, out_path.with_suffix(".png"))
         print(markdown(out), flush=True)
     if args.results:
-        results.save(Path(args.results).name, out, Path(args.results).parent)
+        harness.save(Path(args.results).name, out, options=args, out=Path(args.results).parent)
     print(f"wrote {out_path}", file=sys.stderr)
     return 0
 

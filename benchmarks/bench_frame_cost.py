@@ -23,7 +23,6 @@ import argparse
 import random
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "test"))  # helpers.ros
-import results
+import harness
 from rclpy.serialization import deserialize_message, serialize_message
 from sensor_msgs.msg import CompressedImage, Image
 
@@ -99,13 +98,8 @@ def compressed_frame(codec: str, h: int, w: int) -> bytes:
 
 def times_ms(fn: Callable[[], object], repeats: int) -> dict[str, float]:
     """p50 and max ms of `fn` over `repeats` calls, after one unmeasured call."""
-    fn()
-    out = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t) * 1e3)
-    return {"p50_ms": round(statistics.median(out), 3), "max_ms": round(max(out), 3)}
+    s = harness.repeat(fn, repeats).stats()
+    return {"p50_ms": round(s["p50"], 3), "max_ms": round(s["max"], 3)}
 
 
 def old_path(data: bytes, kind: str, limits: FrameLimits, pre: Preprocess
@@ -223,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_node:
         out["node"] = node_rows(args.rounds)
     if not args.no_save:
-        print(results.save("frame_cost", out))
+        print(harness.save("frame_cost", out, options=args))
     ok = all(r["goal_met"] for r in [*out["raw"], *out.get("node", [])])
     return 0 if ok else 1
 

@@ -27,10 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
-import results
+import harness
 import torch
 from torch import nn
 
@@ -65,18 +64,18 @@ def fine_tune(master: GatedModel, x: torch.Tensor, y: torch.Tensor,
     opts = [torch.optim.Adam(master.gates.parameters(), lr=args.gate_lr),
             torch.optim.SGD(master.base.parameters(), lr=args.lr, momentum=0.9)]
     master.train()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        idx = torch.randint(0, len(x), (args.batch,), generator=gen)
-        for o in opts:
-            o.zero_grad()
-        sandwich_loss(master, x[idx], y[idx], args.s_max, cfg, gen)
-        for o in opts:
-            o.step()
-    recalibrate_bn(master, x[:2048], 128)
+    with harness.Stopwatch() as sw:
+        for _ in range(args.steps):
+            idx = torch.randint(0, len(x), (args.batch,), generator=gen)
+            for o in opts:
+                o.zero_grad()
+            sandwich_loss(master, x[idx], y[idx], args.s_max, cfg, gen)
+            for o in opts:
+                o.step()
+        recalibrate_bn(master, x[:2048], 128)
     for p in master.parameters():
         p.requires_grad_(False)
-    return time.perf_counter() - t0
+    return sw.s
 
 
 @torch.no_grad()
@@ -100,15 +99,10 @@ def surrogate(master: GatedModel, x: torch.Tensor, keep: float) -> nn.Module:
 @torch.no_grad()
 def fastest_ms(models: dict[str, nn.Module], x: torch.Tensor, reps: int) -> dict[str, float]:
     """Fastest forward of each model over `reps` interleaved rounds, ms."""
-    times: dict[str, list[float]] = {k: [] for k in models}
     for m in models.values():
-        m.eval()(x)
-    for _ in range(reps):
-        for k, m in models.items():
-            t0 = time.perf_counter()
-            m(x)
-            times[k].append((time.perf_counter() - t0) * 1e3)
-    return {k: min(v) for k, v in times.items()}
+        m.eval()
+    times = harness.round_robin({k: (lambda m=m: m(x)) for k, m in models.items()}, reps)
+    return {k: min(t.ms) for k, t in times.items()}
 
 
 def evaluate(ms: dict[str, GatedModel], xv: torch.Tensor, yv: torch.Tensor,
@@ -208,7 +202,7 @@ def _write(out: dict, args: argparse.Namespace) -> None:
           file=sys.stderr, flush=True)
     if args.results:
         if "tuned" in out:
-            results.save(Path(args.results).name, out, Path(args.results).parent)
+            harness.save(Path(args.results).name, out, options=args, out=Path(args.results).parent)
         else:  # the first phase alone: JSON only (no page until the run is complete)
             Path(args.results).with_suffix(".json").write_text(json.dumps(out, indent=1))
 

@@ -22,10 +22,10 @@ import argparse
 import json
 import os
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
+import harness
 import results
 import torch
 from tta_kernels import cpu, native, reference
@@ -59,20 +59,11 @@ def _check_cpu(x: torch.Tensor, bits: int) -> None:
     assert all(torch.equal(a, b) for a, b in zip(ref, qt, strict=True))
 
 
-def round_robin(cases: dict[str, Case], repeats: int, sync: Callable[[], None] = lambda: None
+def round_robin(cases: dict[str, Case], repeats: int, device: str | None = None
                 ) -> dict[str, list[float]]:
     """ms per call of each case, `repeats` rounds, every case once per round (after one
-    untimed warm-up round)."""
-    times: dict[str, list[float]] = {k: [] for k in cases}
-    for r in range(repeats + 1):
-        for name, fn in cases.items():
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            if r:
-                times[name].append((time.perf_counter() - start) * 1e3)
-    return times
+    untimed warm-up round; harness.round_robin)."""
+    return {k: t.ms for k, t in harness.round_robin(cases, repeats, device=device).items()}
 
 
 def _ratio(times: dict[str, list[float]], slow: str, fast: str) -> float:
@@ -111,7 +102,6 @@ def cuda_rows(n: int, repeats: int) -> list[dict]:
     from tta_kernels import triton_kernels as tk
 
     x = torch.relu(torch.randn(n, device="cuda"))
-    sync = torch.cuda.synchronize
     rows = []
     for bits in (2, 4, 8):
         ref = reference.quantize_pack(x.cpu(), bits, GROUP)
@@ -123,13 +113,13 @@ def cuda_rows(n: int, repeats: int) -> list[dict]:
             "triton_fused": lambda b=bits: tk.quantize_pack(x, b, GROUP),
             "triton_hybrid": lambda b=bits: tk.quantize_pack(x, b, GROUP, hybrid=True),
         }
-        t = round_robin(cases, repeats, sync)
+        t = round_robin(cases, repeats, "cuda")
         rows.append({"bits": bits, "ms": {k: round(statistics.median(v), 4)
                                           for k, v in t.items()},
                      "triton_vs_torch": _ratio(t, "torch_vectorised", "triton_fused")})
     g = x.view(-1)
     t = round_robin({"amin_amax": lambda: (g.amin(), g.amax()),
-                     "hybrid_minmax": lambda: tk.group_minmax(g, g.numel())}, repeats, sync)
+                     "hybrid_minmax": lambda: tk.group_minmax(g, g.numel())}, repeats, "cuda")
     rows.append({"tensor_minmax_ms": {k: round(statistics.median(v), 4) for k, v in t.items()},
                  "hybrid_vs_torch": _ratio(t, "amin_amax", "hybrid_minmax")})
     return rows
@@ -194,7 +184,7 @@ def main() -> None:
            "cuda_rows": cuda_rows(args.n, args.repeats) if args.device == "cuda" else []}
     print(json.dumps(res, indent=1))
     if not args.quick:
-        results.save("kernels", res, args.out)
+        harness.save("kernels", res, options=args, out=args.out)
 
 
 if __name__ == "__main__":

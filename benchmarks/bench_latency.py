@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
+import harness
 import numpy as np
 import torch
 
@@ -34,22 +34,20 @@ def _finite(v: float) -> float | None:
 
 def _bench(methods: dict, xs: list[torch.Tensor], warmup: int) -> dict:
     """Round-robin over methods per batch, so machine load hits all of them alike."""
-    walls = {n: [] for n in methods}
     phases = {n: {k: [] for k in PHASES} for n in methods}
     ups = {n: [] for n in methods}
     pred = {n: [] for n in methods}
-    for i, x in enumerate(xs):
-        for name, method in methods.items():
-            t0 = time.perf_counter()
-            res = method.step(x)
-            wall = (time.perf_counter() - t0) * 1e3
-            if i < warmup:
-                continue
-            walls[name].append(wall)
+
+    def note(name: str, res, counted: bool) -> None:
+        if counted:
             ups[name].append(res.units_updated)
             pred[name].append((res.predicted_total_ms, res.budget_ms))
             for k in PHASES:
                 phases[name][k].append(getattr(res.times, k))
+
+    t = harness.round_robin({n: m.step for n, m in methods.items()}, warmup=warmup,
+                            inputs=xs, on_result=note)
+    walls = {n: t[n].ms for n in methods}
     return {n: {"median_ms": round(statistics.median(walls[n]), 2),
                 "phases_median_ms": {k: round(statistics.median(v), 2)
                                      for k, v in phases[n].items()},

@@ -28,8 +28,8 @@ import argparse
 import json
 from pathlib import Path
 
+import harness
 import numpy as np
-import results
 import torch
 from torch import nn
 from torchvision.models import resnet18, resnet50
@@ -139,7 +139,7 @@ def main() -> None:
            f"resnet50_{args.res}px_b4": bench(make(resnet50), 4, args.res),
            "meta": {"threads": args.threads, "torch": torch.__version__, "device": "cpu"}}
     print(json.dumps(res, indent=1))
-    results.save("like_for_like", res, OUT)
+    harness.save("like_for_like", res, options=args, out=OUT)
 
 
 if __name__ == "__main__":

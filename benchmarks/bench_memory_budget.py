@@ -39,9 +39,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from collections.abc import Callable
 
+import harness
 import psutil
 import torch
 from torch import nn
@@ -112,16 +112,19 @@ def _tent_saved_mib(make: Callable[[], nn.Module], x: torch.Tensor) -> float:
 
 
 def _timed(meths: dict, x: torch.Tensor, repeats: int) -> dict[str, list]:
-    """Round-robin step times (ms) and (adapted, units updated) per config."""
-    times: dict[str, list] = {k: [] for k in meths}
-    for _ in range(repeats):
-        for key, meth in meths.items():
-            t0 = time.perf_counter()
-            res = meth.step(x)
-            meth.finish()
-            times[key].append(((time.perf_counter() - t0) * 1e3, res.adapted,
-                               res.units_updated))
-    return times
+    """Round-robin step times (ms, the step and its finish) and (adapted, units updated)
+    per config."""
+    seen: dict[str, list] = {k: [] for k in meths}
+
+    def step(meth):
+        res = meth.step(x)
+        meth.finish()
+        return res
+
+    times = harness.round_robin(
+        {k: (lambda m=m: step(m)) for k, m in meths.items()}, repeats, warmup=0,
+        on_result=lambda k, res, _: seen[k].append((res.adapted, res.units_updated)))
+    return {k: [(ms, *s) for ms, s in zip(times[k].ms, seen[k], strict=True)] for k in meths}
 
 
 def bench_model(arch: str, px: int, batch: int, repeats: int, share: float) -> dict:

@@ -30,11 +30,10 @@ import argparse
 import math
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import harness
 import numpy as np
 import results
 import torch
@@ -86,13 +85,6 @@ class ModelSpec:
         return cls(arch, size, batch)
 
 
-def _syncer(device: torch.device) -> Callable[[], None]:
-    """Waits for the device's queued work (a no-op on the CPU)."""
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
-
-
 def _build(spec: ModelSpec, device: torch.device, sigma: float | None) -> dict:
     """Every method on its own copy of the same randomly initialised model, all in the
     memory format the first one's "auto" choice measured (timed per method, a noisy
@@ -122,7 +114,6 @@ def run_model(spec: ModelSpec, batches: int, warmup: int, device: torch.device,
               sigma: float | None = None) -> dict:
     """Round-robin over the methods per batch; per-method walls, phases and units."""
     methods = _build(spec, device, sigma)
-    sync = _syncer(device)
     noise = torch.randn((spec.batch_size, 3, spec.image_size, spec.image_size), device=device)
     for method in methods.values():
         if isinstance(method, WarmsUp):  # its fixed costs learnt, as a node does at start
@@ -132,7 +123,7 @@ def run_model(spec: ModelSpec, batches: int, warmup: int, device: torch.device,
     results = {label: [] for label in methods}
     xs = _stream(spec, batches + warmup, device)
     with frozen_heap():  # as the node serves: full collections skip the start-up objects
-        _interleave(methods, xs, warmup, sync, rec, results,
+        _interleave(methods, xs, warmup, device, rec, results,
                     f"{spec.arch} {spec.image_size}px b{spec.batch_size}")
     for label, method in methods.items():
         method.close()  # parallel mode: the last update is finished and its times filled
@@ -142,27 +133,26 @@ def run_model(spec: ModelSpec, batches: int, warmup: int, device: torch.device,
     return _summary(spec, rec, next(iter(methods.values())).format.format)
 
 
-def _interleave(methods: dict, xs: list[torch.Tensor], warmup: int, sync: Callable[[], None],
+def _interleave(methods: dict, xs: list[torch.Tensor], warmup: int, device: torch.device,
                 rec: dict, results: dict, desc: str) -> None:
-    """Every method steps each batch in turn, walls and results recorded after `warmup`."""
-    for i, x in enumerate(tqdm(xs, desc=desc, file=sys.stderr, leave=False)):
-        # the order rotates per batch: no method always follows the same one (Tent frees
-        # hundreds of MiB, a parallel update ends: what runs next would always pay)
-        labels = list(methods)
-        for label in labels[i % len(labels):] + labels[:i % len(labels)]:
-            method = methods[label]
-            sync()
-            t0 = time.perf_counter()
-            res = method.step(x)
-            sync()
-            wall = (time.perf_counter() - t0) * 1e3
-            method.finish()  # parallel mode: its update ends before the next method runs
-            if i >= warmup:
-                rec[label]["walls_ms"].append(wall)
-                rec[label]["units"].append(int(res.units_updated))
-                if res.planning is not None and res.planning.no_room:
-                    rec[label]["no_room"] = res.planning.no_room  # the last batch's reason
-                results[label].append(res)
+    """Every method steps each batch in turn, walls and results recorded after `warmup`.
+    The order rotates per batch: no method always follows the same one (Tent frees
+    hundreds of MiB, a parallel update ends: what runs next would always pay)."""
+
+    def note(label: str, res, counted: bool) -> None:
+        methods[label].finish()  # parallel mode: its update ends before the next method runs
+        if counted:
+            rec[label]["units"].append(int(res.units_updated))
+            if res.planning is not None and res.planning.no_room:
+                rec[label]["no_room"] = res.planning.no_room  # the last batch's reason
+            results[label].append(res)
+
+    times = harness.round_robin(
+        {label: m.step for label, m in methods.items()}, warmup=warmup, inputs=xs,
+        rotate=True, device=device, on_result=note,
+        progress=lambda rounds: tqdm(rounds, desc=desc, file=sys.stderr, leave=False))
+    for label, t in times.items():
+        rec[label]["walls_ms"] = t.ms
 
 
 def _median(v: list[float]) -> float:
@@ -278,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict:
                        for s in specs]}
     print(to_markdown(report))
     if args.out:
-        results.save("paper_ratios", report, Path(args.out))
+        harness.save("paper_ratios", report, options=args, out=Path(args.out))
     return report
 
 

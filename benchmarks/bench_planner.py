@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
+import harness
 import numpy as np
 import torch
 
@@ -32,7 +32,7 @@ def _resnet50_problem(forward_ms: float, sigma: float) -> tuple[PlanProblem, str
         ss = np.repeat(np.arange(0, n, 6), 6)[:n]
         fwd = macs / macs.sum() * forward_ms
         return PlanProblem(fwd, fwd, fwd, ss, np.ones(n), forward_ms, sigma), "synthetic"
-    staged = decompose(resnet50())
+    staged = decompose(resnet50(), (3, 224, 224), "resnet50")
     units = staged.units
     f, bw = 1e11, 2e10
     def roofline(macs: list[int]) -> np.ndarray:
@@ -57,9 +57,8 @@ def _time_solves(problem: PlanProblem, n_solves: int, n_t: int) -> dict:
     times, n_sel, used = [], [], []
     for _ in range(n_solves):
         problem.importance = _random_importance(rng, len(problem.w))
-        t0 = time.perf_counter()
-        plan = solve(problem, n_t=n_t)
-        times.append((time.perf_counter() - t0) * 1e3)
+        ms, plan = harness.timed(lambda: solve(problem, n_t=n_t))
+        times.append(ms)
         n_sel.append(int(plan.update.sum()))
         used.append(plan.predicted_total_ms / plan.budget_ms)
     t = np.array(times)

@@ -9,7 +9,7 @@
    overhead_vs_in_process_ms = median(e2e) - median(in-process); overhead_vs_node_step_ms
    = median over frames of (e2e - the node's own step time from adaptation_status).
 2. CPU time of the resource_monitor node at 10 Hz over `--monitor-s` seconds, measured in
-   a child process (time.process_time), minus the same process spinning an empty node.
+   a child process (the harness's CPU clock), minus the same process spinning an empty node.
 
     source build/env.sh && python benchmarks/bench_ros_overhead.py [--frames 150]
         [--executor single|multi]
@@ -27,15 +27,20 @@ import threading
 import time
 from pathlib import Path
 
+import harness
 import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = Path(harness.__file__).resolve().parent
+WALL = harness.CLOCKS["wall"]  # publish and receive times (an end-to-end latency)
 CARD = ROOT / "checkpoints" / "small_resnet_signs32.json"
 CONFIG = ROOT / "config" / "vehicle.yaml"
 
 MONITOR_CHILD = """
-import sys, time, rclpy, rclpy.task
+import sys, rclpy, rclpy.task
+sys.path.insert(0, sys.argv[3])  # benchmarks/: the harness
+import harness
 from rclpy.executors import SingleThreadedExecutor
 from tta_ros.lifecycle import activate
 from tta_ros.nodes.resource_monitor import ResourceMonitorNode
@@ -43,10 +48,10 @@ rclpy.init()
 node = activate(ResourceMonitorNode(parameter_overrides=[])) if sys.argv[1] == "monitor" \\
     else rclpy.create_node("idle")
 ex = SingleThreadedExecutor(); ex.add_node(node)
-c0 = time.process_time(); w0 = time.monotonic()
 # block in the executor as a deployed node does (spin), no polling loop of our own
-ex.spin_until_future_complete(rclpy.task.Future(), timeout_sec=float(sys.argv[2]))
-print((time.process_time() - c0) / (time.monotonic() - w0))
+with harness.Stopwatch(("cpu", "wall")) as sw:
+    ex.spin_until_future_complete(rclpy.task.Future(), timeout_sec=float(sys.argv[2]))
+print(sw.elapsed["cpu"] / sw.elapsed["wall"])
 """
 
 
@@ -87,12 +92,12 @@ class Rig:
 
     def _on_pred(self, msg) -> None:
         with self.cond:
-            self.recv.setdefault(_key(msg), time.perf_counter())
+            self.recv.setdefault(_key(msg), WALL())
             self.cond.notify_all()
 
     def send(self, msg, timeout_s: float = 2.0) -> float:
         """Publish and wait for the prediction; returns the publish time."""
-        t0 = time.perf_counter()
+        t0 = WALL()
         self.pub.publish(msg)
         with self.cond:
             self.cond.wait_for(lambda: _key(msg) in self.recv, timeout_s)
@@ -139,10 +144,10 @@ def ros_vs_in_process(frames: int, gap_s: float, executor: str, warmup: int = 10
         for i, m in enumerate(msgs):
             sent[_key(m)] = rig.send(m)
             time.sleep(gap_s / 2)
-            t0 = time.perf_counter()
-            method.step(to_tensor([decode_image(m)], node.pre))
+            ms, _ = harness.timed(lambda m=m: method.step(to_tensor([decode_image(m)],
+                                                                     node.pre)))
             if i >= warmup:
-                inproc.append((time.perf_counter() - t0) * 1e3)
+                inproc.append(ms)
             time.sleep(gap_s / 2)
         time.sleep(0.5)
     finally:
@@ -163,7 +168,8 @@ def ros_vs_in_process(frames: int, gap_s: float, executor: str, warmup: int = 10
 def monitor_cpu(seconds: float) -> dict:
     """CPU % of one core of the monitor node at 10 Hz, and of an idle node, in children."""
     def run(kind: str) -> float:
-        out = subprocess.run([sys.executable, "-c", MONITOR_CHILD, kind, str(seconds)],
+        out = subprocess.run([sys.executable, "-c", MONITOR_CHILD, kind, str(seconds),
+                              str(BENCHMARKS)],
                              capture_output=True, text=True, check=True, cwd=ROOT)
         return float(out.stdout.strip().splitlines()[-1])
     mon, idle = run("monitor"), run("idle")

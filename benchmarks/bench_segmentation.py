@@ -14,7 +14,7 @@ import argparse
 from dataclasses import asdict
 from pathlib import Path
 
-import results
+import harness
 import torch
 
 from tta_core.eval.seg_bench import SEG_METHODS, SegBenchConfig, run_seg_bench
@@ -74,7 +74,7 @@ def main() -> None:
               "batch_size": a.batch_size, "threads": a.threads, "clean": asdict(clean[0]),
               "runs": [asdict(r) for r in runs]}
     print(render(report))
-    print(f"wrote {results.save('segmentation', report)}")
+    print(f"wrote {harness.save('segmentation', report, options=a)}")
 
 
 if __name__ == "__main__":

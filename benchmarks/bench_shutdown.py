@@ -29,7 +29,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/: harness, results
+import harness
+
 ROOT = Path(__file__).resolve().parent.parent
+
 CARD = ROOT / "checkpoints" / "small_resnet_signs32.json"
 NAMESPACE = "/car1"
 CAMERA_HZ = 30.0
@@ -143,10 +147,10 @@ def stop_once(node: str, loaded: bool, ready_timeout_s: float = 180.0) -> Stop:
                 if proc.poll() is not None or time.monotonic() > end:
                     raise RuntimeError(f"{node}: no prediction with frames flowing")
                 time.sleep(0.01)
-        start = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=60)
-        return Stop(node, loaded, time.monotonic() - start, code)
+        with harness.Stopwatch() as sw:
+            proc.send_signal(signal.SIGINT)
+            code = proc.wait(timeout=60)
+        return Stop(node, loaded, sw.s, code)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -209,10 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{r['node']:16s} {r['load']:6s} median {r['median_ms']:6.0f} ms  max "
               f"{r['max_ms']:6.0f} ms  under 1 s {r['under_1s']}/{r['runs']}")
     if not args.no_save:
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-        from results import save
-
-        print(save("shutdown", {"runs": args.runs, "camera_hz": CAMERA_HZ, "rows": rows}))
+        print(harness.save("shutdown", {"runs": args.runs, "camera_hz": CAMERA_HZ,
+                                        "rows": rows}, options=args))
     return 0 if all(r["under_1s"] == r["runs"] for r in rows) else 1
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
+import harness
 import numpy as np
 import torch
 
@@ -28,19 +28,19 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def signs_rate(size: int, n: int) -> float:
     make_signs(8, size, seed=99)  # warm the template cache
-    t0 = time.perf_counter()
-    make_signs(n, size, seed=1)
-    return n / (time.perf_counter() - t0)
+    with harness.Stopwatch() as sw:
+        make_signs(n, size, seed=1)
+    return n / sw.s
 
 
 def corruption_ms(images: np.ndarray) -> dict[str, float]:
     out = {}
     for name in CORRUPTIONS:
         corrupt_image(images[0], name, 5, seed=0)  # one-off costs (numba compile)
-        t0 = time.perf_counter()
-        for i, img in enumerate(images):
-            corrupt_image(img, name, 5, seed=i)
-        out[name] = round(1e3 * (time.perf_counter() - t0) / len(images), 3)
+        with harness.Stopwatch() as sw:
+            for i, img in enumerate(images):
+                corrupt_image(img, name, 5, seed=i)
+        out[name] = round(sw.ms / len(images), 3)
     return out
 
 
@@ -58,9 +58,9 @@ def main() -> None:
                          torch.from_numpy(clean.labels))
     spec = StreamSpec(image_size=card.image_size, samples_per_domain=args.samples_per_domain,
                       seed=args.seed, num_classes=card.num_classes)
-    t0 = time.perf_counter()
-    stream = build_stream(spec, progress=False)
-    build_s = time.perf_counter() - t0
+    with harness.Stopwatch() as sw:
+        stream = build_stream(spec, progress=False)
+    build_s = sw.s
     per_domain = {}
     for dom in stream.domain_order():
         m = stream.domains == dom

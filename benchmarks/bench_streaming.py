@@ -25,24 +25,27 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+import harness
+
 import tta_core.eval.bench_stream as bench_stream
 from tta_core.cli import main as cli_main
 from tta_core.eval.streaming import StepFn, timed_step
 
+WALL = harness.CLOCKS["wall"]
 PAUSE_EVERY_S = 0.5
 PAUSE_S = 0.06
 
 
 def paced(run: Callable[[Sequence[int], float], Sequence[int]],
-          clock: Callable[[], float] = time.perf_counter) -> StepFn:
+          clock: Callable[[], float] = WALL) -> StepFn:
     """timed_step, with an untimed pause before a step once PAUSE_EVERY_S has passed."""
     inner = timed_step(run, clock)
-    last = [time.perf_counter()]
+    since = harness.Stopwatch().start()
 
     def step(frames: Sequence[int], late_ms: float = 0.0) -> tuple[Sequence[int], float]:
-        if time.perf_counter() - last[0] > PAUSE_EVERY_S:
+        if since.lap_s() > PAUSE_EVERY_S:
             time.sleep(PAUSE_S)
-            last[0] = time.perf_counter()
+            since.start()
         return inner(frames, late_ms)
 
     return step

@@ -17,8 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
+import harness
 import torch
 from torch import nn
 from torchvision.models import resnet18
@@ -70,15 +70,11 @@ def bench_model(make, x: torch.Tensor, repeats: int) -> dict:
         meth.step(x)
         saved, peak = _saved(meth, x)  # second step: robot mode is pruned
         out[key] = {"saved_mib": round(saved, 3), "peak_mib": round(peak, 3)}
-    times: dict[str, list[float]] = {k: [] for k in meths}
-    for _ in range(repeats):
-        for key, meth in meths.items():
-            t0 = time.perf_counter()
-            meth.step(x)
-            times[key].append((time.perf_counter() - t0) * 1e3)
-    tent_ms = statistics.median(times["tent"])
+    times = harness.round_robin({k: (lambda m=m: m.step(x)) for k, m in meths.items()},
+                                repeats, warmup=0)
+    tent_ms = times["tent"].median
     for key in meths:
-        ms = statistics.median(times[key])
+        ms = times[key].median
         out[key].update(ms=round(ms, 1), time_ratio=round(ms / tent_ms, 2),
                         saved_ratio=round(out[key]["saved_mib"] / out["tent"]["saved_mib"], 3))
         if key != "tent":

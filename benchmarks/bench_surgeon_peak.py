@@ -25,7 +25,7 @@ import argparse
 import json
 from pathlib import Path
 
-import results
+import harness
 import torch
 from torchvision.models import resnet18, resnet50
 
@@ -149,7 +149,7 @@ def main() -> None:
                     "defaults": {k: v for k, v in vars(SurgeonConfig()).items()
                                  if k.startswith(("importance", "prune", "keep", "mode"))}}}
     print(json.dumps(res, indent=1))
-    results.save("surgeon_peak", res, OUT)
+    harness.save("surgeon_peak", res, options=args, out=OUT)
 
 
 if __name__ == "__main__":

@@ -26,9 +26,9 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
+import harness
 import results
 import yaml
 
@@ -59,11 +59,11 @@ def _in_process(cells: list, out: Path) -> float:
 
     cli = BenchCLI(bench.add_arguments, bench.config_from_args)
     run_cell(cli, cells[0].argv(), str(out / "warm"), str(results.ROOT))  # imports, caches
-    t0 = time.perf_counter()
-    for i, cell in enumerate(cells):
-        res = run_cell(cli, cell.argv(), str(out / str(i)), str(results.ROOT))
-        assert res["status"] == "done", res.get("error")
-    return time.perf_counter() - t0
+    with harness.Stopwatch() as sw:
+        for i, cell in enumerate(cells):
+            res = run_cell(cli, cell.argv(), str(out / str(i)), str(results.ROOT))
+            assert res["status"] == "done", res.get("error")
+    return sw.s
 
 
 def speedup(samples: int, workers: int) -> dict:
@@ -80,21 +80,22 @@ def speedup(samples: int, workers: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench_sweep_") as tmp:
         work = Path(tmp)
         load0 = os.getloadavg()
-        t0 = time.perf_counter()
         seq = []
-        for i, cell in enumerate(cells):
-            out = work / "seq" / str(i)
-            _tta("bench", *cell.argv(), "--out", str(out), "--no-progress", cwd=results.ROOT)
-            seq.append(_figures(json.loads((out / "report.json").read_text())["summaries"]))
-        seq_s = time.perf_counter() - t0
+        with harness.Stopwatch() as sw:
+            for i, cell in enumerate(cells):
+                out = work / "seq" / str(i)
+                _tta("bench", *cell.argv(), "--out", str(out), "--no-progress",
+                     cwd=results.ROOT)
+                seq.append(_figures(json.loads((out / "report.json").read_text())["summaries"]))
+        seq_s = sw.s
         inproc_s = _in_process(cells, work / "inproc")
         load1 = os.getloadavg()
         spec = work / "speedup.yaml"
         spec.write_text(yaml.safe_dump(spec_raw, sort_keys=False))
-        t0 = time.perf_counter()
-        _tta("sweep", str(spec), "--out", str(work / "sweep"), "--workers", str(workers),
-             "--no-progress", cwd=results.ROOT)
-        sweep_s = time.perf_counter() - t0
+        with harness.Stopwatch() as sw:
+            _tta("sweep", str(spec), "--out", str(work / "sweep"), "--workers", str(workers),
+                 "--no-progress", cwd=results.ROOT)
+        sweep_s = sw.s
         load2 = os.getloadavg()
         swept = {tuple(c["argv"]): c for c in
                  json.loads((work / "sweep" / "sweep.json").read_text())["cells"]}
@@ -219,13 +220,13 @@ def main() -> None:
     ap.add_argument("--spec", default="config/sweeps/readme.yaml")
     args = ap.parse_args()
     if args.readme:
-        path = results.save("sweep_readme", readme(args.sweep_dir, args.spec))
+        path = harness.save("sweep_readme", readme(args.sweep_dir, args.spec), options=args)
     else:
         data = speedup(args.samples, args.workers)
         print(f"sequential {data['sequential_s']:.1f} s, in-process {data['in_process_s']:.1f}"
               f" s, sweep {data['sweep_s']:.1f} s, ratio {data['ratio']:.2f}x (in-process "
               f"{data['ratio_in_process']:.2f}x), load {data['load_1min']}")
-        path = results.save("sweep_speedup", data)
+        path = harness.save("sweep_speedup", data, options=args)
     print(f"wrote {path}")
 
 

@@ -11,6 +11,7 @@ import argparse
 import json
 import time
 
+import harness
 import psutil
 
 from tta_core.telemetry import PsutilSource, TelemetrySampler
@@ -18,14 +19,13 @@ from tta_core.telemetry import PsutilSource, TelemetrySampler
 
 def _cpu_ms(fn, n: int, period_s: float) -> tuple[float, float]:
     """(CPU ms per call, wall s) for n calls spaced by period_s (sleep not counted as CPU)."""
-    cpu0, wall0 = time.process_time(), time.perf_counter()
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        rest = period_s - (time.perf_counter() - t)
-        if rest > 0:
-            time.sleep(rest)
-    return (time.process_time() - cpu0) * 1e3 / n, time.perf_counter() - wall0
+    with harness.Stopwatch(("cpu", "wall")) as sw:
+        for _ in range(n):
+            ms, _ = harness.timed(fn)
+            rest = period_s - ms / 1e3
+            if rest > 0:
+                time.sleep(rest)
+    return sw.elapsed["cpu"] / n, sw.elapsed["wall"] / 1e3
 
 
 def main() -> None:

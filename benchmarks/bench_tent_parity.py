@@ -30,11 +30,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
-import results
+import harness
 import torch
 from torch import Tensor, nn
 from tqdm import tqdm
@@ -83,17 +82,14 @@ def run(cfg: BenchConfig, progress: bool) -> dict[str, Any]:
         meth = build_method(name, fresh(), **opts)
         steppers[label] = lambda x, m=meth: m.step(x).logits
     names = list(steppers)
-    ms: dict[str, list[float]] = {n: [] for n in names}
     preds: dict[str, list[int]] = {n: [] for n in names}
-    labels: list[int] = []
-    for k, b in enumerate(tqdm(stream, desc=f"batch {cfg.batch_size}", disable=not progress)):
-        order = names[k % len(names):] + names[:k % len(names)]
-        for n in order:
-            t0 = time.perf_counter()
-            logits = steppers[n](b.x)
-            ms[n].append((time.perf_counter() - t0) * 1e3)
-            preds[n] += logits.argmax(1).tolist()
-        labels += [int(v) for v in b.labels]
+    labels = [int(v) for b in stream for v in b.labels]
+    times = harness.round_robin(
+        steppers, warmup=0, inputs=[b.x for b in stream], rotate=True,
+        on_result=lambda n, logits, _: preds[n].extend(logits.argmax(1).tolist()),
+        progress=lambda rounds: tqdm(rounds, desc=f"batch {cfg.batch_size}",
+                                     disable=not progress))
+    ms = {n: t.ms for n, t in times.items()}
     ref = preds[REFERENCE]
     rows = {}
     for n in names:
@@ -234,7 +230,7 @@ def main() -> None:
     if a.sweep is not None:
         report["sweep"] = collect_sweep(a.sweep)
     print(render(report))
-    print(f"wrote {results.save('tent_parity', report)}")
+    print(f"wrote {harness.save('tent_parity', report, options=a)}")
 
 
 if __name__ == "__main__":

@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 
+import harness
 import numpy as np
 import results
 import torch
@@ -152,7 +152,8 @@ def render(data: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     a = parse(argv)
     if a.clock == "cpu":
-        PhaseClock.now = lambda self: time.thread_time()  # every phase of every step
+        thread = harness.CLOCKS["thread"]
+        PhaseClock.now = lambda self: thread()  # every phase of every step
     configs = [(int(t), int(b)) for t in a.threads.split(",") for b in a.batch_sizes.split(",")]
     runs = [run(a.card, t, b, a.samples_per_domain, a.probe)
             for t, b in tqdm(configs, desc="configs")]
@@ -162,7 +163,7 @@ def main(argv: list[str] | None = None) -> dict:
     if a.out:
         Path(a.out).write_text(results.dumps(data))
     else:
-        print(f"wrote {results.save('update_overhead', data)}")
+        print(f"wrote {harness.save('update_overhead', data, options=a)}")
     return data
 
 

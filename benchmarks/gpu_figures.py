@@ -27,9 +27,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
+import harness
 import torch
 from bench_paper_ratios import ModelSpec
 
@@ -81,11 +81,7 @@ def _timed_step(method, x: torch.Tensor, device: torch.device) -> tuple[float, i
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    t0 = time.perf_counter()
-    res = method.step(x)
-    if cuda:
-        torch.cuda.synchronize(device)
-    ms = (time.perf_counter() - t0) * 1e3
+    ms, res = harness.timed(lambda: method.step(x), device=device)
     peak = torch.cuda.max_memory_allocated(device) - base if cuda else None
     return ms, peak, res.stats
 
@@ -135,18 +131,9 @@ def served_forward(arch: str, size: int, batch: int, batches: int, device: torch
         variants["compiled"] = torch.compile(model, mode=mode)
     out = {}
     for name, fn in variants.items():
-        times = []
         with torch.no_grad():
-            for i in range(batches + 3):
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                fn(x)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                if i >= 3:
-                    times.append((time.perf_counter() - t0) * 1e3)
-        out[f"{name}_ms"] = round(statistics.median(times), 3)
+            t = harness.repeat(lambda fn=fn: fn(x), batches, warmup=3, device=device)
+        out[f"{name}_ms"] = round(t.median, 3)
     if "compiled_ms" in out:
         out["compiled_over_eager"] = round(out["compiled_ms"] / out["eager_ms"], 4)
     return out
@@ -195,28 +182,6 @@ def _build_served(arch: str, size: int, device: torch.device, precision: str,
     return methods, skipped
 
 
-def _serve_round(methods: dict, x: torch.Tensor, i: int, device: torch.device) -> dict:
-    """Every method steps x in turn (the order rotated per batch): label -> (step ms, ms
-    of the work left for between batches, result)."""
-    labels = list(methods)
-    out = {}
-    for label in labels[i % len(labels):] + labels[:i % len(labels)]:
-        _sync(device)
-        t0 = time.perf_counter()
-        res = methods[label].step(x)
-        _sync(device)
-        t1 = time.perf_counter()
-        methods[label].finish()  # parallel update, next plan: between batches
-        _sync(device)
-        out[label] = ((t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3, res)
-    return out
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def serve_run(arch: str, size: int, batch: int, precision: str, batches: int, warmup: int,
               device: torch.device) -> dict:
     """One interleaved run at `precision`: per method its times, units, adapted share,
@@ -226,14 +191,22 @@ def serve_run(arch: str, size: int, batch: int, precision: str, batches: int, wa
            ).to(device) for i in range(warmup + batches)]
     methods, skipped = _build_served(arch, size, device, precision, torch.randn_like(xs[0]))
     rec = {label: {"ms": [], "between": [], "units": [], "pred": []} for label in methods}
-    for i, x in enumerate(xs):
-        for label, (ms, between, res) in _serve_round(methods, x, i, device).items():
-            if i >= warmup:
-                r = rec[label]
-                r["ms"].append(ms)
-                r["between"].append(between)
-                r["units"].append(int(res.units_updated))
-                r["pred"].append(res.logits.argmax(1).cpu())
+
+    def note(label: str, res, counted: bool) -> None:
+        # the work left for between batches (parallel update, next plan), timed apart
+        between, _ = harness.timed(methods[label].finish, device=device)
+        if counted:
+            r = rec[label]
+            r["between"].append(between)
+            r["units"].append(int(res.units_updated))
+            r["pred"].append(res.logits.argmax(1).cpu())
+
+    # every method steps each batch in turn, the order rotated per batch
+    times = harness.round_robin({label: m.step for label, m in methods.items()},
+                                warmup=warmup, inputs=xs, rotate=True, device=device,
+                                on_result=note)
+    for label, t in times.items():
+        rec[label]["ms"] = t.ms
     rows = {label: _serve_row(r, methods[label]) for label, r in rec.items()}
     for method in methods.values():
         method.close()

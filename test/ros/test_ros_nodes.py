@@ -652,7 +652,7 @@ def test_a_plan_that_fails_is_served_inline(rig_factory) -> None:
     method.step = failing_step
     seen = len(rig.msgs("pred"))
     rig.send([image_msg(1050 + i) for i in range(4)])
-    assert wait_for(lambda: len(rig.msgs("pred")) >= seen + 4, 5.0)
+    assert wait_for(lambda: len(rig.msgs("pred")) >= seen + 4, 20.0)
     assert broken["left"] == 0 and rig.perception.counters.step_errors == 0
     assert any("simulated plan failure" in s.message and "inline" in s.message
                for s in rig.statuses("perception: planning"))

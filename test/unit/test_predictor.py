@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 from dataclasses import replace
 
 import numpy as np
@@ -240,14 +241,18 @@ def test_unknown_or_bad_telemetry_gives_factor_one() -> None:
     assert neg.pis(_sample(n=1.0)) == (1.0, 1.0)
 
 
-def test_expansion_model_defaults_and_bad_config() -> None:
+def test_expansion_model_defaults_and_bad_config(monkeypatch: pytest.MonkeyPatch) -> None:
     cal = Calibration(n_off=2.0, freq_offline_mhz=1800.0, cache_hit_offline=0.7,
                       probe_bw_offline_gbs=25.0, threads=3)
     m = ExpansionModel(calibration=cal, cores=4)
     assert (m.model, m.threads, m.cores, m.pi2_mode) == ("share", 3, 4, "probe")
     assert m.reference == OfflineReference(2.0, 1800.0, 0.7, 25.0)
     assert ExpansionModel(cores=4).threads == 1  # calibration without threads: 1
-    assert ExpansionModel().cores >= 1  # this process's affinity
+    # cores 0: this process's affinity (3 CPUs here, of more on the machine), at least 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: {0, 3, 5}, raising=False)
+    assert ExpansionModel().cores == 3
+    monkeypatch.setattr(os, "sched_getaffinity", lambda _pid: set(), raising=False)
+    assert ExpansionModel().cores == 1
     for kwargs, needle in (({"model": "linear"}, "linear"), ({"pi2_mode": "llc"}, "llc"),
                            ({"cores": -1}, "-1"), ({"threads": -2}, "-2"),
                            ({"threads": 1.5}, "1.5"), ({"calibration": {}}, "calibration")):

@@ -262,10 +262,10 @@ def test_cli_offline_and_dr2_small_resnet(tmp_path, monkeypatch) -> None:
             abs(c["runtime_pred_ms"] - c["measured_ms"]) / c["measured_ms"] * 100)
         assert c["err_feedback_pct"] == pytest.approx(
             abs(c["feedback_pred_ms"] - c["measured_ms"]) / c["measured_ms"] * 100)
-        assert c["err_feedback_per_batch_pct"] >= 0
         assert c["err_backward_fb_pct"] == pytest.approx(
             abs(c["backward_fb_pred_ms"] - c["measured_ms"]) / c["measured_ms"] * 100)
-        assert 0.25 <= c["backward_factor"] <= 4.0  # BackwardFeedback's clip
+        # learnt from 1 (no feedback yet) toward the machine's 1.25, well inside the clip
+        assert 1.0 < c["backward_factor"] <= 1.25 + 1e-9, c["backward_factor"]
         # no LLC counters and --pi2 perf: memory expansion 1, "share" scales it by s(n)
         assert c["pi2_mem"] == 1.0 and c["pi2_source"] == "none"
         assert c["pi2"] == pytest.approx(c["share"]) and c["pi2_alt"] == 1.0

@@ -61,8 +61,10 @@ def test_adashadow_plans_and_steps_on_the_64px_card() -> None:
     assert all(r.logits.shape == (4, card.num_classes) for r in steps)
     assert any(r.adapted for r in steps)
     for r in steps:
-        assert 0 <= r.units_updated <= bn_units and len(r.importance) == len(staged.units)
-        assert not np.asarray(r.plan.update)[[u.kind != "bn" for u in staged.units]].any()
+        update = np.asarray(r.plan.update)
+        assert r.units_updated == int(update.sum()) <= bn_units and r.adapted == update.any()
+        assert len(r.importance) == len(staged.units)
+        assert not update[[u.kind != "bn" for u in staged.units]].any()
 
 
 @pytest.mark.parametrize(("path", "kind"), [("/dev/zero", "a character device"),

@@ -62,7 +62,6 @@ def test_cli_half_safetensors_at_96px(tmp_path):
 
     from tta_core.data.preprocess import images_to_tensor
     from tta_core.data.signs import make_signs
-    from tta_core.model.source import accuracy
 
     out = tmp_path / "w16"
     assert main(["train-source", "--arch", "resnet18_cifar_w16", "--image-size", "96",
@@ -77,4 +76,6 @@ def test_cli_half_safetensors_at_96px(tmp_path):
     assert all(p.dtype == torch.float32 for p in model.parameters())
     val = make_signs(22, 96, seed=5 + 10_000)
     x = images_to_tensor(val.images, card.mean, card.std)
-    assert accuracy(model, x, torch.from_numpy(val.labels)) == card.clean_accuracy
+    with torch.no_grad():  # counted here, not by the accuracy() the card was written with
+        hits = int((model.eval()(x).argmax(1).numpy() == val.labels).sum())
+    assert card.clean_accuracy == hits / len(val.labels)

@@ -49,7 +49,14 @@ def test_corruption_bad_input_is_named():
         corrupt_image(img, "fog", 6)
     with pytest.raises(ValueError, match="uint8"):
         corrupt_image(img.astype(np.float32), "fog", 1)
-    assert corrupt_batch(np.stack([img, img]), "fog", 2, seed=1).shape == (2, 32, 32, 3)
+    # image by image, each with its own seed: two copies of a frame get different noise,
+    # the same seed the same noise again, another seed other noise
+    grey = np.full((2, 32, 32, 3), 128, np.uint8)
+    out = corrupt_batch(grey, "gaussian_noise", 2, seed=1)
+    assert out.shape == grey.shape and out.dtype == np.uint8
+    assert not np.array_equal(out[0], grey[0]) and not np.array_equal(out[0], out[1])
+    assert np.array_equal(out, corrupt_batch(grey, "gaussian_noise", 2, seed=1))
+    assert not np.array_equal(out, corrupt_batch(grey, "gaussian_noise", 2, seed=2))
 
 
 def _spec(**kw) -> StreamSpec:

@@ -443,3 +443,22 @@ def test_bandwidth_probe_measures_a_positive_bandwidth() -> None:
     assert 0 < l2 <= llc
     with pytest.raises(ValueError, match="probe buffer"):
         BandwidthProbe(nbytes=1000)
+
+
+def test_cache_sizes_read_the_data_caches_from_sysfs(tmp_path: Path, monkeypatch) -> None:
+    """A fake cpu0 cache directory: L2 and the largest level's data cache, instruction
+    caches and unreadable entries skipped; none at all gives the defaults."""
+    from tta_core.telemetry import caches
+
+    entries = {"index0": ("1", "Data", "48K"), "index1": ("1", "Instruction", "64K"),
+               "index2": ("2", "Unified", "2048K"), "index3": ("3", "Unified", "32M"),
+               "index4": ("4", "Instruction", "512M"), "index5": ("5", "Data", "big")}
+    for name, (level, kind, size) in entries.items():
+        (tmp_path / name).mkdir()
+        for field, text in (("level", level), ("type", kind), ("size", size)):
+            (tmp_path / name / field).write_text(text + "\n")
+    real = Path
+    monkeypatch.setattr(caches, "Path", lambda p: tmp_path if "cache" in str(p) else real(p))
+    assert caches.cache_sizes() == (2048 << 10, 32 << 20)
+    monkeypatch.setattr(caches, "Path", lambda p: tmp_path / "none")
+    assert caches.cache_sizes() == (caches.DEFAULT_L2, caches.DEFAULT_LLC)

@@ -79,11 +79,11 @@ if (( ! dry )); then  # the kernel tests marked cuda (their CPU tests run in the
     test/unit/test_kernels.py test/unit/test_kernels_triton.py
 fi
 part "latency: source / bn_adapt / tent / adashadow, one interleaved run" \
-  "$py" benchmarks/bench_paper_ratios.py --device "$device" --out "$out" "${ratios[@]}"
+  "$py" benchmarks/speed/bench_paper_ratios.py --device "$device" --out "$out" "${ratios[@]}"
 part "saved activations, step time, served forward, serving in fp32 and fp16" \
   "$py" benchmarks/gpu_figures.py --device "$device" --out "$out" ${figures[@]+"${figures[@]}"}
 part "DAF kernels: Triton vs native" \
-  "$py" benchmarks/bench_kernels.py --device "$device" --out "$out" ${kernels[@]+"${kernels[@]}"}
+  "$py" benchmarks/speed/bench_kernels.py --device "$device" --out "$out" ${kernels[@]+"${kernels[@]}"}
 
 if (( ${#failed[@]} )); then
   printf 'gpu_check.sh: failed: %s\n' "${failed[@]}" >&2

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import harness
 import torch
-from bench_paper_ratios import ModelSpec
+from speed.bench_paper_ratios import ModelSpec
 
 from tta_core.api import WarmsUp
 from tta_core.errors import one_line

@@ -41,7 +41,7 @@ GPU = "gpu"  # the GPU check's folder under RESULTS (benchmarks/gpu_check.sh)
 @dataclass(frozen=True)
 class Page:
     """One family of results pages: JSON stems matching `pattern`, rendered by
-    `benchmarks/<module>.py:<render>(data) -> markdown`."""
+    `benchmarks/<module>.py:<render>(data) -> markdown` (module: AREA/SCRIPT)."""
 
     pattern: str
     module: str
@@ -51,69 +51,73 @@ class Page:
 
 
 PAGES: tuple[Page, ...] = (
-    Page("paper_ratios", "bench_paper_ratios", "to_markdown",
+    Page("paper_ratios", "speed/bench_paper_ratios", "to_markdown",
          "AdaShadow against inference, bn_adapt and Tent, phase split",
-         "python benchmarks/bench_paper_ratios.py"),
-    Page("kernels", "bench_kernels", "markdown",
+         "python benchmarks/speed/bench_paper_ratios.py"),
+    Page("kernels", "speed/bench_kernels", "markdown",
          "DAF quantize+pack: fused one-pass CPU kernel vs two passes; Triton on CUDA",
-         "python benchmarks/bench_kernels.py"),
-    Page("dynamic_widths", "bench_dynamic_widths", "_markdown",
+         "python benchmarks/speed/bench_kernels.py"),
+    Page("dynamic_widths", "memory/bench_dynamic_widths", "_markdown",
          "DAF dynamic widths under a budget: budget held, step time, gradient cosine",
-         "python benchmarks/bench_dynamic_widths.py"),
-    Page("surgeon_peak", "bench_surgeon_peak", "_markdown",
+         "python benchmarks/memory/bench_dynamic_widths.py"),
+    Page("surgeon_peak", "memory/bench_surgeon_peak", "_markdown",
          "SURGEON step peak (importance pass included) against Tent",
-         "python benchmarks/bench_surgeon_peak.py"),
-    Page("like_for_like", "bench_like_for_like", "_markdown",
+         "python benchmarks/memory/bench_surgeon_peak.py"),
+    Page("like_for_like", "memory/bench_like_for_like", "_markdown",
          "Saved bytes at equal adaptation: what the codec saves, what the plan saves",
-         "python benchmarks/bench_like_for_like.py"),
-    Page("tent_parity", "bench_tent_parity", "render",
+         "python benchmarks/memory/bench_like_for_like.py"),
+    Page("tent_parity", "speed/bench_tent_parity", "render",
          "tta's tent against a reference Tent from the paper: time, accuracy, agreement",
-         "python benchmarks/bench_tent_parity.py"),
-    Page("darda_table2*", "bench_darda_table2", "render",
+         "python benchmarks/speed/bench_tent_parity.py"),
+    Page("darda_table2*", "domains/bench_darda_table2", "render",
          "DARDA's Table 2 at scale (CIFAR-scale benchmark, ResNet-26, 3 seeds, sweep)",
-         "tta sweep config/sweeps/darda_table2.yaml && python benchmarks/bench_darda_table2.py"),
-    Page("darda_realtime*", "bench_darda_realtime", "render",
+         "tta sweep config/sweeps/darda_table2.yaml && "
+         "python benchmarks/domains/bench_darda_table2.py"),
+    Page("darda_realtime*", "domains/bench_darda_realtime", "render",
          "DARDA in real time: shift recall, backward passes per shift, frames answered",
-         "python benchmarks/bench_darda_realtime.py --batch-sizes 4,16 --hz 250,1000,2000,4000"),
-    Page("darda*", "bench_darda", "render",
+         "python benchmarks/domains/bench_darda_realtime.py --batch-sizes 4,16 "
+         "--hz 250,1000,2000,4000"),
+    Page("darda*", "domains/bench_darda", "render",
          "DARDA on the 4 unseen corruptions, small scale: Table 2 variants and baselines",
-         "python benchmarks/bench_darda.py"),
-    Page("elastic_knowledge_*", "bench_elastic_knowledge", "render",
+         "python benchmarks/domains/bench_darda.py"),
+    Page("elastic_knowledge_*", "domains/bench_elastic_knowledge", "render",
          "ElasticDNN master-update ablation (Eq. 3-4 vs averaging vs none), revisits",
-         "python benchmarks/bench_elastic_knowledge.py"),
-    Page("fleet_scheduler*", "bench_fleet", "markdown",
+         "python benchmarks/domains/bench_elastic_knowledge.py"),
+    Page("fleet_scheduler*", "field/bench_fleet", "markdown",
          "Fleet planners: paper objective (Eq. 5-11) vs confidence proxy vs equal split",
-         "python benchmarks/bench_fleet.py"),
-    Page("fleet_dds*", "bench_fleet_dds", "markdown",
+         "python benchmarks/field/bench_fleet.py"),
+    Page("fleet_dds*", "field/bench_fleet_dds", "markdown",
          "Fleet planners over DDS: paper objective vs confidence proxy vs equal split",
-         "python benchmarks/bench_fleet_dds.py"),
-    Page("demo", "bench_demo", "render",
+         "python benchmarks/field/bench_fleet_dds.py"),
+    Page("demo", "ros/bench_demo", "render",
          "`tta demo`: the sample bag through the ROS 2 nodes, source vs AdaShadow",
-         "python benchmarks/bench_demo.py"),
-    Page("compressed_bombs", "bench_compressed_bombs", "render",
+         "python benchmarks/ros/bench_demo.py"),
+    Page("compressed_bombs", "field/bench_compressed_bombs", "render",
          "Compressed-image bombs: time to refuse from the header vs time to decode",
-         "python benchmarks/bench_compressed_bombs.py"),
-    Page("sweep_readme", "bench_sweep", "render_readme",
+         "python benchmarks/field/bench_compressed_bombs.py"),
+    Page("sweep_readme", "speed/bench_sweep", "render_readme",
          "Accuracy and streaming accuracy per method over seeds, with confidence intervals",
-         "tta sweep config/sweeps/readme.yaml && python benchmarks/bench_sweep.py --readme"),
-    Page("sweep_speedup", "bench_sweep", "render_speedup",
+         "tta sweep config/sweeps/readme.yaml && "
+         "python benchmarks/speed/bench_sweep.py --readme"),
+    Page("sweep_speedup", "speed/bench_sweep", "render_speedup",
          "`tta sweep` on 2 Ray workers vs the sequential loop of the same bench runs",
-         "python benchmarks/bench_sweep.py"),
-    Page("gate_scope", "bench_gate_scope", "markdown",
+         "python benchmarks/speed/bench_sweep.py"),
+    Page("gate_scope", "speed/bench_gate_scope", "markdown",
          "Gating block-internal convs vs every conv: accuracy and forward time",
-         "python benchmarks/bench_gate_scope.py"),
-    Page("shutdown", "bench_shutdown", "markdown",
+         "python benchmarks/speed/bench_gate_scope.py"),
+    Page("shutdown", "ros/bench_shutdown", "markdown",
          "SIGINT -> exit of every node, idle and with frames flowing",
-         "python benchmarks/bench_shutdown.py"),
-    Page("frame_cost", "bench_frame_cost", "render",
+         "python benchmarks/ros/bench_shutdown.py"),
+    Page("frame_cost", "ros/bench_frame_cost", "render",
          "Camera frames to the model's input: cost per kind, delay behind a large frame",
-         "python benchmarks/bench_frame_cost.py"),
-    Page("update_overhead", "bench_update_overhead", "render",
+         "python benchmarks/ros/bench_frame_cost.py"),
+    Page("update_overhead", "speed/bench_update_overhead", "render",
          "AdaShadow on a fast forward: the cheapest update against the room sigma*T leaves",
-         "python benchmarks/bench_update_overhead.py --threads 1,2 --batch-sizes 8,16,32,64"),
-    Page("segmentation", "bench_segmentation", "render",
+         "python benchmarks/speed/bench_update_overhead.py --threads 1,2 "
+         "--batch-sizes 8,16,32,64"),
+    Page("segmentation", "domains/bench_segmentation", "render",
          "Segmentation TTA on synthetic driving scenes: mIoU under fog, night, rain, snow",
-         "python benchmarks/bench_segmentation.py"),
+         "python benchmarks/domains/bench_segmentation.py"),
 )
 
 
@@ -123,15 +127,16 @@ def page_for(stem: str) -> Page | None:
     return next((p for p in PAGES if fnmatch.fnmatch(name, p.pattern)), None)
 
 
-def _module(name: str) -> ModuleType:
-    """A benchmark script imported as a module (benchmarks/ is no package)."""
+def _module(path: str) -> ModuleType:
+    """A benchmark script (AREA/SCRIPT under benchmarks/) imported as a module named by its
+    file (benchmarks/ is no package; a script finds `harness` and `results` itself)."""
+    name = path.rpartition("/")[2]
     if name in sys.modules:
         return sys.modules[name]
-    if str(ROOT / "benchmarks") not in sys.path:  # the scripts import `results` as siblings
-        sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    file = ROOT / "benchmarks" / f"{path}.py"
+    spec = importlib.util.spec_from_file_location(name, file) if file.is_file() else None
     if spec is None or spec.loader is None:
-        raise SystemExit(f"results: no benchmark script benchmarks/{name}.py")
+        raise SystemExit(f"results: no benchmark script benchmarks/{path}.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     spec.loader.exec_module(mod)

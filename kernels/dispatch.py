@@ -1,6 +1,6 @@
 """Backend choice of the DAF kernels: Triton on CUDA, a fast PyTorch path on CPU.
 
-CPU paths (tta_kernels.cpu; their speeds: benchmarks/bench_kernels.py and bench_daf.py,
+CPU paths (tta_kernels.cpu; their speeds: benchmarks/speed/bench_kernels.py and bench_daf.py,
 docs/results/kernels.md):
 - ``native`` (tta_kernels.native: C, built once per machine with its C compiler, cached):
   quantize + pack in one fused pass (per-group min/max, scales and codes while the group

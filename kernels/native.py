@@ -6,7 +6,7 @@ the codes and packing while the group is still in L1, so x is read from memory o
 of three times (amin, amax, quantize). `quantize_pack_mask` adds, in the same pass, the 1-bit
 band mask of the same tensor (a ReLU output saved as the ReLU's mask and as the next conv's
 quantized input). `quantize_pack_two_pass` keeps the unfused form (PyTorch amin/amax and
-scales, then daf_quantize_pack) as the baseline of benchmarks/bench_kernels.py.
+scales, then daf_quantize_pack) as the baseline of benchmarks/speed/bench_kernels.py.
 Both give the reference's bytes bit for bit (tests): the C code computes the scales as
 PyTorch does (inv = (1 / rng) * L, the reciprocal-then-multiply of PyTorch's scalar /
 tensor; scale = rng / L) and rounds the same float32 operations (-ffp-contract=off: no

@@ -19,7 +19,7 @@ manager node does the same (tta_ros.nodes.lifecycle_manager, the `autostart` arg
 
 One SingleThreadedExecutor serves all callbacks: they are short (the perception worker
 thread does the heavy work), and rclpy's MultiThreadedExecutor costs 3-4x more per frame
-(its spin loop competes with the worker for the GIL: benchmarks/bench_ros_overhead.py).
+(its spin loop competes with the worker for the GIL: benchmarks/ros/bench_ros_overhead.py).
 
 Shutdown order (`run_nodes`, `spin`): rclpy is initialised without its signal handlers,
 which shut the context down the moment SIGINT/SIGTERM arrives, under a perception worker
@@ -232,7 +232,7 @@ def exit_now(status: int) -> NoReturn:
     """End the process after the nodes and rclpy have shut down: atexit handlers run and
     the std streams are flushed, but the interpreter's teardown of torch and the other
     extension modules (1-3 s of finalization on a small CPU) is skipped, so Ctrl-C is
-    answered in well under a second (benchmarks/bench_shutdown.py)."""
+    answered in well under a second (benchmarks/ros/bench_shutdown.py)."""
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with suppress(Exception):

@@ -1,5 +1,5 @@
 """Compressed-image bombs: small JPEG/PNG files whose headers declare huge images (the
-fuzz cases of issue #33), for the decode-budget tests and benchmarks/bench_compressed_bombs.
+fuzz cases of issue #33), for the decode-budget tests and benchmarks/field/bench_compressed_bombs.
 
 Each is a real file OpenCV would decode (slowly) if it were let through: the JPEG is a
 small valid image whose frame header was rewritten to a large size (libjpeg fills the

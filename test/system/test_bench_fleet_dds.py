@@ -1,4 +1,4 @@
-"""benchmarks/bench_fleet_dds.py at a tiny scale over real rclpy + DDS: two perception
+"""benchmarks/field/bench_fleet_dds.py at a tiny scale over real rclpy + DDS: two perception
 processes (retraining) and a scheduler process, every arm (paper objective, confidence
 proxy, equal split) scored on every camera, the sizes the nodes served equal to the
 scheduler's choice (a capacity nothing fits: the smallest size everywhere, not the nodes'
@@ -21,7 +21,8 @@ pytest.importorskip("rclpy")
 
 def test_bench_fleet_dds_tiny_run(tmp_path: Path) -> None:
     out = tmp_path / "result.json"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "bench_fleet_dds.py"), "--cameras", "2",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "field" / "bench_fleet_dds.py"),
+           "--cameras", "2",
            "--rate-scale", "2", "--batch", "4", "--rounds", "1", "--seconds", "2",
            "--settle", "1", "--warm", "1", "--warmup-runs", "2", "--calibration", "",
            "--fixed-capacity", "0.001", "--ready-timeout", "0", "--out", str(out)]

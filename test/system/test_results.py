@@ -81,7 +81,7 @@ def test_a_hand_edited_page_is_found_stale(results, tmp_path) -> None:
 @pytest.fixture(scope="module")
 def bench(results):
     spec = importlib.util.spec_from_file_location(
-        "bench_paper_ratios", ROOT / "benchmarks" / "bench_paper_ratios.py")
+        "bench_paper_ratios", ROOT / "benchmarks" / "speed" / "bench_paper_ratios.py")
     mod = importlib.util.module_from_spec(spec)
     sys.modules["bench_paper_ratios"] = mod  # its dataclasses look their module up
     spec.loader.exec_module(mod)

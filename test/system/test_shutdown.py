@@ -1,6 +1,6 @@
 """SIGINT stops every node process promptly and cleanly, idle and with frames flowing.
 
-Each node runs as `ros2 run` / `ros2 launch` start it (benchmarks/bench_shutdown.py's
+Each node runs as `ros2 run` / `ros2 launch` start it (benchmarks/ros/bench_shutdown.py's
 harness: `python -m tta_ros.nodes.<node>` with launch's global `__node`/`__ns` remaps,
 bringup for the three in one process), is waited on until ready (its "ready" log line; with
 frames, a prediction received over DDS), then gets SIGINT. Exit status 0 and no traceback;
@@ -24,7 +24,7 @@ pytest.importorskip("rclpy")
 pytestmark = pytest.mark.slow
 
 spec = importlib.util.spec_from_file_location("bench_shutdown",
-                                              ROOT / "benchmarks" / "bench_shutdown.py")
+                                              ROOT / "benchmarks" / "ros" / "bench_shutdown.py")
 bench = importlib.util.module_from_spec(spec)
 sys.modules.setdefault("bench_shutdown", bench)  # its dataclass looks its module up
 spec.loader.exec_module(bench)

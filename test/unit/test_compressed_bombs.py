@@ -2,7 +2,7 @@
 read from the JPEG/PNG header, and a frame whose decoding would write more than
 FrameLimits.max_decode_bytes refused before OpenCV sees it (cv2.imdecode is spied on: a
 refusal never calls it, so it costs the header parse only; the timings are printed by
-benchmarks/bench_compressed_bombs.py)."""
+benchmarks/field/bench_compressed_bombs.py)."""
 
 from __future__ import annotations
 

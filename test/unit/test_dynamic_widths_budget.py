@@ -136,7 +136,7 @@ def test_a_fraction_budget_holds_against_the_measured_dense_bytes() -> None:
     measured saved bytes stay under it, and (after the moving average has one step) the
     gradient keeps cosine >= 0.97 to dense saves (64 px leaves 32 values per BN statistic
     in layer4, whose 2-bit inputs cost the units before them most; ResNet-18/50 at 224 px
-    keep >= 0.99 at 12 %: benchmarks/bench_dynamic_widths.py)."""
+    keep >= 0.99 at 12 %: benchmarks/memory/bench_dynamic_widths.py)."""
     model, x = MODELS["resnet18"]()
     counter = SavedActivationCounter(copy.deepcopy(model))
     with torch.enable_grad(), counter:

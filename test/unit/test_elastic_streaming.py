@@ -2,7 +2,7 @@
 virtual clock: time advances only by the convolutions that run (their MACs, three times
 with gradients), so the schedule, the sizes served and every outcome are deterministic
 and the deadline lies exactly where the test puts it — below the master's forward. The
-measured version on a loaded machine is benchmarks/bench_elastic_streaming.py."""
+measured version on a loaded machine is benchmarks/speed/bench_elastic_streaming.py."""
 
 from __future__ import annotations
 

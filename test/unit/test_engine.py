@@ -473,7 +473,7 @@ def test_backward_feedback_learns_a_profile_that_underpredicts_the_backward() ->
     the predicted backward of later plans moves 4x towards the measured one; off, it stays
     1 and every batch is underpredicted 20x. Plans themselves stay within the planner's
     contract. (Real backwards vs predictions: `tta predictor-bench`,
-    benchmarks/bench_backward_feedback.py.)"""
+    benchmarks/speed/bench_backward_feedback.py.)"""
     true_ratio = 20.0
     staged = _staged("small_resnet", 32)
     true = mac_profile(UnitLayout.from_staged(staged), 1.0, 4)  # the machine: 1 ms forward

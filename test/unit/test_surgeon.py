@@ -331,7 +331,7 @@ def test_step_peak_with_importance_pass_below_0_45_of_tent(arch: str, n: int) ->
     """At the acceptance batch sizes the step's peak saved bytes, importance pass (one
     sample, keep 0.01; no crop at 64 px) included, are <= 0.45x Tent's (same ledger; BN
     inputs centred-pruned); the importance pass saves well under the adaptation pass.
-    64 px keeps it cheap; benchmarks/bench_surgeon_peak.py shows 224 px (with the crop)."""
+    64 px keeps it cheap; benchmarks/memory/bench_surgeon_peak.py shows 224 px (with the crop)."""
     from torchvision import models
 
     def make() -> nn.Module:

@@ -8,7 +8,7 @@ reads statistics of the forward pass that already runs: no extra pass, no gradie
 
 Implementation: all units' statistics are concatenated into one flat vector (history is
 kept flat too), so the KL is one elementwise op and the per-unit mean one segment sum,
-instead of ~2 small kernels per unit (measured in benchmarks/bench_assessor.py).
+instead of ~2 small kernels per unit (measured in benchmarks/speed/bench_assessor.py).
 """
 
 from __future__ import annotations
@@ -191,7 +191,7 @@ class StatsRecorder:
     a closed-form function of its input's (eval: affine with the running stats; train:
     mean = beta, var = gamma^2 v / (v + eps) with the batch variance v), and its input is the
     preceding conv's output. So one statistics pass per pair serves both units, halving the
-    assessor's reads on ResNets (measured in benchmarks/bench_assessor.py). At most one
+    assessor's reads on ResNets (measured in benchmarks/speed/bench_assessor.py). At most one
     unit output is held at a time (flushed by the next hook), so no extra memory builds up.
     With `with_grad=False` the outputs are detached (fast kernel, no graph); with True the
     stats stay differentiable for `multilayer_kl_loss`.

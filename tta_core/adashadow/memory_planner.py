@@ -42,7 +42,7 @@ fixed part exceeds its budget (it only grows as d falls) or every d' <= d has F_
 Rounding loses < 1 memory step per updated unit. DEFAULT_N_M = 128: on a ResNet-50
 profile (107 units) a binding memory budget at sigma = 1 solves in ~20-25 ms with 0.93-0.98
 of a 1024-step solve's objective (~1-2 ms at sigma = 0.33, where time prunes the sweep);
-benchmarks/bench_memory_planner.py.
+benchmarks/memory/bench_memory_planner.py.
 With B_m = inf the memory axis has one cell and each unit keeps its highest-fidelity
 option: the plan is planner.solve's (same updates, same strict tie-breaking) when that
 fidelity is 1. Ties: a non-empty plan only for a strictly positive objective.

@@ -91,8 +91,8 @@ SERVE_WINDOW = 8
 
 @dataclass
 class DardaConfig(MethodConfig, DeadlineConfig):
-    """DARDA settings; detector defaults measured in benchmarks/bench_domain.py, the shift
-    test's and the gate's in benchmarks/bench_darda_realtime.py. The deadline fields
+    """DARDA settings; detector defaults measured in benchmarks/domains/bench_domain.py, the shift
+    test's and the gate's in benchmarks/domains/bench_darda_realtime.py. The deadline fields
     (DeadlineConfig): an owed backward pass (or the paper's one adaptation) waits for a
     batch where it fits."""
 

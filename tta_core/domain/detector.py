@@ -26,7 +26,7 @@ Known domains and the distance d_j of a batch to each are in `tta_core.domain.ta
   within-batch spreads: the spread is then learnt from those batches only);
 - at most `max_domains`: creating one more evicts the least recently active (LRU).
 
-benchmarks/bench_domain.py measures the recognition, with domains learnt online from
+benchmarks/domains/bench_domain.py measures the recognition, with domains learnt online from
 nothing and enrolled from a labelled pass (`enroll`, DARDA's offline phase). What it
 misses: similar corruptions merge online (impulse into Gaussian noise, motion into glass
 blur), and the first batch after each shift (the hysteresis delay), which bounds
@@ -76,7 +76,7 @@ Batch = tuple[Tensor, Tensor | None]  # (embedding, within-batch spread)
 
 @dataclass
 class DetectorConfig:
-    """Detection settings (defaults measured in benchmarks/bench_domain.py)."""
+    """Detection settings (defaults measured in benchmarks/domains/bench_domain.py)."""
 
     hysteresis: int = 2  # consecutive batches away from the active domain before a switch
     novel_hysteresis: int = 2  # ... before a switch to a new domain
@@ -381,7 +381,7 @@ class DomainDetector:
 @dataclass
 class ShiftConfig:
     """Change-point test settings (module docstring, "Shift test"; defaults measured in
-    benchmarks/bench_darda_realtime.py)."""
+    benchmarks/domains/bench_darda_realtime.py)."""
 
     threshold: float = 3.0  # mean standardised square above which a batch is away
     confirm: int = 2  # away batches in a row that make a shift

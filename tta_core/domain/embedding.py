@@ -10,7 +10,7 @@ than the log of the pooled variance; `per_sample=False` gives the pooled moments
 the AdaShadow assessor already collects (`embedding_from_stats`).
 
 Recognition grows with the layers read (input only, conv1's output, the first stage's BN
-inputs, every BN input; per-sample above pooled moments; benchmarks/bench_domain.py),
+inputs, every BN input; per-sample above pooled moments; benchmarks/domains/bench_domain.py),
 the first stage giving most of it. Deeper layers are not used by default: their inputs
 depend on the adapted and swapped BN state, which would make the embedding move with the
 adaptation; the BN layers the embedding passes through are kept frozen in batch-statistics
@@ -25,7 +25,7 @@ resolution: 12 more dimensions for RGB. The kurtosis separates impulse from Gaus
 noise and the two scales separate the blurs, which the BN moments merge. DARDA learns a
 residual network g on top (Eqs. 3-5) and a contrastive encoder (Eqs. 6-8,
 tta_core.domain.encoder); the fixed kernels alone raise online and enrolled recognition
-and the share of held-out batches flagged novel (benchmarks/bench_domain.py), Gaussian
+and the share of held-out batches flagged novel (benchmarks/domains/bench_domain.py), Gaussian
 blur and spatter most. Tried and dropped: horizontal and vertical differences as well
 (spurious splits), a third scale, energies without the kurtosis (Gaussian blur no longer
 told apart).

@@ -78,7 +78,7 @@ def shift_dims(model: nn.Module, embedder: DomainEmbedder, channels: int,
     """Leading dimensions of `embedder`'s embedding that the shift test reads: the input's
     moments, the corruption residual, the learnt encoder (those it has) and the first
     `layers` BN inputs (the first one's input, conv1's output, is state-independent in both
-    darda variants; measured in benchmarks/bench_darda_realtime.py); `channels`: the
+    darda variants; measured in benchmarks/domains/bench_darda_realtime.py); `channels`: the
     input's."""
     c, c_in = embedder.config, int(channels)
     dims = (2 * c_in if c.include_input else 0) + \

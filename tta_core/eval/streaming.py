@@ -37,7 +37,7 @@ summary's `deadline_met` is the share of batches whose step time was within it.
 The schedule is pure arithmetic on the step times: replaying
 recorded step times (`replay_steps`) gives the same outcomes, and tests pass fake times.
 `score_batches` scores batches that ran elsewhere (a live node's answers over DDS,
-benchmarks/bench_fleet_dds.py) by the same rules.
+benchmarks/field/bench_fleet_dds.py) by the same rules.
 """
 
 from __future__ import annotations

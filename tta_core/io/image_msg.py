@@ -124,7 +124,7 @@ class FrameLimits:
     1 s cold), of an 8.3 MP one ~50 ms; set it to the camera's resolution on a vehicle), or
     when its long side exceeds `max_aspect` times its short side (default 20: stitched
     panoramas stay under ~6:1; a 2,000,000 x 1 frame of a few MB, whose antialiased resize
-    costs ~1 s, is refused; benchmarks/bench_bad_frames.py measures these). Both come from
+    costs ~1 s, is refused; benchmarks/field/bench_bad_frames.py measures these). Both come from
     height and width alone, before `data` is read. Float encodings (32FC1, 32FC3; taken as
     is, not rescaled) must lie in `float_range` (default [0, 1], what the model was trained
     on): one frame with values far outside it would take over the batch statistics that

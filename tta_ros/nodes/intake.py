@@ -4,7 +4,7 @@ Under overload the cost that starves the worker is not the image callback's body
 queues bytes) but the executor taking every message that arrives: at 10x the sustainable
 rate that is thousands of Python callbacks a second competing with the worker for the GIL
 (measured: the worker's per-batch Python work doubled, answered frames fell to 60-78 % of
-saturation; benchmarks/bench_overload.py). So frames are taken on an executor of their own,
+saturation; benchmarks/field/bench_overload.py). So frames are taken on an executor of their own,
 on a thread that takes only while fewer than `backlog` frames wait; beyond that the DDS
 reader keeps the newest frames (keep-last, sensor-data QoS) and overwrites older ones in
 C++, at no Python cost. Frames lost that way (or anywhere between the camera and us) are

@@ -112,8 +112,8 @@ def test_seg_bench_source_scores_equal_a_direct_evaluation(trained):
         assert results[0].miou[cond] == pytest.approx(want, abs=1e-12), cond
     assert results[1].miou != results[0].miou  # batch statistics change the prediction
     assert "| bn_adapt |" in text and (root / "bench" / "seg_bench.json").is_file()
-    with pytest.raises(InputError, match="'eata' does not support segmentation"):
-        run_seg_bench(SegBenchConfig(model_card=card_path, data=cfg.data, methods=("eata",)))
+    with pytest.raises(InputError, match="'lame' does not support segmentation"):
+        run_seg_bench(SegBenchConfig(model_card=card_path, data=cfg.data, methods=("lame",)))
 
 
 def test_user_cards_carry_the_task(trained):

@@ -9,6 +9,16 @@ Wang et al., "Continual Test-Time Domain Adaptation", CVPR 2022.
 The reference code uses 32 augmentations (colour jitter, affine, blur, flip, noise); for
 small images on a CPU we use a few cheap, label-preserving ones (contrast/brightness
 jitter, shifts of ≤ 2 px, light noise — no flips: traffic-sign arrows are chiral).
+Segmentation (N x C x H x W logits; the reference code's ACDC setting, qinenergy/cotta
+acdc/mmseg/apis/test.py single_gpu_cotta): the teacher's augmented prediction is the mean
+softmax over scales (`seg_scales`, each resized back to H x W) and horizontal flips, the
+flip inverted on the output, so every copy stays aligned with the mask (no shift: a
+geometric change left uninverted would misalign it); per pixel, where the anchor's
+confidence exceeds `anchor_threshold` the teacher's single-scale prediction is kept, else
+the augmented one; the student learns cross-entropy to its argmax (hard pseudo-labels,
+per pixel). The reference averages 7 scales (0.5-2.0) x 2 flips; the default here is 3
+scales x 2 (CPU cost); its settings for ACDC (Adam 6e-5/8 at batch 1, restore 0.01,
+threshold 0.69) are what `tta bench --task segmentation` runs CoTTA with (eval.seg_bench).
 Settings by input scale unless set (`_presets`; the teacher's momentum is 0.999 at both):
 
 | input scale | optimizer | lr | lr scaling | other settings | source |
@@ -24,12 +34,14 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tta_core.methods._presets import Preset, PresetConfig, PresetMethod
 from tta_core.model.norms import set_bn_mode
 from tta_core.registry import register
 from tta_core.runtime.augment import cheap_augment
+from tta_core.runtime.losses import is_dense
 from tta_core.runtime.method import Step
 from tta_core.runtime.options import option
 
@@ -59,6 +71,33 @@ class CoTTAConfig(PresetConfig):
                                   "reference code: 32)", low=0)
     max_shift: int = option(2, "augmentation shift, px", low=0)
     seed: int = option(0, "seed of the augmentations and the stochastic restore")
+    seg_scales: tuple[float, ...] = option((0.75, 1.0, 1.25), "segmentation: the scales the "
+                                           "teacher averages over (reference: 0.5-2.0 in "
+                                           "steps of 0.25)")
+    seg_flip: bool = option(True, "segmentation: average horizontal flips too (inverted on "
+                            "the output)")
+
+
+@torch.no_grad()
+def scale_flip_probs(model: nn.Module, x: Tensor, scales: tuple[float, ...],
+                     flip: bool) -> Tensor:
+    """Mean softmax of `model` over x resized by each scale (outputs resized back to x's
+    H x W) and, with `flip`, their mirror images (flipped back): aligned with x's pixels."""
+    h, w = x.shape[2:]
+    total, n = None, 0
+    for s in scales:
+        xs = x if s == 1 else F.interpolate(x, scale_factor=float(s), mode="bilinear",
+                                             align_corners=False)
+        for mirrored in ((False, True) if flip else (False,)):
+            out = model(xs.flip(3) if mirrored else xs)
+            out = out.flip(3) if mirrored else out
+            if out.shape[2:] != (h, w):
+                out = F.interpolate(out, size=(h, w), mode="bilinear", align_corners=False)
+            p = out.softmax(1)
+            total, n = (p if total is None else total + p), n + 1
+    if total is None:
+        raise ValueError("cotta: seg_scales is empty")
+    return total / n
 
 
 @register("cotta")
@@ -106,11 +145,29 @@ class CoTTA(PresetMethod):
             mask = torch.rand(p.shape, generator=self.gen).to(p.device) < self.config.restore_prob
             p.copy_(torch.where(mask, src, p))
 
+    @torch.no_grad()
+    def _teacher_segmentation(self, x: Tensor) -> tuple[Tensor, float]:
+        """Per-pixel teacher prediction (module doc) as log-probabilities, and the share of
+        pixels that took the augmented one."""
+        unsure = self.anchor(x).softmax(1).amax(1) <= self.config.anchor_threshold
+        single = self.teacher(x).softmax(1)
+        if bool(unsure.any()):
+            aug = scale_flip_probs(self.teacher, x, tuple(self.config.seg_scales),
+                                   self.config.seg_flip)
+            single = torch.where(unsure.unsqueeze(1), aug, single)
+        return single.clamp_min(1e-12).log(), float(unsure.float().mean())
+
     def forward(self, step: Step) -> None:
         """Student forward, the teacher's (augmentation-averaged) prediction, and the CIFAR
-        variant of the reference loss: cross-entropy to the teacher's softmax."""
+        variant of the reference loss: cross-entropy to the teacher's softmax; per pixel
+        to its argmax for segmentation logits (the ACDC code)."""
         with torch.enable_grad():
             step.logits = self.model(step.x)
+        if is_dense(step.logits):
+            self._teacher, step.stats["augmented"] = self._teacher_segmentation(step.x)
+            with torch.enable_grad():
+                step.loss = F.cross_entropy(step.logits, self._teacher.argmax(1))
+            return
         self._teacher, step.stats["augmented"] = self._teacher_prediction(step.x)
         with torch.enable_grad():
             step.loss = -(self._teacher.softmax(1) * step.logits.log_softmax(1)).sum(1).mean()

@@ -11,6 +11,12 @@ reliable, non-redundant samples:
   use 0.4, the CIFAR-10 setting of the reference benchmark code
   (mariodoebler/test-time-adaptation, cfgs/cifar10_c/eata.yaml);
 - re-weighted by 1 / exp(entropy − E0), so confident samples count more.
+Segmentation (N x C x H x W logits): every pixel is a sample (EATA has no segmentation
+variant of its own; this is its per-sample rule applied per pixel): the entropy filter,
+the redundancy filter against m (the average of the used pixels' softmax) and the weight
+are per pixel, the loss the weighted entropy summed over the used pixels / their count.
+Per-image redundancy would reject nearly every driving scene after the first (their class
+mixes are alike); per pixel it drops pixels of the classes m is made of (road, sky).
 The Fisher (EWC) anti-forgetting term needs labelled-free *source* data to estimate the
 Fisher information; it is off unless `compute_fisher` is called. The prediction is the
 pre-update forward's, as in the paper's code (`reforward=True`: AdaShadow's
@@ -36,7 +42,7 @@ from torch import Tensor
 from tta_core.methods._presets import Preset, PresetConfig
 from tta_core.methods.tent import Tent
 from tta_core.registry import register
-from tta_core.runtime.losses import softmax_entropy
+from tta_core.runtime.losses import is_dense, pixel_rows, softmax_entropy
 from tta_core.runtime.method import Step
 from tta_core.runtime.options import option
 
@@ -101,7 +107,13 @@ class EATA(Tent):
         return 0.05 if num_classes >= 1000 else 0.4
 
     def select(self, logits: Tensor) -> Selection:
-        """The reliable / non-redundant filters and weights of the paper, for one batch."""
+        """The reliable / non-redundant filters and weights of the paper, for one batch:
+        per sample of N x C logits, per pixel of N x C x H x W ones (N x H x W masks)."""
+        if is_dense(logits):
+            n, _, h, w = logits.shape
+            rows = self.select(pixel_rows(logits.detach()))
+            return Selection(*(t.reshape(n, h, w) for t in (rows.reliable, rows.used,
+                                                             rows.weight)))
         ent = softmax_entropy(logits.detach())
         e0 = self.e_margin(logits.shape[1])
         reliable = ent < e0
@@ -116,7 +128,7 @@ class EATA(Tent):
     def _update_probs(self, logits: Tensor, used: Tensor) -> None:
         if not bool(used.any()):
             return  # original: the average is kept when no sample passes both filters
-        mean = logits.detach()[used].softmax(1).mean(0)
+        mean = pixel_rows(logits.detach())[used.reshape(-1)].softmax(1).mean(0)
         m = self.config.probs_momentum
         self.model_probs = mean if self.model_probs is None else m * self.model_probs + (
             1 - m) * mean

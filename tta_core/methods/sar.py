@@ -8,6 +8,10 @@ Niu et al., "Towards Stable Test-Time Adaptation in Dynamic Wild World", ICLR 20
 - updates the affine parameters of norm layers (BN/GN/LN), skipping the top blocks as in
   the reference code (ResNet layer4, ViT blocks 9–11 and the final norm) — our 3-stage
   small_resnet has no such block, so all its BN layers adapt.
+Segmentation (N x C x H x W logits): every pixel is a sample, as the entropy maps of
+`softmax_entropy` give them (SAR has no segmentation variant of its own): the reliable
+filter (both SAM passes) is per pixel, each loss the mean entropy of the reliable pixels,
+and the recovery EMA runs on that per-pixel loss.
 The prediction is the pre-update forward's, as the paper's code (`reforward=True`:
 AdaShadow's forward-backward-reforward). The SAM base optimizer and its settings by input
 scale unless set (`_presets`):
@@ -111,7 +115,8 @@ class SAR(PresetMethod):
         return float(loss2.detach()) if loss2 is not None else math.nan
 
     def loss(self, logits: Tensor) -> Tensor | None:
-        """Entropy of the reliable samples (entropy < E0); None when there are none."""
+        """Entropy of the reliable samples (pixels of N x C x H x W logits) (entropy <
+        E0); None when there are none."""
         self._e0 = self.e_margin(logits.shape[1])
         ent = softmax_entropy(logits)
         self._keep = ent.detach() < self._e0

@@ -1,5 +1,8 @@
 """Unsupervised adaptation losses: the softmax entropy (per sample, as EATA, SAR and SURGEON
-weight it, and its batch mean, Tent's loss) and AdaShadow's multi-layer KL (§4)."""
+weight it, and its batch mean, Tent's loss) and AdaShadow's multi-layer KL (§4).
+
+Segmentation logits (N x K x H x W) are per-pixel predictions: `softmax_entropy` gives an
+N x H x W map, `pixel_rows` the (N·H·W) x K rows a per-sample filter (EATA's) runs on."""
 
 from __future__ import annotations
 
@@ -16,6 +19,19 @@ def softmax_entropy(logits: Tensor) -> Tensor:
     """Per-sample Shannon entropy (nats) of softmax(logits); [B]."""
     logp = torch.log_softmax(logits.float(), dim=1)
     return -(logp.exp() * logp).sum(dim=1)
+
+
+def is_dense(logits: Tensor) -> bool:
+    """Whether `logits` are per-pixel (N x K x H x W, segmentation) rather than N x K."""
+    return logits.ndim == 4
+
+
+def pixel_rows(logits: Tensor) -> Tensor:
+    """N x K logits as they are; N x K x H x W as (N·H·W) x K, one row per pixel (in the
+    order of an N x H x W map's `reshape(-1)`)."""
+    if not is_dense(logits):
+        return logits
+    return logits.permute(0, 2, 3, 1).reshape(-1, logits.shape[1])
 
 
 def entropy_loss(logits: Tensor) -> Tensor:

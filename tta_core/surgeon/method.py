@@ -42,7 +42,9 @@ stored at all (0 bits); pruned layers keep their bitmap + values.
 Loss: entropy (default); `css` adds certainty-based sample selection (entropy < 0.4 ln C,
 weights exp(0.4 ln C - H), as EATA/MECTA and the official code) and `cr` consistency
 regularisation, 0.01 · C · CE(softmax(logits), logits of an augmented copy) (official code;
-the augmented copy here: CoTTA's cheap augmentation, tta_core.runtime.augment). Adam,
+the augmented copy here: CoTTA's cheap augmentation, tta_core.runtime.augment, without
+its shift for segmentation logits, N x C x H x W, whose pixels it would misalign; entropy,
+CSS and CR are then per pixel). Adam,
 biases frozen (official). Default lr: the official CIFAR-10-C rates (batch 200) mapped
 onto tta's convention (rate at batch 64, scaled by batch/64): 1e-3 (BN only) -> 3.2e-4,
 2.2e-5 (all layers) -> 7.04e-6; at batch 200 a step runs with exactly the official rate.
@@ -67,7 +69,7 @@ from tta_core.memory.widths import check_activation_bits, daf_plan
 from tta_core.model.norms import NORM_NAMES, NORM_TYPES, set_bn_mode
 from tta_core.registry import register
 from tta_core.runtime.augment import cheap_augment
-from tta_core.runtime.losses import softmax_entropy
+from tta_core.runtime.losses import is_dense, softmax_entropy
 from tta_core.runtime.method import MethodConfig, Step, TTAMethod
 from tta_core.runtime.options import option
 from tta_core.surgeon.bn_official import official_bn_grad
@@ -410,8 +412,9 @@ class Surgeon(TTAMethod):
         with torch.enable_grad(), self._size_hooks(x), codec, self._bn_grad():
             logits = self.model(x)
             aug = None
-            if self.config.cr:
-                aug = self.model(cheap_augment(x, self.gen, self.config.max_shift))
+            if self.config.cr:  # no shift for per-pixel logits: it would misalign them
+                shift = 0 if is_dense(logits) else self.config.max_shift
+                aug = self.model(cheap_augment(x, self.gen, shift))
             loss, used = surgeon_loss(logits, aug, self.config)
         return logits, loss, used, codec.result
 

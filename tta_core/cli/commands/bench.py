@@ -85,8 +85,11 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", choices=("classification", "segmentation"),
                         default="classification",
                         help="segmentation: a segmentation --model-card on --data acdc:DIR "
-                             "(or cityscapes:DIR), scored by mIoU per condition; methods "
-                             "source, bn_adapt, tent (tta_core.eval.seg_bench)")
+                             "(or cityscapes:DIR), scored online by mIoU per condition "
+                             "(tta_core.eval.seg_bench: SEG_METHODS)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="--task segmentation: the condition sequence repeated this many "
+                             "times, the model never reset (CoTTA's ACDC protocol: 10)")
     parser.add_argument("--data", default="", metavar="KIND:DIR",
                         help="your data instead of the synthetic signs stream: "
                              + "; ".join(f"{k}:DIR = {v}" for k, v in LAYOUTS.items())
@@ -193,20 +196,10 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def _segmentation(args: argparse.Namespace) -> int:
     """--task segmentation: the mIoU bench (tta_core.eval.seg_bench)."""
-    from tta_core.eval.seg_bench import SEG_METHODS, SegBenchConfig, run_seg_bench
+    from tta_core.eval.seg_bench import config_from_args as seg_config
+    from tta_core.eval.seg_bench import run_seg_bench
 
-    if args.model_card is None or not args.data:
-        raise ValueError("--task segmentation needs --model-card (a segmentation card) and "
-                         "--data acdc:DIR or cityscapes:DIR")
-    options: dict[str, dict] = {}
-    for method, key, value in args.options:
-        options.setdefault(method, {})[key] = value
-    from tta_core.model.source import find_card
-
-    cfg = SegBenchConfig(model_card=find_card(args.model_card), data=args.data,
-                         methods=args.methods or SEG_METHODS, batch_size=args.batch_size,
-                         samples_per_domain=args.samples_per_domain, threads=args.threads,
-                         device=args.device, seed=args.seed, method_options=options)
+    cfg = seg_config(args)
     out = args.out or Path("runs") / time.strftime("seg-bench-%Y%m%d-%H%M%S")
     _, text = run_seg_bench(cfg, out, progress=not args.no_progress)
     print(text)

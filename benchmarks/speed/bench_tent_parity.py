@@ -50,7 +50,9 @@ REFERENCE = "reference Tent"
 METHODS = {"source": ("source", {}), "bn_adapt": ("bn_adapt", {}),
            "tent (original)": ("tent", {}),
            "tent (with reforward)": ("tent", {"reforward": True}),
-           "adashadow": ("adashadow", {})}
+           "adashadow": ("adashadow", {}),
+           # robust BN's batch-statistics rule by values per channel (off by default)
+           "adashadow@batch_values": ("adashadow", {"bn_batch_values": 4096})}
 
 
 class ReferenceTent:

@@ -80,7 +80,9 @@ class EngineConfig(PlanningConfig):
                                   "statistics", low=0)
     # bn_batch_values: the others go on batch statistics too wherever the batch gives a
     # channel this many values (batch size x spatial size): robust BN is for the noisy
-    # statistics of a few frames; with many values the batch's own are better (RobustBN)
+    # statistics of a few frames; with many values of i.i.d. frames the batch's own are
+    # better (RobustBN). Off by default: under label correlation (a camera's stream, few
+    # classes for many frames) a batch's statistics carry its classes and robust BN holds
     bn_batch_values: int = option(0, "robust BN: a layer whose input gives each channel at "
                                   "least this many values (batch x height x width) "
                                   "normalises by the batch's statistics (0: never)", low=0)

@@ -40,11 +40,6 @@ class AdaShadowConfig(MethodConfig, EngineConfig):
     bn_mode: str = option("robust", "BN statistics: robust (first bn_batch_layers on batch "
                           "statistics, the rest RoTTA's robust BN), batch (Tent-style) or "
                           "source (eval)", choices=("batch", "source", "robust"))
-    # tta's default, not the paper's: robust BN where a batch gives a channel few values,
-    # the batch's own statistics where it gives many (EngineConfig.bn_batch_values)
-    bn_batch_values: int = option(4096, "robust BN: a layer whose input gives each channel "
-                                  "at least this many values (batch x height x width) "
-                                  "normalises by the batch's statistics (0: never)", low=0)
     domain_bank: bool = option(False, "recognise the domain, restore its banked BN + "
                                "classifier state, adapt only until the domain is stable "
                                "(tta_core.domain; trainable norm only)")

@@ -121,7 +121,8 @@ def _config_defaults(config: type) -> dict[str, Any]:
 # bench --corruptions "" is the config's () (the standard set), parsed when the cell runs;
 # train-source's sample counts None mean "the config default, or all rows with --data")
 CONFIGS = [
-    ("bench", "tta_core.eval.bench_config:BenchConfig", bench.DEFAULTS, {"model_card", "corruptions"}),
+    ("bench", "tta_core.eval.bench_config:BenchConfig", bench.DEFAULTS,
+     {"model_card", "corruptions"}),
     ("train-source", "tta_core.model.source:TrainConfig", train_source.DEFAULTS,
      {"train_samples", "val_samples"}),
     ("train-elastic", "tta_core.elasticdnn.train:ElasticTrainConfig", train_elastic.DEFAULTS,

@@ -17,6 +17,8 @@ from tta_core.sweep.spec import Cell
 
 #: the figures aggregated, as (name, where in a cell result)
 METRICS = ("mean_accuracy", "overall_accuracy", "within_budget", "adapted")
+#: a segmentation cell's figures (eval.seg_bench.sweep_summaries), and its `miou@<condition>`
+SEG_METRICS = ("mean_miou", "online_error", "cache_mib", "cache_peak_mib")
 STREAM_METRICS = ("strict", "streaming", "deadline_met")
 
 
@@ -92,7 +94,8 @@ def samples(results: Iterable[dict[str, Any]]) -> list[Sample]:
         cond = Cell(tuple(opts.items())).condition
         seed = int(opts.get("seed", 0))
         for s in res["summaries"]:
-            for m in METRICS:
+            per_condition = tuple(k for k in s if k.startswith("miou@"))
+            for m in (*METRICS, *SEG_METRICS, *per_condition):
                 v = s.get(m)
                 if isinstance(v, int | float) and math.isfinite(v):
                     out.append(Sample(cond, s["method"], seed, m, float(v)))

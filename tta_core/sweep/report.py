@@ -12,11 +12,13 @@ from typing import Any
 from tta_core.io.strict_json import write_json
 from tta_core.sweep.aggregate import Row
 
-PERCENT = ("mean_accuracy", "overall_accuracy", "within_budget", "adapted")
+PERCENT = ("mean_accuracy", "overall_accuracy", "within_budget", "adapted", "mean_miou",
+           "online_error")
 
 
 def _pct(metric: str) -> bool:
-    return metric in PERCENT or metric.split("@")[0] in ("strict", "streaming", "deadline_met")
+    return metric in PERCENT or metric.split("@")[0] in ("strict", "streaming", "deadline_met",
+                                                         "miou")
 
 
 def fmt(row: Row) -> str:

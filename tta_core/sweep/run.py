@@ -92,16 +92,30 @@ def node() -> dict[str, str]:
             "ip": ray.util.get_node_ip_address(), "host": socket.gethostname()}
 
 
+def _segmentation_cell(args: argparse.Namespace, out: str) -> list[dict[str, Any]]:
+    """A `--task segmentation` cell: the mIoU bench (eval.seg_bench), its per-method
+    figures (mean mIoU, online error, cache MiB, mIoU per condition)."""
+    from tta_core.eval.seg_bench import config_from_args, run_seg_bench, sweep_summaries
+
+    results, _ = run_seg_bench(config_from_args(args), Path(out), progress=False)
+    return sweep_summaries(results)
+
+
 def run_cell(bench: BenchCLI, argv: Sequence[str], out: str, cwd: str) -> dict[str, Any]:
     """One bench run (in a Ray worker): the kept figures, or the one-line error, and the
-    node that ran it."""
+    node that ran it; a `--task segmentation` cell runs the mIoU bench instead."""
     os.chdir(cwd)
     t0 = time.perf_counter()
     where = node()
     try:
+        args = bench.parser().parse_args([*argv, "--no-progress"])
+        if getattr(args, "task", "") == "segmentation":
+            return {"status": "done", "node": where, "streaming": [],
+                    "summaries": _segmentation_cell(args, out),
+                    "seconds": time.perf_counter() - t0}
         from tta_core.eval.bench_run import run_bench
 
-        cfg = bench.config_from_args(bench.parser().parse_args([*argv, "--no-progress"]))
+        cfg = bench.config_from_args(args)
         with contextlib.redirect_stdout(io.StringIO()):
             run_bench(cfg, out, progress=False, log=lambda _line: None)
     except Exception as exc:  # any failure of the cell is its result

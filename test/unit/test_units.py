@@ -109,14 +109,14 @@ def test_vit_units_include_attention_projections() -> None:
 
 def test_unknown_parameterised_module_is_named() -> None:
     model, size = _model("small_resnet")
-    model.bn1 = nn.GroupNorm(4, 16)
+    model.bn1 = nn.Embedding(4, 16)  # a 2-D weight: no unit kind
     with pytest.raises(ValueError, match="bn1"):
         decompose(model, (3, size, size))
 
 
 def test_unsupported_model_rejected() -> None:
-    with pytest.raises(ValueError, match="Sequential"):
-        decompose(nn.Sequential(nn.Linear(3, 2)), (3,))
+    # a model of no known family is cut from its fx graph (test_generic_stages)
+    assert decompose(nn.Sequential(nn.Linear(3, 2)), (3,)).arch == "generic"
     with pytest.raises(ValueError, match="mobilenet_v2"):
         decompose(build_model("small_resnet", 10), (3, 32, 32), arch="mobilenet_v2")
 

@@ -54,7 +54,7 @@ from tta_core.memory import ActivationCodec, SavedActivationCounter, SavedBytes,
 from tta_core.memory.widths import daf_plan
 from tta_core.model.norms import set_bn_mode
 from tta_core.model.source import build_card_model, load_card
-from tta_core.model.units import StagedModel, decompose
+from tta_core.model.units import NORM_UNIT_KINDS, StagedModel, decompose
 from tta_core.runtime import losses
 
 MIB = 2**20
@@ -319,7 +319,7 @@ class CardSaveCosts:
         self.shape = (3, card.image_size, card.image_size)
         staged = decompose(model, self.shape, arch=card.arch)
         for u in staged.units:
-            if trainable == "all" or u.kind in ("bn", "ln"):
+            if trainable == "all" or u.kind in NORM_UNIT_KINDS:
                 u.module.requires_grad_(True)
         self.costs = SaveCosts(staged, keeps=(1.0,), fidelity=(1.0,))
 

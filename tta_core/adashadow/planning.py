@@ -54,7 +54,7 @@ from tta_core.adashadow.memory_planner import MemoryCosts, MemoryPlan
 from tta_core.adashadow.predictor import FEEDBACK_MODES, UnitProfile
 from tta_core.api import Plan
 from tta_core.model.source import build_card_model, load_card
-from tta_core.model.units import StagedModel, decompose
+from tta_core.model.units import NORM_UNIT_KINDS, StagedModel, decompose
 from tta_core.runtime.backward_feedback import BackwardFeedback
 from tta_core.runtime.deadline import (
     DEADLINE_MODES,
@@ -163,11 +163,11 @@ class UnitLayout:
         return len(self.unit_names)
 
     def trainable(self, which: str) -> np.ndarray:
-        """Units a plan may update: "norm" (BN/LayerNorm, their affine parameters, as
+        """Units a plan may update: "norm" (BN/LayerNorm/GroupNorm, their affine, as
         Tent) or "all" (every unit, the paper's layer-wise reading)."""
         if which not in TRAINABLE:
             raise ValueError(f"trainable {which!r} not in {TRAINABLE}")
-        return np.array([which == "all" or k in ("bn", "ln") for k in self.kinds], dtype=bool)
+        return np.array([which == "all" or k in NORM_UNIT_KINDS for k in self.kinds], dtype=bool)
 
     @property
     def n_stages(self) -> int:

@@ -9,6 +9,7 @@ Per-unit MACs and bytes give eta_l = compute time / memory time of the latency p
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -17,8 +18,12 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 from torchvision.models import MobileNetV2, ResNet, VisionTransformer
+from torchvision.ops import StochasticDepth
 
+from tta_core.model import fx_stages
 from tta_core.model.zoo import SmallResNet
+
+log = logging.getLogger(__name__)
 
 DEFAULT_FLOPS = 1e11  # MAC/s used for eta (paper: delta_c = 1/F)
 DEFAULT_CACHE_BW = 2e10  # bytes/s (paper: delta_m = 1/b_cache)
@@ -30,6 +35,8 @@ _FAMILY = {
     "resnet50": "resnet", "resnet101": "resnet", "mobilenet_v2": "mobilenet",
     "vit_b_16": "vit", "vit_b_32": "vit", "vit_l_16": "vit",
 }
+#: unit kinds of normalisation layers (their affine is what trainable "norm" adapts)
+NORM_UNIT_KINDS = ("bn", "ln", "gn")
 
 
 @dataclass
@@ -38,7 +45,9 @@ class Unit:
 
     index: int
     name: str
-    kind: str  # "conv" | "linear" | "bn" | "ln" | "attn"
+    # "conv" | "linear" | "bn" | "ln" | "gn" | "attn" | "scale" (a module's own raw
+    # per-channel parameters, ConvNeXt's layer_scale: an elementwise multiply)
+    kind: str
     stage: int
     module: nn.Module = field(repr=False, compare=False)
     params: int
@@ -221,6 +230,59 @@ class _ViTHead(_StageWrapper):
         return self.heads(self.ln(x)[:, 0])
 
 
+class _FxStage(_StageWrapper):
+    """A piece of the model's torch.fx graph (fx_stages.split); `tap`: the module and
+    hook kind (pre: its input; else its output) that show this stage's input in
+    model.forward; `owners`: the module paths it runs."""
+
+    def __init__(self, seg: fx_stages.Segment, model: nn.Module) -> None:
+        super().__init__()
+        self.piece = seg.module
+        tap = None if seg.tap is None else (model.get_submodule(seg.tap.path), seg.tap.pre)
+        self.__dict__["tap"] = tap  # plain attributes: the model's, not this stage's
+        self.__dict__["owners"] = frozenset(seg.owners)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.piece(x)
+
+
+def _generic_stages(model: nn.Module, owners: dict[str, nn.Module], records: list[_Record],
+                    input_shape: tuple[int, ...]) -> tuple[list[tuple[str, nn.Module]],
+                                                           list[int]]:
+    """Stages of a model of no known family, cut from its fx graph at block boundaries
+    (fx_stages), and each record's stage; one stage, the whole model, where the split
+    does not trace, does not check out on a forward or splits a unit's runs."""
+    leaves = {id(m) for m in owners.values() if _kind(m) != "scale"}
+    leaves |= {id(m) for m in model.modules() if isinstance(m, StochasticDepth)}
+    modes = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        segments = fx_stages.split(model, leaves)
+        p = next(model.parameters())
+        x = torch.randn(2, *input_shape, generator=torch.Generator().manual_seed(0),
+                        dtype=p.dtype).to(p.device)
+        bad = fx_stages.check_split(model, segments, x) if segments else [0]
+        if segments and bad and 0 not in bad:  # without the cuts model(x) does not show
+            segments = fx_stages.split(model, leaves, frozenset(segments[s].cut for s in bad))
+            bad = fx_stages.check_split(model, segments, x) if segments else [0]
+    finally:
+        for m, mode in modes.items():
+            m.training = mode
+    whole = [("model", model)], [0] * len(records)
+    if bad:
+        log.debug("%s: its fx stages do not chain to its forward: one stage",
+                  type(model).__name__)
+        return whole
+    stages = [(seg.name, _FxStage(seg, model)) for seg in segments]
+    of = [next((s for s, (_n, st) in enumerate(stages) if r.name in st.owners), -1)
+          for r in records]
+    if -1 in of or any(a > b for a, b in itertools.pairwise(of)):
+        log.debug("%s: a unit outside its fx stages or out of their order: one stage",
+                  type(model).__name__)
+        return whole
+    return stages, of
+
+
 def _stages_for(family: str, model: nn.Module) -> list[tuple[str, nn.Module]]:
     if family == "resnet":
         blocks = [(f"{ln}.{i}", b) for ln in ("layer1", "layer2", "layer3", "layer4")
@@ -234,11 +296,10 @@ def _stages_for(family: str, model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _family(model: nn.Module, arch: str | None) -> str:
+    """resnet, mobilenet (V2) or vit by type; any other model: generic (fx stages)."""
     by_type = ("resnet" if isinstance(model, (ResNet, SmallResNet)) else
                "mobilenet" if isinstance(model, MobileNetV2) else
-               "vit" if isinstance(model, VisionTransformer) else None)
-    if by_type is None:
-        raise ValueError(f"unsupported model type {type(model).__name__!r} (arch={arch!r})")
+               "vit" if isinstance(model, VisionTransformer) else "generic")
     if arch is not None and _FAMILY.get(arch, by_type) != by_type:
         raise ValueError(f"arch {arch!r} does not match model type {type(model).__name__}")
     return by_type
@@ -254,6 +315,12 @@ def stage_input_hooks(staged: StagedModel, callback: Callable[[int, Tensor], Non
     handles = []
     for st in staged.stages[1:]:
         s = st.index
+        if isinstance(st.module, _FxStage):
+            mod, pre = st.module.tap
+            handles.append(mod.register_forward_pre_hook(
+                lambda _m, args, s=s: callback(s, args[0])) if pre else
+                mod.register_forward_hook(lambda _m, _a, out, s=s: callback(s, out)))
+            continue
         if not isinstance(st.module, _StageWrapper):
             handles.append(st.module.register_forward_pre_hook(
                 lambda _m, args, s=s: callback(s, args[0])))
@@ -277,6 +344,10 @@ def _kind(mod: nn.Module) -> str:
         return "bn"
     if isinstance(mod, nn.LayerNorm):
         return "ln"
+    if isinstance(mod, nn.GroupNorm):
+        return "gn"
+    if all(sum(d > 1 for d in p.shape) <= 1 for p in mod.parameters(recurse=False)):
+        return "scale"  # a block's own per-channel vector (layer_scale): x * p
     raise ValueError(f"unsupported parameterised module type {type(mod).__name__}")
 
 
@@ -290,9 +361,12 @@ def _macs(kind: str, mod: nn.Module, x: Tensor, y: Tensor, part: str) -> tuple[i
         tokens = y[0].numel() // mod.out_features
         f = mod.in_features * mod.out_features * tokens
         return f, f, f
-    if kind in ("bn", "ln"):
+    if kind in NORM_UNIT_KINDS:
         n = y[0].numel()
         return 2 * n, 2 * n, 2 * n
+    if kind == "scale":  # one multiply per output value
+        n = y[0].numel()
+        return n, n, n
     tokens, e = x.shape[1], mod.embed_dim  # attn (batch_first, as in torchvision ViT)
     if part == "in":
         proj = 3 * e * e * tokens
@@ -402,12 +476,15 @@ def decompose(model: nn.Module, input_shape: tuple[int, ...], arch: str | None =
     owners = _owners(model, special)
     if "" in owners:
         raise ValueError(f"model {type(model).__name__} owns parameters outside any layer")
-    stage_list = _stages_for(family, model)
+    stage_list = _stages_for(family, model) if family != "generic" else []
     records = _trace(model, owners, input_shape)
+    if family == "generic":
+        stage_list, stage_of = _generic_stages(model, owners, records, tuple(input_shape))
+    else:
+        stage_of = [_stage_of(rec.name, stage_list) for rec in records]
     units: list[Unit] = []
-    for rec in records:
+    for rec, stage in zip(records, stage_of, strict=True):
         tensors = _unit_tensors(rec, special if rec.name == "conv_proj" else [])
-        stage = _stage_of(rec.name, stage_list)
         units.append(_make_unit(len(units), rec, stage, tensors, flops, cache_bw))
     _check_coverage(model, units)
     for u, producer, replayable in zip(units, _producers(records), _replayable(records),
@@ -426,7 +503,7 @@ def _producers(records: list[_Record]) -> list[int | None]:
         runs[id(r.module)] = runs.get(id(r.module), 0) + 1
     out: list[int | None] = [None] * len(records)
     for i, (prev, rec) in enumerate(itertools.pairwise(records), start=1):
-        if (prev.part == rec.part == "" and runs[id(prev.module)] == 1
+        if (prev.part == rec.part == "" and runs[id(prev.module)] == 1 and prev.kind != "scale"
                 and prev.y.data_ptr() == rec.x.data_ptr() and prev.y.shape == rec.x.shape
                 and prev.y.stride() == rec.x.stride() and prev.versions[1] == rec.versions[0]):
             out[i] = i - 1
@@ -441,7 +518,7 @@ def _replayable(records: list[_Record]) -> list[bool]:
     for r in records:
         runs[id(r.module)] = runs.get(id(r.module), 0) + 1
     return [r.part == "" and runs[id(r.module)] == 1 and r.y._version == r.versions[1]
-            for r in records]
+            and r.kind != "scale" for r in records]
 
 
 def _check_coverage(model: nn.Module, units: list[Unit]) -> None:

@@ -19,12 +19,11 @@ from torchvision import models as tvm
 from tta_core.registry import available_methods, build_method
 
 FAMILIES = ("convnext_tiny", "mobilenet_v3_small", "efficientnet_b0", "regnet_x_400mf",
-            "shufflenet_v2_x0_5", "mobilenet_v2", "resnet18")
+            "regnet_y_400mf", "shufflenet_v2_x0_5", "mobilenet_v2", "resnet18")
 CLASS = {"convnext_tiny": "ConvNeXt", "mobilenet_v3_small": "MobileNetV3",
-         "efficientnet_b0": "EfficientNet", "regnet_x_400mf": "RegNet",
+         "efficientnet_b0": "EfficientNet", "regnet_x_400mf": "RegNet", "regnet_y_400mf": "RegNet",
          "shufflenet_v2_x0_5": "ShuffleNetV2", "mobilenet_v2": "MobileNetV2",
          "resnet18": "ResNet"}
-ADASHADOW_SERVES = ("mobilenet_v2", "resnet18")  # the decompositions it knows
 QUICK = ("mobilenet_v3_small",)
 
 
@@ -34,8 +33,6 @@ def refusal(method: str, family: str) -> str | None:
     if method == "elastic":  # needs its own gated master (`tta train-elastic`)
         return (f"elastic: {cls} is not a gated master; make one with `tta train-elastic` "
                 "and pass its model card")
-    if method == "adashadow" and family not in ADASHADOW_SERVES:
-        return f"unsupported model type '{cls}' (arch=None)"
     if family == "convnext_tiny" and method == "bn_adapt":
         return ("bn_adapt needs BatchNorm layers; ConvNeXt has none (its norms: "
                 "LayerNorm2d \N{MULTIPLICATION SIGN}5, LayerNorm \N{MULTIPLICATION SIGN}18)")

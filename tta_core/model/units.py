@@ -4,6 +4,8 @@ Units are the granularity of layer-selective updates (AdaShadow §3.2: Conv, BN,
 LayerNorm, attention projections); stages are the reuse boundaries of the reforward
 (§4: the reforward restarts from the cached input of the first updated unit's stage).
 Per-unit MACs and bytes give eta_l = compute time / memory time of the latency predictor.
+Stages follow the model's blocks: per family for ResNet, MobileNetV2 and ViT; cut from
+the torch.fx graph for any other model (`fx_stages`; one stage where it does not trace).
 """
 
 from __future__ import annotations
@@ -497,7 +499,8 @@ def decompose(model: nn.Module, input_shape: tuple[int, ...], arch: str | None =
 def _producers(records: list[_Record]) -> list[int | None]:
     """Per record: the one just before it in execution order when its output is this
     one's input, unchanged (same storage, shape and strides, not modified in place since:
-    a conv feeding its BN); None otherwise, and for a module that runs more than once."""
+    a conv feeding its BN); None otherwise, for a module that runs more than once and for
+    a scale unit (not replayable)."""
     runs: dict[int, int] = {}
     for r in records:
         runs[id(r.module)] = runs.get(id(r.module), 0) + 1
@@ -513,7 +516,8 @@ def _producers(records: list[_Record]) -> list[int | None]:
 def _replayable(records: list[_Record]) -> list[bool]:
     """Per record: its module runs once, as one call (no attention halves), and its output
     was not modified in place after the call (by the end of the traced forward: an in-place
-    ReLU or `out += identity` on it would make a replayed copy wrong)."""
+    ReLU or `out += identity` on it would make a replayed copy wrong). Not a scale unit:
+    its module is a block whose fx stage runs its pieces, not the block."""
     runs: dict[int, int] = {}
     for r in records:
         runs[id(r.module)] = runs.get(id(r.module), 0) + 1

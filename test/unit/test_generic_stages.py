@@ -172,6 +172,7 @@ def test_adashadow_updates_units_on_every_family(family: str, one_thread) -> Non
     """sigma=1.0: the budget of one more forward; a later batch differs from the first
     (no source statistics without BN: the first batch's importance is zero)."""
     m = build_method("adashadow", make(family), input_shape=(3, SIZE, SIZE), sigma=1.0)
+    assert m.config.bn_mode == "robust"  # the default: on ConvNeXt, no BN layer to move
     gen = torch.Generator().manual_seed(3)
     updated = [m.step(torch.randn(4, 3, SIZE, SIZE, generator=gen)).units_updated
                for _ in range(3)]

@@ -45,8 +45,8 @@ SEG_METHODS: tuple[str, ...] = ("source", "bn_adapt", "tent", "eata", "sar", "co
 SEG_REFUSALS: dict[str, str] = {
     "lame": "a classifier-output method: its Laplacian runs over one feature vector per "
             "sample (the input of the last nn.Linear); N x C x H x W logits have none",
-    "adashadow": "its unit decomposition knows classifier families only (no segmentation "
-                 "net)",
+    "adashadow": "not checked on N x C x H x W logits: it steps on LR-ASPP but updated "
+                 "nothing in two batches (its planner and losses are the classifier's)",
     "darda": "its corruption bundle is fitted on a classification card (tta train-darda)",
     "elastic": "it needs a gated classification master (tta train-elastic)",
 }

@@ -124,3 +124,19 @@ def make_model():
     with torch.no_grad():
         model.fc.weight.mul_(30.0)
     return model
+
+
+def assert_replay_skips_units(staged, stage: int, x, replay: dict, full) -> None:
+    """`staged.forward_from(stage, x, replay)` equals the full forward `full` without
+    running any replayed unit again."""
+    calls: list[int] = []
+    hs = [staged.units[u].module.register_forward_hook(
+        lambda *_a, u=u: calls.append(u)) for u in replay]
+    try:
+        with torch.no_grad():
+            got = staged.forward_from(stage, x, replay)
+    finally:
+        for h in hs:
+            h.remove()
+    assert not calls, f"replayed units ran again: {calls}"
+    torch.testing.assert_close(got, full, rtol=0.0, atol=1e-5)

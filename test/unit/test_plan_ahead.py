@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from helpers.models import assert_replay_skips_units
 
 from tta_core.adashadow import planner
 from tta_core.adashadow.engine import AdaShadowEngine, EngineConfig
@@ -79,15 +80,7 @@ def test_restart_inside_a_stage_equals_the_full_forward_and_skips_the_replayed(
         unit = staged.units[d]
         first = staged.stages[unit.stage].first_unit
         replay = {u: outs[u] for u in range(first, d) if staged.units[u].replayable}
-        calls: list[int] = []
-        hs = [staged.units[u].module.register_forward_hook(
-            lambda *_a, u=u, calls=calls: calls.append(u)) for u in replay]
-        with torch.no_grad():
-            got = staged.forward_from(unit.stage, ins[unit.stage], replay)
-        for h in hs:
-            h.remove()
-        assert not calls, f"replayed units ran again: {calls}"
-        torch.testing.assert_close(got, full, rtol=0.0, atol=1e-5)
+        assert_replay_skips_units(staged, unit.stage, ins[unit.stage], replay, full)
 
 
 def test_the_planner_counts_the_reforward_from_the_unit_when_it_replays() -> None:

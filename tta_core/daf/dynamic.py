@@ -153,17 +153,25 @@ def upstream_fidelity(bits: int, count: float) -> float:
 
 def stat_counts(profile: SaveProfile, model: nn.Module, units: list[str]) -> dict[str, float]:
     """Values per normalisation statistic of each norm unit in `units`: its saved input's
-    entries per channel (BN) or its normalized shape's entries (LN)."""
+    entries per channel (BN), its normalized shape's entries (LN) or per sample and group (GN)."""
     mods = dict(model.named_modules())
     out: dict[str, float] = {}
     for e in profile.events:
         kind = profile.unit_kinds.get(e.unit, "")
         if e.unit in units and e.unit not in out and kind in NORM_KINDS \
                 and _varying(e, kind):
-            mod = mods[e.unit]
-            out[e.unit] = (e.numel / mod.num_features if kind == "bn"
-                           else float(math.prod(mod.normalized_shape)))
+            out[e.unit] = _stat_count(mods[e.unit], kind, e)
     return out
+
+
+def _stat_count(mod: nn.Module, kind: str, e: SaveEvent) -> float:
+    """Values behind one statistic of norm module `mod` whose input save is `e`."""
+    if kind == "bn":
+        return e.numel / mod.num_features
+    if kind == "gn":  # per sample and group: (C / G) * spatial entries
+        shape = e.view[2]
+        return float(math.prod(shape[1:])) / mod.num_groups
+    return float(math.prod(mod.normalized_shape))
 
 
 def unit_choices(order: list[str], kinds: Mapping[str, str], ma: Mapping[str, float],

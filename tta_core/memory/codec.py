@@ -12,7 +12,7 @@ What autograd saves, and what the codec does with it (sites: tta_core.memory.sco
   backward only tests lo < x < hi, so it is stored as an exact 1-bit mask (``act_masks``);
 - a conv/linear input (read only for ∂W; ∂x needs just the weight): magnitude-pruned to the
   unit's keep ratio, stored as a 1-bit position bitmap + the kept values in memory order;
-- a BN/LN unit's input, for units in ``norm_keep``: exact means over the normalised dims +
+- a BN/LN/GN unit's input, for units in ``norm_keep``: exact means over the normalised dims +
   the ~keep largest deviations from them (`CentredPruned`: a pruned entry has x̂ = 0); ∂γ
   and ∂x are then computed from it (approximate, as a pruned conv input's ∂W);
 - a max-pool module's input with ``pool_inputs``: not stored (its backward reads the
@@ -24,7 +24,7 @@ What autograd saves, and what the codec does with it (sites: tta_core.memory.sco
 DAF (tta_core.memory.quant): with ``CodecPlan.bits`` / ``default_bits`` a conv/linear
 unit's input is stored per-group min-max quantized at 8/4/2 bits and bit-packed instead of
 pruned (0 bits: not stored, the unit must be frozen); ``norm_bits`` also quantizes the
-float saves of BN/LN units (their inputs, and a max-pool input they own) — 8 bits keeps
+float saves of BN/LN/GN units (their inputs, and a max-pool input they own) — 8 bits keeps
 their gradients at cosine ~1 and is what gets below the dense-BN floor.
 
 Dedup: one encoding per (data pointer, shape, stride, _version, encoding), reused only while
@@ -337,10 +337,14 @@ class ActivationCodec(SavedTensorContext):
                            lambda: PackedPruned.encode(t, float(enc), self.plan.sample))
 
     def _norm_dims(self, unit: str, t: Tensor) -> tuple[int, ...]:
-        """The dims a norm unit normalises over: LN its last ones, BN all but channels."""
+        """The dims a norm unit normalises over: LN its last ones, BN all but channels; GN
+        its spatial dims (means per sample and channel: finer than its groups' own, so
+        every group mean is kept as well)."""
         mod = self._modules[unit]
         if isinstance(mod, nn.LayerNorm):
             return tuple(range(t.dim() - len(mod.normalized_shape), t.dim()))
+        if isinstance(mod, nn.GroupNorm):
+            return tuple(range(2, t.dim()))
         return tuple(d for d in range(t.dim()) if d != 1)
 
     def _quantize(self, t: Tensor, enc: Quant) -> object:

@@ -25,7 +25,7 @@ STORED_BITS = (2, 4, 8)
 # "other" saves (BN inputs, pooling inputs) are quantized only from this size up: BN's saved
 # mean / invstd (one value per channel) stay exact and so does anything small
 MIN_QUANT_NUMEL = 4096
-NORM_KINDS = ("bn", "ln")
+NORM_KINDS = ("bn", "ln", "gn")  # units.NORM_UNIT_KINDS
 NARROW = "narrow"  # codec encoding: an integer save in the narrowest integer dtype that fits
 _NARROW_DTYPES = (torch.int8, torch.int16, torch.int32)
 

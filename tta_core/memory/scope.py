@@ -1,7 +1,7 @@
 """Which unit is running, and what a tensor autograd saves is for (module hooks).
 
 Saved-tensor hooks only see a tensor. To attribute it and to pick an encoding, UnitScope
-installs forward pre/post hooks on the decomposed units' modules (conv, linear, bn, ln,
+installs forward pre/post hooks on the decomposed units' modules (conv, linear, bn, ln, gn,
 attn) and on the activation modules (nn.ReLU, nn.ReLU6 / nn.Hardtanh) and keeps a stack of
 the modules running now. A saved tensor is then:
 
@@ -11,7 +11,7 @@ the modules running now. A saved tensor is then:
 - ``act``: saved while an activation module runs: its result (in-place) or input, of which
   the backward reads only which entries lie strictly inside (min, max).
 - ``other``: anything else (BN inputs and statistics, pooling inputs and indices, ...).
-  ``SaveSite.input_of`` marks the input of a running BN/LN unit ("bn"/"ln") and of a
+  ``SaveSite.input_of`` marks the input of a running BN/LN/GN unit ("bn"/"ln"/"gn") and of a
   max-pool module ("pool": its backward reads only the indices and the input's shape).
 
 **Attribution to a unit**: a save belongs to the unit whose module started last, i.e. to the
@@ -38,7 +38,7 @@ BEFORE_UNITS = "<before first unit>"
 WGRAD, ACT, OTHER = "wgrad", "act", "other"
 ROLES = (WGRAD, ACT, OTHER)
 _WGRAD_KINDS = ("conv", "linear")
-_INPUT_KINDS = ("bn", "ln", "pool")  # classify marks their inputs (SaveSite.input_of)
+_INPUT_KINDS = ("bn", "ln", "gn", "pool")  # classify marks their inputs (SaveSite.input_of)
 _POOLS = (nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d)
 
 
@@ -49,7 +49,7 @@ class SaveSite:
     unit: str
     role: str
     band: tuple[float, float] = (0.0, float("inf"))  # backward reads lo < x < hi
-    input_of: str = ""  # "bn" / "ln" / "pool": the input of such a running module
+    input_of: str = ""  # "bn" / "ln" / "gn" / "pool": the input of such a running module
 
 
 @dataclass
@@ -72,7 +72,7 @@ def activation_band(mod: nn.Module) -> tuple[float, float] | None:
 def _module_kind(mod: nn.Module) -> str:
     for cls, kind in ((nn.MultiheadAttention, "attn"), (nn.Conv1d | nn.Conv2d | nn.Conv3d, "conv"),
                       (nn.Linear, "linear"), (nn.modules.batchnorm._BatchNorm, "bn"),
-                      (nn.LayerNorm, "ln")):
+                      (nn.LayerNorm, "ln"), (nn.GroupNorm, "gn")):
         if isinstance(mod, cls):
             return kind
     return "other"
@@ -83,7 +83,7 @@ UnitRow = tuple[str, nn.Module, str]  # unit name, module, kind
 
 def unit_table(target: StagedModel | nn.Module) -> tuple[nn.Module, list[UnitRow]]:
     """(model, units): a StagedModel's units, or for a plain module every submodule that
-    owns parameters directly (named_modules order; kind "other" if not conv/linear/bn/ln)."""
+    owns parameters directly (named_modules order; kind "other" if not conv/linear/bn/ln/gn)."""
     if isinstance(target, StagedModel):
         return target.model, [(u.name, u.module, u.kind) for u in target.units]
     if not isinstance(target, nn.Module):

@@ -60,7 +60,10 @@ def test_sites_are_block_internal_convs_only() -> None:
 
 
 @pytest.mark.parametrize("model, words", [
-    (lambda: tvm.mobilenet_v2(num_classes=5), "MobileNetV2 has no ResNet"),
+    (lambda: nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(),
+                           nn.Conv2d(8, 8, 3, groups=8), nn.BatchNorm2d(8), nn.ReLU(),
+                           nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 5)),
+     "Sequential has no conv to gate"),
     (lambda: tvm.resnext50_32x4d(num_classes=5), "grouped convs"),
     (lambda: make_gated(SmallResNet(num_classes=5)), "already gated"),
 ])

@@ -15,13 +15,14 @@ from tta_core.model.arch import build_architecture
 
 def gated_master(base_arch: str, num_classes: int, reduction: int = 4,
                  base_kwargs: dict | None = None, knowledge: float | None = None,
-                 gate_scope: str = "block") -> nn.Module:
+                 gate_scope: str = "block", base_factory: str = "") -> nn.Module:
     """`base_arch` (a tta or torchvision arch, random weights) with FBS gates on its
     block-internal convs (`gate_scope` "block", cards without the kwarg) or on every conv
     followed by a BatchNorm ("all"), and Θ* with `knowledge` share when given; the card's
-    checkpoint fills them in."""
-    master = make_gated(build_architecture(base_arch, num_classes, kwargs=base_kwargs),
-                        reduction, gate_scope)
+    checkpoint fills them in. `base_factory`: the user's factory that builds the base (its
+    card's factory; `base_arch` is then its name)."""
+    base = build_architecture(base_arch, num_classes, factory=base_factory, kwargs=base_kwargs)
+    master = make_gated(base, reduction, gate_scope)
     if knowledge is not None:
         attach_knowledge(master, float(knowledge), fit=False)
     return master

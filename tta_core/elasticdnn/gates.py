@@ -8,7 +8,13 @@ rest set to 0.
 Scope "block" (the default): only block-internal convs are gated (torchvision BasicBlock:
 conv1; Bottleneck: conv1 and conv2; tta's SmallResNet blocks: conv1), so every residual sum
 keeps its shape and a surrogate can drop the gated channels physically
-(tta_core.elasticdnn.surrogate). Scope "all" gates, as the authors' code does, every conv
+(tta_core.elasticdnn.surrogate). Any other model (a user's own factory) is traced with
+torch.fx and gated where the graph shows the same pattern: a dense conv whose BatchNorm
+feeds exactly one dense conv through channel-wise functions only (activations, dropout),
+each value read once (`traced_sites`). A conv that feeds a depthwise or grouped conv is
+recognised and left ungated under scope "block" (its channels would have to be cut from
+the depthwise conv too); scope "all" gates depthwise convs followed by a BatchNorm like
+any other (masks, not slices). Scope "all" gates, as the authors' code does, every conv
 followed by a BatchNorm: also the stem, the convs whose outputs enter a residual sum and
 the downsample convs (`extra_sites`). Those extra gates zero channels of a residual branch
 or shortcut; the channels stay in the sum, so a surrogate keeps them dense and holds the
@@ -41,6 +47,7 @@ from pathlib import Path
 
 import safetensors.torch
 import torch
+import torch.fx
 from torch import Tensor, nn
 from torchvision.models import resnet as tv_resnet
 
@@ -122,17 +129,101 @@ def _block_sites(name: str, block: nn.Module) -> list[GateSite]:
     return []
 
 
+# modules and functions between a gated conv's BatchNorm and the conv reading it that act
+# on each channel alone (a channel zeroed by its gate stays zero through them)
+CHANNELWISE_MODULES = (nn.ReLU, nn.ReLU6, nn.SiLU, nn.Hardswish, nn.GELU, nn.LeakyReLU,
+                       nn.ELU, nn.Mish, nn.Hardtanh, nn.Dropout, nn.Dropout2d, nn.Identity)
+CHANNELWISE_FUNCTIONS = ("relu", "relu6", "silu", "hardswish", "gelu", "leaky_relu", "elu",
+                         "mish", "hardtanh", "dropout", "relu_")
+
+
+def _channelwise(node: torch.fx.Node, mods: dict[str, nn.Module]) -> bool:
+    """Whether `node` applies a per-channel elementwise function (activation, dropout)."""
+    if node.op == "call_module":
+        return isinstance(mods.get(str(node.target)), CHANNELWISE_MODULES)
+    if node.op in ("call_function", "call_method"):
+        name = getattr(node.target, "__name__", str(node.target))
+        return name in CHANNELWISE_FUNCTIONS
+    return False
+
+
+def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def _dense_conv(m: nn.Module | None) -> bool:
+    return isinstance(m, nn.Conv2d) and m.groups == 1
+
+
+def _chain_site(conv: torch.fx.Node, mods: dict[str, nn.Module],
+                calls: dict[str, int]) -> tuple[GateSite | None, str]:
+    """The site `conv` heads in the traced graph: conv -> affine BN of its width -> only
+    channel-wise functions -> a dense conv reading its channels, each value read once and
+    every module called once; (None, why not) otherwise. A depthwise conv at the end is
+    recognised and not sliced (its channels would have to be cut with the gated conv's)."""
+    name = str(conv.target)
+    bn = _only_user(conv)
+    bn_mod = mods.get(str(bn.target)) if bn is not None and bn.op == "call_module" else None
+    if not isinstance(bn_mod, nn.BatchNorm2d) or not bn_mod.affine \
+            or bn_mod.num_features != mods[name].out_channels:
+        return None, "no affine BatchNorm2d of its width reads it alone"
+    node = _only_user(bn)
+    while node is not None and _channelwise(node, mods):
+        node = _only_user(node)
+    nxt = mods.get(str(node.target)) if node is not None and node.op == "call_module" else None
+    if not isinstance(nxt, nn.Conv2d):
+        return None, "its BatchNorm does not feed one conv through activations only"
+    if nxt.groups != 1:
+        return None, "it feeds a grouped or depthwise conv"
+    if nxt.in_channels != mods[name].out_channels:
+        return None, "the next conv reads another width"
+    if any(calls.get(str(n), 0) != 1 for n in (name, bn.target, node.target)):
+        return None, "a module on the chain is called more than once"
+    return GateSite(name, str(bn.target), str(node.target)), ""
+
+
+def traced_sites(model: nn.Module) -> tuple[GateSite, ...]:
+    """The sliceable convs of any model that torch.fx traces (module doc): every dense conv
+    whose BatchNorm feeds exactly one dense conv through channel-wise functions only, in
+    execution order; ValueError naming the model when it does not trace."""
+    what = type(model).__name__
+    try:
+        graph = torch.fx.symbolic_trace(model).graph
+    except Exception as exc:  # whatever stops the trace: the finder cannot see the graph
+        raise ValueError(f"make_gated: {what} is no known ResNet and torch.fx cannot trace "
+                         f"it to find its convs ({type(exc).__name__}: "
+                         f"{' '.join(str(exc).split())[:160]})") from None
+    mods = dict(model.named_modules())
+    calls: dict[str, int] = {}
+    for node in graph.nodes:
+        if node.op == "call_module":
+            calls[str(node.target)] = calls.get(str(node.target), 0) + 1
+    sites = []
+    for node in graph.nodes:
+        if node.op == "call_module" and _dense_conv(mods.get(str(node.target))):
+            site, _ = _chain_site(node, mods, calls)
+            if site is not None:
+                sites.append(site)
+    return tuple(sites)
+
+
 def find_sites(model: nn.Module) -> tuple[GateSite, ...]:
-    """The block-internal convs of `model` to gate, in execution order; ValueError naming
-    the model when it has none or one cannot be sliced (grouped conv, BN without affine)."""
+    """The block-internal convs of `model` to gate, in execution order: those of
+    torchvision's and tta's ResNet blocks, else for any other model those its traced
+    graph shows to be sliceable (`traced_sites`); ValueError naming the model when it has
+    none or one cannot be sliced (grouped conv, BN without affine)."""
     what = type(model).__name__
     if isinstance(model, GatedModel):
         raise ValueError(f"make_gated: {what} is already gated")
     sites = [s for name, m in model.named_modules() for s in _block_sites(name, m)]
     if not sites:
-        raise ValueError(f"make_gated: {what} has no ResNet basic/bottleneck blocks; supported "
-                         "are torchvision's ResNet family (resnet18-152, wide_resnet) and "
-                         "tta's SmallResNet / resnet18_cifar")
+        sites = list(traced_sites(model))
+    if not sites:
+        raise ValueError(f"make_gated: {what} has no conv to gate and slice: none is a "
+                         "dense conv whose BatchNorm feeds one dense conv through "
+                         "activations only (convs feeding depthwise convs, as in MobileNet "
+                         "blocks, are not sliced)")
     mods = dict(model.named_modules())
     for s in sites:
         conv, bn, nxt = mods[s.conv], mods[s.bn], mods[s.next_conv]
@@ -299,12 +390,10 @@ def save_gated(master: GatedModel, path: str | Path, source_card: ModelCard,
                metadata: dict[str, str] | None = None) -> Path:
     """Write `<path>.safetensors` and the model card `<path>.json` (returned): the card names
     the factory tta_core.elasticdnn.card:gated_master with the base arch and the gate settings
-    (``gate_scope`` when not "block"), so `load_source` / `tta bench --model-card` build the
+    (``gate_scope`` when not "block"; ``base_factory`` when the source card names a
+    factory: a user's model), so `load_source` / `tta bench --model-card` build the
     gated master like any model."""
     path = Path(path)
-    if source_card.factory:
-        raise ValueError(f"save_gated: the source card names a factory ({source_card.factory}); "
-                         "only tta / torchvision archs can be gated by card")
     weights = path.with_suffix(SAFETENSORS_SUFFIX)
     weights.parent.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().contiguous().clone() for k, v in master.state_dict().items()}
@@ -313,7 +402,8 @@ def save_gated(master: GatedModel, path: str | Path, source_card: ModelCard,
                    kwargs={"base_arch": source_card.arch, "num_classes": source_card.num_classes,
                            "base_kwargs": source_card.kwargs,
                            "reduction": master.reduction}
-                   | ({"gate_scope": master.scope} if master.scope != "block" else {}),
+                   | ({"gate_scope": master.scope} if master.scope != "block" else {})
+                   | ({"base_factory": source_card.factory} if source_card.factory else {}),
                    checkpoint=weights.name, clean_accuracy=clean_accuracy,
                    name=path.name)
     save_card(card, path.with_suffix(".json"))

@@ -63,7 +63,8 @@ VAL_SEED_OFFSET = 10_000  # the held-out signs of train_source: seed + 10000
 
 @dataclass
 class ElasticTrainConfig:
-    """Gated-master training on the shipped synthetic signs (defaults: the small net)."""
+    """Gated-master training (defaults: the small net on the shipped synthetic signs; a
+    user's own images come as `ElasticData`, the sample counts then unused)."""
 
     source_card: Path = Path("checkpoints/small_resnet_signs32.json")
     warmup_epochs: int = 1
@@ -124,6 +125,28 @@ class ElasticTrainConfig:
         if self.knowledge_init not in KNOWLEDGE_GAUGES:
             raise ValueError(f"knowledge_init must be one of {KNOWLEDGE_GAUGES}, got "
                              f"{self.knowledge_init!r}")
+
+
+@dataclass
+class ElasticData:
+    """Model-ready training and held-out images of the master's training: by default the
+    shipped signs (`signs_data`); for a user's model its own labelled images, clean and
+    under the training corruptions (made by the caller, e.g. `tta train-elastic --data`)."""
+
+    x: Tensor
+    y: Tensor
+    val_x: Tensor
+    val_y: Tensor
+    source: dict = field(default_factory=dict)  # where the images came from (the record)
+
+
+def signs_data(card: ModelCard, cfg: ElasticTrainConfig, progress: bool = False) -> ElasticData:
+    """The shipped synthetic signs: `train_samples` for training (seed `seed`), the held-out
+    ones of `tta train-source` (`validation_set`)."""
+    train = make_signs(cfg.train_samples, card.image_size, seed=cfg.seed, progress=progress)
+    xva, yva = validation_set(card, cfg)
+    return ElasticData(images_to_tensor(train.images, card.mean, card.std),
+                       torch.from_numpy(train.labels), xva, yva, {"kind": "signs"})
 
 
 @dataclass
@@ -211,21 +234,22 @@ def _phases(cfg: ElasticTrainConfig) -> list[tuple[str, float, int]]:
     return [p for p in phases if p[2] > 0]
 
 
-def train_master(cfg: ElasticTrainConfig, progress: bool = True) -> ElasticTrainResult:
+def train_master(cfg: ElasticTrainConfig, progress: bool = True,
+                 data: ElasticData | None = None) -> ElasticTrainResult:
     """Train a gated master and its Θ* from `cfg.source_card`'s checkpoint, or with
-    `knowledge_only` fit Θ* to the gated master it names; see the module doc."""
+    `knowledge_only` fit Θ* to the gated master it names; see the module doc. `data`: the
+    images to train and measure on (default: the shipped signs, `signs_data`)."""
     cfg.validate()
     t0 = time.perf_counter()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     if cfg.knowledge_only:
-        return fit_knowledge(cfg, t0)
+        return fit_knowledge(cfg, t0, data)
     source, card = load_source(cfg.source_card)
-    train = make_signs(cfg.train_samples, card.image_size, seed=cfg.seed, progress=progress)
-    xtr = images_to_tensor(train.images, card.mean, card.std)
-    ytr = torch.from_numpy(train.labels)
-    xva, yva = validation_set(card, cfg)
+    if data is None:
+        data = signs_data(card, cfg, progress)
+    xtr, ytr, xva, yva = data.x, data.y, data.val_x, data.val_y
     source_acc = accuracy(source, xva, yva)
     teacher = copy.deepcopy(source).eval() if cfg.teacher > 0 else None
     master = make_gated(source, cfg.reduction, cfg.gate_scope)
@@ -337,17 +361,19 @@ def retie(master: GatedModel, project: bool = False) -> float:
         return float(kn.tie_loss(master.base))
 
 
-def fit_knowledge(cfg: ElasticTrainConfig, t0: float) -> ElasticTrainResult:
+def fit_knowledge(cfg: ElasticTrainConfig, t0: float,
+                  data: ElasticData | None = None) -> ElasticTrainResult:
     """`knowledge_only`: the gated master of `cfg.source_card` with Θ* fitted to its
     filters (share `cfg.knowledge`), its weights unchanged; the result's card is the base
-    card `save_gated` expects."""
+    card `save_gated` expects. Accuracy on `data`'s held-out images (default: the signs')."""
     master = load_gated(cfg.source_card)
     gated = load_card(cfg.source_card)
     attach_knowledge(master, cfg.knowledge)
-    base = replace(gated, arch=str(gated.kwargs["base_arch"]), factory="",
+    base = replace(gated, arch=str(gated.kwargs["base_arch"]),
+                   factory=str(gated.kwargs.get("base_factory", "")),
                    kwargs=dict(gated.kwargs.get("base_kwargs") or {}),
                    name=gated.name.removesuffix("_elastic"))
-    xva, yva = validation_set(base, cfg)
+    xva, yva = validation_set(base, cfg) if data is None else (data.val_x, data.val_y)
     acc = sparsity_accuracy(master, xva, yva, cfg.eval_sparsities)
     return ElasticTrainResult(
         master=master, card=base, source_accuracy=acc[cfg.eval_sparsities[0]], accuracy=acc,

@@ -23,9 +23,13 @@ from tta_core.api import StepResult
 from tta_core.io.image_msg import (
     FrameLimits,
     Preprocess,
+    as_bytes,
     check_size,
+    compressed_codec,
     decode_compressed,
     decode_image,
+    jpeg_header,
+    png_header,
     to_tensor,
 )
 from tta_ros.frame_cdr import LAYOUTS, frame_fields
@@ -225,10 +229,31 @@ def decode_frame(data: bytes, kind: str, limits: FrameLimits, side: int | None =
 
 def frame_tensor(data: bytes, kind: str, limits: FrameLimits, pre: Preprocess
                  ) -> tuple[Header, torch.Tensor]:
-    """One serialized frame -> (its header, 1x3xSxS model input): decode_frame reduced
-    for the card's side, then to_tensor (a batch of these is to_tensor of the batch)."""
-    msg, pix = decode_frame(data, kind, limits, pre.image_size)
+    """One serialized frame -> (its header, 1x3xHxW model input): decode_frame reduced
+    for the card's longer side, then to_tensor (a batch of these is to_tensor of the
+    batch)."""
+    msg, pix = decode_frame(data, kind, limits, pre.side)
     return msg.header, to_tensor([pix], pre)
+
+
+def frame_input(data: bytes, kind: str, limits: FrameLimits, pre: Preprocess,
+                keep_pixels: bool = False
+                ) -> tuple[Header, torch.Tensor, tuple[int, int], np.ndarray | None]:
+    """frame_tensor plus the frame's (height, width) and, with `keep_pixels`, its decoded
+    RGB (reduced as for the model: what a segmentation overlay at the frame's size is
+    blended on)."""
+    msg, pix = decode_frame(data, kind, limits, pre.side)
+    return msg.header, to_tensor([pix], pre), frame_size(msg, pix), pix if keep_pixels else None
+
+
+def frame_size(msg: Any, pix: np.ndarray) -> tuple[int, int]:
+    """A decoded frame's (height, width) as sent: a raw frame's fields, a compressed one's
+    JPEG/PNG header (the decode may have been reduced)."""
+    if hasattr(msg, "height"):
+        return int(msg.height), int(msg.width)
+    buf = as_bytes(msg.data)
+    head = (png_header if compressed_codec(msg.format) == "png" else jpeg_header)(buf)
+    return (head.height, head.width) if head is not None else tuple(pix.shape[:2])
 
 
 def prediction_msgs(headers: list[Header], probs: np.ndarray, batch_id: int,

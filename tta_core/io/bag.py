@@ -5,7 +5,10 @@ Layout (written by `write_bag`, expected by `read_bag`):
 - `/camera/image_raw`   sensor_msgs/msg/Image, rgb8, frame_id "camera", stamps at the
   camera rate;
 - `/ground_truth`       tta_msgs/msg/ClassPrediction, one per image, header.stamp = the
-  image's stamp, label + class_name, confidence 1;
+  image's stamp, label + class_name, confidence 1 (a classification bag);
+- `/ground_truth/segmentation` sensor_msgs/msg/Image, mono8 train ids (255 = ignore), one
+  per image, header.stamp = the image's stamp (a segmentation bag, `task="segmentation"`:
+  instead of /ground_truth);
 - `/ground_truth/domain` tta_msgs/msg/DomainLabel, one per image, header.stamp = the
   image's stamp, domain = "<corruption>/<severity>" or "clean". (Bags written before
   DomainLabel existed carry it in a std_msgs/msg/Header's frame_id: still read.)
@@ -50,6 +53,8 @@ from tta_core.io.image_msg import image_to_rgb8
 IMAGE_TOPIC = "/camera/image_raw"
 GT_TOPIC = "/ground_truth"
 DOMAIN_TOPIC = "/ground_truth/domain"
+MASK_TOPIC = "/ground_truth/segmentation"
+TASKS = ("classification", "segmentation")
 IMAGE_TYPE = "sensor_msgs/msg/Image"
 GT_TYPE = "tta_msgs/msg/ClassPrediction"
 DOMAIN_TYPE = "tta_msgs/msg/DomainLabel"
@@ -66,19 +71,22 @@ _QOS = {reliability: Qos(QosHistory.KEEP_LAST, depth, reliability, QosDurability
 #: offered QoS per topic: the camera's sensor-data profile, reliable ground truth
 OFFERED_QOS = {IMAGE_TOPIC: _QOS[QosReliability.BEST_EFFORT],
                GT_TOPIC: _QOS[QosReliability.RELIABLE],
+               MASK_TOPIC: _QOS[QosReliability.RELIABLE],
                DOMAIN_TOPIC: _QOS[QosReliability.RELIABLE]}
 STORAGES = {"mcap": StoragePlugin.MCAP, "sqlite3": StoragePlugin.SQLITE3}
 
 
 @dataclass
 class BagFrame:
-    """One image of a bag with its ground truth (label -1 / domain "" when absent)."""
+    """One image of a bag with its ground truth (label -1 / domain "" when absent; a
+    segmentation bag's frames carry their train-id mask, label -1)."""
 
     stamp_ns: int
     image: np.ndarray  # (H, W, 3) uint8 RGB
     label: int
     domain: str
     class_name: str = ""
+    mask: np.ndarray | None = None  # (H, W) uint8 train ids, 255 = ignore
 
 
 @dataclass
@@ -90,6 +98,7 @@ class BagInfo:
     duration_s: float
     topics: dict[str, str]  # topic -> message type
     has_ground_truth: bool
+    task: str = "classification"  # segmentation: masks on MASK_TOPIC
 
 
 def msg_dir() -> Path:
@@ -157,10 +166,15 @@ class Rosbag2Writer(Writer):
 
 
 class BagWriter:
-    """Appends frames (image + ground truth) to a new bag; use as a context manager."""
+    """Appends frames (image + ground truth: a label, or a mask with `task="segmentation"`)
+    to a new bag; use as a context manager."""
 
     def __init__(self, path: str | Path, rate_hz: float = 30.0, start_ns: int = 10**18,
-                 class_names: Sequence[str] = (), storage: str = "mcap") -> None:
+                 class_names: Sequence[str] = (), storage: str = "mcap",
+                 task: str = "classification") -> None:
+        if task not in TASKS:
+            raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+        self.task = task
         if not rate_hz > 0:
             raise ValueError(f"rate_hz must be > 0, got {rate_hz!r}")
         if storage not in STORAGES:
@@ -178,7 +192,7 @@ class BagWriter:
         w, s = self._writer, self.store
         self._conns = {t: w.add_connection(t, m, typestore=s,
                                            offered_qos_profiles=[OFFERED_QOS[t]])
-                       for t, m in ((IMAGE_TOPIC, IMAGE_TYPE), (GT_TOPIC, GT_TYPE),
+                       for t, m in ((IMAGE_TOPIC, IMAGE_TYPE), self._truth_topic(),
                                     (DOMAIN_TOPIC, DOMAIN_TYPE))}
         return self
 
@@ -187,27 +201,48 @@ class BagWriter:
         if exc[0] is None:
             _set_ros_distro(self.path / "metadata.yaml", ROS_DISTRO)
 
+    def _truth_topic(self) -> tuple[str, str]:
+        return (MASK_TOPIC, IMAGE_TYPE) if self.task == "segmentation" else (GT_TOPIC,
+                                                                               GT_TYPE)
+
     def _header(self, t_ns: int, frame_id: str) -> object:
         t = self.store.types
         stamp = t["builtin_interfaces/msg/Time"](sec=t_ns // 10**9, nanosec=t_ns % 10**9)
         return t["std_msgs/msg/Header"](stamp=stamp, frame_id=frame_id)
 
-    def add(self, image: np.ndarray, label: int, domain: str) -> int:
-        """Write one (H, W, 3) uint8 RGB frame and its ground truth; returns its stamp (ns)."""
+    def _image(self, t_ns: int, pixels: np.ndarray, encoding: str) -> object:
+        h, w = pixels.shape[:2]
+        channels = 1 if pixels.ndim == 2 else pixels.shape[2]
+        return self.store.types[IMAGE_TYPE](
+            header=self._header(t_ns, "camera"), height=h, width=w, encoding=encoding,
+            is_bigendian=0, step=w * channels, data=np.ascontiguousarray(pixels).reshape(-1))
+
+    def _truth(self, t_ns: int, label: int | np.ndarray, image: np.ndarray) -> object:
+        """The ground-truth message: a ClassPrediction, or a segmentation bag's mono8 mask."""
+        if self.task == "segmentation":
+            mask = np.asarray(label)
+            if mask.dtype != np.uint8 or mask.shape != image.shape[:2]:
+                raise ValueError(f"mask must be {image.shape[:2]} uint8 (the image's size), "
+                                 f"got {mask.shape} {mask.dtype}")
+            return self._image(t_ns, mask, "mono8")
+        label = int(label)
+        name = self.class_names[label] if 0 <= label < len(self.class_names) else str(label)
+        return self.store.types[GT_TYPE](
+            header=self._header(t_ns, "camera"), batch_id=self.count, label=label,
+            confidence=1.0, class_name=name, scores=np.zeros(0, np.float32))
+
+    def add(self, image: np.ndarray, label: int | np.ndarray, domain: str) -> int:
+        """Write one (H, W, 3) uint8 RGB frame and its ground truth (a class id, or a
+        segmentation bag's (H, W) uint8 train-id mask); returns its stamp (ns)."""
         if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
             raise ValueError(f"image must be (H, W, 3) uint8, got {image.shape} {image.dtype}")
         t = self.store.types
         t_ns = self.start_ns + round(self.count * 1e9 / self.rate_hz)
-        h, w = image.shape[:2]
-        img = t[IMAGE_TYPE](header=self._header(t_ns, "camera"), height=h, width=w,
-                            encoding="rgb8", is_bigendian=0, step=w * 3,
-                            data=np.ascontiguousarray(image).reshape(-1))
-        name = self.class_names[label] if 0 <= label < len(self.class_names) else str(label)
-        gt = t[GT_TYPE](header=self._header(t_ns, "camera"), batch_id=self.count,
-                        label=int(label), confidence=1.0, class_name=name,
-                        scores=np.zeros(0, np.float32))
+        img = self._image(t_ns, image, "rgb8")
+        gt = self._truth(t_ns, label, image)
         label_msg = t[DOMAIN_TYPE](header=self._header(t_ns, "camera"), domain=domain)
-        for topic, msg in ((IMAGE_TOPIC, img), (GT_TOPIC, gt), (DOMAIN_TOPIC, label_msg)):
+        truth = self._truth_topic()[0]
+        for topic, msg in ((IMAGE_TOPIC, img), (truth, gt), (DOMAIN_TOPIC, label_msg)):
             data = self.store.serialize_cdr(msg, self._conns[topic].msgtype)
             self._writer.write(self._conns[topic], t_ns, data)
         self.count += 1
@@ -229,11 +264,11 @@ def _set_ros_distro(metadata: Path, distro: str) -> None:
     tmp.replace(metadata)
 
 
-def write_bag(path: str | Path, frames: Iterable[tuple[np.ndarray, int, str]],
+def write_bag(path: str | Path, frames: Iterable[tuple[np.ndarray, int | np.ndarray, str]],
               rate_hz: float = 30.0, class_names: Sequence[str] = (),
-              storage: str = "mcap") -> BagInfo:
-    """Write (image, label, domain) frames to a new bag at `path`; returns its info."""
-    with BagWriter(path, rate_hz, class_names=class_names, storage=storage) as w:
+              storage: str = "mcap", task: str = "classification") -> BagInfo:
+    """Write (image, label or mask, domain) frames to a new bag at `path`; its info."""
+    with BagWriter(path, rate_hz, class_names=class_names, storage=storage, task=task) as w:
         for image, label, domain in frames:
             w.add(image, label, domain)
     return bag_info(path)
@@ -279,25 +314,37 @@ def _check_topic(topics: dict[str, str], topic: str, msgtype: str, path: Path) -
 
 
 def bag_info(path: str | Path) -> BagInfo:
-    """Image count, duration, topics and whether both ground-truth topics are present."""
+    """Image count, duration, topics, whether both ground-truth topics are present and the
+    task (segmentation when it has masks)."""
     with _readable(path), _open(path) as r:
         topics = _topics(r)
         n = sum(c.msgcount for c in r.connections if c.topic == IMAGE_TOPIC)
-        gt = GT_TOPIC in topics and DOMAIN_TOPIC in topics
-        return BagInfo(Path(path), n, r.duration / 1e9, topics, gt)
+        task = bag_task(topics)
+        truth = MASK_TOPIC if task == "segmentation" else GT_TOPIC
+        gt = truth in topics and DOMAIN_TOPIC in topics
+        return BagInfo(Path(path), n, r.duration / 1e9, topics, gt, task)
+
+
+def bag_task(topics: dict[str, str]) -> str:
+    """segmentation when the bag has ground-truth masks, else classification."""
+    return "segmentation" if MASK_TOPIC in topics else "classification"
 
 
 def _ground_truth(reader: Reader, store: Typestore) -> tuple[dict, dict]:
-    """stamp -> (label, class_name) and stamp -> domain from the side topics."""
-    labels: dict[int, tuple[int, str]] = {}
+    """stamp -> (label, class_name) (or, from a segmentation bag, the (H, W) uint8 mask)
+    and stamp -> domain from the side topics."""
+    labels: dict[int, tuple[int, str] | np.ndarray] = {}
     domains: dict[int, str] = {}
-    conns = [c for c in reader.connections if c.topic in (GT_TOPIC, DOMAIN_TOPIC)]
+    conns = [c for c in reader.connections
+             if c.topic in (GT_TOPIC, DOMAIN_TOPIC, MASK_TOPIC)]
     if not conns:  # rosbags reads every message when given no connection
         return labels, domains
     for conn, _, raw in reader.messages(connections=conns):
         msg = store.deserialize_cdr(raw, conn.msgtype)
         if conn.topic == GT_TOPIC:
             labels[stamp_ns(msg.header)] = (int(msg.label), str(msg.class_name))
+        elif conn.topic == MASK_TOPIC:
+            labels[stamp_ns(msg.header)] = mask_array(msg)
         elif conn.msgtype == LEGACY_DOMAIN_TYPE:
             domains[stamp_ns(msg)] = str(msg.frame_id)
         else:
@@ -308,16 +355,19 @@ def _ground_truth(reader: Reader, store: Typestore) -> tuple[dict, dict]:
 def read_bag(path: str | Path, require_ground_truth: bool = True) -> Iterator[BagFrame]:
     """Images of a bag in recorded order, each joined by stamp to its label and domain.
 
-    Raises FileNotFoundError for a missing bag, BagError for a damaged one, ValueError for
-    a missing or mistyped topic and, when `require_ground_truth`, for an image without
+    A segmentation bag's frames carry their mask (BagFrame.mask). Raises
+    FileNotFoundError for a missing bag, BagError for a damaged one, ValueError for a
+    missing or mistyped topic and, when `require_ground_truth`, for an image without
     ground truth at its stamp.
     """
     store = tta_typestore()
     with _readable(path), _open(path) as reader:
         topics = _topics(reader)
         _check_topic(topics, IMAGE_TOPIC, IMAGE_TYPE, Path(path))
+        segmentation = bag_task(topics) == "segmentation"
         if require_ground_truth:
-            _check_topic(topics, GT_TOPIC, GT_TYPE, Path(path))
+            _check_topic(topics, *((MASK_TOPIC, IMAGE_TYPE) if segmentation else
+                                   (GT_TOPIC, GT_TYPE)), Path(path))
             legacy = topics.get(DOMAIN_TOPIC) == LEGACY_DOMAIN_TYPE
             _check_topic(topics, DOMAIN_TOPIC, LEGACY_DOMAIN_TYPE if legacy else DOMAIN_TYPE,
                          Path(path))
@@ -328,5 +378,18 @@ def read_bag(path: str | Path, require_ground_truth: bool = True) -> Iterator[Ba
             t = stamp_ns(msg.header)
             if require_ground_truth and (t not in labels or t not in domains):
                 raise ValueError(f"bag {path}: image at stamp {t} ns has no ground truth")
-            label, name = labels.get(t, (-1, ""))
-            yield BagFrame(t, image_to_rgb8(msg), label, domains.get(t, ""), name)
+            truth = labels.get(t, (-1, ""))
+            if isinstance(truth, np.ndarray):
+                yield BagFrame(t, image_to_rgb8(msg), -1, domains.get(t, ""), mask=truth)
+            else:
+                yield BagFrame(t, image_to_rgb8(msg), truth[0], domains.get(t, ""), truth[1])
+
+
+def mask_array(msg: object) -> np.ndarray:
+    """A mono8 ground-truth mask message as an (H, W) uint8 array; ValueError otherwise."""
+    h, w, step = int(msg.height), int(msg.width), int(msg.step)  # type: ignore[attr-defined]
+    data = np.asarray(msg.data, dtype=np.uint8)  # type: ignore[attr-defined]
+    if msg.encoding != "mono8" or step < w or data.size < h * step:  # type: ignore[attr-defined]
+        raise ValueError(f"ground-truth mask is {msg.encoding} {h}x{w} step {step} with "  # type: ignore[attr-defined]
+                         f"{data.size} bytes, not mono8 train ids")
+    return data[: h * step].reshape(h, step)[:, :w].copy()

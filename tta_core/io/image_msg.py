@@ -81,15 +81,19 @@ COMPRESSED_FORMATS = {"jpeg": "jpeg", "jpg": "jpeg", "png": "png"}
 
 @dataclass(frozen=True)
 class Preprocess:
-    """Resize + normalisation of the model card (mean/std in [0, 1] pixel units)."""
+    """Resize + normalisation of the model card (mean/std in [0, 1] pixel units); the
+    input is image_size x image_size, or image_height x image_size when the card gives a
+    height (a segmentation card's H x W)."""
 
     image_size: int
     mean: tuple[float, float, float]
     std: tuple[float, float, float]
+    image_height: int = 0  # 0: square
 
     def __post_init__(self) -> None:
-        if self.image_size < 1:
-            raise ValueError(f"image_size must be >= 1, got {self.image_size!r}")
+        if self.image_size < 1 or self.image_height < 0:
+            raise ValueError(f"image_size must be >= 1 and image_height >= 0, got "
+                             f"{self.image_size!r} / {self.image_height!r}")
         if len(self.mean) != 3 or len(self.std) != 3:
             raise ValueError(f"mean/std need 3 values, got {self.mean!r} / {self.std!r}")
         if any(not (0 < s < float("inf")) for s in self.std):
@@ -99,9 +103,19 @@ class Preprocess:
 
     @classmethod
     def from_card(cls, card: Any) -> Preprocess:
-        """From a tta_core.model.source.ModelCard (image_size, mean, std)."""
+        """From a tta_core.model.source.ModelCard (image_size, mean, std, image_height)."""
         return cls(int(card.image_size), tuple(float(v) for v in card.mean),
-                   tuple(float(v) for v in card.std))
+                   tuple(float(v) for v in card.std), int(getattr(card, "image_height", 0)))
+
+    @property
+    def hw(self) -> tuple[int, int]:
+        """The model input's (height, width)."""
+        return (self.image_height or self.image_size, self.image_size)
+
+    @property
+    def side(self) -> int:
+        """The input's longer side (what a frame is reduced for: tta_ros.frame_reduce)."""
+        return max(self.hw)
 
 
 #: pixels of a 4K UHD frame (3840 x 2160)
@@ -464,7 +478,8 @@ def image_to_rgb8(msg: Any, limits: FrameLimits = FrameLimits()) -> np.ndarray:
 
 
 def to_tensor(images: Sequence[np.ndarray], pre: Preprocess) -> torch.Tensor:
-    """Decoded HxWx3 images (uint8, or float in [0, 1]) -> Nx3xSxS normalised batch.
+    """Decoded HxWx3 images (uint8, or float in [0, 1]) -> Nx3xHxW normalised batch at the
+    card's input size (`pre.hw`).
 
     Same-size uint8 frames at the card's size go through one vectorised normalisation
     (tta_core.data.preprocess.images_to_tensor, as in training); others are resized
@@ -472,8 +487,8 @@ def to_tensor(images: Sequence[np.ndarray], pre: Preprocess) -> torch.Tensor:
     """
     if not images:
         raise ValueError("cannot build a batch from 0 images")
-    s = pre.image_size
-    if all(a.dtype == np.uint8 and a.shape == (s, s, 3) for a in images):
+    hw = pre.hw
+    if all(a.dtype == np.uint8 and a.shape == (*hw, 3) for a in images):
         return images_to_tensor(np.stack(images), pre.mean, pre.std)
     xs = []
     for a in images:
@@ -481,8 +496,8 @@ def to_tensor(images: Sequence[np.ndarray], pre: Preprocess) -> torch.Tensor:
             raise ValueError(f"expected an HxWx3 image, got shape {a.shape}")
         f = a.astype(np.float32) / 255.0 if a.dtype == np.uint8 else a.astype(np.float32)
         x = torch.from_numpy(f).permute(2, 0, 1).unsqueeze(0)
-        if x.shape[-2:] != (s, s):
-            x = F.interpolate(x, size=(s, s), mode="bilinear", align_corners=False,
+        if tuple(x.shape[-2:]) != hw:
+            x = F.interpolate(x, size=hw, mode="bilinear", align_corners=False,
                               antialias=True)
         xs.append(x)
     mean = torch.tensor(pre.mean, dtype=torch.float32).view(1, 3, 1, 1)

@@ -4,8 +4,10 @@ Frames are taken on an intake thread and converted to the model's input on conve
 threads (tta_ros.nodes.intake; decoded and reduced by tta_ros.convert.frame_tensor) before
 they enter a bounded keep-latest FrameQueue (drops counted), so one costly frame delays
 no batch; one worker thread batches the ready tensors, runs the method's step and
-publishes `predictions` (one ClassPrediction per image, header = image header),
-`adaptation_status` and `layer_importance` (once per batch). With `plan_source: topic` the
+publishes `predictions` (one ClassPrediction per image, header = image header; a
+segmentation card: `segmentation` masks and `segmentation_overlay` images instead,
+tta_ros.nodes.segmentation_output), `adaptation_status` and `layer_importance` (once per
+batch). With `plan_source: topic` the
 latest LayerPlan applies to the next batch; when plans go stale (PlanGate) it plans inline
 and says so on /diagnostics (WARN), and goes back to the topic as soon as plans resume.
 A divergence guard calls method.reset() (source weights) and sets status.reset.
@@ -70,11 +72,12 @@ from tta_msgs.msg import LayerPlan, ResourceTelemetry
 from tta_core.adashadow.planning import Plan, telemetry_pis
 from tta_core.api import StepResult, TakesPlan, TTAMethodLike
 from tta_core.errors import one_line as exc_line
+from tta_core.eval.seg_bench import check_methods
 from tta_core.io.image_msg import FrameLimits, Preprocess, decode_budget
 from tta_core.model.source import load_source
 from tta_core.runtime.device import check_device
 from tta_ros import ros_params
-from tta_ros.convert import FRAME_INPUTS, frame_tensor, frame_topic
+from tta_ros.convert import FRAME_INPUTS, frame_input, frame_topic
 from tta_ros.diagnostics import ERROR, WARN
 from tta_ros.lifecycle import ManagedNode
 from tta_ros.nodes.deadline_wiring import BatchDeadline, SpeedFeed
@@ -93,13 +96,17 @@ from tta_ros.nodes.perception_support import (
 )
 from tta_ros.nodes.plan_choice import PlanChoice
 from tta_ros.nodes.plausibility import Bounds, Refusals, check_speed, check_telemetry
+from tta_ros.nodes.segmentation_output import SegmentationOutput
 
 
 class ReadyFrame(NamedTuple):
-    """A frame converted on an intake thread: its header and its 1x3xSxS model input."""
+    """A frame converted on an intake thread: its header, its 1x3xHxW model input, its
+    (height, width) and, for frame-size segmentation overlays, its decoded pixels."""
 
     header: Any
     x: torch.Tensor
+    hw: tuple[int, int] = (0, 0)
+    pix: Any = None
 
 
 class PerceptionNode(ManagedNode):
@@ -150,7 +157,8 @@ class PerceptionNode(ManagedNode):
                                                          self.bounds)
         self.deadline = BatchDeadline(self.speed, self.queue.late_ms)
         self.output = PerceptionOutput(self, self.card, self.device, self.queue,
-                                       self.refusals, self.guard, self.fleet)
+                                       self.refusals, self.guard, self.fleet,
+                                       self._segmentation_output())
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
         self.create_subscription(LayerPlan, "layer_plan", self._on_plan, reliable)
         self.create_subscription(ResourceTelemetry, "telemetry", self._on_telemetry, 10)
@@ -219,28 +227,40 @@ class PerceptionNode(ManagedNode):
         self.pre = Preprocess.from_card(self.card)
         self.limits = FrameLimits(tuple(self.p["float_range"]), self.p["max_pixels"],
                                   self.p["max_aspect"], self.p["max_decode_bytes"]
-                                  or decode_budget(self.pre.image_size))
+                                  or decode_budget(self.pre.side))
         self.model_name = self.card.name or self.card.arch
+        self.segmenting = self.card.task == "segmentation"
+        self.keep_pixels = self.segmenting and self.p["segmentation_size"] == "frame" \
+            and self.p["publish_overlay"]
+
+    def _segmentation_output(self) -> SegmentationOutput | None:
+        """A segmentation card's mask and overlay publishers (None: a classifier)."""
+        if not self.segmenting:
+            return None
+        return SegmentationOutput(self, self.card, self.pre, self.p["segmentation_size"],
+                                  self.p["overlay_alpha"], self.p["publish_overlay"])
 
     def _build_method(self) -> None:
         """Build the configured method on a fresh copy of the source model; the old one
         (its bank saved) is closed once the new one is built."""
-        opts, s = self.params.options, self.pre.image_size
-        fill = {"input_shape": (3, s, s), "arch": self.card.arch}
+        opts, sample = self.params.options, (3, *self.pre.hw)
+        if self.segmenting:
+            check_methods((opts.method,))  # InputError naming why it cannot segment
+        fill = {"input_shape": sample, "arch": self.card.arch}
         config = {**opts.config(), **{k: v for k, v in fill.items() if k in opts.filled}}
         model = copy.deepcopy(self.source_model).to(self.device)
         if self.method is not None:
             self.domain.save("method rebuilt")  # the rebuilt method loads it
         with self.domain.loading():  # a bad bank file: one line, from domain.attach
             method = build_warm(opts.method, config, model, int(self.p["batch_size"]),
-                                (3, s, s))
+                                sample)
         if self.method is not None:
             self.method.close()
         self.method = method
         self.planning.accepts = isinstance(method, TakesPlan)
         self.domain.attach(method, opts.get("bank_path") or "")
         self.fleet.attach(method)
-        self.unit_names = unit_names(method, self.source_model, (3, s, s), self.card.arch,
+        self.unit_names = unit_names(method, self.source_model, sample, self.card.arch,
                                      self.get_logger().info)
 
     def fleet_settings(self) -> dict[str, Any]:
@@ -315,7 +335,8 @@ class PerceptionNode(ManagedNode):
         """One serialized frame -> its header and model input (on a converter thread);
         None when it is refused (counted, never batched; the reason is one short line)."""
         try:
-            return ReadyFrame(*frame_tensor(raw, self.p["input"], self.limits, self.pre))
+            return ReadyFrame(*frame_input(raw, self.p["input"], self.limits, self.pre,
+                                           self.keep_pixels))
         except ValueError as exc:
             self.output.count_rejection(exc)
         except Exception as exc:  # a decoder's own error (cv2.error): refused all the same
@@ -368,7 +389,8 @@ class PerceptionNode(ManagedNode):
                 [f.header for f in frames], logits, res, self.method,
                 unit_names=self.unit_names, scores=self.p["publish_scores"],
                 mode=status_mode(opts), plan_id=plan_id, reset=bool(reason),
-                deadline_ms=self.deadline.batch_ms(self.method, len(frames))):
+                deadline_ms=self.deadline.batch_ms(self.method, len(frames)), x=x,
+                sizes=[f.hw for f in frames], pixels=[f.pix for f in frames]):
             self.planning.importance_sent()
         self.domain.on_batch(res)
         if reason:

@@ -1,7 +1,9 @@
 """What the perception node publishes and the counters it reports.
 
 `PerceptionOutput` (made at configure, dropped at cleanup) owns the node's publishers:
-`predictions` (one ClassPrediction per image, header = image header), `adaptation_status`
+`predictions` (one ClassPrediction per image, header = image header; for a segmentation
+card `segmentation` and `segmentation_overlay` instead: tta_ros.nodes.segmentation_output),
+`adaptation_status`
 and `layer_importance` (once per batch, reliable) and /diagnostics; and what it counts
 (`Counters`: batches, refused frames, failed steps, the saved activations of the last
 batch) and the reason the last method rebuild failed (`build_error`). It publishes a
@@ -9,7 +11,8 @@ batch's outputs (`publish_batch`: the predictions as soon as the forward is done
 AdaptationStatus once a background update has finished), counts refused frames (logged
 at most once a second, the first 5 of each second on /diagnostics at once) and failed
 batches, and makes the node's `input` and `adaptation` statuses; the others (planning,
-domain, fleet) come from their collaborators (`statuses`).
+domain, fleet) come from their collaborators (`statuses`), with a segmentation card's
+`segmentation` status last.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from tta_ros.nodes.fleet_wiring import PerceptionFleet
 from tta_ros.nodes.method_params import MethodOptions
 from tta_ros.nodes.perception_support import DivergenceGuard, FrameQueue
 from tta_ros.nodes.plausibility import RateLimit, Refusals
+from tta_ros.nodes.segmentation_output import SegmentationOutput
 
 
 @dataclasses.dataclass
@@ -70,11 +74,14 @@ class PerceptionOutput:
 
     def __init__(self, node: ManagedNode, card: ModelCard, device: torch.device,
                  queue: FrameQueue, refusals: Refusals, guard: DivergenceGuard,
-                 fleet: PerceptionFleet) -> None:
+                 fleet: PerceptionFleet, seg: SegmentationOutput | None = None) -> None:
         """`queue`, `refusals`, `guard`: what the input and adaptation statuses report;
-        `fleet`: told each batch's confidence (between the predictions and the status)."""
+        `fleet`: told each batch's confidence (between the predictions and the status);
+        `seg`: a segmentation card's publishers (then no `predictions`)."""
         reliable = QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE)
-        self.pub_pred = node.create_lifecycle_publisher(ClassPrediction, "predictions", 100)
+        self.seg = seg
+        self.pub_pred = None if seg else node.create_lifecycle_publisher(
+            ClassPrediction, "predictions", 100)
         self.pub_status = node.create_lifecycle_publisher(AdaptationStatus,
                                                           "adaptation_status", reliable)
         self.pub_imp = node.create_lifecycle_publisher(LayerImportance, "layer_importance",
@@ -93,15 +100,23 @@ class PerceptionOutput:
     # ------------------------------------------------------------ batches
     def publish_batch(self, headers: Sequence[Any], logits: torch.Tensor, res: StepResult,
                       method: TTAMethodLike, *, unit_names: list[str], scores: bool,
-                      mode: str, plan_id: int, reset: bool, deadline_ms: float) -> bool:
-        """One batch (counted): its predictions now (`scores`: with the softmax), then,
-        once a background update has finished, its AdaptationStatus and its importance
-        over `unit_names`; True when an importance was published."""
+                      mode: str, plan_id: int, reset: bool, deadline_ms: float,
+                      x: torch.Tensor | None = None, sizes: Sequence[tuple[int, int]] = (),
+                      pixels: Sequence[Any] = ()) -> bool:
+        """One batch (counted): its predictions now (`scores`: with the softmax; a
+        segmentation card: its masks and overlays, from the batch's input `x`, the frames'
+        `sizes` and kept `pixels`), then, once a background update has finished, its
+        AdaptationStatus and its importance over `unit_names`; True when an importance was
+        published."""
         self.counters.batches += 1
         batch_id = self.counters.batches
-        probs = torch.softmax(logits, dim=1).cpu().numpy()  # numpy: cheap per-row access
-        for pred in prediction_msgs(list(headers), probs, batch_id, self.class_names, scores):
-            self.pub_pred.publish(pred)
+        if self.seg is not None:
+            self.seg.publish(headers, logits, x, sizes, pixels)
+        else:
+            probs = torch.softmax(logits, dim=1).cpu().numpy()  # numpy: cheap row access
+            for pred in prediction_msgs(list(headers), probs, batch_id, self.class_names,
+                                        scores):
+                self.pub_pred.publish(pred)
         method.finish()  # parallel mode: the status carries this update's backward
         self.fleet.on_batch(res.stats, logits)  # the size's confidence (fleet accuracy proxy)
         self.counters.saved_mib = float(res.stats.get(
@@ -160,7 +175,8 @@ class PerceptionOutput:
     def statuses(self, opts: MethodOptions, planning: DiagnosticStatus,
                  others: Sequence[DiagnosticStatus]) -> list[DiagnosticStatus]:
         """The node's statuses for /diagnostics: input, `planning`, adaptation, `others`."""
-        return [self.input_status(), planning, self.adaptation_status(opts), *others]
+        seg = [self.seg.status()] if self.seg is not None else []
+        return [self.input_status(), planning, self.adaptation_status(opts), *others, *seg]
 
     def publish(self, statuses: Sequence[DiagnosticStatus]) -> None:
         """Publish `statuses` on /diagnostics (names qualified by the node's)."""

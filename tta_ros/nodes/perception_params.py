@@ -62,6 +62,13 @@ def param_specs() -> tuple[ParamSpec, ...]:
                   "frame", 0.0, 10.0),
         ParamSpec("queue_size", 32, "bounded frame queue (keep latest)", 1, 4096),
         ParamSpec("publish_scores", False, "fill ClassPrediction.scores with the softmax"),
+        ParamSpec("segmentation_size", "input", "segmentation cards: the size of the masks "
+                  "and overlays published, the model input's or the frame's (nearest "
+                  "neighbour)", choices=("input", "frame"), read_only=True),
+        ParamSpec("publish_overlay", True, "segmentation cards: publish segmentation_overlay "
+                  "(rgb8, the class colours blended on the frame)", read_only=True),
+        ParamSpec("overlay_alpha", 0.5, "segmentation cards: share of the class colour in "
+                  "the overlay", 0.0, 1.0, read_only=True),
         ParamSpec("float_range", [0.0, 1.0], "32FC1/32FC3 frames with a value outside "
                   "[low, high] are rejected", read_only=True),
         ParamSpec("max_pixels", 4096 * 4096, "frames with more pixels are rejected "

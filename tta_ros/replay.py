@@ -11,6 +11,10 @@ the pipeline goes with flow control (at most `window` images awaiting a predicti
 perception queue never overflows) unless `allow_drops`. The nodes run in-process
 (tta_ros.bringup.build_nodes, on an executor thread) or are already running (`external`).
 Partial results are flushed every `flush_every` predictions; Ctrl-C writes what it has.
+
+A segmentation bag (ground-truth masks: tta_core.io.bag) is scored from the masks the node
+publishes on `segmentation` instead (joined by stamp; mIoU per domain:
+tta_core.eval.seg_replay), reported in seg_report.json / .md.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from tta_msgs.msg import AdaptationStatus, ClassPrediction, LayerPlan
 
 from tta_core.eval.report import FrameRecord, RunRecord, report_dict, write_json_atomic
 from tta_core.eval.report_files import ReportFiles, write_report
+from tta_core.eval.seg_replay import SegReplayRun, SegReportFiles, score_run, write_seg_report
 from tta_core.io.bag import BagFrame, read_bag, stamp_ns
 from tta_ros.paths import package_file
 from tta_ros.spinning import SpinThread
@@ -59,6 +64,7 @@ class ReplayOptions:
     max_frames: int = 0  # 0: all
     image_topic: str = "image"
     predictions_topic: str = "predictions"
+    segmentation_topic: str = "segmentation"  # a segmentation bag's answers
     status_topic: str = "adaptation_status"
     plan_topic: str = "layer_plan"
     overrides: dict[str, Any] = field(default_factory=dict)
@@ -78,10 +84,11 @@ class ReplayOptions:
 
 @dataclass
 class ReplayResult:
-    """The joined run, the files written and the message counts seen."""
+    """The joined run (a segmentation bag's: scored masks), the files written and the
+    message counts seen."""
 
-    run: RunRecord
-    files: ReportFiles | None
+    run: RunRecord | SegReplayRun
+    files: ReportFiles | SegReportFiles | None
     n_published: int
     n_predictions: int
     n_statuses: int
@@ -106,7 +113,8 @@ def parse_rate(rate: str) -> float | None:
 class Collector:
     """Thread-safe store of predictions (by stamp) and statuses (by batch id)."""
 
-    def __init__(self) -> None:
+    def __init__(self, segmentation: bool = False) -> None:
+        self.segmentation = segmentation  # answers are masks (no batch id): see settled
         self.cond = threading.Condition()
         self.predictions: dict[int, tuple[ClassPrediction, float]] = {}
         self.statuses: dict[int, AdaptationStatus] = {}
@@ -116,6 +124,13 @@ class Collector:
     def on_prediction(self, msg: ClassPrediction) -> None:
         with self.cond:
             self.predictions[stamp_ns(msg.header)] = (msg, time.perf_counter())
+            self.cond.notify_all()
+
+    def on_mask(self, msg: Image) -> None:
+        """A `segmentation` mask: kept as an array by stamp (its latency as a prediction's)."""
+        mask = mask_array(msg)
+        with self.cond:
+            self.predictions[stamp_ns(msg.header)] = (mask, time.perf_counter())
             self.cond.notify_all()
 
     def on_status(self, msg: AdaptationStatus) -> None:
@@ -134,6 +149,8 @@ class Collector:
     def settled(self) -> bool:
         """Every published frame predicted and every predicted batch's status received
         (perception publishes a batch's status right after its predictions)."""
+        if self.segmentation:  # masks carry no batch id: every frame answered
+            return self.in_flight() == 0
         return self.in_flight() == 0 and all(int(m.batch_id) in self.statuses
                                              for m, _ in self.predictions.values())
 
@@ -149,6 +166,27 @@ class Collector:
                 if not self.cond.wait_for(moved, timeout_s):
                     return False
             return True
+
+
+def mask_array(msg: Image) -> np.ndarray:
+    """A mono8 / mono16 mask message as an (H, W) array (rows cut to their width)."""
+    wide = msg.encoding == "mono16"
+    data = np.frombuffer(bytes(msg.data), np.dtype("<u2") if wide else np.uint8)
+    per_row = msg.step // (2 if wide else 1)
+    return data[: msg.height * per_row].reshape(msg.height, per_row)[:, : msg.width]
+
+
+def build_seg_run(frames: list[BagFrame], col: Collector, wall_s: float, method: str,
+                  meta: dict[str, Any]) -> SegReplayRun:
+    """Score the masks received against the bag's masks (by stamp), per domain."""
+    with col.cond:
+        masks = {t: (m, 1000.0 * (t_recv - col.published[t]))
+                 for t, (m, t_recv) in col.predictions.items() if t in col.published}
+        statuses, published = list(col.statuses.values()), dict(col.published)
+    if statuses:
+        method = statuses[0].method or method
+    truth = [(f.stamp_ns, f.mask, f.domain) for f in frames]
+    return score_run(method, truth, masks, statuses, published, wall_s=wall_s, meta=meta)
 
 
 def image_msg(frame: BagFrame) -> Image:
@@ -256,15 +294,19 @@ def replay_nodes(opts: ReplayOptions, context: Any = None) -> list[Node]:
 class _Session:
     """The ROS side of a replay: its own node, executor thread and (optionally) the nodes."""
 
-    def __init__(self, opts: ReplayOptions, context: Any) -> None:
+    def __init__(self, opts: ReplayOptions, context: Any, segmentation: bool = False) -> None:
         self.context = context
         self.nodes: list[Node] = replay_nodes(opts, context)
         self.node = Node("tta_replay", context=context, start_parameter_services=False)
-        self.col = Collector()
+        self.col = Collector(segmentation)
         qos = QoSProfile(depth=1000)
         self.pub = self.node.create_publisher(Image, opts.image_topic, qos)
-        self.node.create_subscription(ClassPrediction, opts.predictions_topic,
-                                      self.col.on_prediction, qos)
+        self.answers = opts.segmentation_topic if segmentation else opts.predictions_topic
+        if segmentation:
+            self.node.create_subscription(Image, self.answers, self.col.on_mask, qos)
+        else:
+            self.node.create_subscription(ClassPrediction, self.answers,
+                                          self.col.on_prediction, qos)
         self.node.create_subscription(AdaptationStatus, opts.status_topic,
                                       self.col.on_status, qos)
         self.node.create_subscription(LayerPlan, opts.plan_topic, self.col.on_plan, qos)
@@ -306,13 +348,13 @@ class _Session:
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             if (self.pub.get_subscription_count() > 0
-                    and self.node.count_publishers(opts.predictions_topic) > 0):
+                    and self.node.count_publishers(self.answers) > 0):
                 time.sleep(0.2)  # let discovery finish both ways
                 return
             time.sleep(0.05)
         raise RuntimeError(
             f"no perception node subscribed to {opts.image_topic!r} / publishing "
-            f"{opts.predictions_topic!r} within {timeout_s:.0f} s"
+            f"{self.answers!r} within {timeout_s:.0f} s"
             + (" (is it running? try without --external)" if opts.external else ""))
 
     def close(self) -> None:
@@ -353,11 +395,12 @@ def replay(opts: ReplayOptions, context: Any = None,
         frames = frames[: opts.max_frames]
     if not frames:
         raise ValueError(f"bag {opts.bag} has no images")
+    segmentation = frames[0].mask is not None
     own_init = context is None and not rclpy.ok()
     if own_init:  # no rclpy signal handlers: Ctrl-C must not end the context before close()
         rclpy.init(signal_handler_options=SignalHandlerOptions.NO)
     try:
-        sess = _Session(opts, context or rclpy.get_default_context())
+        sess = _Session(opts, context or rclpy.get_default_context(), segmentation)
     except BaseException:
         if own_init:
             rclpy.try_shutdown()
@@ -367,14 +410,15 @@ def replay(opts: ReplayOptions, context: Any = None,
     t0 = time.perf_counter()
     interrupted = False
 
-    def snapshot() -> RunRecord:
+    def snapshot() -> RunRecord | SegReplayRun:
         with sess.col.cond:  # the stream ends with its last prediction, not a timeout
             last = max((t for _, t in sess.col.predictions.values()), default=None)
         end = last if last is not None else time.perf_counter()
-        return build_run(frames, sess.col, end - t0, opts.method or "?", meta)
+        build = build_seg_run if segmentation else build_run
+        return build(frames, sess.col, end - t0, opts.method or "?", meta)
 
     def flush() -> None:
-        if opts.out:
+        if opts.out and not segmentation:  # a segmentation run is scored at the end
             write_json_atomic(Path(opts.out) / "partial.json",
                               report_dict([snapshot()], include_frames=True))
 
@@ -398,8 +442,11 @@ def replay(opts: ReplayOptions, context: Any = None,
     return ReplayResult(run, files, *counts, interrupted)
 
 
-def _write(run: RunRecord, opts: ReplayOptions) -> ReportFiles:
+def _write(run: RunRecord | SegReplayRun, opts: ReplayOptions
+           ) -> ReportFiles | SegReportFiles:
     out = Path(opts.out)  # type: ignore[arg-type]
+    if isinstance(run, SegReplayRun):
+        return write_seg_report([run], out, title=f"tta replay {opts.bag.name}")
     files = write_report([run], out, title=f"tta replay {opts.bag.name}")
     (out / "partial.json").unlink(missing_ok=True)
     return files

@@ -64,6 +64,7 @@ setup(
             "make-benchmark = tta_core.cli.commands.make_benchmark",
             "model-card = tta_core.cli.commands.model_card",
             "predictor-bench = tta_core.cli.commands.predictor_bench",
+            "prepare = tta_core.cli.commands.prepare",
             "profile = tta_core.cli.commands.profile",
             "sweep = tta_core.cli.commands.sweep",
             "train-corruption-encoder = tta_core.cli.commands.train_corruption_encoder",

@@ -15,8 +15,8 @@ from tta_core import __version__
 from tta_core.cli import ENTRY_POINT_GROUP, build_parser, main
 
 CORE_COMMANDS = {"bench", "calibrate", "doctor", "make-bag", "make-benchmark", "model-card",
-                 "predictor-bench", "profile", "sweep", "train-corruption-encoder", "train-darda",
-                 "train-elastic", "train-source"}
+                 "predictor-bench", "prepare", "profile", "sweep", "train-corruption-encoder",
+                 "train-darda", "train-elastic", "train-source"}
 
 
 def test_version_flag(capsys):

@@ -199,3 +199,163 @@ def load_data(spec: DataSpec, image_size: int, severity: int = 5,
     except (ValueError, FileNotFoundError) as exc:
         raise InputError(f"--data {spec}: {one_line(exc)}; expected "
                          f"{LAYOUTS[spec.kind]}") from None
+
+
+# --- labelled images for the offline phases (`tta prepare`, `tta train-* --data`) -------
+
+OFFLINE_KINDS: tuple[str, ...] = ("folder", "cifar10c", "bag")  # besides the built-in signs
+SIGNS_SAMPLES = 2000  # built-in signs rendered when no count is given
+
+
+@dataclass
+class LabelledImages:
+    """A user's clean labelled images at the model's input size: uint8 (N, H, W, 3),
+    labels as indices into `class_names` (the model's), and where they came from."""
+
+    images: np.ndarray
+    labels: np.ndarray
+    class_names: tuple[str, ...]
+    source: dict[str, Any]
+
+    def take(self, rows: np.ndarray) -> LabelledImages:
+        """The images at `rows`."""
+        return LabelledImages(self.images[rows], self.labels[rows], self.class_names,
+                              self.source)
+
+    def split(self, held: int, seed: int = 0) -> tuple[LabelledImages, LabelledImages]:
+        """(fitting, held-out) parts: `held` images drawn by `seed`, at least one of each
+        class present when there are enough; InputError when fewer than held + 1 images."""
+        if held < 1 or len(self.labels) <= held:
+            raise InputError(f"--data {self.source.get('data', '')}: {len(self.labels)} "
+                             f"labelled images; {held} held out need at least {held + 1}")
+        perm = np.random.default_rng([seed, 7]).permutation(len(self.labels))
+        return self.take(np.sort(perm[held:])), self.take(np.sort(perm[:held]))
+
+
+def _class_map(found: Sequence[str], names: Sequence[str], data: str) -> np.ndarray:
+    """Index in the model's `names` of each class `found` in the data: by name, or by
+    position when the data's names are not the model's but as many (as `tta bench`
+    reads a folder: sorted names are positions)."""
+    if not names:
+        return np.arange(len(found))
+    if all(c in names for c in found):
+        return np.array([list(names).index(c) for c in found], dtype=np.int64)
+    if len(found) == len(names):
+        return np.arange(len(found))
+    unknown = [c for c in found if c not in names]
+    raise InputError(f"--data {data}: class(es) {', '.join(unknown[:4])} are not among the "
+                     f"model's {len(names)} class names ({', '.join(list(names)[:4])}, ...)")
+
+
+def _cap(li: LabelledImages, samples: int, seed: int) -> LabelledImages:
+    if samples <= 0 or samples >= len(li.labels):
+        return li
+    rows = np.random.default_rng([seed, 5]).permutation(len(li.labels))[:samples]
+    return li.take(np.sort(rows))
+
+
+def load_labelled(text: str, image_size: int, class_names: Sequence[str] = (),
+                  samples: int = 0, seed: int = 0,
+                  bag_frames: Callable[[Path], Iterable[Any]] | None = None) -> LabelledImages:
+    """The clean labelled images of `text` for an offline phase, resized to `image_size`,
+    labels in the model's `class_names` order; at most `samples` (0: all) drawn by `seed`:
+    - '' or 'signs': the built-in synthetic signs (SIGNS_SAMPLES when `samples` is 0);
+    - 'folder:DIR': every image of DIR/<domain>/<class>/* (e.g. one domain 'clean');
+    - 'cifar10c:DIR': DIR/train.npy and train_labels.npy (`tta make-benchmark` writes them;
+      the release's corruption files hold no clean images);
+    - 'bag:DIR': the labelled frames of a rosbag2 folder (`bag_frames` reads them).
+    One-line InputError naming the data and what was expected."""
+    if text in ("", "signs"):
+        from tta_core.data.signs import make_signs
+
+        signs = make_signs(samples or SIGNS_SAMPLES, image_size, seed=seed,
+                           num_classes=len(class_names) or None)
+        found = signs.class_names
+        return LabelledImages(signs.images, _class_map(found, class_names, "signs")[
+            signs.labels], tuple(class_names) or found, {"data": "signs", "seed": seed})
+    spec = parse_data(text)
+    if spec.kind not in OFFLINE_KINDS:
+        raise InputError(f"--data {text!r}: the offline phases read clean labelled images "
+                         f"from {', '.join(k + ':DIR' for k in OFFLINE_KINDS)} or the signs")
+    if not spec.root.is_dir():
+        raise FileNotFoundError(f"--data {spec}: folder {str(spec.root)!r} not found")
+    try:
+        images, labels, found = _labelled_arrays(spec, image_size, seed, bag_frames)
+    except (InputError, FileNotFoundError):
+        raise
+    except ValueError as exc:
+        raise InputError(f"--data {spec}: {one_line(exc)}; expected {LAYOUTS[spec.kind]}"
+                         ) from None
+    keep = labels >= 0  # a bag's unlabelled frames
+    if not keep.any():
+        raise InputError(f"--data {spec}: no labelled image (a bag needs /ground_truth)")
+    mapping = _class_map(found, class_names, str(spec)) if found else np.arange(
+        int(labels.max()) + 1)
+    li = LabelledImages(images[keep], mapping[labels[keep]],
+                        tuple(class_names) or tuple(found),
+                        {"data": str(spec), "kind": spec.kind, "root": str(spec.root.resolve()),
+                         "images": int(keep.sum())})
+    return _cap(li, samples, seed)
+
+
+def _labelled_arrays(spec: DataSpec, image_size: int, seed: int,
+                     bag_frames: Callable[[Path], Iterable[Any]] | None
+                     ) -> tuple[np.ndarray, np.ndarray, tuple[str, ...]]:
+    """(images, labels, the data's class names) of one offline data folder."""
+    if spec.kind == "folder":
+        st = load_image_folder(spec.root, None, image_size, seed, None)
+        return st.images, st.labels, st.class_names
+    if spec.kind == "bag":
+        from tta_core.data.bag_source import load_bag_stream
+
+        if bag_frames is None:
+            raise InputError(f"--data {spec}: no bag reader given (bag_frames)")
+        st = load_bag_stream(bag_frames(spec.root), spec.root, image_size)
+        return st.images, st.labels, ()
+    from tta_core.data.loaders import cifar_class_names
+
+    paths = [spec.root / "train.npy", spec.root / "train_labels.npy"]
+    if not all(p.is_file() for p in paths):
+        raise InputError(f"--data {spec}: no train.npy and train_labels.npy (the clean "
+                         "labelled images `tta make-benchmark` writes; a CIFAR-10-C release "
+                         "holds corrupted images only)")
+    images = np.load(paths[0], mmap_mode="r", allow_pickle=False)
+    labels = np.load(paths[1], allow_pickle=False).astype(np.int64)
+    if images.ndim != 4 or images.shape[-1] != 3 or images.dtype != np.uint8 \
+            or len(images) != len(labels):
+        raise InputError(f"--data {spec}: train.npy {images.shape} {images.dtype} with "
+                         f"{len(labels)} labels; expected (N, H, W, 3) uint8 and N labels")
+    return resize_images(np.asarray(images), image_size), labels, cifar_class_names(spec.root)
+
+
+def training_corruptions(corruptions: Sequence[str] = (), held_out: Sequence[str] = HELD_OUT
+                         ) -> tuple[str, ...]:
+    """The corruptions an offline phase makes labelled images with: `corruptions` (default:
+    the 15 standard ones) less `held_out` (default: the 4 held-out ones, never seen
+    offline); ValueError naming an unknown one or when fewer than 2 are left."""
+    wanted = tuple(corruptions) or CORRUPTIONS
+    bad = [c for c in (*wanted, *held_out) if c not in ALL_CORRUPTIONS]
+    if bad:
+        raise ValueError(f"unknown corruption {bad[0]!r}; choose from "
+                         f"{', '.join(ALL_CORRUPTIONS)}")
+    left = tuple(c for c in wanted if c not in held_out)
+    if len(left) < 2:
+        raise ValueError(f"corruptions {', '.join(wanted)} less the held-out "
+                         f"{', '.join(held_out) or 'none'} leave {len(left)}; need >= 2")
+    return left
+
+
+def corrupted_copies(images: np.ndarray, corruptions: Sequence[str], severity: int,
+                     seed: int, progress: Callable[[str], None] | None = None
+                     ) -> list[np.ndarray]:
+    """`images` under each corruption at `severity` (the corruption library, per-image
+    seeds from `seed` and the corruption), one array per corruption; `progress` is called
+    after each with its name."""
+    from tta_core.data.corruptions import corrupt_batch
+
+    out = []
+    for c in corruptions:
+        out.append(corrupt_batch(images, c, severity, seed))
+        if progress is not None:
+            progress(c)
+    return out

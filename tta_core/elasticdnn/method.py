@@ -64,7 +64,7 @@ from tta_core.elasticdnn.filter_update import (
     select_filters,
     write_back,
 )
-from tta_core.elasticdnn.gates import GatedModel
+from tta_core.elasticdnn.gates import GatedModel, load_gated
 from tta_core.elasticdnn.knowledge import absorb, require_knowledge
 from tta_core.elasticdnn.serving import (
     DEFAULT_SIZES,
@@ -75,7 +75,7 @@ from tta_core.elasticdnn.serving import (
 )
 from tta_core.elasticdnn.surrogate import Surrogate, extract_surrogate, highest_entropy_sample
 from tta_core.model.norms import set_bn_mode
-from tta_core.registry import register
+from tta_core.registry import register_factory
 from tta_core.runtime.deadline import DeadlineConfig, apply_settings
 from tta_core.runtime.fixed_costs import MARGIN_WARMUP
 from tta_core.runtime.method import MethodConfig, TTAMethod
@@ -105,6 +105,10 @@ class ElasticConfig(MethodConfig, DeadlineConfig):
                                 "at a re-cut: knowledge (the paper's Eqs. 3-4 through "
                                 "Θ*), averaging (master += change / 2), none",
                                 choices=MASTER_UPDATES)
+    master_card: str = option("", "gated master card (`tta train-elastic`, `tta prepare`) "
+                              "served instead of the model given (a plain source: other "
+                              "methods of a bench or a node run on that); '': the model "
+                              "given is the master", path="read", runtime=False)
     master_in_place: bool = option(True, "size 1.0 is the gated master adapting in place "
                                    "(its drift absorbed into Θ* at a re-cut); False: a "
                                    "keep-1.0 surrogate cut like the others, the master "
@@ -182,7 +186,6 @@ def master_surrogate(master: GatedModel) -> Surrogate:
                      scale={c: torch.ones(len(i), device=i.device) for c, i in kept.items()})
 
 
-@register("elastic")
 class Elastic(TTAMethod):
     """Load-adaptive serving of a gated master (module doc).
 
@@ -504,3 +507,22 @@ def _entropies(logits: Tensor) -> Tensor:
     """Per-sample entropy (nats) of softmax(logits)."""
     logp = torch.log_softmax(logits.detach().float(), dim=1)
     return -(logp.exp() * logp).sum(1)
+
+
+@register_factory("elastic", Elastic)
+def build_elastic(model: torch.nn.Module, config: ElasticConfig) -> Elastic:
+    """Elastic on `model`, or with `master_card` on the gated master that card names, on
+    `model`'s device; ValueError naming the card when its outputs are not `model`'s."""
+    if not config.master_card:
+        return Elastic(model, config)
+    first = next(iter(model.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    master = load_gated(config.master_card, device)
+    if len(config.input_shape) == 3:
+        x = torch.zeros((1, *config.input_shape), device=device)
+        with torch.no_grad():
+            got, want = master.eval()(x).shape, model.eval()(x).shape
+        if got != want:
+            raise ValueError(f"elastic: master_card {config.master_card} outputs {tuple(got)}, "
+                             f"the model {tuple(want)}")
+    return Elastic(master, config)

@@ -1,4 +1,6 @@
-"""`tta profile`: measure the offline per-unit latency profile of a model on this device."""
+"""`tta profile`: measure the offline per-unit latency profile of a model on this device: a
+model-zoo arch (`--arch`) or your own model's card (`--model-card`). The profile holds
+times, not data: the timed batch is random at the model's input size."""
 
 from __future__ import annotations
 
@@ -15,7 +17,11 @@ HELP = "measure per-unit forward/backward latency (AdaShadow offline profile) to
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Model, batch, repeats, split, device, threads and output path."""
-    parser.add_argument("--arch", required=True, choices=ARCHS)
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--arch", choices=ARCHS, help="a model-zoo architecture (random weights)")
+    model.add_argument("--model-card", type=Path, default=None,
+                       help="your model's card (`tta model-card`): its model, weights and "
+                            "input size (--image-size and --num-classes then unused)")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--num-classes", type=int, default=10)
@@ -55,12 +61,19 @@ def run(args: argparse.Namespace) -> int:
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
-    model = build_model(args.arch, args.num_classes).to(device)
+    if args.model_card is not None:
+        from tta_core.model.source import find_card, load_source
+
+        model, card = load_source(find_card(args.model_card), device)
+        arch, shape = card.arch, (3, *card.input_hw())
+        name = card.name or args.model_card.stem
+    else:
+        model = build_model(args.arch, args.num_classes).to(device)
+        arch, shape, name = args.arch, (3, args.image_size, args.image_size), args.arch
     set_bn_mode(model, args.bn_mode)
-    shape = (3, args.image_size, args.image_size)
-    staged = decompose(model, shape, args.arch)
+    staged = decompose(model, shape, arch)
     prof = profile_model(staged, batch=args.batch_size, repeats=args.repeats, split=args.split)
-    out = args.out or default_path(args.arch, device_name(device))
+    out = args.out or default_path(name, device_name(device))
     out.parent.mkdir(parents=True, exist_ok=True)
     prof.save(out)
     print(json_dumps({"out": str(out), "model": prof.model, "device": prof.device,

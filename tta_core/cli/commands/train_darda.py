@@ -6,13 +6,19 @@ the card (the darda method's `bundle_path`).
 The labelled images are the built-in signs rendered under the training corruptions
 (default), or `--data cifar10c:DIR`: the folder's `<corruption>.npy` of the 15 standard
 corruptions at `--severity` (tta_core.darda.offline_data; the held-out ones are never
-read), resized to the card's input size and normalised with its mean / std."""
+read), resized to the card's input size and normalised with its mean / std. With
+`--data folder:DIR` or `bag:DIR` (your own clean labelled images, e.g. for a card of `tta
+model-card`) the labelled corrupted images are made from them by the corruption library
+(tta_core.cli.offline_inputs.darda_data): `--samples` fitting and `--eval-samples` other
+images per training corruption (`--corruptions` less `--held-out`)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
+
+from tta_core.cli.offline_args import add_offline_data
 
 NAME = "train-darda"
 HELP = "DARDA offline phase: per-corruption sub-networks, encoders, S (one bundle file)"
@@ -31,9 +37,11 @@ FOLDER_SAMPLES = 2000  # --samples with --data when not given (fewer if the fold
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The card, the data, the output bundle, an encoder to reuse, the offline settings."""
     parser.add_argument("--model-card", type=Path, default=DEFAULT_CARD)
-    parser.add_argument("--data", default="", metavar="cifar10c:DIR",
+    parser.add_argument("--data", default="", metavar="KIND:DIR",
                         help="cifar10c:DIR: fit on DIR/<corruption>.npy of the 15 training "
-                             "corruptions (default: render the built-in signs)")
+                             "corruptions; folder:DIR or bag:DIR: your clean labelled images, "
+                             "corrupted here (default: render the built-in signs)")
+    add_offline_data(parser, data=False)
     parser.add_argument("--out", type=Path, default=None,
                         help="bundle file (default: <card stem>_darda.safetensors next to "
                              "the card)")
@@ -78,23 +86,24 @@ def run(args: argparse.Namespace) -> int:
     from tta_core.darda.bundle import load_bundle, save_bundle
     from tta_core.darda.offline import OfflineConfig, run_offline
     from tta_core.darda.offline_data import folder_data
-    from tta_core.data.corruptions import CORRUPTIONS
-    from tta_core.data.sources import parse_data
+    from tta_core.data.sources import parse_data, training_corruptions
     from tta_core.domain.encoder import load_encoder
     from tta_core.errors import InputError
     from tta_core.model.source import find_card, load_source
 
-    root = None
+    root, own = None, False
     if args.data:
         spec = parse_data(args.data)
-        if spec.kind != "cifar10c":
-            raise InputError(f"--data {args.data!r}: train-darda reads cifar10c:DIR only")
-        root = spec.root
+        if spec.kind not in ("cifar10c", "folder", "bag"):
+            raise InputError(f"--data {args.data!r}: train-darda reads cifar10c:DIR, "
+                             "folder:DIR or bag:DIR")
+        root, own = (spec.root, False) if spec.kind == "cifar10c" else (None, True)
     args.model_card = find_card(args.model_card)  # the bundle goes next to it
     model, card = load_source(args.model_card)
     values = {name: getattr(args, name) for name in OFFLINE_DEFAULTS}
-    values["samples"] = _samples(args, root, CORRUPTIONS)
-    cfg = OfflineConfig(**values)
+    corruptions = training_corruptions(args.corruptions, args.held_out)
+    values["samples"] = _samples(args, root, corruptions)
+    cfg = OfflineConfig(corruptions=corruptions, **values)
     cfg.validate()
     enc = load_encoder(args.encoder) if args.encoder else None
     raw = None
@@ -102,7 +111,12 @@ def run(args: argparse.Namespace) -> int:
         prev = load_bundle(args.encoders_from, model)
         enc, raw = prev.encoder, prev.raw_encoder
     data = None
-    if root is not None:
+    if own:
+        from tta_core.cli.offline_inputs import darda_data, labelled_images
+
+        data = darda_data(labelled_images(args.data, card, 0, cfg.seed), cfg.corruptions,
+                          cfg.samples, cfg.eval_samples, cfg.severity, cfg.seed, card)
+    elif root is not None:
         data = folder_data(root, cfg.corruptions, cfg.samples, cfg.eval_samples, cfg.severity,
                            card.image_size, tuple(card.mean), tuple(card.std),
                            tuple(card.class_names))

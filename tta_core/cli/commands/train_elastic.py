@@ -4,14 +4,25 @@ warm-up, sandwich rule over staged max sparsity, L1 on the gates) with its domai
 `<out>.safetensors` + the model card `<out>.json`, which loads like any card
 (`tta bench --model-card <out>.json`, the elastic method). `--knowledge-only` instead fits
 Θ* to an existing gated master (`--source-card` a gated card; by default rewritten in
-place), its weights unchanged."""
+place), its weights unchanged.
+
+`--data KIND:DIR` trains on your own clean labelled images instead of the signs (a user's
+model: `--model-card` is the card `tta model-card` wrote): every fitting image clean and
+under one of the training corruptions (`--corruptions` less `--held-out`, at `--severity`,
+made by the corruption library), `--val-samples` other images held out clean (at most a
+fifth of them), at most `--train-samples` images read."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from tta_core.cli.offline_args import add_offline_data, data_given
 from tta_core.io.strict_json import dumps as json_dumps
+
+if TYPE_CHECKING:
+    from tta_core.elasticdnn.train import ElasticData
 
 NAME = "train-elastic"
 HELP = "train ElasticDNN's gated master (FBS gates, sandwich rule) from a source checkpoint"
@@ -38,8 +49,13 @@ def _sparsities(text: str) -> tuple[float, ...]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Source card, output stem, stages and the training options (the config's defaults)."""
     d = argparse.Namespace(**DEFAULTS)
-    parser.add_argument("--source-card", type=Path, default=d.source_card,
-                        help="the trained source model to gate")
+    parser.add_argument("--source-card", "--model-card", type=Path, default=d.source_card,
+                        dest="source_card",
+                        help="the trained source model to gate (a card of `tta model-card` "
+                             "for your own model)")
+    add_offline_data(parser)
+    parser.add_argument("--severity", type=int, default=5, choices=range(1, 6),
+                        help="severity of the corrupted training images (with --data)")
     parser.add_argument("--out", type=Path, default=None,
                         help="output stem (default checkpoints/<source name>_elastic)")
     parser.add_argument("--stages", type=_sparsities, default=d.stages,
@@ -83,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         cfg.validate()
     except ValueError as exc:
         raise SystemExit(f"train-elastic: {exc}") from None
-    res = train_master(cfg, progress=not args.no_progress)
+    res = train_master(cfg, progress=not args.no_progress, data=_data(args))
     default = (args.source_card.with_suffix("") if cfg.knowledge_only
                else Path("checkpoints") / f"{res.card.name or res.card.arch}_elastic")
     out = args.out or default
@@ -92,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
               "accuracy_by_sparsity": {f"{s:g}": a for s, a in res.accuracy.items()},
               "batch_stat_accuracy_by_sparsity": {f"{s:g}": a
                                                   for s, a in res.batch_accuracy.items()},
-              "config": {k: str(v) for k, v in vars(cfg).items()}}
+              "config": {k: str(v) for k, v in vars(cfg).items()},
+              "data": args.data if data_given(args) else "signs"}
     card_path = save_master(res.master, out, res.card, clean_accuracy=res.accuracy[0.0],
                             metadata=_metadata(args.source_card, cfg.knowledge_only, record),
                             half=args.half)
@@ -103,6 +120,21 @@ def run(args: argparse.Namespace) -> int:
           f"({res.steps} steps, {res.seconds:.0f} s); wrote {out.with_suffix('.safetensors')} "
           f"and {card_path}")
     return 0
+
+
+def _data(args: argparse.Namespace) -> ElasticData | None:
+    """The ElasticData of --data (None: the signs, train_master's default)."""
+    if not data_given(args):
+        return None
+    from tta_core.cli.offline_inputs import elastic_data, labelled_images
+    from tta_core.data.sources import training_corruptions
+    from tta_core.model.source import load_card
+
+    card = load_card(args.source_card)  # a gated card's base reads images the same way
+    li = labelled_images(args.data, card, args.train_samples, args.seed)
+    held = min(args.val_samples, max(1, len(li.labels) // 5))
+    corr = training_corruptions(args.corruptions, args.held_out)
+    return elastic_data(li, corr, args.severity, held, args.seed, card)
 
 
 def _metadata(source_card: Path, knowledge_only: bool, record: dict) -> dict[str, str]:

@@ -34,6 +34,7 @@ from tta_core.memory.scope import SaveSite
 from tta_core.model.units import StagedModel
 
 FORWARD_FLOOR_BITS = 2
+ARENA_PAGE_BYTES = 4096  # camera-sized activations are small
 
 
 @dataclass(eq=False)
@@ -64,12 +65,14 @@ class ArenaCodec(ActivationCodec):
         self.arena = arena
         self.importance = dict(importance or {})
         self.overflow_bytes = 0
+        self.arena_stored_bytes = 0  # bytes of the saves put into the arena, as first stored
         self._next = 0
 
     def __enter__(self) -> ArenaCodec:
         for key in list(self.arena.table):
             self.arena.remove(key)
         self.overflow_bytes = 0
+        self.arena_stored_bytes = 0
         self._next = 0
         super().__enter__()
         return self
@@ -90,9 +93,22 @@ class ArenaCodec(ActivationCodec):
             packed = PackedQuant.encode(t, floor, enc.group)
             self.overflow_bytes += packed.nbytes
             return packed
-        return ArenaRef(self.arena, key, t.shape, perm, self.arena.table[key].nbytes)
+        ref = ArenaRef(self.arena, key, t.shape, perm, self.arena.table[key].nbytes)
+        self.arena_stored_bytes += ref.nbytes
+        return ref
 
     def _unpack(self, packed: object) -> Tensor:
         if isinstance(packed, ArenaRef):
             return packed.decode()
         return super()._unpack(packed)
+
+
+def arena_stats(codec: ArenaCodec) -> dict[str, float | int | bool]:
+    """What the arena holds after the step's forward, what overflowed, whether it held."""
+    arena = codec.arena
+    widths = [b.bits for b in arena.table.values()]
+    return {"arena_bytes": arena.used_bytes, "arena_overflow_bytes": codec.overflow_bytes,
+            "arena_budget_bytes": arena.budget, "arena_entries": len(widths),
+            "arena_min_bits": min(widths, default=0),
+            "within_arena_budget": arena.used_bytes <= arena.budget
+            and codec.overflow_bytes == 0}

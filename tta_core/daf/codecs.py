@@ -15,7 +15,8 @@ MemoryOptions by tta_core.runtime.capabilities.build_codec).
 - `activation_budget_mb` and/or `activation_budget_frac` (a fraction of the batch's dense
   saved bytes) without `activation_bits`: dynamic widths (`dynamic.DynamicWidths`): per
   batch, 0/2/4/8 bits per unit from the greedy knapsack under the budget, importance a
-  moving average.
+  moving average; with `activation_arena` their quantized saves live in a paged arena
+  resized per batch to the budget less the bytes it does not hold.
 """
 
 from __future__ import annotations
@@ -25,14 +26,12 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from tta_core.daf.arena import PagedArena
-from tta_core.daf.arena_codec import ArenaCodec
+from tta_core.daf.arena_codec import ARENA_PAGE_BYTES, ArenaCodec, arena_stats
 from tta_core.daf.dynamic import DynamicWidths, budget_bytes
 from tta_core.memory import ActivationCodec
 from tta_core.memory.ledger import MIB
 from tta_core.memory.widths import check_activation_bits, daf_plan
 from tta_core.runtime.stats import gradient_rms
-
-ARENA_PAGE_BYTES = 4096  # camera-sized activations are small
 
 
 @dataclass
@@ -89,6 +88,10 @@ def build_codec(model: nn.Module, options: object) -> DafCodec | DynamicWidths:
     each forward where they can change (the budget)."""
     bits = getattr(options, "activation_bits", None)
     budget_mb = getattr(options, "activation_budget_mb", None)
+    if getattr(options, "activation_arena", False) and budget_mb is None \
+            and getattr(options, "activation_budget_frac", None) is None:
+        raise ValueError("activation_arena needs a budget (activation_budget_mb or "
+                         "activation_budget_frac), got neither")
     if bits is None:
         budget_bytes(options, 1)  # the values alone; the dense bytes come per batch
         return DynamicWidths(model, options)
@@ -110,14 +113,3 @@ def unit_importance(model: nn.Module) -> dict[str, float]:
         if grads:
             out[name] = gradient_rms(grads)
     return out
-
-
-def arena_stats(codec: ArenaCodec) -> dict[str, float | int | bool]:
-    """What the arena holds after the step's forward, what overflowed, whether it held."""
-    arena = codec.arena
-    widths = [b.bits for b in arena.table.values()]
-    return {"arena_bytes": arena.used_bytes, "arena_overflow_bytes": codec.overflow_bytes,
-            "arena_budget_bytes": arena.budget, "arena_entries": len(widths),
-            "arena_min_bits": min(widths, default=0),
-            "within_arena_budget": arena.used_bytes <= arena.budget
-            and codec.overflow_bytes == 0}

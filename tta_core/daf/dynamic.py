@@ -53,11 +53,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
+from tta_core.daf.arena import PagedArena
+from tta_core.daf.arena_codec import ARENA_PAGE_BYTES, ArenaCodec, arena_stats
 from tta_core.daf.bit_alloc import Allocation, UnitChoice, greedy_bits
 from tta_core.memory import ActivationCodec, CodecPlan, SaveProfile, predicted_bytes
-from tta_core.memory.ledger import MIB, SaveEvent
+from tta_core.memory.ledger import MIB, SavedBytes, SaveEvent
 from tta_core.memory.predict import profile_saves
-from tta_core.memory.quant import MIN_QUANT_NUMEL, NORM_KINDS, quant_nbytes
+from tta_core.memory.quant import MIN_QUANT_NUMEL, NORM_KINDS, Quant, quant_nbytes
 from tta_core.memory.scope import OTHER, WGRAD, unit_table
 from tta_core.runtime import losses
 
@@ -79,6 +81,7 @@ class WidthState:
     predicted_bytes: int = 0
     fits: bool = True  # the lowest widths fit the budget (else they are used anyway)
     frozen_units: int = 0
+    arena_budget_bytes: int = 0  # with the arena: its capacity for this batch
 
 
 def _profile(model: nn.Module, x: Tensor) -> SaveProfile:
@@ -231,11 +234,14 @@ class DynamicWidths:
         self._kinds = {n: k for n, _m, k in rows}
         self._params = {n: list(m.parameters(recurse=False)) for n, m, _k in rows}
         self.ma: dict[str, float] = {}
-        self._costs: dict[tuple, tuple] = {}  # (bytes per width, fixed, order, counts)
+        self._costs: dict[tuple, tuple] = {}  # (bytes per width, fixed, order, counts, prof)
         self._dense: dict[tuple, int] = {}  # dense saved bytes per key (fractions)
         self.state = WidthState()
         self.codec: ActivationCodec | None = None
+        self.arena: PagedArena | None = None  # built at the first budget (its page size)
+        self._use_arena = bool(getattr(options, "activation_arena", False))
         self._frozen: list[nn.Parameter] = []
+        self._peak: SavedBytes | None = None  # the largest forward since before_forward
 
     def _widths(self) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
         """(allowed widths of each unit with a trainable parameter, 0 bits for the frozen
@@ -253,34 +259,46 @@ class DynamicWidths:
         return out, frozen
 
     def before_forward(self, x: Tensor) -> None:
-        """Choose this batch's widths (greedy knapsack under the current budget) and
-        freeze the units given 0 bits until the forward ends."""
+        """Choose this batch's widths (greedy knapsack under the current budget); the units
+        given 0 bits are frozen during every forward under this codec until the next call."""
         widths, frozen = self._widths()
         key = (tuple(x.shape), tuple(widths))
         if key not in self._costs:
             prof = batch_profile(self.model, x)
             mem, fixed = unit_costs(prof, widths, frozen)
             order = [u for u in prof.unit_names if u in widths]
-            self._costs[key] = (mem, fixed, order, stat_counts(prof, self.model, order))
-        mem, fixed, order, counts = self._costs[key]
+            self._costs[key] = (mem, fixed, order, stat_counts(prof, self.model, order), prof)
+        mem, fixed, order, counts, prof = self._costs[key]
         if getattr(self.options, "activation_budget_frac", None) is not None \
                 and key not in self._dense:
             self._dense[key] = dense_bytes(self.model, x)
         budget = budget_bytes(self.options, self._dense.get(key, 0))
         choices = unit_choices(order, self._kinds, self.ma, mem, counts)
-        alloc, fits = self._allocate(choices, budget - fixed)
+        if self._use_arena and self.arena is None:
+            self.arena = PagedArena(0, page_size=arena_page_bytes(budget))
+        # the arena rounds each entry up to whole pages: reserve a page per quantized save
+        waste = 0 if self.arena is None else self.arena.page_size * quantized_saves(
+            prof, _plan({**frozen, **{u: min(ws) for u, ws in widths.items()}}))[1]
+        alloc, fits = self._allocate(choices, budget - fixed - waste)
         self.state = WidthState(alloc.bits, budget, int(fixed + alloc.mem), fits,
                                 sum(1 for b in alloc.bits.values() if b == 0))
         self._frozen = [p for u, b in alloc.bits.items() if b == 0
                         for p in self._params[u] if p.requires_grad]
-        for p in self._frozen:
-            p.requires_grad_(False)
         plan = _plan({**frozen, **alloc.bits})
-        if self.codec is None:
+        self._peak = None
+        if self.codec is not None:  # the same units: only the plan changes (a codec walks
+            self.codec.plan = plan  # the model when built)
+        elif self.arena is not None:
+            self.codec = ArenaCodec(self.model, plan, self.arena)
+        else:
             self.codec = ActivationCodec(self.model, plan)
-        else:  # the same units: only the plan changes (building the codec walks the model)
-            self.codec.plan = plan
-
+        if self.arena is not None:  # the arena: the budget less what it does not hold
+            for k in list(self.arena.table):  # last batch's, read by its backward already
+                self.arena.remove(k)
+            outside = self.state.predicted_bytes - quantized_saves(prof, plan)[0]
+            self.arena.resize(max(0, budget - outside))
+            self.codec.importance = dict(self.ma)  # type: ignore[attr-defined]
+            self.state.arena_budget_bytes = self.arena.capacity
     @staticmethod
     def _allocate(choices: list[UnitChoice], budget: float) -> tuple[Allocation, bool]:
         """The greedy widths; the lowest widths when even they do not fit (reported)."""
@@ -293,34 +311,94 @@ class DynamicWidths:
     def __enter__(self) -> DynamicWidths:
         if self.codec is None:
             raise RuntimeError("DynamicWidths: before_forward(x) must run before the forward")
-        self.codec.__enter__()
+        for p in self._frozen:  # 0 bits: not stored, so no ∂W for this batch
+            p.requires_grad_(False)
+        try:
+            self.codec.__enter__()
+        except BaseException:
+            self._thaw()
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
         assert self.codec is not None
-        self.codec.__exit__(*exc)
-        for p in self._frozen:  # the recorded graph keeps them frozen for this batch
+        try:
+            self.codec.__exit__(*exc)
+        finally:  # the recorded graph keeps them frozen for this batch
+            self._thaw()
+        res = self.codec.result
+        if res is not None and (self._peak is None or res.total > self._peak.total):
+            self._peak = res
+
+    def _thaw(self) -> None:
+        for p in self._frozen:
             p.requires_grad_(True)
-        self._frozen = []
+
+    @property
+    def result(self) -> SavedBytes | None:
+        """The saves of the largest forward run under the widths of this batch (a method
+        with two recorded forwards, SAR, holds one graph at a time)."""
+        return self._peak
 
     def after_backward(self, model: nn.Module) -> None:
         """MA_i update from this step's gradients (units that had one)."""
+        units, grads = [], []
         for u, ps in self._params.items():
-            grads = [p.grad for p in ps if p.grad is not None]
-            if not grads:
-                continue
-            energy = sum(float(torch.linalg.vector_norm(g.detach())) ** 2 for g in grads)
+            gs = [p.grad.detach() for p in ps if p.grad is not None]
+            if gs:
+                units.append((u, len(gs)))
+                grads += gs
+        if not grads:
+            return
+        sq = torch.stack(torch._foreach_norm(grads)).double().square().tolist()  # one read
+        i = 0
+        for u, n in units:
+            energy = sum(sq[i:i + n])
+            i += n
             old = self.ma.get(u)
             self.ma[u] = energy if old is None else self.ema * old + (1 - self.ema) * energy
 
     def stats(self) -> dict[str, float | int | bool]:
-        """Saved bytes measured, budget, whether it held, the widths' spread."""
+        """Saved bytes measured, budget, whether it held, the widths' spread (and, with the
+        arena, what it held: the whole preallocated arena counts against the budget)."""
         s = self.state
-        saved = self.codec.result.total if self.codec is not None and self.codec.result else 0
+        saved = self._peak.total if self._peak is not None else 0
         widths = list(s.bits.values()) or [0]
-        return {"saved_bytes": saved, "width_budget_bytes": s.budget_bytes,
-                "width_predicted_bytes": s.predicted_bytes,
-                "within_width_budget": saved <= s.budget_bytes and s.fits,
-                "width_frozen_units": s.frozen_units,
-                "width_mean_bits": sum(widths) / len(widths),
-                **{f"width_units_{b}bit": widths.count(b) for b in WGRAD_WIDTHS}}
+        out: dict[str, float | int | bool] = {
+            "saved_bytes": saved, "width_budget_bytes": s.budget_bytes,
+            "width_predicted_bytes": s.predicted_bytes,
+            "within_width_budget": saved <= s.budget_bytes and s.fits,
+            "width_frozen_units": s.frozen_units,
+            "width_mean_bits": sum(widths) / len(widths),
+            **{f"width_units_{b}bit": widths.count(b) for b in WGRAD_WIDTHS}}
+        if isinstance(self.codec, ArenaCodec):
+            arena = arena_stats(self.codec)
+            outside = saved - self.codec.arena_stored_bytes
+            held = outside + arena["arena_budget_bytes"]
+            out.update(arena, saved_bytes_with_arena=held,
+                       within_width_budget=held <= s.budget_bytes and s.fits
+                       and bool(arena["within_arena_budget"]))
+        return out
+
+
+def arena_page_bytes(budget: int) -> int:
+    """The arena's page: ARENA_PAGE_BYTES, smaller (a power of two, >= 256) for budgets
+    under 4096 pages of it, so that rounding entries up to pages stays a small share."""
+    page = ARENA_PAGE_BYTES
+    while page > 256 and budget < 4096 * page:
+        page //= 2
+    return page
+
+
+def quantized_saves(profile: SaveProfile, plan: CodecPlan) -> tuple[int, int]:
+    """(predicted bytes, count) of the saves `plan` quantizes (what an arena holds), each
+    encoding once, as predicted_bytes counts them."""
+    seen: set[tuple] = set()
+    total = 0
+    for e in profile.events:
+        enc = plan.encoding(e.role, e.unit, e.elem, profile.unit_kinds.get(e.unit, ""),
+                            e.numel, e.floating)
+        if isinstance(enc, Quant) and enc.bits and (e.view, enc) not in seen:
+            seen.add((e.view, enc))
+            total += quant_nbytes(e.numel, enc.bits, enc.group)
+    return total, len(seen)

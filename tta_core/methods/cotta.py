@@ -41,6 +41,7 @@ from tta_core.methods._presets import Preset, PresetConfig, PresetMethod
 from tta_core.model.norms import set_bn_mode
 from tta_core.registry import register
 from tta_core.runtime.augment import cheap_augment
+from tta_core.runtime.capabilities import MemoryOptions
 from tta_core.runtime.losses import is_dense
 from tta_core.runtime.method import Step
 from tta_core.runtime.options import option
@@ -55,8 +56,9 @@ COTTA_PRESETS = {
 
 
 @dataclass
-class CoTTAConfig(PresetConfig):
-    """CoTTA settings (the paper's by input scale; n_augmentations reduced from 32)."""
+class CoTTAConfig(PresetConfig, MemoryOptions):
+    """CoTTA settings (the paper's by input scale; n_augmentations reduced from 32); DAF
+    saves of the student's forward from MemoryOptions."""
 
     teacher_momentum: float = option(0.999, "EMA momentum of the mean teacher", low=0.0,
                                      high=1.0)
@@ -161,7 +163,7 @@ class CoTTA(PresetMethod):
         """Student forward, the teacher's (augmentation-averaged) prediction, and the CIFAR
         variant of the reference loss: cross-entropy to the teacher's softmax; per pixel
         to its argmax for segmentation logits (the ACDC code)."""
-        with torch.enable_grad():
+        with torch.enable_grad(), self.recording():  # the student's saves: DAF widths
             step.logits = self.model(step.x)
         if is_dense(step.logits):
             self._teacher, step.stats["augmented"] = self._teacher_segmentation(step.x)

@@ -42,6 +42,7 @@ from torch import Tensor
 from tta_core.methods._presets import Preset, PresetConfig
 from tta_core.methods.tent import Tent
 from tta_core.registry import register
+from tta_core.runtime.capabilities import MemoryOptions
 from tta_core.runtime.losses import is_dense, pixel_rows, softmax_entropy
 from tta_core.runtime.method import Step
 from tta_core.runtime.options import option
@@ -55,8 +56,9 @@ EATA_PRESETS = {
 
 
 @dataclass
-class EATAConfig(PresetConfig):
-    """EATA settings (paper defaults); the optimizer's are the preset's unless set."""
+class EATAConfig(PresetConfig, MemoryOptions):
+    """EATA settings (paper defaults); the optimizer's are the preset's unless set; DAF
+    saves from MemoryOptions."""
 
     e_margin_scale: float = option(0.4, "reliable samples: entropy below E0 = "
                                    "e_margin_scale * ln(C)", low=0.0)

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from tta_core.methods._presets import Preset, PresetConfig, PresetMethod
 from tta_core.registry import register
+from tta_core.runtime.capabilities import MemoryOptions
 from tta_core.runtime.losses import softmax_entropy
 from tta_core.runtime.method import Step
 from tta_core.runtime.options import option
@@ -45,8 +46,8 @@ SAR_PRESETS = {
 
 
 @dataclass
-class SARConfig(PresetConfig):
-    """SAR settings (paper defaults)."""
+class SARConfig(PresetConfig, MemoryOptions):
+    """SAR settings (paper defaults); DAF saves from MemoryOptions (both SAM forwards)."""
 
     e_margin_scale: float = option(0.4, "reliable samples: entropy below E0 = "
                                    "e_margin_scale * ln(C)", low=0.0)
@@ -93,23 +94,29 @@ class SAR(PresetMethod):
 
     def _sam_update(self, x: Tensor, loss1: Tensor, keep: Tensor, e0: float) -> float:
         """Ascend to w + e(w), take the gradient there, restore w, step. Returns loss 2."""
-        grads = torch.autograd.grad(loss1, self.params)
-        norm = torch.norm(torch.stack([g.norm(2) for g in grads]), 2)
+        # allow_unused: a unit DAF's widths froze for the batch (0 bits) has no gradient
+        grads = torch.autograd.grad(loss1, self.params, allow_unused=True)
+        norm = torch.norm(torch.stack([g.norm(2) for g in grads if g is not None]), 2)
         scale = self.config.rho / (norm + 1e-12)
         old = [p.detach().clone() for p in self.params]
         with torch.no_grad():
             for p, g in zip(self.params, grads, strict=True):
-                p.add_(g * scale)
+                if g is not None:
+                    p.add_(g * scale)
         with torch.enable_grad():
-            ent2 = softmax_entropy(self.model(x))[keep]
+            with self.recording():  # the second forward's saves under the codec too
+                logits2 = self.model(x)
+            ent2 = softmax_entropy(logits2)[keep]
             ent2 = ent2[ent2 < e0]  # reliable again at the perturbed weights
             loss2 = ent2.mean() if ent2.numel() else None
-            grads2 = (torch.autograd.grad(loss2, self.params) if loss2 is not None
-                      else [torch.zeros_like(p) for p in self.params])
+            grads2 = (torch.autograd.grad(loss2, self.params, allow_unused=True)
+                      if loss2 is not None else [torch.zeros_like(p) for p in self.params])
         with torch.no_grad():
-            for p, o, g in zip(self.params, old, grads2, strict=True):
+            for p, o, g, g1 in zip(self.params, old, grads2, grads, strict=True):
                 p.copy_(o)
-                p.grad = g
+                p.grad = g if g1 is not None else None
+        if self.codec is not None:
+            self.codec.after_backward(self.model)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         return float(loss2.detach()) if loss2 is not None else math.nan

@@ -2,10 +2,10 @@
 them: a saved-activation codec (memory budget as bit widths, DAF) for any gradient method.
 
 A config that mixes in `MemoryOptions` gets `activation_bits` / `activation_budget_mb` /
-`activation_budget_frac`; the method base class (tta_core.runtime.method) builds the codec
-from them and runs its forward under it. The codec itself belongs to a paper room (DAF); the
-runtime names its factory by module path (`CODEC_FACTORY`) and imports it only when a codec
-is asked for, so the import layers stay papers -> runtime.
+`activation_budget_frac` / `activation_arena`; the method base class (tta_core.runtime.method)
+builds the codec from them and runs its forward under it. The codec itself belongs to a paper
+room (DAF); the runtime names its factory by module path (`CODEC_FACTORY`) and imports it
+only when a codec is asked for, so the import layers stay papers -> runtime.
 """
 
 from __future__ import annotations
@@ -37,6 +37,11 @@ class MemoryOptions:
         None, "DAF memory budget of the saves as a fraction of the dense saved bytes of the "
         "batch (e.g. 0.12): widths 0/2/4/8 per unit per batch as with activation_budget_mb "
         "(with both, the smaller budget holds); not with activation_bits", low=0.0, high=1.0)
+    activation_arena: bool = option(
+        False, "DAF with dynamic widths (a budget without activation_bits): the quantized "
+        "saves live in one preallocated paged arena sized per batch to the budget less "
+        "what it does not hold (ReLU masks, pooling indices); a save the widths "
+        "mis-predicted is narrowed in the forward (Algorithm 3)", runtime=False)
 
 
 @runtime_checkable
@@ -62,7 +67,8 @@ def build_codec(model: nn.Module, options: object) -> StepCodec | None:
     if not isinstance(options, MemoryOptions):
         return None
     bits, budget = options.activation_bits, options.activation_budget_mb
-    if bits is None and budget is None and options.activation_budget_frac is None:
+    if bits is None and budget is None and options.activation_budget_frac is None \
+            and not options.activation_arena:
         return None
     module, _, name = CODEC_FACTORY.partition(":")
     return getattr(importlib.import_module(module), name)(model, options)

@@ -134,7 +134,7 @@ class TTAMethod:
                                           tuple(self.config.input_shape),
                                           batch_stats=self.config.bn_mode in ("batch", "robust"))
         self.configure_model()
-        self.codec: StepCodec | None = build_codec(self.model, self.config)
+        self.codec: StepCodec | None = self.make_codec()
         self.params = self.collect_params()
         self.optimizer = self.setup_optimizer()
         self._lr_batch: int | None = None  # batch size the optimizer's lr is scaled for
@@ -179,9 +179,9 @@ class TTAMethod:
         """The loop (module docstring): every phase timed, the result assembled here."""
         step = Step(x, Phases.for_tensor(x))
         with step.phases("plan"):
+            self.prepare(step)  # what trains this batch, then the saves' widths under it
             if self.codec is not None and self.optimizer is not None:
                 self.codec.before_forward(step.x)  # e.g. this batch's DAF widths
-            self.prepare(step)
         with step.phases("forward"):
             self.forward(step)
         with step.phases("backward"):
@@ -201,7 +201,7 @@ class TTAMethod:
         if self.optimizer is None:
             step.logits = self.serve(step.x)
             return
-        with torch.enable_grad(), self.codec if self.codec is not None else nullcontext():
+        with torch.enable_grad(), self.recording():
             with self.autocast(step.x):
                 logits = self.model(step.x)
             step.logits = fp32_logits(logits)
@@ -251,7 +251,18 @@ class TTAMethod:
     def reset_state(self) -> None:
         """Reset method state other than weights and optimizer (override when needed)."""
 
+    def make_codec(self) -> StepCodec | None:
+        """The saved-activation codec the adaptation forwards run under (after
+        configure_model): the one a MemoryOptions config asks for (runtime.capabilities)."""
+        return build_codec(self.model, self.config)
+
     # ------------------------------------------------------------ helpers for subclasses
+    def recording(self) -> AbstractContextManager:
+        """The context every recorded (adaptation) forward runs in: the codec, so that its
+        saves are stored as the config asks (DAF widths), else a null context. A method
+        with forwards of its own (SAR's second SAM pass, CoTTA's student) runs them in it."""
+        return self.codec if self.codec is not None else nullcontext()
+
     def nothing_to_adapt(self, lacks: str) -> ValueError:
         """The one-line error for a model this method cannot adapt, e.g.
         `tent: MLP has no parameters: nothing to adapt` (raised at construction, so a

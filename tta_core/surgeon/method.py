@@ -37,7 +37,11 @@ units' inputs are stored at FROZEN_KEEP (≈ the 1-bit bitmap alone), which chan
 `activation_bits` (8/4/2; DAF's uniform widths, tta_core.memory.widths): what SURGEON
 leaves dense is quantized too: BN inputs and the inputs of scored layers kept whole (keep
 1) are stored per-group min-max quantized at that width, frozen layers' inputs are not
-stored at all (0 bits); pruned layers keep their bitmap + values.
+stored at all (0 bits); pruned layers keep their bitmap + values. `activation_budget_mb` /
+`activation_budget_frac` (not with `activation_bits`): DAF's dynamic widths
+(runtime.capabilities, the shared loop) store the adaptation forward's saves instead of the
+pruning: 0/2/4/8 bits per trainable unit per batch under the budget; a unit given keep 0 by
+Eqs. 4-7 stays frozen for the batch (0 bits), the importance pass is unchanged.
 
 Loss: entropy (default); `css` adds certainty-based sample selection (entropy < 0.4 ln C,
 weights exp(0.4 ln C - H), as EATA/MECTA and the official code) and `cr` consistency
@@ -69,6 +73,7 @@ from tta_core.memory.widths import check_activation_bits, daf_plan
 from tta_core.model.norms import NORM_NAMES, NORM_TYPES, set_bn_mode
 from tta_core.registry import register
 from tta_core.runtime.augment import cheap_augment
+from tta_core.runtime.capabilities import MemoryOptions, StepCodec, build_codec
 from tta_core.runtime.losses import is_dense, softmax_entropy
 from tta_core.runtime.method import MethodConfig, Step, TTAMethod
 from tta_core.runtime.options import option
@@ -91,8 +96,9 @@ FROZEN_KEEP = 1e-6  # frozen conv/linear inputs: ~bitmap only (1/32 of float32),
 
 
 @dataclass
-class SurgeonConfig(MethodConfig):
-    """SURGEON settings; lr None = the official rate for `trainable` (see module doc)."""
+class SurgeonConfig(MethodConfig, MemoryOptions):
+    """SURGEON settings; lr None = the official rate for `trainable` (see module doc);
+    DAF's dynamic widths from MemoryOptions' budgets (module doc)."""
 
     lr: float | None = option(  # type: ignore[assignment]
         None, "Adam learning rate at batch size lr_ref_batch; None: the official rate for "
@@ -263,6 +269,20 @@ class Surgeon(TTAMethod):
             raise self.nothing_to_adapt(lacks)
         self.set_units(cfg.units)
 
+    def make_codec(self) -> StepCodec | None:
+        """DAF's dynamic widths under `activation_budget_mb` / `_frac` (module doc); without
+        a budget SURGEON plans its own codec per batch (None here)."""
+        cfg = self.config
+        if cfg.activation_budget_mb is None and cfg.activation_budget_frac is None:
+            if cfg.activation_arena:
+                raise ValueError("surgeon: activation_arena needs activation_budget_mb or "
+                                 "activation_budget_frac, got neither")
+            return None
+        if cfg.activation_bits is not None:
+            raise ValueError("surgeon: a budget (dynamic widths) takes no activation_bits, "
+                             f"got activation_bits={cfg.activation_bits!r}")
+        return build_codec(self.model, cfg)
+
     def set_units(self, units: tuple[str, ...] | list[str]) -> None:
         """Update (and give keep ratios to) only these units from the next step; () = all."""
         unknown = sorted(set(units) - set(self._cand))
@@ -407,8 +427,9 @@ class Surgeon(TTAMethod):
     # ------------------------------------------------------------ step
     def _adapt_forward(self, x: Tensor, plan: CodecPlan
                        ) -> tuple[Tensor, Tensor, int, SavedBytes | None]:
-        """Forward (+ augmented forward for CR) and loss under the codec."""
-        codec = ActivationCodec(self.model, plan)
+        """Forward (+ augmented forward for CR) and loss under the codec (DAF's dynamic
+        widths when a budget is set, else the batch's plan)."""
+        codec = self.codec if self.codec is not None else ActivationCodec(self.model, plan)
         with torch.enable_grad(), self._size_hooks(x), codec, self._bn_grad():
             logits = self.model(x)
             aug = None
@@ -450,6 +471,8 @@ class Surgeon(TTAMethod):
             return
         self.optimizer.zero_grad(set_to_none=True)
         step.loss.backward()
+        if self.codec is not None:  # DAF's widths: importance from this step's gradients
+            self.codec.after_backward(self.model)
         if self.config.mode == "robot":  # a unit frozen by keep 0 keeps its last G
             fresh = self._gradient_importance(
                 {id(p): p.grad for n in self.scored for p in self._cand[n]})

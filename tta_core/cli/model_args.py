@@ -116,4 +116,5 @@ def user_model(args: argparse.Namespace, name: str = "") -> UserModel | None:
     return UserModel(model=args.model, weights=args.weights, input_size=args.input_size,
                      mean=tuple(mean), std=tuple(std), num_classes=args.num_classes,
                      class_names=class_names(args.class_names) if args.class_names else (),
-                     kwargs=dict(args.model_kwargs), name=name)
+                     kwargs=dict(args.model_kwargs), name=name,
+                     task=getattr(args, "task", None) or "classification")

@@ -404,8 +404,23 @@ def load_card(path: str | Path) -> ModelCard:
 
 
 def build_card_model(card: ModelCard) -> nn.Module:
-    """The card's architecture with random weights (its arch, or its factory and kwargs)."""
-    return build_architecture(card.arch, card.num_classes, card.factory, card.kwargs)
+    """The card's architecture with random weights (its arch, or its factory and kwargs);
+    a segmentation model answering with a dict (torchvision's {"out": ...}) answers with
+    its "out" tensor (a forward hook: the state_dict keys stay the model's own)."""
+    model = build_architecture(card.arch, card.num_classes, card.factory, card.kwargs)
+    if card.task == "segmentation":
+        model.register_forward_hook(_segmentation_logits)
+    return model
+
+
+def _segmentation_logits(module: nn.Module, inputs: Any, output: Any) -> Any:
+    """Forward hook: a dict output's "out" logits (None: the output stands)."""
+    if not isinstance(output, dict):
+        return None
+    if "out" not in output:
+        raise InputError(f"{type(module).__name__} returned a dict without 'out' (keys "
+                         f"{sorted(map(str, output))[:5]}): segmentation logits expected")
+    return output["out"]
 
 
 def load_model(card: ModelCard, base_dir: str | Path = ".",

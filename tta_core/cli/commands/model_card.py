@@ -22,6 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="card path (default: the weights file with .json); the "
                              "checkpoint is recorded relative to the card when it is in the "
                              "card's folder, else absolute")
+    parser.add_argument("--task", choices=("classification", "segmentation"),
+                        default="classification",
+                        help="segmentation: the model outputs N x C x H x W logits (or "
+                             "torchvision's {'out': ...}); checked at the input size")
     parser.add_argument("--no-check", action="store_true",
                         help="skip building the model, loading the weights and one forward "
                              "at the input size (the check names mismatching keys)")

@@ -1,6 +1,6 @@
 """ros2 launch tta_ros vehicle.launch.py [namespace:=car1] [image_topic:=...] [method:=...]
-[sigma:=...] [use_sim_time:=true] [log_level:=debug] [autostart:=false] [rviz:=true]
-[config:=...]
+[sigma:=...] [task:=segmentation] [model_card:=...] [use_sim_time:=true] [log_level:=debug]
+[autostart:=false] [rviz:=true] [config:=...]
 
 Starts the same three nodes as `python -m tta_ros.bringup`, each in its own process, as
 managed (lifecycle) nodes that start unconfigured, and tta_ros.nodes.lifecycle_manager
@@ -14,10 +14,14 @@ a `/ns/node` section for this namespace), then the launch arguments. Not the par
 path: launch_ros would write the overrides under `/**`, where the node's own YAML section
 beats them, and a pushed namespace would drop the bare `perception:` sections.
 `method` / `sigma` apply only when given (empty: the YAML value stands); sigma goes to
-perception (its method option method.sigma) and scheduler alike. `namespace` (relative
+perception (its method option method.sigma) and scheduler alike. `task:=segmentation`
+serves the shipped segmentation card (checkpoints/lraspp_mobilenet_v3_large_scenes.json)
+with method tent, unless `model_card` / `method` say otherwise: perception then publishes
+`segmentation` (mono8 class ids) and `segmentation_overlay` (rgb8) instead of
+`predictions`; `model_card` sets the card of perception and scheduler. `namespace` (relative
 ones go under a PushRosNamespace of an including file) puts the nodes and all their topics
 under it. `rviz:=true` also starts RViz with config/tta.rviz, remapped to the namespace's
-topics.
+topics (RViz shows the camera, the segmentation mask and overlay, and the layer markers).
 Importing this file has no side effects: launch imports happen inside the functions.
 """
 
@@ -32,6 +36,10 @@ ARGUMENTS = (
     ("method", "", "TTA method (empty: the params file's)"),
     ("sigma", "", "latency budget fraction: perception's method.sigma and the scheduler's "
      "sigma (empty: the params file's)"),
+    ("task", "", "segmentation: the shipped segmentation card with method tent (unless "
+     "model_card / method are given); empty or classification: the params file's card"),
+    ("model_card", "", "model card of perception and scheduler (empty: the params file's "
+     "or the task's)"),
     ("use_sim_time", "false", "use /clock time (true when replaying a bag with --clock)"),
     ("log_level", "info", "log level of the nodes (debug, info, warn, error, fatal)"),
     ("autostart", "true", "bring the nodes to active (lifecycle manager); false: leave them "

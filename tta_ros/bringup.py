@@ -298,6 +298,11 @@ def _parser(prog: str = "python -m tta_ros.bringup") -> argparse.ArgumentParser:
     ap.add_argument("--method", default="", help="perception's TTA method (as method:=)")
     ap.add_argument("--sigma", default="", help="perception's method.sigma and the "
                     "scheduler's sigma")
+    ap.add_argument("--task", default="", choices=("", "classification", "segmentation"),
+                    help="segmentation: the shipped segmentation card with method tent "
+                    "(as task:=)")
+    ap.add_argument("--model-card", default="", help="perception's and the scheduler's "
+                    "model card (as model_card:=)")
     ap.add_argument("--use-sim-time", default="", metavar="BOOL",
                     help="use_sim_time of every node (as use_sim_time:=)")
     ap.add_argument("--autostart", default="true", metavar="BOOL",
@@ -317,7 +322,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(remove_ros_args(full)[1:])
     namespace = args.namespace or ros_args_namespace(full)
     with one_line_errors(ap.prog):
-        overrides = launch_overrides(args.method, args.sigma, args.use_sim_time)
+        overrides = launch_overrides(args.method, args.sigma, args.use_sim_time,
+                                     args.task, args.model_card)
         for node, vals in parse_set(args.set).items():
             overrides.setdefault(node, {}).update(vals)
         autostart = parse_bool(args.autostart)

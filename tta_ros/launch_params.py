@@ -39,6 +39,12 @@ MANAGER = ("lifecycle_manager", "lifecycle_manager")
 # the nodes a `sigma` argument configures, and the parameter it sets on each (perception:
 # an option of its method, tta_ros.nodes.method_params)
 SIGMA_PARAMS = {"perception": "method.sigma", "scheduler": "sigma"}
+TASKS = ("classification", "segmentation")
+#: what `task:=segmentation` serves: the shipped segmentation card (perception and the
+#: scheduler load it) with a method that segments, unless `model_card` / `method` are given
+SEGMENTATION_CARD = "checkpoints/lraspp_mobilenet_v3_large_scenes.json"
+SEGMENTATION_METHOD = "tent"
+CARD_NODES = ("perception", "scheduler")  # the nodes that load the model card
 TRUE = ("true", "1", "yes", "on")
 FALSE = ("false", "0", "no", "off")
 
@@ -132,11 +138,20 @@ def node_parameters(config_path: str | Path, namespace: str = "",
 
 
 def launch_overrides(method: str = "", sigma: str = "", use_sim_time: str = "",
-                     ) -> dict[str, dict[str, Any]]:
+                     task: str = "", model_card: str = "") -> dict[str, dict[str, Any]]:
     """Per-node overrides from launch-argument strings ('' means not given): `method` goes
     to perception, `sigma` to perception (method.sigma: a method without sigma ignores it)
-    and scheduler, `use_sim_time` to every node."""
+    and scheduler, `use_sim_time` to every node, `model_card` to perception and scheduler;
+    `task` segmentation sets SEGMENTATION_CARD and SEGMENTATION_METHOD where `model_card` /
+    `method` are not given (classification: the params file's card)."""
     out: dict[str, dict[str, Any]] = {name: {} for name, _ in NODES}
+    if task and task not in TASKS:
+        raise ValueError(f"task {task!r}: choose from {', '.join(TASKS)}")
+    if task == "segmentation":
+        model_card = model_card or SEGMENTATION_CARD
+        method = method or SEGMENTATION_METHOD
+    for name in CARD_NODES if model_card else ():
+        out[name]["model_card"] = model_card
     if method:
         out["perception"]["method"] = method
     if sigma:
@@ -152,12 +167,14 @@ def launch_nodes(args: Mapping[str, str], pushed_namespace: str | None = None,
                  ) -> list[dict[str, Any]]:
     """The keyword arguments of each launch_ros Node that vehicle.launch.py starts, from the
     launch arguments' values (`args`: config, namespace, image_topic, method, sigma,
-    use_sim_time, log_level, autostart, rviz, rviz_config) under an outer pushed
+    use_sim_time, task, model_card, log_level, autostart, rviz, rviz_config) under an outer
+    pushed
     namespace: the three nodes, started unconfigured (`--managed`), then the lifecycle
     manager that brings them to active when `autostart` (default true)."""
     ns = join_namespace(pushed_namespace, args.get("namespace", ""))
     params = node_parameters(args["config"], ns, launch_overrides(
-        args.get("method", ""), args.get("sigma", ""), args.get("use_sim_time", "")))
+        args.get("method", ""), args.get("sigma", ""), args.get("use_sim_time", ""),
+        args.get("task", ""), args.get("model_card", "")))
     log = ["--ros-args", "--log-level", args["log_level"]] if args.get("log_level") else []
     image = args.get("image_topic") or "image"
     nodes = [{"package": PACKAGE, "executable": exe, "name": name, "namespace": ns or None,
@@ -178,11 +195,13 @@ def launch_nodes(args: Mapping[str, str], pushed_namespace: str | None = None,
 
 
 def rviz_node(rviz_config: str, namespace: str, image_topic: str) -> dict[str, Any]:
-    """RViz with `rviz_config` (absolute topics /layer_markers and /image), remapped to the
-    namespace's marker and camera topics."""
+    """RViz with `rviz_config` (absolute topics /layer_markers, /segmentation,
+    /segmentation_overlay and /image), remapped to the namespace's marker, segmentation
+    and camera topics."""
     remaps = []
     if namespace:
-        remaps.append(("/layer_markers", f"{namespace}/layer_markers"))
+        remaps += [(f"/{t}", f"{namespace}/{t}") for t in ("layer_markers", "segmentation",
+                                                           "segmentation_overlay")]
     image = image_topic if image_topic.startswith("/") else join_namespace(namespace,
                                                                            image_topic)
     if image != "/image":

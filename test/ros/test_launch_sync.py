@@ -80,7 +80,7 @@ def test_launch_imports_without_side_effects() -> None:
     assert mod.PACKAGE == "tta_ros"
     names = {name for name, _, _ in mod.ARGUMENTS}
     assert names == {"config", "namespace", "image_topic", "method", "sigma", "use_sim_time",
-                     "log_level", "autostart", "rviz"}
+                     "log_level", "autostart", "rviz", "task", "model_card"}
 
 
 def test_launch_starts_the_bringup_nodes_with_the_shipped_yaml(monkeypatch) -> None:
@@ -142,8 +142,29 @@ def test_launch_namespace_keeps_yaml_sections_and_overrides(monkeypatch, pushed)
     assert per["method.sigma"] == 0.5
     rviz = nodes["rviz2"]
     assert rviz["arguments"] == ["-d", str(ROOT / "config" / "tta.rviz")]
-    assert sorted(rviz["remappings"]) == [("/image", f"{ns}/image"),
-                                          ("/layer_markers", f"{ns}/layer_markers")]
+    assert sorted(rviz["remappings"]) == [
+        ("/image", f"{ns}/image"), ("/layer_markers", f"{ns}/layer_markers"),
+        ("/segmentation", f"{ns}/segmentation"),
+        ("/segmentation_overlay", f"{ns}/segmentation_overlay")]
+
+
+@pytest.mark.parametrize(("args", "card", "method"), [
+    ({"task": "segmentation"}, "checkpoints/lraspp_mobilenet_v3_large_scenes.json", "tent"),
+    ({"task": "segmentation", "method": "cotta"},
+     "checkpoints/lraspp_mobilenet_v3_large_scenes.json", "cotta"),
+    ({"model_card": "/cards/mine.json"}, "/cards/mine.json", "adashadow"),
+    ({}, "checkpoints/small_resnet_signs32.json", "adashadow"),
+])
+def test_launch_task_and_model_card_reach_perception_and_scheduler(monkeypatch, args, card,
+                                                                   method) -> None:
+    nodes = launch_nodes(monkeypatch, **args)
+    (per,), (sched,) = nodes["perception"]["parameters"], nodes["scheduler"]["parameters"]
+    assert per["model_card"] == sched["model_card"] == card and per["method"] == method
+    assert launch_overrides(task=args.get("task", ""), model_card=args.get(
+        "model_card", ""), method=args.get("method", "")).get("scheduler", {}).get(
+        "model_card", card) == card  # bringup's --task / --model-card: the same overrides
+    with pytest.raises(ValueError, match="task 'detection'"):
+        launch_overrides(task="detection")
 
 
 def test_launch_uses_the_shared_parameter_function() -> None:

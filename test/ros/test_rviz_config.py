@@ -60,3 +60,15 @@ def test_cli_writes_the_file_and_reports_bad_topics(tmp_path, capsys) -> None:
     assert "error: topic" in capsys.readouterr().err
     assert main([]) == 0
     assert capsys.readouterr().out == render()
+
+
+@pytest.mark.parametrize(("ns", "prefix"), [("", ""), ("car1", "/car1")])
+def test_segmentation_mask_and_overlay_are_shown_in_the_namespace(ns, prefix) -> None:
+    doc = yaml.safe_load(render(namespace=ns))
+    shown = {d["Name"]: d for d in doc["Visualization Manager"]["Displays"]}
+    mask, over = shown["Segmentation mask"], shown["Segmentation overlay"]
+    assert mask["Topic"]["Value"] == f"{prefix}/segmentation" and mask["Enabled"]
+    assert over["Topic"]["Value"] == f"{prefix}/segmentation_overlay" and over["Enabled"]
+    assert mask["Class"] == over["Class"] == "rviz_default_plugins/Image"
+    assert mask["Normalize Range"] and not over["Normalize Range"]  # ids 0-18: stretched
+    assert shown["Camera"]["Topic"]["Value"] == f"{prefix}/image"

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tta_ros.commands.replay import setup_error
+from tta_ros.launch_params import SEGMENTATION_CARD
 from tta_ros.paths import package_file
 
 if TYPE_CHECKING:
@@ -35,7 +36,7 @@ HELP = "replay the sample bag through the ROS 2 nodes and print the accuracy/lat
 SAMPLE_BAG = "bags/signs32_sample"  # in the checkout, or the installed share folder
 CONFIG = "config/vehicle.yaml"
 TASKS = ("classification", "segmentation")
-SEG_CARD = "checkpoints/lraspp_mobilenet_v3_large_scenes.json"
+SEG_CARD = SEGMENTATION_CARD  # what the launch file's task:=segmentation serves too
 SEG_BAG = "bags/scenes_sample"  # made on first use (see the module docstring)
 SEG_BAG_FRAMES = 40  # 8 per domain
 SEG_BAG_SEED = 2024

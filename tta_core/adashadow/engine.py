@@ -41,7 +41,7 @@ from tta_core.api import PhaseClock, PhaseTimes, PlanningInfo, StepResult
 from tta_core.memory.widths import check_activation_bits
 from tta_core.model.norms import BN_MODES
 from tta_core.model.robust_bn import RobustBN, use_batch_stats
-from tta_core.model.units import StagedModel, stage_input_hooks
+from tta_core.model.units import StagedModel, StageInput, stage_input_hooks
 from tta_core.runtime import losses
 from tta_core.runtime.options import option
 from tta_core.runtime.phases import Phases
@@ -353,6 +353,11 @@ def _loss(kind: str, fwd: _Forward, history) -> Tensor | None:
     return losses.multilayer_kl_loss(fwd.stats, history)
 
 
+def _detached(x: StageInput) -> StageInput:
+    """A stage input (one tensor or the tuple crossing an fx cut) out of the graph."""
+    return tuple(t.detach() for t in x) if isinstance(x, tuple) else x.detach()
+
+
 def _reforward(staged: StagedModel, x: Tensor, fwd: _Forward, first_updated: int,
                reuse: bool) -> Tensor:
     """The prediction after the update: from the first updated unit's stage input
@@ -368,7 +373,7 @@ def _reforward(staged: StagedModel, x: Tensor, fwd: _Forward, first_updated: int
         replay[unit.producer] = kept.detach()
     with torch.no_grad():
         if reuse:
-            return staged.forward_from(unit.stage, fwd.stage_inputs[unit.stage].detach(),
+            return staged.forward_from(unit.stage, _detached(fwd.stage_inputs[unit.stage]),
                                        replay)
         return staged.model(x)
 
@@ -499,9 +504,10 @@ class AdaShadowEngine:
         self.planning.profile = value
 
     # ------------------------------------------------------------ hooks
-    def _cache_stage_input(self, s: int, t: Tensor) -> None:
-        if self._collector.capture and t.requires_grad and _mixed_layout(t):
-            t.register_hook(_like_channels_last)
+    def _cache_stage_input(self, s: int, t: StageInput) -> None:
+        for part in t if isinstance(t, tuple) else (t,):
+            if self._collector.capture and part.requires_grad and _mixed_layout(part):
+                part.register_hook(_like_channels_last)
         if self._collector.capture and s >= self._keep_from:
             self._stage_inputs[s] = t
             if s == self._grad_stage:  # stages from here on may be updated: record them

@@ -41,12 +41,10 @@ from tta_core.registry import build_method, method_class
 
 # the methods whose losses and forwards take N x C x H x W logits
 SEG_METHODS: tuple[str, ...] = ("source", "bn_adapt", "tent", "eata", "sar", "cotta",
-                                "surgeon")
+                                "surgeon", "adashadow")
 SEG_REFUSALS: dict[str, str] = {
     "lame": "a classifier-output method: its Laplacian runs over one feature vector per "
             "sample (the input of the last nn.Linear); N x C x H x W logits have none",
-    "adashadow": "not checked on N x C x H x W logits: it steps on LR-ASPP but updated "
-                 "nothing in two batches (its planner and losses are the classifier's)",
     "darda": "its corruption bundle is fitted on a classification card (tta train-darda)",
     "elastic": "it needs a gated classification master (tta train-elastic)",
 }
@@ -165,6 +163,7 @@ def run_method(name: str, card: ModelCard, data: SegmentationSet, cfg: SegBenchC
             with meter.step():
                 res = meth.step(x)
             seconds += time.perf_counter() - t0
+            meth.finish()  # between batches (adashadow: the next plan), as tta bench
             meter.note(res.stats)
             batches += 1
             meters.setdefault((rnd, domain), ConfusionMeter(card.num_classes)).update(

@@ -27,6 +27,9 @@ from tta_core.model.zoo import SmallResNet
 
 log = logging.getLogger(__name__)
 
+#: a stage's input: one tensor, or (fx stages) the tuple of the values crossing its cut
+StageInput = Tensor | tuple[Tensor, ...]
+
 DEFAULT_FLOPS = 1e11  # MAC/s used for eta (paper: delta_c = 1/F)
 DEFAULT_CACHE_BW = 2e10  # bytes/s (paper: delta_m = 1/b_cache)
 _BYTES = 4
@@ -115,10 +118,11 @@ class StagedModel:
             out[u.index] = stuck[0] if stuck else u.index
         return out
 
-    def forward_from(self, stage: int, x: Tensor,
+    def forward_from(self, stage: int, x: StageInput,
                      replay: Mapping[int, Tensor] | tuple[int, Tensor] | None = None
                      ) -> Tensor:
-        """Run stages[stage:] on x (x is the input of that stage). `replay` {unit: output}
+        """Run stages[stage:] on x (x is the input of that stage: a tuple where several
+        values cross into an fx stage, as `stage_input_hooks` shows it). `replay` {unit: output}
         (or one (unit, output) pair): those units' modules return their output from the
         forward instead of computing it (AdaShadow §4 reuse: the layers before the first
         updated one)."""
@@ -233,19 +237,26 @@ class _ViTHead(_StageWrapper):
 
 
 class _FxStage(_StageWrapper):
-    """A piece of the model's torch.fx graph (fx_stages.split); `tap`: the module and
-    hook kind (pre: its input; else its output) that show this stage's input in
-    model.forward; `owners`: the module paths it runs."""
+    """A piece of the model's torch.fx graph (fx_stages.split); `taps`: per value crossing
+    the cut before it, the module and hook kind (pre: its input; else its output; the
+    model itself for its input) that show it in model.forward, the last one at the cut;
+    `owners`: the module paths it runs. Its input is one tensor, or the tuple of the
+    values crossing (a segmentation head's skip feature, the model's input)."""
 
     def __init__(self, seg: fx_stages.Segment, model: nn.Module) -> None:
         super().__init__()
         self.piece = seg.module
-        tap = None if seg.tap is None else (model.get_submodule(seg.tap.path), seg.tap.pre)
-        self.__dict__["tap"] = tap  # plain attributes: the model's, not this stage's
+        taps = [(model.get_submodule(t.path), t.pre) for t in seg.taps]
+        self.__dict__["taps"] = taps  # plain attributes: the model's, not this stage's
         self.__dict__["owners"] = frozenset(seg.owners)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.piece(x)
+    @property
+    def tap(self) -> tuple[nn.Module, bool] | None:
+        """The tap at the cut (None for the first stage)."""
+        return self.taps[-1] if self.taps else None
+
+    def forward(self, x: StageInput) -> object:
+        return fx_stages.run_piece(self.piece, x)
 
 
 def _generic_stages(model: nn.Module, owners: dict[str, nn.Module], records: list[_Record],
@@ -307,21 +318,20 @@ def _family(model: nn.Module, arch: str | None) -> str:
     return by_type
 
 
-def stage_input_hooks(staged: StagedModel, callback: Callable[[int, Tensor], None]) -> list:
+def stage_input_hooks(staged: StagedModel, callback: Callable[[int, StageInput], None]
+                      ) -> list:
     """Hooks that call callback(s, input of stage s) during model(x), for s >= 1.
 
     Stages that are real submodules get a forward pre-hook; wrapper stages (stem/head
-    pieces) get their input from a forward hook on the previous stage's output. Returns
-    the handles (call .remove() on each).
+    pieces) get their input from a forward hook on the previous stage's output; an fx
+    stage that several values cross into gets one hook per value and the callback, with
+    their tuple, from the last (at the cut). Returns the handles (call .remove() on each).
     """
     handles = []
     for st in staged.stages[1:]:
         s = st.index
         if isinstance(st.module, _FxStage):
-            mod, pre = st.module.tap
-            handles.append(mod.register_forward_pre_hook(
-                lambda _m, args, s=s: callback(s, args[0])) if pre else
-                mod.register_forward_hook(lambda _m, _a, out, s=s: callback(s, out)))
+            handles += _fx_stage_hooks(s, st.module.taps, callback)
             continue
         if not isinstance(st.module, _StageWrapper):
             handles.append(st.module.register_forward_pre_hook(
@@ -331,6 +341,31 @@ def stage_input_hooks(staged: StagedModel, callback: Callable[[int, Tensor], Non
         if isinstance(prev, _StageWrapper):
             raise ValueError(f"stages {s - 1} and {s} are both wrappers: input not observable")
         handles.append(prev.register_forward_hook(lambda _m, _a, out, s=s: callback(s, out)))
+    return handles
+
+
+def _fx_stage_hooks(s: int, taps: list[tuple[nn.Module, bool]],
+                    callback: Callable[[int, StageInput], None]) -> list:
+    """The hooks showing fx stage s's input: per tap, its value; the last calls back."""
+    if len(taps) == 1:
+        mod, pre = taps[0]
+        return [mod.register_forward_pre_hook(lambda _m, args: callback(s, args[0])) if pre
+                else mod.register_forward_hook(lambda _m, _a, out: callback(s, out))]
+    parts: list[Tensor | None] = [None] * len(taps)
+
+    def seen(k: int, t: Tensor) -> None:
+        parts[k] = t
+        if k == len(taps) - 1:
+            got = tuple(parts)
+            parts[:] = [None] * len(taps)  # not held past the forward
+            if any(p is None for p in got):
+                raise RuntimeError(f"stage {s}: the forward did not show all of its inputs")
+            callback(s, got)  # type: ignore[arg-type]
+    handles = []
+    for k, (mod, pre) in enumerate(taps):
+        handles.append(mod.register_forward_pre_hook(lambda _m, args, k=k: seen(k, args[0]))
+                       if pre else
+                       mod.register_forward_hook(lambda _m, _a, out, k=k: seen(k, out)))
     return handles
 
 

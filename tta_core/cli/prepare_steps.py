@@ -22,6 +22,7 @@ from tqdm import tqdm
 from tta_core.cli.offline_args import data_given
 from tta_core.data.sources import LabelledImages, training_corruptions
 from tta_core.io.strict_json import dumps as json_dumps
+from tta_core.io.strict_json import write_json
 from tta_core.model.source import ModelCard, find_card, load_card
 
 MANIFEST = "manifest.json"
@@ -185,10 +186,8 @@ def load_manifest(out: Path) -> dict:
 
 
 def save_manifest(out: Path, manifest: dict) -> None:
-    """Write the manifest atomically (a temporary file renamed over it)."""
-    tmp = out / f".{MANIFEST}.tmp"
-    tmp.write_text(json_dumps(manifest, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, out / MANIFEST)
+    """Write the manifest atomically (strict JSON, a temporary file renamed over it)."""
+    write_json(out / MANIFEST, manifest)
 
 
 def _build(step: str, ctx: Context, opts: dict[str, Any]) -> dict[str, str]:
@@ -249,7 +248,7 @@ def _profile(ctx: Context, tmp: Path, opts: dict[str, Any]) -> None:
         torch.set_num_threads(opts["threads"])
     model, card = load_source(ctx.card_path)
     set_bn_mode(model, opts["bn_mode"])
-    staged = decompose(model, (3, *card.input_hw()), card.arch)
+    staged = decompose(model, (3, *card.input_hw), card.arch)
     prof = profile_model(staged, batch=opts["batch_size"], repeats=opts["repeats"],
                          split=opts["split"])
     prof.save(tmp / "profile.json")

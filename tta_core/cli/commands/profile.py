@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         from tta_core.model.source import find_card, load_source
 
         model, card = load_source(find_card(args.model_card), device)
-        arch, shape = card.arch, (3, *card.input_hw())
+        arch, shape = card.arch, (3, *card.input_hw)
         name = card.name or args.model_card.stem
     else:
         model = build_model(args.arch, args.num_classes).to(device)

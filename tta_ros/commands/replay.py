@@ -1,5 +1,9 @@
 """`tta replay BAG`: play a bag through the perception/scheduler/monitor nodes over ROS 2
-and write the bench report plus end-to-end latency (see tta_ros.replay)."""
+and write the bench report plus end-to-end latency (see tta_ros.replay).
+
+A segmentation bag (ground-truth masks) is replayed as the launch file's
+`task:=segmentation` does: the shipped segmentation card with tent unless --model-card /
+--method say otherwise; its report is the mIoU per domain (seg_report.json / .md)."""
 
 from __future__ import annotations
 
@@ -25,6 +29,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rate", default="max",
                         help="real (bag timing), max (flow-controlled) or a rate in Hz")
     parser.add_argument("--method", default=None, help="override the perception method")
+    parser.add_argument("--model-card", default="", help="perception's and the scheduler's "
+                        "model card (default: the config's; a segmentation bag: the shipped "
+                        "segmentation card)")
     parser.add_argument("--out", type=Path, default=None,
                         help="report folder (default: runs/replay-<time>)")
     parser.add_argument("--external", action="store_true",
@@ -63,10 +70,12 @@ def run(args: argparse.Namespace) -> int:
 
     out = args.out or Path("runs") / time.strftime("replay-%Y%m%d-%H%M%S")
     try:
-        opts = ReplayOptions(args.bag, args.config, args.rate, args.method, out,
+        overrides, method = card_overrides(args)
+        opts = ReplayOptions(args.bag, args.config, args.rate, method, out,
                              args.external, args.allow_drops, args.window,
                              max_frames=args.max_frames, image_topic=args.image_topic,
-                             timeout_s=args.timeout)
+                             timeout_s=args.timeout, overrides=overrides,
+                             own_options_only=bool(overrides))
     except ValueError as exc:
         print(f"tta replay: {exc}", file=sys.stderr)
         return 2
@@ -86,6 +95,20 @@ def run(args: argparse.Namespace) -> int:
         for bar in bars:
             bar.close()
     return print_result(res)
+
+
+def card_overrides(args: argparse.Namespace) -> tuple[dict, str | None]:
+    """(node overrides, perception method) of --model-card and, for a segmentation bag,
+    the launch file's task:=segmentation defaults (tta_ros.launch_params)."""
+    from tta_core.io.bag import bag_info
+    from tta_ros.launch_params import launch_overrides
+
+    seg = Path(args.bag).exists() and bag_info(args.bag).task == "segmentation"
+    if not seg and not args.model_card:
+        return {}, args.method
+    overrides = launch_overrides(args.method or "", task="segmentation" if seg else "",
+                                 model_card=args.model_card)
+    return overrides, overrides.get("perception", {}).get("method", args.method)
 
 
 def print_result(res: ReplayResult) -> int:

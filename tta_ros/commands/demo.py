@@ -104,9 +104,10 @@ def ensure_seg_bag(path: Path) -> Path:
 def fill_defaults(args: argparse.Namespace) -> None:
     """The task's bag and methods where not given."""
     seg = args.task == "segmentation"
-    args.make_bag = seg and args.bag is None  # only the default bag is made on first use
-    if args.bag is None:
+    if args.bag is None:  # only the default bag is made on first use
+        args.make_bag = seg
         args.bag = seg_bag_path() if seg else package_file(SAMPLE_BAG)
+    args.make_bag = getattr(args, "make_bag", False)
     if args.methods is None:
         args.methods = SEG_METHODS if seg else "source,adashadow"
 
@@ -182,6 +183,7 @@ def replay_options(args: argparse.Namespace, method: str) -> ReplayOptions:
     (the config is written for adashadow; the others would name the rest as not used)."""
     from tta_ros.replay import ReplayOptions
 
+    fill_defaults(args)
     overrides = {k: dict(v) for k, v in ({} if args.config_deadline else DEMO_SETTINGS).items()}
     if args.task == "segmentation":
         from tta_core.eval.seg_bench import SEG_SETTINGS as SEG_OPTIONS

@@ -115,7 +115,7 @@ PAGES: tuple[Page, ...] = (
          "AdaShadow on a fast forward: the cheapest update against the room sigma*T leaves",
          "python benchmarks/speed/bench_update_overhead.py --threads 1,2 "
          "--batch-sizes 8,16,32,64"),
-    Page("seg_adashadow", "speed/bench_seg_adashadow", "render",
+    Page("seg_adashadow*", "speed/bench_seg_adashadow", "render",
          "AdaShadow on the segmentation card: adapted, within budget, step over inference",
          "python benchmarks/speed/bench_seg_adashadow.py --threads 2"),
     Page("segmentation", "domains/bench_segmentation", "render",

@@ -60,6 +60,7 @@ def _bn_bytes(meth: Surgeon) -> int:
     return sum(meth._saved.per_unit.get(n, 0) for n in bns)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("trainable", ["all", "norm"])
 def test_pruned_bn_gradients_exact_at_keep_one_and_close_below(trainable: str) -> None:
     """SURGEON and SURGEON (BN): at keep 1 the step's gradients equal dense autograd's; below

@@ -14,7 +14,10 @@ Widths: a trainable conv/linear unit stores its input at 0 (not stored: the unit
 for this batch, no ∂W), 2, 4 or 8 bits; a norm unit (BN/LN) its input at 2, 4 or 8 (its ∂x
 needs it: never 0). A norm unit's width also sets the error of the ∂x it sends to every
 unit before it, so its importance is its own plus that of every trainable unit before it in
-forward order, each part valued by its own table (`unit_choices`, below).
+forward order, each part valued by its own table (`unit_choices`, below). A frozen norm unit
+(SAR's layer4, a unit SURGEON froze) gets a width too, valued by the units before it only.
+Widths are planned after the method's `prepare` (what trains this batch) and hold for every
+recorded forward until the next batch (SAR's two SAM forwards; `saved_bytes`: the larger).
 
 Importance (Algorithm 3's MA_i; the paper leaves the metric open): an exponential moving
 average of the unit's squared gradient norm, i.e. SURGEON's Eq. 4 statistic G_i squared
@@ -243,25 +246,28 @@ class DynamicWidths:
         self._frozen: list[nn.Parameter] = []
         self._peak: SavedBytes | None = None  # the largest forward since before_forward
 
-    def _widths(self) -> tuple[dict[str, tuple[int, ...]], dict[str, int]]:
-        """(allowed widths of each unit with a trainable parameter, 0 bits for the frozen
-        conv/linear units: backward never reads their input)."""
-        out, frozen = {}, {}
+    def _widths(self) -> tuple[dict[str, tuple[int, ...]], dict[str, int], set[str]]:
+        """(allowed widths of each unit with a trainable parameter and of each frozen norm
+        unit, whose input the ∂x of the units before it needs; 0 bits for the frozen
+        conv/linear units: backward never reads their input; the frozen norm units)."""
+        out, frozen, frozen_norms = {}, {}, set()
         for n, ps in self._params.items():
             wgrad = self._kinds[n] in ("conv", "linear")
-            if not any(p.requires_grad for p in ps):
-                if wgrad:
-                    frozen[n] = 0
+            trains = any(p.requires_grad for p in ps)
+            if not trains and wgrad:
+                frozen[n] = 0
             elif self._kinds[n] in NORM_KINDS:
                 out[n] = NORM_WIDTHS
+                if not trains:
+                    frozen_norms.add(n)
             elif wgrad:
                 out[n] = WGRAD_WIDTHS
-        return out, frozen
+        return out, frozen, frozen_norms
 
     def before_forward(self, x: Tensor) -> None:
         """Choose this batch's widths (greedy knapsack under the current budget); the units
         given 0 bits are frozen during every forward under this codec until the next call."""
-        widths, frozen = self._widths()
+        widths, frozen, frozen_norms = self._widths()
         key = (tuple(x.shape), tuple(widths))
         if key not in self._costs:
             prof = batch_profile(self.model, x)
@@ -273,7 +279,8 @@ class DynamicWidths:
                 and key not in self._dense:
             self._dense[key] = dense_bytes(self.model, x)
         budget = budget_bytes(self.options, self._dense.get(key, 0))
-        choices = unit_choices(order, self._kinds, self.ma, mem, counts)
+        ma = {**self.ma, **dict.fromkeys(frozen_norms, 0.0)}  # valued by the units before
+        choices = unit_choices(order, self._kinds, ma, mem, counts)
         if self._use_arena and self.arena is None:
             self.arena = PagedArena(0, page_size=arena_page_bytes(budget))
         # the arena rounds each entry up to whole pages: reserve a page per quantized save

@@ -5,8 +5,11 @@
 # adashadow under a memory budget, the served forward eager vs torch.compile, the serving
 # table (ResNet-50 224 px b4 and b32, ResNet-18 224 px b8, the shipped small net b8: source
 # eager, source with CUDA graphs, bn_adapt, tent, adashadow, adashadow parallel, in fp32 and
-# fp16: ms, ratios to source, units updated, adapted %, predictions equal to fp32's), and
-# the Triton DAF kernels against the native path.
+# fp16: ms, ratios to source, units updated, adapted %, predictions equal to fp32's), the
+# Triton DAF kernels against the native path, and DAF through the shared loop (tent with
+# every parameter trainable, ResNet-50 224 px b4: step time and CUDA step peak of dense, 8
+# and 4 bits uniform, 12 % dynamic widths; amin/amax against the hybrid reduction at groups
+# of 128 and 256).
 #
 #   bash benchmarks/gpu_check.sh             on a machine with a CUDA GPU
 #   bash benchmarks/gpu_check.sh --dry-run   the same code paths on the CPU, tiny shapes
@@ -45,6 +48,7 @@ if (( dry )); then
            --serving resnet18:32:2,card:32:2 --precisions fp32,bf16 --serving-batches 1
            --serving-warmup 1 --threads 1)  # bf16: fp16 needs CUDA
   kernels=(--dry-run)
+  daf=(--arch resnet18 --image-size 32 --batch-size 2 --batches 2 --warmup 1 --threads 1)
 else
   device=${TTA_TEST_DEVICE:-cuda}
   out=${GPU_CHECK_OUT:-docs/results/gpu}
@@ -55,6 +59,7 @@ else
   ratios=(--models resnet50:224:4 --batches 20 --warmup 5)
   figures=()
   kernels=()
+  daf=()
 fi
 mkdir -p "$out"
 echo "== device $device, figures in $out"
@@ -84,6 +89,8 @@ part "saved activations, step time, served forward, serving in fp32 and fp16" \
   "$py" benchmarks/gpu_figures.py --device "$device" --out "$out" ${figures[@]+"${figures[@]}"}
 part "DAF kernels: Triton vs native" \
   "$py" benchmarks/speed/bench_kernels.py --device "$device" --out "$out" ${kernels[@]+"${kernels[@]}"}
+part "DAF steps: dense, 8/4 bits, 12 % dynamic widths (time, CUDA peak)" \
+  "$py" benchmarks/memory/bench_daf_device.py --device "$device" --out "$out" ${daf[@]+"${daf[@]}"}
 
 if (( ${#failed[@]} )); then
   printf 'gpu_check.sh: failed: %s\n' "${failed[@]}" >&2

@@ -41,6 +41,10 @@ def test_gpu_check_dry_run_writes_its_figures(tmp_path):
         assert "not CUDA" in methods["source graphs"]["graphs"]["fallback_reason"]
     assert "agree_fp32" in serving[("card", "bf16")]["source eager"]
     assert "| card 32 px b2 | bf16 | tent |" in (tmp_path / "gpu_serving.md").read_text()
+    daf = json.loads((tmp_path / "gpu_daf.json").read_text())["steps"]
+    assert set(daf) == {"dense", "daf8", "daf4", "dyn12"}
+    assert daf["daf4"]["saved_mib_max"] < daf["daf8"]["saved_mib_max"]
+    assert daf["dense"]["x_dense"] == 1.0 and daf["dyn12"]["cuda_step_peak_mib"] is None
 
 
 def check_ratios(methods: dict, time_key: str, refs: dict[str, str]) -> None:

@@ -59,10 +59,11 @@ STREAM_PER_DOMAIN = int(os.environ.get("TTA_PREPARE_STREAM", "300"))
 STREAM = ("shot_noise", "defocus_blur", "contrast", "jpeg_compression")
 TRAINING = "shot_noise,impulse_noise,defocus_blur,contrast,pixelate,jpeg_compression"
 STEP_SIZES = ("profile.repeats=2", "profile.split=macs", "calibrate.quick=true",
-              "encoder.steps=40", "encoder.samples=48", "darda.samples=96",
-              "darda.eval_samples=32", "darda.epochs=3", "darda.s_steps=150",
-              "darda.encoder_steps=40", "elastic.stage_epochs=1", "elastic.batch_size=64",
-              "elastic.stages=(0.3,)")
+              "encoder.steps=40", "encoder.samples=48", "darda.samples=32",
+              "darda.eval_samples=16", "darda.epochs=1", "darda.s_steps=30",
+              "darda.encoder_steps=10", "elastic.stage_epochs=1", "elastic.warmup_epochs=0",
+              "elastic.batch_size=64", "elastic.stages=(0.3,)",
+              "elastic.calibration_samples=128")
 STEPS = ("profile", "calibrate", "encoder", "darda", "elastic", "vehicle")
 
 
@@ -194,8 +195,11 @@ def test_a_second_prepare_skips_every_step_and_a_deleted_artifact_is_rebuilt_alo
     again = _prepare(user)
     assert all(f"{s}: skipped" in again for s in STEPS), again
     assert json.loads((prep / "manifest.json").read_text()) == manifest
-    (prep / "elastic.safetensors").unlink()
+    (prep / "profile.json").unlink()
     third = _prepare(user)
-    assert "elastic: built" in third, third
-    assert all(f"{s}: skipped" in third for s in STEPS if s != "elastic"), third
-    assert (prep / "elastic.safetensors").is_file()
+    assert "profile: built" in third, third
+    assert all(f"{s}: skipped" in third for s in STEPS if s != "profile"), third
+    after = json.loads((prep / "manifest.json").read_text())["steps"]
+    assert {s: after[s] for s in STEPS if s != "profile"} == {
+        s: manifest["steps"][s] for s in STEPS if s != "profile"}
+    assert (prep / "profile.json").is_file()

@@ -66,10 +66,9 @@ def tiny_dict(num_classes: int = 19) -> nn.Module:
     return TinySegDict(num_classes)
 '''
 SIZE = 32
-# adashadow refuses a user's generic conv-BN net: "trainable='norm' leaves no unit to
-# update in generic" although decompose finds its BN units (its own case below, xfail)
-BROKEN = ("adashadow",)
-METHODS = tuple(m for m in SEG_METHODS if m not in BROKEN)  # every method that segments
+# every method that segments, less those that need an offline artifact fitted on the card
+# (a DARDA bundle, a gated master: test_prepare builds those for a user's classifier)
+METHODS = tuple(m for m in SEG_METHODS if m not in ("darda", "elastic"))
 
 
 def _cityscapes(root: Path, n: int = 6) -> tuple[np.ndarray, np.ndarray]:
@@ -145,10 +144,7 @@ def _expected_miou(net: torch.nn.Module, images: np.ndarray, masks: np.ndarray,
 
 
 @pytest.mark.parametrize(("factory", "methods"), [
-    ("tiny", METHODS), ("tiny_dict", ("source", "tent")),
-    *[pytest.param("tiny", ("source", m), marks=pytest.mark.xfail(
-        strict=True, reason=f"{m} refuses a user's generic segmentation net"))
-      for m in BROKEN if m in SEG_METHODS]])
+    ("tiny", METHODS), ("tiny_dict", ("source", "tent"))])
 def test_user_factory_runs_the_segmentation_methods(user_setup, factory: str,
                                                     methods: tuple[str, ...]) -> None:
     work, mods, data, weights, net, images, masks = user_setup

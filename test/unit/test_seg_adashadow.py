@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from tta_core.api import Plan
 from tta_core.eval.seg_bench import SEG_METHODS, check_methods
 from tta_core.model.units import decompose, stage_input_hooks
 from tta_core.model.zoo import build_model
@@ -102,3 +103,41 @@ def test_adashadow_paper_loss_steps_on_the_segmentation_net(loss, one_thread) ->
         meth.finish()
     assert all(r.logits.shape == (2, CLASSES, *HW) for r in results)
     assert any(r.adapted and r.units_updated >= 1 for r in results)
+
+
+class _TwoBN(torch.nn.Module):
+    """A user's small segmentation net: two conv-BN-ReLU, a conv head, upsampling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 8, 3, stride=2, padding=1), torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU())
+        self.head = torch.nn.Conv2d(8, CLASSES, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.interpolate(self.head(self.body(x)), size=x.shape[-2:],
+                                               mode="bilinear", align_corners=False)
+
+
+def test_a_net_with_fewer_bn_layers_than_bn_batch_layers_keeps_its_last_robust(
+        one_thread) -> None:
+    """Robust BN puts the first bn_batch_layers (3) BN layers on batch statistics, but never
+    the last one: a 2-BN net keeps body.4 robust, as AdaShadow's one candidate, and an update
+    of it moves its affine only."""
+    torch.manual_seed(0)
+    model = _TwoBN().eval()
+    meth = build_method("adashadow", model, input_shape=(3, 32, 32), lr=0.05,
+                        lr_ref_batch=0)
+    eng = meth.engine
+    names = [u.name for u in eng.staged.units]
+    assert [names[i] for i in np.flatnonzero(eng.candidates)] == ["body.4"]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    update = eng.candidates.copy()
+    plan = Plan(update=update, first_updated=int(np.flatnonzero(update)[0]), objective=0.0,
+                predicted_total_ms=0.0, budget_ms=0.0, full_ms=0.0, solve_ms=0.0)
+    res = eng.step(_batches(1)[0][:, :, :32, :32], plan)
+    assert res.adapted and res.logits.shape == (2, CLASSES, 32, 32)
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved == {"body.4.weight", "body.4.bias"}

@@ -162,7 +162,8 @@ class EngineConfig(PlanningConfig):
 
 
 def robust_bn(model: nn.Module, config: EngineConfig) -> RobustBN:
-    """bn_mode "robust": the first bn_batch_layers BN layers switched to batch statistics,
+    """bn_mode "robust": the first bn_batch_layers BN layers (all but the last at most)
+    switched to batch statistics,
     RoTTA's robust BN on the others, disabled until a batch's own forward enables it; the
     controller runs all of them (no layer in the other modes)."""
     if config.bn_mode != "robust":
@@ -170,7 +171,9 @@ def robust_bn(model: nn.Module, config: EngineConfig) -> RobustBN:
     layers = [m for m in model.modules() if isinstance(m, _BatchNorm)]
     if any(m.running_mean is None or m.running_var is None for m in layers):
         raise ValueError("bn_mode 'robust' needs BatchNorm layers with running statistics")
-    for bn in layers[:config.bn_batch_layers]:
+    # every BN layer but the last at most: a net with few BN layers (a user's small
+    # segmentation net) keeps one robust layer whose affine the planner may update
+    for bn in layers[:min(config.bn_batch_layers, len(layers) - 1)]:
         use_batch_stats(bn)
     rbn = RobustBN(layers, config.bn_momentum, config.bn_lag, config.bn_batch_values)
     rbn.enabled = False

@@ -358,9 +358,10 @@ def _fx_stage_hooks(s: int, taps: list[tuple[nn.Module, bool]],
         if k == len(taps) - 1:
             got = tuple(parts)
             parts[:] = [None] * len(taps)  # not held past the forward
-            if any(p is None for p in got):
-                raise RuntimeError(f"stage {s}: the forward did not show all of its inputs")
-            callback(s, got)  # type: ignore[arg-type]
+            # a stage piece run on its own (a reforward from a cached stage input calls the
+            # shared layers, not model(x)) shows the cut's tap only: not a stage input
+            if all(p is not None for p in got):
+                callback(s, got)  # type: ignore[arg-type]
     handles = []
     for k, (mod, pre) in enumerate(taps):
         handles.append(mod.register_forward_pre_hook(lambda _m, args, k=k: seen(k, args[0]))

@@ -134,3 +134,27 @@ def test_collector_waits_for_the_last_batch_status() -> None:
     assert col.wait(col.settled, timeout_s=5.0) and col.settled()
     late.join()
     assert not Collector().wait(lambda: False, timeout_s=0.05)  # nothing moves: gives up
+
+
+def test_replay_of_a_segmentation_bag_serves_the_segmentation_card(tmp_path) -> None:
+    import argparse
+
+    from tta_ros.commands.replay import card_overrides
+    from tta_ros.launch_params import SEGMENTATION_CARD
+
+    img = np.zeros((4, 4, 3), np.uint8)
+    write_bag(tmp_path / "seg", [(img, np.zeros((4, 4), np.uint8), "clean")],
+              task="segmentation")
+    write_bag(tmp_path / "cls", [(img, 1, "clean")])
+
+    def ask(bag: str, method=None, card: str = "") -> tuple[dict, str | None]:
+        return card_overrides(argparse.Namespace(bag=tmp_path / bag, method=method,
+                                                 model_card=card))
+
+    over, method = ask("seg")
+    assert method == "tent" and over["perception"]["model_card"] == SEGMENTATION_CARD
+    assert over["scheduler"]["model_card"] == SEGMENTATION_CARD
+    assert ask("seg", "cotta", "/m.json") == (
+        {"perception": {"model_card": "/m.json", "method": "cotta"},
+         "scheduler": {"model_card": "/m.json"}}, "cotta")
+    assert ask("cls", "tent") == ({}, "tent")  # a classification bag: the config's card

@@ -70,7 +70,7 @@ def test_a_decoder_error_is_a_counted_one_line_refusal(ros_context, monkeypatch)
     cam = CameraRig(ros_context)
     try:
         cam.send_valid(1)
-        monkeypatch.setattr(perception, "frame_tensor", broken)
+        monkeypatch.setattr(perception, "frame_input", broken)
         cam.send_large(image_msg(2), 2)
         assert wait_for(lambda: cam.node.counters.rejected == 1, 10.0)
         last = cam.node.counters.last_rejection

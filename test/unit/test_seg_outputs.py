@@ -126,27 +126,3 @@ def test_score_run_per_domain_dropped_and_report(tmp_path) -> None:
     files = write_seg_report([run], tmp_path / "r", "t")
     assert "| tent | 100.0 | 0.0 | 50.0 | 100.0 | 20 | 2 | 1 |" in files.markdown.read_text()
     assert '"schema": "tta.seg_replay/1"' in files.json.read_text()
-
-
-def test_replay_of_a_segmentation_bag_serves_the_segmentation_card(tmp_path) -> None:
-    import argparse
-
-    from tta_ros.commands.replay import card_overrides
-    from tta_ros.launch_params import SEGMENTATION_CARD
-
-    img = np.zeros((4, 4, 3), np.uint8)
-    write_bag(tmp_path / "seg", [(img, np.zeros((4, 4), np.uint8), "clean")],
-              task="segmentation")
-    write_bag(tmp_path / "cls", [(img, 1, "clean")])
-
-    def ask(bag: str, method=None, card: str = "") -> tuple[dict, str | None]:
-        return card_overrides(argparse.Namespace(bag=tmp_path / bag, method=method,
-                                                 model_card=card))
-
-    over, method = ask("seg")
-    assert method == "tent" and over["perception"]["model_card"] == SEGMENTATION_CARD
-    assert over["scheduler"]["model_card"] == SEGMENTATION_CARD
-    assert ask("seg", "cotta", "/m.json") == (
-        {"perception": {"model_card": "/m.json", "method": "cotta"},
-         "scheduler": {"model_card": "/m.json"}}, "cotta")
-    assert ask("cls", "tent") == ({}, "tent")  # a classification bag: the config's card

@@ -104,9 +104,11 @@ def test_updates_that_keep_missing_their_deadline_are_retried_ever_more_rarely()
     fc.recent_ms.extend([1.0, 2.0])
     fc.adapt_ms = 1.0
     fc.skip_plan()
-    fc.idle()
     keep = 1 - 0.04 / 2 ** fc_mod.MAX_BACKOFF
-    assert list(fc.recent_ms) == pytest.approx([keep, 2 * keep]) and fc.adapt_ms == keep
+    assert list(fc.recent_ms) == pytest.approx([keep, 2 * keep])
+    fc.idle()  # a batch without update forgets the margin too
+    assert list(fc.recent_ms) == pytest.approx([keep ** 2, 2 * keep ** 2])
+    assert fc.adapt_ms == keep
     fc.update_deadline(False, 5.0, 4.0)  # no update: nothing learnt
     fc.update_deadline(True, 5.0, float('nan'))  # sigma*T: no deadline
     assert fc.backoff == fc_mod.MAX_BACKOFF
@@ -266,3 +268,23 @@ def test_engine_says_when_no_unit_has_room() -> None:
     eng.planning.fixed.adapt_ms, eng.planning.fixed.adapt_updates = 1e4, 5
     res = eng.step(torch.randn(4, 3, 32, 32) * 3)
     assert res.planning.no_room and not res.adapted
+
+
+def test_a_cold_first_batch_teaches_no_margin_and_a_margin_without_plans_fades() -> None:
+    """The first `warmup` residuals (one-time allocations) are ignored; a later one far
+    above the recent ones is bounded; batches that do not update forget the margin, so
+    a margin that leaves no plan does not freeze adaptation for good."""
+    fc = FixedCosts(warmup=1)
+    fc.update_total(3.0, 9.0, 6.0)  # cold start: 6 ms over, ignored
+    for _ in range(fc_mod.MARGIN_WARMUP - 1):
+        fc.update_total(3.0, 3.1, 6.0)
+    assert fc.margin_ms == 0.0  # MARGIN_WARMUP samples after the warm-up: not yet
+    fc.update_total(3.0, 3.1, 6.0)
+    assert fc.margin_ms == pytest.approx(0.1)
+    fc.update_total(3.0, 6.0, 6.0)  # one preempted batch: 3 ms over
+    bounded = max(fc_mod.OUTLIER_FACTOR * 0.1, 0.1 + fc_mod.OUTLIER_SLACK * 6.0)
+    assert fc.total_mean_ms == pytest.approx(0.1 + fc.alpha * (bounded - 0.1))
+    before = fc.margin_ms
+    for _ in range(200):
+        fc.idle()
+    assert fc.margin_ms < 0.05 * before

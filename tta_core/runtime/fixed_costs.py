@@ -25,14 +25,15 @@ already reach). With a deadline, plans also leave room for the scatter of the wh
 batch's time around its prediction (`margin_ms`: EMA mean + 2.33 EMA standard deviations
 of measured minus predicted, at least its 99th percentile over the last 128 batches; a
 plan that fills the deadline to 99 % otherwise misses it on every other batch from timing
-noise alone), forgotten like the plan phase while batches skip it. Forgetting moves the
-update's cost and the plan phase toward the least of their last FLOOR_WINDOW measurements
-(warm-up excluded), not toward 0: a retry predicted below every cost yet seen missed its
-deadline by construction (small net, 1000 Hz: every retry was ~1 ms over, 4 of 375
-batches); the floor itself ages FLOOR_AGING times slower, so a slow first measurement
-cannot freeze adaptation for good. alpha = 0 turns
-both off (the planner then sees exactly the per-unit model, and plans no longer depend on
-how fast a run is).
+noise alone; its first `warmup` samples ignored and later ones bounded like the others),
+forgotten like the plan phase while batches skip it or do not update (a margin learnt
+from a cold start left no plan, and without a plan it was never measured again).
+Forgetting moves the update's cost and the plan phase toward the least of their last
+FLOOR_WINDOW measurements (warm-up excluded), not toward 0: a retry predicted below every
+cost yet seen missed its deadline by construction (small net, 1000 Hz: every retry was ~1
+ms over, 4 of 375 batches); the floor itself ages FLOOR_AGING times slower, so a slow
+first measurement cannot freeze adaptation for good. alpha = 0 turns both off (the planner
+then sees exactly the per-unit model, and plans no longer depend on how fast a run is).
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ class FixedCosts:
         mean + MARGIN_Z standard deviations of the residual, at least its MARGIN_QUANTILE
         over the last MARGIN_WINDOW batches (>= 0; 0 when off or before MARGIN_WARMUP
         batches were measured)."""
-        if not self.on or self.total_updates < MARGIN_WARMUP:
+        if not self.on or self.total_updates < self.warmup + MARGIN_WARMUP:
             return 0.0
         ema = self.total_mean_ms + MARGIN_Z * math.sqrt(self.total_var_ms2)
         return max(ema, _quantile(self.recent_ms, MARGIN_QUANTILE), 0.0)
@@ -159,16 +160,19 @@ class FixedCosts:
         if not self.on or not _finite(predicted_ms, measured_ms, scale_ms) or measured_ms <= 0:
             return
         bound = abs(scale_ms)
-        residual = min(bound, max(-bound, measured_ms - predicted_ms))
-        self.recent_ms.append(residual)
+        n, self.total_updates = self.total_updates, self.total_updates + 1
+        if n < self.warmup:  # the first updates pay one-time allocations
+            return
+        raw = min(bound, max(-bound, measured_ms - predicted_ms))
+        residual = _robust(raw, self.recent_ms, bound)  # one preempted batch: bounded
+        self.recent_ms.append(raw)
         diff = residual - self.total_mean_ms
-        if self.total_updates == 0:
-            self.total_mean_ms, self.total_var_ms2 = self.total_mean_ms + diff, 0.0
+        if n == self.warmup:
+            self.total_mean_ms, self.total_var_ms2 = residual, 0.0
         else:
             self.total_mean_ms += self.alpha * diff
             self.total_var_ms2 = (1.0 - self.alpha) * (self.total_var_ms2
                                                        + self.alpha * diff * diff)
-        self.total_updates += 1
 
     @property
     def forget_now(self) -> float:
@@ -200,17 +204,23 @@ class FixedCosts:
         if self.on:
             self.adapt_ms, self.adapt_seen = self._toward_floor(self.adapt_ms,
                                                                 self.adapt_seen)
+            self._forget_margin()
+
+    def _forget_margin(self) -> None:
+        """Forget a share forget_now of the deadline margin: a margin that leaves no plan
+        is only measured again once a plan runs."""
+        keep = 1.0 - self.forget_now
+        self.total_mean_ms *= keep
+        self.total_var_ms2 *= keep ** 2
+        self.recent_ms = deque((v * keep for v in self.recent_ms), maxlen=MARGIN_WINDOW)
 
     def skip_plan(self) -> None:
         """A batch skipped its plan phase (no plan could fit): forget a share of the plan
         phase (down to the least measured lately) and of the deadline margin, so that
         estimates that leave no time for any plan are tried again."""
         if self.on:
-            keep = 1.0 - self.forget_now
             self.plan_ms, self.plan_seen = self._toward_floor(self.plan_ms, self.plan_seen)
-            self.total_mean_ms *= keep
-            self.total_var_ms2 *= keep ** 2
-            self.recent_ms = deque((v * keep for v in self.recent_ms), maxlen=MARGIN_WINDOW)
+            self._forget_margin()
 
     def reset(self) -> None:
         """Forget what was learnt (a new machine or model)."""

@@ -148,7 +148,7 @@ class FixedCosts:
         """Room a deadline plan leaves for the batch time's scatter around its prediction:
         mean + MARGIN_Z standard deviations of the residual, at least its MARGIN_QUANTILE
         over the last MARGIN_WINDOW batches (>= 0; 0 when off or before MARGIN_WARMUP
-        batches were measured)."""
+        batches were measured after the `warmup` ones)."""
         if not self.on or self.total_updates < self.warmup + MARGIN_WARMUP:
             return 0.0
         ema = self.total_mean_ms + MARGIN_Z * math.sqrt(self.total_var_ms2)

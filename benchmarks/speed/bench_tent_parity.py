@@ -17,11 +17,13 @@ Per method: median ms per batch, the ratio to the reference (per batch, then the
 accuracy on the stream, and the share of predictions equal to the reference's.
 
     python benchmarks/speed/bench_tent_parity.py [--batch-sizes 16,64] [--samples-per-domain 200]
-        [--sweep runs/sweep-tent_parity]
+        [--sweep runs/sweep-tent_parity] [--label-sweep runs/sweep-adashadow_bn_rule]
 
 With `--sweep` (a finished `tta sweep config/sweeps/tent_parity.yaml`: the same stream,
 three seeds) the page adds the sweep's accuracy per batch size, mean ± 95 % t-interval
-over the seeds, and each method's paired difference to tent (by seed, paired t-test).
+over the seeds, and each method's paired difference to tent (by seed, paired t-test);
+with `--label-sweep` (a finished `tta sweep config/sweeps/adashadow_bn_rule.yaml`) the same
+for robust BN's rules per order (Dirichlet, i.i.d.) and batch size, against adashadow.
 Writes docs/results/tent_parity.{json,md}.
 """
 
@@ -52,7 +54,9 @@ METHODS = {"source": ("source", {}), "bn_adapt": ("bn_adapt", {}),
            "tent (with reforward)": ("tent", {"reforward": True}),
            "adashadow": ("adashadow", {}),
            # robust BN's batch-statistics rule by values per channel (off by default)
-           "adashadow@batch_values": ("adashadow", {"bn_batch_values": 4096})}
+           "adashadow@batch_values": ("adashadow", {"bn_batch_values": 4096}),
+           # robust BN's momentum per batch, as RoTTA (the default: per 8 frames)
+           "adashadow@per_batch": ("adashadow", {"bn_momentum_batch": 0})}
 
 
 class ReferenceTent:
@@ -110,40 +114,43 @@ def run(cfg: BenchConfig, progress: bool) -> dict[str, Any]:
 SWEEP_LABELS = {"tent": "tent (original)", "tent@reforward": "tent (with reforward)"}
 
 
-def collect_sweep(sweep: Path) -> dict:
-    """Per batch size and method of a finished sweep: accuracy % mean ± 95 % CI over the
-    seeds and the paired difference to the sweep's baseline (tent)."""
+def collect_sweep(sweep: Path, by_order: bool = False) -> dict:
+    """Per batch size (per order and batch size with `by_order`) and method of a finished
+    sweep: accuracy % mean ± 95 % CI over the seeds and the paired difference to the
+    sweep's baseline."""
     data = json.loads((sweep / "sweep.json").read_text())
     base = data.get("baseline", "tent")
-    acc: dict[int, dict[str, dict[int, float]]] = {}
-    adapted: dict[tuple[int, str], list[float]] = {}
-    for cell in data["cells"]:
-        if cell.get("status") != "done":
-            continue
+    acc: dict[str, dict[str, dict[int, float]]] = {}
+    adapted: dict[tuple[str, str], list[float]] = {}
+    cells = [c for c in data["cells"] if c.get("status") == "done"]
+    cells.sort(key=lambda c: (c["options"].get("order", ""), -int(c["options"]["batch_size"])
+                              if by_order else int(c["options"]["batch_size"])))
+    for cell in cells:
         opt = cell["options"]
+        group = (f"{opt['order']}, batch {opt['batch_size']}" if by_order
+                 else str(int(opt["batch_size"])))
         for s in cell["summaries"]:
-            acc.setdefault(int(opt["batch_size"]), {}).setdefault(s["method"], {})[
+            acc.setdefault(group, {}).setdefault(s["method"], {})[
                 int(opt["seed"])] = 100.0 * s["mean_accuracy"]
-            adapted.setdefault((int(opt["batch_size"]), s["method"]), []).append(
-                100.0 * s["adapted"])
+            adapted.setdefault((group, s["method"]), []).append(100.0 * s["adapted"])
     out: dict[str, Any] = {"sweep": Path(sweep).relative_to(ROOT).as_posix()
                            if Path(sweep).is_relative_to(ROOT) else str(sweep),
                            "baseline": base, "batch_sizes": {}}
-    for bs in sorted(acc):
+    for group, methods in acc.items():
         rows = {}
-        for method, runs in acc[bs].items():
+        for method, runs in methods.items():
             seeds = sorted(runs)
             ci = mean_ci([runs[k] for k in seeds])
-            shares = adapted[bs, method]
+            shares = adapted[group, method]
             row = {"seeds": seeds, "accuracy": ci.mean, "accuracy_ci": ci.half_width,
                    "adapted": sum(shares) / len(shares)}
-            common = [k for k in seeds if k in acc[bs].get(base, {})]
+            common = [k for k in seeds if k in methods.get(base, {})]
             if method != base and len(common) >= 2:
-                p = paired([runs[k] for k in common], [acc[bs][base][k] for k in common])
+                p = paired([runs[k] for k in common], [methods[base][k] for k in common])
                 row |= {"minus_base": p.diff.mean, "minus_base_ci": p.diff.half_width,
                         "p_value": p.p_value}
             rows[method] = row
-        out["batch_sizes"][str(bs)] = rows
+        out["batch_sizes"][group] = rows
     return out
 
 
@@ -153,8 +160,17 @@ def _pm(mean: float, half: float | None, fmt: str = ".1f") -> str:
     return f"{mean:{fmt}} ± {half:{fmt}}"
 
 
-def render_sweep(sw: dict) -> list[str]:
-    """The sweep section of the page."""
+LABEL_SWEEP = ("## Robust BN's rules under label correlation (`tta sweep "
+               "config/sweeps/adashadow_bn_rule.yaml`)",
+               "the CIFAR-scale benchmark's 4 held-out corruptions at severity 5, 2,000 images "
+               "each, Dirichlet delta 0.1 (a camera's stream: few classes for many frames) "
+               "and i.i.d. within each corruption, one method per cell, seeds 0-2")
+
+
+def render_sweep(sw: dict, title: str = "## Accuracy over three seeds (`tta sweep "
+                 "config/sweeps/tent_parity.yaml`)",
+                 stream: str = "the stream above, one method per cell, seeds 0-2") -> list[str]:
+    """A sweep's section of the page."""
     base = SWEEP_LABELS.get(sw["baseline"], sw["baseline"])
     # source scores alike at every seed: the seeds streamed the same images
     same = all(rows.get("source", {}).get("accuracy_ci") == 0.0
@@ -162,12 +178,12 @@ def render_sweep(sw: dict) -> list[str]:
     seeds = ("the seeds streamed the same images (source scores alike at each): they vary "
              "what a method draws, and AdaShadow's plans, which follow the times it "
              "measures" if same else "each seed draws its own images")
-    lines = ["## Accuracy over three seeds (`tta sweep config/sweeps/tent_parity.yaml`)", "",
-             f"Sweep `{sw['sweep']}`: the stream above, one method per cell, seeds 0-2; "
-             f"{seeds}. Accuracy % mean ± 95 % t-interval over the seeds; the difference to "
-             f"{base} paired by seed (t-test; * p < 0.05).", ""]
-    for bs, rows in sw["batch_sizes"].items():
-        lines += [f"### batch {bs}", "", f"| method | seeds | accuracy % | − {base} "
+    lines = [title, "", f"Sweep `{sw['sweep']}`: {stream}; {seeds}. Accuracy % mean ± 95 % "
+             f"t-interval over the seeds; the difference to {base} paired by seed (t-test; "
+             f"* p < 0.05).", ""]
+    for group, rows in sw["batch_sizes"].items():
+        head = f"batch {group}" if group.isdigit() else group
+        lines += [f"### {head}", "", f"| method | seeds | accuracy % | − {base} "
                   "(points) | p | batches adapted % |", "|---|---:|---:|---:|---:|---:|"]
         for method, r in rows.items():
             diff = (_pm(r["minus_base"], r["minus_base_ci"], ".2f") if "minus_base" in r
@@ -202,6 +218,8 @@ def render(data: dict) -> str:
         lines.append("")
     if data.get("sweep"):
         lines += render_sweep(data["sweep"])
+    if data.get("label_sweep"):
+        lines += render_sweep(data["label_sweep"], *LABEL_SWEEP)
     return "\n".join(lines)
 
 
@@ -216,10 +234,13 @@ def main() -> None:
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--sweep", type=Path, default=None,
                     help="a finished sweep of config/sweeps/tent_parity.yaml to add")
+    ap.add_argument("--label-sweep", type=Path, default=None,
+                    help="a finished sweep of config/sweeps/adashadow_bn_rule.yaml to add")
     a = ap.parse_args()
-    if a.sweep is not None and not (a.sweep / "sweep.json").is_file():
-        raise SystemExit(f"{a.sweep}/sweep.json not found: run "
-                         "`tta sweep config/sweeps/tent_parity.yaml` first")
+    for sweep, spec in ((a.sweep, "tent_parity"), (a.label_sweep, "adashadow_bn_rule")):
+        if sweep is not None and not (sweep / "sweep.json").is_file():
+            raise SystemExit(f"{sweep}/sweep.json not found: run "
+                             f"`tta sweep config/sweeps/{spec}.yaml` first")
     torch.set_num_threads(a.threads)
     report: dict[str, Any] = {"card": Path(a.card).relative_to(ROOT).as_posix()
                               if Path(a.card).is_relative_to(ROOT) else a.card,
@@ -233,6 +254,8 @@ def main() -> None:
         report["runs"].append(run(cfg, not a.no_progress))
     if a.sweep is not None:
         report["sweep"] = collect_sweep(a.sweep)
+    if a.label_sweep is not None:
+        report["label_sweep"] = collect_sweep(a.label_sweep, by_order=True)
     print(render(report))
     print(f"wrote {harness.save('tent_parity', report, options=a)}")
 

@@ -38,7 +38,7 @@ def _bns(model: nn.Module) -> list[_BatchNorm]:
 def test_each_batch_moves_the_running_statistics_once(graph: str) -> None:
     model = _model()
     meth = build_method("adashadow", model, bn_mode="robust", bn_momentum=0.1,
-                        bn_batch_layers=3, graph=graph, **CFG)
+                        bn_momentum_batch=4, bn_batch_layers=3, graph=graph, **CFG)
     bns = _bns(model)
     assert all(bn.training for bn in bns[:3])  # batch statistics
     assert all(not bn.training and bn.running_mean is not None for bn in bns[3:])
@@ -100,7 +100,7 @@ def test_batches_served_without_update_still_move_the_statistics() -> None:
     catch up."""
     model = _model()
     meth = build_method("adashadow", model, deadline_mode="fixed", deadline_ms=1e-3,
-                        **CFG)
+                        bn_momentum_batch=4, **CFG)
     bn = _bns(model)[-1]
     m = meth.engine.config.bn_momentum
     g = torch.Generator().manual_seed(2)
@@ -375,6 +375,46 @@ def test_batch_values_are_checked() -> None:
     with pytest.raises(ValueError, match=re.escape("bn_batch_values must be 0 (off) or >= 2, "
                                                    "got 1")):
         build_method("adashadow", _model(), bn_batch_values=1, **CFG)
+
+
+@pytest.mark.parametrize("lag", [False, True])
+def test_frames_momentum_moves_a_large_batch_as_that_many_small_ones(lag: bool) -> None:
+    """frames F: a batch of n frames moves the running statistics by 1 - (1 - m)^(n/F)
+    (n = F: by m; n = 4F: as four batches of F with its statistics, 1 - 0.9^4); a batch
+    of at most F frames is normalised lagged (by the statistics before its move), a larger
+    one in RoTTA's order (by the moved ones) even with lag on; frames 0 keeps m per batch."""
+    from tta_core.model.robust_bn import RobustBN
+
+    model = _model().eval()
+    bn = _bns(model)[-1]
+    c = bn.num_features
+    g = torch.Generator().manual_seed(7)
+    for frames, n, share in ((4, 4, 0.1), (4, 16, 1 - 0.9 ** 4), (4, 2, 1 - 0.9 ** 0.5),
+                             (0, 16, 0.1)):
+        rbn = RobustBN([bn], 0.1, lag=lag, frames=frames)
+        x = torch.randn(n, c, 8, 8, generator=g) * 2 + 0.5
+        mu, var = bn.running_mean.clone(), bn.running_var.clone()
+        with torch.no_grad():
+            y = bn(x)
+        v, m = torch.var_mean(x, dim=(0, 2, 3), correction=1)
+        moved = ((1 - share) * mu + share * m, (1 - share) * var + share * v)
+        torch.testing.assert_close((bn.running_mean, bn.running_var), moved, rtol=1e-5,
+                                   atol=1e-6)
+        by = (mu, var) if lag and (frames == 0 or n <= frames) else moved
+        want = nn.functional.batch_norm(x, *by, bn.weight, bn.bias, False, 0.0, bn.eps)
+        torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-5)
+        rbn.close()
+
+
+def test_frames_and_bn_momentum_batch_are_checked() -> None:
+    from tta_core.model.robust_bn import RobustBN
+
+    with pytest.raises(ValueError, match=re.escape("frames must be an integer >= 0 (0: "
+                                                   "momentum per batch), got -1")):
+        RobustBN([], 0.1, frames=-1)
+    with pytest.raises(ValueError, match=re.escape("bn_momentum_batch must be an integer "
+                                                   ">= 0 (0: per batch), got 2.5")):
+        build_method("adashadow", _model(), bn_momentum_batch=2.5, **CFG)
 
 
 def test_adashadow_on_many_values_per_channel_serves_the_batch_statistics_model() -> None:

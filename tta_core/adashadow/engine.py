@@ -75,7 +75,17 @@ class EngineConfig(PlanningConfig):
                           "robust (first bn_batch_layers on batch statistics, the rest "
                           "RoTTA's robust BN)", choices=BN_MODES)
     bn_momentum: float = option(0.05, "robust BN: momentum of the running statistics "
-                                "toward each batch's", low=0.0, high=1.0)
+                                "toward a batch's of bn_momentum_batch frames",
+                                low=0.0, high=1.0)
+    # bn_momentum_batch: the statistics' memory counts frames, not batches (RobustBN
+    # frames): a batch of n frames moves them as n / bn_momentum_batch batches of that size.
+    # Per batch (0, RoTTA), batch 64 keeps a short domain's statistics for 20 batches and
+    # normalises the next domain by them; batch 4 forgets within 80 frames, which a
+    # label-correlated stream's few classes then carry. Larger batches are not lagged.
+    bn_momentum_batch: int = option(8, "robust BN: bn_momentum is the move of a batch of "
+                                    "this many frames; a batch of n frames moves the "
+                                    "statistics as n / this many such batches (0: "
+                                    "bn_momentum per batch, as RoTTA)", low=0)
     bn_batch_layers: int = option(3, "robust BN: the first this many BN layers use batch "
                                   "statistics", low=0)
     # bn_batch_values: the others go on batch statistics too wherever the batch gives a
@@ -88,10 +98,12 @@ class EngineConfig(PlanningConfig):
                                   "normalises by the batch's statistics (0: never)", low=0)
     # bn_lag: each layer normalises with its statistics before this batch's move, which
     # lets a layer outside the recorded graph do both in one read of its input
-    # (RobustBN.lag); False: RoTTA's order, two reads (README: Deviations)
+    # (RobustBN.lag), in batches of up to bn_momentum_batch frames (a larger one moves
+    # them by more than bn_momentum); False: RoTTA's order, two reads (README: Deviations)
     bn_lag: bool = option(True, "robust BN: normalise with the statistics before this "
-                          "batch moves them (one read of the layer input); False: move "
-                          "first, as RoTTA (two reads)")
+                          "batch moves them (one read of the layer input; batches of up "
+                          "to bn_momentum_batch frames); False: move first, as RoTTA "
+                          "(two reads)")
     alpha: float = option(0.1, "assessor: EMA weight of the newest batch in the historical "
                           "unit statistics (AdaShadow)", low=0.0, high=1.0)
     reuse: bool = option(True, "reforward from the cached stage input (False: full "
@@ -150,6 +162,10 @@ class EngineConfig(PlanningConfig):
                 raise ValueError(f"{name} {value!r} not in {allowed}")
         if not (math.isfinite(self.bn_momentum) and 0.0 < self.bn_momentum <= 1.0):
             raise ValueError(f"bn_momentum must be in (0, 1], got {self.bn_momentum!r}")
+        if isinstance(self.bn_momentum_batch, bool) or not (
+                isinstance(self.bn_momentum_batch, int) and self.bn_momentum_batch >= 0):
+            raise ValueError(f"bn_momentum_batch must be an integer >= 0 (0: per batch), "
+                             f"got {self.bn_momentum_batch!r}")
         if self.bn_batch_values == 1:
             raise ValueError("bn_batch_values must be 0 (off) or >= 2, got 1 (one value "
                              "per channel has no variance)")
@@ -175,7 +191,8 @@ def robust_bn(model: nn.Module, config: EngineConfig) -> RobustBN:
     # segmentation net) keeps one robust layer whose affine the planner may update
     for bn in layers[:min(config.bn_batch_layers, len(layers) - 1)]:
         use_batch_stats(bn)
-    rbn = RobustBN(layers, config.bn_momentum, config.bn_lag, config.bn_batch_values)
+    rbn = RobustBN(layers, config.bn_momentum, config.bn_lag, config.bn_batch_values,
+                   config.bn_momentum_batch)
     rbn.enabled = False
     return rbn
 

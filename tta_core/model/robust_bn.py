@@ -61,17 +61,29 @@ class RobustBN:
     the gradient through them), whether or not the controller is enabled; its running
     statistics still move when enabled, so a smaller batch later finds them current. The
     statistics of a few frames are noisy (robust BN's case), those of many values are
-    not: the choice follows the batch, layer by layer (0: never)."""
+    not: the choice follows the batch, layer by layer (0: never).
+
+    frames F > 0: `momentum` is the move of a batch of F frames, and a batch of n frames
+    moves the statistics as n/F such batches (1 - (1 - m)^(n/F)), so their memory spans the
+    same number of frames at every batch size: RoTTA's per-batch momentum (F = 0) at
+    batch 64 forgets a short domain's statistics so slowly that the batches of the next one
+    are normalised by the last one's, and at batch 4 so fast that a label-correlated stream's
+    few classes carry them. A batch of more than F frames is not lagged (it moves the
+    statistics by more than `momentum`, and a lag would normalise it by what it moves away
+    from): RoTTA's order."""
 
     def __init__(self, layers: Sequence[_BatchNorm], momentum: float, lag: bool = False,
-                 batch_values: int = 0) -> None:
+                 batch_values: int = 0, frames: int = 0) -> None:
         if not 0.0 <= momentum <= 1.0:
             raise ValueError(f"bn momentum must be in [0, 1], got {momentum}")
         if isinstance(batch_values, bool) or not isinstance(batch_values, int) or not (
                 batch_values == 0 or batch_values >= 2):
             raise ValueError(f"batch_values must be 0 (off) or an integer >= 2, got "
                              f"{batch_values!r}")
-        self.batch_values = batch_values
+        if isinstance(frames, bool) or not isinstance(frames, int) or frames < 0:
+            raise ValueError(f"frames must be an integer >= 0 (0: momentum per batch), got "
+                             f"{frames!r}")
+        self.batch_values, self.frames = batch_values, frames
         self.momentum, self.enabled, self.lag = float(momentum), True, bool(lag)
         self.stride, self.weight, self._count = 1, 1, 0
         # record: keep each layer's batch (mean, biased var) of a forward in `recorded`
@@ -101,8 +113,14 @@ class RobustBN:
     def _move(self) -> bool:
         return self.enabled and self.momentum != 0.0
 
-    def _momentum(self) -> float:
-        return 1.0 - (1.0 - self.momentum) ** self.weight  # weight 1: self.momentum
+    def _momentum(self, x: Tensor) -> float:
+        """The move of batch `x`: `momentum` per batch (frames 0) or per `frames` frames,
+        times the thinning weight."""
+        share = self.weight * (x.shape[0] / self.frames if self.frames else 1.0)
+        return 1.0 - (1.0 - self.momentum) ** share  # share 1: self.momentum
+
+    def _lagged(self, x: Tensor) -> bool:
+        return self.lag and (not self.frames or x.shape[0] <= self.frames)
 
     def update(self, bn: _BatchNorm, x: Tensor,
                used: tuple[Tensor, Tensor] | None = None) -> None:
@@ -117,7 +135,7 @@ class RobustBN:
         with torch.no_grad():  # one pass: the batch statistics, the buffers moved
             stats = update_stats(x.detach(), bn.running_mean if move else None,
                                  bn.running_var if move else None,
-                                 self._momentum() if move else 0.0)
+                                 self._momentum(x) if move else 0.0)
         if self.record:
             self.recorded[id(bn)] = (*stats, *(used or (bn.running_mean, bn.running_var)))
 
@@ -133,12 +151,12 @@ class RobustBN:
         grad = _needs_grad(bn, x)
         if grad and self.keep_inputs:
             self.inputs[id(bn)] = x
-        if not self.lag:
+        if not self._lagged(x):
             self.update(bn, x)
             return bn._tta_base.forward(bn, x)
         if not (self._move() or self.record):
             return bn._tta_base.forward(bn, x)
-        momentum, fused = self._momentum() if self._move() else 0.0, None
+        momentum, fused = self._momentum(x) if self._move() else 0.0, None
         if not grad:
             with torch.no_grad():
                 fused = normalise_update(x, bn.running_mean, bn.running_var, momentum,
@@ -176,13 +194,13 @@ class RobustBN:
                 with torch.no_grad():
                     stats = update_stats(x.detach(), bn.running_mean if move else None,
                                          bn.running_var if move else None,
-                                         self._momentum() if move else 0.0)
+                                         self._momentum(x) if move else 0.0)
                 self._record_batch(bn, stats)
             return y
         with torch.no_grad():
             mean, var = update_stats(x, bn.running_mean if move else None,
                                      bn.running_var if move else None,
-                                     self._momentum() if move else 0.0)
+                                     self._momentum(x) if move else 0.0)
             self._record_batch(bn, (mean, var))
             return F.batch_norm(x, mean, var, bn.weight, bn.bias, False, 0.0, bn.eps)
 

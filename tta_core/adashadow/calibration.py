@@ -160,6 +160,7 @@ class CalibrationReport:
     machine: str = field(default_factory=platform.machine)
     cpu_count: int = field(default_factory=lambda: os.cpu_count() or 1)
     config: dict[str, Any] = field(default_factory=dict)
+    workload: str = ""  # the timed computation: the matmul, or the user's model's forward
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -217,17 +218,25 @@ def fit_slowdown(ks: Sequence[int], slowdown: Sequence[float],
 
 
 class _Workload:
-    """Fixed torch matmul repeated `iters` times; `run()` returns its wall time in ms."""
+    """A fixed computation repeated `iters` times; `run()` returns its wall time in ms: a
+    torch matmul, or `fn` (one call of it; `Model.forward_fn`: the user's model's no-grad
+    forward on a batch, so f(n) is the slowdown of the model adaptation serves)."""
 
-    def __init__(self, n: int, threads: int, rep_ms: float) -> None:
+    def __init__(self, n: int, threads: int, rep_ms: float,
+                 fn: Callable[[], object] | None = None) -> None:
         import torch
 
         self.torch = torch
         self.threads = threads or torch.get_num_threads()
-        gen = torch.Generator().manual_seed(0)
-        self.a = torch.randn(n, n, generator=gen)
-        self.b = torch.randn(n, n, generator=gen) / math.sqrt(n)
-        self.c = torch.empty(n, n)
+        if fn is None:
+            gen = torch.Generator().manual_seed(0)
+            a = torch.randn(n, n, generator=gen)
+            b = torch.randn(n, n, generator=gen) / math.sqrt(n)
+            c = torch.empty(n, n)
+
+            def fn() -> object:
+                return torch.mm(a, b, out=c)
+        self.fn = fn
         self.iters = 1
         one = min(self._timed() for _ in range(3))
         self.iters = max(1, round(rep_ms / max(one, 1e-3)))
@@ -238,13 +247,27 @@ class _Workload:
         try:
             t0 = time.perf_counter()
             for _ in range(self.iters):  # same inputs every time: no drift into denormals
-                self.torch.mm(self.a, self.b, out=self.c)
+                self.fn()
             return (time.perf_counter() - t0) * 1e3
         finally:
             self.torch.set_num_threads(prev)
 
     def run(self) -> float:
         return self._timed()
+
+
+def forward_fn(model: Any, x: Any) -> Callable[[], object]:
+    """One no-grad eval forward of `model` on `x`: the calibration workload of a user's
+    model (`tta calibrate --model-card`)."""
+    import torch
+
+    model.eval()
+
+    def fn() -> object:
+        with torch.no_grad():
+            return model(x)
+
+    return fn
 
 
 def copy_bandwidth_gbs(nbytes: int, seconds: float) -> float:
@@ -319,11 +342,15 @@ def _hit_rate_idle(work: _Workload) -> float:
 
 
 def calibrate(cfg: CalibrationConfig | None = None,
-              progress: Callable[[str], None] | None = None) -> CalibrationReport:
-    """Measure f(n), b_ratio, offline frequency and hit rate; see the module docstring."""
+              progress: Callable[[str], None] | None = None,
+              workload: Callable[[], object] | None = None,
+              workload_name: str = "") -> CalibrationReport:
+    """Measure f(n), b_ratio, offline frequency and hit rate; see the module docstring.
+    `workload` (e.g. `forward_fn` of the user's model, named `workload_name` in the
+    report) replaces the matmul as the timed computation."""
     cfg = cfg or CalibrationConfig()
     step = progress or (lambda _msg: None)
-    work = _Workload(cfg.matmul_n, cfg.threads, cfg.rep_ms)
+    work = _Workload(cfg.matmul_n, cfg.threads, cfg.rep_ms, workload)
     freq, temp = _offline_state()
     hit = _hit_rate_idle(work)
     step("probe")
@@ -351,6 +378,8 @@ def calibrate(cfg: CalibrationConfig | None = None,
         threads=work.threads, bw_cache_gbs=b_cache, bw_dram_gbs=b_dram,
         cache_buffer_bytes=small, dram_buffer_bytes=big, temp_offline_c=temp,
         config=asdict(cfg),
+        workload=workload_name or (f"matmul {cfg.matmul_n}x{cfg.matmul_n}" if workload is None
+                                   else "a caller's function"),
     )
 
 

@@ -194,8 +194,11 @@ def fit_plan_times(suffix_ms: np.ndarray, single_ms: np.ndarray) -> tuple[np.nda
 
 def profile_model(staged: StagedModel, batch: int = 4, repeats: int = 5,
                   input_shape: tuple[int, ...] | None = None,
-                  split: str = "macs") -> UnitProfile:
-    """Measure per-unit offline latencies of `staged` on its current device."""
+                  split: str = "macs", inputs: torch.Tensor | None = None) -> UnitProfile:
+    """Measure per-unit offline latencies of `staged` on its current device, on `inputs`
+    (a batch of the user's images; its size then is the batch) or a random batch."""
+    if inputs is not None:
+        batch, input_shape = int(inputs.shape[0]), tuple(inputs.shape[1:])
     if batch < 1 or repeats < 1:
         raise ValueError(f"batch and repeats must be >= 1, got {batch}, {repeats}")
     if split not in SPLITS:
@@ -208,7 +211,8 @@ def profile_model(staged: StagedModel, batch: int = 4, repeats: int = 5,
     runs = []
     try:
         gen = torch.Generator(device="cpu").manual_seed(0)
-        x = torch.randn(batch, *shape, generator=gen).to(p.device, p.dtype)
+        x = (torch.randn(batch, *shape, generator=gen) if inputs is None
+             else inputs.detach()).to(p.device, p.dtype)
         nograd = []
         for i in range(repeats + 1):
             res = _one_run(staged, x, now)

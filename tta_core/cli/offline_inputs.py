@@ -39,6 +39,19 @@ def _norm(images: np.ndarray, card: ModelCard) -> torch.Tensor:
     return images_to_tensor(np.ascontiguousarray(images), tuple(card.mean), tuple(card.std))
 
 
+def timed_batch(data: str, card: ModelCard, batch: int, seed: int = 0) -> torch.Tensor:
+    """`batch` of `data`'s clean images (cycled when it has fewer), normalised as the card
+    says: the batch the offline timings (`tta profile`, `tta calibrate`) run on."""
+    return batch_of(labelled_images(data, card, batch, seed), card, batch)
+
+
+def batch_of(li: LabelledImages, card: ModelCard, batch: int) -> torch.Tensor:
+    """The first `batch` images of `li` (cycled when fewer), normalised."""
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    return _norm(li.images[np.arange(batch) % len(li.labels)], card)
+
+
 def _per_corruption(li: LabelledImages, n: int, corruptions: Sequence[str], severity: int,
                     seed: int, card: ModelCard,
                     progress: Callable[[str], None] | None) -> Labelled:

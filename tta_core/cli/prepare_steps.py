@@ -34,7 +34,8 @@ OUTPUTS: dict[str, tuple[str, ...]] = {
 # steps whose files another step reads (their checksums enter its key); the vehicle file
 # names the artifacts' paths only, so a rebuilt artifact leaves it as it is
 NEEDS: dict[str, tuple[str, ...]] = {"darda": ("encoder",)}
-USES_DATA = ("encoder", "darda", "elastic")  # steps whose key covers the data
+# steps whose key covers the data (profile and calibrate time the model on a batch of it)
+USES_DATA = ("profile", "calibrate", "encoder", "darda", "elastic")
 # the method options of `tta bench --set` / the perception node that read each artifact
 METHOD_OPTIONS: dict[str, tuple[str, str, str]] = {
     "profile": ("adashadow", "profile", "profile.json"),
@@ -112,7 +113,7 @@ def _defaults(step: str, ctx: Context) -> dict[str, Any]:
         return {"batch_size": 4, "repeats": 5, "split": "plans", "bn_mode": "batch",
                 "threads": threads}
     if step == "calibrate":
-        return {"quick": False, "threads": 0}
+        return {"quick": False, "threads": 0, "batch_size": 4}
     if step == "encoder":
         from tta_core.domain.encoder import EncoderConfig
 
@@ -148,7 +149,7 @@ def step_options(step: str, ctx: Context) -> dict[str, Any]:
 def _key(step: str, ctx: Context, opts: dict[str, Any], manifest: dict) -> str:
     """SHA-256 over what `step` is built from (module doc)."""
     parts: dict[str, Any] = {"step": step, "options": opts}
-    if step not in ("calibrate", "vehicle"):
+    if step != "vehicle":
         parts["card"] = sha256(ctx.card_path)
         parts["weights"] = sha256(ctx.card_path.parent / ctx.card.checkpoint)
     if step in USES_DATA:
@@ -240,6 +241,7 @@ def _profile(ctx: Context, tmp: Path, opts: dict[str, Any]) -> None:
     import torch
 
     from tta_core.adashadow.profiler import profile_model
+    from tta_core.cli.offline_inputs import batch_of
     from tta_core.model.norms import set_bn_mode
     from tta_core.model.source import load_source
     from tta_core.model.units import decompose
@@ -249,14 +251,20 @@ def _profile(ctx: Context, tmp: Path, opts: dict[str, Any]) -> None:
     model, card = load_source(ctx.card_path)
     set_bn_mode(model, opts["bn_mode"])
     staged = decompose(model, (3, *card.input_hw), card.arch)
-    prof = profile_model(staged, batch=opts["batch_size"], repeats=opts["repeats"],
-                         split=opts["split"])
+    prof = profile_model(staged, repeats=opts["repeats"], split=opts["split"],
+                         inputs=batch_of(ctx.images(), card, opts["batch_size"]))
     prof.save(tmp / "profile.json")
 
 
 def _calibrate(ctx: Context, tmp: Path, opts: dict[str, Any]) -> None:
-    from tta_core.adashadow.calibration import CalibrationConfig, calibrate, n_steps
+    """The device constants, timed on the card's model's forward on a batch of the data."""
+    from tta_core.adashadow.calibration import CalibrationConfig, calibrate, forward_fn, n_steps
+    from tta_core.cli.offline_inputs import batch_of
+    from tta_core.model.source import load_source
 
+    model, card = load_source(ctx.card_path)
+    batch = opts.pop("batch_size")
+    work = forward_fn(model, batch_of(ctx.images(), card, batch))
     base = CalibrationConfig.quick() if opts.pop("quick") else CalibrationConfig()
     cfg = dataclasses.replace(base, threads=opts.pop("threads") or base.threads, **opts)
     with tqdm(total=n_steps(cfg), desc="calibrate", disable=not ctx.progress,
@@ -265,7 +273,9 @@ def _calibrate(ctx: Context, tmp: Path, opts: dict[str, Any]) -> None:
             bar.set_postfix_str(msg)
             bar.update(1)
 
-        report = calibrate(cfg, progress=tick)
+        report = calibrate(cfg, progress=tick, workload=work,
+                           workload_name=f"forward of {ctx.card_path.name} at batch {batch} "
+                                         f"on the prepared data's images")
     report.save(tmp / "calibration.json")
 
 

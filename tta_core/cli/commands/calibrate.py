@@ -1,12 +1,16 @@
 """`tta calibrate`: measure the predictor's device constants (f(n), b_ratio, offline
 frequency and cache hit rate) and the runtime expansion model's offline reference (competing
 processes, bandwidth-probe GB/s, torch threads); store them as JSON next to the offline
-profiles (the resource monitor's `calibration` parameter)."""
+profiles (the resource monitor's `calibration` parameter). The timed computation is a
+matmul, or with `--model-card` your model's no-grad forward on a batch (random at its input
+size, or with `--data` your clean images): f(n) is then the slowdown of the model
+adaptation serves."""
 
 from __future__ import annotations
 
 import argparse
 import socket
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -40,9 +44,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads of the timed workload (0 = torch default, the "
                              "default; --quick uses 1); use the count adaptation will run with")
+    parser.add_argument("--model-card", type=Path, default=None,
+                        help="time your model's forward (its card: `tta model-card`) "
+                             "instead of a matmul")
+    parser.add_argument("--data", default=None, metavar="KIND:DIR",
+                        help="with --model-card: on a batch of your clean images (folder:DIR, "
+                             "cifar10c:DIR, bag:DIR or signs) instead of a random one")
+    parser.add_argument("--batch-size", type=int, default=4,
+                        help="with --model-card: frames per timed forward (default 4)")
     parser.add_argument("--fit-intercept", action="store_true",
                         help="fit f(n) with a free intercept instead of f(0) = 0")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def model_workload(card_path: Path | None, data: str | None, batch: int
+                   ) -> tuple[Callable[[], object] | None, str]:
+    """The timed forward of the card's model on `batch` frames of `data` (random without
+    it) and its name for the report; (None, "") without a card (the matmul)."""
+    if card_path is None:
+        if data is not None:
+            raise ValueError(f"--data {data} needs --model-card (the model to time)")
+        return None, ""
+    if batch < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {batch}")
+    import torch
+
+    from tta_core.adashadow.calibration import forward_fn
+    from tta_core.model.source import find_card, load_source
+
+    path = find_card(card_path)
+    model, card = load_source(path)
+    if data is None:
+        x = torch.randn(batch, 3, *card.input_hw, generator=torch.Generator().manual_seed(0))
+    else:
+        from tta_core.cli.offline_inputs import timed_batch
+
+        x = timed_batch(data, card, batch)
+    what = f"{data} images" if data is not None else "random images"
+    return forward_fn(model, x), f"forward of {path.name} at batch {batch} on {what}"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -57,13 +96,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--threads must be >= 0, got {threads}")
     cfg = replace(base, ks=args.ks or base.ks, threads=threads,
                   fit_intercept=args.fit_intercept)
+    workload, name = model_workload(args.model_card, args.data, args.batch_size)
     out = args.out or default_out()
     with tqdm(total=n_steps(cfg), desc="calibrate", disable=args.no_progress) as bar:
         def step(msg: str) -> None:
             bar.set_postfix_str(msg)
             bar.update(1)
 
-        report = calibrate(cfg, progress=step)
+        report = calibrate(cfg, progress=step, workload=workload, workload_name=name)
     report.save(out)
     cal = report.calibration
     slow = ", ".join(f"k={k}: {s:.2f}x" for k, s in zip(report.ks, report.slowdown, strict=True))

@@ -2,8 +2,9 @@
 one, in one resumable run, plus a vehicle parameters file that uses them.
 
 Steps, by method (tta_core.cli.prepare_steps):
-- adashadow: `profile` (per-unit latencies, `tta profile --model-card`) -> profile.json;
-  `calibrate` (the device constants, `tta calibrate`) -> calibration.json;
+- adashadow: `profile` (per-unit latencies, `tta profile --model-card --data`) ->
+  profile.json; `calibrate` (the device constants timed on your model's forward, `tta
+  calibrate --model-card --data`) -> calibration.json; both on a batch of your images;
 - darda: `encoder` (the corruption encoder, `tta train-corruption-encoder --data`) ->
   corruption_encoder.safetensors; `darda` (the offline bundle, `tta train-darda --data`,
   reusing that encoder) -> darda.safetensors;

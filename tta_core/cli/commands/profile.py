@@ -1,6 +1,7 @@
 """`tta profile`: measure the offline per-unit latency profile of a model on this device: a
 model-zoo arch (`--arch`) or your own model's card (`--model-card`). The profile holds
-times, not data: the timed batch is random at the model's input size."""
+times, not data: the timed batch is random at the model's input size, or with `--data` the
+first `--batch-size` of your clean images (as the card normalises them)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model-card", type=Path, default=None,
                        help="your model's card (`tta model-card`): its model, weights and "
                             "input size (--image-size and --num-classes then unused)")
+    parser.add_argument("--data", default=None, metavar="KIND:DIR",
+                        help="time on a batch of your clean images (with --model-card; "
+                             "folder:DIR, cifar10c:DIR, bag:DIR or signs) instead of a "
+                             "random one")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--num-classes", type=int, default=10)
@@ -60,19 +65,28 @@ def run(args: argparse.Namespace) -> int:
                          f"repeats {args.repeats}")
     if args.threads > 0:
         torch.set_num_threads(args.threads)
+    if args.data is not None and args.model_card is None:
+        raise ValueError(f"--data {args.data} needs --model-card (the card says how the "
+                         f"images are sized and normalised)")
     device = torch.device(args.device)
+    inputs = None
     if args.model_card is not None:
         from tta_core.model.source import find_card, load_source
 
         model, card = load_source(find_card(args.model_card), device)
         arch, shape = card.arch, (3, *card.input_hw)
         name = card.name or args.model_card.stem
+        if args.data is not None:
+            from tta_core.cli.offline_inputs import timed_batch
+
+            inputs = timed_batch(args.data, card, args.batch_size)
     else:
         model = build_model(args.arch, args.num_classes).to(device)
         arch, shape, name = args.arch, (3, args.image_size, args.image_size), args.arch
     set_bn_mode(model, args.bn_mode)
     staged = decompose(model, shape, arch)
-    prof = profile_model(staged, batch=args.batch_size, repeats=args.repeats, split=args.split)
+    prof = profile_model(staged, batch=args.batch_size, repeats=args.repeats, split=args.split,
+                         inputs=inputs)
     out = args.out or default_path(name, device_name(device))
     out.parent.mkdir(parents=True, exist_ok=True)
     prof.save(out)

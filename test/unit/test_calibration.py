@@ -47,8 +47,19 @@ def test_busy_processes_cleaned_up_on_interrupt() -> None:
         with BusyProcesses(2, "compute") as busy:
             pids = busy.pids
             assert len(pids) == 2 and set(pids) <= _children()
-            time.sleep(0.3)
-            assert all(psutil.Process(p).cpu_percent(interval=0.2) > 5 for p in pids)
+            # each one computes: CPU time grows (waited on, not slept: a busy machine
+            # starts them late)
+            procs = [psutil.Process(p) for p in pids]
+            start = [sum(q.cpu_times()[:2]) for q in procs]
+
+            def grown() -> bool:
+                return all(sum(q.cpu_times()[:2]) - t0 >= 0.05
+                           for q, t0 in zip(procs, start, strict=True))
+
+            deadline = time.monotonic() + 30.0
+            while not grown() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert grown()
             raise KeyboardInterrupt
     assert not set(pids) & _children() and _children() <= before
     with pytest.raises(ValueError, match="kind"):

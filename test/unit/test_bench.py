@@ -202,3 +202,33 @@ def test_deadline_memory_budget_and_domain_bank_compose_on_adashadow(tmp_path) -
     assert budgets and max(budgets) <= 4 * 10.0 + 1e-6  # 4 frames at 100 Hz
     table = (out / "report.md").read_text()
     assert "domains found" in table and "in mem budget %" in table
+
+
+def test_the_sequential_bench_warms_a_method_up_before_its_stream_as_a_node_does(
+        monkeypatch) -> None:
+    """A method that learns its run-time costs (api.WarmsUp) is warmed up once, on noise of
+    a batch's shape, before the first real batch: a cold first batch (one-time allocations,
+    several forwards' time) would otherwise teach the planner fixed costs that leave no
+    plan for many batches. Its weights come back: the stream's predictions are those of a
+    run whose warm-up does nothing (AdaShadow at sigma 1 without timing feedback: plans
+    then do not depend on how fast a run is)."""
+    from tta_core.adashadow.method import AdaShadow
+
+    seen: list[tuple[int, ...]] = []
+    warm = AdaShadow.warm_up
+
+    def spy(self, x, *args, **kwargs):
+        seen.append(tuple(x.shape))
+        return warm(self, x, *args, **kwargs)
+
+    opts = {"adashadow": {"sigma": 1.0, "fixed_cost_feedback": 0.0,
+                          "backward_feedback": 0.0, "forward_feedback": "off"}}
+    cfg = BenchConfig(methods=("adashadow",), batch_size=4, threads=1, method_options=opts)
+    stream = tiny_stream()
+    monkeypatch.setattr(AdaShadow, "warm_up", lambda self, x: None)
+    plain = run_methods(stream, make_model, cfg, progress=False)[0]
+    monkeypatch.setattr(AdaShadow, "warm_up", spy)
+    warmed = run_methods(stream, make_model, cfg, progress=False)[0]
+    assert seen == [tuple(stream[0].x.shape)]
+    assert [f.prediction for f in warmed.frames] == [f.prediction for f in plain.frames]
+    assert any(f.adapted for f in warmed.frames)

@@ -524,6 +524,51 @@ def test_backward_feedback_learns_a_profile_that_underpredicts_the_backward() ->
     assert np.median(errs[0.0][-4:]) > 3.0 * np.median(errs[0.5][-4:])
 
 
+@pytest.mark.parametrize("plan_ahead", [True, False])
+def test_the_steps_bookkeeping_outside_its_phases_counts_in_its_plan_phase(
+        plan_ahead: bool) -> None:
+    """Work of a step outside its named phases (here 0.5 ms of fake time in the memory
+    tail's stats, read after the reforward) is on the batch's path: its times sum to all
+    of the step's time and the plan phase the budget leaves room for learns it."""
+    eng = AdaShadowEngine(_staged("small_resnet", 32), EngineConfig(
+        sigma=1.0, plan_ahead=plan_ahead))
+    clock = _FakeClock()
+    eng.clock = clock
+    eng.staged.model.register_forward_hook(lambda *_a: setattr(clock, "t", clock.t + 1e-3))
+    stats = eng.tail.stats
+
+    def slow_stats():
+        clock.t += 0.5e-3
+        return stats()
+
+    eng.tail.stats = slow_stats
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(8):
+        start = clock.t
+        res = eng.step(torch.randn(4, 3, 32, 32, generator=gen))
+        assert res.times.total_ms == pytest.approx((clock.t - start) * 1e3)
+        assert res.times.plan_ms >= 0.5 - 1e-9
+        eng.idle()
+    assert eng.planning.plan_phase_ms == pytest.approx(0.5, rel=0.05)
+
+
+def test_phases_settle_counts_the_time_no_phase_counted() -> None:
+    from tta_core.runtime.phases import Phases
+
+    clock = _FakeClock()
+    phases = Phases(clock=clock)
+    clock.t += 1e-3  # before any phase
+    with phases("forward"):
+        clock.t += 2e-3
+    clock.t += 0.25e-3  # between phases
+    assert phases.settle() == pytest.approx(1.25)
+    assert phases.settle("post") == pytest.approx(0.0)
+    assert phases.times().plan_ms == pytest.approx(1.25)
+    assert phases.times().total_ms == pytest.approx(3.25)
+    with pytest.raises(ValueError, match="unknown phase 'wait'"):
+        phases.settle("wait")
+
+
 def test_backward_feedback_rejects_a_bad_alpha() -> None:
     with pytest.raises(ValueError, match="alpha must be in"):
         AdaShadowEngine(_staged("small_resnet", 32), EngineConfig(backward_feedback=1.5))

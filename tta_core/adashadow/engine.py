@@ -281,6 +281,19 @@ def _thin_after(rbn: RobustBN, weight: int, forward_ms: float, deadline_ms: floa
         rbn.stride = 2 if forward_ms > THIN_ABOVE * deadline_ms else 1
 
 
+def _settle(res: StepResult, measured: Measured | None, phases: Phases) -> None:
+    """Count the step's work after its last phase (bookkeeping, deferring the next plan)
+    to its plan phase, in `res.times` and in `measured` (when its feedback is still to
+    come): the budget leaves room for all of the batch's time on the path."""
+    extra = phases.settle()
+    if extra <= 0.0:
+        return
+    res.times = phases.times()
+    if measured is not None:
+        measured.plan_ms += extra
+        measured.total_ms = res.times.total_ms
+
+
 @contextmanager
 def _own_forward(collector: UnitStatsCollector, rbn: RobustBN,
                  capture: bool = True, robust: int = 1) -> Iterator[None]:
@@ -702,6 +715,7 @@ class AdaShadowEngine:
         self._update(x, res, fwd, loss, update if adapt else None, outcome, measured, phases)
         if self.config.plan_ahead and outcome is not None and not outcome.skipped:
             self._defer(res, None, None, importance, b)  # the next batch: this importance
+        _settle(res, None, phases)
         return res
 
     def _step_ahead(self, x: Tensor, outcome: PlanOutcome, phases: Phases, b: int
@@ -712,8 +726,9 @@ class AdaShadowEngine:
         budget scales with it; a deadline it no longer fits empties it)."""
         update = np.asarray(outcome.plan.update, dtype=bool)
         n_stages = len(self.staged.stages)
-        grad_stage = self.staged.units[int(np.argmax(update))].stage if update.any() \
-            else n_stages
+        # lazy: no graph in the forward (the tail is re-run with autograd after planning)
+        grad_stage = self.staged.units[int(np.argmax(update))].stage \
+            if update.any() and not self.lazy else n_stages
         fwd = self._forward(x, grad_stage, phases)
         fwd.memory = outcome.memory
         with phases("plan"):
@@ -732,6 +747,7 @@ class AdaShadowEngine:
         self._update(x, res, fwd, loss, update if adapt else None, outcome, measured, phases,
                      observe=False)
         self._defer(res, outcome, measured, fwd.stats, b)
+        _settle(res, measured, phases)  # measured is read by the deferred feedback
         return res
 
     def _keep_for_reforward(self, fwd: _Forward, update: np.ndarray | None) -> None:
@@ -756,6 +772,7 @@ class AdaShadowEngine:
         parallel mode the backward starts in the background. `observe`: feed the
         measurements back to the planning now (plan_ahead: in the deferred work)."""
         if update is not None and self.config.mode == "parallel":
+            measured.plan_ms += phases.settle()  # the bookkeeping around the phases
             res.times = phases.times()
             measured.total_ms = res.times.total_ms
             self._start_job(res, fwd, loss, update, outcome, measured, observe)
@@ -768,11 +785,12 @@ class AdaShadowEngine:
                     self.staged, x, fwd, int(np.flatnonzero(update)[0]), self.config.reuse))
             measured.backward_ms = phases.ms["backward"]
             measured.reforward_ms = phases.ms["reforward"]
+        res.stats.update(self.tail.stats())
+        measured.plan_ms += phases.settle()  # the bookkeeping around the phases: on the path
         res.times = phases.times()
         measured.total_ms = res.times.total_ms
         if observe:
             self.planning.observe(outcome, measured)
-        res.stats.update(self.tail.stats())
 
     # ------------------------------------------------------------ plan ahead
     def _take_ahead(self, batch_size: int) -> PlanOutcome | None:
@@ -848,6 +866,7 @@ class AdaShadowEngine:
             fwd = _Forward(logits, [], [], forward_ms, len(self.staged.stages))
             res = _result(self.planning, fwd, None, np.zeros(len(self.staged.units)), outcome,
                           outcome.plan, False)
+        phases.settle()  # the bookkeeping around the phases: on the path
         res.times = phases.times()
         res.stats.update(self.tail.stats())  # memory budget: nothing recorded
         self.planning.observe(outcome, Measured(forward_ms, phases.ms["plan"], False,

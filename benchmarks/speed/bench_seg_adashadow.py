@@ -19,7 +19,9 @@ machine's preemption does not inflate; with 2 threads the second thread's share 
 counted), for the harness and for AdaShadow's own phases and planning. The load average
 before and after the run is recorded. Writes `docs/results/seg_adashadow.json` (another
 clock: `seg_adashadow_<clock>.json`) and its page (`--out FILE`: that JSON file instead,
-no page).
+no page). `--sweep runs/sweep-seg_adashadow_bn` (a finished `tta sweep
+config/sweeps/seg_adashadow_bn.yaml`) adds the accuracy of AdaShadow's BN-statistics rules
+over three seeds, paired against its default.
 """
 
 from __future__ import annotations
@@ -32,13 +34,15 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: harness, results
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "domains"))  # the sweep reader
+import bench_segmentation as seg_pages
 import harness
 import numpy as np
 import results
 import torch
 from tqdm import tqdm
 
-from tta_core.api import PhaseClock
+from tta_core.api import PhaseClock, WarmsUp
 from tta_core.data.preprocess import images_to_tensor
 from tta_core.data.segmentation import load_segmentation, mask_tensor
 from tta_core.eval.miou import ConfusionMeter
@@ -64,6 +68,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="an adashadow option (JSON value), e.g. sigma=0.5")
     ap.add_argument("--out", default="", help="JSON file ('': docs/results/)")
+    ap.add_argument("--sweep", type=Path, default=None,
+                    help="a finished sweep of config/sweeps/seg_adashadow_bn.yaml to add")
     return ap.parse_args(argv)
 
 
@@ -143,6 +149,8 @@ def run(a: argparse.Namespace) -> dict:
     for name in METHODS[1:]:
         methods[name] = build_method(name, load_source(a.card)[0],
                                      **method_options(name, cfg, card))
+        if isinstance(methods[name], WarmsUp):  # as a node at start and tta bench
+            methods[name].warm_up(torch.randn_like(items[0][0]))
     meters: dict[str, dict[str, ConfusionMeter]] = {n: {} for n in METHODS}
     steps: list = []
 
@@ -156,7 +164,7 @@ def run(a: argparse.Namespace) -> dict:
                                 inputs=items, warmup=a.warmup, rotate=True, on_result=seen,
                                 clocks=(a.clock,), progress=lambda r: tqdm(r, desc="batches"))
     load1 = os.getloadavg()
-    src, ada, bn = (times[n].ms for n in METHODS)
+    src, ada, bn = (times[n].ms for n in ("source", "adashadow", "bn_adapt"))
     ratios = [s / b for s, b in zip(ada, src, strict=True)]
     miou = {}
     for name, per in meters.items():
@@ -219,7 +227,32 @@ def render(data: dict) -> str:
               "one pass over the conditions, one seed. bn_adapt / source is the clock's "
               "yardstick: bn_adapt's step is one forward on batch statistics, about an "
               "inference's work; far from 1 the load (above) dominates the times."]
+    if data.get("sweep"):
+        lines += ["", *render_sweep(data["sweep"])]
     return "\n".join(lines) + "\n"
+
+
+def render_sweep(sw: dict) -> list[str]:
+    """The sweep's table: mean mIoU per method and condition over the seeds, paired
+    against adashadow's default."""
+    runs, doms = sw["runs"], seg_pages.CONDITIONS
+    keys = ["mean_miou", *(f"miou@{d}" for d in doms)]
+    lines = [f"## BN statistics on segmentation over {len(runs['adashadow'])} seeds "
+             f"(`{sw['sweep']}`)", "",
+             f"{sw['samples_per_domain']} scenes per condition, {sw['rounds']} rounds, batch "
+             f"{sw['batch_size']}, 1 thread per cell; mIoU % mean ± 95 % t-interval; the "
+             "difference to adashadow paired by seed (t-test). Options over the "
+             "defaults: " + "; ".join(f"{m} `{o}`" for m, o in sw["options"].items()
+                                      if m.startswith("adashadow")) + ".", "",
+             "| method | mean mIoU % | − adashadow (p) | " + " | ".join(doms) + " |",
+             "|---|---:|---:|" + "---:|" * len(doms)]
+    base = seg_pages._per_seed(runs, "adashadow", "mean_miou")
+    for m in runs:
+        vals = {k: seg_pages._per_seed(runs, m, k) for k in keys}
+        diff = "" if m == "adashadow" else seg_pages._diff(vals["mean_miou"], base)
+        lines.append(f"| {m} | {seg_pages._ci(vals['mean_miou'])} | {diff} | "
+                     + " | ".join(seg_pages._ci(vals[f"miou@{d}"]) for d in doms) + " |")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -228,6 +261,10 @@ def main(argv: list[str] | None = None) -> dict:
         clock = harness.CLOCKS[a.clock]
         PhaseClock.now = lambda self: clock()  # AdaShadow's phases and planning too
     data = run(a)
+    if a.sweep is not None:
+        sw = seg_pages._collect(a.sweep)
+        at = a.sweep.relative_to(ROOT) if a.sweep.is_relative_to(ROOT) else a.sweep
+        data["sweep"] = {**sw, "sweep": f"tta sweep config/sweeps/seg_adashadow_bn.yaml -> {at}"}
     print(render(data))
     if a.out:
         Path(a.out).write_text(results.dumps(data))

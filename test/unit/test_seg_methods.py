@@ -93,6 +93,23 @@ def test_methods_that_cannot_segment_refuse_in_one_line():
         check_methods(("source", "lame"))
 
 
+def test_a_variant_label_is_its_methods_with_its_own_options():
+    """`adashadow@per_batch` (tta sweep and --set's variants) segments as adashadow with
+    its own options, over the segmentation settings of its method; `lame@x` refuses as
+    lame does."""
+    check_methods(("adashadow@per_batch", "tent@slow"))
+    with pytest.raises(InputError, match="'lame' does not support segmentation"):
+        check_methods(("lame@x",))
+    _, card = load_source(CARD)
+    cfg = SegBenchConfig(model_card=CARD, data="x", method_options={
+        "tent@slow": {"lr": 1e-6}, "adashadow@per_batch": {"bn_momentum_batch": 0}})
+    plain, slow = (method_options(n, cfg, card) for n in ("tent", "tent@slow"))
+    assert slow == {**plain, "lr": 1e-6} and plain["lr"] != 1e-6
+    ada = method_options("adashadow@per_batch", cfg, card)
+    assert ada["bn_momentum_batch"] == 0 and ada["input_shape"] == (3, *card.input_hw)
+    assert "bn_momentum_batch" not in method_options("adashadow", cfg, card)
+
+
 def test_eata_filters_pixels_not_images():
     """A batch whose one image is half confident, half uniform: EATA uses the confident
     pixels of that image only (per-pixel entropy filter), weights them per pixel."""

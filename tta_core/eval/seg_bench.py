@@ -15,7 +15,11 @@ what a method's own codec stored: SURGEON), averaged over the batches.
 The methods that run on segmentation nets are `SEG_METHODS`; any other is refused in one
 line naming it and why (`SEG_REFUSALS`). The gradient methods run with the optimizer of
 CoTTA's ACDC code unless set (`SEG_SETTINGS`): their classification presets, scaled to
-batch 2 (SGD 2.5e-4 per 64 images), leave the weights where they were.
+batch 2 (SGD 2.5e-4 per 64 images), leave the weights where they were. AdaShadow
+normalises by a batch's statistics wherever it gives a channel 4096 values (robust BN is
+for the noisy statistics of a few small frames). A variant label (`adashadow@robust`)
+runs its method with its own `--set` options, as in `tta bench`; every method learns its
+run-time costs on noise before its stream (api.WarmsUp), as the perception node does.
 """
 
 from __future__ import annotations
@@ -30,9 +34,11 @@ from typing import Any
 
 import torch
 
+from tta_core.api import WarmsUp
 from tta_core.data.preprocess import images_to_tensor
 from tta_core.data.segmentation import SegmentationSet, load_segmentation, mask_tensor
 from tta_core.errors import InputError
+from tta_core.eval.bench_config import method_base
 from tta_core.eval.miou import ConfusionMeter
 from tta_core.eval.saved_memory import ActivationMeter
 from tta_core.io.strict_json import dumps as json_dumps
@@ -58,6 +64,11 @@ SEG_SETTINGS: dict[str, dict[str, Any]] = {
     "tent": ACDC_ADAM, "eata": ACDC_ADAM, "sar": ACDC_ADAM,
     "cotta": {**ACDC_ADAM, "restore_prob": 0.01, "anchor_threshold": 0.69},
     "surgeon": {"lr": 6e-5, "lr_ref_batch": 8},
+    # robust BN is for the noisy statistics of a few frames; a scene gives each channel
+    # height x width values per frame, so the layers where a batch gives 4096 of them
+    # normalise by its statistics, the coarsest ones stay on robust BN (EngineConfig.
+    # bn_batch_values; measured by config/sweeps/seg_adashadow_bn.yaml)
+    "adashadow": {"bn_batch_values": 4096},
 }
 SCHEMA = "tta.seg_bench/2"
 MIB = 2**20
@@ -101,7 +112,8 @@ class MethodScores:
 
 def check_methods(methods: tuple[str, ...]) -> None:
     """InputError naming the first method that does not segment, and why."""
-    for name in methods:
+    for label in methods:
+        name = method_base(label)  # a variant (tent@slow) is its method's
         method_class(name)  # an unknown name: the registry's own error
         if name not in SEG_METHODS:
             why = SEG_REFUSALS.get(name, "its losses take N x C logits only")
@@ -110,10 +122,12 @@ def check_methods(methods: tuple[str, ...]) -> None:
 
 
 def method_options(name: str, cfg: SegBenchConfig, card: ModelCard) -> dict[str, Any]:
-    """The options `name` is built with: the user's, over SEG_SETTINGS, with the card's
-    input shape and the bench's seed where the method takes them."""
-    fields = method_class(name).config_cls.__dataclass_fields__
-    opts = {**SEG_SETTINGS.get(name, {}), **cfg.method_options.get(name, {})}
+    """The options `name` (a method, or a variant `method@label`: its own --set options)
+    is built with: the user's, over SEG_SETTINGS, with the card's input shape and the
+    bench's seed where the method takes them."""
+    base = method_base(name)
+    fields = method_class(base).config_cls.__dataclass_fields__
+    opts = {**SEG_SETTINGS.get(base, {}), **cfg.method_options.get(name, {})}
     if "input_shape" in fields:
         opts.setdefault("input_shape", (3, *card.input_hw))
     if "seed" in fields:
@@ -152,7 +166,9 @@ def run_method(name: str, card: ModelCard, data: SegmentationSet, cfg: SegBenchC
     card's model."""
     model, _ = load_source(cfg.model_card, cfg.device)
     opts = method_options(name, cfg, card)
-    meth = build_method(name, model, **opts)
+    meth = build_method(method_base(name), model, **opts)
+    if isinstance(meth, WarmsUp):  # its fixed costs learnt on noise, as a node at start
+        meth.warm_up(torch.randn((cfg.batch_size, 3, *card.input_hw), device=cfg.device))
     meter = ActivationMeter(model, cfg.measure_activations)
     meters: dict[tuple[int, str], ConfusionMeter] = {}
     seconds, batches = 0.0, 0

@@ -4,7 +4,10 @@ The stream is built once (deterministic by seed); each method gets a fresh copy 
 source model from its checkpoint, adapts online batch by batch, and leaves per-frame
 records (domain, label, prediction, per-phase times of its batch) for `tta_core.eval.report`,
 which writes the JSON, the markdown table (AdaShadow Table 5 layout plus memory) and
-the plots. Accuracy is reproducible for a seed; timings are wall-clock and vary.
+the plots. Accuracy is reproducible for a seed; timings are wall-clock and vary. Before
+its stream each method is warmed up as the perception node warms it up at start: the
+process's first kernels at the batch's shape, and a method that learns its run-time costs
+(api.WarmsUp) learns them on noise, its weights and state then put back.
 """
 
 from __future__ import annotations

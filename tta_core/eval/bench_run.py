@@ -110,12 +110,7 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
     feeds telemetry pi1/pi2 to a method that plans with them, before each batch;
     cfg.measure_activations counts each step's saved activations (eval.saved_memory)."""
     torch.manual_seed(cfg.seed)
-    opts = method_options(name, cfg, tuple(stream[0].x.shape[1:]))
-    sample = stream[0].x[:cfg.batch_size]
-    warm_up(model, sample)  # the process's one-time kernel setup, paid before the stream
-    meth = build_method(method_base(name), model, **opts)
-    if isinstance(meth, WarmsUp):  # its fixed costs learnt on noise, as a node at start
-        meth.warm_up(torch.randn_like(sample))
+    meth, opts = _started(name, model, stream[0].x[:cfg.batch_size], cfg)
     # a method's own memory budget (--set M.memory_budget_mb) is what its run is held to
     budget = opts.get("memory_budget_mb", cfg.memory_budget_mb)
     meter = ActivationMeter(model, cfg.measures_activations or budget is not None, budget)
@@ -165,6 +160,19 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
     # RSS at the method's start (its models, optimizer state, activations); absolute in meta
     peak = meta.get("cuda_peak_mb", max(mem.peak_mb - start_mb, 0.0))
     return RunRecord(name, frames, busy, float(peak), 0, meta)
+
+
+def _started(name: str, model: nn.Module, sample: torch.Tensor, cfg: BenchConfig
+             ) -> tuple[Any, dict]:
+    """Method `name` on `model` and its options, started as the perception node starts
+    it: the process's first kernels at the batch's shape run first, and a method that
+    learns its run-time costs (api.WarmsUp) learns them on noise like `sample`."""
+    opts = method_options(name, cfg, tuple(sample.shape[1:]))
+    warm_up(model, sample)
+    meth = build_method(method_base(name), model, **opts)
+    if isinstance(meth, WarmsUp):
+        meth.warm_up(torch.randn_like(sample))
+    return meth, opts
 
 
 def _measured_meta(meter: ActivationMeter, triggers: list, batches: int,

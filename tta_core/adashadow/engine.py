@@ -284,11 +284,13 @@ def _thin_after(rbn: RobustBN, weight: int, forward_ms: float, deadline_ms: floa
 def _settle(res: StepResult, measured: Measured | None, phases: Phases) -> None:
     """Count the step's work after its last phase (bookkeeping, deferring the next plan)
     to its plan phase, in `res.times` and in `measured` (when its feedback is still to
-    come): the budget leaves room for all of the batch's time on the path."""
+    come): the budget leaves room for all of the batch's time on the path. `res.times` is
+    changed in place: in parallel mode the background update writes its backward there."""
     extra = phases.settle()
     if extra <= 0.0:
         return
-    res.times = phases.times()
+    res.times.plan_ms += extra
+    res.times.total_ms += extra
     if measured is not None:
         measured.plan_ms += extra
         measured.total_ms = res.times.total_ms

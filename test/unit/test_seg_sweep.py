@@ -50,3 +50,38 @@ def test_segmentation_cell_reports_miou_online_error_and_cache(tmp_path, one_thr
     assert first["online_miou"][0] == first["online_miou"][1]
     got = {(s.method, s.metric) for s in samples([{**res, "options": cell.as_dict}])}
     assert {("tent", "cache_mib"), ("tent", "miou@night"), ("source", "online_error")} <= got
+
+
+@pytest.mark.slow
+def test_variant_cells_run_their_own_options_after_a_warm_up(tmp_path, one_thread,
+                                                           monkeypatch):
+    """`adashadow@robust` with `--set adashadow@robust.bn_batch_values=0` runs as its own
+    row with its own options over the segmentation settings (adashadow's: batch statistics
+    where a batch gives 4096 values); each AdaShadow is warmed up once on noise of the
+    batch's shape before its stream, as the node starts it."""
+    from tta_core.adashadow.method import AdaShadow
+
+    seen: list[tuple[int, ...]] = []
+    warm = AdaShadow.warm_up
+    monkeypatch.setattr(AdaShadow, "warm_up",
+                        lambda self, x: (seen.append(tuple(x.shape)), warm(self, x))[1])
+    ss.generate(tmp_path / "scenes", ss.SceneSetConfig(train=0, val=0, per_condition=1, seed=3),
+                progress=False)
+    opts = {"task": "segmentation", "data": f"acdc:{tmp_path / 'scenes'}",
+            "model_card": str(CARD), "batch_size": 1, "samples_per_domain": 1,
+            "threads": 1, "methods": "adashadow,adashadow@robust",
+            "set": ["adashadow@robust.bn_batch_values=0"], "seed": 1}
+    res = run_cell(_bench(), Cell(tuple(opts.items())).argv(), str(tmp_path / "out"),
+                   str(Path.cwd()))
+    assert res["status"] == "done", res.get("error")
+    assert [s["method"] for s in res["summaries"]] == ["adashadow", "adashadow@robust"]
+    import json
+
+    ran = {r["method"]: r["options"] for r in json.loads(
+        (tmp_path / "out" / "seg_bench.json").read_text())["results"]}
+    assert ran["adashadow"]["bn_batch_values"] == 4096
+    assert ran["adashadow@robust"]["bn_batch_values"] == 0
+    from tta_core.model.source import load_source
+
+    h, w = load_source(CARD)[1].input_hw
+    assert seen == [(1, 3, h, w)] * 2

@@ -25,17 +25,15 @@ import psutil
 import torch
 from torch import nn
 
-from tta_core.api import WarmsUp
 from tta_core.eval.bench_config import (
     BenchConfig,
     config_dict,
-    method_base,
     method_options,
     precision_note,
 )
 from tta_core.eval.bench_inputs import Batch, bench_inputs, card_field
 from tta_core.eval.bench_report import ran_meta, write_bench
-from tta_core.eval.bench_stream import run_streaming, streaming_stream, warm_up
+from tta_core.eval.bench_stream import run_streaming, start_method, streaming_stream
 from tta_core.eval.live_telemetry import LiveExpansion
 from tta_core.eval.report import FrameRecord, RunRecord, lr_markdown, summarize
 from tta_core.eval.report_files import ReportFiles
@@ -110,7 +108,8 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
     feeds telemetry pi1/pi2 to a method that plans with them, before each batch;
     cfg.measure_activations counts each step's saved activations (eval.saved_memory)."""
     torch.manual_seed(cfg.seed)
-    meth, opts = _started(name, model, stream[0].x[:cfg.batch_size], cfg)
+    opts = method_options(name, cfg, tuple(stream[0].x.shape[1:]))
+    meth = start_method(name, model, opts, stream[0].x[:cfg.batch_size])
     # a method's own memory budget (--set M.memory_budget_mb) is what its run is held to
     budget = opts.get("memory_budget_mb", cfg.memory_budget_mb)
     meter = ActivationMeter(model, cfg.measures_activations or budget is not None, budget)
@@ -160,19 +159,6 @@ def run_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchC
     # RSS at the method's start (its models, optimizer state, activations); absolute in meta
     peak = meta.get("cuda_peak_mb", max(mem.peak_mb - start_mb, 0.0))
     return RunRecord(name, frames, busy, float(peak), 0, meta)
-
-
-def _started(name: str, model: nn.Module, sample: torch.Tensor, cfg: BenchConfig
-             ) -> tuple[Any, dict]:
-    """Method `name` on `model` and its options, started as the perception node starts
-    it: the process's first kernels at the batch's shape run first, and a method that
-    learns its run-time costs (api.WarmsUp) learns them on noise like `sample`."""
-    opts = method_options(name, cfg, tuple(sample.shape[1:]))
-    warm_up(model, sample)
-    meth = build_method(method_base(name), model, **opts)
-    if isinstance(meth, WarmsUp):
-        meth.warm_up(torch.randn_like(sample))
-    return meth, opts
 
 
 def _measured_meta(meter: ActivationMeter, triggers: list, batches: int,

@@ -81,6 +81,19 @@ def warm_up(model: nn.Module, x: torch.Tensor) -> None:
         torch.cuda.synchronize()
 
 
+def start_method(name: str, model: nn.Module, options: dict[str, Any],
+                 sample: torch.Tensor) -> Any:
+    """Method `name` (or a variant `name@label`) built on `model` with `options`, started
+    as the perception node starts it: the process's first kernels at the shape of
+    `sample` run first (`warm_up`), and a method that learns its run-time costs
+    (api.WarmsUp) learns them on noise of that shape."""
+    warm_up(model, sample)
+    meth = build_method(method_base(name), model, **options)
+    if isinstance(meth, WarmsUp):
+        meth.warm_up(torch.randn_like(sample))
+    return meth
+
+
 def stream_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: BenchConfig,
                   hz: float, on_step: Callable[[Any], None] | None = None) -> StreamResult:
     """Method `name` in streaming mode at `hz` (eval.streaming) with the perception node's
@@ -92,11 +105,8 @@ def stream_method(name: str, model: nn.Module, stream: Sequence[Batch], cfg: Ben
     x = torch.cat([b.x for b in stream])
     labels = np.concatenate([b.labels for b in stream]).tolist()
     domains = [b.domain for b in stream for _ in range(len(b.labels))]
-    warm_up(model, x[:cfg.batch_size])
-    meth = build_method(method_base(name), model,
-                        **stream_options(name, cfg, tuple(x.shape[1:]), hz))
-    if isinstance(meth, WarmsUp):  # its fixed costs learnt (on noise), as a node at start
-        meth.warm_up(torch.randn_like(x[:cfg.batch_size]))
+    meth = start_method(name, model, stream_options(name, cfg, tuple(x.shape[1:]), hz),
+                        x[:cfg.batch_size])
     cuda = x.device.type == "cuda"
     late_aware = isinstance(meth, DeadlineTunable)
 

@@ -34,16 +34,16 @@ from typing import Any
 
 import torch
 
-from tta_core.api import WarmsUp
 from tta_core.data.preprocess import images_to_tensor
 from tta_core.data.segmentation import SegmentationSet, load_segmentation, mask_tensor
 from tta_core.errors import InputError
 from tta_core.eval.bench_config import method_base
+from tta_core.eval.bench_stream import start_method
 from tta_core.eval.miou import ConfusionMeter
 from tta_core.eval.saved_memory import ActivationMeter
 from tta_core.io.strict_json import dumps as json_dumps
 from tta_core.model.source import ModelCard, load_source
-from tta_core.registry import build_method, method_class
+from tta_core.registry import method_class
 
 # the methods whose losses and forwards take N x C x H x W logits
 SEG_METHODS: tuple[str, ...] = ("source", "bn_adapt", "tent", "eata", "sar", "cotta",
@@ -166,9 +166,8 @@ def run_method(name: str, card: ModelCard, data: SegmentationSet, cfg: SegBenchC
     card's model."""
     model, _ = load_source(cfg.model_card, cfg.device)
     opts = method_options(name, cfg, card)
-    meth = build_method(method_base(name), model, **opts)
-    if isinstance(meth, WarmsUp):  # its fixed costs learnt on noise, as a node at start
-        meth.warm_up(torch.randn((cfg.batch_size, 3, *card.input_hw), device=cfg.device))
+    meth = start_method(name, model, opts, torch.randn(
+        (cfg.batch_size, 3, *card.input_hw), device=cfg.device))  # as the node starts it
     meter = ActivationMeter(model, cfg.measure_activations)
     meters: dict[tuple[int, str], ConfusionMeter] = {}
     seconds, batches = 0.0, 0

@@ -4,9 +4,8 @@ labelled images the test writes, its card from `tta model-card`; `tta prepare` b
 profile, the calibration, the corruption encoder, the DARDA bundle and the gated master
 from those images; `tta bench` then runs bn_adapt, adashadow, darda and elastic with those
 artifacts on the user's shifted stream (other images of the same classes under
-corruptions, a folder of domains). Each of the three adapts; adashadow and darda fall no
-more than one point below bn_adapt, elastic (its master trained by test-size steps) no
-more than one below source. A second `tta prepare` skips every step; a deleted artifact is
+corruptions, a folder of domains). Each of the three adapts and falls no more than one
+point below bn_adapt (elastic's master trained by test-size steps). A second `tta prepare` skips every step; a deleted artifact is
 rebuilt alone."""
 
 from __future__ import annotations
@@ -170,11 +169,9 @@ def test_prepared_methods_adapt_and_hold_bn_adapt(prepared) -> None:
     for m in ("adashadow", "darda", "elastic"):
         assert by[m]["n_frames"] == STREAM_PER_DOMAIN * len(STREAM), m
         assert by[m]["adapted"] > 0, (m, by[m]["adapted"])
-    # elastic serves the gated master these test-size steps train, which under bn_adapt
-    # itself stays 1-2 points below the user's net: it is held to not losing to the
-    # unadapted source, the others to bn_adapt
-    for m, base in (("adashadow", "bn_adapt"), ("darda", "bn_adapt"), ("elastic", "source")):
-        assert acc[m] >= acc[base] - 0.01, (m, base, acc)
+    # elastic serves the gated master these test-size steps distil from the user's net
+    for m in ("adashadow", "darda", "elastic"):
+        assert acc[m] >= acc["bn_adapt"] - 0.01, (m, acc)
 
 
 def test_the_vehicle_file_uses_the_artifacts(prepared) -> None:

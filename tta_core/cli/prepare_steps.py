@@ -106,6 +106,12 @@ def data_fingerprint(text: str) -> str:
     return h.hexdigest()
 
 
+#: `tta prepare`'s elastic step: the share of the label loss from the user's net, and Θ*'s
+#: share K/N (`tta train-elastic` keeps the paper's pre-training: labels, K = N/4)
+PREPARE_ELASTIC_TEACHER = 1.0
+PREPARE_ELASTIC_KNOWLEDGE = 1.0
+
+
 def _defaults(step: str, ctx: Context) -> dict[str, Any]:
     """The options of `step` before --set (its config's fields and defaults)."""
     threads = ctx.args.threads
@@ -131,7 +137,11 @@ def _defaults(step: str, ctx: Context) -> dict[str, Any]:
         d = dataclasses.asdict(ElasticTrainConfig())
         for k in ("source_card", "knowledge_only", "checkpoint_dir", "init_checkpoint"):
             d.pop(k)
-        return {**d, "threads": threads}
+        # the user's net is the master's teacher (every pass's label loss from its output)
+        # and Θ* has one relevance per filter (the tie asks no lower rank of the filters):
+        # both keep the gated master as robust to a shift as the net it comes from
+        return {**d, "teacher": PREPARE_ELASTIC_TEACHER,
+                "knowledge": PREPARE_ELASTIC_KNOWLEDGE, "threads": threads}
     return {}
 
 

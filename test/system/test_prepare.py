@@ -5,8 +5,8 @@ profile, the calibration, the corruption encoder, the DARDA bundle and the gated
 from those images; `tta bench` then runs bn_adapt, adashadow, darda and elastic with those
 artifacts on the user's shifted stream (other images of the same classes under
 corruptions, a folder of domains). Each of the three adapts and falls no more than one
-point below bn_adapt (elastic's master trained by test-size steps). A second `tta prepare` skips every step; a deleted artifact is
-rebuilt alone."""
+point below bn_adapt (elastic's master trained by test-size steps). A second
+`tta prepare` skips every step; a deleted artifact is rebuilt alone."""
 
 from __future__ import annotations
 

@@ -111,3 +111,31 @@ def test_the_encoder_learns_corruptions_not_classes(tmp_path) -> None:
     x, y = encoder_data(li, ("contrast", "pixelate", "brightness"), 5, 2, 0, _card())
     assert x.shape == (15, 3, 16, 16)
     assert torch.equal(y, torch.tensor([0] * 5 + [1] * 5 + [2] * 5))
+
+
+def test_the_bench_reads_a_folders_classes_by_the_cards_names(tmp_path) -> None:
+    """`tta bench --data folder:DIR` labels each frame with the card's index of its class
+    folder's name (the folder's sorted names are not the card's order)."""
+    from tta_core.eval.bench_config import BenchConfig
+    from tta_core.eval.bench_inputs import bench_inputs
+    from tta_core.model.source import load_card
+
+    card_path = "checkpoints/small_resnet_signs32.json"
+    card = load_card(card_path)
+    names = list(card.class_names)
+    assert sorted(names) != names  # else the test could not tell names from positions
+    rng, step = np.random.default_rng(0), 250 // len(names)
+    for k, c in enumerate(names):
+        (tmp_path / "fog" / c).mkdir(parents=True)
+        im = rng.integers(0, 50, (32, 32, 3), dtype=np.uint8)
+        im[..., 0] = step * k + 2  # the card's index of the class, in the red channel
+        Image.fromarray(im).save(tmp_path / "fog" / c / "0.png")
+    cfg = BenchConfig(data=f"folder:{tmp_path}", model_card=card_path, batch_size=4)
+    _, _, batches = bench_inputs(cfg)
+    seen = []
+    for b in batches:
+        red = (b.x[:, 0, 0, 0] * card.std[0] + card.mean[0]) * 255
+        seen += list(zip(torch.round((red - 2) / step).long().tolist(), b.labels.tolist(),
+                         strict=True))
+    assert len(seen) == len(names)
+    assert all(k == label for k, label in seen), seen

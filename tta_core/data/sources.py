@@ -232,10 +232,10 @@ class LabelledImages:
         return self.take(np.sort(perm[held:])), self.take(np.sort(perm[:held]))
 
 
-def _class_map(found: Sequence[str], names: Sequence[str], data: str) -> np.ndarray:
+def class_map(found: Sequence[str], names: Sequence[str], data: str) -> np.ndarray:
     """Index in the model's `names` of each class `found` in the data: by name, or by
-    position when the data's names are not the model's but as many (as `tta bench`
-    reads a folder: sorted names are positions)."""
+    position when the data's names are not the model's but as many (a folder's sorted
+    class names are then the model's classes in order)."""
     if not names:
         return np.arange(len(found))
     if all(c in names for c in found):
@@ -271,7 +271,7 @@ def load_labelled(text: str, image_size: int, class_names: Sequence[str] = (),
         signs = make_signs(samples or SIGNS_SAMPLES, image_size, seed=seed,
                            num_classes=len(class_names) or None)
         found = signs.class_names
-        return LabelledImages(signs.images, _class_map(found, class_names, "signs")[
+        return LabelledImages(signs.images, class_map(found, class_names, "signs")[
             signs.labels], tuple(class_names) or found, {"data": "signs", "seed": seed})
     spec = parse_data(text)
     if spec.kind not in OFFLINE_KINDS:
@@ -289,7 +289,7 @@ def load_labelled(text: str, image_size: int, class_names: Sequence[str] = (),
     keep = labels >= 0  # a bag's unlabelled frames
     if not keep.any():
         raise InputError(f"--data {spec}: no labelled image (a bag needs /ground_truth)")
-    mapping = _class_map(found, class_names, str(spec)) if found else np.arange(
+    mapping = class_map(found, class_names, str(spec)) if found else np.arange(
         int(labels.max()) + 1)
     li = LabelledImages(images[keep], mapping[labels[keep]],
                         tuple(class_names) or tuple(found),

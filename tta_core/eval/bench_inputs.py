@@ -101,7 +101,7 @@ def bench_inputs(cfg: BenchConfig, progress: bool = False
     or the user's model, the synthetic stream or the user's data at the model's input
     size; the weights are loaded and run once first, so a bad file fails before the stream."""
     from tta_core.data.signs import CLASS_NAMES
-    from tta_core.data.sources import load_data, parse_data
+    from tta_core.data.sources import class_map, load_data, parse_data
     from tta_core.model.source import load_card, load_model
     from tta_core.model.user_card import check_card_model
 
@@ -121,8 +121,11 @@ def bench_inputs(cfg: BenchConfig, progress: bool = False
                          f"has {len(data.class_names)} ({', '.join(data.class_names[:5])}"
                          f"{', ...' if len(data.class_names) > 5 else ''})")
     else:
+        labels = data.labels
+        if data.class_names and (labels >= 0).all():  # the data's classes by the card's names
+            labels = class_map(data.class_names, card.class_names, cfg.data)[labels]
         stream = batches_from_arrays(images_to_input(data.images, card, cfg.device),
-                                     data.labels, data.domains.tolist(), cfg.batch_size)
+                                     labels, data.domains.tolist(), cfg.batch_size)
         if (data.labels < 0).all():  # a recorded bag without ground truth
             stream = label_by_source(stream, load_model(card, base))
     return card, (lambda: load_model(card, base)), stream

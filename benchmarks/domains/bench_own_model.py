@@ -116,10 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     (work / "userzoo.py").write_text(FACTORY)
     total = harness.Stopwatch().start()
-    signs = make_signs(args.train, SIZE, seed=3, num_classes=CLASSES)
-    names = tuple(signs.class_names[:CLASSES])
+    names = tuple(make_signs(CLASSES, SIZE, seed=3, num_classes=CLASSES).class_names[:CLASSES])
     record = work / "train.json"
-    if not record.is_file():
+    if not record.is_file():  # the images are rendered and the net trained once
+        signs = make_signs(args.train, SIZE, seed=3, num_classes=CLASSES)
         _write_folder(work / "clean" / "clean", signs.images, signs.labels, names)
         test = make_signs(args.stream * len(STREAM), SIZE, seed=77, num_classes=CLASSES)
         for j, c in enumerate(STREAM):
